@@ -1,0 +1,145 @@
+"""The `tokenmill` command: generate and chat, streaming tokens as they come.
+
+Engine options are flags with the same names as the `LLM` keywords.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from tokenmill.errors import TokenmillError
+
+DEFAULT_CHAT_PROMPT = "What is the capital of France? Answer in one sentence."
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="a .gguf file or a Hugging Face folder (default: SmolLM2-135M-Instruct Q4_1)")
+    g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (auto: float32 on CPU, bfloat16 on CUDA)")
+    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    g.add_argument("--kv-cache-memory", default=None, help="KV cache size: bytes, or with a unit such as 1GiB, 512MiB")
+    g.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete a prompt, streaming the text")
+    gen.add_argument("prompt")
+    _add_engine_args(gen)
+    _add_sampling_args(gen, max_tokens=64)
+    chat = sub.add_parser("chat", help="chat with the model (one message, or interactive without one)")
+    chat.add_argument("message", nargs="?", default=None, help="one message; omit for an interactive session")
+    chat.add_argument("--system", default=None, help="system prompt")
+    _add_engine_args(chat)
+    _add_sampling_args(chat, max_tokens=256)
+    return parser
+
+
+def _llm(args: argparse.Namespace):
+    from tokenmill.llm import LLM
+
+    return LLM(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        max_model_len=args.max_model_len,
+    )
+
+
+def _params(args: argparse.Namespace):
+    from tokenmill.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def _stream(llm, prompt, params) -> str:
+    text = []
+    last = None
+    for out in llm.stream(prompt, params):
+        print(out.delta_text, end="", flush=True)
+        text.append(out.delta_text)
+        last = out
+    print()
+    if last is not None and last.timings and last.timings[0].ttft is not None:
+        t = last.timings[0]
+        n = len(last.token_ids)
+        rate = f", {(n - 1) / (t.token_times[-1] - t.first_token):.1f} tok/s decode" if n > 1 else ""
+        print(f"[{n} tokens, finish: {last.finish_reason}, TTFT {t.ttft * 1000:.0f} ms{rate}]", file=sys.stderr)
+    return "".join(text)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params = _params(args)
+    llm = _llm(args)
+    _stream(llm, args.prompt, params)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    params = _params(args)
+    llm = _llm(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+
+    def turn(user: str) -> None:
+        messages.append({"role": "user", "content": user})
+        prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+        reply = _stream(llm, prompt, params)
+        messages.append({"role": "assistant", "content": reply})
+
+    if args.message is not None:
+        print(f"> {args.message}")
+        turn(args.message)
+        return 0
+    print("tokenmill chat: type a message, Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            user = input("> ")
+        except EOFError:
+            print()
+            return 0
+        if user.strip():
+            turn(user)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"generate": cmd_generate, "chat": cmd_chat}[args.command](args)
+    except TokenmillError as e:
+        print(f"tokenmill: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

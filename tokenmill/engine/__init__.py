@@ -1,0 +1,1 @@
+"""Engine side: requests, blocks, scheduling, detokenisation. Imports no torch."""

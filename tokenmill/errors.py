@@ -1,0 +1,13 @@
+"""Exceptions a user can act on. Each message names the problem and the value."""
+
+
+class TokenmillError(Exception):
+    """Base class for errors caused by user input or configuration."""
+
+
+class ModelLoadError(TokenmillError):
+    """The model path, file format, architecture or tensor type cannot be loaded."""
+
+
+class InvalidRequestError(TokenmillError, ValueError):
+    """A prompt or sampling parameter is invalid (maps to HTTP 400 at the server)."""

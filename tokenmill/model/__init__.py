@@ -1,0 +1,1 @@
+"""Model side: checkpoint loading, tokenizer, and the Llama architecture (tensors only)."""

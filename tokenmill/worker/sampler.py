@@ -1,0 +1,124 @@
+"""The batched sampler.
+
+One ``sample`` call handles the whole batch with per-row parameters: penalties,
+temperature, top-k, top-p and min-p are tensor operations over ``[batch, vocab]``;
+the only Python loop is over rows that carry their own seed (each has its own
+``torch.Generator`` so that its output does not depend on its batch neighbours).
+Sampling draws ``argmax(p / E)`` with ``E ~ Exp(1)``, which picks token i with
+probability p_i (the exponential race) and lets every row use its own generator.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleRow:
+    """What the sampler needs to know about one row besides its logits."""
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]
+    generator: torch.Generator | None = None  # set for seeded requests
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float | None]  # of the chosen token, None when not asked
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per row, top-n
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Repetition (prompt and output), presence and frequency (output) penalties.
+
+    Repetition divides positive logits and multiplies negative ones (CTRL / HF /
+    vLLM); presence and frequency subtract as the OpenAI API defines them.
+    """
+    batch, vocab = logits.shape
+    device = logits.device
+    counts = torch.zeros(batch, vocab, device=device)
+    seen_prompt = torch.zeros(batch, vocab, dtype=torch.bool, device=device)
+    for i, r in enumerate(rows):  # one scatter per row, not a loop over the vocabulary
+        if r.output_ids:
+            out = torch.tensor(r.output_ids, device=device)
+            counts[i].scatter_add_(0, out, torch.ones(len(r.output_ids), device=device))
+        if r.params.repetition_penalty != 1.0 and r.prompt_ids:
+            seen_prompt[i, torch.tensor(r.prompt_ids, device=device)] = True
+    rep = torch.tensor([r.params.repetition_penalty for r in rows], device=device)[:, None]
+    pres = torch.tensor([r.params.presence_penalty for r in rows], device=device)[:, None]
+    freq = torch.tensor([r.params.frequency_penalty for r in rows], device=device)[:, None]
+    seen = seen_prompt | (counts > 0)
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalised, logits)
+    return logits - freq * counts - pres * (counts > 0).float()
+
+
+def filter_logits(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p masks (-inf outside the allowed set)."""
+    device = logits.device
+    temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rows], device=device)
+    logits = logits / temps[:, None]
+    vocab = logits.shape[1]
+    top_k = [r.params.top_k if r.params.top_k > 0 else vocab for r in rows]
+    top_p = [r.params.top_p for r in rows]
+    min_p = [r.params.min_p for r in rows]
+    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=device)[None, :]
+        drop = ranks >= torch.tensor(top_k, device=device)[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, -math.inf)
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
+        drop = mass_before >= torch.tensor(top_p, device=device)[:, None]
+        drop[:, 0] = False  # always keep the most likely token
+        sorted_logits = sorted_logits.masked_fill(drop, -math.inf)
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    if any(p > 0 for p in min_p):
+        probs = logits.softmax(dim=-1)
+        threshold = torch.tensor(min_p, device=device)[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, -math.inf)
+    return logits
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch.Generator | None = None) -> SamplerOutput:
+    """logits: [batch, vocab] float32, one row per entry of ``rows``."""
+    assert logits.shape[0] == len(rows)
+    raw_logprobs = logits.log_softmax(dim=-1) if any(r.params.logprobs is not None for r in rows) else None
+    if any(r.params.uses_penalties for r in rows):
+        logits = apply_penalties(logits, rows)
+    greedy_tokens = logits.argmax(dim=-1)
+    if all(r.params.greedy for r in rows):
+        tokens = greedy_tokens
+    else:
+        probs = filter_logits(logits, rows).softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
+                generator=default_generator
+            )
+        for i, r in enumerate(rows):
+            if r.generator is not None:
+                noise[i].exponential_(generator=r.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        is_greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
+        tokens = torch.where(is_greedy, greedy_tokens, sampled)
+    token_list = tokens.tolist()
+    out = SamplerOutput(token_ids=token_list, logprobs=[None] * len(rows), top_logprobs=[[] for _ in rows])
+    if raw_logprobs is not None:
+        chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+        for i, r in enumerate(rows):
+            if r.params.logprobs is None:
+                continue
+            out.logprobs[i] = chosen[i]
+            if r.params.logprobs > 0:
+                vals, ids = raw_logprobs[i].topk(r.params.logprobs)
+                out.top_logprobs[i] = list(zip(ids.tolist(), vals.tolist(), strict=True))
+    return out
