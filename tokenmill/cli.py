@@ -22,6 +22,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--kv-cache-memory", default=None, help="KV cache size: bytes, or with a unit such as 1GiB, 512MiB")
     g.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="turn off reuse of cached prompt blocks")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
+    g.add_argument("--scheduling", choices=["continuous", "static"], default="continuous",
+                   help="continuous batching, or the static-batching baseline")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -64,6 +70,10 @@ def _llm(args: argparse.Namespace):
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        scheduling=args.scheduling,
     )
 
 

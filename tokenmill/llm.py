@@ -7,16 +7,16 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
-from tokenmill.engine.block_pool import BlockPool
-from tokenmill.engine.engine import Engine
-from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.engine import Engine, EngineConfig
+from tokenmill.engine.outputs import CompletionOutput, RequestOutput
+from tokenmill.engine.scheduler import SchedulerConfig
 from tokenmill.errors import InvalidRequestError, TokenmillError
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import load_checkpoint
@@ -30,7 +30,15 @@ DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16,
 }  # fmt: skip
-DEFAULT_KV_CACHE_MEMORY = 1 << 30
+
+def default_kv_cache_memory() -> int:
+    """A tenth of the memory available now, between 256 MiB and 2 GiB."""
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        available = 8 << 30
+    return min(max(available // 10, 256 << 20), 2 << 30)
+
 
 Messages = list[dict[str, Any]]
 
@@ -57,7 +65,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 def parse_memory(value: int | float | str | None) -> int:
     """Bytes from 1073741824, '1GiB', '512MiB', '2GB' or a float of GiB such as 1.5."""
     if value is None:
-        return DEFAULT_KV_CACHE_MEMORY
+        return default_kv_cache_memory()
     if isinstance(value, (int, float)):
         return int(value) if isinstance(value, int) and value >= 1 << 20 else int(value * (1 << 30))
     units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
@@ -80,8 +88,13 @@ class LLM:
         block_size: int = 16,
         kv_cache_memory: int | float | str | None = None,
         max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        scheduling: str = "continuous",
         progress: bool = True,
     ) -> None:
+        scheduler_config = _scheduler_config(max_num_seqs, max_num_batched_tokens, scheduling)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         ckpt = load_checkpoint(model, self.dtype, progress=progress)
@@ -96,7 +109,18 @@ class LLM:
             raise TokenmillError(f"kv_cache_memory={kv_cache_memory!r} is smaller than one KV block")
         kv_caches = allocate_kv_cache(self.config, num_blocks, block_size, self.dtype, self.device)
         runner = ModelRunner(self.model, kv_caches, block_size, self.device)
-        self.engine = Engine(runner, self.tokenizer, BlockPool(num_blocks), block_size, self.max_model_len)
+        self.num_blocks = num_blocks
+        self.engine = Engine(
+            runner,
+            self.tokenizer,
+            EngineConfig(
+                num_blocks=num_blocks,
+                block_size=block_size,
+                max_model_len=self.max_model_len,
+                enable_prefix_caching=enable_prefix_caching,
+                scheduler=scheduler_config,
+            ),
+        )
         self._ids = itertools.count()
 
     # ----------------------------------------------------------------- offline
@@ -110,13 +134,22 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = _per_prompt(sampling_params, len(prompts))
-        groups = [self._add(p, sp) for p, sp in zip(prompts, params, strict=True)]
-        finals: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.finished:
-                    finals[out.request_id] = out
-        return [_merge(rid, [finals[c] for c in children]) for rid, children in groups]
+        rids = []
+        try:
+            for p, sp in zip(prompts, params, strict=True):
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, p, sp)
+                rids.append(rid)
+            done: dict[str, dict[int, RequestOutput]] = {rid: {} for rid in rids}
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in done:
+                        done[out.request_id][out.outputs[0].index] = out
+        except BaseException:
+            for rid in rids:  # nothing is left behind: an error or Ctrl-C frees every block
+                self.engine.abort(rid)
+            raise
+        return [_merge(rid, [done[rid][i] for i in sorted(done[rid])]) for rid in rids]
 
     def chat(
         self,
@@ -145,15 +178,16 @@ class LLM:
         finally:
             self.engine.abort(rid)
 
-    def _add(self, prompt: str | Sequence[int], params: SamplingParams) -> tuple[str, list[str]]:
-        rid = str(next(self._ids))
-        children = []
-        for i in range(params.n):
-            seed = None if params.seed is None else params.seed + i
-            child = f"{rid}-{i}"
-            self.engine.add_request(child, prompt, dataclasses.replace(params, n=1, seed=seed))
-            children.append(child)
-        return rid, children
+    @property
+    def prefix_cache_stats(self):
+        return self.engine.kv.stats
+
+
+def _scheduler_config(max_num_seqs: int, max_num_batched_tokens: int, scheduling: str) -> SchedulerConfig:
+    try:
+        return SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, policy=scheduling)
+    except ValueError as e:
+        raise TokenmillError(str(e)) from None
 
 
 def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
@@ -167,11 +201,7 @@ def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int
 
 
 def _merge(request_id: str, outs: list[RequestOutput]) -> RequestOutput:
-    completions = []
-    for i, o in enumerate(outs):
-        c = o.outputs[0]
-        c.index = i
-        completions.append(c)
+    completions: list[CompletionOutput] = [o.outputs[0] for o in outs]
     first = outs[0]
     return RequestOutput(
         request_id=request_id,
@@ -180,4 +210,5 @@ def _merge(request_id: str, outs: list[RequestOutput]) -> RequestOutput:
         outputs=completions,
         finished=True,
         timings=[t for o in outs for t in o.timings],
+        num_cached_tokens=first.num_cached_tokens,
     )

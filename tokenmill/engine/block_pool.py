@@ -1,39 +1,108 @@
-"""The pool of KV-cache block ids (no tensors): which blocks are free, which in use.
+"""The pool of KV-cache blocks (ids and bookkeeping, no tensors).
 
-A block holds ``block_size`` tokens of K and V in every layer; the worker owns the
-tensors, this pool only hands out their indices.
+Each block has a reference count and, once full and computed, a content hash. Free
+blocks wait in an LRU queue (an ``OrderedDict`` used as an O(1) linked list):
+
+    free queue:  front [ never-cached ... | cached, least recently freed ... most ] back
+                   taken first by allocate()                      evicted last
+
+A freed block keeps its hash, so a later request with the same prefix can take it
+back out of the queue (a prefix-cache hit); its content is lost only when
+``allocate`` reaches it and evicts it. Blocks with no reusable content go to the front,
+so that they are reused before any cached block is evicted.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from dataclasses import dataclass
 
 
 class OutOfBlocksError(RuntimeError):
     """Raised when a caller asks for more blocks than are free."""
 
 
+@dataclass
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None  # set once the block is full and its K/V computed
+
+
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
-        self._used: set[int] = set()
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[bytes, int] = {}  # block hash -> block id
 
     @property
     def num_free(self) -> int:
+        """Blocks with no reference (cached ones included: they can be evicted)."""
         return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached_free(self) -> int:
+        return sum(1 for b in self._free if self.blocks[b].block_hash is not None)
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self._cached.get(block_hash) if self.enable_caching else None
+
+    def touch(self, block_ids: list[int]) -> None:
+        """Take a reference on cached blocks found by lookup (out of the free queue if idle)."""
+        for b in block_ids:
+            block = self.blocks[b]
+            if block.ref_cnt == 0:
+                del self._free[b]
+            block.ref_cnt += 1
 
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise OutOfBlocksError(f"need {n} KV blocks, {len(self._free)} free of {self.num_blocks}")
-        ids = [self._free.popleft() for _ in range(n)]
-        self._used.update(ids)
+        ids = []
+        for _ in range(n):
+            b, _ = self._free.popitem(last=False)
+            block = self.blocks[b]
+            if block.block_hash is not None:  # evict its cached content
+                if self._cached.get(block.block_hash) == b:
+                    del self._cached[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+            ids.append(b)
         return ids
 
-    def free(self, ids: list[int]) -> None:
-        for i in ids:
-            assert i in self._used, f"block {i} freed twice or never allocated"
-            self._used.remove(i)
-            self._free.append(i)
+    def free(self, block_ids: list[int]) -> None:
+        """Drop one reference from each block; pass a sequence's blocks tail first."""
+        for b in block_ids:
+            block = self.blocks[b]
+            assert block.ref_cnt > 0, f"block {b} freed more times than referenced"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[b] = None
+                if block.block_hash is None:
+                    self._free.move_to_end(b, last=False)
+
+    def cache(self, block_id: int, block_hash: bytes) -> None:
+        """Record that a full, computed block holds the content named by block_hash."""
+        if not self.enable_caching:
+            return
+        block = self.blocks[block_id]
+        assert block.ref_cnt > 0 and block.block_hash is None
+        block.block_hash = block_hash
+        self._cached.setdefault(block_hash, block_id)  # an identical block may exist already
+
+    def check_invariants(self, referenced: dict[int, int]) -> None:
+        """Tests: ``referenced`` maps block id -> references held by live sequences."""
+        for block in self.blocks:
+            expected = referenced.get(block.block_id, 0)
+            assert block.ref_cnt == expected, f"block {block.block_id}: ref_cnt {block.ref_cnt} != {expected}"
+            assert (block.block_id in self._free) == (expected == 0), f"block {block.block_id} misplaced"
+        for h, b in self._cached.items():
+            assert self.blocks[b].block_hash == h, f"cached hash of block {b} is stale"

@@ -54,12 +54,22 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # of full blocks of all_token_ids
+    num_cached_blocks: int = 0  # leading blocks registered in the prefix cache
+    num_preemptions: int = 0
+    fork_of: str | None = None  # n > 1: the sibling whose prompt blocks this one shares
+    parent_id: str = ""  # the user's request id (this sequence is completion `index` of it)
+    index: int = 0
+    num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     logprobs: list[float | None] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     timings: RequestTimings = field(default_factory=RequestTimings)
+
+    def __post_init__(self) -> None:
+        self.parent_id = self.parent_id or self.request_id
 
     @property
     def num_tokens(self) -> int:

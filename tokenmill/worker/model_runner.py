@@ -80,6 +80,7 @@ class ModelRunner:
     def execute(self, batch: ModelInput) -> ModelOutput:
         for rid in batch.finished_request_ids:
             self._generators.pop(rid, None)
+        self.copy_blocks(batch.block_copies)
         if not batch.seqs:
             return ModelOutput(sampled={})
         logits = self.compute_logits(batch)
@@ -92,6 +93,13 @@ class ModelRunner:
                 for i, s in enumerate(sampling)
             }
         )
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block dst gets block src's K/V in every layer, in list order."""
+        for src, dst in copies:
+            for k_cache, v_cache in self.kv_caches:
+                k_cache[dst] = k_cache[src]
+                v_cache[dst] = v_cache[src]
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:

@@ -1,0 +1,149 @@
+"""AsyncEngine: the engine loop on a background thread, outputs streamed to asyncio.
+
+The loop thread owns the Engine: requests and aborts reach it through a command
+queue, and each output is handed to the asyncio loop of the caller with
+``call_soon_threadsafe``, so the event loop never blocks on a model step.
+
+    engine = AsyncEngine(llm.engine)
+    async for out in engine.generate("id-1", "Hello", SamplingParams(max_tokens=8)):
+        print(out.delta_text, end="")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from tokenmill.engine.engine import Engine
+from tokenmill.engine.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    remaining: int  # sequences (n) not finished yet
+
+
+class EngineDeadError(RuntimeError):
+    """The background loop stopped; no request can be served."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._wake = threading.Event()
+        self._stopped = threading.Event()
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------- asyncio side
+
+    async def generate(
+        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the outputs of one request; leaving the loop early aborts it."""
+        if self._dead is not None or self._stopped.is_set():
+            raise EngineDeadError("the engine loop is not running")
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue(), params.n)
+        accepted: asyncio.Future = loop.create_future()
+        self._commands.put(("add", request_id, prompt, params, stream, accepted))
+        self._wake.set()
+        try:
+            await accepted  # raises the engine's InvalidRequestError for a bad request
+        except asyncio.CancelledError:
+            self.abort(request_id)  # it may have been added meanwhile
+            raise
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    stream.remaining -= 1
+                    if stream.remaining == 0:
+                        finished = True
+                        return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        self._stopped.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    # -------------------------------------------------------------- loop thread
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped.is_set():
+                self._apply_commands()
+                if not self.engine.has_unfinished():
+                    self._wake.wait(0.1)
+                    self._wake.clear()
+                    continue
+                for out in self.engine.step():
+                    self._deliver(out)
+        except BaseException as e:  # a bug in the loop itself: fail every stream
+            logger.exception("engine loop died")
+            self._dead = e
+            for rid, s in list(self._streams.items()):
+                s.loop.call_soon_threadsafe(s.queue.put_nowait, EngineDeadError(f"engine loop died: {e}"))
+                self._streams.pop(rid, None)
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, rid, prompt, params, stream, accepted = cmd
+                try:
+                    self.engine.add_request(rid, prompt, params)
+                    self._streams[rid] = stream
+                    stream.loop.call_soon_threadsafe(_resolve, accepted, None)
+                except Exception as e:  # invalid request: its caller gets the error
+                    stream.loop.call_soon_threadsafe(_resolve, accepted, e)
+            else:
+                self.engine.abort(cmd[1])
+                self._streams.pop(cmd[1], None)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        if out.finished and out.request_id not in self.engine.groups:  # all n sequences ended
+            self._streams.pop(out.request_id, None)
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+
+
+def _resolve(fut: asyncio.Future, error: BaseException | None) -> None:
+    if fut.done():  # the caller went away meanwhile
+        return
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(error)

@@ -1,0 +1,129 @@
+"""KV-cache bookkeeping per request: prefix lookup, slot allocation, copy-on-write, free.
+
+Works in block ids only. Block hashes chain: a full block's hash covers its
+parent's hash and its own token ids, so equal hashes mean equal whole prefixes.
+
+    tokens:  [ b0: 16 tokens ][ b1: 16 tokens ][ b2: 7 tokens ...
+    hashes:   h0 = H(-, b0)    h1 = H(h0, b1)    (partial: no hash)
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from dataclasses import dataclass
+
+from tokenmill.engine.block_pool import BlockPool
+from tokenmill.engine.request import Request
+
+
+def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent or b"root")
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of which found cached
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.stats = PrefixCacheStats()
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _hashes(self, req: Request, num_blocks: int) -> list[bytes]:
+        """Hashes of the request's first num_blocks full blocks (computed once, kept)."""
+        if len(req.block_hashes) < num_blocks:
+            tokens = req.all_token_ids
+            bs = self.block_size
+            for i in range(len(req.block_hashes), num_blocks):
+                parent = req.block_hashes[-1] if req.block_hashes else None
+                req.block_hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))
+        return req.block_hashes[:num_blocks]
+
+    def find_cached_prefix(self, req: Request) -> list[int]:
+        """Cached blocks covering the longest run of full blocks of the request's tokens.
+
+        Stops before the block holding the last token: that token is always computed
+        (its logits are needed), and a shared cached block is never written to.
+        """
+        if not self.pool.enable_caching:
+            return []
+        hits: list[int] = []
+        for h in self._hashes(req, (req.num_tokens - 1) // self.block_size):
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        self.stats.queries += req.num_tokens
+        self.stats.hits += len(hits) * self.block_size
+        return hits
+
+    def allocate_slots(
+        self, req: Request, num_new_tokens: int, cached_prefix: list[int] | None = None
+    ) -> list[tuple[int, int]] | None:
+        """Make room for num_new_tokens after the computed ones (and after cached_prefix,
+        which is adopted). Returns the (src, dst) block copies that copy-on-write needs,
+        or None, changing nothing, when too few blocks are free."""
+        cached_prefix = cached_prefix or []
+        assert not cached_prefix or not req.block_ids, "a cached prefix is adopted only at admission"
+        bs = self.block_size
+        num_computed = req.num_computed_tokens + len(cached_prefix) * bs
+        have = len(req.block_ids) + len(cached_prefix)
+        num_new_blocks = max(0, self.blocks_for(num_computed + num_new_tokens) - have)
+        shared = [i for i in range(num_computed // bs, len(req.block_ids)) if self.pool.blocks[req.block_ids[i]].ref_cnt > 1]
+        idle_hits = sum(1 for b in cached_prefix if self.pool.blocks[b].ref_cnt == 0)
+        if num_new_blocks + len(shared) > self.pool.num_free - idle_hits:
+            return None
+        if cached_prefix:
+            self.pool.touch(cached_prefix)
+            req.block_ids.extend(cached_prefix)
+            req.num_cached_blocks = len(cached_prefix)
+        copies = []
+        for i in shared:  # copy-on-write: this request is about to write into block i
+            src = req.block_ids[i]
+            (dst,) = self.pool.allocate(1)
+            self.pool.free([src])
+            req.block_ids[i] = dst
+            copies.append((src, dst))
+            req.num_cached_blocks = min(req.num_cached_blocks, i)
+        req.block_ids.extend(self.pool.allocate(num_new_blocks))
+        return copies
+
+    def cache_computed_blocks(self, req: Request) -> None:
+        """Register the request's newly full and computed blocks in the prefix cache."""
+        if not self.pool.enable_caching:
+            return
+        num_full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
+        if num_full <= req.num_cached_blocks:
+            return
+        hashes = self._hashes(req, num_full)
+        for i in range(req.num_cached_blocks, num_full):
+            if self.pool.blocks[req.block_ids[i]].block_hash is None:
+                self.pool.cache(req.block_ids[i], hashes[i])
+        req.num_cached_blocks = num_full
+
+    def fork(self, src: Request, dst: Request, num_tokens: int) -> None:
+        """dst shares src's blocks holding the first num_tokens tokens (copy-on-write later)."""
+        assert not dst.block_ids
+        shared = src.block_ids[: self.blocks_for(num_tokens)]
+        self.pool.touch(shared)
+        dst.block_ids = list(shared)
+        dst.num_cached_blocks = min(src.num_cached_blocks, num_tokens // self.block_size)
+
+    def free(self, req: Request) -> None:
+        self.pool.free(req.block_ids[::-1])  # tail first: evicted before the shared head
+        req.block_ids = []
+        req.num_cached_blocks = 0

@@ -1,0 +1,200 @@
+"""The scheduler: which requests compute how many tokens this step.
+
+One rule (vLLM v1's): there are no prefill and decode phases. Each step every
+request is given some of the tokens it has not computed yet, within a token budget
+(``max_num_batched_tokens``) and a sequence cap (``max_num_seqs``):
+
+1. running requests first, in admission order: a decode takes 1 token, an unfinished
+   prompt takes the next chunk that fits the budget (chunked prefill);
+2. then waiting requests, first come first served, starting after their cached
+   prefix, while budget, sequence slots and KV blocks last.
+
+When a running request cannot get a block, the most recently admitted running
+request is preempted: its blocks are freed and it goes back to the front of the
+waiting queue, to recompute its prompt and output so far when readmitted.
+``policy="static"`` admits nothing while a batch is running: the baseline.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tokenmill.engine.kv_manager import KVCacheManager
+from tokenmill.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    policy: str = "continuous"  # "continuous" | "static"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.policy not in ("continuous", "static"):
+            raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.policy!r}")
+
+
+@dataclass
+class ScheduledSeq:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the request's last known token."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq] = field(default_factory=list)  # one-token entries first
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    # Requests that cannot fit the KV pool even with nothing else running: the
+    # engine ends them rather than let them wait forever.
+    unschedulable: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        if self.config.policy == "static" and not self.running:
+            self._admit_static_batch()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if self.config.policy == "continuous" and not out.preempted:
+            self._schedule_waiting(out, budget)
+        out.seqs.sort(key=lambda s: s.num_new_tokens != 1)  # decodes first (stable)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            copies = self.kv.allocate_slots(req, num_new)
+            while copies is None:  # out of blocks: preempt from the back
+                if len(self.running) == 1:  # alone and still too big for the pool
+                    self.running.remove(req)
+                    out.unschedulable.append(req)
+                    return budget
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is req:
+                    return budget
+                copies = self.kv.allocate_slots(req, num_new)
+            out.seqs.append(ScheduledSeq(req, num_new))
+            out.block_copies.extend(copies)
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.popleft()
+            if not self._try_fork(req, out):
+                if req.fork_of is not None:  # its sibling's prompt is not computed yet
+                    skipped.append(req)
+                    continue
+                cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
+                num_computed = req.num_computed_tokens + len(cached) * self.kv.block_size
+                num_new = min(req.num_tokens - num_computed, budget)
+                copies = self.kv.allocate_slots(req, num_new, cached)
+                if copies is None:
+                    if not self.running:  # nothing to wait for: it can never fit
+                        out.unschedulable.append(req)
+                        continue
+                    self.waiting.appendleft(req)
+                    break
+                if req.num_computed_tokens == 0:
+                    req.num_cached_prompt_tokens = max(req.num_cached_prompt_tokens, len(cached) * self.kv.block_size)
+                req.num_computed_tokens = num_computed
+                out.block_copies.extend(copies)
+            else:
+                num_new = 1
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.seqs.append(ScheduledSeq(req, num_new))
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+
+    def _admit_static_batch(self) -> None:
+        """Static batching: take up to max_num_seqs waiting requests as one batch; they
+        are then scheduled like running ones, and nothing joins until all have ended."""
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.popleft()
+            if req.num_computed_tokens == 0:
+                cached = self.kv.find_cached_prefix(req)
+                if cached and self.kv.allocate_slots(req, 0, cached) is not None:
+                    req.num_computed_tokens = len(cached) * self.kv.block_size
+                    req.num_cached_prompt_tokens = max(req.num_cached_prompt_tokens, req.num_computed_tokens)
+            req.fork_of = None
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+
+    def _try_fork(self, req: Request, out: SchedulerOutput) -> bool:
+        """n > 1: share the sibling's computed prompt blocks and compute only the last
+        prompt token (copy-on-write gives this request its own copy of that block)."""
+        if req.fork_of is None:
+            return False
+        src = next((r for r in self.running if r.request_id == req.fork_of), None)
+        prompt_len = len(req.prompt_token_ids)
+        if src is None or src.num_computed_tokens < prompt_len:
+            if src is None and not any(r.request_id == req.fork_of for r in self.waiting):
+                req.fork_of = None  # the sibling is gone: compute independently
+            return False
+        self.kv.fork(src, req, prompt_len)
+        req.num_computed_tokens = prompt_len - 1
+        copies = self.kv.allocate_slots(req, 1)
+        if copies is None:  # no block for the copy: give the shared ones back, retry later
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+            return False
+        out.block_copies.extend(copies)
+        return True
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        out.seqs = [s for s in out.seqs if s.request is not req]
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req)
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """The scheduled tokens are now in the KV cache; full blocks join the prefix cache."""
+        for s in out.seqs:
+            s.request.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_computed_blocks(s.request)
+
+    def finish(self, req: Request) -> None:
+        """Remove a request (finished or aborted) and free its blocks at once."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED
