@@ -36,6 +36,10 @@ class EngineDeadError(RuntimeError):
     """The background loop stopped; no request can be served."""
 
 
+class RequestFailedError(RuntimeError):
+    """The model step failed for this request (the engine and other requests go on)."""
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -71,6 +75,8 @@ class AsyncEngine:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.error is not None:
+                    raise RequestFailedError(f"request {request_id} failed: {item.error}")
                 yield item
                 if item.finished:
                     stream.remaining -= 1

@@ -1,0 +1,106 @@
+"""AsyncEngine: concurrent asyncio consumers, early exit aborts, a failing request
+does not take the loop or its neighbours down."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tokenmill import SamplingParams
+from tokenmill.engine.async_engine import AsyncEngine, RequestFailedError
+from tokenmill.errors import InvalidRequestError
+
+PROMPTS = ["The sun is", "Water boils at", "My favourite book is", "Cats and dogs"]
+
+
+class FaultInjectingRunner:
+    """Wraps the real runner; raises whenever a batch contains the poisoned request."""
+
+    def __init__(self, runner, poisoned: str) -> None:
+        self.runner, self.poisoned = runner, poisoned
+
+    def execute(self, batch):
+        if any(s.request_id == self.poisoned for s in batch.seqs):
+            raise RuntimeError("injected fault")
+        return self.runner.execute(batch)
+
+
+async def collect(engine, rid, prompt, params):
+    text, last = "", None
+    async for out in engine.generate(rid, prompt, params):
+        text += out.delta_text
+        last = out
+    return text, last
+
+
+@pytest.fixture
+def start_async(llm):
+    """Start the background loop on the shared engine (offline calls must come before)."""
+    engines = []
+
+    def start() -> AsyncEngine:
+        engines.append(AsyncEngine(llm.engine))
+        return engines[-1]
+
+    yield start
+    for e in engines:
+        e.shutdown()
+    llm.engine.runner = getattr(llm.engine.runner, "runner", llm.engine.runner)
+
+
+def test_concurrent_streams_match_offline(llm, start_async):
+    params = SamplingParams(temperature=0, max_tokens=12)
+    expected = [o.text for o in llm.generate(PROMPTS, params)]
+    async_engine = start_async()
+
+    async def main():
+        return await asyncio.gather(*(collect(async_engine, f"r{i}", p, params) for i, p in enumerate(PROMPTS)))
+
+    results = asyncio.run(main())
+    assert [text for text, _ in results] == expected
+    assert all(last.finished and last.outputs[0].text == text for text, last in results)
+
+
+def test_leaving_early_aborts_and_frees_blocks(llm, start_async):
+    async_engine = start_async()
+
+    async def main():
+        async for _ in async_engine.generate("leaver", "Tell me a long story.", SamplingParams(max_tokens=200)):
+            break  # the client disconnects after one token
+        for _ in range(100):
+            if not llm.engine.has_unfinished():
+                return
+            await asyncio.sleep(0.05)
+
+    asyncio.run(main())
+    assert llm.engine.block_pool.num_free == llm.engine.block_pool.num_blocks
+
+
+def test_a_failing_request_fails_alone(llm, start_async):
+    params = SamplingParams(temperature=0, max_tokens=8)
+    expected = llm.generate(PROMPTS[0], params)[0].text
+    llm.engine.runner = FaultInjectingRunner(llm.engine.runner, poisoned="bad")
+    async_engine = start_async()
+
+    async def main():
+        good = asyncio.create_task(collect(async_engine, "good", PROMPTS[0], params))
+        with pytest.raises(RequestFailedError, match="injected fault"):
+            await collect(async_engine, "bad", PROMPTS[1], params)
+        text, _ = await good
+        after, _ = await collect(async_engine, "after", PROMPTS[0], params)  # the loop lives on
+        return text, after
+
+    text, after = asyncio.run(main())
+    assert text == expected and after == expected
+
+
+def test_invalid_request_raises_to_its_caller(start_async):
+    async_engine = start_async()
+
+    async def main():
+        async for _ in async_engine.generate("empty", "", SamplingParams()):
+            pass
+
+    with pytest.raises(InvalidRequestError, match="prompt is empty"):
+        asyncio.run(main())
