@@ -123,7 +123,7 @@ def main(argv=None):
 
     if args.dump_outputs:
         with open(args.dump_outputs, "w") as f:
-            for i, ((ids, _), o) in enumerate(zip(reqs, outputs)):
+            for i, ((ids, _), o) in enumerate(zip(reqs, outputs, strict=True)):
                 f.write(json.dumps({"index": i, "prompt_token_ids": ids,
                                     "output_token_ids": list(o.outputs[0].token_ids)}) + "\n")
 

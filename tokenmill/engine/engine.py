@@ -224,6 +224,8 @@ class Engine:
             kv_blocks_used=self.block_pool.num_used,
             kv_blocks_free=self.block_pool.num_free,
             kv_blocks_cached=self.block_pool.num_cached_free,
+            kv_tokens_held=sum(r.num_computed_tokens for r in self.scheduler.running),
+            kv_slots_held=sum(len(r.block_ids) for r in self.scheduler.running) * self.block_size,
         )
 
     # -------------------------------------------------------------------- output
