@@ -70,3 +70,23 @@ def test_mixed_batch_of_decodes_and_prefills_equals_each_alone(runner):
         [seq(a[-1:], ta, 8, "a"), seq(b[-1:], tb, 16, "b"), seq(c, tc, 0, "c"), seq(d[6:], td, 6, "d")],
     )
     torch.testing.assert_close(mixed, alone, rtol=0, atol=1e-5)
+
+
+def test_decodes_of_very_different_lengths_equal_each_alone(runner):
+    """Decodes are grouped by context length; each group pads only to its own longest."""
+    from tokenmill.model.layers.attention import build_decode_groups
+
+    lengths = [3, 90, 5, 41, 2, 60]
+    free = list(range(63, -1, -1))  # hand out blocks from the top: scattered, non-overlapping
+    tables = [[free.pop(0) for _ in range(-(-n // BS))] for n in lengths]
+    seqs_ids = [tokens(n, 10 + i) for i, n in enumerate(lengths)]
+    alone = []
+    for ids, table in zip(seqs_ids, tables, strict=True):
+        if len(ids) > 1:
+            all_logits(runner, [seq(ids[:-1], table)])
+        alone.append(all_logits(runner, [seq(ids[-1:], table, len(ids) - 1)]))
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    batched = all_logits(runner, [seq(seqs_ids[i][-1:], tables[i], lengths[i] - 1, str(i)) for i in order])
+    torch.testing.assert_close(batched, torch.cat([alone[i] for i in order]), rtol=0, atol=1e-5)
+    groups = build_decode_groups(sorted(lengths), [[0] * 23] * 6, BS, torch.device("cpu"))
+    assert [(g.start, g.end) for g in groups] == [(0, 2), (2, 3), (3, 5), (5, 6)]  # 2,3 | 5 | 41,60 | 90

@@ -67,8 +67,6 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.stats.queries += req.num_tokens
-        self.stats.hits += len(hits) * self.block_size
         return hits
 
     def allocate_slots(
@@ -87,6 +85,9 @@ class KVCacheManager:
         idle_hits = sum(1 for b in cached_prefix if self.pool.blocks[b].ref_cnt == 0)
         if num_new_blocks + len(shared) > self.pool.num_free - idle_hits:
             return None
+        if req.num_computed_tokens == 0 and not req.block_ids and self.pool.enable_caching:
+            self.stats.queries += req.num_tokens  # counted once per admission
+            self.stats.hits += len(cached_prefix) * bs
         if cached_prefix:
             self.pool.touch(cached_prefix)
             req.block_ids.extend(cached_prefix)

@@ -87,25 +87,31 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        """Decodes first, then unfinished prompts, each in admission order."""
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for req in decodes + prefills:
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             copies = self.kv.allocate_slots(req, num_new)
             while copies is None:  # out of blocks: preempt from the back
                 if len(self.running) == 1:  # alone and still too big for the pool
                     self.running.remove(req)
                     out.unschedulable.append(req)
-                    return budget
+                    break
                 victim = self.running[-1]
-                self._preempt(victim, out)
+                budget += self._preempt(victim, out)
                 if victim is req:
-                    return budget
+                    break
                 copies = self.kv.allocate_slots(req, num_new)
+            if copies is None:
+                continue
             out.seqs.append(ScheduledSeq(req, num_new))
             out.block_copies.extend(copies)
             budget -= num_new
-            i += 1
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -173,8 +179,10 @@ class Scheduler:
         out.block_copies.extend(copies)
         return True
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, req: Request, out: SchedulerOutput) -> int:
+        """Free a running request's blocks and requeue it; returns budget it gave back."""
         self.running.remove(req)
+        given_back = sum(s.num_new_tokens for s in out.seqs if s.request is req)
         out.seqs = [s for s in out.seqs if s.request is not req]
         self.kv.free(req)
         req.num_computed_tokens = 0
@@ -183,6 +191,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
         out.preempted.append(req)
+        return given_back
 
     def update_after_step(self, out: SchedulerOutput) -> None:
         """The scheduled tokens are now in the KV cache; full blocks join the prefix cache."""

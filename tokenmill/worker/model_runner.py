@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.engine.model_input import ModelInput, ModelOutput, SampledToken
-from tokenmill.model.layers.attention import AttentionMetadata
+from tokenmill.model.layers.attention import AttentionMetadata, build_decode_groups
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.worker.kv_cache import KVCache
 from tokenmill.worker.sampler import SampleRow, sample
@@ -26,6 +26,13 @@ class ModelRunner:
         self._default_generator = torch.Generator(device=device)
         self._default_generator.seed()
 
+    @staticmethod
+    def order(batch: ModelInput) -> ModelInput:
+        """Single-token sequences first, by context length (attention groups them), then the rest."""
+        decodes = sorted((s for s in batch.seqs if len(s.token_ids) == 1), key=lambda s: s.num_computed_tokens)
+        others = [s for s in batch.seqs if len(s.token_ids) != 1]
+        return ModelInput(decodes + others, batch.block_copies, batch.finished_request_ids)
+
     def prepare(self, batch: ModelInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Flat input ids, positions, attention metadata and the rows to take logits from."""
         bs = self.block_size
@@ -35,11 +42,8 @@ class ModelRunner:
         query_start_loc = [0]
         seq_lens: list[int] = []
         logits_indices: list[int] = []
-        num_decodes = 0
         for s in batch.seqs:
             n = len(s.token_ids)
-            if n == 1 and num_decodes == len(seq_lens):  # leading run of one-token sequences
-                num_decodes += 1
             assert n >= 1, f"{s.request_id}: a scheduled sequence needs at least one token"
             start = s.num_computed_tokens
             assert len(s.block_table) * bs >= start + n, "block table too short for the scheduled tokens"
@@ -50,6 +54,7 @@ class ModelRunner:
             seq_lens.append(start + n)
             if s.sample:
                 logits_indices.append(query_start_loc[-1] - 1)
+        num_decodes = len(_decodes(batch.seqs))
         max_blocks = max(len(s.block_table) for s in batch.seqs)
         tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch.seqs]
         dev = self.device
@@ -61,6 +66,9 @@ class ModelRunner:
             seq_lens_host=seq_lens,
             num_decodes=num_decodes,
             block_size=bs,
+            decode_groups=build_decode_groups(
+                seq_lens[:num_decodes], [s.block_table for s in batch.seqs[:num_decodes]], bs, dev
+            ),
         )
         return (
             torch.tensor(input_ids, dtype=torch.long, device=dev),
@@ -71,7 +79,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_logits(self, batch: ModelInput) -> torch.Tensor:
-        """[num sequences with sample=True, vocab] float32 logits."""
+        """[num sequences with sample=True, vocab] float32 logits, in the batch's order
+        (call ``order`` first so that decodes come first, sorted by length)."""
         input_ids, positions, meta, logits_indices = self.prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         return self.model.compute_logits(hidden[logits_indices])
@@ -83,6 +92,7 @@ class ModelRunner:
         self.copy_blocks(batch.block_copies)
         if not batch.seqs:
             return ModelOutput(sampled={})
+        batch = self.order(batch)
         logits = self.compute_logits(batch)
         sampling = [s for s in batch.seqs if s.sample]
         rows = [SampleRow(s.params, s.prompt_ids, s.output_ids, self._generator(s.request_id, s.params.seed)) for s in sampling]
@@ -109,3 +119,13 @@ class ModelRunner:
             gen = self._generators[request_id] = torch.Generator(device=self.device)
             gen.manual_seed(seed)
         return gen
+
+
+def _decodes(seqs: list) -> list:
+    """The leading run of single-token sequences (the scheduler puts them first)."""
+    out = []
+    for s in seqs:
+        if len(s.token_ids) != 1:
+            break
+        out.append(s)
+    return out
