@@ -154,7 +154,7 @@ class Engine:
         for s in sched.seqs:
             s.request.timings.first_scheduled = s.request.timings.first_scheduled or t0
         result, failed = self._execute(batch)
-        self.scheduler.update_after_step(sched)
+        self.scheduler.update_after_step(sched, failed)
         for sid, err in failed.items():
             req = self.requests[sid]
             self._finish(req, "error")

@@ -18,6 +18,7 @@ waiting queue, to recompute its prompt and output so far when readmitted.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from tokenmill.engine.kv_manager import KVCacheManager
@@ -193,9 +194,12 @@ class Scheduler:
         out.preempted.append(req)
         return given_back
 
-    def update_after_step(self, out: SchedulerOutput) -> None:
-        """The scheduled tokens are now in the KV cache; full blocks join the prefix cache."""
+    def update_after_step(self, out: SchedulerOutput, failed: Collection[str] = ()) -> None:
+        """The scheduled tokens are now in the KV cache; full blocks join the prefix cache.
+        Sequences whose step failed computed nothing: their blocks must not be cached."""
         for s in out.seqs:
+            if s.request.request_id in failed:
+                continue
             s.request.num_computed_tokens += s.num_new_tokens
             self.kv.cache_computed_blocks(s.request)
 

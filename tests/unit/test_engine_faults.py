@@ -1,0 +1,45 @@
+"""A failing model step ends only the request that causes it, and leaves nothing
+behind: no blocks, and no prefix-cache entries for K/V that were never written."""
+
+from __future__ import annotations
+
+from tests.unit.test_scheduler_properties import ScriptedRunner, ToyTokenizer
+from tokenmill.engine.engine import Engine, EngineConfig
+from tokenmill.engine.model_input import ModelInput
+from tokenmill.sampling_params import SamplingParams
+
+
+class FailsFor(ScriptedRunner):
+    def __init__(self, block_size, poisoned):
+        super().__init__(block_size)
+        self.poisoned = poisoned
+
+    def execute(self, batch: ModelInput):
+        if any(s.request_id == self.poisoned for s in batch.seqs):
+            raise RuntimeError("boom")
+        return super().execute(batch)
+
+
+def run(engine):
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+    return outs
+
+
+def test_failure_is_isolated_and_caches_nothing():
+    engine = Engine(FailsFor(4, "bad"), ToyTokenizer(), EngineConfig(num_blocks=32, block_size=4, max_model_len=100))
+    prompt = list(range(20))
+    engine.add_request("bad", prompt, SamplingParams(max_tokens=3))
+    engine.add_request("good", [5, 6, 7], SamplingParams(max_tokens=3))
+    outs = run(engine)
+    assert outs["bad"].finish_reason == "error" and "boom" in outs["bad"].error
+    assert outs["good"].finish_reason == "length" and len(outs["good"].token_ids) == 3
+    assert engine.block_pool.num_free == 32
+    engine.runner.poisoned = None
+    engine.add_request("again", prompt, SamplingParams(max_tokens=3))
+    outs = run(engine)
+    assert outs["again"].num_cached_tokens == 0  # the failed prefill left no cached blocks
+    assert outs["again"].finish_reason == "length"
