@@ -106,7 +106,7 @@ def test_random_workloads_keep_blocks_exact(requests, num_blocks, budget, max_se
     finished: dict[str, list[int]] = {}
     prompts: dict[str, list[int]] = {}
     step = 0
-    while step < 400:
+    while step < 20_000:  # budget 1 with preemption can need thousands of steps
         for i, (pre, length, max_tokens, n, arrival, _) in enumerate(requests):
             if arrival == step:
                 prompt = (prefixes[pre] + [(i * 13 + j) % VOCAB for j in range(length)])[:100]

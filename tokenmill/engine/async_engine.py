@@ -7,6 +7,9 @@ queue, and each output is handed to the asyncio loop of the caller with
     engine = AsyncEngine(llm.engine)
     async for out in engine.generate("id-1", "Hello", SamplingParams(max_tokens=8)):
         print(out.delta_text, end="")
+
+Once started, the loop thread is the engine's only driver: do not call
+``llm.generate`` on the same engine until ``shutdown()``.
 """
 
 from __future__ import annotations
