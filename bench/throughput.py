@@ -70,7 +70,7 @@ def run_ours(llm: LLM, reqs) -> dict:
     outs = llm.generate([p for p, _ in reqs], params)
     elapsed = time.perf_counter() - t
     out_tokens = sum(len(o.token_ids) for o in outs)
-    stats = llm.engine.step_stats
+    stats = list(llm.engine.step_stats)
     slots = sum(s.kv_slots_held for s in stats)
     return {
         "elapsed_s": elapsed,

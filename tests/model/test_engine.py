@@ -52,7 +52,7 @@ def run(llm, **_):
 
 def test_continuous_batch_of_32_matches_alone(llm, alone):
     assert run(llm) == alone
-    stats = llm.engine.step_stats[-40:]
+    stats = list(llm.engine.step_stats)[-40:]
     assert max(s.num_seqs for s in stats) > 8  # it really batched
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -28,6 +29,7 @@ from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+STEP_STATS_KEPT = 100_000
 
 
 class Runner(Protocol):
@@ -62,8 +64,8 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.requests: dict[str, Request] = {}  # live sequences, by sequence id
         self.groups: dict[str, list[str]] = {}  # request id -> its sequence ids (n of them)
-        self.step_stats: list[StepStats] = []
-        self.keep_step_stats = True
+        # The most recent steps' stats (bounded: a server runs for days).
+        self.step_stats: deque[StepStats] = deque(maxlen=STEP_STATS_KEPT)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._finished_ids: list[str] = []
 
@@ -164,8 +166,7 @@ class Engine:
             if sampled is not None and s.request_id not in failed:
                 req = self.requests[s.request_id]
                 outputs.append(self._append_token(req, sampled.token_id, sampled.logprob, sampled.top_logprobs))
-        if self.keep_step_stats:
-            self.step_stats.append(self._stats(sched, t0))
+        self.step_stats.append(self._stats(sched, t0))
         return outputs
 
     def _model_input(self, sched: SchedulerOutput) -> ModelInput:
