@@ -99,10 +99,6 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._streams)
-
     # -------------------------------------------------------------- loop thread
 
     def _run(self) -> None:

@@ -177,7 +177,7 @@ class Engine:
             seqs.append(
                 SeqInput(
                     request_id=req.request_id,
-                    token_ids=req.all_token_ids[start : start + s.num_new_tokens],
+                    token_ids=req.token_ids_slice(start, start + s.num_new_tokens),
                     num_computed_tokens=start,
                     block_table=req.block_ids,
                     sample=s.samples,

@@ -31,7 +31,7 @@ class SeqInput:
 
 @dataclass
 class ModelInput:
-    seqs: list[SeqInput]  # single-token decodes first, then prefill chunks
+    seqs: list[SeqInput]  # any order: the runner puts single-token sequences first
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before the forward
     finished_request_ids: list[str] = field(default_factory=list)  # runner drops their state
 

@@ -51,7 +51,7 @@ class ScheduledSeq:
 
 @dataclass
 class SchedulerOutput:
-    seqs: list[ScheduledSeq] = field(default_factory=list)  # one-token entries first
+    seqs: list[ScheduledSeq] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     # Requests that cannot fit the KV pool even with nothing else running: the
@@ -84,7 +84,6 @@ class Scheduler:
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if self.config.policy == "continuous" and not out.preempted:
             self._schedule_waiting(out, budget)
-        out.seqs.sort(key=lambda s: s.num_new_tokens != 1)  # decodes first (stable)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:

@@ -61,7 +61,6 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=dev),
             query_start_loc=query_start_loc,
             seq_lens_host=seq_lens,
             num_decodes=num_decodes,

@@ -64,9 +64,8 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with 0
-    seq_lens: torch.Tensor  # [num_seqs] int64: context length including the new tokens
     query_start_loc: list[int]  # num_seqs + 1 offsets into the flat batch (host)
-    seq_lens_host: list[int]  # same as seq_lens, on the host for slicing
+    seq_lens_host: list[int]  # per sequence: context length including the new tokens
     num_decodes: int  # the first num_decodes sequences contribute exactly one token
     block_size: int
     decode_groups: list[DecodeGroup] = field(default_factory=list)
