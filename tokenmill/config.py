@@ -47,3 +47,44 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V stored per token across all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+SPECULATIVE_METHODS = ("ngram", "draft", "self")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: who proposes, how many tokens, and when to stop bothering.
+
+    ``method``: "ngram" (prompt lookup, no model), "draft" (a smaller model with the
+    same vocabulary) or "self" (the target's first ``draft_layers`` layers and its LM
+    head). Above ``disable_batch_size`` running requests decode is no longer
+    memory-bound enough for verification to pay, and speculation pauses.
+    """
+
+    method: str
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    draft_model: str | None = None
+    draft_layers: int | None = None
+    disable_batch_size: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("speculative method 'draft' needs a draft model (--draft-model)")
+        if self.method == "self" and (self.draft_layers is None or self.draft_layers < 1):
+            raise ValueError("speculative method 'self' needs draft_layers >= 1 (--draft-layers)")
+        if self.disable_batch_size < 1:
+            raise ValueError("spec_disable_batch_size must be >= 1")
+
+    @property
+    def num_lookahead_slots(self) -> int:
+        """KV slots a model-based proposer writes past the verified tokens while drafting."""
+        return 0 if self.method == "ngram" else self.num_speculative_tokens

@@ -14,15 +14,19 @@ from typing import Any
 
 import torch
 
+from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.engine import Engine, EngineConfig
 from tokenmill.engine.outputs import CompletionOutput, RequestOutput
 from tokenmill.engine.scheduler import SchedulerConfig
-from tokenmill.errors import InvalidRequestError, TokenmillError
+from tokenmill.errors import InvalidRequestError, ModelLoadError, TokenmillError
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import load_checkpoint
 from tokenmill.model.tokenizer import load_tokenizer
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.worker.kv_cache import allocate_kv_cache, num_blocks_for_memory
+from tokenmill.spec.draft import ModelProposer
+from tokenmill.spec.ngram import NgramProposer
+from tokenmill.spec.proposer import Proposer
+from tokenmill.worker.kv_cache import allocate_kv_cache, block_bytes
 from tokenmill.worker.model_runner import ModelRunner
 
 DTYPES = {
@@ -30,6 +34,11 @@ DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16,
 }  # fmt: skip
+
+# Above this many running requests speculation pauses (bench/speculative.py measures
+# where verification stops paying on a CPU).
+DEFAULT_SPEC_DISABLE_BATCH_SIZE = 4
+
 
 def default_kv_cache_memory() -> int:
     """A tenth of the memory available now, between 256 MiB and 2 GiB."""
@@ -92,9 +101,20 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
         scheduling: str = "continuous",
+        speculative: str | None = None,
+        num_speculative_tokens: int = 4,
+        draft_model: str | None = None,
+        draft_layers: int | None = None,
+        spec_disable_batch_size: int = DEFAULT_SPEC_DISABLE_BATCH_SIZE,
+        prompt_lookup_max: int = 4,
+        prompt_lookup_min: int = 1,
         progress: bool = True,
     ) -> None:
         scheduler_config = _scheduler_config(max_num_seqs, max_num_batched_tokens, scheduling)
+        spec_config = _speculative_config(
+            speculative, num_speculative_tokens, draft_model, draft_layers, spec_disable_batch_size,
+            prompt_lookup_max, prompt_lookup_min,
+        )  # fmt: skip
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         ckpt = load_checkpoint(model, self.dtype, progress=progress)
@@ -104,11 +124,20 @@ class LLM:
         self.model = LlamaForCausalLM.from_weights(ckpt.config, ckpt.weights, self.device)
         del ckpt
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings)
-        num_blocks = num_blocks_for_memory(self.config, parse_memory(kv_cache_memory), block_size, self.dtype)
+        draft = None
+        if spec_config is not None and spec_config.method == "draft":
+            draft = self._load_draft(spec_config.draft_model, progress)
+        per_block = block_bytes(self.config, block_size, self.dtype)
+        if draft is not None:  # the draft's cache shares block ids: every block costs both
+            per_block += block_bytes(draft.config, block_size, self.dtype)
+        num_blocks = parse_memory(kv_cache_memory) // per_block
         if num_blocks < 1:
             raise TokenmillError(f"kv_cache_memory={kv_cache_memory!r} is smaller than one KV block")
         kv_caches = allocate_kv_cache(self.config, num_blocks, block_size, self.dtype, self.device)
-        runner = ModelRunner(self.model, kv_caches, block_size, self.device)
+        proposer = None
+        if spec_config is not None:
+            proposer = self._proposer(spec_config, draft, kv_caches, num_blocks, block_size)
+        runner = ModelRunner(self.model, kv_caches, block_size, self.device, proposer)
         self.num_blocks = num_blocks
         self.engine = Engine(
             runner,
@@ -119,9 +148,42 @@ class LLM:
                 max_model_len=self.max_model_len,
                 enable_prefix_caching=enable_prefix_caching,
                 scheduler=scheduler_config,
+                speculative=spec_config,
             ),
         )
         self._ids = itertools.count()
+
+    def _load_draft(self, path: str | None, progress: bool) -> LlamaForCausalLM:
+        """Load the draft model; refuse one whose vocabulary differs from the target's."""
+        ckpt = load_checkpoint(path, self.dtype, progress=progress)
+        if ckpt.config.vocab_size != self.config.vocab_size:
+            raise TokenmillError(
+                f"draft model {path} has a vocabulary of {ckpt.config.vocab_size} tokens but the target's has "
+                f"{self.config.vocab_size}: a draft must share the target's tokenizer"
+            )
+        try:
+            draft_tokenizer = load_tokenizer(ckpt.path, ckpt.metadata)
+        except ModelLoadError:
+            draft_tokenizer = None  # weights only: the vocabulary size has to do
+        if draft_tokenizer is not None and draft_tokenizer.backend.get_vocab() != self.tokenizer.backend.get_vocab():
+            raise TokenmillError(f"draft model {path} has a different tokenizer vocabulary from the target's")
+        return LlamaForCausalLM.from_weights(ckpt.config, ckpt.weights, self.device)
+
+    def _proposer(
+        self, spec: SpeculativeConfig, draft: LlamaForCausalLM | None, kv_caches: list, num_blocks: int, block_size: int
+    ) -> Proposer:
+        if spec.method == "ngram":
+            return NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
+        if spec.method == "self":
+            assert spec.draft_layers is not None
+            if spec.draft_layers >= self.config.num_layers:
+                raise TokenmillError(
+                    f"draft_layers={spec.draft_layers} must be below the model's {self.config.num_layers} layers"
+                )
+            return ModelProposer(self.model, kv_caches, block_size, self.device, spec.draft_layers, catch_up=False)
+        assert draft is not None
+        draft_caches = allocate_kv_cache(draft.config, num_blocks, block_size, self.dtype, self.device)
+        return ModelProposer(draft, draft_caches, block_size, self.device)
 
     # ----------------------------------------------------------------- offline
 
@@ -182,10 +244,34 @@ class LLM:
     def prefix_cache_stats(self):
         return self.engine.kv.stats
 
+    @property
+    def spec_decode_stats(self):
+        return self.engine.spec_stats
+
 
 def _scheduler_config(max_num_seqs: int, max_num_batched_tokens: int, scheduling: str) -> SchedulerConfig:
     try:
         return SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, policy=scheduling)
+    except ValueError as e:
+        raise TokenmillError(str(e)) from None
+
+
+def _speculative_config(
+    method: str | None, k: int, draft_model: str | None, draft_layers: int | None, disable_batch_size: int,
+    lookup_max: int, lookup_min: int,
+) -> SpeculativeConfig | None:  # fmt: skip
+    if method is None or method == "none":
+        return None
+    try:
+        return SpeculativeConfig(
+            method=method,
+            num_speculative_tokens=k,
+            prompt_lookup_max=lookup_max,
+            prompt_lookup_min=lookup_min,
+            draft_model=draft_model,
+            draft_layers=draft_layers,
+            disable_batch_size=disable_batch_size,
+        )
     except ValueError as e:
         raise TokenmillError(str(e)) from None
 

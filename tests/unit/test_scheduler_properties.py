@@ -44,7 +44,7 @@ class ScriptedRunner:
             assert len(s.block_table) * self.block_size >= end
             if s.sample:
                 history = s.prompt_ids + s.output_ids
-                sampled[s.request_id] = SampledToken(next_token(history))
+                sampled[s.request_id] = [SampledToken(next_token(history))]
         return ModelOutput(sampled=sampled)
 
 

@@ -6,6 +6,11 @@ tokens; the engine appends them, checks stops, frees what finished and returns
 per-request outputs. A failure inside the model step is pinned on the request that
 causes it (by retrying the batch one sequence at a time): that request ends with
 finish_reason "error", the others go on.
+
+With speculative decoding the runner also returns draft tokens for each sampling
+request; the engine keeps them on the request for the scheduler to verify next step
+(capped so that they cannot run past max_tokens or the context window), and each
+step may then add several tokens to a request.
 """
 
 from __future__ import annotations
@@ -17,14 +22,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.block_pool import BlockPool
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_manager import KVCacheManager
-from tokenmill.engine.model_input import ModelInput, ModelOutput, SeqInput
+from tokenmill.engine.model_input import ModelInput, ModelOutput, SampledToken, SeqInput
 from tokenmill.engine.outputs import CompletionOutput, RequestOutput
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from tokenmill.engine.stats import StepStats
+from tokenmill.engine.stats import SpecDecodeStats, StepStats
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
 
@@ -52,6 +58,7 @@ class EngineConfig:
     max_model_len: int = 2048
     enable_prefix_caching: bool = True
     scheduler: SchedulerConfig = SchedulerConfig()
+    speculative: SpeculativeConfig | None = None
 
 
 class Engine:
@@ -61,7 +68,10 @@ class Engine:
         self.config = config
         self.block_pool = BlockPool(config.num_blocks, config.enable_prefix_caching)
         self.kv = KVCacheManager(self.block_pool, config.block_size)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        spec = config.speculative
+        lookahead = spec.num_lookahead_slots if spec is not None else 0
+        self.scheduler = Scheduler(replace(config.scheduler, num_lookahead_slots=lookahead), self.kv)
+        self.spec_stats = SpecDecodeStats()
         self.requests: dict[str, Request] = {}  # live sequences, by sequence id
         self.groups: dict[str, list[str]] = {}  # request id -> its sequence ids (n of them)
         # The most recent steps' stats (bounded: a server runs for days).
@@ -156,34 +166,69 @@ class Engine:
         for s in sched.seqs:
             s.request.timings.first_scheduled = s.request.timings.first_scheduled or t0
         result, failed = self._execute(batch)
-        self.scheduler.update_after_step(sched, failed)
+        self.scheduler.update_after_step(sched, failed, self._count_rejected(sched, result, failed))
         for sid, err in failed.items():
             req = self.requests[sid]
             self._finish(req, "error")
             outputs.append(self._output(req, [], error=err))
         for s in batch.seqs:
             sampled = result.sampled.get(s.request_id)
-            if sampled is not None and s.request_id not in failed:
-                req = self.requests[s.request_id]
-                outputs.append(self._append_token(req, sampled.token_id, sampled.logprob, sampled.top_logprobs))
+            if sampled and s.request_id not in failed:
+                outputs.append(self._append_tokens(self.requests[s.request_id], sampled))
+        self.scheduler.cache_and_trim(sched)
+        for rid, draft in result.draft_token_ids.items():
+            req = self.requests.get(rid)
+            if req is not None and not req.finished and rid not in failed:
+                req.spec_token_ids = draft[: self._max_drafts(req)]
         self.step_stats.append(self._stats(sched, t0))
         return outputs
+
+    def _count_rejected(self, sched: SchedulerOutput, result: ModelOutput, failed: dict[str, str]) -> dict[str, int]:
+        """Drafts the target rejected, per verifying sequence (and the acceptance stats)."""
+        rejected = {}
+        for s in sched.seqs:
+            rid = s.request.request_id
+            if not s.spec_token_ids or rid in failed or rid not in result.sampled:
+                continue
+            accepted = len(result.sampled[rid]) - 1
+            rejected[rid] = len(s.spec_token_ids) - accepted
+            self.spec_stats.record(len(s.spec_token_ids), accepted)
+        return rejected
+
+    def _max_drafts(self, req: Request) -> int:
+        """Drafts worth verifying: accepting all and the bonus token stays within
+        max_tokens, and every verified position within the context window."""
+        return max(0, min(req.params.max_tokens - len(req.output_token_ids) - 1, self.max_model_len - req.num_tokens))
+
+    def _num_lookahead(self, req: Request, spec_len: int) -> int:
+        """How many drafts to ask for after this step (0: this step does not propose)."""
+        spec = self.config.speculative
+        if spec is None or len(self.scheduler.running) > spec.disable_batch_size:
+            return 0
+        room = min(
+            req.params.max_tokens - len(req.output_token_ids) - 2,  # this step adds >= 1 token, the next <= k + 1
+            self.max_model_len - req.num_tokens - spec_len - 1,  # drafted positions stay in the window
+        )
+        return max(0, min(spec.num_speculative_tokens, room))
 
     def _model_input(self, sched: SchedulerOutput) -> ModelInput:
         seqs = []
         for s in sched.seqs:
             req = s.request
             start = req.num_computed_tokens
+            num_real = s.num_new_tokens - len(s.spec_token_ids)
             seqs.append(
                 SeqInput(
                     request_id=req.request_id,
-                    token_ids=req.token_ids_slice(start, start + s.num_new_tokens),
+                    token_ids=req.token_ids_slice(start, start + num_real) + s.spec_token_ids,
                     num_computed_tokens=start,
                     block_table=req.block_ids,
                     sample=s.samples,
                     params=req.params,
                     prompt_ids=req.prompt_token_ids,
                     output_ids=req.output_token_ids,
+                    spec_token_ids=s.spec_token_ids,
+                    num_lookahead=self._num_lookahead(req, len(s.spec_token_ids)) if s.samples else 0,
                 )
             )
         finished, self._finished_ids = self._finished_ids, []
@@ -201,18 +246,23 @@ class Engine:
             if len(batch.seqs) == 1:
                 logger.exception("model step failed for %s", batch.seqs[0].request_id)
                 return ModelOutput(sampled={}), {batch.seqs[0].request_id: f"{type(e).__name__}: {e}"}
-        sampled, failed = {}, {}
+        merged, failed = ModelOutput(sampled={}), {}
         for s in batch.seqs:
             alone = ModelInput(seqs=[s], block_copies=batch.block_copies)
             try:
-                sampled.update(self.runner.execute(alone).sampled)
+                out = self.runner.execute(alone)
             except Exception as e:
                 logger.exception("model step failed for %s", s.request_id)
                 failed[s.request_id] = f"{type(e).__name__}: {e}"
-        return ModelOutput(sampled=sampled), failed
+                continue
+            merged.sampled.update(out.sampled)
+            merged.draft_token_ids.update(out.draft_token_ids)
+        return merged, failed
 
     def _stats(self, sched: SchedulerOutput, t0: float) -> StepStats:
-        decode = sum(1 for s in sched.seqs if s.num_new_tokens == 1 and s.request.output_token_ids)
+        decode = sum(
+            s.num_new_tokens for s in sched.seqs if s.spec_token_ids or (s.num_new_tokens == 1 and s.request.output_token_ids)
+        )
         return StepStats(
             time=t0,
             duration=time.perf_counter() - t0,
@@ -231,18 +281,23 @@ class Engine:
 
     # -------------------------------------------------------------------- output
 
-    def _append_token(self, req: Request, token: int, logprob: float | None, top: list) -> RequestOutput:
+    def _append_tokens(self, req: Request, tokens: list[SampledToken]) -> RequestOutput:
+        """Append the step's tokens one by one, stopping at the first that ends the request."""
         now = time.perf_counter()
-        req.output_token_ids.append(token)
-        req.timings.token_times.append(now)
-        req.timings.first_token = req.timings.first_token or now
-        if req.params.logprobs is not None:
-            req.logprobs.append(logprob)
-            req.top_logprobs.append(top)
-        reason, stop_reason = self._check_stop(req, token)
-        if reason is not None:
-            self._finish(req, reason, stop_reason)
-        return self._output(req, [token])
+        new_ids = []
+        for t in tokens:
+            req.output_token_ids.append(t.token_id)
+            new_ids.append(t.token_id)
+            req.timings.token_times.append(now)
+            req.timings.first_token = req.timings.first_token or now
+            if req.params.logprobs is not None:
+                req.logprobs.append(t.logprob)
+                req.top_logprobs.append(t.top_logprobs)
+            reason, stop_reason = self._check_stop(req, t.token_id)
+            if reason is not None:
+                self._finish(req, reason, stop_reason)
+                break
+        return self._output(req, new_ids)
 
     def _check_stop(self, req: Request, token: int) -> tuple[str | None, str | int | None]:
         p = req.params

@@ -116,6 +116,15 @@ class KVCacheManager:
                 self.pool.cache(req.block_ids[i], hashes[i])
         req.num_cached_blocks = num_full
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Free the request's blocks past the first num_tokens tokens (never computed
+        ones: the blocks freed hold only draft or lookahead slots)."""
+        keep = self.blocks_for(num_tokens)
+        if len(req.block_ids) > keep:
+            assert req.num_computed_tokens <= keep * self.block_size
+            self.pool.free(req.block_ids[keep:][::-1])
+            del req.block_ids[keep:]
+
     def fork(self, src: Request, dst: Request, num_tokens: int) -> None:
         """dst shares src's blocks holding the first num_tokens tokens (copy-on-write later)."""
         assert not dst.block_ids

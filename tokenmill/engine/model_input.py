@@ -16,7 +16,9 @@ class SeqInput:
 
     ``token_ids`` are the tokens to compute now; they sit at positions
     ``num_computed_tokens .. num_computed_tokens + len(token_ids) - 1``, and their
-    K/V go to the slots that ``block_table`` gives those positions.
+    K/V go to the slots that ``block_table`` gives those positions. When the
+    sequence speculates, the last ``len(spec_token_ids)`` of them are draft tokens
+    to verify (they follow the sequence's last real token).
     """
 
     request_id: str
@@ -27,6 +29,8 @@ class SeqInput:
     params: SamplingParams
     prompt_ids: list[int]  # for repetition penalties
     output_ids: list[int]  # for all penalties
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts at the end of token_ids
+    num_lookahead: int = 0  # after sampling, propose up to this many draft tokens
 
 
 @dataclass
@@ -45,4 +49,7 @@ class SampledToken:
 
 @dataclass
 class ModelOutput:
-    sampled: dict[str, SampledToken]  # request_id -> token, for each seq with sample=True
+    # request_id -> the tokens the step adds, for each seq with sample=True: the
+    # accepted draft tokens (if it speculated), then one sampled by the target.
+    sampled: dict[str, list[SampledToken]]
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # to verify next step

@@ -61,6 +61,7 @@ class Request:
     parent_id: str = ""  # the user's request id (this sequence is completion `index` of it)
     index: int = 0
     num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify next step
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or token id that ended it

@@ -13,12 +13,19 @@ When a running request cannot get a block, the most recently admitted running
 request is preempted: its blocks are freed and it goes back to the front of the
 waiting queue, to recompute its prompt and output so far when readmitted.
 ``policy="static"`` admits nothing while a batch is running: the baseline.
+
+Speculative decoding fits the same rule: a decode that carries k draft tokens takes
+1 + k tokens of the budget (its last token and the drafts, verified in one forward).
+Sequences about to sample also get ``num_lookahead_slots`` slots past those tokens,
+where a draft model writes K/V while it drafts. After the step, the computed count
+grows by the tokens the target kept; slots of rejected drafts are overwritten later,
+and whole blocks past the sequence's tokens go back to the pool.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from tokenmill.engine.kv_manager import KVCacheManager
@@ -30,6 +37,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     policy: str = "continuous"  # "continuous" | "static"
+    num_lookahead_slots: int = 0  # per sampling sequence, for a model proposer's drafts
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -41,12 +49,14 @@ class SchedulerConfig:
 @dataclass
 class ScheduledSeq:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # including the draft tokens
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify, after the real tokens
 
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the request's last known token."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        num_real = self.num_new_tokens - len(self.spec_token_ids)
+        return self.request.num_computed_tokens + num_real == self.request.num_tokens
 
 
 @dataclass
@@ -95,8 +105,11 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            copies = self.kv.allocate_slots(req, num_new)
+            num_real = min(req.num_tokens - req.num_computed_tokens, budget)
+            spec = req.spec_token_ids[: budget - num_real] if num_real == 1 else []
+            num_new = num_real + len(spec)
+            slots = num_new + self._lookahead(req, num_real)
+            copies = self.kv.allocate_slots(req, slots)
             while copies is None:  # out of blocks: preempt from the back
                 if len(self.running) == 1:  # alone and still too big for the pool
                     self.running.remove(req)
@@ -106,10 +119,10 @@ class Scheduler:
                 budget += self._preempt(victim, out)
                 if victim is req:
                     break
-                copies = self.kv.allocate_slots(req, num_new)
+                copies = self.kv.allocate_slots(req, slots)
             if copies is None:
                 continue
-            out.seqs.append(ScheduledSeq(req, num_new))
+            out.seqs.append(ScheduledSeq(req, num_new, spec))
             out.block_copies.extend(copies)
             budget -= num_new
         return budget
@@ -125,7 +138,8 @@ class Scheduler:
                 cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
                 num_computed = req.num_computed_tokens + len(cached) * self.kv.block_size
                 num_new = min(req.num_tokens - num_computed, budget)
-                copies = self.kv.allocate_slots(req, num_new, cached)
+                lookahead = self.config.num_lookahead_slots if num_computed + num_new == req.num_tokens else 0
+                copies = self.kv.allocate_slots(req, num_new + lookahead, cached)
                 if copies is None:
                     if not self.running:  # nothing to wait for: it can never fit
                         out.unschedulable.append(req)
@@ -143,6 +157,10 @@ class Scheduler:
             out.seqs.append(ScheduledSeq(req, num_new))
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
+
+    def _lookahead(self, req: Request, num_real: int) -> int:
+        """Lookahead slots for a chunk that reaches the request's last token."""
+        return self.config.num_lookahead_slots if req.num_computed_tokens + num_real == req.num_tokens else 0
 
     def _admit_static_batch(self) -> None:
         """Static batching: take up to max_num_seqs waiting requests as one batch; they
@@ -186,6 +204,7 @@ class Scheduler:
         out.seqs = [s for s in out.seqs if s.request is not req]
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -193,14 +212,31 @@ class Scheduler:
         out.preempted.append(req)
         return given_back
 
-    def update_after_step(self, out: SchedulerOutput, failed: Collection[str] = ()) -> None:
-        """The scheduled tokens are now in the KV cache; full blocks join the prefix cache.
-        Sequences whose step failed computed nothing: their blocks must not be cached."""
+    def update_after_step(
+        self, out: SchedulerOutput, failed: Collection[str] = (), num_rejected: Mapping[str, int] | None = None
+    ) -> None:
+        """The scheduled tokens are now in the KV cache, except rejected drafts (their
+        slots are overwritten later). Sequences whose step failed computed nothing."""
+        num_rejected = num_rejected or {}
         for s in out.seqs:
-            if s.request.request_id in failed:
+            req = s.request
+            req.spec_token_ids = []
+            if req.request_id in failed:
                 continue
-            s.request.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_computed_blocks(s.request)
+            rejected = num_rejected.get(req.request_id, 0)
+            assert 0 <= rejected <= len(s.spec_token_ids)
+            req.num_computed_tokens += s.num_new_tokens - rejected
+
+    def cache_and_trim(self, out: SchedulerOutput) -> None:
+        """After the step's tokens are appended: full computed blocks join the prefix
+        cache (their token ids are known now), and whole blocks past the request's
+        tokens (rejected drafts, lookahead) go back to the pool."""
+        for s in out.seqs:
+            req = s.request
+            if req.finished or req.status is not RequestStatus.RUNNING:
+                continue
+            self.kv.cache_computed_blocks(req)
+            self.kv.trim(req, req.num_tokens)
 
     def finish(self, req: Request) -> None:
         """Remove a request (finished or aborted) and free its blocks at once."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -25,3 +25,31 @@ class StepStats:
     def kv_waste(self) -> float:
         """Share of running requests' slots that hold no token (the partial last blocks)."""
         return 1 - self.kv_tokens_held / self.kv_slots_held if self.kv_slots_held else 0.0
+
+
+@dataclass
+class SpecDecodeStats:
+    """Speculative decoding totals: how much of what was drafted the target kept."""
+
+    num_drafts: int = 0  # verification steps (one per speculating sequence per step)
+    num_draft_tokens: int = 0  # tokens proposed and verified
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_draft_tokens:
+            self.accepted_per_position.extend([0] * (num_draft_tokens - len(self.accepted_per_position)))
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verification step yields on average: accepted drafts plus the target's one."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0

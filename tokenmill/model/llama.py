@@ -107,12 +107,14 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
-        kv_caches: list[KVCache],  # one per layer
+        kv_caches: list[KVCache],  # one per layer run
         meta: AttentionMetadata,
+        num_layers: int | None = None,  # run only the first num_layers (self-speculation's draft)
     ) -> torch.Tensor:  # [num_tokens, hidden]
         assert self.rotary is not None
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
         x = self.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for layer, kv_cache in zip(layers, kv_caches, strict=True):
             x = layer(x, positions, self.rotary, kv_cache, meta)
         return self.norm(x)
 

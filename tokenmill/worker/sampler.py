@@ -87,6 +87,37 @@ def filter_logits(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     return logits
 
 
+def sampling_distribution(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The distribution each row samples from (after penalties, temperature, top-k/p
+    and min-p; None when every row is greedy) and each row's greedy choice: what
+    speculative verification compares drafts against."""
+    if any(r.params.uses_penalties for r in rows):
+        logits = apply_penalties(logits, rows)
+    greedy_tokens = logits.argmax(dim=-1)
+    if all(r.params.greedy for r in rows):
+        return None, greedy_tokens
+    return filter_logits(logits, rows).softmax(dim=-1), greedy_tokens
+
+
+def chosen_logprobs(
+    raw_logprobs: torch.Tensor, tokens: list[int], rows: list[SampleRow]
+) -> tuple[list[float | None], list[list[tuple[int, float]]]]:
+    """Per row: the chosen token's log-probability (of the raw model distribution, as
+    vLLM and OpenAI report it) and the top-n, for the rows that asked."""
+    logprobs: list[float | None] = [None] * len(rows)
+    top: list[list[tuple[int, float]]] = [[] for _ in rows]
+    idx = torch.tensor(tokens, device=raw_logprobs.device)[:, None]
+    chosen = raw_logprobs.gather(1, idx).squeeze(1).tolist()
+    for i, r in enumerate(rows):
+        if r.params.logprobs is None:
+            continue
+        logprobs[i] = chosen[i]
+        if r.params.logprobs > 0:
+            vals, ids = raw_logprobs[i].topk(r.params.logprobs)
+            top[i] = list(zip(ids.tolist(), vals.tolist(), strict=True))
+    return logprobs, top
+
+
 def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch.Generator | None = None) -> SamplerOutput:
     """logits: [batch, vocab] float32, one row per entry of ``rows``."""
     assert logits.shape[0] == len(rows)
@@ -113,12 +144,5 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch
     token_list = tokens.tolist()
     out = SamplerOutput(token_ids=token_list, logprobs=[None] * len(rows), top_logprobs=[[] for _ in rows])
     if raw_logprobs is not None:
-        chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
-        for i, r in enumerate(rows):
-            if r.params.logprobs is None:
-                continue
-            out.logprobs[i] = chosen[i]
-            if r.params.logprobs > 0:
-                vals, ids = raw_logprobs[i].topk(r.params.logprobs)
-                out.top_logprobs[i] = list(zip(ids.tolist(), vals.tolist(), strict=True))
+        out.logprobs, out.top_logprobs = chosen_logprobs(raw_logprobs, token_list, rows)
     return out

@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers (n-gram, draft model, self) and lossless verification."""

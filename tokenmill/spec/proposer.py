@@ -1,0 +1,37 @@
+"""The one interface every proposer implements.
+
+After each target step the model runner hands the proposer the step's sequences and
+the tokens each one gained; the proposer returns, for each sequence that asked for
+``num_lookahead`` tokens, up to that many draft tokens, with the probabilities they
+were drawn from when it has them (a model does; prompt lookup does not).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from tokenmill.engine.model_input import SeqInput
+
+GeneratorFor = Callable[[str, "int | None"], "torch.Generator | None"]
+
+
+@dataclass
+class Draft:
+    token_ids: list[int]
+    probs: torch.Tensor | None = None  # [len(token_ids), vocab]: q of each token; None: certain
+
+
+class Proposer(Protocol):
+    def propose(
+        self, seqs: list[SeqInput], new_tokens: dict[str, list[int]], generator_for: GeneratorFor
+    ) -> dict[str, Draft]: ...
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None: ...
+
+
+def wants_draft(s: SeqInput, new_tokens: dict[str, list[int]]) -> bool:
+    return s.sample and s.num_lookahead > 0 and bool(new_tokens.get(s.request_id))
