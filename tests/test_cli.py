@@ -27,3 +27,10 @@ def test_bad_model_path_is_a_clear_error():
 def test_bad_sampling_value_is_a_clear_error():
     r = run("generate", "hi", "--top-p", "1.5")
     assert r.returncode == 2 and "invalid top_p=1.5" in r.stderr
+
+
+def test_generate_with_prompt_lookup_reports_acceptance():
+    r = run("generate", "a b c d e f a b c d e f a b c d e f a b", "--max-tokens", "12", "--speculative", "ngram",
+            "--ignore-eos")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "drafts accepted" in r.stderr

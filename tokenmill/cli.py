@@ -28,6 +28,17 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
     g.add_argument("--scheduling", choices=["continuous", "static"], default="continuous",
                    help="continuous batching, or the static-batching baseline")
+    s = p.add_argument_group("speculative decoding")
+    s.add_argument("--speculative", choices=["none", "ngram", "draft", "self"], default=None,
+                   help="who drafts tokens for the target to verify: prompt lookup (ngram), a draft model, "
+                        "or the target's own first layers (self)")
+    s.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens drafted per step")
+    s.add_argument("--draft-model", default=None, help="draft model (.gguf or folder) with the target's vocabulary")
+    s.add_argument("--draft-layers", type=int, default=None, help="self-speculation: layers the draft runs")
+    s.add_argument("--spec-disable-batch-size", type=int, default=None,
+                   help="pause speculation above this many running requests")
+    s.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: longest suffix to look up")
+    s.add_argument("--prompt-lookup-min", type=int, default=1, help="ngram: shortest suffix to look up")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -74,6 +85,13 @@ def _llm(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         scheduling=args.scheduling,
+        speculative=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens,
+        draft_model=args.draft_model,
+        draft_layers=args.draft_layers,
+        prompt_lookup_max=args.prompt_lookup_max,
+        prompt_lookup_min=args.prompt_lookup_min,
+        **({} if args.spec_disable_batch_size is None else {"spec_disable_batch_size": args.spec_disable_batch_size}),
     )
 
 
@@ -107,6 +125,9 @@ def _stream(llm, prompt, params) -> str:
         t = last.timings[0]
         n = len(last.token_ids)
         rate = f", {(n - 1) / (t.token_times[-1] - t.first_token):.1f} tok/s decode" if n > 1 else ""
+        spec = llm.spec_decode_stats
+        if spec.num_drafts:
+            rate += f", drafts accepted {spec.acceptance_rate:.0%}"
         print(f"[{n} tokens, finish: {last.finish_reason}, TTFT {t.ttft * 1000:.0f} ms{rate}]", file=sys.stderr)
     return "".join(text)
 

@@ -9,6 +9,7 @@ from collections import Counter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.engine import Engine, EngineConfig
 from tokenmill.engine.model_input import ModelInput, ModelOutput, SampledToken
 from tokenmill.engine.scheduler import SchedulerConfig
@@ -30,22 +31,45 @@ class ToyTokenizer:
 
 class ScriptedRunner:
     """Checks what it is handed against the block accounting, then 'samples' a
-    token determined by the sequence's tokens so far (so outputs are comparable)."""
+    token determined by the sequence's tokens so far (so outputs are comparable).
 
-    def __init__(self, block_size):
+    Speculating, it verifies drafts greedily against that same rule and proposes
+    drafts that are right up to a position that depends on the history (so some are
+    accepted in full, some in part, some not at all)."""
+
+    def __init__(self, block_size, lookahead=0):
         self.block_size = block_size
+        self.lookahead = lookahead
         self.batches: list[ModelInput] = []
 
     def execute(self, batch: ModelInput) -> ModelOutput:
         self.batches.append(batch)
-        sampled = {}
+        out = ModelOutput(sampled={})
         for s in batch.seqs:
             end = s.num_computed_tokens + len(s.token_ids)
-            assert len(s.block_table) * self.block_size >= end
+            assert len(s.block_table) * self.block_size >= end + (self.lookahead if s.sample else 0)
             if s.sample:
                 history = s.prompt_ids + s.output_ids
-                sampled[s.request_id] = [SampledToken(next_token(history))]
-        return ModelOutput(sampled=sampled)
+                assert s.token_ids[len(s.token_ids) - len(s.spec_token_ids) :] == s.spec_token_ids
+                kept = []
+                for d in s.spec_token_ids:
+                    if d != next_token(history + kept):
+                        break
+                    kept.append(d)
+                kept.append(next_token(history + kept))
+                out.sampled[s.request_id] = [SampledToken(t) for t in kept]
+                if s.num_lookahead:
+                    out.draft_token_ids[s.request_id] = propose(history + kept, s.num_lookahead)
+        return out
+
+
+def propose(history: list[int], k: int) -> list[int]:
+    right = sum(history) % (k + 1)  # drafts right before this position, wrong from it
+    drafts: list[int] = []
+    for i in range(k):
+        t = next_token(history + drafts)
+        drafts.append(t if i < right else (t + 1) % VOCAB)
+    return drafts
 
 
 def next_token(history: list[int]) -> int:
@@ -67,6 +91,7 @@ def check_invariants(engine: Engine, cfg: SchedulerConfig, batch: ModelInput | N
     engine.block_pool.check_invariants(dict(refs))
     for r in engine.scheduler.running:
         assert len(r.block_ids) * engine.block_size >= r.num_computed_tokens
+        assert len(r.block_ids) <= engine.kv.blocks_for(r.num_tokens), "blocks held past the request's tokens"
         assert len(set(r.block_ids)) == len(r.block_ids), "a block twice in one table"
     if batch is not None:
         assert sum(len(s.token_ids) for s in batch.seqs) <= cfg.max_num_batched_tokens
@@ -92,16 +117,23 @@ request_st = st.tuples(
     max_seqs=st.integers(1, 8),
     caching=st.booleans(),
     policy=st.sampled_from(["continuous", "static"]),
+    speculative=st.sampled_from([None, "ngram", "draft"]),
 )
-def test_random_workloads_keep_blocks_exact(requests, num_blocks, budget, max_seqs, caching, policy):
+def test_random_workloads_keep_blocks_exact(requests, num_blocks, budget, max_seqs, caching, policy, speculative):
     bs = 4
     cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy)
-    runner = ScriptedRunner(bs)
+    spec = None
+    if speculative is not None:  # "draft" also reserves lookahead slots
+        spec = SpeculativeConfig(speculative, num_speculative_tokens=3, draft_model="scripted", disable_batch_size=6)
+    runner = ScriptedRunner(bs, lookahead=spec.num_lookahead_slots if spec else 0)
     engine = Engine(
         runner,
         ToyTokenizer(),
-        EngineConfig(num_blocks=num_blocks, block_size=bs, max_model_len=200, enable_prefix_caching=caching, scheduler=cfg),
-    )
+        EngineConfig(
+            num_blocks=num_blocks, block_size=bs, max_model_len=200, enable_prefix_caching=caching, scheduler=cfg,
+            speculative=spec,
+        ),
+    )  # fmt: skip
     prefixes = [list(range(k * 7, k * 7 + 9 * k)) for k in range(4)]
     finished: dict[str, list[int]] = {}
     prompts: dict[str, list[int]] = {}
@@ -130,5 +162,7 @@ def test_random_workloads_keep_blocks_exact(requests, num_blocks, budget, max_se
     assert not engine.has_unfinished(), "requests stuck"
     assert engine.block_pool.num_free == num_blocks, "blocks leaked"
     assert not engine.requests and not engine.groups
-    for rid, tokens in finished.items():  # preemption, chunking and caching change no output
+    for rid, tokens in finished.items():  # preemption, chunking, caching, speculation change no output
         assert tokens == expected_output(prompts[rid], len(tokens))
+    if speculative is not None and max_seqs <= 6 and budget > 4 and any(len(t) >= 4 for t in finished.values()):
+        assert engine.spec_stats.num_drafts > 0  # the drafts were verified, not silently dropped

@@ -1,0 +1,266 @@
+"""Speculative decoding on tiny random models: lossless, greedy-identical, leak-free.
+
+Tiny models make the statistical test affordable: the target's exact distribution of
+its first three tokens is computed by enumeration, and thousands of seeded requests
+with speculation must reproduce it (chi-square).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections import Counter
+
+import pytest
+import torch
+
+from tests.helpers import all_logits, seq
+from tokenmill.config import ModelConfig, SpeculativeConfig
+from tokenmill.engine.engine import Engine, EngineConfig
+from tokenmill.engine.scheduler import SchedulerConfig
+from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec.draft import ModelProposer
+from tokenmill.spec.ngram import NgramProposer
+from tokenmill.worker.kv_cache import allocate_kv_cache
+from tokenmill.worker.model_runner import ModelRunner
+
+CPU = torch.device("cpu")
+BLOCK = 4
+
+
+class ToyTokenizer:
+    stop_token_ids = frozenset()
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab_size = vocab
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(c) % self.vocab_size for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(65 + i % 26) for i in ids)
+
+
+def tiny_model(seed: int, vocab: int = 8, layers: int = 2) -> LlamaForCausalLM:
+    cfg = ModelConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=layers, num_heads=4, num_kv_heads=2,
+        head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, std=0.2):
+        return torch.randn(*shape, generator=g) * std
+
+    w = {"embed_tokens.weight": rand(vocab, 32, std=1.0), "norm.weight": torch.ones(32), "lm_head.weight": rand(vocab, 32, std=0.35)}
+    for i in range(layers):
+        p = f"layers.{i}."
+        w |= {p + "input_layernorm.weight": torch.ones(32), p + "post_attention_layernorm.weight": torch.ones(32)}
+        w |= {p + f"self_attn.{n}_proj.weight": rand(32 if n in "qo" else 16, 32) for n in "qkvo"}
+        w |= {p + "mlp.gate_proj.weight": rand(64, 32), p + "mlp.up_proj.weight": rand(64, 32)}
+        w[p + "mlp.down_proj.weight"] = rand(32, 64)
+    return LlamaForCausalLM.from_weights(cfg, w)
+
+
+def tiny_engine(target, method=None, draft=None, k=3, num_blocks=64, max_num_seqs=64, draft_layers=1, caching=True):
+    caches = allocate_kv_cache(target.config, num_blocks, BLOCK, torch.float32, CPU)
+    proposer, spec = None, None
+    if method is not None:
+        spec = SpeculativeConfig(
+            method, num_speculative_tokens=k, draft_model="tiny", draft_layers=draft_layers, disable_batch_size=10_000,
+            prompt_lookup_max=3,
+        )  # fmt: skip
+        if method == "ngram":
+            proposer = NgramProposer(3, 1)
+        elif method == "self":
+            proposer = ModelProposer(target, caches, BLOCK, CPU, draft_layers, catch_up=False)
+        else:
+            draft_caches = allocate_kv_cache(draft.config, num_blocks, BLOCK, torch.float32, CPU)
+            proposer = ModelProposer(draft, draft_caches, BLOCK, CPU)
+    runner = ModelRunner(target, caches, BLOCK, CPU, proposer)
+    config = EngineConfig(
+        num_blocks=num_blocks, block_size=BLOCK, max_model_len=200, enable_prefix_caching=caching,
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64), speculative=spec,
+    )  # fmt: skip
+    return Engine(runner, ToyTokenizer(target.config.vocab_size), config)
+
+
+def run(engine: Engine, prompts, params) -> dict[str, list[int]]:
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(str(i), p, sp)
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert engine.block_pool.num_free == engine.block_pool.num_blocks, "KV blocks leaked"
+    return done
+
+
+def mixed_workload(vocab: int):
+    """Repetitive prompts (prompt lookup finds matches), shared prefixes (prefix cache
+    hits), varied lengths and max_tokens, stop tokens and penalties on some."""
+    shared = [(3 * i) % vocab for i in range(13)]
+    prompts, params = [], []
+    for i in range(10):
+        motif = [(i + j * 5) % vocab for j in range(4)]
+        prompt = shared + motif * (1 + i % 3) if i % 2 else motif * 3 + [i % vocab]
+        prompts.append(prompt)
+        stop = (i % vocab,) if i % 4 == 3 else ()
+        penalties = {"repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.3} if i % 3 == 1 else {}
+        params.append(SamplingParams(temperature=0, max_tokens=6 + 5 * i, stop_token_ids=stop, **penalties))
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(0, vocab=16)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft", "self"])
+def test_greedy_output_is_identical_in_a_mixed_batch_with_preemption(target, method):
+    prompts, params = mixed_workload(16)
+    expected = run(tiny_engine(target), prompts, params)
+    draft = tiny_model(1, vocab=16)
+    engine = tiny_engine(target, method, draft=draft, num_blocks=24)  # too few blocks for all: preemption
+    assert run(engine, prompts, params) == expected
+    assert engine.scheduler.num_preemptions > 0 and engine.kv.stats.hits > 0
+    assert engine.spec_stats.num_drafts > 0 and engine.spec_stats.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("method", ["draft", "self"])
+def test_a_draft_identical_to_the_target_is_always_accepted(target, method):
+    """A draft model with the target's weights (or self-speculation through all its
+    layers) must agree on every token: this holds only if the draft's K/V stay
+    exactly in step through chunked prefill, prefix-cache sharing, preemption and
+    rejected drafts."""
+    prompts, params = mixed_workload(16)
+    engine = tiny_engine(target, method, draft=copy.deepcopy(target), num_blocks=24, draft_layers=target.config.num_layers)
+    run(engine, prompts, [SamplingParams(temperature=0, max_tokens=p.max_tokens, ignore_eos=True) for p in params])
+    stats = engine.spec_stats
+    assert stats.num_drafts > 20 and stats.acceptance_rate == 1.0
+    assert engine.scheduler.num_preemptions > 0 and engine.kv.stats.hits > 0
+
+
+def exact_first_tokens(model, prompt, temperature, top_k):
+    """P(t1) and P(t2, t3) of the target's own sampling, by enumeration."""
+    vocab = model.config.vocab_size
+    runner = ModelRunner(model, allocate_kv_cache(model.config, 16, BLOCK, torch.float32, CPU), BLOCK, CPU)
+
+    def probs(tokens):
+        logits = all_logits(runner, [seq(tokens, list(range(16)))])[-1].double() / temperature
+        if top_k:
+            logits[logits < logits.topk(top_k).values[-1]] = -torch.inf
+        return logits.softmax(-1)
+
+    p1 = probs(prompt)
+    p23 = torch.zeros(vocab, vocab, dtype=torch.float64)
+    for t1 in range(vocab):
+        p2 = probs(prompt + [t1])
+        for t2 in range(vocab):
+            p23[t2] += p1[t1] * p2[t2] * probs(prompt + [t1, t2])
+    return p1, p23.flatten()
+
+
+def chi_square_pvalue(counts: Counter, expected: torch.Tensor) -> float:
+    stats = pytest.importorskip("scipy.stats")
+    n = sum(counts.values())
+    exp = (expected / expected.sum() * n).tolist()
+    obs = [counts[i] for i in range(len(exp))]
+    assert all(o == 0 for o, e in zip(obs, exp, strict=True) if e == 0), "a token the target never samples"
+    big = [i for i, e in enumerate(exp) if e >= 5]
+    rare = [i for i, e in enumerate(exp) if 0 < e < 5]  # pooled into one cell
+    f_obs, f_exp = [obs[i] for i in big], [exp[i] for i in big]
+    if rare:
+        f_obs.append(sum(obs[i] for i in rare))
+        f_exp.append(sum(exp[i] for i in rare))
+    f_exp[-1] += n - sum(f_exp)  # exact totals, as chisquare demands
+    return stats.chisquare(f_obs, f_exp).pvalue
+
+
+@pytest.mark.parametrize(
+    "method,temperature,top_k", [("draft", 1.0, 0), ("ngram", 0.8, 5), ("self", 1.0, 0)], ids=["draft", "ngram-topk", "self"]
+)
+def test_sampling_with_speculation_reproduces_the_targets_distribution(method, temperature, top_k):
+    vocab, draws = 8, 3000
+    target = tiny_model(2, vocab=vocab)
+    prompt = list(range(vocab)) * 2  # every token occurs: prompt lookup always has a match
+    engine = tiny_engine(target, method, draft=tiny_model(3, vocab=vocab), k=2, num_blocks=2000, max_num_seqs=256)
+    params = [SamplingParams(temperature=temperature, top_k=top_k, max_tokens=4, seed=s, ignore_eos=True) for s in range(draws)]
+    outputs = run(engine, [prompt] * draws, params).values()
+    stats = engine.spec_stats
+    assert stats.num_drafts >= draws  # every request verified drafts for tokens 2 and 3
+    assert 0 < stats.acceptance_rate < 1  # and both acceptance and rejection happened
+    p1, p23 = exact_first_tokens(target, prompt, temperature, top_k)
+    first = Counter(o[0] for o in outputs)
+    pairs = Counter(o[1] * vocab + o[2] for o in outputs)
+    assert chi_square_pvalue(first, p1) > 1e-3
+    assert chi_square_pvalue(pairs, p23) > 1e-3
+
+
+def test_seeded_sampling_with_speculation_is_reproducible(target):
+    """Same seed, same output: run again, or alone instead of among others. (Which
+    positions get drafted decides which random draws a token uses, so a schedule that
+    drafts differently, as under preemption, gives another sample of the same
+    distribution rather than the same tokens.)"""
+    prompts, _ = mixed_workload(16)
+    params = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=20, seed=7, repetition_penalty=1.2)
+    draft = tiny_model(1, vocab=16)
+    a = run(tiny_engine(target, "draft", draft=draft, num_blocks=400), prompts, params)
+    b = run(tiny_engine(target, "draft", draft=draft, num_blocks=400), prompts, params)
+    alone = run(tiny_engine(target, "draft", draft=draft, num_blocks=400), prompts[3:4], params)
+    assert a == b and alone["0"] == a["3"]
+
+
+def test_speculation_pauses_above_the_disable_batch_size(target):
+    prompts, params = mixed_workload(16)
+    engine = tiny_engine(target, "ngram")
+    engine.config = EngineConfig(**{**engine.config.__dict__, "speculative": SpeculativeConfig("ngram", disable_batch_size=2)})
+    run(engine, prompts[:2], params[:2])
+    drafted = engine.spec_stats.num_drafts
+    assert drafted > 0
+    run(engine, prompts, params)  # ten at once: no drafting until at most two remain
+    steps_over = [s for s in engine.step_stats if s.num_running > 2]
+    assert steps_over and engine.spec_stats.num_drafts - drafted < len(prompts) * 10
+
+
+def test_logprobs_of_accepted_tokens_match_plain_decoding(target):
+    prompts, _ = mixed_workload(16)
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=2)
+
+    def collect(engine):
+        for i, p in enumerate(prompts[:4]):
+            engine.add_request(str(i), p, params)
+        outs = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.finished:
+                    outs[o.request_id] = o.outputs[0]
+        return outs
+
+    plain, spec = collect(tiny_engine(target)), collect(tiny_engine(target, "ngram"))
+    for rid, a in plain.items():
+        b = spec[rid]
+        assert a.token_ids == b.token_ids
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+        assert [[t for t, _ in top] for top in a.top_logprobs] == [[t for t, _ in top] for top in b.top_logprobs]
+
+
+def test_all_proposers_leave_no_state_behind_after_aborts(target):
+    draft = tiny_model(1, vocab=16)
+    for method in ("ngram", "draft", "self"):
+        engine = tiny_engine(target, method, draft=draft, num_blocks=32)
+        prompts, params = mixed_workload(16)
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+            engine.add_request(str(i), p, sp)
+        for step in itertools.count():
+            engine.step()
+            if step == 3:
+                for i in range(0, len(prompts), 2):
+                    engine.abort(str(i))
+            if not engine.has_unfinished():
+                break
+        engine.step()  # hands the runner the last finished ids
+        assert engine.block_pool.num_free == engine.block_pool.num_blocks
+        assert not engine.runner._draft_probs and not engine.runner._generators

@@ -1,0 +1,80 @@
+"""Speculative decoding on the real model, through the LLM API."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.model.test_hf_folder import make_tiny_llama
+from tokenmill import LLM, SamplingParams
+from tokenmill.errors import TokenmillError
+
+PASSAGE = (
+    "The old mill stood at the bend of the river, where the water ran fast over a shelf of stone. "
+    "For a hundred years it ground the valley's wheat, and the miller's family lived above the wheel."
+)
+CONVERSATIONS = [
+    [{"role": "user", "content": f"Repeat this text exactly, word for word:\n{PASSAGE}"}],
+    [{"role": "user", "content": f"Extract the first sentence of this text:\n{PASSAGE}"}],
+    [{"role": "user", "content": "Write a short poem about the sea."}],
+    [{"role": "user", "content": "List three facts about Paris."}],
+]
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    params = SamplingParams(temperature=0, max_tokens=48)
+    return [o.outputs[0].token_ids for o in llm.chat(CONVERSATIONS, params)]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"speculative": "ngram"},
+        {"speculative": "self", "draft_layers": 10, "num_speculative_tokens": 2},
+        {"speculative": "draft", "kv_cache_memory": "24MiB"},  # both models' K/V share the budget
+    ],
+    ids=["ngram", "self", "draft"],
+)
+def test_greedy_output_is_token_identical(llm, reference, kwargs):
+    if kwargs["speculative"] == "draft":  # the model itself as its draft: every token is accepted
+        kwargs = {**kwargs, "draft_model": str(llm.model_path)}
+    kwargs = {"kv_cache_memory": "12MiB", **kwargs}
+    spec = LLM(dtype="float32", progress=False, spec_disable_batch_size=8, **kwargs)
+    outs = spec.chat(CONVERSATIONS, SamplingParams(temperature=0, max_tokens=48))
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    stats = spec.spec_decode_stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+    if kwargs["speculative"] == "draft":
+        assert stats.acceptance_rate == 1.0
+    assert spec.engine.scheduler.num_preemptions > 0  # the cache cannot hold all four at once
+    pool = spec.engine.block_pool
+    assert pool.num_free == pool.num_blocks
+
+
+def test_prompt_lookup_accepts_most_drafts_when_copying(llm):
+    spec = LLM(dtype="float32", progress=False, kv_cache_memory="64MiB", speculative="ngram")
+    out = spec.chat(CONVERSATIONS[0], SamplingParams(temperature=0, max_tokens=40))[0]
+    assert PASSAGE[:40] in out.outputs[0].text
+    assert spec.spec_decode_stats.acceptance_rate > 0.6
+    assert spec.spec_decode_stats.mean_accepted_length > 3
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tmp_path):
+    make_tiny_llama(tmp_path)  # vocabulary of 512
+    with pytest.raises(TokenmillError, match="vocabulary of 512 tokens but the target's has 49152"):
+        LLM(progress=False, kv_cache_memory="16MiB", speculative="draft", draft_model=str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"speculative": "medusa"}, "speculative method must be one of ngram, draft, self"),
+        ({"speculative": "draft"}, "needs a draft model"),
+        ({"speculative": "self"}, "needs draft_layers >= 1"),
+        ({"speculative": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be >= 1"),
+        ({"speculative": "self", "draft_layers": 30}, "draft_layers=30 must be below the model's 30 layers"),
+    ],
+)
+def test_bad_speculative_settings_are_clear_errors(kwargs, message):
+    with pytest.raises(TokenmillError, match=message):
+        LLM(progress=False, kv_cache_memory="16MiB", **kwargs)
