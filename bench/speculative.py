@@ -83,24 +83,27 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens for ngram and draft")
     ap.add_argument("--self-layers", type=int, default=28)
-    ap.add_argument("--self-k", type=int, default=2)
-    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--self-k", type=int, default=1)
+    ap.add_argument("--batches", default="1,2,4,8,32")
+    ap.add_argument("--only-batched", action="store_true", help="skip the batch-1 decode comparison")
     args = ap.parse_args()
 
     common = dict(dtype="float32", progress=False, kv_cache_memory="1GiB", spec_disable_batch_size=1_000)
     log("loading models ...")
     base = LLM(**common)
-    configs = {
-        "off": base,
-        "ngram": LLM(speculative="ngram", num_speculative_tokens=args.k, **common),
-        f"self(L={args.self_layers},k={args.self_k})": LLM(
-            speculative="self", draft_layers=args.self_layers, num_speculative_tokens=args.self_k, **common
-        ),
-        "draft(=target)": LLM(speculative="draft", draft_model=str(base.model_path), num_speculative_tokens=args.k, **common),
-    }
+    configs = {"off": base, "ngram": LLM(speculative="ngram", num_speculative_tokens=args.k, **common)}
+    if not args.only_batched:
+        configs |= {
+            f"self(L={args.self_layers},k={args.self_k})": LLM(
+                speculative="self", draft_layers=args.self_layers, num_speculative_tokens=args.self_k, **common
+            ),
+            "draft(=target)": LLM(
+                speculative="draft", draft_model=str(base.model_path), num_speculative_tokens=args.k, **common
+            ),
+        }
     results: dict = {"max_tokens": args.max_tokens, "repeats": args.repeats, "batch1": {}, "batched": {}}
 
-    for name, convs in workloads().items():
+    for name, convs in ({} if args.only_batched else workloads()).items():
         tokens = {c: 0 for c in configs}
         seconds = {c: 0.0 for c in configs}
         for llm in configs.values():
@@ -148,9 +151,11 @@ def main() -> None:
         }  # fmt: skip
 
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "speculative.json").write_text(json.dumps(results, indent=2))
+    name = "speculative_batched.json" if args.only_batched else "speculative.json"
+    (RESULTS / name).write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
-    plot(results)
+    if not args.only_batched:
+        plot(results)
 
 
 def plot(results: dict) -> None:

@@ -68,6 +68,20 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt")
     _add_engine_args(chat)
     _add_sampling_args(chat, max_tokens=256)
+    serve = sub.add_parser("serve", help="serve the OpenAI API over HTTP")
+    g = serve.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    g.add_argument("--max-queue", type=int, default=None, help="answer 429 while this many requests wait")
+    g.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests")
+    g.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model's file name)")
+    _add_engine_args(serve)
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from tokenmill.benchmark.serve import add_arguments
+
+    add_arguments(bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server"))
     return parser
 
 
@@ -165,10 +179,23 @@ def cmd_chat(args: argparse.Namespace) -> int:
             turn(user)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tokenmill.server.serve import serve
+
+    return serve(_llm(args), args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from tokenmill.benchmark.serve import run
+
+    return run(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"generate": cmd_generate, "chat": cmd_chat}[args.command](args)
+        commands = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "bench": cmd_bench}
+        return commands[args.command](args)
     except TokenmillError as e:
         print(f"tokenmill: error: {e}", file=sys.stderr)
         return 2

@@ -11,3 +11,7 @@ class ModelLoadError(TokenmillError):
 
 class InvalidRequestError(TokenmillError, ValueError):
     """A prompt or sampling parameter is invalid (maps to HTTP 400 at the server)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param  # the request field at fault, when one is

@@ -47,7 +47,7 @@ class SamplingParams:
 
     def _validate(self) -> None:
         def bad(param: str, why: str) -> InvalidRequestError:
-            return InvalidRequestError(f"invalid {param}={getattr(self, param)!r}: {why}")
+            return InvalidRequestError(f"invalid {param}={getattr(self, param)!r}: {why}", param=param)
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")

@@ -90,6 +90,15 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    @property
+    def is_dead(self) -> bool:
+        return self._dead is not None or self._stopped.is_set()
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued and not yet running (an estimate read from another thread)."""
+        return len(self.engine.scheduler.waiting) + self._commands.qsize()
+
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
         self._wake.set()

@@ -124,21 +124,23 @@ class Engine:
 
     def _validate_prompt(self, ids: list[int]) -> None:
         if not ids:
-            raise InvalidRequestError("prompt is empty: at least one token is needed")
+            raise InvalidRequestError("prompt is empty: at least one token is needed", param="prompt")
         vocab = self.tokenizer.vocab_size
         bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
-            raise InvalidRequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+            raise InvalidRequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})", param="prompt")
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt is {len(ids)} tokens but the context window is {self.max_model_len} tokens "
-                "(it must leave room for at least one generated token)"
+                "(it must leave room for at least one generated token)",
+                param="prompt",
             )
         needed = self.kv.blocks_for(len(ids) + 1)
         if needed > self.block_pool.num_blocks:
             raise InvalidRequestError(
                 f"prompt of {len(ids)} tokens needs {needed} KV blocks but the cache has only "
-                f"{self.block_pool.num_blocks}; raise kv_cache_memory"
+                f"{self.block_pool.num_blocks}; raise kv_cache_memory",
+                param="prompt",
             )
 
     def abort(self, request_id: str) -> None:

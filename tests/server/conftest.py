@@ -1,0 +1,99 @@
+"""A real `tokenmill serve` on 127.0.0.1, started by the tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+API_KEY = "test-key"
+MODEL = "smollm2"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *flags: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "tokenmill", "serve", "--port", str(self.port), "--served-model-name", MODEL,
+               "--kv-cache-memory", "128MiB", *flags]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited early: {self.proc.stderr.read()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        self.stop()
+        raise RuntimeError("server did not come up in 120 s")
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of metric `name` whose labels include `labels`."""
+        total, found = 0.0, False
+        for line in httpx.get(self.url + "/metrics").text.splitlines():
+            if line.startswith("#") or not (line.startswith(name + "{") or line.startswith(name + " ")):
+                continue
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+                found = True
+        if not found:
+            raise KeyError(name)
+        return total
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="session")
+def server():
+    s = Server("--api-key", API_KEY)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture()
+def http(server):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(autouse=True)
+def server_idle_after(request):
+    """Every server test must leave no request running and the KV pool free."""
+    yield
+    if "server" in request.fixturenames:
+        s = request.getfixturevalue("server")
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            if s.metric("tokenmill:num_requests_running") == 0 and s.metric("tokenmill:kv_cache_usage_perc") == 0:
+                return
+            time.sleep(0.1)
+        raise AssertionError("the server still holds requests or KV blocks after the test")

@@ -1,0 +1,340 @@
+"""`tokenmill bench serve`: load-test any OpenAI-compatible server.
+
+Sends a workload at one or more request rates (Poisson arrivals) or at a fixed
+concurrency, streams every response, and reports request and token throughput,
+TTFT, TPOT, inter-token latency and end-to-end latency (mean, p50, p90, p99) and
+goodput under SLOs, as JSON and PNG plots. It speaks plain OpenAI (/v1/completions
+with text prompts), so it measures vLLM or llama.cpp's server exactly as it measures
+ours. ``--trace`` also asks a tokenmill server for its per-request timings and draws
+a Gantt chart of each request's queued, prefill and decode phases.
+
+    tokenmill bench serve --base-url http://127.0.0.1:8000 --request-rate 0.5,1,2,inf
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+WORDS = (
+    "the mill river water stone wheel grain flour miller village valley bridge road market town farm field "
+    "harvest season winter summer morning evening light shadow engine power steam iron wood rope gear shaft "
+    "people family house door window garden tree forest hill mountain cloud rain wind storm story history "
+    "year century change work trade price money coin letter book page word question answer reason idea plan "
+    "and of to in on with from for by at as that which when while because although after before under over "
+    "slowly quickly often never always again still already perhaps almost nearly together alone quiet loud"
+).split()
+
+
+def _text(rng: random.Random, words: int) -> str:
+    out = []
+    for i in range(words):
+        w = rng.choice(WORDS)
+        out.append(w.capitalize() if i == 0 or out[-1].endswith(".") else w)
+        if rng.random() < 0.08:
+            out[-1] += "."
+    return " ".join(out) + "."
+
+
+def synthetic(name: str, n: int, seed: int) -> list[dict]:
+    """mixed: prompts of ~16..900 tokens (log-uniform words), 16..128 output tokens;
+    shared-prefix: one ~700-token system text before each short question, 32 tokens."""
+    rng = random.Random(seed)
+    if name == "mixed":
+        return [{"prompt": _text(rng, int(math.exp(rng.uniform(math.log(12), math.log(700))))),
+                 "max_tokens": rng.randint(16, 128)} for _ in range(n)]  # fmt: skip
+    if name == "shared-prefix":
+        system = _text(random.Random(seed + 1), 520)
+        return [{"prompt": f"{system}\n\nQuestion {i}: {_text(rng, 12)}\nAnswer:", "max_tokens": 32} for i in range(n)]
+    raise ValueError(f"unknown dataset {name!r}")
+
+
+def load_jsonl(path: str) -> list[dict]:
+    reqs = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            reqs.append({"prompt": r["prompt"], "max_tokens": int(r.get("max_tokens", 64))})
+    return reqs
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    start: float = 0.0
+    ttft: float | None = None
+    e2e: float | None = None
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    itl: list[float] = field(default_factory=list)  # gaps between streamed chunks
+    error: str | None = None
+    timings: dict | None = None  # the server's own, with --trace (tokenmill only)
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or self.e2e is None or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+async def send(client, url: str, model: str, req: dict, headers: dict, trace: bool) -> RequestResult:
+    body = {"model": model, "prompt": req["prompt"], "max_tokens": req["max_tokens"], "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    if trace:
+        body["return_timings"] = True
+    res = RequestResult(ok=False, start=time.perf_counter())
+    last = res.start
+    chunks = 0
+    try:
+        async with client.stream("POST", url, json=body, headers=headers, timeout=None) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    res.error = str(data["error"])
+                    return res
+                if data.get("timings"):
+                    res.timings = data["timings"][0]
+                if data.get("usage"):
+                    res.output_tokens = data["usage"]["completion_tokens"]
+                    res.prompt_tokens = data["usage"]["prompt_tokens"]
+                if any(c.get("text") for c in data.get("choices", [])):
+                    now = time.perf_counter()
+                    if res.ttft is None:
+                        res.ttft = now - res.start
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+                    chunks += 1
+        res.e2e = time.perf_counter() - res.start
+        res.output_tokens = res.output_tokens or chunks
+        res.ok = res.ttft is not None
+    except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+async def run_load(base_url: str, model: str, reqs: list[dict], rate: float, concurrency: int | None,
+                   api_key: str | None, trace: bool, seed: int) -> tuple[list[RequestResult], float]:  # fmt: skip
+    import httpx
+
+    url = base_url.rstrip("/") + "/v1/completions"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    rng = random.Random(seed)
+    sem = asyncio.Semaphore(concurrency) if concurrency else None
+    done = 0
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(limits=limits, timeout=None) as client:
+
+        async def one(req: dict) -> RequestResult:
+            nonlocal done
+            if sem is None:
+                r = await send(client, url, model, req, headers, trace)
+            else:
+                async with sem:
+                    r = await send(client, url, model, req, headers, trace)
+            done += 1
+            print(f"\r  {done}/{len(reqs)} requests done", end="", file=sys.stderr, flush=True)
+            return r
+
+        t0 = time.perf_counter()
+        tasks = []
+        for req in reqs:
+            tasks.append(asyncio.create_task(one(req)))
+            if math.isfinite(rate):
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - t0
+    print(file=sys.stderr)
+    return list(results), elapsed
+
+
+def percentiles(xs: list[float]) -> dict:
+    if not xs:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    s = sorted(xs)
+
+    def pct(p: float) -> float:
+        k = (len(s) - 1) * p / 100
+        lo, hi = math.floor(k), math.ceil(k)
+        return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+    return {"mean": sum(s) / len(s), "p50": pct(50), "p90": pct(90), "p99": pct(99)}
+
+
+def summarise(results: list[RequestResult], elapsed: float, rate: float, slo_ttft: float, slo_tpot: float) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    good = [r for r in ok if r.ttft <= slo_ttft and (r.tpot is None or r.tpot <= slo_tpot)]
+    return {
+        "request_rate": rate if math.isfinite(rate) else "inf",
+        "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+        "duration_s": elapsed,
+        "request_throughput": len(ok) / elapsed,
+        "output_token_throughput": out_tokens / elapsed,
+        "total_token_throughput": (out_tokens + sum(r.prompt_tokens for r in ok)) / elapsed,
+        "goodput_req_s": len(good) / elapsed,
+        "slo": {"ttft_s": slo_ttft, "tpot_s": slo_tpot},
+        "ttft_s": percentiles([r.ttft for r in ok]),
+        "tpot_s": percentiles([r.tpot for r in ok if r.tpot is not None]),
+        "itl_s": percentiles([x for r in ok for x in r.itl]),
+        "e2e_s": percentiles([r.e2e for r in ok]),
+    }  # fmt: skip
+
+
+def _fmt(p: dict, scale: float = 1000) -> str:
+    return "  ".join(f"{k} {v * scale:.0f}" for k, v in p.items() if v is not None) or "-"
+
+
+def report(s: dict) -> None:
+    print(f"rate {s['request_rate']} req/s: {s['completed']} ok, {s['failed']} failed in {s['duration_s']:.1f} s | "
+          f"{s['request_throughput']:.2f} req/s, {s['output_token_throughput']:.1f} output tok/s, "
+          f"goodput {s['goodput_req_s']:.2f} req/s", file=sys.stderr)  # fmt: skip
+    for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        print(f"    {key[:-2]:5s} ms: {_fmt(s[key])}", file=sys.stderr)
+
+
+def plot(runs: list[dict], raw: dict[str, list[RequestResult]], out: Path, label: str) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plots", file=sys.stderr)
+        return []
+    files = []
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
+    for rate, results in raw.items():
+        ok = [r for r in results if r.ok]
+        series = {"TTFT": [r.ttft for r in ok], "TPOT": [r.tpot for r in ok if r.tpot is not None],
+                  "ITL": [x for r in ok for x in r.itl], "E2E": [r.e2e for r in ok]}  # fmt: skip
+        for ax, (name, xs) in zip(axes, series.items(), strict=True):
+            xs = sorted(xs)
+            if xs:
+                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=f"{rate} req/s")
+            ax.set_title(f"{name} CDF")
+            ax.set_xlabel("seconds")
+    axes[0].set_ylabel("fraction of requests")
+    axes[-1].legend(fontsize=7)
+    fig.suptitle(label)
+    fig.tight_layout()
+    path = out / f"{label}_latency_cdf.png"
+    fig.savefig(path, dpi=110)
+    files.append(str(path))
+    finite = [r for r in runs if r["request_rate"] != "inf"]
+    if len(finite) > 1:
+        fig, ax1 = plt.subplots(figsize=(6.5, 4))
+        rates = [r["request_rate"] for r in finite]
+        ax1.plot(rates, [r["output_token_throughput"] for r in finite], "o-", color="C0")
+        ax1.set_xlabel("request rate (req/s)")
+        ax1.set_ylabel("output tokens/s", color="C0")
+        ax2 = ax1.twinx()
+        ax2.plot(rates, [r["ttft_s"]["p99"] for r in finite], "s--", color="C3")
+        ax2.set_ylabel("p99 TTFT (s)", color="C3")
+        ax1.set_title(label)
+        fig.tight_layout()
+        path = out / f"{label}_rate_sweep.png"
+        fig.savefig(path, dpi=110)
+        files.append(str(path))
+    return files
+
+
+def plot_trace(results: list[RequestResult], path: Path, title: str) -> bool:
+    rows = [r.timings for r in results if r.timings and r.timings.get("finished")]
+    if not rows:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows.sort(key=lambda t: t["arrival"])
+    t0 = rows[0]["arrival"]
+    fig, ax = plt.subplots(figsize=(10, max(3, 0.12 * len(rows) + 1)))
+    for i, t in enumerate(rows):
+        sched = t["first_scheduled"] or t["finished"]
+        first = t["first_token"] or t["finished"]
+        ax.barh(i, sched - t["arrival"], left=t["arrival"] - t0, color="#cccccc", height=0.8)
+        ax.barh(i, first - sched, left=sched - t0, color="#e4572e", height=0.8)
+        ax.barh(i, t["finished"] - first, left=first - t0, color="#29335c", height=0.8)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since the first arrival (server clock)")
+    ax.set_ylabel("request (by arrival)")
+    ax.set_title(title)
+    from matplotlib.patches import Patch
+
+    ax.legend(handles=[Patch(color="#cccccc", label="queued"), Patch(color="#e4572e", label="prefill"),
+                       Patch(color="#29335c", label="decode")], loc="lower right")  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
+    p.add_argument("--dataset", choices=["mixed", "shared-prefix"], default="mixed")
+    p.add_argument("--dataset-path", default=None, help="JSONL of {prompt, max_tokens} (overrides --dataset)")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--request-rate", default="inf", help="req/s, comma-separated for a sweep; inf sends all at once")
+    p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    p.add_argument("--slo-ttft", type=float, default=2.0, help="goodput SLO on TTFT, seconds")
+    p.add_argument("--slo-tpot", type=float, default=0.25, help="goodput SLO on TPOT, seconds")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trace", action="store_true", help="Gantt chart of request lifetimes (tokenmill servers)")
+    p.add_argument("--label", default="bench_serve", help="file name stem of the outputs")
+    p.add_argument("--output-dir", default=".", help="where the JSON and PNGs go")
+
+
+def _model_id(base_url: str, api_key: str | None) -> str:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+def run(args: argparse.Namespace) -> int:
+    reqs = load_jsonl(args.dataset_path) if args.dataset_path else synthetic(args.dataset, args.num_prompts, args.seed)
+    reqs = reqs[: args.num_prompts]
+    model = args.model or _model_id(args.base_url, args.api_key)
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rates = [float(r) for r in str(args.request_rate).split(",")]
+    runs, raw = [], {}
+    for rate in rates:
+        print(f"{len(reqs)} requests at {rate} req/s"
+              + (f", concurrency {args.max_concurrency}" if args.max_concurrency else ""), file=sys.stderr)  # fmt: skip
+        results, elapsed = asyncio.run(
+            run_load(args.base_url, model, reqs, rate, args.max_concurrency, args.api_key, args.trace, args.seed)
+        )
+        summary = summarise(results, elapsed, rate, args.slo_ttft, args.slo_tpot)
+        report(summary)
+        runs.append(summary)
+        raw[str(summary["request_rate"])] = results
+        if args.trace and plot_trace(results, out / f"{args.label}_trace_{summary['request_rate']}.png",
+                                     f"{args.label}: {summary['request_rate']} req/s"):  # fmt: skip
+            summary["trace_png"] = str(out / f"{args.label}_trace_{summary['request_rate']}.png")
+    result = {"base_url": args.base_url, "model": model, "num_prompts": len(reqs),
+              "dataset": args.dataset_path or args.dataset, "max_concurrency": args.max_concurrency, "runs": runs,
+              "requests": {rate: [asdict(r) for r in rs] for rate, rs in raw.items()}}  # fmt: skip
+    result["plots"] = plot(runs, raw, out, args.label)
+    path = out / f"{args.label}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(json.dumps({"runs": runs, "plots": result["plots"], "json": str(path)}, indent=1))
+    return 0 if all(r["failed"] == 0 for r in runs) else 1

@@ -1,0 +1,418 @@
+"""The OpenAI-compatible routes on FastAPI, in front of the AsyncEngine.
+
+    POST /v1/completions, /v1/chat/completions   (stream or not; n; logprobs; usage)
+    GET  /v1/models, /health, /metrics
+    POST /tokenize, /detokenize
+
+Every error a client can cause is a 4xx in OpenAI's shape
+``{"error": {"message", "type", "param", "code"}}``: 400 for invalid parameters or a
+prompt that does not fit the context, 401 for a missing or wrong API key, 404 for an
+unknown model, 429 when ``max_queue`` requests already wait. A client that goes away
+aborts its request at once, freeing its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from tokenmill.engine.outputs import RequestOutput
+from tokenmill.errors import InvalidRequestError
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.metrics import ServerMetrics
+from tokenmill.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+    new_id,
+    now,
+)
+
+logger = logging.getLogger(__name__)
+
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 429: "RateLimitError",
+               500: "InternalServerError", 503: "ServiceUnavailableError"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_queue: int | None = None  # waiting requests beyond which new ones get 429
+    drain_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests
+    served_model_name: str = "tokenmill"
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, ERROR_TYPES.get(status, "Error"), status, param), status_code=status)
+
+
+@dataclass
+class Served:
+    """What the routes need: the engine front, tokenizer, limits, metrics."""
+
+    engine: AsyncEngine
+    tokenizer: Any
+    max_model_len: int
+    config: ServerConfig
+    metrics: ServerMetrics
+
+
+def build_app(engine: AsyncEngine, tokenizer: Any, max_model_len: int, config: ServerConfig) -> FastAPI:
+    served = Served(engine, tokenizer, max_model_len, config, ServerMetrics(engine.engine, config.served_model_name))
+    app = FastAPI(title="tokenmill", version="0.1")
+    app.state.served = served
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return error_response(e.status, e.message, e.param)
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid(_: Request, e: InvalidRequestError) -> JSONResponse:
+        return error_response(400, str(e), e.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        where = ".".join(loc) or "body"
+        return error_response(400, f"invalid request: {where}: {first.get('msg', 'malformed')}", where)
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_: Request, e: EngineDeadError) -> JSONResponse:
+        return error_response(503, f"the engine is not running: {e}")
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        key = config.api_key
+        if key is not None and request.url.path.startswith("/v1/"):
+            if request.headers.get("authorization", "") != f"Bearer {key}":
+                return error_response(401, "invalid or missing API key (send Authorization: Bearer <key>)")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if served.engine.is_dead:
+            return error_response(503, "the engine loop has stopped")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(served.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {"id": config.served_model_name, "object": "model", "created": now(), "owned_by": "tokenmill",
+                "root": config.served_model_name, "max_model_len": max_model_len}  # fmt: skip
+        return {"object": "list", "data": [card]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        _check_model(served, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", "prompt")
+        if body.messages is not None:
+            text = tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        _check_model(served, body.model)
+        bad = next((t for t in body.tokens if not 0 <= t < tokenizer.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {tokenizer.vocab_size})", "tokens")
+        return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        _check_model(served, body.model)
+        prompts = [await _encode(served, p) for p in body.prompts()]
+        params = [body.sampling_params(_max_tokens(served, ids, body.max_tokens)) for ids in prompts]
+        job = _Job(served, "cmpl", "text_completion", prompts, params, body.include_usage, body.return_timings, chat=False)
+        return await job.respond(request, body.stream)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        _check_model(served, body.model)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, body.add_generation_prompt)
+        ids = await asyncio.to_thread(tokenizer.encode, text, False)
+        params = body.sampling_params(_max_tokens(served, ids, body.requested_max_tokens))
+        job = _Job(served, "chatcmpl", "chat.completion", [ids], [params], body.include_usage, body.return_timings, chat=True)
+        return await job.respond(request, body.stream)
+
+    return app
+
+
+def _check_model(served: Served, model: str | None) -> None:
+    if model is not None and model != served.config.served_model_name:
+        raise APIError(404, f"the model `{model}` does not exist; this server serves `{served.config.served_model_name}`",
+                       "model")  # fmt: skip
+
+
+async def _encode(served: Served, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, str):
+        return await asyncio.to_thread(served.tokenizer.encode, prompt)
+    return list(prompt)
+
+
+def _max_tokens(served: Served, prompt_ids: list[int], requested: int | None) -> int:
+    """The request's max_tokens, or all the room left; 400 when it does not fit."""
+    limit = served.max_model_len
+    if requested is None:
+        if len(prompt_ids) >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your prompt is "
+                                f"{len(prompt_ids)} tokens, leaving no room for the completion.", "messages")  # fmt: skip
+        return limit - len(prompt_ids)
+    if isinstance(requested, int) and requested >= 1 and len(prompt_ids) + requested > limit:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{len(prompt_ids) + requested} tokens ({len(prompt_ids)} in the prompt, {requested} for the completion). "
+            "Please reduce the length of the prompt or max_tokens.",
+            "max_tokens",
+        )
+    return requested
+
+
+class _Job:
+    """One API request: its prompts (a completions request may carry several), each
+    run as one engine request with n sequences; choice i*n + j is sequence j of
+    prompt i."""
+
+    def __init__(self, served: Served, prefix: str, obj: str, prompts: list[list[int]], params: list[SamplingParams],
+                 include_usage: bool, return_timings: bool, chat: bool) -> None:  # fmt: skip
+        if served.config.max_queue is not None and served.engine.num_waiting >= served.config.max_queue:
+            raise APIError(429, f"server busy: {served.engine.num_waiting} requests are already waiting "
+                                f"(max_queue={served.config.max_queue}); retry later")  # fmt: skip
+        self.served = served
+        self.id = new_id(prefix)
+        self.object = obj
+        self.created = now()
+        self.prompts = prompts
+        self.params = params
+        self.include_usage = include_usage
+        self.return_timings = return_timings
+        self.chat = chat
+        self.model = served.config.served_model_name
+
+    async def respond(self, request: Request, stream: bool) -> Response:
+        streams = [self.served.engine.generate(f"{self.id}-{i}", ids, p)
+                   for i, (ids, p) in enumerate(zip(self.prompts, self.params, strict=True))]  # fmt: skip
+        merged = _merge(streams)
+        try:
+            first = await anext(merged)  # surfaces an invalid request as a 400 before any byte is sent
+        except StopAsyncIteration:
+            first = None
+        except RequestFailedError as e:
+            await merged.aclose()
+            return error_response(500, str(e))
+        if stream:
+            return StreamingResponse(self._sse(first, merged), media_type="text/event-stream")
+        return await _until_disconnect(request, self._collect(first, merged))
+
+    # ------------------------------------------------------------------ results
+
+    def _choice_index(self, prompt_index: int, out: RequestOutput) -> int:
+        return prompt_index * self.params[prompt_index].n + out.outputs[0].index
+
+    def _observe(self, out: RequestOutput) -> None:
+        if out.finished:
+            self.served.metrics.observe_finished(out)
+
+    async def _collect(self, first, merged) -> JSONResponse:
+        finals: dict[int, RequestOutput] = {}
+        items = [first] if first is not None else []
+        try:
+            async for item in _chain(items, merged):
+                i, out = item
+                self._observe(out)
+                if out.finished:
+                    finals[self._choice_index(i, out)] = out
+        except RequestFailedError as e:
+            return error_response(500, str(e))
+        choices = [self._final_choice(idx, finals[idx]) for idx in sorted(finals)]
+        body = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, "usage": self._usage(finals.values())}  # fmt: skip
+        if self.return_timings:
+            body["timings"] = [self._timings(finals[idx]) for idx in sorted(finals)]
+        return JSONResponse(body)
+
+    def _final_choice(self, index: int, out: RequestOutput) -> dict:
+        c = out.outputs[0]
+        choice: dict[str, Any] = {"index": index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        lps = self._logprobs(c.token_ids, c.logprobs, c.top_logprobs, 0)
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": c.text}
+        else:
+            choice["text"] = c.text
+        choice["logprobs"] = lps
+        return choice
+
+    def _usage(self, finals) -> dict:
+        prompt = sum(len(ids) for ids in self.prompts)
+        completion = sum(len(o.outputs[0].token_ids) for o in finals)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def _timings(self, out: RequestOutput) -> dict:
+        t = out.timings[0]
+        return {"arrival": t.arrival, "first_scheduled": t.first_scheduled, "first_token": t.first_token,
+                "finished": t.finished, "num_tokens": len(out.outputs[0].token_ids)}  # fmt: skip
+
+    def _logprobs(self, token_ids, logprobs, top_logprobs, start: int) -> dict | None:
+        """Logprobs of token_ids[start:] in the completions or the chat shape."""
+        if logprobs is None:
+            return None
+        tok = self.served.tokenizer
+        ids, lps, tops = token_ids[start:], logprobs[start:], top_logprobs[start:]
+        texts = [tok.decode([t], skip_special_tokens=False) for t in ids]
+        if self.chat:
+            content = []
+            for text, lp, top in zip(texts, lps, tops, strict=True):
+                alts = [{"token": tok.decode([t], skip_special_tokens=False), "logprob": v,
+                         "bytes": list(tok.decode([t], skip_special_tokens=False).encode())} for t, v in top]  # fmt: skip
+                content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": alts})
+            return {"content": content}
+        return {
+            "tokens": texts,
+            "token_logprobs": lps,
+            "top_logprobs": [{tok.decode([t], skip_special_tokens=False): v for t, v in top} or None for top in tops],
+            "text_offset": _offsets(texts),
+        }
+
+    # -------------------------------------------------------------------- stream
+
+    async def _sse(self, first, merged) -> AsyncIterator[str]:
+        finals: list[RequestOutput] = []
+        started: set[int] = set()
+        items = [first] if first is not None else []
+        try:
+            async for i, out in _chain(items, merged):
+                self._observe(out)
+                idx = self._choice_index(i, out)
+                c = out.outputs[0]
+                if self.chat and idx not in started:
+                    started.add(idx)
+                    yield self._chunk([{"index": idx, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}])  # fmt: skip
+                n_new = len(out.delta_token_ids)
+                lps = None
+                if c.logprobs is not None and n_new:
+                    lps = self._logprobs(c.token_ids, c.logprobs, c.top_logprobs, len(c.token_ids) - n_new)
+                if out.delta_text or out.finished or lps is not None:
+                    choice: dict[str, Any] = {"index": idx, "logprobs": lps,
+                                              "finish_reason": c.finish_reason if out.finished else None}  # fmt: skip
+                    if self.chat:
+                        choice["delta"] = {"content": out.delta_text} if out.delta_text else {}
+                    else:
+                        choice["text"] = out.delta_text
+                    if out.finished:
+                        choice["stop_reason"] = c.stop_reason
+                    yield self._chunk([choice])
+                if out.finished:
+                    finals.append(out)
+            if self.include_usage:
+                yield self._chunk([], usage=self._usage(finals))
+            if self.return_timings:
+                yield f"data: {json.dumps({'id': self.id, 'timings': [self._timings(o) for o in finals]})}\n\n"
+        except RequestFailedError as e:
+            yield f"data: {json.dumps(error_body(str(e), 'InternalServerError', 500))}\n\n"
+        except EngineDeadError as e:
+            yield f"data: {json.dumps(error_body(str(e), 'ServiceUnavailableError', 503))}\n\n"
+        finally:
+            await merged.aclose()
+        yield "data: [DONE]\n\n"
+
+    def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        if self.include_usage:
+            body["usage"] = usage
+        return f"data: {json.dumps(body)}\n\n"
+
+
+def _offsets(texts: list[str]) -> list[int]:
+    out, pos = [], 0
+    for t in texts:
+        out.append(pos)
+        pos += len(t)
+    return out
+
+
+async def _chain(first: list, rest: AsyncIterator) -> AsyncIterator:
+    for item in first:
+        yield item
+    async for item in rest:
+        yield item
+
+
+async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several engine streams as (stream index, output). Closing the merged
+    stream (or cancelling its reader) cancels every pump, which aborts its request."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, s: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in s:
+                await queue.put((i, out))
+            await queue.put(done)
+        except BaseException as e:  # noqa: BLE001 - handed to the reader
+            await queue.put(e)
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
+    """Await a non-streamed response, cancelling it (and so aborting its requests) if
+    the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), timeout=0.25)
+        except TimeoutError:
+            if await request.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                return Response(status_code=499)
+    return task.result()

@@ -1,0 +1,105 @@
+"""Prometheus metrics under vLLM's names with the prefix ``tokenmill:``, so that
+dashboards built for vLLM read them unchanged.
+
+Per-request histograms are observed by the server when a request ends, from the
+engine's own timings. Engine-wide gauges and counters (running, waiting, KV usage,
+preemptions, prefix cache, speculative tokens) are read from the engine at scrape
+time by a collector, so nothing polls. Each server has its own registry: no global
+state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from tokenmill.engine.engine import Engine
+from tokenmill.engine.outputs import RequestOutput
+
+P = "tokenmill:"
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+
+
+class EngineCollector:
+    """Gauges and counters read from the engine when /metrics is scraped."""
+
+    def __init__(self, engine: Engine, model_name: str) -> None:
+        self.engine = engine
+        self.labels = {"model_name": model_name}
+
+    def collect(self) -> Iterator[Metric]:
+        e = self.engine
+        names = list(self.labels)
+        values = list(self.labels.values())
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(P + name, doc, labels=names)
+            g.add_metric(values, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(P + name, doc, labels=names)
+            c.add_metric(values, value)
+            return c
+
+        pool = e.block_pool
+        yield gauge("num_requests_running", "Requests in model execution batches.", len(e.scheduler.running))
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", len(e.scheduler.waiting))
+        yield gauge("kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", pool.num_used / pool.num_blocks)
+        yield counter("num_preemptions", "Cumulative preemptions.", e.scheduler.num_preemptions)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", e.kv.stats.queries)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", e.kv.stats.hits)
+        spec = e.spec_stats
+        yield counter("spec_decode_num_drafts", "Speculative verification steps.", spec.num_drafts)
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", spec.num_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens)
+
+
+class ServerMetrics:
+    def __init__(self, engine: Engine, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine, model_name))
+        labels = ["model_name"]
+        self.model_name = model_name
+
+        def hist(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(P + name, doc, labels, buckets=buckets, registry=self.registry)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
+        self.tpot = hist("time_per_output_token_seconds", "Time per output token after the first.", TPOT_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Time from arrival to first scheduling.", LATENCY_BUCKETS)
+        self.prompt_len = hist("request_prompt_tokens", "Prompt length of finished requests.", TOKEN_BUCKETS)
+        self.gen_len = hist("request_generation_tokens", "Generated tokens of finished requests.", TOKEN_BUCKETS)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prefill tokens processed.", labels, registry=self.registry)
+        self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", labels, registry=self.registry)
+        self.success = Counter(
+            P + "request_success", "Finished requests by finish reason.", labels + ["finished_reason"], registry=self.registry
+        )
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        """One sequence ended (a request with n > 1 reports each of its n)."""
+        m = self.model_name
+        c = out.outputs[0]
+        t = out.timings[0]
+        self.success.labels(m, c.finish_reason or "abort").inc()
+        self.generation_tokens.labels(m).inc(len(c.token_ids))
+        self.gen_len.labels(m).observe(len(c.token_ids))
+        if c.index == 0:  # the prompt is shared by the n sequences: count it once
+            self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
+            self.prompt_len.labels(m).observe(len(out.prompt_token_ids))
+        if t.ttft is not None:
+            self.ttft.labels(m).observe(t.ttft)
+        if t.tpot is not None:
+            self.tpot.labels(m).observe(t.tpot)
+        if t.e2e is not None:
+            self.e2e.labels(m).observe(t.e2e)
+        if t.first_scheduled is not None:
+            self.queue.labels(m).observe(t.first_scheduled - t.arrival)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
