@@ -15,6 +15,7 @@ import asyncio
 import json
 import threading
 import time
+from pathlib import Path
 
 import torch
 import uvicorn
@@ -27,7 +28,7 @@ def build(model_path: str) -> FastAPI:
 
     from tokenmill.model.loader import default_model_path
 
-    path = default_model_path() if model_path is None else model_path
+    path = default_model_path() if model_path is None else Path(model_path)
     tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     model.eval()

@@ -28,6 +28,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
     g.add_argument("--scheduling", choices=["continuous", "static"], default="continuous",
                    help="continuous batching, or the static-batching baseline")
+    g.add_argument("--quantization", choices=["none", "int8", "int4"], default="none",
+                   help="weight-only quantisation of the linear layers, applied at load")
+    g.add_argument("--quantization-group-size", type=int, default=64, help="int4: input channels per scale")
+    g.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "float16", "int8", "fp8"],
+                   default="auto", help="how K and V are stored (int8/fp8: quantised, per-token scales)")
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--speculative", choices=["none", "ngram", "draft", "self"], default=None,
                    help="who drafts tokens for the target to verify: prompt lookup (ngram), a draft model, "
@@ -77,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests")
     g.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model's file name)")
     _add_engine_args(serve)
+    plan = sub.add_parser("plan", help="weights, KV per token, capacity and a decode bound for a configuration")
+    from tokenmill.plan import add_arguments as add_plan_arguments
+
+    add_plan_arguments(plan)
+    _add_engine_args(plan)
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from tokenmill.benchmark.serve import add_arguments
@@ -106,6 +116,9 @@ def _llm(args: argparse.Namespace):
         prompt_lookup_max=args.prompt_lookup_max,
         prompt_lookup_min=args.prompt_lookup_min,
         **({} if args.spec_disable_batch_size is None else {"spec_disable_batch_size": args.spec_disable_batch_size}),
+        quantization=args.quantization,
+        quantization_group_size=args.quantization_group_size,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 
@@ -185,6 +198,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(_llm(args), args)
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from tokenmill.plan import run
+
+    if args.kv_cache_memory is None:
+        args.kv_cache_memory = "1GiB"
+    return run(args, _llm(args))
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from tokenmill.benchmark.serve import run
 
@@ -194,7 +215,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        commands = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "bench": cmd_bench}
+        commands = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "plan": cmd_plan, "bench": cmd_bench}
         return commands[args.command](args)
     except TokenmillError as e:
         print(f"tokenmill: error: {e}", file=sys.stderr)

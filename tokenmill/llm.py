@@ -22,11 +22,12 @@ from tokenmill.errors import InvalidRequestError, ModelLoadError, TokenmillError
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import load_checkpoint
 from tokenmill.model.tokenizer import load_tokenizer
+from tokenmill.quant.weights import quantize_model
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec.draft import ModelProposer
 from tokenmill.spec.ngram import NgramProposer
 from tokenmill.spec.proposer import Proposer
-from tokenmill.worker.kv_cache import allocate_kv_cache, block_bytes
+from tokenmill.worker.kv_cache import allocate_kv_cache, block_bytes, check_kv_cache_dtype
 from tokenmill.worker.model_runner import ModelRunner
 
 DTYPES = {
@@ -108,6 +109,9 @@ class LLM:
         spec_disable_batch_size: int = DEFAULT_SPEC_DISABLE_BATCH_SIZE,
         prompt_lookup_max: int = 4,
         prompt_lookup_min: int = 1,
+        quantization: str = "none",
+        quantization_group_size: int = 64,
+        kv_cache_dtype: str = "auto",
         progress: bool = True,
     ) -> None:
         scheduler_config = _scheduler_config(max_num_seqs, max_num_batched_tokens, scheduling)
@@ -123,17 +127,24 @@ class LLM:
         self.tokenizer = load_tokenizer(ckpt.path, ckpt.metadata)
         self.model = LlamaForCausalLM.from_weights(ckpt.config, ckpt.weights, self.device)
         del ckpt
+        try:
+            check_kv_cache_dtype(kv_cache_dtype)
+            quantize_model(self.model, quantization, quantization_group_size)
+        except ValueError as e:
+            raise TokenmillError(str(e)) from None
+        self.quantization, self.kv_cache_dtype = quantization, kv_cache_dtype
+        self.quantization_group_size = quantization_group_size
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings)
         draft = None
         if spec_config is not None and spec_config.method == "draft":
             draft = self._load_draft(spec_config.draft_model, progress)
-        per_block = block_bytes(self.config, block_size, self.dtype)
+        per_block = block_bytes(self.config, block_size, self.dtype, kv_cache_dtype)
         if draft is not None:  # the draft's cache shares block ids: every block costs both
-            per_block += block_bytes(draft.config, block_size, self.dtype)
+            per_block += block_bytes(draft.config, block_size, self.dtype, kv_cache_dtype)
         num_blocks = parse_memory(kv_cache_memory) // per_block
         if num_blocks < 1:
             raise TokenmillError(f"kv_cache_memory={kv_cache_memory!r} is smaller than one KV block")
-        kv_caches = allocate_kv_cache(self.config, num_blocks, block_size, self.dtype, self.device)
+        kv_caches = allocate_kv_cache(self.config, num_blocks, block_size, self.dtype, self.device, kv_cache_dtype)
         proposer = None
         if spec_config is not None:
             proposer = self._proposer(spec_config, draft, kv_caches, num_blocks, block_size)
@@ -167,7 +178,8 @@ class LLM:
             draft_tokenizer = None  # weights only: the vocabulary size has to do
         if draft_tokenizer is not None and draft_tokenizer.backend.get_vocab() != self.tokenizer.backend.get_vocab():
             raise TokenmillError(f"draft model {path} has a different tokenizer vocabulary from the target's")
-        return LlamaForCausalLM.from_weights(ckpt.config, ckpt.weights, self.device)
+        draft = LlamaForCausalLM.from_weights(ckpt.config, ckpt.weights, self.device)
+        return quantize_model(draft, self.quantization, self.quantization_group_size)
 
     def _proposer(
         self, spec: SpeculativeConfig, draft: LlamaForCausalLM | None, kv_caches: list, num_blocks: int, block_size: int
@@ -182,7 +194,7 @@ class LLM:
                 )
             return ModelProposer(self.model, kv_caches, block_size, self.device, spec.draft_layers, catch_up=False)
         assert draft is not None
-        draft_caches = allocate_kv_cache(draft.config, num_blocks, block_size, self.dtype, self.device)
+        draft_caches = allocate_kv_cache(draft.config, num_blocks, block_size, self.dtype, self.device, self.kv_cache_dtype)
         return ModelProposer(draft, draft_caches, block_size, self.device)
 
     # ----------------------------------------------------------------- offline

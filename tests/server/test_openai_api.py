@@ -107,6 +107,7 @@ def assert_error(r: httpx.Response, status: int, *needles: str) -> dict:
         ({"prompt": ""}, "prompt", "empty"),
         ({"temperature": "hot"}, "temperature", "temperature"),
         ({"stop": [""]}, "stop", "stop"),
+        ({"seed": 2**70}, "seed", "invalid seed"),
     ],
 )
 def test_invalid_parameters_are_400(http, body, param, needle):

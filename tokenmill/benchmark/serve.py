@@ -309,15 +309,33 @@ def _model_id(base_url: str, api_key: str | None) -> str:
     return r.json()["data"][0]["id"]
 
 
+def warm_up(base_url: str, model: str, api_key: str | None) -> None:
+    """One short request first, so that no measured request pays for a cold server."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    body = {"model": model, "prompt": "Hello", "max_tokens": 2}
+    httpx.post(base_url.rstrip("/") + "/v1/completions", json=body, headers=headers, timeout=300)
+
+
+def workload(args: argparse.Namespace, run_index: int) -> list[dict]:
+    """The requests of one run. Synthetic prompts are drawn afresh for each rate (same
+    distribution, seed + run index): a server's prefix cache would otherwise serve
+    every run after the first from the prompts of the one before."""
+    if args.dataset_path:
+        return load_jsonl(args.dataset_path)[: args.num_prompts]
+    return synthetic(args.dataset, args.num_prompts, args.seed + run_index)
+
+
 def run(args: argparse.Namespace) -> int:
-    reqs = load_jsonl(args.dataset_path) if args.dataset_path else synthetic(args.dataset, args.num_prompts, args.seed)
-    reqs = reqs[: args.num_prompts]
     model = args.model or _model_id(args.base_url, args.api_key)
+    warm_up(args.base_url, model, args.api_key)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     rates = [float(r) for r in str(args.request_rate).split(",")]
     runs, raw = [], {}
-    for rate in rates:
+    for i, rate in enumerate(rates):
+        reqs = workload(args, i)
         print(f"{len(reqs)} requests at {rate} req/s"
               + (f", concurrency {args.max_concurrency}" if args.max_concurrency else ""), file=sys.stderr)  # fmt: skip
         results, elapsed = asyncio.run(
@@ -330,7 +348,7 @@ def run(args: argparse.Namespace) -> int:
         if args.trace and plot_trace(results, out / f"{args.label}_trace_{summary['request_rate']}.png",
                                      f"{args.label}: {summary['request_rate']} req/s"):  # fmt: skip
             summary["trace_png"] = str(out / f"{args.label}_trace_{summary['request_rate']}.png")
-    result = {"base_url": args.base_url, "model": model, "num_prompts": len(reqs),
+    result = {"base_url": args.base_url, "model": model, "num_prompts": args.num_prompts,
               "dataset": args.dataset_path or args.dataset, "max_concurrency": args.max_concurrency, "runs": runs,
               "requests": {rate: [asdict(r) for r in rs] for rate, rs in raw.items()}}  # fmt: skip
     result["plots"] = plot(runs, raw, out, args.label)

@@ -1,7 +1,7 @@
 """The Llama decoder (SmolLM2, Llama 2/3, Mistral without sliding window).
 
 Every input is an explicit forward argument: the flat token batch, absolute
-positions, one (k_cache, v_cache) pair per layer, and the attention metadata. The
+positions, one paged K/V cache (KVCacheLayer) per layer, and the attention metadata. The
 model knows nothing of requests; it maps tokens to hidden states and hidden states
 to logits.
 """
@@ -13,10 +13,11 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.model.layers.attention import AttentionMetadata, paged_attention
+from tokenmill.model.layers.kv_cache import KVCacheLayer
 from tokenmill.model.layers.norm import RMSNorm
 from tokenmill.model.layers.rotary import RotaryEmbedding, inverse_frequencies
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
+KVCache = KVCacheLayer
 
 
 class LlamaAttention(nn.Module):
@@ -44,7 +45,7 @@ class LlamaAttention(nn.Module):
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(n, -1))
 
 
@@ -119,8 +120,9 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(hidden, weight).float()
+        if self.lm_head is None:  # tied to the embeddings
+            return nn.functional.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
 
 def fuse_projections(weights: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:

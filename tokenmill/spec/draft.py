@@ -116,9 +116,8 @@ class ModelProposer:
         if not self.catch_up:
             return  # shares the target's caches, which the runner copies
         for src, dst in copies:
-            for k_cache, v_cache in self.kv_caches:
-                k_cache[dst] = k_cache[src]
-                v_cache[dst] = v_cache[src]
+            for layer in self.kv_caches:
+                layer.copy_block(src, dst)
 
 
 def _seq(s: SeqInput, tokens: list[int], start: int, output_ids: list[int], sample: bool = True) -> SeqInput:

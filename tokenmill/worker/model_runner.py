@@ -133,9 +133,8 @@ class ModelRunner:
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: block dst gets block src's K/V in every layer, in list order."""
         for src, dst in copies:
-            for k_cache, v_cache in self.kv_caches:
-                k_cache[dst] = k_cache[src]
-                v_cache[dst] = v_cache[src]
+            for layer in self.kv_caches:
+                layer.copy_block(src, dst)
         if self.proposer is not None:
             self.proposer.copy_blocks(copies)
 

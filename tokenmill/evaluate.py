@@ -1,0 +1,40 @@
+"""Perplexity of a text under an LLM's model, through the paged KV cache.
+
+The text is fed in chunks, so every chunk after the first attends to K/V read back
+from the cache: a quantised KV cache affects the result exactly as it affects
+generation. Blocks come from (and go back to) the engine's own pool.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tokenmill.engine.model_input import ModelInput, SeqInput
+from tokenmill.sampling_params import SamplingParams
+
+
+@torch.inference_mode()
+def perplexity(llm, token_ids: list[int], chunk: int = 64) -> float:
+    """exp(mean negative log-likelihood of token_ids[1:] given the tokens before)."""
+    runner, pool, bs = llm.engine.runner, llm.engine.block_pool, llm.engine.block_size
+    if len(token_ids) < 2:
+        raise ValueError("perplexity needs at least two tokens")
+    if len(token_ids) > llm.max_model_len:
+        raise ValueError(f"text of {len(token_ids)} tokens is longer than the context window ({llm.max_model_len})")
+    blocks = pool.allocate(-(-len(token_ids) // bs))
+    nll, count = 0.0, 0
+    try:
+        for start in range(0, len(token_ids) - 1, chunk):
+            piece = token_ids[start : start + chunk]
+            s = SeqInput("perplexity", piece, start, blocks, False, SamplingParams(), [], [])
+            input_ids, positions, meta, _ = runner.prepare(ModelInput([s]))
+            hidden = runner.model(input_ids, positions, runner.kv_caches, meta)
+            targets = token_ids[start + 1 : start + 1 + len(piece)]
+            logprobs = runner.model.compute_logits(hidden[: len(targets)]).log_softmax(dim=-1)
+            nll -= logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None]).sum().item()
+            count += len(targets)
+    finally:
+        pool.free(blocks[::-1])
+    return math.exp(nll / count)

@@ -1,0 +1,132 @@
+"""`tokenmill plan`: what a configuration can serve, from the inference arithmetic.
+
+Decode is bound by memory traffic: every step reads all the weights once (shared by
+the batch) plus each sequence's K/V. So, with bandwidth BW, weights W read per step,
+KV bytes per token k and context C:
+
+    single-stream decode   <= BW / (W + k * C)                  tokens/s
+    batch of B             <= B * BW / (W + B * k * C)          tokens/s
+    sequences that fit      = floor(KV budget / (k * C)), in whole blocks
+
+``--measure`` runs the engine with the same configuration and prints the measured
+figures beside the predicted ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+def measure_bandwidth(size_mib: int = 256, repeats: int = 5) -> float:
+    """Copy bandwidth in bytes/s (bytes read + bytes written), best of a few copies."""
+    src = torch.ones(size_mib << 18, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.numel() * 4 / best
+
+
+@dataclass
+class Plan:
+    weight_bytes: int  # held in memory
+    weight_bytes_per_step: int  # read by one decode step
+    kv_bytes_per_token: int
+    kv_budget_bytes: int
+    context_len: int
+    block_size: int
+    bandwidth: float  # bytes/s
+
+    @property
+    def blocks_per_seq(self) -> int:
+        return -(-self.context_len // self.block_size)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_budget_bytes // (self.kv_bytes_per_token * self.block_size)
+
+    @property
+    def max_seqs(self) -> int:
+        return self.num_blocks // self.blocks_per_seq
+
+    def decode_bound(self, batch: int = 1, context: int | None = None) -> float:
+        """Tokens/s a batch of `batch` sequences at `context` tokens can at best decode."""
+        ctx = self.context_len if context is None else context
+        return batch * self.bandwidth / (self.weight_bytes_per_step + batch * self.kv_bytes_per_token * ctx)
+
+
+def make_plan(llm, kv_budget: int, context_len: int, bandwidth: float) -> Plan:
+    from tokenmill.quant.weights import weight_bytes
+    from tokenmill.worker.kv_cache import kv_bytes_per_token
+
+    model = llm.model
+    total = weight_bytes(model)
+    embed = model.embed_tokens.weight
+    per_step = total - embed.numel() * embed.element_size()  # a step reads only a few embedding rows...
+    if model.lm_head is None:
+        per_step += embed.numel() * embed.element_size()  # ...unless the tied LM head reads it all
+    return Plan(total, per_step, kv_bytes_per_token(llm.config, llm.dtype, llm.kv_cache_dtype), kv_budget,
+                context_len, llm.engine.block_size, bandwidth)  # fmt: skip
+
+
+def measure(llm, plan: Plan, tokens: int = 64) -> dict:
+    """Single-stream decode tok/s (at a short context) and the most sequences of
+    `context_len` tokens that ran at once when twice the predicted number were sent."""
+    from tokenmill import SamplingParams
+
+    prompt = list(range(1000, 1032))
+    llm.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True))  # warm up
+    out = llm.generate(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0))[0]
+    t = out.timings[0]
+    decode = (len(t.token_times) - 1) / (t.token_times[-1] - t.first_token)
+    n = max(2, 2 * plan.max_seqs)
+    out_len = min(16, plan.context_len // 4)
+    prompts = [[1000 + (i * 7 + j) % 20000 for j in range(plan.context_len - out_len)] for i in range(n)]
+    llm.engine.step_stats.clear()
+    llm.generate(prompts, SamplingParams(max_tokens=out_len, ignore_eos=True))
+    peak = max(s.num_running for s in llm.engine.step_stats)
+    return {"decode_tok_s": decode, "decode_context": len(prompt) + tokens // 2, "max_seqs": peak}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--context-len", type=int, default=2048, help="tokens per sequence (prompt + output)")
+    p.add_argument("--bandwidth", type=float, default=None, help="memory bandwidth in GB/s (default: measured now)")
+    p.add_argument("--measure", action="store_true", help="run the engine and print measured beside predicted")
+
+
+def run(args: argparse.Namespace, llm) -> int:
+    from tokenmill.llm import parse_memory
+
+    bw = args.bandwidth * 1e9 if args.bandwidth else measure_bandwidth()
+    plan = make_plan(llm, parse_memory(args.kv_cache_memory), args.context_len, bw)
+    gib = 1 << 30
+    rows = [
+        ("weights in memory", f"{plan.weight_bytes / gib:.3f} GiB"),
+        ("weights read per decode step", f"{plan.weight_bytes_per_step / gib:.3f} GiB"),
+        ("KV bytes per token", f"{plan.kv_bytes_per_token:,} B ({llm.kv_cache_dtype})"),
+        ("KV budget", f"{plan.kv_budget_bytes / gib:.3f} GiB = {plan.num_blocks} blocks of {plan.block_size}"),
+        (f"max sequences of {plan.context_len} tokens", f"{plan.max_seqs}"),
+        ("memory bandwidth", f"{bw / 1e9:.1f} GB/s" + (" (measured)" if not args.bandwidth else "")),
+        (f"decode bound, 1 sequence at {plan.context_len} tokens", f"{plan.decode_bound(1):.1f} tok/s"),
+        (f"decode bound, {max(plan.max_seqs, 1)} sequences", f"{plan.decode_bound(max(plan.max_seqs, 1)):.1f} tok/s"),
+    ]
+    print(f"plan for {llm.model_path.name}: dtype {str(llm.dtype).removeprefix('torch.')}, "
+          f"weights {llm.quantization}, KV {llm.kv_cache_dtype}")  # fmt: skip
+    for k, v in rows:
+        print(f"  {k:45s} {v}")
+    if args.measure:
+        print("measuring ...", file=sys.stderr, flush=True)
+        m = measure(llm, plan)
+        predicted = plan.decode_bound(1, m["decode_context"])
+        print(f"  {'':45s} {'predicted':>12s} {'measured':>12s}")
+        print(f"  {'single-stream decode tok/s':45s} {predicted:12.1f} {m['decode_tok_s']:12.1f}"
+              f"   ({m['decode_tok_s'] / predicted:.0%} of the bound)")  # fmt: skip
+        print(f"  {f'max sequences of {plan.context_len} tokens':45s} {plan.max_seqs:12d} {m['max_seqs']:12d}")
+    return 0

@@ -1,0 +1,1 @@
+"""Weight and KV-cache quantisation."""

@@ -1,0 +1,124 @@
+"""Weight-only quantisation of linear layers, applied once at load (a module swap).
+
+- **int8**: one float scale per output channel, symmetric (w ~ q * s, q in
+  [-127, 127]); the matmul is PyTorch's ``_weight_int8pack_mm``, which reads int8
+  weights and scales them inside the kernel, never materialising a float weight.
+- **int4**: asymmetric per group of ``group_size`` input channels (w ~ (q - 8) * s + z,
+  q in [0, 15]), packed two per byte for ``_weight_int4pack_mm_for_cpu`` (the tinygemm
+  layout on CUDA); again dequantised tile by tile inside the kernel.
+
+On the CPU both kernels take bfloat16 activations: their float32 paths are 5-20x
+slower on this AVX2 machine than their bfloat16 ones (int8: 18.9 vs 3.6 ms, int4: 30
+vs 1.5 ms, for 8 layers' weights at one row; float32 nn.Linear: 13.3 ms), so a layer
+rounds its input to bfloat16 (accumulation stays float32 inside the kernel) and
+returns the model's dtype. Where a fused kernel is missing for a device the layer
+falls back to dequantising its weight for the call (correct, not fast).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+QUANTIZATION_MODES = ("none", "int8", "int4")
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> ([N, K] int8, [N] scales)."""
+    w = w.float()
+    scales = w.abs().amax(dim=1).clamp(min=1e-8) / 127
+    q = (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> ([N, K] int32 in [0, 15], [K / group, N, 2] (scale, zero))."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group_size, group_size)
+    lo, hi = g.amin(dim=2, keepdim=True), g.amax(dim=2, keepdim=True)
+    scales = (hi - lo).clamp(min=1e-8) / 15
+    zeros = lo + 8 * scales  # so that w = (q - 8) * s + z
+    q = ((g - lo) / scales).round().clamp(0, 15).to(torch.int32).reshape(n, k)
+    scales_and_zeros = torch.cat([scales, zeros], dim=2).transpose(0, 1).contiguous()  # [K/G, N, 2]
+    return q, scales_and_zeros
+
+
+def dequantize_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    n, k = q.shape
+    sz = scales_and_zeros.transpose(0, 1)  # [N, K/G, 2]
+    g = q.reshape(n, k // group_size, group_size).float()
+    return ((g - 8) * sz[..., :1] + sz[..., 1:]).reshape(n, k)
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        q, scales = quantize_int8(weight)
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", q)
+        self.act_dtype = torch.bfloat16 if weight.device.type == "cpu" else dtype
+        self.register_buffer("scales", scales.to(self.act_dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if flat.device.type == "cpu":
+            out = torch._weight_int8pack_mm(flat.to(self.act_dtype), self.weight, self.scales).to(x.dtype)
+        else:
+            out = nn.functional.linear(flat, self.weight.to(flat.dtype)) * self.scales
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+class Int4Linear(nn.Module):
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, group_size: int) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        if self.in_features % group_size:
+            raise ValueError(f"int4 group size {group_size} does not divide {self.in_features} input features")
+        self.group_size = group_size
+        q, sz = quantize_int4(weight, group_size)
+        if weight.device.type == "cpu":
+            packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+        else:
+            packed = torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), 8)
+        self.register_buffer("weight", packed)
+        self.act_dtype = torch.bfloat16  # the packed kernels' fast path, on the CPU and on CUDA
+        self.register_buffer("scales_and_zeros", sz.to(self.act_dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(self.act_dtype)
+        if flat.device.type == "cpu":
+            out = torch._weight_int4pack_mm_for_cpu(flat, self.weight, self.group_size, self.scales_and_zeros)
+        else:
+            out = torch._weight_int4pack_mm(flat, self.weight, self.group_size, self.scales_and_zeros)
+        out = out.to(x.dtype)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def quantize_model(model: nn.Module, mode: str, group_size: int = 64) -> nn.Module:
+    """Swap every linear layer of the decoder (and the LM head, also when it is tied to
+    the embeddings, which stay in float for lookups) for its quantised version."""
+    if mode not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {mode!r}")
+    if mode == "none":
+        return model
+    dtype = next(model.parameters()).dtype
+
+    def make(weight: torch.Tensor) -> nn.Module:
+        if mode == "int4" and weight.shape[1] % group_size == 0:
+            return Int4Linear(weight, dtype, group_size)
+        return Int8Linear(weight, dtype)  # int4 that the group does not divide: int8
+
+    for layer in model.layers:
+        for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                             (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):  # fmt: skip
+            setattr(parent, name, make(getattr(parent, name).weight.data))
+    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    model.lm_head = make(head.data)
+    return model
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer the model holds (what a forward reads,
+    plus the embedding table, of which a step reads only a few rows)."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
