@@ -32,7 +32,7 @@ def build(model_path: str) -> FastAPI:
     tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     model.eval()
-    lock = threading.Lock()
+    lock = asyncio.Lock()  # one request at a time, from its start to its last byte
     app = FastAPI()
 
     @app.get("/v1/models")
@@ -48,11 +48,12 @@ def build(model_path: str) -> FastAPI:
         result: dict = {}
 
         def work() -> None:
-            with lock, torch.inference_mode():
+            with torch.inference_mode():
                 out = model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens if body.get("ignore_eos")
                                      else 0, do_sample=False, streamer=streamer, pad_token_id=tok.eos_token_id)  # fmt: skip
                 result["n"] = out.shape[1] - ids.shape[1]
 
+        await lock.acquire()
         threading.Thread(target=work, daemon=True).start()
         usage = lambda: {"prompt_tokens": ids.shape[1], "completion_tokens": result.get("n", 0),  # noqa: E731
                          "total_tokens": ids.shape[1] + result.get("n", 0)}  # fmt: skip
@@ -66,14 +67,20 @@ def build(model_path: str) -> FastAPI:
                 yield piece
 
         if not body.get("stream"):
-            text = "".join([p async for p in pieces()])
+            try:
+                text = "".join([p async for p in pieces()])
+            finally:
+                lock.release()
             return JSONResponse({"id": "naive", "object": "text_completion", "created": int(time.time()), "model": "naive",
                                  "choices": [{"index": 0, "text": text, "finish_reason": "length"}], "usage": usage()})
 
         async def sse():
-            async for piece in pieces():
-                if piece:
-                    yield f"data: {json.dumps({'choices': [{'index': 0, 'text': piece, 'finish_reason': None}]})}\n\n"
+            try:
+                async for piece in pieces():
+                    if piece:
+                        yield f"data: {json.dumps({'choices': [{'index': 0, 'text': piece, 'finish_reason': None}]})}\n\n"
+            finally:
+                lock.release()
             yield f"data: {json.dumps({'choices': [{'index': 0, 'text': '', 'finish_reason': 'length'}]})}\n\n"
             yield f"data: {json.dumps({'choices': [], 'usage': usage()})}\n\n"
             yield "data: [DONE]\n\n"

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.plan import measure_bandwidth
 
 OUT = Path(__file__).parent / "results"
 PROMPT_TOKENS = 512
@@ -29,16 +30,9 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def memory_bandwidth_gbs(size_mib: int = 512, repeats: int = 5) -> float:
-    """Read+write bandwidth of a large tensor copy (bytes moved / time), best of repeats."""
-    src = torch.ones(size_mib * (1 << 20) // 4)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * src.numel() * 4 / best / 1e9
+def memory_bandwidth_gbs() -> float:
+    """Read+write bandwidth of a large tensor copy, as `tokenmill plan` measures it."""
+    return measure_bandwidth(512) / 1e9
 
 
 def prompt_ids(tokenizer) -> list[int]:

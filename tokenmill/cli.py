@@ -30,7 +30,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="continuous batching, or the static-batching baseline")
     g.add_argument("--quantization", choices=["none", "int8", "int4"], default="none",
                    help="weight-only quantisation of the linear layers, applied at load")
-    g.add_argument("--quantization-group-size", type=int, default=64, help="int4: input channels per scale")
+    g.add_argument("--quantization-group-size", type=int, default=32,
+                   help="int4: input channels per scale (32, as GGUF Q4 blocks)")
     g.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "float16", "int8", "fp8"],
                    default="auto", help="how K and V are stored (int8/fp8: quantised, per-token scales)")
     s = p.add_argument_group("speculative decoding")
@@ -203,6 +204,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     if args.kv_cache_memory is None:
         args.kv_cache_memory = "1GiB"
+    if args.measure:  # admit as many as the KV cache holds in one step
+        args.max_num_batched_tokens = max(args.max_num_batched_tokens, 1 << 17)
+        args.max_num_seqs = max(args.max_num_seqs, 4096)
     return run(args, _llm(args))
 
 

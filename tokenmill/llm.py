@@ -110,7 +110,7 @@ class LLM:
         prompt_lookup_max: int = 4,
         prompt_lookup_min: int = 1,
         quantization: str = "none",
-        quantization_group_size: int = 64,
+        quantization_group_size: int = 32,
         kv_cache_dtype: str = "auto",
         progress: bool = True,
     ) -> None:

@@ -78,7 +78,9 @@ def make_plan(llm, kv_budget: int, context_len: int, bandwidth: float) -> Plan:
 
 def measure(llm, plan: Plan, tokens: int = 64) -> dict:
     """Single-stream decode tok/s (at a short context) and the most sequences of
-    `context_len` tokens that ran at once when twice the predicted number were sent."""
+    `context_len` tokens that ran at once when two more than predicted were sent
+    (`tokenmill plan --measure` lifts the token budget so that prefill speed does
+    not limit how many are admitted together)."""
     from tokenmill import SamplingParams
 
     prompt = list(range(1000, 1032))
@@ -86,8 +88,8 @@ def measure(llm, plan: Plan, tokens: int = 64) -> dict:
     out = llm.generate(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0))[0]
     t = out.timings[0]
     decode = (len(t.token_times) - 1) / (t.token_times[-1] - t.first_token)
-    n = max(2, 2 * plan.max_seqs)
-    out_len = min(16, plan.context_len // 4)
+    n = plan.max_seqs + 2
+    out_len = min(8, plan.context_len // 4)
     prompts = [[1000 + (i * 7 + j) % 20000 for j in range(plan.context_len - out_len)] for i in range(n)]
     llm.engine.step_stats.clear()
     llm.generate(prompts, SamplingParams(max_tokens=out_len, ignore_eos=True))

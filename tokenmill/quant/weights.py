@@ -94,7 +94,7 @@ class Int4Linear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-def quantize_model(model: nn.Module, mode: str, group_size: int = 64) -> nn.Module:
+def quantize_model(model: nn.Module, mode: str, group_size: int = 32) -> nn.Module:
     """Swap every linear layer of the decoder (and the LM head, also when it is tied to
     the embeddings, which stay in float for lookups) for its quantised version."""
     if mode not in QUANTIZATION_MODES:
