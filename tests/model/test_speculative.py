@@ -264,3 +264,18 @@ def test_all_proposers_leave_no_state_behind_after_aborts(target):
         engine.step()  # hands the runner the last finished ids
         assert engine.block_pool.num_free == engine.block_pool.num_blocks
         assert not engine.runner._draft_probs and not engine.runner._generators
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft", "self"])
+def test_n_sequences_fork_and_speculate(target, method):
+    """n > 1 forks the prompt's blocks; each fork drafts from its first token on."""
+    engine = tiny_engine(target, method, draft=tiny_model(1, vocab=16), num_blocks=64)
+    prompts, _ = mixed_workload(16)
+    engine.add_request("r", prompts[1], SamplingParams(n=3, temperature=0.8, seed=3, max_tokens=12, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.finished]
+    assert sorted(o.outputs[0].index for o in outs) == [0, 1, 2]
+    assert all(o.error is None and len(o.outputs[0].token_ids) == 12 for o in outs)
+    assert engine.spec_stats.num_drafts > 0
+    assert engine.block_pool.num_free == engine.block_pool.num_blocks

@@ -153,6 +153,7 @@ def test_random_workloads_keep_blocks_exact(requests, num_blocks, budget, max_se
         before = len(runner.batches)
         for out in engine.step():
             c = out.outputs[0]
+            assert c.finish_reason != "error", out.error  # the runner's checks failed: a scheduling bug
             if out.finished and c.finish_reason == "length" and len(c.token_ids) == requests[int(out.request_id)][2]:
                 finished[out.request_id] = c.token_ids
         check_invariants(engine, cfg, runner.batches[-1] if len(runner.batches) > before else None)

@@ -318,13 +318,14 @@ def warm_up(base_url: str, model: str, api_key: str | None) -> None:
     httpx.post(base_url.rstrip("/") + "/v1/completions", json=body, headers=headers, timeout=300)
 
 
-def workload(args: argparse.Namespace, run_index: int) -> list[dict]:
+def workload(args: argparse.Namespace, rate: float) -> list[dict]:
     """The requests of one run. Synthetic prompts are drawn afresh for each rate (same
-    distribution, seed + run index): a server's prefix cache would otherwise serve
-    every run after the first from the prompts of the one before."""
+    distribution, a seed derived from --seed and the rate): a server's prefix cache
+    would otherwise serve every run after the first from the prompts of the one
+    before. Two servers measured at the same rate get the same prompts."""
     if args.dataset_path:
         return load_jsonl(args.dataset_path)[: args.num_prompts]
-    return synthetic(args.dataset, args.num_prompts, args.seed + run_index)
+    return synthetic(args.dataset, args.num_prompts, args.seed + (round(rate * 1000) if math.isfinite(rate) else 10**9))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -334,8 +335,8 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rates = [float(r) for r in str(args.request_rate).split(",")]
     runs, raw = [], {}
-    for i, rate in enumerate(rates):
-        reqs = workload(args, i)
+    for rate in rates:
+        reqs = workload(args, rate)
         print(f"{len(reqs)} requests at {rate} req/s"
               + (f", concurrency {args.max_concurrency}" if args.max_concurrency else ""), file=sys.stderr)  # fmt: skip
         results, elapsed = asyncio.run(

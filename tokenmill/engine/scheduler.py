@@ -189,7 +189,7 @@ class Scheduler:
             return False
         self.kv.fork(src, req, prompt_len)
         req.num_computed_tokens = prompt_len - 1
-        copies = self.kv.allocate_slots(req, 1)
+        copies = self.kv.allocate_slots(req, 1 + self.config.num_lookahead_slots)
         if copies is None:  # no block for the copy: give the shared ones back, retry later
             self.kv.free(req)
             req.num_computed_tokens = 0
