@@ -54,7 +54,8 @@ def build(model_path: str) -> FastAPI:
                 result["n"] = out.shape[1] - ids.shape[1]
 
         await lock.acquire()
-        threading.Thread(target=work, daemon=True).start()
+        thread = threading.Thread(target=work, daemon=True)
+        thread.start()
         usage = lambda: {"prompt_tokens": ids.shape[1], "completion_tokens": result.get("n", 0),  # noqa: E731
                          "total_tokens": ids.shape[1] + result.get("n", 0)}  # fmt: skip
 
@@ -63,6 +64,7 @@ def build(model_path: str) -> FastAPI:
             while True:
                 piece = await asyncio.to_thread(next, it, None)
                 if piece is None:
+                    await asyncio.to_thread(thread.join)  # generate has returned: usage is known
                     return
                 yield piece
 

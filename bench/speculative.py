@@ -151,10 +151,13 @@ def main() -> None:
         }  # fmt: skip
 
     RESULTS.mkdir(exist_ok=True)
-    name = "speculative_batched.json" if args.only_batched else "speculative.json"
-    (RESULTS / name).write_text(json.dumps(results, indent=2))
+    if args.only_batched and (RESULTS / "speculative.json").exists():  # add these sizes to the full run's
+        full = json.loads((RESULTS / "speculative.json").read_text())
+        full["batched"] = dict(sorted({**full["batched"], **results["batched"]}.items(), key=lambda kv: int(kv[0])))
+        results = full
+    (RESULTS / "speculative.json").write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
-    if not args.only_batched:
+    if results["batch1"]:
         plot(results)
 
 
