@@ -337,6 +337,8 @@ class _Job:
                 yield self._chunk([], usage=self._usage(finals))
             if self.return_timings:
                 yield f"data: {json.dumps({'id': self.id, 'timings': [self._timings(o) for o in finals]})}\n\n"
+        except InvalidRequestError as e:  # a later prompt of a batch was refused after streaming began
+            yield f"data: {json.dumps(error_body(str(e), 'BadRequestError', 400, e.param))}\n\n"
         except RequestFailedError as e:
             yield f"data: {json.dumps(error_body(str(e), 'InternalServerError', 500))}\n\n"
         except EngineDeadError as e:
