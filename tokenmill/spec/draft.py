@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.engine.model_input import SeqInput
+from tokenmill.model.layers.kv_cache import copy_blocks
 from tokenmill.model.llama import KVCache, LlamaForCausalLM
 from tokenmill.spec.proposer import Draft, GeneratorFor, wants_draft
 from tokenmill.spec.rejection import race
@@ -115,9 +116,7 @@ class ModelProposer:
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not self.catch_up:
             return  # shares the target's caches, which the runner copies
-        for src, dst in copies:
-            for layer in self.kv_caches:
-                layer.copy_block(src, dst)
+        copy_blocks(self.kv_caches, copies)
 
 
 def _seq(s: SeqInput, tokens: list[int], start: int, output_ids: list[int], sample: bool = True) -> SeqInput:

@@ -12,6 +12,7 @@ import torch
 
 from tokenmill.engine.model_input import ModelInput, ModelOutput, SampledToken, SeqInput
 from tokenmill.model.layers.attention import AttentionMetadata
+from tokenmill.model.layers.kv_cache import copy_blocks
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.spec.proposer import Proposer
 from tokenmill.spec.rejection import verify_greedy, verify_sampled
@@ -132,9 +133,7 @@ class ModelRunner:
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: block dst gets block src's K/V in every layer, in list order."""
-        for src, dst in copies:
-            for layer in self.kv_caches:
-                layer.copy_block(src, dst)
+        copy_blocks(self.kv_caches, copies)
         if self.proposer is not None:
             self.proposer.copy_blocks(copies)
 

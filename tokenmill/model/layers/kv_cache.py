@@ -59,6 +59,13 @@ class KVCacheLayer:
                 _bytes(t)[dst] = _bytes(t)[src]
 
 
+def copy_blocks(layers: list[KVCacheLayer], copies: list[tuple[int, int]]) -> None:
+    """Copy-on-write: block dst gets block src's K/V in every layer, in list order."""
+    for src, dst in copies:
+        for layer in layers:
+            layer.copy_block(src, dst)
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """float8 tensors as raw bytes: index_copy_ and index_select have no float8 kernels."""
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
