@@ -1,11 +1,11 @@
-"""Test helpers: run our model directly on hand-built block tables."""
+"""Test helpers shared by the test modules (never imported from one test module into another)."""
 
 from __future__ import annotations
 
 import torch
 
-from tokenmill.engine.model_input import ModelInput, SeqInput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.inputs import SeqInput
 
 
 def seq(token_ids, block_table, num_computed=0, request_id="r", sample=True) -> SeqInput:
@@ -24,6 +24,152 @@ def seq(token_ids, block_table, num_computed=0, request_id="r", sample=True) -> 
 @torch.inference_mode()
 def all_logits(runner, seqs) -> torch.Tensor:
     """Logits at every new position of the batch (not only the sampled ones)."""
-    input_ids, positions, meta, _ = runner.prepare(ModelInput(seqs=seqs))
-    hidden = runner.model(input_ids, positions, runner.kv_caches, meta)
-    return runner.model.compute_logits(hidden)
+    return runner.all_logits(seqs)
+
+
+def run_to_completion(engine, prompts=None, params=None) -> dict:
+    """Add prompts (if given) and step until nothing is left; request id -> final output."""
+    if prompts is not None:
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+            engine.add_request(str(i), p, sp)
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.01) -> bool:
+    """Poll until predicate() is true or the deadline passes (instead of a fixed sleep)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+# ----------------------------------------------------------------- toy engine parts
+
+TOY_VOCAB = 50
+
+
+class ToyTokenizer:
+    """Characters in, letters out: enough for the engine's text handling."""
+
+    stop_token_ids: frozenset[int] = frozenset()
+
+    def __init__(self, vocab: int = TOY_VOCAB) -> None:
+        self.vocab_size = vocab
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(c) % self.vocab_size for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(65 + i % 26) for i in ids)
+
+
+def next_token(history: list[int]) -> int:
+    """The scripted model: the next token is a function of all tokens so far."""
+    return (sum(history) * 31 + len(history)) % TOY_VOCAB
+
+
+def propose(history: list[int], k: int) -> list[int]:
+    """Scripted drafts: right before a position that depends on the history, wrong from it
+    (so some are accepted in full, some in part, some not at all)."""
+    right = sum(history) % (k + 1)
+    drafts: list[int] = []
+    for i in range(k):
+        t = next_token(history + drafts)
+        drafts.append(t if i < right else (t + 1) % TOY_VOCAB)
+    return drafts
+
+
+def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
+    out: list[int] = []
+    for _ in range(max_tokens):
+        out.append(next_token(prompt + out))
+    return out
+
+
+class ScriptedRunner:
+    """A model runner that keeps the persistent per-request state the real one keeps,
+    from the same deltas, and checks every step against it: the scheduled tokens must
+    be known, the block table long enough (lookahead included), the drafts the ones it
+    proposed. It 'samples' ``next_token`` and verifies drafts greedily against it."""
+
+    def __init__(self, block_size: int, lookahead: int = 0) -> None:
+        self.block_size = block_size
+        self.lookahead = lookahead  # slots a model proposer would write past the tokens
+        self.batches: list = []
+        self.requests: dict[str, dict] = {}
+        self.parked: set[str] = set()
+
+    def execute(self, batch):
+        from tokenmill.engine.model_input import ModelOutput, SampledToken
+
+        self.batches.append(batch)
+        for rid in batch.finished_request_ids:
+            self.requests.pop(rid, None)
+            self.parked.discard(rid)
+        for rid in batch.preempted_request_ids:
+            assert self.requests.pop(rid, None) is not None, f"{rid} preempted but not held"
+            self.parked.add(rid)
+        for new in batch.new_requests:
+            self.parked.discard(new.request_id)
+            self.requests[new.request_id] = {
+                "tokens": list(new.prompt_token_ids) + list(new.output_token_ids),
+                "blocks": list(new.block_ids),
+                "draft": [],
+            }
+        for c in batch.cached_requests:
+            table = self.requests[c.request_id]["blocks"]
+            assert c.num_kept_blocks <= len(table)
+            del table[c.num_kept_blocks :]
+            table.extend(c.new_block_ids)
+        out = ModelOutput()
+        for s in batch.scheduled:
+            state = self.requests[s.request_id]
+            k = len(s.spec_token_ids)
+            assert state["draft"][:k] == s.spec_token_ids, "scheduled drafts differ from the proposed ones"
+            end = s.num_computed_tokens + s.num_tokens - k
+            assert end <= len(state["tokens"]), "scheduled past the known tokens"
+            samples = end == len(state["tokens"])
+            need = s.num_computed_tokens + s.num_tokens + (self.lookahead and s.num_lookahead)
+            assert len(state["blocks"]) * self.block_size >= need, "block table too short"
+            assert len(set(state["blocks"])) == len(state["blocks"]), "a block twice in one table"
+            if not samples:
+                continue
+            history = state["tokens"]
+            kept = []
+            for d in s.spec_token_ids:
+                if d != next_token(history + kept):
+                    break
+                kept.append(d)
+            kept.append(next_token(history + kept))
+            out.sampled[s.request_id] = [SampledToken(t) for t in kept]
+            if s.num_lookahead:
+                out.draft_token_ids[s.request_id] = propose(history + kept, s.num_lookahead)
+        for s in batch.scheduled:  # commit
+            if s.request_id in out.sampled:
+                self.requests[s.request_id]["tokens"].extend(t.token_id for t in out.sampled[s.request_id])
+            self.requests[s.request_id]["draft"] = out.draft_token_ids.get(s.request_id, [])
+        return out
+
+
+def make_tiny_llama(path, **overrides):
+    torch.manual_seed(0)
+    cfg = dict(
+        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=8,
+        num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0, tie_word_embeddings=False,
+    )  # fmt: skip
+    cfg.update(overrides)
+    import transformers
+
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).eval()
+    model.save_pretrained(path)
+    return model

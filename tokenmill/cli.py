@@ -1,6 +1,7 @@
 """The `tokenmill` command: generate and chat, streaming tokens as they come.
 
-Engine options are flags with the same names as the `LLM` keywords.
+Engine options are flags with the same names as the `LLM` keywords, generated from
+the config dataclasses (``tokenmill.args``).
 """
 
 from __future__ import annotations
@@ -9,42 +10,11 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from tokenmill.args import add_config_arguments, add_engine_arguments, engine_args_from_namespace
+from tokenmill.config import ServerConfig
 from tokenmill.errors import TokenmillError
 
 DEFAULT_CHAT_PROMPT = "What is the capital of France? Answer in one sentence."
-
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="a .gguf file or a Hugging Face folder (default: SmolLM2-135M-Instruct Q4_1)")
-    g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (auto: float32 on CPU, bfloat16 on CUDA)")
-    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    g.add_argument("--kv-cache-memory", default=None, help="KV cache size: bytes, or with a unit such as 1GiB, 512MiB")
-    g.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="turn off reuse of cached prompt blocks")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step")
-    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
-    g.add_argument("--scheduling", choices=["continuous", "static"], default="continuous",
-                   help="continuous batching, or the static-batching baseline")
-    g.add_argument("--quantization", choices=["none", "int8", "int4"], default="none",
-                   help="weight-only quantisation of the linear layers, applied at load")
-    g.add_argument("--quantization-group-size", type=int, default=32,
-                   help="int4: input channels per scale (32, as GGUF Q4 blocks)")
-    g.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "float16", "int8", "fp8"],
-                   default="auto", help="how K and V are stored (int8/fp8: quantised, per-token scales)")
-    s = p.add_argument_group("speculative decoding")
-    s.add_argument("--speculative", choices=["none", "ngram", "draft", "self"], default=None,
-                   help="who drafts tokens for the target to verify: prompt lookup (ngram), a draft model, "
-                        "or the target's own first layers (self)")
-    s.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens drafted per step")
-    s.add_argument("--draft-model", default=None, help="draft model (.gguf or folder) with the target's vocabulary")
-    s.add_argument("--draft-layers", type=int, default=None, help="self-speculation: layers the draft runs")
-    s.add_argument("--spec-disable-batch-size", type=int, default=None,
-                   help="pause speculation above this many running requests")
-    s.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: longest suffix to look up")
-    s.add_argument("--prompt-lookup-min", type=int, default=1, help="ngram: shortest suffix to look up")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -67,27 +37,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete a prompt, streaming the text")
     gen.add_argument("prompt")
-    _add_engine_args(gen)
+    add_engine_arguments(gen)
     _add_sampling_args(gen, max_tokens=64)
     chat = sub.add_parser("chat", help="chat with the model (one message, or interactive without one)")
     chat.add_argument("message", nargs="?", default=None, help="one message; omit for an interactive session")
     chat.add_argument("--system", default=None, help="system prompt")
-    _add_engine_args(chat)
+    add_engine_arguments(chat)
     _add_sampling_args(chat, max_tokens=256)
     serve = sub.add_parser("serve", help="serve the OpenAI API over HTTP")
-    g = serve.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    g.add_argument("--max-queue", type=int, default=None, help="answer 429 while this many requests wait")
-    g.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests")
-    g.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model's file name)")
-    _add_engine_args(serve)
+    add_config_arguments(serve.add_argument_group("server"), ServerConfig)
+    add_engine_arguments(serve)
     plan = sub.add_parser("plan", help="weights, KV per token, capacity and a decode bound for a configuration")
     from tokenmill.plan import add_arguments as add_plan_arguments
 
     add_plan_arguments(plan)
-    _add_engine_args(plan)
+    add_engine_arguments(plan)
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from tokenmill.benchmark.serve import add_arguments
@@ -99,28 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _llm(args: argparse.Namespace):
     from tokenmill.llm import LLM
 
-    return LLM(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=args.enable_prefix_caching,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        scheduling=args.scheduling,
-        speculative=args.speculative,
-        num_speculative_tokens=args.num_speculative_tokens,
-        draft_model=args.draft_model,
-        draft_layers=args.draft_layers,
-        prompt_lookup_max=args.prompt_lookup_max,
-        prompt_lookup_min=args.prompt_lookup_min,
-        **({} if args.spec_disable_batch_size is None else {"spec_disable_batch_size": args.spec_disable_batch_size}),
-        quantization=args.quantization,
-        quantization_group_size=args.quantization_group_size,
-        kv_cache_dtype=args.kv_cache_dtype,
-    )
+    return LLM(args=engine_args_from_namespace(args))
 
 
 def _params(args: argparse.Namespace):
@@ -205,8 +148,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.kv_cache_memory is None:
         args.kv_cache_memory = "1GiB"
     if args.measure:  # admit as many as the KV cache holds in one step
-        args.max_num_batched_tokens = max(args.max_num_batched_tokens, 1 << 17)
-        args.max_num_seqs = max(args.max_num_seqs, 4096)
+        args.max_num_batched_tokens = max(args.max_num_batched_tokens or 0, 1 << 17)
+        args.max_num_seqs = max(args.max_num_seqs or 0, 4096)
     return run(args, _llm(args))
 
 

@@ -1,12 +1,28 @@
-"""Frozen configuration dataclasses, one per concern.
+"""Frozen configuration dataclasses, one per concern; every default written once.
 
-Derived values (head size, KV bytes per token) are properties so that nothing is
-mutated after construction.
+``ModelConfig`` is the architecture read from a checkpoint. The options a user sets
+are ``LoadConfig`` (which model, how), ``CacheConfig`` (the KV pool),
+``SchedulerConfig`` (the step budget), ``SpeculativeConfig`` (drafting) and
+``ServerConfig`` (HTTP); ``EngineArgs`` groups the engine's four. Each field's
+metadata holds its help text (and its flag name where that differs), so the CLI
+flags and the ``LLM`` keywords are generated from these classes (``tokenmill.args``):
+a new option is one new field. Derived values are properties or computed once by
+the factory; nothing is mutated after construction.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def opt(default: Any, help: str, *, flag: str | None = None, choices: tuple[str, ...] | None = None,
+        negative: str | None = None) -> Any:  # fmt: skip
+    """A config field: its default, help text, and (optionally) the keyword/flag name
+    when it differs from the field's, its choices, and for a boolean that defaults to
+    True the name of the flag that turns it off."""
+    meta = {"help": help, "flag": flag, "choices": choices, "negative": negative}
+    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
@@ -50,6 +66,66 @@ class ModelConfig:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft", "self")
+WEIGHT_QUANTIZATIONS = ("none", "int8", "int4")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """Which model to load, in what precision, on which device."""
+
+    model: str | None = opt(None, "a .gguf file or a Hugging Face folder (default: the bundled SmolLM2-135M-Instruct Q4_1)")
+    dtype: str = opt("auto", "auto, float32, bfloat16 or float16 (auto: float32 on CPU, bfloat16 on CUDA)")
+    device: str = opt("cpu", "cpu, cuda, cuda:N or auto")
+    max_model_len: int | None = opt(None, "context window (default: the model's)")
+    quantization: str = opt("none", "weight-only quantisation of the linear layers, applied at load",
+                            choices=WEIGHT_QUANTIZATIONS)  # fmt: skip
+    quantization_group_size: int = opt(32, "int4: input channels per scale and zero point (32, as GGUF Q4 blocks)")
+
+    def __post_init__(self) -> None:
+        _check(self.quantization in WEIGHT_QUANTIZATIONS,
+               f"quantization must be one of {', '.join(WEIGHT_QUANTIZATIONS)}, got {self.quantization!r}")  # fmt: skip
+        _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
+        _check(self.quantization_group_size >= 1, "quantization_group_size must be >= 1")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block size, pool size, storage type, prefix reuse."""
+
+    block_size: int = opt(16, "tokens per KV-cache block")
+    kv_cache_memory: int | float | str | None = opt(
+        None, "KV cache size: bytes, or with a unit such as 1GiB, 512MiB (default: 10%% of free RAM, 256 MiB..2 GiB)"
+    )
+    kv_cache_dtype: str = opt("auto", "how K and V are stored (int8/fp8: quantised, per-token scales)",
+                              choices=KV_CACHE_DTYPES)  # fmt: skip
+    enable_prefix_caching: bool = opt(True, "turn off reuse of cached prompt blocks", negative="no-prefix-caching")
+
+    def __post_init__(self) -> None:
+        _check(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES,
+               f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The step budget and the batching policy."""
+
+    max_num_seqs: int = opt(64, "most sequences in one step")
+    max_num_batched_tokens: int = opt(512, "token budget of one step (longer prompts are chunked)")
+    scheduling: str = opt("continuous", "continuous batching, or the static-batching baseline",
+                          choices=("continuous", "static"))  # fmt: skip
+
+    def __post_init__(self) -> None:
+        _check(self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 1,
+               "max_num_seqs and max_num_batched_tokens must be >= 1")  # fmt: skip
+        _check(self.scheduling in ("continuous", "static"),
+               f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -59,32 +135,52 @@ class SpeculativeConfig:
     ``method``: "ngram" (prompt lookup, no model), "draft" (a smaller model with the
     same vocabulary) or "self" (the target's first ``draft_layers`` layers and its LM
     head). Above ``disable_batch_size`` running requests decode is no longer
-    memory-bound enough for verification to pay, and speculation pauses.
+    memory-bound enough for verification to pay, and speculation pauses (the default
+    4 is measured: bench/speculative.py).
     """
 
-    method: str
-    num_speculative_tokens: int = 4
-    prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 1
-    draft_model: str | None = None
-    draft_layers: int | None = None
-    disable_batch_size: int = 4
+    method: str = opt("ngram", "who drafts tokens for the target to verify: prompt lookup (ngram), a draft model, "
+                      "or the target's own first layers (self)", flag="speculative", choices=SPECULATIVE_METHODS)  # fmt: skip
+    num_speculative_tokens: int = opt(4, "tokens drafted per step (k)")
+    prompt_lookup_max: int = opt(4, "ngram: longest suffix to look up")
+    prompt_lookup_min: int = opt(1, "ngram: shortest suffix to look up")
+    draft_model: str | None = opt(None, "draft model (.gguf or folder) with the target's vocabulary")
+    draft_layers: int | None = opt(None, "self-speculation: layers the draft runs")
+    disable_batch_size: int = opt(4, "pause speculation above this many running requests", flag="spec_disable_batch_size")
 
     def __post_init__(self) -> None:
-        if self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
-        if self.num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
-        if self.method == "draft" and not self.draft_model:
-            raise ValueError("speculative method 'draft' needs a draft model (--draft-model)")
-        if self.method == "self" and (self.draft_layers is None or self.draft_layers < 1):
-            raise ValueError("speculative method 'self' needs draft_layers >= 1 (--draft-layers)")
-        if self.disable_batch_size < 1:
-            raise ValueError("spec_disable_batch_size must be >= 1")
+        _check(self.method in SPECULATIVE_METHODS,
+               f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")  # fmt: skip
+        _check(self.num_speculative_tokens >= 1, f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        _check(1 <= self.prompt_lookup_min <= self.prompt_lookup_max, "need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        _check(self.method != "draft" or bool(self.draft_model), "speculative method 'draft' needs a draft model (--draft-model)")
+        _check(self.method != "self" or (self.draft_layers is not None and self.draft_layers >= 1),
+               "speculative method 'self' needs draft_layers >= 1 (--draft-layers)")  # fmt: skip
+        _check(self.disable_batch_size >= 1, "spec_disable_batch_size must be >= 1")
 
     @property
     def num_lookahead_slots(self) -> int:
         """KV slots a model-based proposer writes past the verified tokens while drafting."""
         return 0 if self.method == "ngram" else self.num_speculative_tokens
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The OpenAI-compatible HTTP server."""
+
+    host: str = opt("127.0.0.1", "address to listen on")
+    port: int = opt(8000, "port to listen on")
+    api_key: str | None = opt(None, "require 'Authorization: Bearer KEY' on /v1 routes")
+    max_queue: int | None = opt(None, "answer 429 while this many requests wait")
+    drain_timeout: float = opt(30.0, "seconds SIGTERM waits for in-flight requests")
+    served_model_name: str | None = opt(None, "the model id clients send (default: the model's file name)")
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Everything that builds an engine: one frozen config per concern."""
+
+    load: LoadConfig = field(default_factory=LoadConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None

@@ -11,30 +11,25 @@ import math
 
 import torch
 
-from tokenmill.engine.model_input import ModelInput, SeqInput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.inputs import SeqInput
 
 
 @torch.inference_mode()
 def perplexity(llm, token_ids: list[int], chunk: int = 64) -> float:
     """exp(mean negative log-likelihood of token_ids[1:] given the tokens before)."""
-    runner, pool, bs = llm.engine.runner, llm.engine.block_pool, llm.engine.block_size
     if len(token_ids) < 2:
         raise ValueError("perplexity needs at least two tokens")
     if len(token_ids) > llm.max_model_len:
         raise ValueError(f"text of {len(token_ids)} tokens is longer than the context window ({llm.max_model_len})")
-    blocks = pool.allocate(-(-len(token_ids) // bs))
+    runner, engine = llm.parts.runner, llm.engine
     nll, count = 0.0, 0
-    try:
+    with engine.borrow_blocks(-(-len(token_ids) // engine.block_size)) as blocks:
         for start in range(0, len(token_ids) - 1, chunk):
             piece = token_ids[start : start + chunk]
             s = SeqInput("perplexity", piece, start, blocks, False, SamplingParams(), [], [])
-            input_ids, positions, meta, _ = runner.prepare(ModelInput([s]))
-            hidden = runner.model(input_ids, positions, runner.kv_caches, meta)
             targets = token_ids[start + 1 : start + 1 + len(piece)]
-            logprobs = runner.model.compute_logits(hidden[: len(targets)]).log_softmax(dim=-1)
+            logprobs = runner.all_logits([s])[: len(targets)].log_softmax(dim=-1)
             nll -= logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None]).sum().item()
             count += len(targets)
-    finally:
-        pool.free(blocks[::-1])
     return math.exp(nll / count)

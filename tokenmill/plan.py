@@ -64,7 +64,6 @@ class Plan:
 
 def make_plan(llm, kv_budget: int, context_len: int, bandwidth: float) -> Plan:
     from tokenmill.quant.weights import weight_bytes
-    from tokenmill.worker.kv_cache import kv_bytes_per_token
 
     model = llm.model
     total = weight_bytes(model)
@@ -72,8 +71,8 @@ def make_plan(llm, kv_budget: int, context_len: int, bandwidth: float) -> Plan:
     per_step = total - embed.numel() * embed.element_size()  # a step reads only a few embedding rows...
     if model.lm_head is None:
         per_step += embed.numel() * embed.element_size()  # ...unless the tied LM head reads it all
-    return Plan(total, per_step, kv_bytes_per_token(llm.config, llm.dtype, llm.kv_cache_dtype), kv_budget,
-                context_len, llm.engine.block_size, bandwidth)  # fmt: skip
+    block_size = llm.args.cache.block_size
+    return Plan(total, per_step, llm.parts.kv_bytes_per_block // block_size, kv_budget, context_len, block_size, bandwidth)
 
 
 def measure(llm, plan: Plan, tokens: int = 64) -> dict:
@@ -104,7 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, llm) -> int:
-    from tokenmill.llm import parse_memory
+    from tokenmill.factory import parse_memory
 
     bw = args.bandwidth * 1e9 if args.bandwidth else measure_bandwidth()
     plan = make_plan(llm, parse_memory(args.kv_cache_memory), args.context_len, bw)

@@ -21,7 +21,7 @@ class FaultInjectingRunner:
         self.runner, self.poisoned = runner, poisoned
 
     def execute(self, batch):
-        if any(s.request_id == self.poisoned for s in batch.seqs):
+        if any(s.request_id == self.poisoned for s in batch.scheduled):
             raise RuntimeError("injected fault")
         return self.runner.execute(batch)
 
@@ -104,3 +104,17 @@ def test_invalid_request_raises_to_its_caller(start_async):
 
     with pytest.raises(InvalidRequestError, match="prompt is empty"):
         asyncio.run(main())
+
+
+def test_n_sequences_finishing_in_the_same_step_all_reach_the_stream(llm, start_async):
+    """n=3 with max_tokens=2: all three end in one step; each must deliver its last output."""
+    async_engine = start_async()
+
+    async def main():
+        finished = []
+        async for out in async_engine.generate("n3", "Hi", SamplingParams(n=3, max_tokens=2, seed=1)):
+            if out.finished:
+                finished.append(out.outputs[0].index)
+        return finished
+
+    assert sorted(asyncio.run(asyncio.wait_for(main(), timeout=60))) == [0, 1, 2]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import all_logits, seq
+from tests.helpers import all_logits, make_tiny_llama, seq
 from tokenmill.engine.block_pool import BlockPool
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import load_checkpoint
@@ -13,18 +13,6 @@ from tokenmill.worker.kv_cache import allocate_kv_cache
 from tokenmill.worker.model_runner import ModelRunner
 
 transformers = pytest.importorskip("transformers")
-
-
-def make_tiny_llama(path, **overrides):
-    torch.manual_seed(0)
-    cfg = dict(
-        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=8,
-        num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0, tie_word_embeddings=False,
-    )  # fmt: skip
-    cfg.update(overrides)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).eval()
-    model.save_pretrained(path)
-    return model
 
 
 def ours_for(path, block_size=4, num_blocks=64):

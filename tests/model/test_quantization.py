@@ -73,3 +73,17 @@ def test_int8_kv_cache_holds_about_twice_the_blocks_of_bfloat16():
 def test_bad_quantization_settings_are_clear_errors(kw, message):
     with pytest.raises(TokenmillError, match=message):
         quantized(**kw)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_copy_on_write_of_a_quantised_kv_block_keeps_forks_exact(kv_cache_dtype):
+    """n=3 forks share the prompt's blocks and copy the partial last one (values and
+    their scales); each fork must sample exactly what a lone request with its seed does."""
+    q = LLM(kv_cache_dtype=kv_cache_dtype, kv_cache_memory="64MiB", progress=False)
+    prompt = "The three rivers of the old town are"  # its last block is partial: forks copy it
+    params = SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=8, ignore_eos=True)
+    forked = q.generate(prompt, params)[0]
+    alone = [q.generate(prompt, SamplingParams(temperature=0.8, seed=5 + i, max_tokens=8, ignore_eos=True))[0].token_ids
+             for i in range(3)]  # fmt: skip
+    assert [c.token_ids for c in forked.outputs] == alone
+    assert q.engine.block_pool.num_free == q.engine.block_pool.num_blocks

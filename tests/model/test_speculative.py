@@ -62,12 +62,14 @@ def tiny_model(seed: int, vocab: int = 8, layers: int = 2) -> LlamaForCausalLM:
     return LlamaForCausalLM.from_weights(cfg, w)
 
 
-def tiny_engine(target, method=None, draft=None, k=3, num_blocks=64, max_num_seqs=64, draft_layers=1, caching=True):
+def tiny_engine(
+    target, method=None, draft=None, k=3, num_blocks=64, max_num_seqs=64, draft_layers=1, caching=True, disable_batch_size=10_000
+):
     caches = allocate_kv_cache(target.config, num_blocks, BLOCK, torch.float32, CPU)
     proposer, spec = None, None
     if method is not None:
         spec = SpeculativeConfig(
-            method, num_speculative_tokens=k, draft_model="tiny", draft_layers=draft_layers, disable_batch_size=10_000,
+            method, num_speculative_tokens=k, draft_model="tiny", draft_layers=draft_layers, disable_batch_size=disable_batch_size,
             prompt_lookup_max=3,
         )  # fmt: skip
         if method == "ngram":
@@ -215,8 +217,7 @@ def test_seeded_sampling_with_speculation_is_reproducible(target):
 
 def test_speculation_pauses_above_the_disable_batch_size(target):
     prompts, params = mixed_workload(16)
-    engine = tiny_engine(target, "ngram")
-    engine.config = EngineConfig(**{**engine.config.__dict__, "speculative": SpeculativeConfig("ngram", disable_batch_size=2)})
+    engine = tiny_engine(target, "ngram", disable_batch_size=2)
     run(engine, prompts[:2], params[:2])
     drafted = engine.spec_stats.num_drafts
     assert drafted > 0
@@ -263,7 +264,7 @@ def test_all_proposers_leave_no_state_behind_after_aborts(target):
                 break
         engine.step()  # hands the runner the last finished ids
         assert engine.block_pool.num_free == engine.block_pool.num_blocks
-        assert not engine.runner._draft_probs and not engine.runner._generators
+        assert not engine.runner.requests and not engine.runner._parked_generators
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft", "self"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.model.test_hf_folder import make_tiny_llama
+from tests.helpers import make_tiny_llama
 from tokenmill import LLM, SamplingParams
 from tokenmill.errors import TokenmillError
 

@@ -62,6 +62,7 @@ def test_freed_cached_blocks_survive_until_evicted_lru_first():
     a = req(range(9), "a")
     kv.allocate_slots(a, 9)
     computed(kv, a, 9)
+    head, tail, partial = a.block_ids
     kv.free(a)
     assert pool.num_free == 4 and pool.num_cached_free == 2
     hashes = kv._hashes(req(range(9)), 2)
@@ -70,9 +71,11 @@ def test_freed_cached_blocks_survive_until_evicted_lru_first():
     x = pool.allocate(1)
     assert pool.num_cached_free == 2
     y = pool.allocate(1)
+    assert sorted(x + y) == sorted({0, 1, 2, 3} - {head, tail})  # the never-cached blocks go first
     z = pool.allocate(1)
-    assert pool.num_cached_free == 1 and x + y + z
-    assert pool.lookup(kv._hashes(req(range(9)), 1)[0]) is not None  # the head survives longest
+    assert z == [tail] and pool.num_cached_free == 1  # then the chain's tail is evicted
+    assert pool.lookup(hashes[1]) is None
+    assert pool.lookup(hashes[0]) == head  # the head survives longest
 
 
 def test_copy_on_write_for_shared_partial_block():

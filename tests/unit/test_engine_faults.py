@@ -3,7 +3,7 @@ behind: no blocks, and no prefix-cache entries for K/V that were never written."
 
 from __future__ import annotations
 
-from tests.unit.test_scheduler_properties import ScriptedRunner, ToyTokenizer
+from tests.helpers import ScriptedRunner, ToyTokenizer
 from tokenmill.engine.engine import Engine, EngineConfig
 from tokenmill.engine.model_input import ModelInput
 from tokenmill.sampling_params import SamplingParams
@@ -15,7 +15,7 @@ class FailsFor(ScriptedRunner):
         self.poisoned = poisoned
 
     def execute(self, batch: ModelInput):
-        if any(s.request_id == self.poisoned for s in batch.seqs):
+        if any(s.request_id == self.poisoned for s in batch.scheduled):
             raise RuntimeError("boom")
         return super().execute(batch)
 

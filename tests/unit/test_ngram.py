@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from tokenmill.engine.model_input import SeqInput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec.ngram import NgramProposer, lookup
+from tokenmill.worker.inputs import SeqInput
 
 
 def test_proposes_what_followed_the_latest_match_of_the_longest_suffix():

@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 import torch
 
-from tokenmill.spec.rejection import verify_greedy, verify_sampled
+from tokenmill.worker.rejection import verify_greedy, verify_sampled
 
 scipy_stats = pytest.importorskip("scipy.stats")
 

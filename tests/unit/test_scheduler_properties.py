@@ -9,78 +9,12 @@ from collections import Counter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokenmill.config import SpeculativeConfig
+from tests.helpers import TOY_VOCAB as VOCAB
+from tests.helpers import ScriptedRunner, ToyTokenizer, expected_output
+from tokenmill.config import SchedulerConfig, SpeculativeConfig
 from tokenmill.engine.engine import Engine, EngineConfig
-from tokenmill.engine.model_input import ModelInput, ModelOutput, SampledToken
-from tokenmill.engine.scheduler import SchedulerConfig
+from tokenmill.engine.model_input import ModelInput
 from tokenmill.sampling_params import SamplingParams
-
-VOCAB = 50
-
-
-class ToyTokenizer:
-    stop_token_ids = frozenset()
-    vocab_size = VOCAB
-
-    def encode(self, text, add_special_tokens=True):
-        return [ord(c) % VOCAB for c in text]
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(65 + i % 26) for i in ids)
-
-
-class ScriptedRunner:
-    """Checks what it is handed against the block accounting, then 'samples' a
-    token determined by the sequence's tokens so far (so outputs are comparable).
-
-    Speculating, it verifies drafts greedily against that same rule and proposes
-    drafts that are right up to a position that depends on the history (so some are
-    accepted in full, some in part, some not at all)."""
-
-    def __init__(self, block_size, lookahead=0):
-        self.block_size = block_size
-        self.lookahead = lookahead
-        self.batches: list[ModelInput] = []
-
-    def execute(self, batch: ModelInput) -> ModelOutput:
-        self.batches.append(batch)
-        out = ModelOutput(sampled={})
-        for s in batch.seqs:
-            end = s.num_computed_tokens + len(s.token_ids)
-            assert len(s.block_table) * self.block_size >= end + (self.lookahead if s.sample else 0)
-            if s.sample:
-                history = s.prompt_ids + s.output_ids
-                assert s.token_ids[len(s.token_ids) - len(s.spec_token_ids) :] == s.spec_token_ids
-                kept = []
-                for d in s.spec_token_ids:
-                    if d != next_token(history + kept):
-                        break
-                    kept.append(d)
-                kept.append(next_token(history + kept))
-                out.sampled[s.request_id] = [SampledToken(t) for t in kept]
-                if s.num_lookahead:
-                    out.draft_token_ids[s.request_id] = propose(history + kept, s.num_lookahead)
-        return out
-
-
-def propose(history: list[int], k: int) -> list[int]:
-    right = sum(history) % (k + 1)  # drafts right before this position, wrong from it
-    drafts: list[int] = []
-    for i in range(k):
-        t = next_token(history + drafts)
-        drafts.append(t if i < right else (t + 1) % VOCAB)
-    return drafts
-
-
-def next_token(history: list[int]) -> int:
-    return (sum(history) * 31 + len(history)) % VOCAB
-
-
-def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
-    out: list[int] = []
-    for _ in range(max_tokens):
-        out.append(next_token(prompt + out))
-    return out
 
 
 def check_invariants(engine: Engine, cfg: SchedulerConfig, batch: ModelInput | None) -> None:
@@ -94,8 +28,10 @@ def check_invariants(engine: Engine, cfg: SchedulerConfig, batch: ModelInput | N
         assert len(r.block_ids) <= engine.kv.blocks_for(r.num_tokens), "blocks held past the request's tokens"
         assert len(set(r.block_ids)) == len(r.block_ids), "a block twice in one table"
     if batch is not None:
-        assert sum(len(s.token_ids) for s in batch.seqs) <= cfg.max_num_batched_tokens
-        assert len(batch.seqs) <= cfg.max_num_seqs
+        assert batch.num_tokens <= cfg.max_num_batched_tokens
+        if batch.preempted_request_ids and cfg.scheduling == "continuous":  # blocks are short: nobody joins
+            assert not batch.new_requests, "a request was admitted in the step that preempted another"
+        assert len(batch.scheduled) <= cfg.max_num_seqs
     assert len(engine.scheduler.running) <= cfg.max_num_seqs
 
 
@@ -121,7 +57,7 @@ request_st = st.tuples(
 )
 def test_random_workloads_keep_blocks_exact(requests, num_blocks, budget, max_seqs, caching, policy, speculative):
     bs = 4
-    cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy)
+    cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, scheduling=policy)
     spec = None
     if speculative is not None:  # "draft" also reserves lookahead slots
         spec = SpeculativeConfig(speculative, num_speculative_tokens=3, draft_model="scripted", disable_batch_size=6)
@@ -159,10 +95,12 @@ def test_random_workloads_keep_blocks_exact(requests, num_blocks, budget, max_se
         check_invariants(engine, cfg, runner.batches[-1] if len(runner.batches) > before else None)
         step += 1
         if step > 10 and not engine.has_unfinished():
+            engine.step()  # hands the runner the last finished ids
             break
     assert not engine.has_unfinished(), "requests stuck"
     assert engine.block_pool.num_free == num_blocks, "blocks leaked"
-    assert not engine.requests and not engine.groups
+    assert engine.num_unfinished_requests == 0
+    assert not runner.requests and not runner.parked, "the runner holds state of finished requests"
     for rid, tokens in finished.items():  # preemption, chunking, caching, speculation change no output
         assert tokens == expected_output(prompts[rid], len(tokens))
     if speculative is not None and max_seqs <= 6 and budget > 4 and any(len(t) >= 4 for t in finished.values()):

@@ -32,7 +32,11 @@ logger = logging.getLogger(__name__)
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    remaining: int  # sequences (n) not finished yet
+    remaining: int  # sequences (n) not finished yet, counted by the consumer
+    undelivered: int = 0  # sequences whose last output the loop thread has not handed over yet
+
+    def __post_init__(self) -> None:
+        self.undelivered = self.remaining
 
 
 class EngineDeadError(RuntimeError):
@@ -97,7 +101,7 @@ class AsyncEngine:
     @property
     def num_waiting(self) -> int:
         """Requests queued and not yet running (an estimate read from another thread)."""
-        return len(self.engine.scheduler.waiting) + self._commands.qsize()
+        return self.engine.num_waiting + self._commands.qsize()
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -149,8 +153,10 @@ class AsyncEngine:
         stream = self._streams.get(out.request_id)
         if stream is None:
             return
-        if out.finished and out.request_id not in self.engine.groups:  # all n sequences ended
-            self._streams.pop(out.request_id, None)
+        if out.finished:  # n > 1: the stream ends with the last of its sequences, whatever the step
+            stream.undelivered -= 1
+            if stream.undelivered == 0:
+                self._streams.pop(out.request_id, None)
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
 
 

@@ -21,13 +21,18 @@ class Decoder(Protocol):
 
 @dataclass
 class IncrementalDetokenizer:
+    """Text of one sequence, built a piece per token: appending costs O(piece), and
+    the whole text is joined only when asked for (``text``)."""
+
     tokenizer: Decoder
     prompt_ids: list[int]
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    text: str = ""  # all text decoded so far (truncated at a stop string once matched)
-    emitted: int = 0  # characters of `text` already handed out as deltas
+    num_chars: int = 0  # characters decoded so far (after truncation at a stop string, once matched)
+    _pieces: list[str] = field(default_factory=list)
+    _tail: str = ""  # the last characters of the text, enough to match a stop string across pieces
+    _unemitted: str = ""  # text past what take_delta has handed out
     _ids: list[int] = field(default_factory=list)
     _prefix_offset: int = 0
     _read_offset: int = 0
@@ -35,8 +40,16 @@ class IncrementalDetokenizer:
     def __post_init__(self) -> None:
         context = self.prompt_ids[-_CONTEXT_TOKENS:]
         self._ids = list(context)
-        self._prefix_offset = 0
         self._read_offset = len(context)
+        self._max_stop = max((len(s) for s in self.stop), default=0)
+
+    @property
+    def text(self) -> str:
+        """All text so far (truncated at the stop string once one matched)."""
+        return self.text_prefix(self.num_chars)
+
+    def text_prefix(self, num_chars: int) -> str:
+        return "".join(self._pieces)[:num_chars]
 
     def add_token(self, token_id: int) -> str | None:
         """Append one token; return the stop string it completed, if any."""
@@ -45,22 +58,28 @@ class IncrementalDetokenizer:
         full = self._decode(self._ids[self._prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return None  # an incomplete character (or nothing visible) so far
-        new_text = full[len(prefix) :]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        search_from = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
-        self.text += new_text
-        return self._match_stop(search_from)
+        return self._append(full[len(prefix) :])
 
-    def _match_stop(self, search_from: int) -> str | None:
+    def _append(self, new_text: str) -> str | None:
+        window = self._tail + new_text  # a stop string may begin in the tail
+        window_start = self.num_chars - len(self._tail)
+        self._pieces.append(new_text)
+        self.num_chars += len(new_text)
+        self._unemitted += new_text
+        self._tail = window[-self._max_stop :] if self._max_stop else ""
         best: tuple[int, str] | None = None
         for s in self.stop:
-            idx = self.text.find(s, search_from)
+            idx = window.find(s)
             if idx != -1 and (best is None or idx < best[0]):
                 best = (idx, s)
         if best is None:
             return None
         idx, s = best
-        self.text = self.text[: idx + len(s)] if self.include_stop_str_in_output else self.text[:idx]
+        cut = window_start + idx + (len(s) if self.include_stop_str_in_output else 0)
+        dropped = self.num_chars - cut
+        self.num_chars = cut
+        self._unemitted = self._unemitted[: len(self._unemitted) - dropped] if dropped else self._unemitted
         return s
 
     def flush(self) -> None:
@@ -68,16 +87,19 @@ class IncrementalDetokenizer:
         tail = self._decode(self._ids[self._prefix_offset :])
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
         if len(tail) > len(prefix):
-            self.text += tail[len(prefix) :]
             self._prefix_offset = self._read_offset = len(self._ids)
+            self._append_plain(tail[len(prefix) :])
+
+    def _append_plain(self, new_text: str) -> None:
+        self._pieces.append(new_text)
+        self.num_chars += len(new_text)
+        self._unemitted += new_text
 
     def take_delta(self, finished: bool) -> str:
         """Text not yet emitted; while running, minus a tail that may begin a stop string."""
-        end = len(self.text)
-        if not finished:
-            end -= _partial_stop_len(self.text, self.stop)
-        delta = self.text[self.emitted : max(end, self.emitted)]
-        self.emitted = max(end, self.emitted)
+        keep = 0 if finished else _partial_stop_len(self._unemitted, self.stop)
+        delta = self._unemitted[: len(self._unemitted) - keep]
+        self._unemitted = self._unemitted[len(delta) :]
         return delta
 
     def _decode(self, ids: list[int]) -> str:

@@ -98,6 +98,7 @@ class KVCacheManager:
             (dst,) = self.pool.allocate(1)
             self.pool.free([src])
             req.block_ids[i] = dst
+            req.num_synced_blocks = min(req.num_synced_blocks, i)
             copies.append((src, dst))
             req.num_cached_blocks = min(req.num_cached_blocks, i)
         req.block_ids.extend(self.pool.allocate(num_new_blocks))
@@ -124,6 +125,7 @@ class KVCacheManager:
             assert req.num_computed_tokens <= keep * self.block_size
             self.pool.free(req.block_ids[keep:][::-1])
             del req.block_ids[keep:]
+            req.num_synced_blocks = min(req.num_synced_blocks, keep)
 
     def fork(self, src: Request, dst: Request, num_tokens: int) -> None:
         """dst shares src's blocks holding the first num_tokens tokens (copy-on-write later)."""
@@ -131,9 +133,11 @@ class KVCacheManager:
         shared = src.block_ids[: self.blocks_for(num_tokens)]
         self.pool.touch(shared)
         dst.block_ids = list(shared)
+        dst.num_synced_blocks = 0
         dst.num_cached_blocks = min(src.num_cached_blocks, num_tokens // self.block_size)
 
     def free(self, req: Request) -> None:
         self.pool.free(req.block_ids[::-1])  # tail first: evicted before the shared head
         req.block_ids = []
         req.num_cached_blocks = 0
+        req.num_synced_blocks = 0

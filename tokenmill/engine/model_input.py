@@ -1,6 +1,14 @@
-"""The narrow record the engine hands the model runner each step: ids and counts.
+"""The narrow records between the scheduler and the model runner: ids and counts.
 
 No tensors, so that the runner could live in another process or rank unchanged.
+They carry deltas (vLLM v1's NewRequestData / CachedRequestData): the runner keeps
+each request's tokens, block table, sampling parameters, generator and drafts from
+its first schedule until it is told the request is gone, and each step says only
+what changed. Nothing in a step's record grows with the length of a request.
+
+    step 1:  new    [r1: prompt, params, blocks 0..3, computed 0]
+    step 2:  cached [r1: computed 16, blocks keep 4 + [7]]   (r1's sampled token: the runner knows it)
+    step 3:  finished_ids [r1]                                 (the runner drops r1)
 """
 
 from __future__ import annotations
@@ -11,33 +19,64 @@ from tokenmill.sampling_params import SamplingParams
 
 
 @dataclass
-class SeqInput:
-    """One sequence's share of a step.
-
-    ``token_ids`` are the tokens to compute now; they sit at positions
-    ``num_computed_tokens .. num_computed_tokens + len(token_ids) - 1``, and their
-    K/V go to the slots that ``block_table`` gives those positions. When the
-    sequence speculates, the last ``len(spec_token_ids)`` of them are draft tokens
-    to verify (they follow the sequence's last real token).
-    """
+class NewRequestData:
+    """A request the runner does not hold: first scheduled, or resumed after preemption
+    (then ``output_token_ids`` holds what it generated before)."""
 
     request_id: str
-    token_ids: list[int]
-    num_computed_tokens: int
-    block_table: list[int]
-    sample: bool  # sample a next token after the last of token_ids
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
     params: SamplingParams
-    prompt_ids: list[int]  # for repetition penalties
-    output_ids: list[int]  # for all penalties
-    spec_token_ids: list[int] = field(default_factory=list)  # drafts at the end of token_ids
-    num_lookahead: int = 0  # after sampling, propose up to this many draft tokens
+    block_ids: list[int]
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner holds: its block table becomes ``table[:num_kept_blocks] +
+    new_block_ids`` (usually an append; copy-on-write or a trim rewrites the tail)."""
+
+    request_id: str
+    num_kept_blocks: int
+    new_block_ids: list[int]
+
+
+@dataclass
+class ScheduledTokens:
+    """One request's share of this step: ``num_tokens`` from ``num_computed_tokens``,
+    the last ``len(spec_token_ids)`` of them drafts to verify."""
+
+    request_id: str
+    num_computed_tokens: int
+    num_tokens: int  # including the drafts
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_lookahead: int = 0  # after sampling, propose up to this many drafts (0: this step does not draft)
 
 
 @dataclass
 class ModelInput:
-    seqs: list[SeqInput]  # any order: the runner puts single-token sequences first
+    scheduled: list[ScheduledTokens] = field(default_factory=list)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before the forward
-    finished_request_ids: list[str] = field(default_factory=list)  # runner drops their state
+    finished_request_ids: list[str] = field(default_factory=list)  # finished or aborted: dropped
+    # Preempted: dropped too, but a seeded request's generator is kept, so that its
+    # random stream goes on where it was when the request resumes.
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    def only(self, request_id: str) -> ModelInput:
+        """The same step restricted to one request (to find which one makes a step fail)."""
+        return ModelInput(
+            scheduled=[s for s in self.scheduled if s.request_id == request_id],
+            new_requests=[r for r in self.new_requests if r.request_id == request_id],
+            cached_requests=[r for r in self.cached_requests if r.request_id == request_id],
+            block_copies=self.block_copies,
+            finished_request_ids=self.finished_request_ids,
+            preempted_request_ids=self.preempted_request_ids,
+        )
 
 
 @dataclass
@@ -49,7 +88,8 @@ class SampledToken:
 
 @dataclass
 class ModelOutput:
-    # request_id -> the tokens the step adds, for each seq with sample=True: the
-    # accepted draft tokens (if it speculated), then one sampled by the target.
-    sampled: dict[str, list[SampledToken]]
+    # request_id -> the tokens the step adds, for each request whose chunk reached its
+    # last token: the accepted drafts (if it speculated), then one sampled by the target.
+    sampled: dict[str, list[SampledToken]] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # to verify next step
+    failed: dict[str, str] = field(default_factory=dict)  # request_id -> error: computed nothing

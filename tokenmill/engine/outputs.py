@@ -1,21 +1,58 @@
-"""What the engine hands back: per-request outputs, as plain data."""
+"""What the engine hands back: per-request outputs, as plain data.
+
+Each step's ``RequestOutput`` carries what the step added (``delta_text``,
+``delta_token_ids``, ``delta_logprobs``). The cumulative ``text``, ``token_ids`` and
+``logprobs`` of a completion are built when first read, from the sequence's
+append-only record, as it stood when the output was made: a streamed request costs
+O(new tokens) a step, and O(length) only for a caller who asks for the whole.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from tokenmill.engine.request import RequestTimings
+
+TopLogprobs = list[tuple[int, float]]
+
+
+class CompletionSource(Protocol):
+    """A sequence's append-only output record (the output processor's)."""
+
+    token_ids: list[int]
+    logprobs: list[float | None] | None
+    top_logprobs: list[TopLogprobs] | None
+
+    def text_prefix(self, num_chars: int) -> str: ...
 
 
 @dataclass
 class CompletionOutput:
     index: int
-    text: str
-    token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None
-    logprobs: list[float | None] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
+    _source: CompletionSource | None = field(default=None, repr=False, compare=False)
+    _num_tokens: int = 0
+    _num_chars: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [] if self._source is None else self._source.token_ids[: self._num_tokens]
+
+    @property
+    def text(self) -> str:
+        return "" if self._source is None else self._source.text_prefix(self._num_chars)
+
+    @property
+    def logprobs(self) -> list[float | None] | None:
+        lps = None if self._source is None else self._source.logprobs
+        return None if lps is None else lps[: self._num_tokens]
+
+    @property
+    def top_logprobs(self) -> list[TopLogprobs] | None:
+        tops = None if self._source is None else self._source.top_logprobs
+        return None if tops is None else tops[: self._num_tokens]
 
 
 @dataclass
@@ -26,9 +63,11 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     timings: list[RequestTimings] = field(default_factory=list)
-    # Streaming: what this step added to each completion.
+    # Streaming: what this step added to the completion in outputs[0].
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[float | None] | None = None
+    delta_top_logprobs: list[TopLogprobs] | None = None
     error: str | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 

@@ -1,7 +1,9 @@
-"""A request and all its state, in one dataclass.
+"""A sequence and all its scheduling state, in one dataclass.
 
-Only the scheduler changes ``status`` and ``num_computed_tokens``; the engine
-appends sampled tokens and records timings.
+Only the scheduler changes it: ``status``, ``num_computed_tokens``, the tokens
+appended after each step and the blocks it holds. What a user sees (text, logprobs)
+is the output processor's; what the model needs per step is the runner's own copy,
+kept in step by the deltas the scheduler sends.
 """
 
 from __future__ import annotations
@@ -62,11 +64,12 @@ class Request:
     index: int = 0
     num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify next step
+    # Leading entries of block_ids the model runner already holds; the KV manager
+    # lowers it whenever it changes an entry (copy-on-write, trim, free).
+    num_synced_blocks: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or token id that ended it
-    logprobs: list[float | None] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     timings: RequestTimings = field(default_factory=RequestTimings)
 
     def __post_init__(self) -> None:

@@ -1,49 +1,49 @@
-"""The scheduler: which requests compute how many tokens this step.
+"""The scheduler: which requests compute how many tokens this step, and what follows.
 
 One rule (vLLM v1's): there are no prefill and decode phases. Each step every
 request is given some of the tokens it has not computed yet, within a token budget
 (``max_num_batched_tokens``) and a sequence cap (``max_num_seqs``):
 
-1. running requests first, in admission order: a decode takes 1 token, an unfinished
-   prompt takes the next chunk that fits the budget (chunked prefill);
+1. running requests first: decodes, then unfinished prompts (chunked prefill), each
+   in admission order;
 2. then waiting requests, first come first served, starting after their cached
-   prefix, while budget, sequence slots and KV blocks last.
+   prefix, while budget, sequence slots and KV blocks last; none after a preemption
+   in the same step (blocks are short).
 
 When a running request cannot get a block, the most recently admitted running
 request is preempted: its blocks are freed and it goes back to the front of the
 waiting queue, to recompute its prompt and output so far when readmitted.
-``policy="static"`` admits nothing while a batch is running: the baseline.
+``scheduling="static"`` admits nothing while a batch is running: the baseline.
 
 Speculative decoding fits the same rule: a decode that carries k draft tokens takes
-1 + k tokens of the budget (its last token and the drafts, verified in one forward).
-Sequences about to sample also get ``num_lookahead_slots`` slots past those tokens,
-where a draft model writes K/V while it drafts. After the step, the computed count
-grows by the tokens the target kept; slots of rejected drafts are overwritten later,
-and whole blocks past the sequence's tokens go back to the pool.
+1 + k tokens of the budget. A sequence *drafts* this step when speculation is on,
+no more than ``disable_batch_size`` requests run, its chunk reaches its last token and
+there is room left under max_tokens and the context window; only then does it get
+lookahead slots (for a model proposer's K/V) past its tokens.
+
+``update_from_output`` is the one place where a step's results land: drafts kept
+or rejected, computed counts, appended tokens, stop by token id or length, full
+blocks cached, unused lookahead blocks trimmed, finished requests freed.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
+from tokenmill.config import SchedulerConfig, SpeculativeConfig
 from tokenmill.engine.kv_manager import KVCacheManager
+from tokenmill.engine.model_input import (
+    CachedRequestData,
+    ModelInput,
+    ModelOutput,
+    NewRequestData,
+    SampledToken,
+    ScheduledTokens,
+)
 from tokenmill.engine.request import Request, RequestStatus
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    policy: str = "continuous"  # "continuous" | "static"
-    num_lookahead_slots: int = 0  # per sampling sequence, for a model proposer's drafts
-
-    def __post_init__(self) -> None:
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        if self.policy not in ("continuous", "static"):
-            raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.policy!r}")
+from tokenmill.engine.stats import SpecDecodeStats
 
 
 @dataclass
@@ -51,12 +51,7 @@ class ScheduledSeq:
     request: Request
     num_new_tokens: int  # including the draft tokens
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify, after the real tokens
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the request's last known token."""
-        num_real = self.num_new_tokens - len(self.spec_token_ids)
-        return self.request.num_computed_tokens + num_real == self.request.num_tokens
+    num_lookahead: int = 0  # drafts to propose after this step (0: it does not draft)
 
 
 @dataclass
@@ -64,22 +59,47 @@ class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    # Requests that cannot fit the KV pool even with nothing else running: the
-    # engine ends them rather than let them wait forever.
+    # Requests that cannot fit the KV pool even with nothing else running: ended
+    # now ("length") rather than left to wait forever.
     unschedulable: list[Request] = field(default_factory=list)
+    model_input: ModelInput = field(default_factory=ModelInput)
 
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.seqs)
 
 
+@dataclass
+class SeqUpdate:
+    """What one step did to one sequence, for the output processor."""
+
+    request: Request
+    new_tokens: list[SampledToken]
+    error: str | None = None
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+        speculative: SpeculativeConfig | None = None,
+    ) -> None:
         self.config = config
         self.kv = kv
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.speculative = speculative
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.spec_stats = SpecDecodeStats()
+        self._known_to_runner: set[str] = set()  # requests whose state the runner holds
+        self._preempted_ever: set[str] = set()  # unfinished requests preempted at least once
+        self._dropped: list[str] = []  # finished: to tell the runner next step
+        self._preempted: list[str] = []  # likewise, preempted
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -87,13 +107,18 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    # ------------------------------------------------------------------ schedule
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        if self.config.policy == "static" and not self.running:
+        if self.config.scheduling == "static" and not self.running:
             self._admit_static_batch()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        if self.config.policy == "continuous" and not out.preempted:
+        if self.config.scheduling == "continuous" and not out.preempted:
             self._schedule_waiting(out, budget)
+        for req in out.unschedulable:
+            self.finish(req, "length")
+        out.model_input = self._model_input(out)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -108,8 +133,8 @@ class Scheduler:
             num_real = min(req.num_tokens - req.num_computed_tokens, budget)
             spec = req.spec_token_ids[: budget - num_real] if num_real == 1 else []
             num_new = num_real + len(spec)
-            slots = num_new + self._lookahead(req, num_real)
-            copies = self.kv.allocate_slots(req, slots)
+            lookahead = self._num_lookahead(req, num_real, len(spec))
+            copies = self.kv.allocate_slots(req, num_new + self._lookahead_slots(lookahead))
             while copies is None:  # out of blocks: preempt from the back
                 if len(self.running) == 1:  # alone and still too big for the pool
                     self.running.remove(req)
@@ -119,10 +144,10 @@ class Scheduler:
                 budget += self._preempt(victim, out)
                 if victim is req:
                     break
-                copies = self.kv.allocate_slots(req, slots)
+                copies = self.kv.allocate_slots(req, num_new + self._lookahead_slots(lookahead))
             if copies is None:
                 continue
-            out.seqs.append(ScheduledSeq(req, num_new, spec))
+            out.seqs.append(ScheduledSeq(req, num_new, spec, lookahead))
             out.block_copies.extend(copies)
             budget -= num_new
         return budget
@@ -131,15 +156,18 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.popleft()
-            if not self._try_fork(req, out):
+            if req.fork_of is not None and not self._try_fork(req, out):
                 if req.fork_of is not None:  # its sibling's prompt is not computed yet
                     skipped.append(req)
                     continue
+            if req.fork_of is not None:  # forked: computes only its last prompt token
+                num_new, lookahead = 1, self._num_lookahead(req, 1, 0)
+            else:
                 cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
                 num_computed = req.num_computed_tokens + len(cached) * self.kv.block_size
                 num_new = min(req.num_tokens - num_computed, budget)
-                lookahead = self.config.num_lookahead_slots if num_computed + num_new == req.num_tokens else 0
-                copies = self.kv.allocate_slots(req, num_new + lookahead, cached)
+                lookahead = self._num_lookahead(req, num_new, 0, num_computed)
+                copies = self.kv.allocate_slots(req, num_new + self._lookahead_slots(lookahead), cached)
                 if copies is None:
                     if not self.running:  # nothing to wait for: it can never fit
                         out.unschedulable.append(req)
@@ -150,17 +178,29 @@ class Scheduler:
                     req.num_cached_prompt_tokens = max(req.num_cached_prompt_tokens, len(cached) * self.kv.block_size)
                 req.num_computed_tokens = num_computed
                 out.block_copies.extend(copies)
-            else:
-                num_new = 1
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.seqs.append(ScheduledSeq(req, num_new))
+            out.seqs.append(ScheduledSeq(req, num_new, [], lookahead))
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
 
-    def _lookahead(self, req: Request, num_real: int) -> int:
-        """Lookahead slots for a chunk that reaches the request's last token."""
-        return self.config.num_lookahead_slots if req.num_computed_tokens + num_real == req.num_tokens else 0
+    def _num_lookahead(self, req: Request, num_real: int, num_spec: int, num_computed: int | None = None) -> int:
+        """Drafts to propose after this step: 0 unless this chunk reaches the request's
+        last token, speculation is on and not paused, and there is room to use them."""
+        spec = self.speculative
+        computed = req.num_computed_tokens if num_computed is None else num_computed
+        if spec is None or computed + num_real != req.num_tokens or len(self.running) > spec.disable_batch_size:
+            return 0
+        room = min(
+            req.params.max_tokens - len(req.output_token_ids) - 2,  # this step adds >= 1 token, the next <= k + 1
+            self.max_model_len - req.num_tokens - num_spec - 1,  # drafted positions stay in the window
+        )
+        return max(0, min(spec.num_speculative_tokens, room))
+
+    def _lookahead_slots(self, num_lookahead: int) -> int:
+        """KV slots past the step's tokens that drafting writes (a model proposer's K/V)."""
+        spec = self.speculative
+        return num_lookahead if spec is not None and spec.num_lookahead_slots else 0
 
     def _admit_static_batch(self) -> None:
         """Static batching: take up to max_num_seqs waiting requests as one batch; they
@@ -179,8 +219,7 @@ class Scheduler:
     def _try_fork(self, req: Request, out: SchedulerOutput) -> bool:
         """n > 1: share the sibling's computed prompt blocks and compute only the last
         prompt token (copy-on-write gives this request its own copy of that block)."""
-        if req.fork_of is None:
-            return False
+        assert req.fork_of is not None
         src = next((r for r in self.running if r.request_id == req.fork_of), None)
         prompt_len = len(req.prompt_token_ids)
         if src is None or src.num_computed_tokens < prompt_len:
@@ -189,7 +228,7 @@ class Scheduler:
             return False
         self.kv.fork(src, req, prompt_len)
         req.num_computed_tokens = prompt_len - 1
-        copies = self.kv.allocate_slots(req, 1 + self.config.num_lookahead_slots)
+        copies = self.kv.allocate_slots(req, 1 + self._lookahead_slots(self._num_lookahead(req, 1, 0)))
         if copies is None:  # no block for the copy: give the shared ones back, retry later
             self.kv.free(req)
             req.num_computed_tokens = 0
@@ -203,6 +242,7 @@ class Scheduler:
         given_back = sum(s.num_new_tokens for s in out.seqs if s.request is req)
         out.seqs = [s for s in out.seqs if s.request is not req]
         self.kv.free(req)
+        self._forget_in_runner(req, preempted=True)
         req.num_computed_tokens = 0
         req.spec_token_ids = []
         req.status = RequestStatus.WAITING
@@ -212,37 +252,103 @@ class Scheduler:
         out.preempted.append(req)
         return given_back
 
-    def update_after_step(
-        self, out: SchedulerOutput, failed: Collection[str] = (), num_rejected: Mapping[str, int] | None = None
-    ) -> None:
-        """The scheduled tokens are now in the KV cache, except rejected drafts (their
-        slots are overwritten later). Sequences whose step failed computed nothing."""
-        num_rejected = num_rejected or {}
+    def _model_input(self, out: SchedulerOutput) -> ModelInput:
+        """The step as the runner sees it: deltas against what it already holds."""
+        batch = ModelInput(block_copies=out.block_copies)
+        batch.finished_request_ids, batch.preempted_request_ids = self.take_dropped()
         for s in out.seqs:
             req = s.request
+            rid = req.request_id
+            if rid not in self._known_to_runner:
+                self._known_to_runner.add(rid)
+                batch.new_requests.append(
+                    NewRequestData(rid, req.prompt_token_ids, list(req.output_token_ids), req.params, list(req.block_ids))
+                )
+            elif req.num_synced_blocks < len(req.block_ids):
+                batch.cached_requests.append(
+                    CachedRequestData(rid, req.num_synced_blocks, req.block_ids[req.num_synced_blocks :])
+                )
+            req.num_synced_blocks = len(req.block_ids)
+            batch.scheduled.append(
+                ScheduledTokens(rid, req.num_computed_tokens, s.num_new_tokens, s.spec_token_ids, s.num_lookahead)
+            )
+        return batch
+
+    # ------------------------------------------------------------- after a step
+
+    def update_from_output(self, out: SchedulerOutput, result: ModelOutput) -> list[SeqUpdate]:
+        """Everything that follows a forward, in one place (the caller knows no order)."""
+        updates = [SeqUpdate(req, []) for req in out.unschedulable]
+        for s in out.seqs:
+            req = s.request
+            rid = req.request_id
             req.spec_token_ids = []
-            if req.request_id in failed:
+            if rid in result.failed:  # computed nothing: nothing to cache either
+                self.finish(req, "error")
+                updates.append(SeqUpdate(req, [], error=result.failed[rid]))
                 continue
-            rejected = num_rejected.get(req.request_id, 0)
-            assert 0 <= rejected <= len(s.spec_token_ids)
-            req.num_computed_tokens += s.num_new_tokens - rejected
+            sampled = result.sampled.get(rid, [])
+            accepted = len(sampled) - 1 if s.spec_token_ids and sampled else 0
+            if s.spec_token_ids:
+                self.spec_stats.record(len(s.spec_token_ids), accepted)
+            req.num_computed_tokens += s.num_new_tokens - (len(s.spec_token_ids) - accepted)
+            new_tokens = self._append(req, sampled)
+            if req.status is RequestStatus.RUNNING:
+                self.kv.cache_computed_blocks(req)
+                self.kv.trim(req, req.num_tokens)  # blocks that held only rejected drafts or lookahead
+                draft = result.draft_token_ids.get(rid, [])
+                req.spec_token_ids = draft[: self._max_drafts(req)]
+            if new_tokens:
+                updates.append(SeqUpdate(req, new_tokens))
+        return updates
 
-    def cache_and_trim(self, out: SchedulerOutput) -> None:
-        """After the step's tokens are appended: full computed blocks join the prefix
-        cache (their token ids are known now), and whole blocks past the request's
-        tokens (rejected drafts, lookahead) go back to the pool."""
-        for s in out.seqs:
-            req = s.request
-            if req.finished or req.status is not RequestStatus.RUNNING:
+    def _append(self, req: Request, sampled: list[SampledToken]) -> list[SampledToken]:
+        """Append tokens one by one, up to the first that ends the request."""
+        for i, t in enumerate(sampled):
+            req.output_token_ids.append(t.token_id)
+            p = req.params
+            if t.token_id in p.stop_token_ids or (not p.ignore_eos and t.token_id in self.eos_token_ids):
+                self.finish(req, "stop", t.token_id)
+            elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+                self.finish(req, "length")
+            else:
                 continue
-            self.kv.cache_computed_blocks(req)
-            self.kv.trim(req, req.num_tokens)
+            return sampled[: i + 1]
+        return sampled
 
-    def finish(self, req: Request) -> None:
-        """Remove a request (finished or aborted) and free its blocks at once."""
+    def _max_drafts(self, req: Request) -> int:
+        """Drafts worth verifying: accepting all and the bonus token stays within
+        max_tokens, and every verified position within the context window."""
+        return max(0, min(req.params.max_tokens - len(req.output_token_ids) - 1, self.max_model_len - req.num_tokens))
+
+    def finish(self, req: Request, reason: str, stop_reason: str | int | None = None) -> None:
+        """End a request (finished, stopped by a string, aborted or failed): free its blocks now."""
+        if req.status is RequestStatus.FINISHED:
+            return
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req)
+        self._forget_in_runner(req)
         req.status = RequestStatus.FINISHED
+        req.finish_reason, req.stop_reason = reason, stop_reason
+        req.timings.finished = time.perf_counter()
+
+    def _forget_in_runner(self, req: Request, preempted: bool = False) -> None:
+        rid = req.request_id
+        if rid in self._known_to_runner:
+            self._known_to_runner.discard(rid)
+            (self._preempted if preempted else self._dropped).append(rid)
+        elif not preempted and rid in self._preempted_ever:
+            self._dropped.append(rid)  # the runner keeps a preempted request's generator until it ends
+        if preempted:
+            self._preempted_ever.add(rid)
+        else:
+            self._preempted_ever.discard(rid)
+
+    def take_dropped(self) -> tuple[list[str], list[str]]:
+        """(finished, preempted) requests the runner should drop since it was last told."""
+        dropped, self._dropped = self._dropped, []
+        preempted, self._preempted = self._preempted, []
+        return dropped, preempted

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
+from tokenmill.config import KV_CACHE_DTYPES
+
+__all__ = ["KV_CACHE_DTYPES", "QUANTIZED_KV", "SCALE_DTYPE", "dequantize", "quantize"]
 QUANTIZED_KV = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
 SCALE_DTYPE = torch.bfloat16
 

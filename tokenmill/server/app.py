@@ -25,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from tokenmill.config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.errors import InvalidRequestError
@@ -44,16 +45,6 @@ logger = logging.getLogger(__name__)
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 429: "RateLimitError",
                500: "InternalServerError", 503: "ServiceUnavailableError"}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    max_queue: int | None = None  # waiting requests beyond which new ones get 429
-    drain_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests
-    served_model_name: str = "tokenmill"
 
 
 class APIError(Exception):
@@ -101,13 +92,8 @@ def build_app(engine: AsyncEngine, tokenizer: Any, max_model_len: int, config: S
     async def _dead(_: Request, e: EngineDeadError) -> JSONResponse:
         return error_response(503, f"the engine is not running: {e}")
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        key = config.api_key
-        if key is not None and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {key}":
-                return error_response(401, "invalid or missing API key (send Authorization: Bearer <key>)")
-        return await call_next(request)
+    if config.api_key is not None:
+        app.add_middleware(APIKeyMiddleware, key=config.api_key)
 
     @app.get("/health")
     async def health() -> Response:
@@ -319,8 +305,8 @@ class _Job:
                                         "logprobs": None, "finish_reason": None}])  # fmt: skip
                 n_new = len(out.delta_token_ids)
                 lps = None
-                if c.logprobs is not None and n_new:
-                    lps = self._logprobs(c.token_ids, c.logprobs, c.top_logprobs, len(c.token_ids) - n_new)
+                if out.delta_logprobs is not None and n_new:  # deltas: O(new tokens) per chunk
+                    lps = self._logprobs(out.delta_token_ids, out.delta_logprobs, out.delta_top_logprobs, 0)
                 if out.delta_text or out.finished or lps is not None:
                     choice: dict[str, Any] = {"index": idx, "logprobs": lps,
                                               "finish_reason": c.finish_reason if out.finished else None}  # fmt: skip
@@ -403,6 +389,24 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class APIKeyMiddleware:
+    """401 for /v1 routes without ``Authorization: Bearer KEY``. A plain ASGI middleware
+    (not Starlette's BaseHTTPMiddleware, which wraps ``receive`` so that a handler never
+    sees its client disconnect, and a non-streamed request would run on unwatched)."""
+
+    def __init__(self, app: Any, key: str) -> None:
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if auth != self.expected:
+                response = error_response(401, "invalid or missing API key (send Authorization: Bearer <key>)")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Response:

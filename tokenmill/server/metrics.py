@@ -46,14 +46,14 @@ class EngineCollector:
             c.add_metric(values, value)
             return c
 
-        pool = e.block_pool
-        yield gauge("num_requests_running", "Requests in model execution batches.", len(e.scheduler.running))
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", len(e.scheduler.waiting))
-        yield gauge("kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", pool.num_used / pool.num_blocks)
-        yield counter("num_preemptions", "Cumulative preemptions.", e.scheduler.num_preemptions)
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", e.kv.stats.queries)
-        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", e.kv.stats.hits)
-        spec = e.spec_stats
+        yield gauge("num_requests_running", "Requests in model execution batches.", e.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", e.num_waiting)
+        yield gauge("kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", e.kv_usage)
+        yield counter("num_preemptions", "Cumulative preemptions.", e.num_preemptions)
+        prefix = e.prefix_cache_stats
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", prefix.queries)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", prefix.hits)
+        spec = e.spec_decode_stats
         yield counter("spec_decode_num_drafts", "Speculative verification steps.", spec.num_drafts)
         yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", spec.num_draft_tokens)
         yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens)

@@ -12,26 +12,26 @@ import argparse
 import logging
 import signal
 import sys
+from dataclasses import replace
 
+from tokenmill.args import server_config_from_namespace
 from tokenmill.engine.async_engine import AsyncEngine
-from tokenmill.server.app import ServerConfig, build_app
+from tokenmill.server.app import build_app
 
 
 def serve(llm, args: argparse.Namespace) -> int:
     import uvicorn
 
+    config = server_config_from_namespace(args)
     path = llm.model_path
-    name = args.served_model_name or (path.stem if path.is_file() else path.name)
-    config = ServerConfig(
-        host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
-        drain_timeout=args.drain_timeout, served_model_name=name,
-    )  # fmt: skip
+    name = config.served_model_name or (path.stem if path.is_file() else path.name)
+    config = replace(config, served_model_name=name)
     engine = AsyncEngine(llm.engine)
     app = build_app(engine, llm.tokenizer, llm.max_model_len, config)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    print(f"tokenmill: serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    print(f"tokenmill: serving {name} on http://{config.host}:{config.port}/v1", file=sys.stderr, flush=True)
     server = uvicorn.Server(
-        uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.drain_timeout,
+        uvicorn.Config(app, host=config.host, port=config.port, timeout_graceful_shutdown=config.drain_timeout,
                        log_level="warning", lifespan="off")  # fmt: skip
     )
     # uvicorn drains on SIGTERM and then re-raises it to the handler installed before

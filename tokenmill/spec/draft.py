@@ -27,12 +27,11 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.engine.model_input import SeqInput
 from tokenmill.model.layers.kv_cache import copy_blocks
 from tokenmill.model.llama import KVCache, LlamaForCausalLM
-from tokenmill.spec.proposer import Draft, GeneratorFor, wants_draft
-from tokenmill.spec.rejection import race
-from tokenmill.worker.inputs import order_seqs, prepare_inputs
+from tokenmill.worker.inputs import SeqInput, order_seqs, prepare_inputs
+from tokenmill.worker.proposer import Draft, GeneratorFor, wants_draft
+from tokenmill.worker.rejection import race
 from tokenmill.worker.sampler import SampleRow, sampling_distribution
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from array import array
 
-from tokenmill.engine.model_input import SeqInput
-from tokenmill.spec.proposer import Draft, GeneratorFor, wants_draft
+from tokenmill.worker.inputs import SeqInput
+from tokenmill.worker.proposer import Draft, GeneratorFor, wants_draft
 
 
 def lookup(history: list[int], k: int, max_n: int, min_n: int) -> list[int]:

@@ -1,15 +1,61 @@
 """Sequences of a step -> the flat tensors one forward pass takes.
 
 Shared by the model runner (the target's forward) and the draft proposers (the
-draft's forwards over the same block tables).
+draft's forwards over the same block tables). The flat index arrays are filled in
+buffers that live as long as their ``InputBuffers`` (grown when a step needs more),
+not allocated anew each step.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+import numpy as np
 import torch
 
-from tokenmill.engine.model_input import SeqInput
 from tokenmill.model.layers.attention import AttentionMetadata, build_decode_groups
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class SeqInput:
+    """One sequence's share of a forward, built by the runner from its persistent state.
+
+    ``token_ids`` are the tokens to compute now; they sit at positions
+    ``num_computed_tokens .. num_computed_tokens + len(token_ids) - 1``, and their
+    K/V go to the slots that ``block_table`` gives those positions. When the
+    sequence speculates, the last ``len(spec_token_ids)`` of them are draft tokens
+    to verify (they follow the sequence's last real token). ``prompt_ids`` and
+    ``output_ids`` are the runner's own lists (read, never copied).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_table: list[int]
+    sample: bool  # sample a next token after the last of token_ids
+    params: SamplingParams
+    prompt_ids: list[int]  # for repetition penalties
+    output_ids: list[int]  # for all penalties
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts at the end of token_ids
+    num_lookahead: int = 0  # after sampling, propose up to this many draft tokens
+
+
+class InputBuffers:
+    """Reusable host arrays for a step's flat ids, positions and slots."""
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self._grow(capacity)
+
+    def _grow(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.input_ids = np.zeros(capacity, dtype=np.int64)
+        self.positions = np.zeros(capacity, dtype=np.int64)
+        self.slots = np.zeros(capacity, dtype=np.int64)
+
+    def ensure(self, num_tokens: int) -> None:
+        if num_tokens > self.capacity:
+            self._grow(max(num_tokens, 2 * self.capacity))
 
 
 def order_seqs(seqs: list[SeqInput]) -> list[SeqInput]:
@@ -19,15 +65,15 @@ def order_seqs(seqs: list[SeqInput]) -> list[SeqInput]:
 
 
 def prepare_inputs(
-    seqs: list[SeqInput], block_size: int, device: torch.device
+    seqs: list[SeqInput], block_size: int, device: torch.device, buffers: InputBuffers | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
     """Flat input ids, positions, attention metadata and the rows to take logits from:
     the last token of each sampling sequence, and every drafted position before it
     (a sequence verifying k draft tokens needs k + 1 rows of logits)."""
     bs = block_size
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
+    num_tokens = sum(len(s.token_ids) for s in seqs)
+    buf = buffers or InputBuffers(num_tokens)
+    buf.ensure(num_tokens)
     query_start_loc = [0]
     seq_lens: list[int] = []
     logits_indices: list[int] = []
@@ -37,10 +83,18 @@ def prepare_inputs(
         assert n > len(s.spec_token_ids), f"{s.request_id}: draft tokens need the token they follow"
         start = s.num_computed_tokens
         assert len(s.block_table) * bs >= start + n, "block table too short for the scheduled tokens"
-        input_ids.extend(s.token_ids)
-        positions.extend(range(start, start + n))
-        slots.extend(s.block_table[p // bs] * bs + p % bs for p in range(start, start + n))
-        query_start_loc.append(query_start_loc[-1] + n)
+        at = query_start_loc[-1]
+        if n == 1:  # a decode: no ranges to build
+            buf.input_ids[at] = s.token_ids[0]
+            buf.positions[at] = start
+            buf.slots[at] = s.block_table[start // bs] * bs + start % bs
+        else:
+            pos = np.arange(start, start + n)
+            buf.input_ids[at : at + n] = s.token_ids
+            buf.positions[at : at + n] = pos
+            table = np.asarray(s.block_table[start // bs : (start + n - 1) // bs + 1], dtype=np.int64)
+            buf.slots[at : at + n] = table[pos // bs - start // bs] * bs + pos % bs
+        query_start_loc.append(at + n)
         seq_lens.append(start + n)
         if s.sample:
             end = query_start_loc[-1]
@@ -49,7 +103,7 @@ def prepare_inputs(
     max_blocks = max(len(s.block_table) for s in seqs)
     tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        slot_mapping=_to_device(buf.slots[:num_tokens], device),
         block_tables=torch.tensor(tables, dtype=torch.long, device=device),
         query_start_loc=query_start_loc,
         seq_lens_host=seq_lens,
@@ -60,11 +114,18 @@ def prepare_inputs(
         ),
     )
     return (
-        torch.tensor(input_ids, dtype=torch.long, device=device),
-        torch.tensor(positions, dtype=torch.long, device=device),
+        _to_device(buf.input_ids[:num_tokens], device),
+        _to_device(buf.positions[:num_tokens], device),
         meta,
         torch.tensor(logits_indices, dtype=torch.long, device=device),
     )
+
+
+def _to_device(host: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A tensor of the buffer's contents (a copy: the buffer is refilled next step,
+    possibly while the forward that reads this tensor still runs on a GPU)."""
+    t = torch.from_numpy(host)
+    return t.to(device, non_blocking=False) if device.type != "cpu" else t.clone()
 
 
 def _leading_decodes(seqs: list[SeqInput]) -> list[SeqInput]:

@@ -1,24 +1,56 @@
-"""ModelInput (ids and counts) -> tensors -> model -> sampler -> ModelOutput.
+"""ModelInput (deltas) -> persistent batch -> tensors -> model -> sampler -> ModelOutput.
 
-The only place where a schedule turns into tensors. It keeps per-request state that
-must survive between steps: the torch.Generator of each seeded request (so that a
-seeded request samples the same tokens whatever else shares its batch), and, when
-speculating, the draft probabilities of the tokens each request will verify next.
+The only place where a schedule turns into tensors. The runner keeps each request's
+state from its first schedule until the scheduler says it is gone
+(``CachedRequestState``: its tokens, block table, sampling parameters, seeded
+generator and pending draft with the probabilities it was drawn from), and applies
+each step's deltas to it. A step's record therefore never carries a request's
+whole history, and a seeded request samples the same tokens whatever else shares
+its batch.
+
+State changes are applied before the forward (idempotently: the engine may re-send
+the same step one request at a time to find one that fails) and the step's results
+(sampled tokens, new drafts) are committed only after the whole step succeeded.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from tokenmill.engine.model_input import ModelInput, ModelOutput, SampledToken, SeqInput
+from tokenmill.engine.model_input import ModelInput, ModelOutput, SampledToken, ScheduledTokens
 from tokenmill.model.layers.attention import AttentionMetadata
 from tokenmill.model.layers.kv_cache import copy_blocks
 from tokenmill.model.llama import LlamaForCausalLM
-from tokenmill.spec.proposer import Proposer
-from tokenmill.spec.rejection import verify_greedy, verify_sampled
-from tokenmill.worker.inputs import order_seqs, prepare_inputs
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.inputs import InputBuffers, SeqInput, order_seqs, prepare_inputs
 from tokenmill.worker.kv_cache import KVCache
+from tokenmill.worker.proposer import Draft, Proposer
+from tokenmill.worker.rejection import verify_greedy, verify_sampled
 from tokenmill.worker.sampler import SampleRow, chosen_logprobs, sample, sampling_distribution
+
+
+@dataclass
+class CachedRequestState:
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]  # appended by the runner as it samples
+    params: SamplingParams
+    block_ids: list[int]
+    generator: torch.Generator | None  # seeded requests only
+    draft: Draft | None = None  # proposed last step, to verify next (token ids and their q together)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """(prompt + output)[start:end] without building the whole list."""
+        p = len(self.prompt_ids)
+        if start >= p:
+            return self.output_ids[start - p : end - p]
+        return self.prompt_ids[start:end] + self.output_ids[: max(0, end - p)]
 
 
 class ModelRunner:
@@ -35,46 +67,103 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.proposer = proposer
-        self._generators: dict[str, torch.Generator] = {}
+        self.requests: dict[str, CachedRequestState] = {}
+        self._parked_generators: dict[str, torch.Generator] = {}  # of preempted seeded requests
+        self._buffers = InputBuffers()
         self._default_generator = torch.Generator(device=device)
         self._default_generator.seed()
-        self._draft_probs: dict[str, torch.Tensor | None] = {}
 
-    @staticmethod
-    def order(batch: ModelInput) -> ModelInput:
-        """Single-token sequences first, by context length (attention groups them), then the rest."""
-        return ModelInput(order_seqs(batch.seqs), batch.block_copies, batch.finished_request_ids)
-
-    def prepare(self, batch: ModelInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Flat input ids, positions, attention metadata and the rows to take logits from."""
-        return prepare_inputs(batch.seqs, self.block_size, self.device)
+    # ------------------------------------------------------------------ the step
 
     @torch.inference_mode()
-    def compute_logits(self, batch: ModelInput) -> torch.Tensor:
-        """[rows, vocab] float32 logits, in the batch's order: one row per sampling
-        sequence, 1 + k for one verifying k drafts (call ``order`` first)."""
-        input_ids, positions, meta, logits_indices = self.prepare(batch)
+    def execute(self, batch: ModelInput) -> ModelOutput:
+        self._update_states(batch)
+        self.copy_blocks(batch.block_copies)
+        if not batch.scheduled:
+            return ModelOutput()
+        seqs = order_seqs([self._seq_input(s) for s in batch.scheduled])
+        logits = self.compute_logits(seqs)
+        sampled = self._sample(seqs, logits)
+        drafts: dict[str, Draft] = {}
+        if self.proposer is not None:
+            new_tokens = {rid: [t.token_id for t in toks] for rid, toks in sampled.items()}
+            drafts = self.proposer.propose(seqs, new_tokens, self._generator_or_default)
+        return self._commit(batch, sampled, drafts)
+
+    def _update_states(self, batch: ModelInput) -> None:
+        for rid in batch.finished_request_ids:
+            self.requests.pop(rid, None)
+            self._parked_generators.pop(rid, None)
+        for rid in batch.preempted_request_ids:
+            state = self.requests.pop(rid, None)
+            if state is not None and state.generator is not None:
+                self._parked_generators[rid] = state.generator
+        for new in batch.new_requests:
+            rid = new.request_id
+            held = self.requests.get(rid)  # the same step sent again (the engine's retry)
+            generator = held.generator if held is not None else self._parked_generators.pop(rid, None)
+            self.requests[rid] = CachedRequestState(
+                rid, new.prompt_token_ids, list(new.output_token_ids), new.params, list(new.block_ids),
+                generator or self._new_generator(new.params.seed),
+            )
+        for c in batch.cached_requests:
+            table = self.requests[c.request_id].block_ids
+            del table[c.num_kept_blocks :]
+            table.extend(c.new_block_ids)
+
+    def _seq_input(self, s: ScheduledTokens) -> SeqInput:
+        state = self.requests[s.request_id]
+        k = len(s.spec_token_ids)
+        if k:
+            draft = state.draft
+            if draft is None or draft.token_ids[:k] != s.spec_token_ids:
+                raise RuntimeError(f"{s.request_id}: the scheduled drafts are not the ones this runner proposed")
+        start, num_real = s.num_computed_tokens, s.num_tokens - k
+        assert start + num_real <= state.num_tokens, f"{s.request_id}: scheduled past its known tokens"
+        return SeqInput(
+            request_id=s.request_id,
+            token_ids=state.token_slice(start, start + num_real) + s.spec_token_ids,
+            num_computed_tokens=start,
+            block_table=state.block_ids,
+            sample=start + num_real == state.num_tokens,
+            params=state.params,
+            prompt_ids=state.prompt_ids,
+            output_ids=state.output_ids,
+            spec_token_ids=s.spec_token_ids,
+            num_lookahead=s.num_lookahead,
+        )
+
+    def _commit(self, batch: ModelInput, sampled: dict[str, list[SampledToken]], drafts: dict[str, Draft]) -> ModelOutput:
+        """The step succeeded: the requests gain their tokens and new drafts."""
+        out = ModelOutput(sampled=sampled)
+        for s in batch.scheduled:
+            state = self.requests[s.request_id]
+            state.output_ids.extend(t.token_id for t in sampled.get(s.request_id, []))
+            state.draft = drafts.get(s.request_id)
+            if state.draft is not None:
+                out.draft_token_ids[s.request_id] = state.draft.token_ids
+        return out
+
+    # ----------------------------------------------------------- forward, sample
+
+    def prepare(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Flat input ids, positions, attention metadata and the rows to take logits from."""
+        return prepare_inputs(seqs, self.block_size, self.device, self._buffers)
+
+    @torch.inference_mode()
+    def compute_logits(self, seqs: list[SeqInput]) -> torch.Tensor:
+        """[rows, vocab] float32 logits, in the order of ``seqs`` (``order_seqs`` first):
+        one row per sampling sequence, 1 + k for one verifying k drafts."""
+        input_ids, positions, meta, logits_indices = self.prepare(seqs)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         return self.model.compute_logits(hidden[logits_indices])
 
     @torch.inference_mode()
-    def execute(self, batch: ModelInput) -> ModelOutput:
-        for rid in batch.finished_request_ids:
-            self._generators.pop(rid, None)
-            self._draft_probs.pop(rid, None)
-        self.copy_blocks(batch.block_copies)
-        if not batch.seqs:
-            return ModelOutput(sampled={})
-        batch = self.order(batch)
-        logits = self.compute_logits(batch)
-        sampled = self._sample(batch.seqs, logits)
-        out = ModelOutput(sampled=sampled)
-        if self.proposer is not None:
-            new_tokens = {rid: [t.token_id for t in toks] for rid, toks in sampled.items()}
-            for rid, draft in self.proposer.propose(batch.seqs, new_tokens, self._generator_or_default).items():
-                out.draft_token_ids[rid] = draft.token_ids
-                self._draft_probs[rid] = draft.probs
-        return out
+    def all_logits(self, seqs: list[SeqInput]) -> torch.Tensor:
+        """Logits at every new position of the batch (scoring, and tests against a reference)."""
+        input_ids, positions, meta, _ = self.prepare(seqs)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        return self.model.compute_logits(hidden)
 
     def _sample(self, seqs: list[SeqInput], logits: torch.Tensor) -> dict[str, list[SampledToken]]:
         """Plain sequences go through the batched sampler; speculating ones through
@@ -91,8 +180,7 @@ class ModelRunner:
         assert row == logits.shape[0]
         result: dict[str, list[SampledToken]] = {}
         if plain:
-            rows = [SampleRow(s.params, s.prompt_ids, s.output_ids, self._generator(s.request_id, s.params.seed))
-                    for s in plain]  # fmt: skip
+            rows = [SampleRow(s.params, s.prompt_ids, s.output_ids, self.requests[s.request_id].generator) for s in plain]
             out = sample(logits[plain_rows], rows, self._default_generator)
             for i, s in enumerate(plain):
                 result[s.request_id] = [SampledToken(out.token_ids[i], out.logprobs[i], out.top_logprobs[i])]
@@ -104,7 +192,7 @@ class ModelRunner:
         """logits: k_i + 1 rows per sequence. Row i is judged with the penalties the
         sequence would have after accepting its first i drafts."""
         rows = [
-            SampleRow(s.params, s.prompt_ids, s.output_ids + s.spec_token_ids[:i], self._generator_or_default(s.request_id, s.params.seed))
+            SampleRow(s.params, s.prompt_ids, s.output_ids + s.spec_token_ids[:i], self._generator_or_default(s.request_id))
             for s in seqs
             for i in range(len(s.spec_token_ids) + 1)
         ]  # fmt: skip
@@ -119,8 +207,9 @@ class ModelRunner:
                 tokens = verify_greedy(greedy_list[start : start + k + 1], s.spec_token_ids)
             else:
                 assert dist is not None
-                q = self._draft_probs.get(s.request_id)
-                q = q[:k] if q is not None and q.shape[0] >= k else None
+                draft = self.requests[s.request_id].draft
+                assert draft is not None  # checked in _seq_input
+                q = None if draft.probs is None else draft.probs[:k]
                 tokens = verify_sampled(dist[start : start + k + 1], s.spec_token_ids, q, rows[start].generator)
             taken = list(range(start, start + len(tokens)))
             if raw is not None and s.params.logprobs is not None:
@@ -137,14 +226,14 @@ class ModelRunner:
         if self.proposer is not None:
             self.proposer.copy_blocks(copies)
 
-    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
+    def _new_generator(self, seed: int | None) -> torch.Generator | None:
         if seed is None:
             return None
-        gen = self._generators.get(request_id)
-        if gen is None:
-            gen = self._generators[request_id] = torch.Generator(device=self.device)
-            gen.manual_seed(seed)
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(seed)
         return gen
 
-    def _generator_or_default(self, request_id: str, seed: int | None) -> torch.Generator:
-        return self._generator(request_id, seed) or self._default_generator
+    def _generator_or_default(self, request_id: str, seed: int | None = None) -> torch.Generator:
+        state = self.requests.get(request_id)
+        gen = state.generator if state is not None else None
+        return gen or self._default_generator

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from tokenmill.engine.model_input import SeqInput
+from tokenmill.worker.inputs import SeqInput
 
 GeneratorFor = Callable[[str, "int | None"], "torch.Generator | None"]
 

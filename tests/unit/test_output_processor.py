@@ -1,0 +1,67 @@
+"""Output processing: deltas add up to the whole, the whole is built only on demand,
+stop strings end a sequence mid-step, and outputs never copy the history per step."""
+
+from __future__ import annotations
+
+from tests.helpers import ScriptedRunner, ToyTokenizer
+from tokenmill.config import SpeculativeConfig
+from tokenmill.engine.engine import Engine, EngineConfig
+from tokenmill.sampling_params import SamplingParams
+
+
+def engine(**kw) -> Engine:
+    return Engine(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=256, block_size=4, max_model_len=1000, **kw))
+
+
+def test_stream_deltas_add_up_to_the_final_completion():
+    e = engine()
+    e.add_request("r", [1, 2, 3], SamplingParams(max_tokens=300, logprobs=0))
+    text, ids, outs = "", [], []
+    while e.has_unfinished():
+        for out in e.step():
+            text += out.delta_text
+            ids += out.delta_token_ids
+            outs.append(out)
+    final = outs[-1]
+    assert final.finished and final.outputs[0].finish_reason == "length"
+    assert final.text == text and final.token_ids == ids and len(ids) == 300
+    assert final.outputs[0].logprobs == [None] * 300  # the scripted runner reports no values
+    # a running output's cumulative view is its snapshot, whatever came after
+    assert outs[9].token_ids == ids[:10] and outs[9].text == text[: len(outs[9].text)]
+
+
+def test_outputs_do_not_copy_the_history_each_step():
+    """Each step's output holds only its delta; the cumulative lists are built when read."""
+    e = engine()
+    e.add_request("r", [1, 2, 3], SamplingParams(max_tokens=200))
+    outs = []
+    while e.has_unfinished():
+        outs += e.step()
+    assert all(len(o.delta_token_ids) == 1 for o in outs)
+    assert outs[-1].outputs[0].token_ids == [t for o in outs for t in o.delta_token_ids]
+
+
+def test_a_stop_string_inside_a_multi_token_step_ends_the_request_there():
+    """Scripted drafts make a step add several tokens; a stop string completed by one of
+    them drops the rest, frees the blocks and tells the runner."""
+    spec = SpeculativeConfig("ngram", num_speculative_tokens=3)
+    e = engine(speculative=spec)
+    e.add_request("r", [1, 2, 3], SamplingParams(max_tokens=50))
+    ref = []
+    while e.has_unfinished():
+        for out in e.step():
+            ref += out.delta_token_ids
+    text = ToyTokenizer().decode(ref)
+    stop = text[20:23]
+    assert e.spec_decode_stats.num_accepted_tokens > 0  # some steps added several tokens
+    e2 = engine(speculative=spec)
+    e2.add_request("s", [1, 2, 3], SamplingParams(max_tokens=50, stop=(stop,)))
+    last = None
+    while e2.has_unfinished():
+        for out in e2.step():
+            last = out
+    assert last.finished and last.finish_reason == "stop" and last.outputs[0].stop_reason == stop
+    assert last.text == text[: text.index(stop)]
+    assert e2.block_pool.num_free == e2.block_pool.num_blocks
+    e2.step()
+    assert not e2.runner.requests

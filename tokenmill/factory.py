@@ -1,0 +1,183 @@
+"""build_engine: EngineArgs -> a loaded model, its KV cache, a runner and an Engine.
+
+The one place that wires the parts together (``LLM``, ``serve``, ``plan``,
+``evaluate`` and the benchmarks all come through here), and the one place where
+derived values are computed: the device, the dtype, the context window and the
+number of KV blocks the memory budget buys (``kv_cache_sizing``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tokenmill.config import EngineArgs, ModelConfig, SpeculativeConfig
+from tokenmill.engine.engine import Engine, EngineConfig
+from tokenmill.errors import ModelLoadError, TokenmillError
+from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.model.loader import load_checkpoint
+from tokenmill.model.tokenizer import Tokenizer, load_tokenizer
+from tokenmill.quant.weights import quantize_model
+from tokenmill.spec.draft import ModelProposer
+from tokenmill.spec.ngram import NgramProposer
+from tokenmill.worker.kv_cache import allocate_kv_cache, block_bytes
+from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.proposer import Proposer
+
+DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}  # fmt: skip
+
+
+@dataclass
+class EngineParts:
+    """What build_engine made; ``LLM`` keeps it."""
+
+    args: EngineArgs
+    engine: Engine
+    runner: ModelRunner
+    model: LlamaForCausalLM
+    tokenizer: Tokenizer
+    model_config: ModelConfig
+    model_path: Path
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    num_blocks: int
+    kv_bytes_per_block: int  # the target's cache and, with a draft model, the draft's
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise TokenmillError(f"device {device!r} requested but CUDA is not available on this machine")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise TokenmillError(f"unsupported dtype {dtype!r}; choose one of auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def default_kv_cache_memory() -> int:
+    """A tenth of the memory available now, between 256 MiB and 2 GiB."""
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        available = 8 << 30
+    return min(max(available // 10, 256 << 20), 2 << 30)
+
+
+def parse_memory(value: int | float | str | None) -> int:
+    """Bytes from 1073741824, '1GiB', '512MiB', '2GB' or a float of GiB such as 1.5."""
+    if value is None:
+        return default_kv_cache_memory()
+    if isinstance(value, (int, float)):
+        return int(value) if isinstance(value, int) and value >= 1 << 20 else int(value * (1 << 30))
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    text = value.strip().lower()
+    for unit, scale in units.items():
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * scale)
+    try:
+        return parse_memory(float(text) if "." in text else int(text))
+    except ValueError:
+        raise TokenmillError(f"cannot read memory size {value!r}; use e.g. 1GiB, 512MiB or bytes") from None
+
+
+def kv_cache_sizing(
+    args: EngineArgs, config: ModelConfig, dtype: torch.dtype, draft_config: ModelConfig | None = None
+) -> tuple[int, int]:
+    """(bytes per block, blocks the budget buys). A draft model's cache shares the
+    target's block ids, so every block costs both."""
+    cache = args.cache
+    per_block = block_bytes(config, cache.block_size, dtype, cache.kv_cache_dtype)
+    if draft_config is not None:
+        per_block += block_bytes(draft_config, cache.block_size, dtype, cache.kv_cache_dtype)
+    num_blocks = parse_memory(cache.kv_cache_memory) // per_block
+    if num_blocks < 1:
+        raise TokenmillError(f"kv_cache_memory={cache.kv_cache_memory!r} is smaller than one KV block")
+    return per_block, num_blocks
+
+
+def build_engine(args: EngineArgs, progress: bool = True) -> EngineParts:
+    load = args.load
+    device = resolve_device(load.device)
+    dtype = resolve_dtype(load.dtype, device)
+    ckpt = load_checkpoint(load.model, dtype, progress=progress)
+    tokenizer = load_tokenizer(ckpt.path, ckpt.metadata)
+    model = LlamaForCausalLM.from_weights(ckpt.config, ckpt.weights, device)
+    config, path = ckpt.config, ckpt.path
+    del ckpt
+    quantize_model(model, load.quantization, load.quantization_group_size)
+    max_model_len = min(load.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+    spec = args.speculative
+    draft = _load_draft(spec.draft_model, config, tokenizer, args, dtype, device, progress) if spec and spec.method == "draft" else None
+    per_block, num_blocks = kv_cache_sizing(args, config, dtype, draft.config if draft is not None else None)
+    cache = args.cache
+    kv_caches = allocate_kv_cache(config, num_blocks, cache.block_size, dtype, device, cache.kv_cache_dtype)
+    proposer = _proposer(spec, model, draft, kv_caches, num_blocks, args, dtype, device) if spec else None
+    runner = ModelRunner(model, kv_caches, cache.block_size, device, proposer)
+    engine = Engine(
+        runner,
+        tokenizer,
+        EngineConfig(
+            num_blocks=num_blocks,
+            block_size=cache.block_size,
+            max_model_len=max_model_len,
+            enable_prefix_caching=cache.enable_prefix_caching,
+            scheduler=args.scheduler,
+            speculative=spec,
+        ),
+    )
+    return EngineParts(args, engine, runner, model, tokenizer, config, path, device, dtype, max_model_len, num_blocks, per_block)
+
+
+def _load_draft(
+    path: str | None, target: ModelConfig, tokenizer: Tokenizer, args: EngineArgs, dtype: torch.dtype,
+    device: torch.device, progress: bool,
+) -> LlamaForCausalLM:  # fmt: skip
+    """Load the draft model; refuse one whose vocabulary differs from the target's."""
+    ckpt = load_checkpoint(path, dtype, progress=progress)
+    if ckpt.config.vocab_size != target.vocab_size:
+        raise TokenmillError(
+            f"draft model {path} has a vocabulary of {ckpt.config.vocab_size} tokens but the target's has "
+            f"{target.vocab_size}: a draft must share the target's tokenizer"
+        )
+    try:
+        draft_tokenizer = load_tokenizer(ckpt.path, ckpt.metadata)
+    except ModelLoadError:
+        draft_tokenizer = None  # weights only: the vocabulary size has to do
+    if draft_tokenizer is not None and draft_tokenizer.backend.get_vocab() != tokenizer.backend.get_vocab():
+        raise TokenmillError(f"draft model {path} has a different tokenizer vocabulary from the target's")
+    draft = LlamaForCausalLM.from_weights(ckpt.config, ckpt.weights, device)
+    return quantize_model(draft, args.load.quantization, args.load.quantization_group_size)
+
+
+def _proposer(
+    spec: SpeculativeConfig, model: LlamaForCausalLM, draft: LlamaForCausalLM | None, kv_caches: list,
+    num_blocks: int, args: EngineArgs, dtype: torch.dtype, device: torch.device,
+) -> Proposer:  # fmt: skip
+    block_size = args.cache.block_size
+    if spec.method == "ngram":
+        return NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
+    if spec.method == "self":
+        assert spec.draft_layers is not None
+        if spec.draft_layers >= model.config.num_layers:
+            raise TokenmillError(f"draft_layers={spec.draft_layers} must be below the model's {model.config.num_layers} layers")
+        return ModelProposer(model, kv_caches, block_size, device, spec.draft_layers, catch_up=False)
+    assert draft is not None
+    draft_caches = allocate_kv_cache(draft.config, num_blocks, block_size, dtype, device, args.cache.kv_cache_dtype)
+    return ModelProposer(draft, draft_caches, block_size, device)
