@@ -10,13 +10,14 @@ Two measurements, both on the public API only (``LLM``, ``engine.add_request``,
    (float32): the wall time of ``engine.step()`` minus the time spent inside the
    model's forward and LM head (timed by wrapping them). What is left is scheduling,
    input preparation, sampling and output processing.
-2. **One streamed request of 4,000 tokens** on a tiny random model written to a
-   temporary folder (so the forward costs ~nothing): host time per token at the
-   start and at the end of the stream. A per-token cost that grows with the length
-   is the O(L^2) of copying the whole output every step.
+2. **One streamed request of 4,000 tokens** (greedy, with logprobs) on a tiny
+   random model written to a temporary folder (so the forward costs ~nothing):
+   host time per token at the start and at the end of the stream, and in all. A
+   per-token cost that grows with the length is the O(L^2) of copying the whole
+   output (ids, logprobs, text) every step.
 
-``--compare-with DIR`` runs this same script against DIR (another checkout) in a
-subprocess, interleaved with this one, and writes both to the JSON and the plot.
+``--compare-with DIR`` first runs this same script against DIR (another checkout) in
+a subprocess, then on this checkout, and writes both to the JSON and the plot.
 """
 
 from __future__ import annotations
@@ -123,7 +124,9 @@ def long_stream(tokenizer, num_tokens: int) -> dict:
         write_tiny_model(Path(tmp), tokenizer)
         llm = LLM(model=tmp, dtype="float32", progress=False, kv_cache_memory="256MiB")
     timer = ForwardTimer(llm.model)
-    params = SamplingParams(max_tokens=num_tokens, ignore_eos=True, temperature=1.0, seed=0)
+    # greedy with the chosen token's logprob and the top 1, as an OpenAI client streaming logprobs
+    # asks: the per-step work is small, so any cost that grows with the length shows
+    params = SamplingParams(max_tokens=num_tokens, ignore_eos=True, temperature=0, logprobs=1)
     per_token: list[float] = []
     last = time.perf_counter()
     timer.total = 0.0

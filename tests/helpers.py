@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.config import ModelConfig
+from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.inputs import SeqInput
 
@@ -173,3 +175,23 @@ def make_tiny_llama(path, **overrides):
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).eval()
     model.save_pretrained(path)
     return model
+
+
+def tiny_model(seed: int, vocab: int = 8, layers: int = 2) -> LlamaForCausalLM:
+    cfg = ModelConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=layers, num_heads=4, num_kv_heads=2,
+        head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, std=0.2):
+        return torch.randn(*shape, generator=g) * std
+
+    w = {"embed_tokens.weight": rand(vocab, 32, std=1.0), "norm.weight": torch.ones(32), "lm_head.weight": rand(vocab, 32, std=0.35)}
+    for i in range(layers):
+        p = f"layers.{i}."
+        w |= {p + "input_layernorm.weight": torch.ones(32), p + "post_attention_layernorm.weight": torch.ones(32)}
+        w |= {p + f"self_attn.{n}_proj.weight": rand(32 if n in "qo" else 16, 32) for n in "qkvo"}
+        w |= {p + "mlp.gate_proj.weight": rand(64, 32), p + "mlp.up_proj.weight": rand(64, 32)}
+        w[p + "mlp.down_proj.weight"] = rand(32, 64)
+    return LlamaForCausalLM.from_weights(cfg, w)

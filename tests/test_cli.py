@@ -34,3 +34,37 @@ def test_generate_with_prompt_lookup_reports_acceptance():
             "--ignore-eos")  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "drafts accepted" in r.stderr
+
+
+def test_every_engine_option_is_a_flag_a_keyword_and_documented():
+    """Options are declared once (tokenmill.config); the flags, the LLM keywords and the
+    README's table must all follow from that one declaration."""
+    from pathlib import Path
+
+    from tokenmill.args import engine_args, engine_keywords
+    from tokenmill.cli import build_parser
+
+    keywords = engine_keywords()
+    help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    for kw in keywords:
+        assert "--" + kw.replace("_", "-") in help_text or kw == "enable_prefix_caching", kw
+        assert f"| `{kw}` |" in readme, f"README's option table misses {kw}"
+    assert "--no-prefix-caching" in help_text
+    args = engine_args(max_num_seqs=3, speculative="ngram", spec_disable_batch_size=2, kv_cache_dtype="int8")
+    assert args.scheduler.max_num_seqs == 3 and args.cache.kv_cache_dtype == "int8"
+    assert args.speculative is not None and args.speculative.disable_batch_size == 2
+
+
+def test_an_unknown_option_or_a_bad_value_names_the_problem():
+    import pytest
+
+    from tokenmill.args import engine_args
+    from tokenmill.errors import TokenmillError
+
+    with pytest.raises(TypeError, match="max_num_seq"):
+        engine_args(max_num_seq=3)
+    with pytest.raises(TokenmillError, match="scheduling must be"):
+        engine_args(scheduling="fifo")
+    r = run("generate", "hi", "--max-num-batched-tokens", "0")
+    assert r.returncode == 2 and "max_num_batched_tokens must be >= 1" in r.stderr

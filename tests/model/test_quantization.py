@@ -32,7 +32,7 @@ def quantized(**kw) -> LLM:
 @pytest.mark.parametrize(
     "kw,bound",
     [
-        ({"quantization": "int8"}, 0.01),
+        ({"quantization": "int8"}, 0.015),  # measured +0.95% on AVX2, +1.18% on AVX-512 (another int8 kernel)
         ({"quantization": "int4", "quantization_group_size": 32}, 0.10),
         ({"kv_cache_dtype": "int8"}, 0.01),
         ({"kv_cache_dtype": "fp8"}, 0.03),

@@ -14,11 +14,10 @@ from collections import Counter
 import pytest
 import torch
 
-from tests.helpers import all_logits, seq
-from tokenmill.config import ModelConfig, SpeculativeConfig
+from tests.helpers import all_logits, run_to_completion, seq, tiny_model
+from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.engine import Engine, EngineConfig
 from tokenmill.engine.scheduler import SchedulerConfig
-from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec.draft import ModelProposer
 from tokenmill.spec.ngram import NgramProposer
@@ -40,26 +39,6 @@ class ToyTokenizer:
 
     def decode(self, ids, skip_special_tokens=True):
         return "".join(chr(65 + i % 26) for i in ids)
-
-
-def tiny_model(seed: int, vocab: int = 8, layers: int = 2) -> LlamaForCausalLM:
-    cfg = ModelConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=layers, num_heads=4, num_kv_heads=2,
-        head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False,
-    )  # fmt: skip
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape, std=0.2):
-        return torch.randn(*shape, generator=g) * std
-
-    w = {"embed_tokens.weight": rand(vocab, 32, std=1.0), "norm.weight": torch.ones(32), "lm_head.weight": rand(vocab, 32, std=0.35)}
-    for i in range(layers):
-        p = f"layers.{i}."
-        w |= {p + "input_layernorm.weight": torch.ones(32), p + "post_attention_layernorm.weight": torch.ones(32)}
-        w |= {p + f"self_attn.{n}_proj.weight": rand(32 if n in "qo" else 16, 32) for n in "qkvo"}
-        w |= {p + "mlp.gate_proj.weight": rand(64, 32), p + "mlp.up_proj.weight": rand(64, 32)}
-        w[p + "mlp.down_proj.weight"] = rand(32, 64)
-    return LlamaForCausalLM.from_weights(cfg, w)
 
 
 def tiny_engine(
@@ -88,16 +67,9 @@ def tiny_engine(
 
 
 def run(engine: Engine, prompts, params) -> dict[str, list[int]]:
-    params = params if isinstance(params, list) else [params] * len(prompts)
-    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-        engine.add_request(str(i), p, sp)
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
+    done = run_to_completion(engine, prompts, params)
     assert engine.block_pool.num_free == engine.block_pool.num_blocks, "KV blocks leaked"
-    return done
+    return {rid: out.outputs[0].token_ids for rid, out in done.items()}
 
 
 def mixed_workload(vocab: int):

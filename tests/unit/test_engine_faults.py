@@ -4,6 +4,7 @@ behind: no blocks, and no prefix-cache entries for K/V that were never written."
 from __future__ import annotations
 
 from tests.helpers import ScriptedRunner, ToyTokenizer
+from tests.helpers import run_to_completion as run
 from tokenmill.engine.engine import Engine, EngineConfig
 from tokenmill.engine.model_input import ModelInput
 from tokenmill.sampling_params import SamplingParams
@@ -18,15 +19,6 @@ class FailsFor(ScriptedRunner):
         if any(s.request_id == self.poisoned for s in batch.scheduled):
             raise RuntimeError("boom")
         return super().execute(batch)
-
-
-def run(engine):
-    outs = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                outs[o.request_id] = o
-    return outs
 
 
 def test_failure_is_isolated_and_caches_nothing():

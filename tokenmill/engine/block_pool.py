@@ -38,6 +38,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[bytes, int] = {}  # block hash -> block id
+        self._num_cached_free = 0  # free blocks that still hold a hash (kept as we go: read every step)
 
     @property
     def num_free(self) -> int:
@@ -50,7 +51,7 @@ class BlockPool:
 
     @property
     def num_cached_free(self) -> int:
-        return sum(1 for b in self._free if self.blocks[b].block_hash is not None)
+        return self._num_cached_free
 
     def lookup(self, block_hash: bytes) -> int | None:
         return self._cached.get(block_hash) if self.enable_caching else None
@@ -61,6 +62,7 @@ class BlockPool:
             block = self.blocks[b]
             if block.ref_cnt == 0:
                 del self._free[b]
+                self._num_cached_free -= block.block_hash is not None
             block.ref_cnt += 1
 
     def allocate(self, n: int) -> list[int]:
@@ -71,6 +73,7 @@ class BlockPool:
             b, _ = self._free.popitem(last=False)
             block = self.blocks[b]
             if block.block_hash is not None:  # evict its cached content
+                self._num_cached_free -= 1
                 if self._cached.get(block.block_hash) == b:
                     del self._cached[block.block_hash]
                 block.block_hash = None
@@ -88,6 +91,8 @@ class BlockPool:
                 self._free[b] = None
                 if block.block_hash is None:
                     self._free.move_to_end(b, last=False)
+                else:
+                    self._num_cached_free += 1
 
     def cache(self, block_id: int, block_hash: bytes) -> None:
         """Record that a full, computed block holds the content named by block_hash."""
@@ -106,3 +111,5 @@ class BlockPool:
             assert (block.block_id in self._free) == (expected == 0), f"block {block.block_id} misplaced"
         for h, b in self._cached.items():
             assert self.blocks[b].block_hash == h, f"cached hash of block {b} is stale"
+        cached_free = sum(1 for b in self._free if self.blocks[b].block_hash is not None)
+        assert self._num_cached_free == cached_free, f"cached-free count {self._num_cached_free} != {cached_free}"

@@ -1,9 +1,10 @@
 """A sequence and all its scheduling state, in one dataclass.
 
-Only the scheduler changes it: ``status``, ``num_computed_tokens``, the tokens
-appended after each step and the blocks it holds. What a user sees (text, logprobs)
-is the output processor's; what the model needs per step is the runner's own copy,
-kept in step by the deltas the scheduler sends.
+Only the scheduler (and the KV manager it drives) changes it: ``status``,
+``num_computed_tokens``, the tokens appended after each step, the blocks it holds;
+the engine and the output processor only stamp ``timings``. What a user sees (text,
+logprobs) is the output processor's; what the model needs per step is the runner's
+own copy, kept in step by the deltas the scheduler sends.
 """
 
 from __future__ import annotations
@@ -47,6 +48,14 @@ class RequestTimings:
         return None if self.finished is None else self.finished - self.arrival
 
 
+def token_slice(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:
+    """(prompt + output)[start:end] without building the whole list."""
+    p = len(prompt)
+    if start >= p:
+        return output[start - p : end - p]
+    return prompt[start:end] + output[: max(0, end - p)]
+
+
 @dataclass
 class Request:
     request_id: str
@@ -81,10 +90,7 @@ class Request:
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
         """all_token_ids[start:end] without building the whole list (per-step path)."""
-        p = len(self.prompt_token_ids)
-        if start >= p:
-            return self.output_token_ids[start - p : end - p]
-        return self.prompt_token_ids[start:end] + self.output_token_ids[: max(0, end - p)]
+        return token_slice(self.prompt_token_ids, self.output_token_ids, start, end)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -1,1 +1,1 @@
-"""Speculative decoding: proposers (n-gram, draft model, self) and lossless verification."""
+"""Speculative decoding proposers (n-gram, draft model, self); verification lives in worker/rejection.py."""

@@ -21,8 +21,14 @@ GeneratorFor = Callable[[str, "int | None"], "torch.Generator | None"]
 
 @dataclass
 class Draft:
+    """Draft tokens and the distribution each was drawn from, kept together until verified."""
+
     token_ids: list[int]
     probs: torch.Tensor | None = None  # [len(token_ids), vocab]: q of each token; None: certain
+
+    def __post_init__(self) -> None:
+        if self.probs is not None and self.probs.shape[0] != len(self.token_ids):
+            raise ValueError(f"a draft of {len(self.token_ids)} tokens with {self.probs.shape[0]} rows of probabilities")
 
 
 class Proposer(Protocol):
