@@ -85,7 +85,7 @@ class LoadConfig:
     max_model_len: int | None = opt(None, "context window (default: the model's)")
     quantization: str = opt("none", "weight-only quantisation of the linear layers, applied at load",
                             choices=WEIGHT_QUANTIZATIONS)  # fmt: skip
-    quantization_group_size: int = opt(32, "int4: input channels per scale and zero point (32, as GGUF Q4 blocks)")
+    quantization_group_size: int = opt(32, "int4: input channels per scale and zero point (GGUF Q4 blocks are 32)")
 
     def __post_init__(self) -> None:
         _check(self.quantization in WEIGHT_QUANTIZATIONS,

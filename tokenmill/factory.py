@@ -121,7 +121,7 @@ def build_engine(args: EngineArgs, progress: bool = True) -> EngineParts:
     model = LlamaForCausalLM.from_weights(ckpt.config, ckpt.weights, device)
     config, path = ckpt.config, ckpt.path
     del ckpt
-    quantize_model(model, load.quantization, load.quantization_group_size)
+    _quantize(model, load.quantization, load.quantization_group_size)
     max_model_len = min(load.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
     spec = args.speculative
     draft = _load_draft(spec.draft_model, config, tokenizer, args, dtype, device, progress) if spec and spec.method == "draft" else None
@@ -145,6 +145,13 @@ def build_engine(args: EngineArgs, progress: bool = True) -> EngineParts:
     return EngineParts(args, engine, runner, model, tokenizer, config, path, device, dtype, max_model_len, num_blocks, per_block)
 
 
+def _quantize(model: LlamaForCausalLM, mode: str, group_size: int) -> LlamaForCausalLM:
+    try:
+        return quantize_model(model, mode, group_size)
+    except ValueError as e:  # e.g. a group size that does not divide a layer's width
+        raise TokenmillError(str(e)) from None
+
+
 def _load_draft(
     path: str | None, target: ModelConfig, tokenizer: Tokenizer, args: EngineArgs, dtype: torch.dtype,
     device: torch.device, progress: bool,
@@ -163,7 +170,7 @@ def _load_draft(
     if draft_tokenizer is not None and draft_tokenizer.backend.get_vocab() != tokenizer.backend.get_vocab():
         raise TokenmillError(f"draft model {path} has a different tokenizer vocabulary from the target's")
     draft = LlamaForCausalLM.from_weights(ckpt.config, ckpt.weights, device)
-    return quantize_model(draft, args.load.quantization, args.load.quantization_group_size)
+    return _quantize(draft, args.load.quantization, args.load.quantization_group_size)
 
 
 def _proposer(

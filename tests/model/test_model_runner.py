@@ -40,8 +40,7 @@ def test_seeded_sampling_is_the_same_with_and_without_preemption(model):
     got = {k: o.token_ids for k, o in run_to_completion(tight, prompts, params).items()}
     assert tight.num_preemptions > 0
     assert got == expected
-    tight.step()  # hands the runner the last finished ids
-    assert not tight.runner.requests and not tight.runner._parked_generators
+    assert not tight.runner.requests and not tight.runner._parked_generators  # dropped when the engine went idle
 
 
 def test_scheduled_drafts_must_be_the_ones_the_runner_proposed(model):
@@ -60,3 +59,41 @@ def test_scheduled_drafts_must_be_the_ones_the_runner_proposed(model):
 def test_a_draft_and_its_probabilities_must_agree_in_length():
     with pytest.raises(ValueError, match="2 tokens with 1 rows"):
         Draft([1, 2], torch.zeros(1, 16))
+
+
+class FailsAfterSampling(ModelRunner):
+    """Raises right after sampling whenever the poisoned request is in the step (as a
+    draft model running out of memory would, after the target's tokens were drawn)."""
+
+    poisoned = "bad"
+
+    def _sample(self, seqs, logits):
+        sampled = super()._sample(seqs, logits)
+        if any(s.request_id == self.poisoned for s in seqs):
+            raise RuntimeError("late failure")
+        return sampled
+
+
+def test_a_step_retried_after_a_late_failure_samples_the_same_tokens(model):
+    """The failed step drew from the seeded generators; the one-at-a-time retry must
+    draw the same numbers again, so the others' outputs are as if nothing failed."""
+    prompts = [[(i * 5 + j) % 16 for j in range(5 + i)] for i in range(4)]
+    params = [SamplingParams(temperature=1.0, seed=7 + i, max_tokens=12, ignore_eos=True) for i in range(4)]
+    expected = {k: o.token_ids for k, o in run_to_completion(engine_for(model, 128), prompts, params).items()}
+    engine = engine_for(model, 128)
+    engine.runner.__class__ = FailsAfterSampling
+    engine.add_request("bad", [3, 1, 4, 1, 5], SamplingParams(temperature=1.0, seed=1, max_tokens=12))
+    done = run_to_completion(engine, prompts, params)
+    assert done["bad"].finish_reason == "error" and "late failure" in done["bad"].error
+    assert {k: o.token_ids for k, o in done.items() if k != "bad"} == expected
+
+
+def test_a_sequence_id_cannot_be_taken_twice(model):
+    from tokenmill.errors import InvalidRequestError
+
+    engine = engine_for(model, 64)
+    engine.add_request("x#1", [1, 2, 3], SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequestError, match="duplicate request id"):
+        engine.add_request("x", [1, 2, 3], SamplingParams(n=2, max_tokens=2))  # its second sequence is x#1
+    run_to_completion(engine)
+    assert engine.block_pool.num_free == engine.block_pool.num_blocks

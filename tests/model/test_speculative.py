@@ -252,3 +252,13 @@ def test_n_sequences_fork_and_speculate(target, method):
     assert all(o.error is None and len(o.outputs[0].token_ids) == 12 for o in outs)
     assert engine.spec_stats.num_drafts > 0
     assert engine.block_pool.num_free == engine.block_pool.num_blocks
+
+
+@pytest.mark.parametrize("method", ["draft", "self"])
+def test_a_lone_request_that_just_fits_drops_speculation_rather_than_stopping_early(target, method):
+    """10 prompt + 10 output tokens in 5 blocks of 4: exactly full. Lookahead slots and
+    drafts that do not fit are dropped for the step; the request is never cut short."""
+    engine = tiny_engine(target, method, draft=tiny_model(1, vocab=16), num_blocks=5)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    got = run(engine, [list(range(10))], params)
+    assert got == run(tiny_engine(target), [list(range(10))], params) and len(got["0"]) == 10

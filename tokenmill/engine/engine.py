@@ -82,14 +82,14 @@ class Engine:
         self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, add_special_tokens: bool = True
     ) -> list[Request]:
         """Queue a request; n > 1 becomes n sequences sharing the prompt's KV blocks."""
-        if request_id in self._requests:
+        seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        if request_id in self._requests or any(self.outputs.has_sequence(sid) for sid in seq_ids):
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         else:
             text, ids = None, list(prompt)
         self._validate_prompt(ids)
-        seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         reqs = []
         for i, sid in enumerate(seq_ids):
             seed = None if params.seed is None else params.seed + i
@@ -155,6 +155,9 @@ class Engine:
                 self._requests.pop(out.request_id, None)
         if sched.seqs:
             self._step_stats.append(self._stats(sched, t0))
+        if not self.has_unfinished():  # idle now: let the runner drop what finished
+            finished, preempted = self.scheduler.take_dropped()
+            self._execute(ModelInput(finished_request_ids=finished, preempted_request_ids=preempted))
         return outputs
 
     def _execute(self, batch: ModelInput) -> ModelOutput:

@@ -54,8 +54,8 @@ class OutputProcessor:
         """True while any sequence of the request (all n) is unfinished."""
         return request_id in self._groups
 
-    def sequence_ids(self, request_id: str) -> list[str]:
-        return sorted(self._groups.get(request_id, ()))
+    def has_sequence(self, seq_id: str) -> bool:
+        return seq_id in self._seqs
 
     def process(self, updates: list[SeqUpdate]) -> tuple[list[RequestOutput], list[tuple[Request, str]]]:
         """Outputs for the step's updates, and the sequences a stop string ended

@@ -132,9 +132,12 @@ class Scheduler:
                 continue
             num_real = min(req.num_tokens - req.num_computed_tokens, budget)
             spec = req.spec_token_ids[: budget - num_real] if num_real == 1 else []
-            num_new = num_real + len(spec)
             lookahead = self._num_lookahead(req, num_real, len(spec))
-            copies = self.kv.allocate_slots(req, num_new + self._lookahead_slots(lookahead))
+            copies = self.kv.allocate_slots(req, num_real + len(spec) + self._lookahead_slots(lookahead))
+            if copies is None and (spec or lookahead):  # speculation is optional: drop it before preempting
+                spec, lookahead = [], 0
+                copies = self.kv.allocate_slots(req, num_real)
+            num_new = num_real + len(spec)
             while copies is None:  # out of blocks: preempt from the back
                 if len(self.running) == 1:  # alone and still too big for the pool
                     self.running.remove(req)
@@ -144,7 +147,7 @@ class Scheduler:
                 budget += self._preempt(victim, out)
                 if victim is req:
                     break
-                copies = self.kv.allocate_slots(req, num_new + self._lookahead_slots(lookahead))
+                copies = self.kv.allocate_slots(req, num_new)
             if copies is None:
                 continue
             out.seqs.append(ScheduledSeq(req, num_new, spec, lookahead))
@@ -156,18 +159,21 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.popleft()
-            if req.fork_of is not None and not self._try_fork(req, out):
-                if req.fork_of is not None:  # its sibling's prompt is not computed yet
-                    skipped.append(req)
-                    continue
-            if req.fork_of is not None:  # forked: computes only its last prompt token
-                num_new, lookahead = 1, self._num_lookahead(req, 1, 0)
+            forked = self._try_fork(req, out) if req.fork_of is not None else None
+            if forked is None and req.fork_of is not None:  # its sibling's prompt is not computed yet
+                skipped.append(req)
+                continue
+            if forked is not None:  # computes only its last prompt token
+                num_new, lookahead = 1, forked
             else:
                 cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
                 num_computed = req.num_computed_tokens + len(cached) * self.kv.block_size
                 num_new = min(req.num_tokens - num_computed, budget)
                 lookahead = self._num_lookahead(req, num_new, 0, num_computed)
                 copies = self.kv.allocate_slots(req, num_new + self._lookahead_slots(lookahead), cached)
+                if copies is None and lookahead:  # admit it without drafting rather than not at all
+                    lookahead = 0
+                    copies = self.kv.allocate_slots(req, num_new, cached)
                 if copies is None:
                     if not self.running:  # nothing to wait for: it can never fit
                         out.unschedulable.append(req)
@@ -216,25 +222,30 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
 
-    def _try_fork(self, req: Request, out: SchedulerOutput) -> bool:
+    def _try_fork(self, req: Request, out: SchedulerOutput) -> int | None:
         """n > 1: share the sibling's computed prompt blocks and compute only the last
-        prompt token (copy-on-write gives this request its own copy of that block)."""
+        prompt token (copy-on-write gives this request its own copy of that block).
+        Returns the drafts it may propose after this step, or None when it did not fork."""
         assert req.fork_of is not None
         src = next((r for r in self.running if r.request_id == req.fork_of), None)
         prompt_len = len(req.prompt_token_ids)
         if src is None or src.num_computed_tokens < prompt_len:
             if src is None and not any(r.request_id == req.fork_of for r in self.waiting):
                 req.fork_of = None  # the sibling is gone: compute independently
-            return False
+            return None
         self.kv.fork(src, req, prompt_len)
         req.num_computed_tokens = prompt_len - 1
-        copies = self.kv.allocate_slots(req, 1 + self._lookahead_slots(self._num_lookahead(req, 1, 0)))
+        lookahead = self._num_lookahead(req, 1, 0)
+        copies = self.kv.allocate_slots(req, 1 + self._lookahead_slots(lookahead))
+        if copies is None and lookahead:
+            lookahead = 0
+            copies = self.kv.allocate_slots(req, 1)
         if copies is None:  # no block for the copy: give the shared ones back, retry later
             self.kv.free(req)
             req.num_computed_tokens = 0
-            return False
+            return None
         out.block_copies.extend(copies)
-        return True
+        return lookahead
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> int:
         """Free a running request's blocks and requeue it; returns budget it gave back."""

@@ -17,7 +17,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -69,6 +69,8 @@ class Served:
 
 
 def build_app(engine: AsyncEngine, tokenizer: Any, max_model_len: int, config: ServerConfig) -> FastAPI:
+    if config.served_model_name is None:  # `serve` names it after the model file; a bare app:
+        config = replace(config, served_model_name="tokenmill")
     served = Served(engine, tokenizer, max_model_len, config, ServerMetrics(engine.engine, config.served_model_name))
     app = FastAPI(title="tokenmill", version="0.1")
     app.state.served = served

@@ -78,13 +78,21 @@ class ModelRunner:
         self.copy_blocks(batch.block_copies)
         if not batch.scheduled:
             return ModelOutput()
-        seqs = order_seqs([self._seq_input(s) for s in batch.scheduled])
-        logits = self.compute_logits(seqs)
-        sampled = self._sample(seqs, logits)
-        drafts: dict[str, Draft] = {}
-        if self.proposer is not None:
-            new_tokens = {rid: [t.token_id for t in toks] for rid, toks in sampled.items()}
-            drafts = self.proposer.propose(seqs, new_tokens, self._generator_or_default)
+        # A failed step is re-sent one request at a time: each seeded request must then
+        # draw the same random numbers again, so its generator is rewound on failure.
+        rewind = [(g, g.get_state()) for s in batch.scheduled if (g := self.requests[s.request_id].generator) is not None]
+        try:
+            seqs = order_seqs([self._seq_input(s) for s in batch.scheduled])
+            logits = self.compute_logits(seqs)
+            sampled = self._sample(seqs, logits)
+            drafts: dict[str, Draft] = {}
+            if self.proposer is not None:
+                new_tokens = {rid: [t.token_id for t in toks] for rid, toks in sampled.items()}
+                drafts = self.proposer.propose(seqs, new_tokens, self._generator_or_default)
+        except BaseException:
+            for gen, state in rewind:
+                gen.set_state(state)
+            raise
         return self._commit(batch, sampled, drafts)
 
     def _update_states(self, batch: ModelInput) -> None:
