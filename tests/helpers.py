@@ -74,6 +74,9 @@ class ToyTokenizer:
     def decode(self, ids, skip_special_tokens=True):
         return "".join(chr(65 + i % 26) for i in ids)
 
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant: " if add_generation_prompt else "")
+
 
 def next_token(history: list[int]) -> int:
     """The scripted model: the next token is a function of all tokens so far."""

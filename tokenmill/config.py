@@ -174,6 +174,7 @@ class ServerConfig:
     max_queue: int | None = opt(None, "answer 429 while this many requests wait")
     drain_timeout: float = opt(30.0, "seconds SIGTERM waits for in-flight requests")
     served_model_name: str | None = opt(None, "the model id clients send (default: the model's file name)")
+    max_request_bytes: int = opt(2 << 20, "largest request body accepted; larger ones get 413")
 
 
 @dataclass(frozen=True)

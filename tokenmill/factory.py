@@ -8,6 +8,7 @@ number of KV blocks the memory budget buys (``kv_cache_sizing``).
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,8 @@ from tokenmill.spec.ngram import NgramProposer
 from tokenmill.worker.kv_cache import allocate_kv_cache, block_bytes
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.proposer import Proposer
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -126,6 +129,12 @@ def build_engine(args: EngineArgs, progress: bool = True) -> EngineParts:
     spec = args.speculative
     draft = _load_draft(spec.draft_model, config, tokenizer, args, dtype, device, progress) if spec and spec.method == "draft" else None
     per_block, num_blocks = kv_cache_sizing(args, config, dtype, draft.config if draft is not None else None)
+    pool_tokens = num_blocks * args.cache.block_size
+    if max_model_len > pool_tokens:  # a longer request could never finish: refuse it up front instead
+        logger.warning("max_model_len %d is more than the KV cache holds (%d blocks of %d = %d tokens): "
+                       "using %d; raise kv_cache_memory for longer contexts",
+                       max_model_len, num_blocks, args.cache.block_size, pool_tokens, pool_tokens)  # fmt: skip
+        max_model_len = pool_tokens
     cache = args.cache
     kv_caches = allocate_kv_cache(config, num_blocks, cache.block_size, dtype, device, cache.kv_cache_dtype)
     proposer = _proposer(spec, model, draft, kv_caches, num_blocks, args, dtype, device) if spec else None

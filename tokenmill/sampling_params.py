@@ -12,6 +12,8 @@ from tokenmill.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+MAX_N = 256  # sequences per request: each holds KV blocks and a slot in every step
+MAX_INT32 = 2**31 - 1  # integers that end up in tensors (top-k, token ids) must fit
 
 
 @dataclass(frozen=True)
@@ -49,14 +51,14 @@ class SamplingParams:
         def bad(param: str, why: str) -> InvalidRequestError:
             return InvalidRequestError(f"invalid {param}={getattr(self, param)!r}: {why}", param=param)
 
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", "must be an integer >= 1")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"must be an integer in [1, {MAX_N}]")
         if not _finite(self.temperature) or self.temperature < 0:
             raise bad("temperature", "must be a finite number >= 0")
         if not _finite(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise bad("top_k", "must be -1 or 0 (disabled) or a positive integer")
+        if not isinstance(self.top_k, int) or not -1 <= self.top_k <= MAX_INT32:
+            raise bad("top_k", "must be -1 or 0 (disabled) or a positive integer below 2**31")
         if not _finite(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", "must be in [0, 1]")
         if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
@@ -64,16 +66,16 @@ class SamplingParams:
         for p in ("presence_penalty", "frequency_penalty"):
             if not _finite(getattr(self, p)) or not -2 <= getattr(self, p) <= 2:
                 raise bad(p, "must be in [-2, 2]")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise bad("max_tokens", "must be an integer >= 1")
+        if not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= MAX_INT32:
+            raise bad("max_tokens", "must be an integer in [1, 2**31)")
         if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed <= 2**64 - self.n):
             raise bad("seed", "must be an integer in [-2**63, 2**64 - n]")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be non-negative token ids")
+        if any(not isinstance(t, int) or not 0 <= t <= MAX_INT32 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be token ids in [0, 2**31)")
 
     @property
     def greedy(self) -> bool:

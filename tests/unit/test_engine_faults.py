@@ -29,6 +29,7 @@ def test_failure_is_isolated_and_caches_nothing():
     outs = run(engine)
     assert outs["bad"].finish_reason == "error" and "boom" in outs["bad"].error
     assert outs["good"].finish_reason == "length" and len(outs["good"].token_ids) == 3
+    assert engine.num_step_retries >= 1  # counted (and logged), not silent
     assert engine.block_pool.num_free == 32
     engine.runner.poisoned = None
     engine.add_request("again", prompt, SamplingParams(max_tokens=3))

@@ -104,8 +104,8 @@ async def send(client, url: str, model: str, req: dict, headers: dict, trace: bo
                 if "error" in data:
                     res.error = str(data["error"])
                     return res
-                if data.get("timings"):
-                    res.timings = data["timings"][0]
+                if trace and isinstance(data.get("timings"), list) and data["timings"]:
+                    res.timings = data["timings"][0]  # ours, asked for; other servers send their own shapes
                 if data.get("usage"):
                     res.output_tokens = data["usage"]["completion_tokens"]
                     res.prompt_tokens = data["usage"]["prompt_tokens"]

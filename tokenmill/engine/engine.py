@@ -73,6 +73,7 @@ class Engine:
         )
         self.outputs = OutputProcessor(tokenizer)
         self._requests: dict[str, list[Request]] = {}  # request id -> its live sequences (n of them)
+        self.num_step_retries = 0  # steps that failed as a batch and were re-run request by request
         # The most recent steps' stats (bounded: a server runs for days).
         self._step_stats: deque[StepStats] = deque(maxlen=STEP_STATS_KEPT)
 
@@ -177,7 +178,8 @@ class Engine:
             if len(batch.scheduled) == 1:
                 logger.exception("model step failed for %s", batch.scheduled[0].request_id)
                 return ModelOutput(failed={batch.scheduled[0].request_id: f"{type(e).__name__}: {e}"})
-        logger.warning("a batch of %d failed; retrying one request at a time", len(batch.scheduled))
+        self.num_step_retries += 1
+        logger.warning("a step of %d requests failed; retrying one request at a time", len(batch.scheduled))
         merged = ModelOutput()
         for s in batch.scheduled:
             try:

@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill.config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
@@ -43,8 +44,9 @@ from tokenmill.server.protocol import (
 
 logger = logging.getLogger(__name__)
 
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 429: "RateLimitError",
-               500: "InternalServerError", 503: "ServiceUnavailableError"}  # fmt: skip
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+               413: "RequestTooLargeError", 429: "RateLimitError", 500: "InternalServerError",
+               503: "ServiceUnavailableError"}  # fmt: skip
 
 
 class APIError(Exception):
@@ -53,8 +55,13 @@ class APIError(Exception):
         self.status, self.message, self.param = status, message, param
 
 
+RETRY_AFTER_S = 1  # what a 429 tells the client to wait
+
+
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, ERROR_TYPES.get(status, "Error"), status, param), status_code=status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+    return JSONResponse(error_body(message, ERROR_TYPES.get(status, "Error"), status, param), status_code=status,
+                        headers=headers)  # fmt: skip
 
 
 @dataclass
@@ -94,8 +101,14 @@ def build_app(engine: AsyncEngine, tokenizer: Any, max_model_len: int, config: S
     async def _dead(_: Request, e: EngineDeadError) -> JSONResponse:
         return error_response(503, f"the engine is not running: {e}")
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:  # 404, 405, ...
+        detail = e.detail if isinstance(e.detail, str) else "error"
+        return error_response(e.status_code, f"{detail}: {request.method} {request.url.path}")
+
     if config.api_key is not None:
         app.add_middleware(APIKeyMiddleware, key=config.api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
 
     @app.get("/health")
     async def health() -> Response:
@@ -119,10 +132,11 @@ def build_app(engine: AsyncEngine, tokenizer: Any, max_model_len: int, config: S
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
         if body.messages is not None:
-            text = tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
-            ids = tokenizer.encode(text, add_special_tokens=False)
-        else:
-            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            text = await asyncio.to_thread(tokenizer.apply_chat_template, messages)
+            ids = await asyncio.to_thread(tokenizer.encode, text, False)
+        else:  # off the event loop: a long text must not stall /health or other requests
+            ids = await asyncio.to_thread(tokenizer.encode, body.prompt, body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
 
     @app.post("/detokenize")
@@ -131,7 +145,7 @@ def build_app(engine: AsyncEngine, tokenizer: Any, max_model_len: int, config: S
         bad = next((t for t in body.tokens if not 0 <= t < tokenizer.vocab_size), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is outside the vocabulary [0, {tokenizer.vocab_size})", "tokens")
-        return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
+        return {"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens, False)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -151,7 +165,40 @@ def build_app(engine: AsyncEngine, tokenizer: Any, max_model_len: int, config: S
         job = _Job(served, "chatcmpl", "chat.completion", [ids], [params], body.include_usage, body.return_timings, chat=True)
         return await job.respond(request, body.stream)
 
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+ERROR_SCHEMA = {
+    "type": "object",
+    "properties": {"error": {"type": "object", "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}},
+}  # fmt: skip
+
+
+def _openapi(app: FastAPI) -> dict:
+    """The document as the server behaves: invalid bodies are 400s in OpenAI's error
+    shape (not FastAPI's 422), and the generation routes may answer a text/event-stream."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    error = {"content": {"application/json": {"schema": ERROR_SCHEMA}}}
+    for path, methods in schema.get("paths", {}).items():
+        for op in methods.values():
+            responses = op.setdefault("responses", {})
+            if responses.pop("422", None) is not None:
+                responses["400"] = {"description": "Invalid request", **error}
+            if path.startswith("/v1/") and op is methods.get("post"):
+                responses["401"] = {"description": "Missing or wrong API key (with --api-key)", **error}
+                responses["429"] = {"description": "Queue full (--max-queue); see Retry-After", **error}
+            if path in ("/v1/completions", "/v1/chat/completions"):
+                ok = responses.setdefault("200", {"description": "Successful Response"})
+                ok.setdefault("content", {})["text/event-stream"] = {"schema": {"type": "string"}}
+    app.openapi_schema = schema
+    return schema
 
 
 def _check_model(served: Served, model: str | None) -> None:
@@ -192,9 +239,11 @@ class _Job:
 
     def __init__(self, served: Served, prefix: str, obj: str, prompts: list[list[int]], params: list[SamplingParams],
                  include_usage: bool, return_timings: bool, chat: bool) -> None:  # fmt: skip
-        if served.config.max_queue is not None and served.engine.num_waiting >= served.config.max_queue:
-            raise APIError(429, f"server busy: {served.engine.num_waiting} requests are already waiting "
-                                f"(max_queue={served.config.max_queue}); retry later")  # fmt: skip
+        queue, waiting = served.config.max_queue, served.engine.num_waiting
+        adding = sum(p.n for p in params)  # engine sequences: prompts x n
+        if queue is not None and waiting + adding > queue:
+            raise APIError(429, f"server busy: {waiting} sequences are already waiting and this request adds "
+                                f"{adding} (max_queue={queue}); retry later")  # fmt: skip
         self.served = served
         self.id = new_id(prefix)
         self.object = obj
@@ -393,22 +442,70 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+PROTECTED = ("/v1/", "/tokenize", "/detokenize")  # /health and /metrics stay open, as vLLM's
+
+
 class APIKeyMiddleware:
-    """401 for /v1 routes without ``Authorization: Bearer KEY``. A plain ASGI middleware
-    (not Starlette's BaseHTTPMiddleware, which wraps ``receive`` so that a handler never
-    sees its client disconnect, and a non-streamed request would run on unwatched)."""
+    """401 for the API routes without ``Authorization: Bearer KEY`` (the scheme is
+    case-insensitive, RFC 7235). A plain ASGI middleware, not Starlette's
+    BaseHTTPMiddleware, which wraps ``receive`` so that a handler never sees its client
+    disconnect, and a non-streamed request would run on unwatched."""
 
     def __init__(self, app: Any, key: str) -> None:
-        self.app, self.expected = app, f"Bearer {key}".encode()
+        self.app, self.key = app, key.encode()
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED):
             auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if auth != self.expected:
+            scheme, _, token = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or token.strip() != self.key:
                 response = error_response(401, "invalid or missing API key (send Authorization: Bearer <key>)")
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """413 for a request body over ``max_bytes`` (declared or streamed), before any of it
+    is parsed. The body is read here and handed on whole; later ``receive`` calls go
+    to the client, so a disconnect is still seen."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
+            await self.app(scope, receive, send)
+            return
+        declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large(scope, receive, send)
+            return
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left while sending
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._too_large(scope, receive, send)
+                return
+            more = message.get("more_body", False)
+        handed = False
+
+        async def replay() -> dict:
+            nonlocal handed
+            if handed:
+                return await receive()
+            handed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope: dict, receive: Callable, send: Callable) -> None:
+        message = f"request body over {self.max_bytes} bytes (--max-request-bytes)"
+        await error_response(413, message)(scope, receive, send)
 
 
 async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Response:

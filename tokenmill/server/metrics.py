@@ -50,6 +50,8 @@ class EngineCollector:
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", e.num_waiting)
         yield gauge("kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", e.kv_usage)
         yield counter("num_preemptions", "Cumulative preemptions.", e.num_preemptions)
+        yield counter("num_step_retries", "Steps that failed as a batch and were re-run one request at a time.",
+                      e.num_step_retries)  # fmt: skip
         prefix = e.prefix_cache_stats
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", prefix.queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", prefix.hits)

@@ -1,8 +1,11 @@
 """Request and response bodies of the OpenAI API, as vLLM accepts them.
 
-Requests are validated twice: shapes and types here (pydantic), values by
-``SamplingParams`` (the same rules as the offline API). Unknown fields are ignored,
-as OpenAI's and vLLM's servers ignore them.
+Requests are validated twice: shapes and types here (pydantic, strict as OpenAI's
+types are: ``"max_tokens": "16"`` or ``"stream": "yes"`` is a 400), values by
+``SamplingParams`` (the same rules as the offline API). Every string must be valid
+Unicode (JSON can carry a lone surrogate such as ``"\ud800"``, which no tokenizer
+can encode). Fields of the OpenAI API that this server does not implement are
+refused with a 400 naming them, never silently ignored; unknown fields are ignored.
 """
 
 from __future__ import annotations
@@ -11,19 +14,50 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
 
 
-class StreamOptions(BaseModel):
+def _check_unicode(value: Any) -> None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("contains a lone surrogate: not valid Unicode text") from None
+    elif isinstance(value, list):
+        for v in value:
+            _check_unicode(v)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_unicode(k)
+            _check_unicode(v)
+
+
+class _Body(BaseModel):
+    """Strict types, valid Unicode in every string, unknown fields ignored."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        _check_unicode(value)
+        return value
+
+
+class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+# OpenAI fields this server does not implement: refused when set, not ignored.
+# (tools and response_format come with structured output.)
+_UNSUPPORTED = ("logit_bias", "suffix", "tools", "tool_choice", "functions", "function_call", "response_format",
+                "parallel_tool_calls", "logprobs_bias", "guided_json", "guided_regex", "guided_choice", "guided_grammar")  # fmt: skip
 
+
+class _SamplingFields(_Body):
     model: str | None = None
     n: int = 1
     temperature: float | None = None
@@ -42,6 +76,34 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_timings: bool = False  # tokenmill extra: per-request timings in the last response
+    best_of: int | None = None  # accepted only as n (no server-side ranking of extra samples)
+    logit_bias: Any = None
+    suffix: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    parallel_tool_calls: Any = None
+    logprobs_bias: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+
+    @field_validator(*_UNSUPPORTED, mode="after")
+    @classmethod
+    def _unsupported(cls, value: Any) -> Any:
+        if value not in (None, {}, []):
+            raise ValueError("is not supported by this server")
+        return value
+
+    @field_validator("best_of", mode="after")
+    @classmethod
+    def _best_of(cls, value: int | None) -> int | None:
+        if value is not None and value != 1:
+            raise ValueError("best_of other than 1 is not supported (use n)")
+        return value
 
     def _sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         def pick(value, default):
@@ -93,9 +155,7 @@ class CompletionRequest(_SamplingFields):
         return self._sampling(max_tokens, self.logprobs)
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class ChatMessage(_Body):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -129,18 +189,14 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
 

@@ -1,0 +1,126 @@
+"""Hostile and malformed requests, in process on a scripted engine (no model): every
+one gets a 4xx in OpenAI's error shape, and nothing is left running."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from tests.helpers import ScriptedRunner, ToyTokenizer
+from tokenmill.config import ServerConfig
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.engine import Engine, EngineConfig
+from tokenmill.server.app import build_app
+
+KEY = "sekrit"
+MODEL = "toy"
+
+
+@pytest.fixture(scope="module")
+def app_engine():
+    engine = AsyncEngine(Engine(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=64, block_size=4, max_model_len=64)))
+    config = ServerConfig(served_model_name=MODEL, api_key=KEY, max_queue=2, max_request_bytes=4096)
+    yield build_app(engine, ToyTokenizer(), 64, config), engine
+    engine.shutdown()
+
+
+def call(app, method: str, path: str, body=None, raw: bytes | None = None, auth: str | None = f"Bearer {KEY}"):
+    async def go():
+        headers = {"content-type": "application/json"}
+        if auth is not None:
+            headers["authorization"] = auth
+        content = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=30) as c:
+            return await c.request(method, path, content=content, headers=headers)
+
+    return asyncio.run(go())
+
+
+def assert_error(r: httpx.Response, status: int, *words: str) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
+    for w in words:
+        assert w in err["message"], (w, err["message"])
+    return err
+
+
+@pytest.mark.parametrize(
+    "path,raw",
+    [
+        ("/v1/completions", b'{"prompt": "\\ud800", "max_tokens": 2}'),
+        ("/v1/completions", b'{"prompt": "hi", "model": "\\udfff", "max_tokens": 2}'),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}'),
+        ("/v1/chat/completions", b'{"messages": [{"role": "\\ud83d", "content": "hi"}], "max_tokens": 2}'),
+        ("/tokenize", b'{"prompt": "\\udc00"}'),
+    ],
+    ids=["prompt", "model", "chat-content", "role", "tokenize"],
+)
+def test_a_lone_surrogate_is_a_400_not_a_500(app_engine, path, raw):
+    assert_error(call(app_engine[0], "POST", path, raw=raw), 400, "surrogate")
+
+
+@pytest.mark.parametrize(
+    "body,field",
+    [
+        ({"top_k": 2**63, "top_p": 0.5}, "top_k"),
+        ({"top_k": 2**63}, "top_k"),
+        ({"n": 10**6}, "n"),
+        ({"max_tokens": "16"}, "max_tokens"),
+        ({"stream": "yes"}, "stream"),
+        ({"stop_token_ids": [2**40]}, "stop_token_ids"),
+        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"best_of": 3}, "best_of"),
+        ({"suffix": "!"}, "suffix"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+    ],
+)
+def test_out_of_range_wrongly_typed_or_unsupported_fields_are_400s_naming_the_field(app_engine, body, field):
+    r = call(app_engine[0], "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2, **body})
+    assert assert_error(r, 400)["param"] in (field, f"{field}.0", f"{field}.5") or field in r.json()["error"]["message"]
+
+
+def test_unknown_routes_and_methods_answer_in_the_openai_shape(app_engine):
+    assert_error(call(app_engine[0], "GET", "/v1/nope"), 404, "/v1/nope")
+    assert_error(call(app_engine[0], "GET", "/v1/completions"), 405)
+    assert_error(call(app_engine[0], "POST", "/v1/completions", raw=b'{"prompt": "hi", "max_tokens": '), 400)
+    assert_error(call(app_engine[0], "POST", "/v1/completions", raw=b"\xff\xfe{}"), 400)
+
+
+def test_the_key_guards_tokenize_and_its_scheme_is_case_insensitive(app_engine):
+    app = app_engine[0]
+    assert_error(call(app, "POST", "/tokenize", {"prompt": "hi"}, auth=None), 401)
+    assert_error(call(app, "POST", "/detokenize", {"tokens": [1]}, auth="Bearer wrong"), 401)
+    assert call(app, "POST", "/tokenize", {"prompt": "hi"}, auth=f"bearer {KEY}").json()["count"] == 2
+    assert call(app, "GET", "/health", auth=None).status_code == 200  # health and metrics stay open
+    assert call(app, "GET", "/metrics", auth=None).status_code == 200
+
+
+def test_a_body_over_the_limit_is_a_413_before_it_is_parsed(app_engine):
+    r = call(app_engine[0], "POST", "/tokenize", {"prompt": "x" * 10_000})
+    assert_error(r, 413, "4096 bytes")
+    ok = call(app_engine[0], "POST", "/tokenize", {"prompt": "x" * 1000})
+    assert ok.status_code == 200 and ok.json()["count"] == 1000
+
+
+def test_the_queue_limit_counts_prompts_times_n(app_engine):
+    app, engine = app_engine
+    r = call(app, "POST", "/v1/completions", {"prompt": ["a", "b", "c"], "max_tokens": 2})
+    err = assert_error(r, 429, "adds 3", "max_queue=2")
+    assert err["type"] == "RateLimitError" and r.headers["retry-after"] == "1"
+    assert_error(call(app, "POST", "/v1/completions", {"prompt": "a", "n": 3, "max_tokens": 2}), 429, "adds 3")
+    ok = call(app, "POST", "/v1/completions", {"prompt": ["a", "b"], "max_tokens": 2})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
+    assert engine.engine.num_unfinished_requests == 0
+
+
+def test_the_openapi_document_says_400_and_event_stream(app_engine):
+    doc = call(app_engine[0], "GET", "/openapi.json").json()
+    text = json.dumps(doc)
+    assert '"422"' not in text
+    completions = doc["paths"]["/v1/completions"]["post"]["responses"]
+    assert "400" in completions and "text/event-stream" in completions["200"]["content"]
