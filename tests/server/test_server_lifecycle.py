@@ -130,3 +130,20 @@ def test_bench_serve_measures_the_server_and_draws_its_plots(server, tmp_path):
         assert run["output_token_throughput"] > 0 and run["ttft_s"]["p99"] >= run["ttft_s"]["p50"] > 0
     for png in ("t_latency_cdf.png", "t_trace_inf.png", "t_trace_2.0.png"):
         assert (tmp_path / png).stat().st_size > 1000
+
+
+def test_streams_open_at_the_drain_timeout_end_with_an_error_event_and_done():
+    server = Server("--drain-timeout", "2")
+    body = {"model": MODEL, "prompt": "Write a long poem.", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    lines = []
+    with httpx.Client(timeout=120) as c, c.stream("POST", server.url + "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                lines.append(line)
+                if len(lines) == 2:
+                    server.proc.send_signal(signal.SIGTERM)
+    assert lines[-1] == "data: [DONE]"
+    error = json.loads(lines[-2][6:])["error"]
+    assert error["code"] == 503 and "drain timeout" in error["message"]
+    assert len(lines) < 3000  # ended by the drain, not by max_tokens
+    assert server.proc.wait(30) == 0

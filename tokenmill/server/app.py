@@ -17,7 +17,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -73,6 +73,9 @@ class Served:
     max_model_len: int
     config: ServerConfig
     metrics: ServerMetrics
+    # Set by `serve` when a shutdown's drain timeout has passed: open streams end with
+    # an error event and [DONE] rather than being cut mid-body.
+    drain_expired: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 def build_app(engine: AsyncEngine, tokenizer: Any, max_model_len: int, config: ServerConfig) -> FastAPI:
@@ -346,7 +349,7 @@ class _Job:
         started: set[int] = set()
         items = [first] if first is not None else []
         try:
-            async for i, out in _chain(items, merged):
+            async for i, out in _until(_chain(items, merged), self.served.drain_expired):
                 self._observe(out)
                 idx = self._choice_index(i, out)
                 c = out.outputs[0]
@@ -380,6 +383,9 @@ class _Job:
             yield f"data: {json.dumps(error_body(str(e), 'InternalServerError', 500))}\n\n"
         except EngineDeadError as e:
             yield f"data: {json.dumps(error_body(str(e), 'ServiceUnavailableError', 503))}\n\n"
+        except DrainExpired:
+            message = "the server is shutting down and its drain timeout has passed: request aborted"
+            yield f"data: {json.dumps(error_body(message, 'ServiceUnavailableError', 503))}\n\n"
         finally:
             await merged.aclose()
         yield "data: [DONE]\n\n"
@@ -398,6 +404,29 @@ def _offsets(texts: list[str]) -> list[int]:
         out.append(pos)
         pos += len(t)
     return out
+
+
+class DrainExpired(Exception):
+    """The shutdown's drain timeout passed while this stream was open."""
+
+
+async def _until(items: AsyncIterator, stop: asyncio.Event) -> AsyncIterator:
+    """items, until stop is set (then DrainExpired)."""
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        while True:
+            nxt = asyncio.ensure_future(anext(items))
+            done, _ = await asyncio.wait({nxt, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            if nxt not in done:
+                nxt.cancel()
+                await asyncio.gather(nxt, return_exceptions=True)
+                raise DrainExpired
+            try:
+                yield nxt.result()
+            except StopAsyncIteration:
+                return
+    finally:
+        stopped.cancel()
 
 
 async def _chain(first: list, rest: AsyncIterator) -> AsyncIterator:
