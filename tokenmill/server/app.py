@@ -81,7 +81,8 @@ class Served:
 def build_app(engine: AsyncEngine, tokenizer: Any, max_model_len: int, config: ServerConfig) -> FastAPI:
     if config.served_model_name is None:  # `serve` names it after the model file; a bare app:
         config = replace(config, served_model_name="tokenmill")
-    served = Served(engine, tokenizer, max_model_len, config, ServerMetrics(engine.engine, config.served_model_name))
+    metrics = ServerMetrics(engine.engine, config.served_model_name, alive=lambda: not engine.is_dead)
+    served = Served(engine, tokenizer, max_model_len, config, metrics)
     app = FastAPI(title="tokenmill", version="0.1")
     app.state.served = served
 

@@ -10,7 +10,7 @@ state.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -27,9 +27,10 @@ TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 class EngineCollector:
     """Gauges and counters read from the engine when /metrics is scraped."""
 
-    def __init__(self, engine: Engine, model_name: str) -> None:
+    def __init__(self, engine: Engine, model_name: str, alive: Callable[[], bool] = lambda: True) -> None:
         self.engine = engine
         self.labels = {"model_name": model_name}
+        self.alive = alive
 
     def collect(self) -> Iterator[Metric]:
         e = self.engine
@@ -46,6 +47,7 @@ class EngineCollector:
             c.add_metric(values, value)
             return c
 
+        yield gauge("engine_alive", "1 while the engine loop runs, 0 once it has died.", 1.0 if self.alive() else 0.0)
         yield gauge("num_requests_running", "Requests in model execution batches.", e.num_running)
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", e.num_waiting)
         yield gauge("kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", e.kv_usage)
@@ -62,9 +64,9 @@ class EngineCollector:
 
 
 class ServerMetrics:
-    def __init__(self, engine: Engine, model_name: str) -> None:
+    def __init__(self, engine: Engine, model_name: str, alive: Callable[[], bool] = lambda: True) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(engine, model_name))
+        self.registry.register(EngineCollector(engine, model_name, alive))
         labels = ["model_name"]
         self.model_name = model_name
 
