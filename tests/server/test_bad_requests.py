@@ -124,3 +124,36 @@ def test_the_openapi_document_says_400_and_event_stream(app_engine):
     assert '"422"' not in text
     completions = doc["paths"]["/v1/completions"]["post"]["responses"]
     assert "400" in completions and "text/event-stream" in completions["200"]["content"]
+
+
+def test_a_stream_cancelled_mid_wait_leaves_its_source_closable():
+    """A client that goes away cancels the SSE writer while it waits for the next
+    output; the source must then close cleanly (it once raised 'aclose(): asynchronous
+    generator is already running' for every streamed disconnect)."""
+    from tokenmill.server.app import _until
+
+    closed = []
+
+    async def source():
+        try:
+            yield 1
+            await asyncio.sleep(3600)  # an engine that has nothing yet
+            yield 2
+        finally:
+            closed.append(True)
+
+    async def main():
+        items = source()
+
+        async def consume():
+            async for _ in _until(items, asyncio.Event()):
+                pass
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await items.aclose()  # must not raise
+
+    asyncio.run(main())
+    assert closed == [True]

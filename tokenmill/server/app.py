@@ -412,22 +412,29 @@ class DrainExpired(Exception):
 
 
 async def _until(items: AsyncIterator, stop: asyncio.Event) -> AsyncIterator:
-    """items, until stop is set (then DrainExpired)."""
+    """items, until stop is set (then DrainExpired). Each next item is awaited in a
+    task of its own; whatever ends this generator (the stop, a client that went away,
+    an error) cancels and waits out that task first, so that the caller can then close
+    ``items`` (it is no longer running)."""
     stopped = asyncio.ensure_future(stop.wait())
+    nxt: asyncio.Future | None = None
     try:
         while True:
             nxt = asyncio.ensure_future(anext(items))
             done, _ = await asyncio.wait({nxt, stopped}, return_when=asyncio.FIRST_COMPLETED)
             if nxt not in done:
-                nxt.cancel()
-                await asyncio.gather(nxt, return_exceptions=True)
                 raise DrainExpired
             try:
-                yield nxt.result()
+                item = nxt.result()
             except StopAsyncIteration:
                 return
+            nxt = None
+            yield item
     finally:
         stopped.cancel()
+        if nxt is not None and not nxt.done():
+            nxt.cancel()
+            await asyncio.gather(nxt, return_exceptions=True)
 
 
 async def _chain(first: list, rest: AsyncIterator) -> AsyncIterator:
