@@ -151,8 +151,9 @@ class Engine:
         outputs, stopped = self.outputs.process(updates)
         for req, stop_string in stopped:
             self.scheduler.finish(req, "stop", stop_string)
-        for out in outputs:
-            if out.finished and not self.outputs.has_request(out.request_id):
+        for out in outputs:  # a request is gone once all its n sequences are
+            seqs = self._requests.get(out.request_id, ())
+            if out.finished and all(r.finished for r in seqs):
                 self._requests.pop(out.request_id, None)
         if sched.seqs:
             self._step_stats.append(self._stats(sched, t0))

@@ -39,7 +39,6 @@ class OutputProcessor:
     def __init__(self, tokenizer: Decoder) -> None:
         self.tokenizer = tokenizer
         self._seqs: dict[str, SeqOutputState] = {}  # by sequence id
-        self._groups: dict[str, set[str]] = {}  # request id -> its live sequence ids
 
     def add(self, req: Request) -> None:
         p = req.params
@@ -48,11 +47,6 @@ class OutputProcessor:
         )
         wants = p.logprobs is not None
         self._seqs[req.request_id] = SeqOutputState(detok, logprobs=[] if wants else None, top_logprobs=[] if wants else None)
-        self._groups.setdefault(req.parent_id, set()).add(req.request_id)
-
-    def has_request(self, request_id: str) -> bool:
-        """True while any sequence of the request (all n) is unfinished."""
-        return request_id in self._groups
 
     def has_sequence(self, seq_id: str) -> bool:
         return seq_id in self._seqs
@@ -107,7 +101,7 @@ class OutputProcessor:
             _num_chars=state.detok.num_chars,
         )
         if finished:
-            self._forget(req)
+            self._seqs.pop(req.request_id, None)
         return RequestOutput(
             request_id=req.parent_id,
             prompt=req.prompt,
@@ -125,13 +119,4 @@ class OutputProcessor:
 
     def abort(self, req: Request) -> None:
         """Forget a sequence that ends without an output (aborted by its caller)."""
-        if req.request_id in self._seqs:
-            self._forget(req)
-
-    def _forget(self, req: Request) -> None:
         self._seqs.pop(req.request_id, None)
-        group = self._groups.get(req.parent_id)
-        if group is not None:
-            group.discard(req.request_id)
-            if not group:
-                del self._groups[req.parent_id]

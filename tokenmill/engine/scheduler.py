@@ -97,7 +97,6 @@ class Scheduler:
         self.num_preemptions = 0
         self.spec_stats = SpecDecodeStats()
         self._known_to_runner: set[str] = set()  # requests whose state the runner holds
-        self._preempted_ever: set[str] = set()  # unfinished requests preempted at least once
         self._dropped: list[str] = []  # finished: to tell the runner next step
         self._preempted: list[str] = []  # likewise, preempted
 
@@ -351,12 +350,8 @@ class Scheduler:
         if rid in self._known_to_runner:
             self._known_to_runner.discard(rid)
             (self._preempted if preempted else self._dropped).append(rid)
-        elif not preempted and rid in self._preempted_ever:
+        elif not preempted and req.num_preemptions:
             self._dropped.append(rid)  # the runner keeps a preempted request's generator until it ends
-        if preempted:
-            self._preempted_ever.add(rid)
-        else:
-            self._preempted_ever.discard(rid)
 
     def take_dropped(self) -> tuple[list[str], list[str]]:
         """(finished, preempted) requests the runner should drop since it was last told."""

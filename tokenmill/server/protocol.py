@@ -14,7 +14,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
@@ -54,7 +54,7 @@ class StreamOptions(_Body):
 # OpenAI fields this server does not implement: refused when set, not ignored.
 # (tools and response_format come with structured output.)
 _UNSUPPORTED = ("logit_bias", "suffix", "tools", "tool_choice", "functions", "function_call", "response_format",
-                "parallel_tool_calls", "logprobs_bias", "guided_json", "guided_regex", "guided_choice", "guided_grammar")  # fmt: skip
+                "parallel_tool_calls", "guided_json", "guided_regex", "guided_choice", "guided_grammar")  # fmt: skip
 
 
 class _SamplingFields(_Body):
@@ -77,26 +77,15 @@ class _SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     return_timings: bool = False  # tokenmill extra: per-request timings in the last response
     best_of: int | None = None  # accepted only as n (no server-side ranking of extra samples)
-    logit_bias: Any = None
-    suffix: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
-    response_format: Any = None
-    parallel_tool_calls: Any = None
-    logprobs_bias: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
 
-    @field_validator(*_UNSUPPORTED, mode="after")
+    @model_validator(mode="before")
     @classmethod
-    def _unsupported(cls, value: Any) -> Any:
-        if value not in (None, {}, []):
-            raise ValueError("is not supported by this server")
-        return value
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name in _UNSUPPORTED:
+                if data.get(name) not in (None, {}, []):
+                    raise ValueError(f"{name} is not supported by this server")
+        return data
 
     @field_validator("best_of", mode="after")
     @classmethod
