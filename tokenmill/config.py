@@ -67,6 +67,7 @@ class ModelConfig:
 
 SPECULATIVE_METHODS = ("ngram", "draft", "self")
 WEIGHT_QUANTIZATIONS = ("none", "int8", "int4")
+KERNELS = ("auto", "native", "torch")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 
 
@@ -80,18 +81,22 @@ class LoadConfig:
     """Which model to load, in what precision, on which device."""
 
     model: str | None = opt(None, "a .gguf file or a Hugging Face folder (default: the bundled SmolLM2-135M-Instruct Q4_1)")
-    dtype: str = opt("auto", "auto, float32, bfloat16 or float16 (auto: float32 on CPU, bfloat16 on CUDA)")
+    dtype: str = opt("auto", "auto, float32, bfloat16 or float16 (auto: bfloat16 on CUDA and on CPUs with native "
+                             "bfloat16 (AVX512_BF16 or AMX), float32 on other CPUs)")
     device: str = opt("cpu", "cpu, cuda, cuda:N or auto")
     max_model_len: int | None = opt(None, "context window (default: the model's)")
     quantization: str = opt("none", "weight-only quantisation of the linear layers, applied at load",
                             choices=WEIGHT_QUANTIZATIONS)  # fmt: skip
     quantization_group_size: int = opt(32, "int4: input channels per scale and zero point (GGUF Q4 blocks are 32)")
+    kernels: str = opt("auto", "per-layer ops: native (C++ CPU kernels, built on first use), torch (the pure-torch "
+                               "reference) or auto (native on the CPU where they build)", choices=KERNELS)
 
     def __post_init__(self) -> None:
         _check(self.quantization in WEIGHT_QUANTIZATIONS,
                f"quantization must be one of {', '.join(WEIGHT_QUANTIZATIONS)}, got {self.quantization!r}")  # fmt: skip
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
         _check(self.quantization_group_size >= 1, "quantization_group_size must be >= 1")
+        _check(self.kernels in KERNELS, f"kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,8 @@ import torch
 from tokenmill.config import EngineArgs, ModelConfig, SpeculativeConfig
 from tokenmill.engine.engine import Engine, EngineConfig
 from tokenmill.errors import ModelLoadError, TokenmillError
+from tokenmill.kernels.cpu import cpu_info
+from tokenmill.kernels.ops import TorchOps, select_ops
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import load_checkpoint
 from tokenmill.model.tokenizer import Tokenizer, load_tokenizer
@@ -67,8 +69,8 @@ def resolve_device(device: str) -> torch.device:
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype == "auto":  # bfloat16 where it is fast: GPUs, and CPUs that multiply it natively
+        return torch.bfloat16 if device.type == "cuda" or cpu_info().native_bf16 else torch.float32
     if dtype not in DTYPES:
         raise TokenmillError(f"unsupported dtype {dtype!r}; choose one of auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
@@ -122,6 +124,7 @@ def build_engine(args: EngineArgs, progress: bool = True) -> EngineParts:
     ckpt = load_checkpoint(load.model, dtype, progress=progress)
     tokenizer = load_tokenizer(ckpt.path, ckpt.metadata)
     model = LlamaForCausalLM.from_weights(ckpt.config, ckpt.weights, device)
+    model.ops = _select_ops(device, load.kernels)
     config, path = ckpt.config, ckpt.path
     del ckpt
     _quantize(model, load.quantization, load.quantization_group_size)
@@ -154,6 +157,13 @@ def build_engine(args: EngineArgs, progress: bool = True) -> EngineParts:
     return EngineParts(args, engine, runner, model, tokenizer, config, path, device, dtype, max_model_len, num_blocks, per_block)
 
 
+def _select_ops(device: torch.device, kernels: str) -> TorchOps:
+    try:
+        return select_ops(device, kernels)
+    except RuntimeError as e:
+        raise TokenmillError(str(e)) from None
+
+
 def _quantize(model: LlamaForCausalLM, mode: str, group_size: int) -> LlamaForCausalLM:
     try:
         return quantize_model(model, mode, group_size)
@@ -179,6 +189,7 @@ def _load_draft(
     if draft_tokenizer is not None and draft_tokenizer.backend.get_vocab() != tokenizer.backend.get_vocab():
         raise TokenmillError(f"draft model {path} has a different tokenizer vocabulary from the target's")
     draft = LlamaForCausalLM.from_weights(ckpt.config, ckpt.weights, device)
+    draft.ops = _select_ops(device, args.load.kernels)
     return _quantize(draft, args.load.quantization, args.load.quantization_group_size)
 
 

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig
-from tokenmill.model.layers.attention import AttentionMetadata, paged_attention
+from tokenmill.kernels.ops import TorchOps
+from tokenmill.model.layers.attention import AttentionMetadata
 from tokenmill.model.layers.kv_cache import KVCacheLayer
 from tokenmill.model.layers.norm import RMSNorm
 from tokenmill.model.layers.rotary import RotaryEmbedding, inverse_frequencies
@@ -38,14 +39,15 @@ class LlamaAttention(nn.Module):
         rotary: RotaryEmbedding,
         kv_cache: KVCache,
         meta: AttentionMetadata,
+        ops: TorchOps,
     ) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        q, k = ops.rotary_write_kv(q, k, v, positions, rotary, kv_cache, meta.slot_mapping)
+        out = ops.attention(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(n, -1))
 
 
@@ -56,12 +58,18 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks around a residual stream.
+
+    The residual add is fused into the next norm: the layer takes the already
+    normalised input ``h`` and the residual stream ``x`` (updated in place), and
+    returns the next norm's output (``next_norm``: the next layer's input norm, or
+    the model's final norm)."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -69,9 +77,12 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, x, positions, rotary, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, h, x, positions, rotary, kv_cache: KVCache, meta: AttentionMetadata, ops: TorchOps, next_norm: RMSNorm
+    ) -> torch.Tensor:
+        post = self.post_attention_layernorm
+        h = ops.add_rms_norm(self.self_attn(h, positions, rotary, kv_cache, meta, ops), x, post.weight, post.eps)
+        return ops.add_rms_norm(self.mlp(h, ops), x, next_norm.weight, next_norm.eps)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -83,6 +94,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None  # built in load_weights (needs rope_freqs)
+        self.ops: TorchOps = TorchOps()  # the per-layer ops; the factory may swap in native kernels
 
     @classmethod
     def from_weights(
@@ -114,10 +126,14 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden]
         assert self.rotary is not None
         layers = self.layers if num_layers is None else self.layers[:num_layers]
-        x = self.embed_tokens(input_ids)
-        for layer, kv_cache in zip(layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rotary, kv_cache, meta)
-        return self.norm(x)
+        ops = self.ops
+        x = self.embed_tokens(input_ids)  # the residual stream, updated in place by each layer
+        first = layers[0].input_layernorm
+        h = ops.rms_norm(x, first.weight, first.eps)
+        for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
+            h = layer(h, x, positions, self.rotary, kv_cache, meta, ops, next_norm)
+        return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
         if self.lm_head is None:  # tied to the embeddings

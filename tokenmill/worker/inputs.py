@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tokenmill.model.layers.attention import AttentionMetadata, build_decode_groups
+from tokenmill.model.layers.attention import AttentionMetadata
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -109,9 +109,7 @@ def prepare_inputs(
         seq_lens_host=seq_lens,
         num_decodes=num_decodes,
         block_size=bs,
-        decode_groups=build_decode_groups(
-            seq_lens[:num_decodes], [s.block_table for s in seqs[:num_decodes]], bs, device
-        ),
+        block_tables_host=[s.block_table for s in seqs],
     )
     return (
         _to_device(buf.input_ids[:num_tokens], device),

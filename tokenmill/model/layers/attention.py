@@ -11,15 +11,18 @@ The flat batch holds the sequences' new tokens back to back, decodes first::
     tokens:  | d0 | d1 | d2 | p0 p0 p0 p0 p0 | p1 p1 p1 |
               one token each    prefill chunks (any length, any cached prefix)
 
-Decodes come sorted by context length and are attended in a few batched calls,
-one per group of similar lengths (``DecodeGroup``, built once per step by the model
-runner), over their gathered, padded context; prefill chunks one sequence at a time
-with a causal mask offset by the number of tokens already in the cache.
+This module is the pure-torch reference (and the path on GPUs): decodes come sorted
+by context length and are attended in a few batched calls, one per group of similar
+lengths (``DecodeGroup``, built on first use in a step), over their gathered, padded
+context; prefill chunks one sequence at a time with a causal mask offset by the number
+of tokens already in the cache. The native CPU kernel (``tokenmill.kernels``) reads
+the same blocks in place instead, from ``AttentionMetadata.kernel_index``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -62,8 +65,22 @@ def build_decode_groups(
 
 
 @dataclass
+class KernelIndex:
+    """The native kernel's view of a step: which sequences it attends (those that read
+    cached K/V, and short fresh prefills) and which go to SDPA (long fresh prefills)."""
+
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int64, CPU
+    seq_lens: torch.Tensor  # [num_seqs] int64, CPU
+    paged_seq_ids: torch.Tensor  # int64, CPU
+    fresh_seqs: list[int]
+
+
+@dataclass
 class AttentionMetadata:
-    """Everything attention needs about the flat batch; built by the model runner."""
+    """Everything attention needs about the flat batch; built by the model runner.
+
+    The per-path views (decode groups for the reference, the kernel index for the
+    native kernel) are built on first use, once per step, shared by every layer."""
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with 0
@@ -71,11 +88,35 @@ class AttentionMetadata:
     seq_lens_host: list[int]  # per sequence: context length including the new tokens
     num_decodes: int  # the first num_decodes sequences contribute exactly one token
     block_size: int
-    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    block_tables_host: list[list[int]]  # the sequences' own tables (read, not copied)
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_host)
+
+    @cached_property
+    def decode_groups(self) -> list[DecodeGroup]:
+        nd = self.num_decodes
+        return build_decode_groups(
+            self.seq_lens_host[:nd], self.block_tables_host[:nd], self.block_size, self.slot_mapping.device
+        )
+
+    def kernel_index(self, fresh_sdpa_min: int) -> KernelIndex:
+        cached = self.__dict__.get("_kernel_index")
+        if cached is not None and cached[0] == fresh_sdpa_min:
+            return cached[1]
+        qsl, lens = self.query_start_loc, self.seq_lens_host
+        fresh = [i for i in range(self.num_decodes, self.num_seqs)
+                 if lens[i] == qsl[i + 1] - qsl[i] and lens[i] >= fresh_sdpa_min]  # fmt: skip
+        skip = set(fresh)
+        index = KernelIndex(
+            torch.tensor(qsl, dtype=torch.long),
+            torch.tensor(lens, dtype=torch.long),
+            torch.tensor([i for i in range(self.num_seqs) if i not in skip], dtype=torch.long),
+            fresh,
+        )
+        self.__dict__["_kernel_index"] = (fresh_sdpa_min, index)
+        return index
 
 
 def paged_attention(

@@ -1,0 +1,223 @@
+"""The native CPU kernels against their pure-torch reference twins (tokenmill.kernels.ops).
+
+Paged attention over random block tables, GQA, contexts of 1 to 4k tokens, every KV
+storage dtype, prefix hits (chunks after a cached prefix), several query tokens a
+sequence (speculative verification) and mixed batches; the fused RMSNorm/residual,
+SiLU-and-multiply and RoPE-with-cache-write ops; the fallback when no compiler exists.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tokenmill.kernels.native import load_native
+from tokenmill.kernels.ops import NativeOps, TorchOps, select_ops
+from tokenmill.model.layers.attention import AttentionMetadata
+from tokenmill.model.layers.kv_cache import KVCacheLayer
+from tokenmill.model.layers.rotary import RotaryEmbedding, inverse_frequencies
+from tokenmill.quant.kv import QUANTIZED_KV, SCALE_DTYPE
+
+BS = 16
+NATIVE, REF = NativeOps(), TorchOps()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native_built():
+    assert load_native(), "the native CPU kernels must build on every supported machine (g++ and ninja)"
+
+
+def make_cache(kind: str, num_blocks: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> KVCacheLayer:
+    shape = (num_blocks, BS, kv_heads, head_dim)
+    if kind in QUANTIZED_KV:
+        storage = QUANTIZED_KV[kind][0]
+        return KVCacheLayer(torch.zeros(shape, dtype=storage), torch.zeros(shape, dtype=storage), dtype, kind,
+                            torch.ones(shape[:3], dtype=SCALE_DTYPE), torch.ones(shape[:3], dtype=SCALE_DTYPE))  # fmt: skip
+    storage = {"auto": dtype, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[kind]
+    return KVCacheLayer(torch.zeros(shape, dtype=storage), torch.zeros(shape, dtype=storage), dtype)
+
+
+def batch(specs, heads, kv_heads, head_dim, kind, dtype, seed=0):
+    """specs: (context_len, new_tokens) per sequence, decodes (new=1) first. Fills the cache
+    with every sequence's K/V, returns (q, k_new, v_new, cache, meta)."""
+    g = torch.Generator().manual_seed(seed)
+    need = sum(-(-ctx // BS) for ctx, _ in specs)
+    perm = torch.randperm(need + 7, generator=g).tolist()  # scattered, non-overlapping blocks
+    cache = make_cache(kind, need + 7, kv_heads, head_dim, dtype)
+    tables, qsl, lens, slots, ks, vs = [], [0], [], [], [], []
+    for ctx, new in specs:
+        table = [perm.pop() for _ in range(-(-ctx // BS))]
+        k = torch.randn(ctx, kv_heads, head_dim, generator=g).to(dtype)
+        v = torch.randn(ctx, kv_heads, head_dim, generator=g).to(dtype)
+        seq_slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(ctx)])
+        cache.write(k, v, seq_slots)
+        tables.append(table)
+        qsl.append(qsl[-1] + new)
+        lens.append(ctx)
+        slots.append(seq_slots[ctx - new :])
+        ks.append(k[ctx - new :])
+        vs.append(v[ctx - new :])
+    width = max(len(t) for t in tables)
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(slots),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        query_start_loc=qsl,
+        seq_lens_host=lens,
+        num_decodes=sum(1 for _, new in specs if new == 1),
+        block_size=BS,
+        block_tables_host=tables,
+    )
+    q = torch.randn(qsl[-1], heads, head_dim, generator=g).to(dtype)
+    return q, torch.cat(ks), torch.cat(vs), cache, meta
+
+
+def check_attention(specs, heads=8, kv_heads=2, head_dim=64, kind="auto", dtype=torch.float32, seed=0):
+    q, k, v, cache, meta = batch(specs, heads, kv_heads, head_dim, kind, dtype, seed)
+    scale = head_dim**-0.5
+    ref = REF.attention(q, k, v, cache, meta, scale).float()
+    out = NATIVE.attention(q, k, v, cache, meta, scale).float()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+
+
+DECODES = [(1, 1), (15, 1), (16, 1), (17, 1), (300, 1), (1000, 1)]
+
+
+@pytest.mark.parametrize("kind", ["auto", "float32", "bfloat16", "float16", "int8", "fp8"])
+def test_decodes_every_kv_dtype(kind):
+    check_attention(DECODES, kind=kind)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 8, 64), (8, 2, 64), (9, 3, 64), (4, 1, 32), (6, 2, 128)])
+def test_gqa_shapes(heads, kv_heads, head_dim):
+    check_attention([(5, 1), (77, 1), (40, 8), (33, 33)], heads, kv_heads, head_dim)
+
+
+def test_long_contexts_split_across_threads():
+    # 4,096 tokens = 16 FlashDecoding partitions a head, merged by their softmax statistics.
+    check_attention([(4096, 1), (2500, 1), (4000, 3)], heads=9, kv_heads=3)
+
+
+def test_prefix_hits_and_speculative_verification():
+    # chunks after a cached prefix (prefix-cache hits, chunked prefill), a few query tokens
+    # each (draft verification), straddling block edges, next to decodes
+    check_attention([(3, 1), (129, 1), (20, 5), (48, 16), (700, 4), (1100, 90), (31, 31)], heads=9, kv_heads=3)
+
+
+def test_fresh_prefills_long_and_short():
+    check_attention([(10, 10), (200, 200), (63, 63), (64, 64)], heads=9, kv_heads=3)
+
+
+@pytest.mark.parametrize("kind", ["auto", "bfloat16", "int8", "fp8"])
+def test_bfloat16_queries(kind):
+    check_attention(DECODES + [(90, 7), (400, 400)], heads=9, kv_heads=3, kind=kind, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_batches(seed):
+    g = torch.Generator().manual_seed(100 + seed)
+    n = int(torch.randint(1, 12, (1,), generator=g))
+    specs = []
+    for _ in range(n):
+        ctx = int(torch.randint(1, 1500, (1,), generator=g))
+        new = 1 if torch.rand(1, generator=g) < 0.6 else int(torch.randint(1, ctx + 1, (1,), generator=g))
+        specs.append((ctx, new))
+    specs.sort(key=lambda s: s[1] != 1)  # decodes first, as the runner orders them
+    check_attention(specs, heads=9, kv_heads=3, seed=seed)
+
+
+# ---------------------------------------------------------------- the fused small ops
+
+
+def close(a, b, dtype):
+    if dtype == torch.float32:
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    else:  # the same roundings: equal but for a rare last-bit difference in a float32 sum
+        assert (a.float() - b.float()).abs().max() <= 1e-2 * b.float().abs().max()
+        assert (a != b).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_fused_residual_add(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 576, generator=g).to(dtype)
+    res = torch.randn(37, 576, generator=g).to(dtype)
+    w = (torch.rand(576, generator=g) + 0.5).to(dtype)
+    close(NATIVE.rms_norm(x, w, 1e-5), REF.rms_norm(x, w, 1e-5), dtype)
+    r1, r2 = res.clone(), res.clone()
+    y1, y2 = NATIVE.add_rms_norm(x, r1, w, 1e-5), REF.add_rms_norm(x, r2, w, 1e-5)
+    assert torch.equal(r1, r2)  # the residual stream itself is exact
+    close(y1, y2, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul(dtype):
+    x = (torch.randn(19, 2 * 1536, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
+    close(NATIVE.silu_mul(x), REF.silu_mul(x), dtype)
+
+
+@pytest.mark.parametrize("dtype,kind", [(torch.float32, "auto"), (torch.bfloat16, "auto"), (torch.float32, "bfloat16"),
+                                        (torch.float32, "int8"), (torch.bfloat16, "fp8")])  # fmt: skip
+def test_rotary_with_cache_write(dtype, kind):
+    g = torch.Generator().manual_seed(2)
+    rotary = RotaryEmbedding(inverse_frequencies(64, 100000.0, None), 2048)
+    n, heads, kv_heads = 13, 9, 3
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * 64, generator=g).to(dtype)
+    positions = torch.randint(0, 2048, (n,), generator=g)
+    slots = torch.randperm(8 * BS, generator=g)[:n]
+    outs = []
+    for ops in (NATIVE, REF):
+        q, k, v = qkv.clone().split([heads * 64, kv_heads * 64, kv_heads * 64], dim=-1)  # strided views, as the model's
+        q, k, v = q.view(n, heads, 64), k.view(n, kv_heads, 64), v.view(n, kv_heads, 64)
+        cache = make_cache(kind, 8, kv_heads, 64, dtype)
+        q, k = ops.rotary_write_kv(q, k, v, positions, rotary, cache, slots)
+        outs.append((q, k, cache))
+    (q1, k1, c1), (q2, k2, c2) = outs
+    close(q1, q2, dtype)
+    close(k1, k2, dtype)
+    for a, b in ((c1.k, c2.k), (c1.v, c2.v)):
+        close(a.float(), b.float(), dtype if kind == "auto" else torch.bfloat16)
+
+
+def test_model_level_greedy_identity_real_model():
+    """The bundled model, float32: native and reference paths produce the same tokens
+    for a batch of fresh prompts, prefix hits and long decodes."""
+    from tokenmill import LLM, SamplingParams
+
+    prompts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,", "The capital of France is a"]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outs = []
+    for kernels in ("torch", "native"):
+        llm = LLM(dtype="float32", kernels=kernels, progress=False, kv_cache_memory="64MiB")
+        assert type(llm.parts.model.ops).__name__ == ("TorchOps" if kernels == "torch" else "NativeOps")
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+    assert outs[0] == outs[1]
+
+
+def test_no_compiler_falls_back_with_one_warning(tmp_path):
+    """Without a compiler the reference path runs, with a one-line warning; insisting on
+    native kernels is an error that says why."""
+    code = (
+        "import torch\n"
+        "from tokenmill.kernels.ops import select_ops\n"
+        "print(type(select_ops(torch.device('cpu'), 'auto')).__name__)\n"
+        "try:\n    select_ops(torch.device('cpu'), 'native')\nexcept RuntimeError as e:\n    print('ERR', e)\n"
+    )
+    env = dict(os.environ, PATH=str(tmp_path), CXX="no-such-compiler")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0] == "TorchOps"
+    assert "ERR kernels='native'" in r.stdout
+    warnings = [line for line in r.stderr.splitlines() if "native CPU kernels unavailable" in line]
+    assert len(warnings) == 1 and "no C++ compiler" in warnings[0]
+
+
+def test_select_ops_on_other_devices_is_the_reference():
+    assert type(select_ops(torch.device("meta"), "auto")) is TorchOps
+    assert type(select_ops(torch.device("cpu"), "torch")) is TorchOps
+    with pytest.raises(ValueError, match="kernels must be"):
+        select_ops(torch.device("cpu"), "fast")

@@ -1,0 +1,526 @@
+// tokenmill's CPU kernels: paged attention read in place from the KV blocks, and the
+// small per-layer ops fused (RMSNorm with the residual add, RoPE with the cache
+// write, SiLU-and-multiply).
+//
+// Built by torch.utils.cpp_extension on the machine that runs it, with -march=native,
+// under a name that carries the CPU's ISA level: that is the runtime dispatch (an
+// AVX2-only machine and an AVX-512 one each get their own build, never the other's).
+// Every op has a pure-torch twin in tokenmill/kernels/reference.py; the tests hold
+// each kernel to it.
+//
+// Rounding follows the reference: where PyTorch rounds an intermediate to the
+// activation dtype (bfloat16), so do we, so that bfloat16 outputs match the torch
+// path to the last bit in most elements and float32 ones up to summation order.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+
+// ---------------------------------------------------------------- conversions
+
+inline float to_f(float x) { return x; }
+inline float to_f(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_f(c10::Half x) { return static_cast<float>(x); }
+
+// Round a float the way a tensor of dtype T would store it.
+template <typename T>
+inline float round_as(float x) { return static_cast<float>(static_cast<T>(x)); }
+template <>
+inline float round_as<float>(float x) { return x; }
+
+// A run of D stored values (one token's K or V for one head) -> float, times `scale`
+// for quantised storage. fp8 goes through a 256-entry table.
+template <typename C>
+struct KVReader {
+  static constexpr bool quantised = false;
+  const float* lut = nullptr;
+  inline void read(const C* src, float* dst, int64_t d, float /*scale*/) const {
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) dst[i] = to_f(src[i]);
+  }
+};
+
+template <>
+struct KVReader<int8_t> {
+  static constexpr bool quantised = true;
+  const float* lut = nullptr;
+  inline void read(const int8_t* src, float* dst, int64_t d, float scale) const {
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]) * scale;
+  }
+};
+
+template <>
+struct KVReader<uint8_t> {  // float8 e4m3fn, viewed as bytes
+  static constexpr bool quantised = true;
+  const float* lut = nullptr;
+  inline void read(const uint8_t* src, float* dst, int64_t d, float scale) const {
+    for (int64_t i = 0; i < d; ++i) dst[i] = lut[src[i]] * scale;
+  }
+};
+
+std::vector<float> fp8_table() {
+  std::vector<float> t(256);
+  for (int i = 0; i < 256; ++i) t[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+  return t;
+}
+
+// ---------------------------------------------------------------- paged attention
+
+// One unit of work: the query rows of sequence `seq` that share KV head `head`,
+// against the keys [key_begin, key_end) of its context (a FlashDecoding split).
+struct WorkItem {
+  int64_t seq, head, key_begin, key_end, partial;  // partial: index of its scratch slot
+  int64_t cost;
+};
+
+struct SeqSplit {
+  int64_t seq, num_parts, first_partial;
+};
+
+template <typename Q, typename C>
+void paged_attention_impl(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                          const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale,
+                          const Tensor& block_tables, const Tensor& query_start_loc, const Tensor& seq_lens,
+                          const Tensor& seq_ids, double scale_d, int64_t partition_size) {
+  const int64_t num_heads = q.size(1), d = q.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  const int64_t groups = num_heads / kv_heads;
+  const float scale = static_cast<float>(scale_d);
+  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* ids = seq_ids.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t table_stride = block_tables.size(1);
+  const Q* qp = q.data_ptr<Q>();
+  Q* op = out.data_ptr<Q>();
+  const C* kp = reinterpret_cast<const C*>(k_cache.data_ptr());
+  const C* vp = reinterpret_cast<const C*>(v_cache.data_ptr());
+  const c10::BFloat16* ksp = KVReader<C>::quantised ? k_scale->data_ptr<c10::BFloat16>() : nullptr;
+  const c10::BFloat16* vsp = KVReader<C>::quantised ? v_scale->data_ptr<c10::BFloat16>() : nullptr;
+  const int64_t tok_stride = kv_heads * d, blk_stride = block_size * tok_stride;  // cache strides
+  std::vector<float> lut;
+  KVReader<C> reader;
+  if constexpr (std::is_same_v<C, uint8_t>) {
+    lut = fp8_table();
+    reader.lut = lut.data();
+  }
+
+  // Split each sequence's context into partitions (multiples of the block size).
+  std::vector<SeqSplit> splits;
+  std::vector<WorkItem> items;
+  int64_t num_partials = 0, partial_rows = 0;
+  std::vector<int64_t> partial_offset;  // row offset of each partial's scratch
+  for (int64_t i = 0; i < seq_ids.numel(); ++i) {
+    const int64_t s = ids[i], nq = qsl[s + 1] - qsl[s], len = lens[s];
+    const int64_t rows = nq * groups;
+    int64_t part = std::max<int64_t>(partition_size, 1);
+    if (rows > 64) part = std::max<int64_t>(part, 1024);  // long query chunks: fewer, bigger splits
+    part = (part + block_size - 1) / block_size * block_size;
+    const int64_t num_parts = (len + part - 1) / part;
+    splits.push_back({s, num_parts, num_partials});
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      for (int64_t p = 0; p < num_parts; ++p) {
+        const int64_t kb = p * part, ke = std::min(len, kb + part);
+        items.push_back({s, h, kb, ke, num_partials, (ke - kb) * rows});
+        partial_offset.push_back(partial_rows);
+        partial_rows += rows;
+        ++num_partials;
+      }
+    }
+  }
+  // Scratch: per partial, rows x (d accumulators + max + sum).
+  std::vector<float> acc(partial_rows * d), row_max(partial_rows), row_sum(partial_rows);
+
+  // Biggest first, handed out dynamically: partitions differ in length.
+  std::vector<int64_t> order(items.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return items[a].cost > items[b].cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(n_items, 1));
+
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    std::vector<float> qf, kf(block_size * d), vf(block_size * d), scores(block_size);
+    for (int64_t w = next++; w < n_items; w = next++) {
+      const WorkItem& it = items[order[w]];
+      const int64_t s = it.seq, h = it.head, q0 = qsl[s], nq = qsl[s + 1] - q0, len = lens[s];
+      const int64_t rows = nq * groups;
+      float* a = acc.data() + partial_offset[it.partial] * d;
+      float* m = row_max.data() + partial_offset[it.partial];
+      float* l = row_sum.data() + partial_offset[it.partial];
+      std::fill(a, a + rows * d, 0.f);
+      std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+      std::fill(l, l + rows, 0.f);
+      // Query j sits at position len - nq + j and sees keys up to it; rows whose
+      // position is before this partition see none of it.
+      const int64_t first_j = std::max<int64_t>(0, it.key_begin - (len - nq));
+      if (first_j >= nq) continue;
+      qf.resize(rows * d);
+      for (int64_t j = first_j; j < nq; ++j)
+        for (int64_t g = 0; g < groups; ++g) {
+          const Q* src = qp + ((q0 + j) * num_heads + h * groups + g) * d;
+          float* dst = qf.data() + (j * groups + g) * d;
+#pragma omp simd
+          for (int64_t x = 0; x < d; ++x) dst[x] = to_f(src[x]) * scale;
+        }
+      const int64_t* table = tables + s * table_stride;
+      for (int64_t t0 = it.key_begin; t0 < it.key_end; t0 += block_size) {
+        const int64_t blk = table[t0 / block_size];
+        const int64_t n = std::min(block_size, it.key_end - t0);
+        const C* kb = kp + blk * blk_stride + h * d;
+        const C* vb = vp + blk * blk_stride + h * d;
+        for (int64_t t = 0; t < n; ++t) {
+          float ks = 1.f, vs = 1.f;
+          if constexpr (KVReader<C>::quantised) {
+            const int64_t si = (blk * block_size + t) * kv_heads + h;
+            ks = static_cast<float>(ksp[si]);
+            vs = static_cast<float>(vsp[si]);
+          }
+          reader.read(kb + t * tok_stride, kf.data() + t * d, d, ks);
+          reader.read(vb + t * tok_stride, vf.data() + t * d, d, vs);
+        }
+        for (int64_t j = first_j; j < nq; ++j) {
+          const int64_t visible = std::min(n, len - nq + j - t0 + 1);
+          if (visible <= 0) continue;
+          for (int64_t g = 0; g < groups; ++g) {
+            const int64_t r = j * groups + g;
+            const float* qr = qf.data() + r * d;
+            float block_max = -std::numeric_limits<float>::infinity();
+            for (int64_t t = 0; t < visible; ++t) {
+              const float* kr = kf.data() + t * d;
+              float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+              for (int64_t x = 0; x < d; ++x) dot += qr[x] * kr[x];
+              scores[t] = dot;
+              block_max = std::max(block_max, dot);
+            }
+            float* ar = a + r * d;
+            const float new_max = std::max(m[r], block_max);
+            if (new_max > m[r]) {
+              const float correction = std::exp(m[r] - new_max);  // exp(-inf) = 0 on the first block
+              l[r] *= correction;
+#pragma omp simd
+              for (int64_t x = 0; x < d; ++x) ar[x] *= correction;
+              m[r] = new_max;
+            }
+            float sum = 0.f;
+            for (int64_t t = 0; t < visible; ++t) {
+              const float p = std::exp(scores[t] - new_max);
+              sum += p;
+              const float* vr = vf.data() + t * d;
+#pragma omp simd
+              for (int64_t x = 0; x < d; ++x) ar[x] += p * vr[x];
+            }
+            l[r] += sum;
+          }
+        }
+      }
+    }
+  });
+
+  // Merge each sequence's partitions (online-softmax rescaling) into the output.
+  at::parallel_for(0, static_cast<int64_t>(splits.size()) * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> merged(d);
+    for (int64_t w = begin; w < end; ++w) {
+      const SeqSplit& sp = splits[w / kv_heads];
+      const int64_t h = w % kv_heads, s = sp.seq, q0 = qsl[s], nq = qsl[s + 1] - q0;
+      const int64_t rows = nq * groups;
+      const int64_t first = sp.first_partial + h * sp.num_parts;
+      for (int64_t r = 0; r < rows; ++r) {
+        float gmax = -std::numeric_limits<float>::infinity();
+        for (int64_t p = 0; p < sp.num_parts; ++p) gmax = std::max(gmax, row_max[partial_offset[first + p] + r]);
+        std::fill(merged.begin(), merged.end(), 0.f);
+        float total = 0.f;
+        for (int64_t p = 0; p < sp.num_parts; ++p) {
+          const int64_t off = partial_offset[first + p] + r;
+          if (row_sum[off] == 0.f) continue;
+          const float w_p = std::exp(row_max[off] - gmax);
+          total += w_p * row_sum[off];
+          const float* ap = acc.data() + off * d;
+#pragma omp simd
+          for (int64_t x = 0; x < d; ++x) merged[x] += w_p * ap[x];
+        }
+        const float inv = 1.f / total;
+        const int64_t j = r / groups, g = r % groups;
+        Q* dst = op + ((q0 + j) * num_heads + h * groups + g) * d;
+        for (int64_t x = 0; x < d; ++x) dst[x] = static_cast<Q>(merged[x] * inv);
+      }
+    }
+  });
+}
+
+template <typename Q>
+void dispatch_cache(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                    const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale, const Tensor& bt,
+                    const Tensor& qsl, const Tensor& lens, const Tensor& ids, double scale, int64_t part) {
+  switch (k_cache.scalar_type()) {
+    case at::kFloat:
+      return paged_attention_impl<Q, float>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part);
+    case at::kBFloat16:
+      return paged_attention_impl<Q, c10::BFloat16>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part);
+    case at::kHalf:
+      return paged_attention_impl<Q, c10::Half>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part);
+    case at::kChar:
+      return paged_attention_impl<Q, int8_t>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part);
+    case at::kFloat8_e4m3fn:
+    case at::kByte:
+      return paged_attention_impl<Q, uint8_t>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part);
+    default:
+      TORCH_CHECK(false, "paged_attention: unsupported KV cache dtype ", k_cache.scalar_type());
+  }
+}
+
+// out[query_start_loc[s]:query_start_loc[s+1]] for every s in seq_ids: attention of those
+// query tokens over the sequence's seq_lens[s] cached tokens (the new ones included,
+// already written), causal within the new tokens. K/V are read where they lie.
+void paged_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, c10::optional<Tensor> k_scale,
+                     c10::optional<Tensor> v_scale, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens,
+                     Tensor seq_ids, double scale, int64_t partition_size) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && out.is_contiguous() && out.sizes() == q.sizes(),
+              "paged_attention: q and out must be contiguous [tokens, heads, head_dim]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4,
+              "paged_attention: caches must be contiguous [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0,
+              "paged_attention: head_dim or head counts do not match the cache");
+  for (const Tensor* t : {&block_tables, &query_start_loc, &seq_lens, &seq_ids})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->device().is_cpu(),
+                "paged_attention: index tensors must be contiguous int64 on the CPU");
+  const bool quantised = k_cache.scalar_type() == at::kChar || k_cache.scalar_type() == at::kFloat8_e4m3fn ||
+                         k_cache.scalar_type() == at::kByte;
+  TORCH_CHECK(!quantised || (k_scale.has_value() && v_scale.has_value() &&
+                             k_scale->scalar_type() == at::kBFloat16 && k_scale->is_contiguous() &&
+                             v_scale->is_contiguous()),
+              "paged_attention: a quantised cache needs contiguous bfloat16 scales");
+  if (q.scalar_type() == at::kFloat)
+    dispatch_cache<float>(out, q, k_cache, v_cache, k_scale, v_scale, block_tables, query_start_loc, seq_lens, seq_ids, scale, partition_size);
+  else if (q.scalar_type() == at::kBFloat16)
+    dispatch_cache<c10::BFloat16>(out, q, k_cache, v_cache, k_scale, v_scale, block_tables, query_start_loc, seq_lens, seq_ids, scale, partition_size);
+  else
+    TORCH_CHECK(false, "paged_attention: unsupported query dtype ", q.scalar_type());
+}
+
+// ---------------------------------------------------------------- RMSNorm, fused add
+
+// y = w * round(x * rsqrt(mean(x^2) + eps)), the statistics in float32 (Hugging Face's Llama).
+template <typename T>
+inline void rms_row(const T* x, const T* w, T* y, int64_t n, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = to_f(x[i]);
+    ss += v * v;
+  }
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) y[i] = static_cast<T>(to_f(w[i]) * round_as<T>(to_f(x[i]) * r));
+}
+
+template <typename T>
+void rms_norm_impl(const Tensor& x, const Tensor& w, Tensor& y, double eps, Tensor* residual) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  T* rp = residual ? residual->data_ptr<T>() : nullptr;
+  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      if (rp) {  // residual += x, rounded to the residual's dtype, then normalised
+        T* ri = rp + i * n;
+        const T* xi = xp + i * n;
+        for (int64_t c = 0; c < n; ++c) ri[c] = static_cast<T>(to_f(ri[c]) + to_f(xi[c]));
+        rms_row(ri, wp, yp + i * n, n, static_cast<float>(eps));
+      } else {
+        rms_row(xp + i * n, wp, yp + i * n, n, static_cast<float>(eps));
+      }
+    }
+  });
+}
+
+void check_rows(const Tensor& x, const Tensor& w, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.is_contiguous() && w.numel() == x.size(1) &&
+                  w.scalar_type() == x.scalar_type(),
+              op, ": expects contiguous [rows, hidden] input and a [hidden] weight of the same dtype");
+}
+
+Tensor rms_norm(Tensor x, Tensor w, double eps) {
+  check_rows(x, w, "rms_norm");
+  Tensor y = at::empty_like(x);
+  if (x.scalar_type() == at::kFloat) rms_norm_impl<float>(x, w, y, eps, nullptr);
+  else if (x.scalar_type() == at::kBFloat16) rms_norm_impl<c10::BFloat16>(x, w, y, eps, nullptr);
+  else TORCH_CHECK(false, "rms_norm: unsupported dtype ", x.scalar_type());
+  return y;
+}
+
+// residual += x (in place); returns rms_norm(residual).
+Tensor add_rms_norm(Tensor x, Tensor residual, Tensor w, double eps) {
+  check_rows(x, w, "add_rms_norm");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() && residual.scalar_type() == x.scalar_type(),
+              "add_rms_norm: residual must match x");
+  Tensor y = at::empty_like(x);
+  if (x.scalar_type() == at::kFloat) rms_norm_impl<float>(x, w, y, eps, &residual);
+  else if (x.scalar_type() == at::kBFloat16) rms_norm_impl<c10::BFloat16>(x, w, y, eps, &residual);
+  else TORCH_CHECK(false, "add_rms_norm: unsupported dtype ", x.scalar_type());
+  return y;
+}
+
+// ---------------------------------------------------------------- SiLU and multiply
+
+template <typename T>
+void silu_mul_impl(const Tensor& x, Tensor& y) {
+  const int64_t rows = x.size(0), n = y.size(1);
+  const T* xp = x.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const T* gate = xp + i * 2 * n;
+      const T* up = gate + n;
+      T* out = yp + i * n;
+      for (int64_t c = 0; c < n; ++c) {
+        const float g = to_f(gate[c]);
+        const float s = round_as<T>(g / (1.f + std::exp(-g)));
+        out[c] = static_cast<T>(s * to_f(up[c]));
+      }
+    }
+  });
+}
+
+// [rows, 2n] (gate | up) -> [rows, n] silu(gate) * up.
+Tensor silu_mul(Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0, "silu_mul: expects contiguous [rows, 2n]");
+  Tensor y = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  if (x.scalar_type() == at::kFloat) silu_mul_impl<float>(x, y);
+  else if (x.scalar_type() == at::kBFloat16) silu_mul_impl<c10::BFloat16>(x, y);
+  else TORCH_CHECK(false, "silu_mul: unsupported dtype ", x.scalar_type());
+  return y;
+}
+
+// ---------------------------------------------------------------- RoPE (+ cache write)
+
+// x * cos + rotate_half(x) * sin, rotate-half layout, with cos/sin rounded to x's
+// dtype and each product rounded as the torch expression rounds it.
+template <typename T>
+inline void rope_row(T* x, const float* cos, const float* sin, int64_t d) {
+  const int64_t half = d / 2;
+  T tmp[512];
+  for (int64_t i = 0; i < d; ++i) tmp[i] = x[i];
+  for (int64_t i = 0; i < d; ++i) {
+    const float rot = i < half ? -to_f(tmp[i + half]) : to_f(tmp[i - half]);
+    const float a = round_as<T>(to_f(tmp[i]) * round_as<T>(cos[i]));
+    const float b = round_as<T>(round_as<T>(rot) * round_as<T>(sin[i]));
+    x[i] = static_cast<T>(a + b);
+  }
+}
+
+template <typename T, typename C>
+void rope_impl(Tensor& q, Tensor& k, const Tensor& v, const Tensor& positions, const Tensor& cos, const Tensor& sin,
+               Tensor* k_cache, Tensor* v_cache, const Tensor* slots) {
+  const int64_t n = q.size(0), hq = q.size(1), hk = k.size(1), d = q.size(2);
+  T* qp = q.data_ptr<T>();
+  T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t* slot = slots ? slots->data_ptr<int64_t>() : nullptr;
+  C* kc = k_cache ? reinterpret_cast<C*>(k_cache->data_ptr()) : nullptr;
+  C* vc = v_cache ? reinterpret_cast<C*>(v_cache->data_ptr()) : nullptr;
+  const int64_t q_stride = q.stride(0), k_stride = k.stride(0), v_stride = v.stride(0);
+  at::parallel_for(0, n, 8, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const float* c = cp + pos[t] * d;
+      const float* s = sp + pos[t] * d;
+      for (int64_t h = 0; h < hq; ++h) rope_row(qp + t * q_stride + h * d, c, s, d);
+      for (int64_t h = 0; h < hk; ++h) rope_row(kp + t * k_stride + h * d, c, s, d);
+      if (kc) {
+        C* kd = kc + slot[t] * hk * d;
+        C* vd = vc + slot[t] * hk * d;
+        const T* ks = kp + t * k_stride;
+        const T* vs = vp + t * v_stride;
+        for (int64_t h = 0; h < hk; ++h)
+          for (int64_t x = 0; x < d; ++x) {
+            kd[h * d + x] = static_cast<C>(to_f(ks[h * d + x]));
+            vd[h * d + x] = static_cast<C>(to_f(vs[h * d + x]));
+          }
+      }
+    }
+  });
+}
+
+void check_rope(const Tensor& q, const Tensor& k, const Tensor& positions, const Tensor& cos, const Tensor& sin) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == q.size(2) &&
+                  k.stride(1) == k.size(2) && q.size(2) == k.size(2) && q.size(2) <= 512 &&
+                  q.scalar_type() == k.scalar_type(),
+              "rotary: q and k must be [tokens, heads, head_dim] with contiguous heads, head_dim <= 512");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && cos.scalar_type() == at::kFloat &&
+                  sin.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == q.size(2),
+              "rotary: positions must be int64 and cos/sin float32 [positions, head_dim]");
+}
+
+// q, k rotated in place.
+void rotary(Tensor q, Tensor k, Tensor positions, Tensor cos, Tensor sin) {
+  check_rope(q, k, positions, cos, sin);
+  if (q.scalar_type() == at::kFloat) rope_impl<float, float>(q, k, k, positions, cos, sin, nullptr, nullptr, nullptr);
+  else if (q.scalar_type() == at::kBFloat16)
+    rope_impl<c10::BFloat16, c10::BFloat16>(q, k, k, positions, cos, sin, nullptr, nullptr, nullptr);
+  else TORCH_CHECK(false, "rotary: unsupported dtype ", q.scalar_type());
+}
+
+// q, k rotated in place, then k and v written to their cache slots (unquantised caches).
+void rotary_write_kv(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor cos, Tensor sin, Tensor k_cache,
+                     Tensor v_cache, Tensor slots) {
+  check_rope(q, k, positions, cos, sin);
+  TORCH_CHECK(v.sizes() == k.sizes() && v.stride(2) == 1 && v.stride(1) == v.size(2) && v.scalar_type() == k.scalar_type(),
+              "rotary_write_kv: v must be shaped like k");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type() &&
+                  k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2),
+              "rotary_write_kv: caches must be contiguous [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == k.size(0),
+              "rotary_write_kv: one int64 slot per token");
+  const auto qt = q.scalar_type(), ct = k_cache.scalar_type();
+  if (qt == at::kFloat && ct == at::kFloat)
+    rope_impl<float, float>(q, k, v, positions, cos, sin, &k_cache, &v_cache, &slots);
+  else if (qt == at::kFloat && ct == at::kBFloat16)
+    rope_impl<float, c10::BFloat16>(q, k, v, positions, cos, sin, &k_cache, &v_cache, &slots);
+  else if (qt == at::kBFloat16 && ct == at::kBFloat16)
+    rope_impl<c10::BFloat16, c10::BFloat16>(q, k, v, positions, cos, sin, &k_cache, &v_cache, &slots);
+  else if (qt == at::kBFloat16 && ct == at::kFloat)
+    rope_impl<c10::BFloat16, float>(q, k, v, positions, cos, sin, &k_cache, &v_cache, &slots);
+  else TORCH_CHECK(false, "rotary_write_kv: unsupported dtypes ", qt, " / ", ct);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tokenmill, m) {
+  m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
+        "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, Tensor seq_ids, float scale, "
+        "int partition_size) -> ()");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor x) -> Tensor");
+  m.def("rotary(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
+  m.def("rotary_write_kv(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor positions, Tensor cos, Tensor sin, "
+        "Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slots) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("rotary", &rotary);
+  m.impl("rotary_write_kv", &rotary_write_kv);
+}

@@ -1,0 +1,65 @@
+"""Build and load the C++ CPU kernels (``csrc/cpu_ops.cpp``), once per machine.
+
+The source is compiled by ``torch.utils.cpp_extension`` with ``-march=native`` on the
+machine that runs it, under a name holding the CPU's ISA tag and a hash of the source,
+so an AVX2-only machine and an AVX-512 one sharing a home directory each get (and
+keep, in torch's extension cache) their own build. ``make install`` builds it ahead
+(``python -m tokenmill.kernels``); otherwise the first model load does (~1 min).
+Where there is no compiler or the build fails, ``load_native`` says so in one line
+and returns False: the pure-torch reference path then runs everything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from tokenmill.kernels.cpu import cpu_info
+
+log = logging.getLogger("tokenmill")
+SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-Wno-unused-function"]
+
+
+def build_name() -> str:
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:10]
+    return f"tokenmill_cpu_{cpu_info().isa_tag}_{digest}"
+
+
+@cache
+def load_native(verbose: bool = False) -> bool:
+    """Compile (or find in the cache) and load the kernels; True when torch.ops.tokenmill has them.
+
+    ``TOKENMILL_NATIVE=0`` in the environment skips them (the reference path runs)."""
+    if os.environ.get("TOKENMILL_NATIVE", "1") == "0":
+        return False
+    if hasattr(torch.ops, "tokenmill") and hasattr(torch.ops.tokenmill, "paged_attention"):
+        return True
+    reason = _missing_tool()
+    if reason is None:
+        try:
+            from torch.utils.cpp_extension import load
+
+            load(name=build_name(), sources=[str(SOURCE)], extra_cflags=CFLAGS, is_python_module=False, verbose=verbose)
+            return True
+        except Exception as e:  # noqa: BLE001 - any build failure means: run the torch path
+            reason = f"build failed ({str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__})"
+    log.warning("tokenmill: native CPU kernels unavailable, %s; using the pure-torch path (slower)", reason)
+    return False
+
+
+def _missing_tool() -> str | None:
+    from torch.utils.cpp_extension import is_ninja_available
+
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None and shutil.which("g++") is None:
+        return "no C++ compiler found (install g++)"
+    if not is_ninja_available():
+        return "ninja not found (pip install ninja)"
+    return None

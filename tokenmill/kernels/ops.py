@@ -1,0 +1,136 @@
+"""The per-layer ops a decoder calls, in two implementations behind one interface.
+
+``TorchOps`` is the reference: plain PyTorch, any device, any dtype. ``NativeOps``
+sends CPU tensors in float32 or bfloat16 to the C++ kernels (``torch.ops.tokenmill``)
+and anything else to the reference, so a model never branches on where it runs. The
+tests hold every native op to its reference twin.
+
+Attention has two sides: sequences whose new tokens are the whole context (a fresh
+prefill) attend over their own fresh K/V with SDPA's flash kernel; every sequence
+that reads cached K/V (decodes, chunks after a cached prefix, speculative
+verification) goes through ``paged_attention``: the reference gathers blocks, the
+native kernel reads them in place.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.model.layers.attention import AttentionMetadata, paged_attention
+from tokenmill.model.layers.kv_cache import KVCacheLayer
+from tokenmill.model.layers.rotary import RotaryEmbedding
+
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+# A fresh prefill at least this long goes to SDPA's flash kernel (GEMM-shaped work);
+# shorter ones ride along in the paged kernel's single call.
+FRESH_PREFILL_SDPA_MIN = 64
+PARTITION_TOKENS = 256  # FlashDecoding split of a long context across threads
+
+
+class TorchOps:
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x32.to(dtype)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """residual += x (in place, the decoder's residual stream); returns its RMSNorm."""
+        residual.add_(x)
+        return self.rms_norm(residual, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rotary_write_kv(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+        rotary: RotaryEmbedding, cache: KVCacheLayer, slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """RoPE on q and k, then k and v into their cache slots; returns the rotated q, k."""
+        q, k = rotary(positions, q, k)
+        cache.write(k, v, slot_mapping)
+        return q, k
+
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # fmt: skip
+        """Attention of the new tokens (their K/V already in the cache)."""
+        return paged_attention(q, k, v, cache, meta, scale)
+
+
+class NativeOps(TorchOps):
+    name = "native"
+
+    def _native(self, *tensors: torch.Tensor) -> bool:
+        return all(t.device.type == "cpu" and t.dtype in NATIVE_DTYPES for t in tensors)
+
+    def rms_norm(self, x, weight, eps):
+        if not self._native(x) or x.dtype != weight.dtype:
+            return super().rms_norm(x, weight, eps)
+        return torch.ops.tokenmill.rms_norm(x.contiguous(), weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        if not self._native(x) or x.dtype != weight.dtype or not residual.is_contiguous():
+            return super().add_rms_norm(x, residual, weight, eps)
+        return torch.ops.tokenmill.add_rms_norm(x.contiguous(), residual, weight, eps)
+
+    def silu_mul(self, gate_up):
+        if not self._native(gate_up):
+            return super().silu_mul(gate_up)
+        return torch.ops.tokenmill.silu_mul(gate_up.contiguous())
+
+    def rotary_write_kv(self, q, k, v, positions, rotary, cache, slot_mapping):
+        if not self._native(q) or q.shape[-1] > 512:
+            return super().rotary_write_kv(q, k, v, positions, rotary, cache, slot_mapping)
+        if cache.quant is None and cache.k.dtype in NATIVE_DTYPES:
+            torch.ops.tokenmill.rotary_write_kv(q, k, v, positions, rotary.cos, rotary.sin, cache.k, cache.v, slot_mapping)
+        else:  # quantised (or float16) storage: rotate natively, quantise in torch
+            torch.ops.tokenmill.rotary(q, k, positions, rotary.cos, rotary.sin)
+            cache.write(k, v, slot_mapping)
+        return q, k
+
+    def attention(self, q, k, v, cache, meta, scale):
+        if not self._native(q):
+            return super().attention(q, k, v, cache, meta, scale)
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        # Over a quantised cache, fresh prefills all take their fresh K/V (as the reference does).
+        index = meta.kernel_index(1 if cache.quant else FRESH_PREFILL_SDPA_MIN)
+        if index.paged_seq_ids.numel():
+            torch.ops.tokenmill.paged_attention(
+                out, q, cache.k, cache.v, cache.k_scale, cache.v_scale, meta.block_tables, index.query_start_loc,
+                index.seq_lens, index.paged_seq_ids, scale, PARTITION_TOKENS,
+            )
+        qsl = meta.query_start_loc
+        for i in index.fresh_seqs:  # long fresh prefills: their own K/V, causal, flash SDPA
+            start, end = qsl[i], qsl[i + 1]
+            out[start:end] = _fresh_prefill(q[start:end], k[start:end], v[start:end], scale)
+        return out
+
+
+def _fresh_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    from tokenmill.model.layers.attention import _sdpa
+
+    out = _sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None, True, scale)
+    return out[0].transpose(0, 1)
+
+
+def select_ops(device: torch.device, kernels: str = "auto") -> TorchOps:
+    """``auto``: native kernels on the CPU where they build, the reference elsewhere;
+    ``native``: insist (an error if they do not build); ``torch``: the reference."""
+    if kernels not in ("auto", "native", "torch"):
+        raise ValueError(f"kernels must be auto, native or torch, got {kernels!r}")
+    if kernels == "torch" or (kernels == "auto" and device.type != "cpu"):
+        return TorchOps()
+    from tokenmill.kernels.native import load_native
+
+    if load_native():
+        return NativeOps()
+    if kernels == "native":
+        raise RuntimeError("kernels='native' asked for, but the native CPU kernels did not build (see the warning above)")
+    return TorchOps()
