@@ -73,7 +73,7 @@ def test_an_unknown_option_or_a_bad_value_names_the_problem():
 def test_plan_sizes_the_kv_cache_as_the_engine_does():
     """fp32 SmolLM2: 2 x 30 layers x 3 KV heads x 64 x 4 B = 46,080 B a token; 64 MiB
     buys 91 blocks of 16, two sequences of 512 tokens (32 blocks each)."""
-    r = run("plan", "--kv-cache-memory", "64MiB", "--context-len", "512", "--bandwidth", "20")
+    r = run("plan", "--dtype", "float32", "--kv-cache-memory", "64MiB", "--context-len", "512", "--bandwidth", "20")
     assert r.returncode == 0, r.stderr
     assert "46,080 B" in r.stdout and "= 91 blocks of 16" in r.stdout
     assert [ln.split()[-1] for ln in r.stdout.splitlines() if "max sequences of 512 tokens" in ln] == ["2"]

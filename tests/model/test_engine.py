@@ -39,7 +39,7 @@ def alone(llm):
 
 
 def engine_llm(**kw):
-    return LLM(progress=False, **kw)
+    return LLM(dtype="float32", progress=False, **kw)
 
 
 def run(llm, **_):

@@ -79,7 +79,7 @@ def test_bad_quantization_settings_are_clear_errors(kw, message):
 def test_copy_on_write_of_a_quantised_kv_block_keeps_forks_exact(kv_cache_dtype):
     """n=3 forks share the prompt's blocks and copy the partial last one (values and
     their scales); each fork must sample exactly what a lone request with its seed does."""
-    q = LLM(kv_cache_dtype=kv_cache_dtype, kv_cache_memory="64MiB", progress=False)
+    q = LLM(dtype="float32", kv_cache_dtype=kv_cache_dtype, kv_cache_memory="64MiB", progress=False)
     prompt = "The three rivers of the old town are"  # its last block is partial: forks copy it
     params = SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=8, ignore_eos=True)
     forked = q.generate(prompt, params)[0]

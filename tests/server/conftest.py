@@ -27,7 +27,7 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "tokenmill", "serve", "--port", str(self.port), "--served-model-name", MODEL,
-               "--kv-cache-memory", "384MiB", *flags]  # fmt: skip  (holds the 8,192-token context)
+               "--kv-cache-memory", "384MiB", "--dtype", "float32", *flags]  # fmt: skip  (8,192-token context; float32: batch-invariant)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
         deadline = time.time() + 120
