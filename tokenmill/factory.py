@@ -19,7 +19,8 @@ from tokenmill.config import EngineArgs, ModelConfig, SpeculativeConfig
 from tokenmill.engine.engine import Engine, EngineConfig
 from tokenmill.errors import ModelLoadError, TokenmillError
 from tokenmill.kernels.cpu import cpu_info
-from tokenmill.kernels.ops import TorchOps, select_ops
+from tokenmill.kernels.linear import use_native_linears
+from tokenmill.kernels.ops import NativeOps, TorchOps, select_ops
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import load_checkpoint
 from tokenmill.model.tokenizer import Tokenizer, load_tokenizer
@@ -128,6 +129,8 @@ def build_engine(args: EngineArgs, progress: bool = True) -> EngineParts:
     config, path = ckpt.config, ckpt.path
     del ckpt
     _quantize(model, load.quantization, load.quantization_group_size)
+    if isinstance(model.ops, NativeOps):
+        use_native_linears(model)
     max_model_len = min(load.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
     spec = args.speculative
     draft = _load_draft(spec.draft_model, config, tokenizer, args, dtype, device, progress) if spec and spec.method == "draft" else None
@@ -190,7 +193,10 @@ def _load_draft(
         raise TokenmillError(f"draft model {path} has a different tokenizer vocabulary from the target's")
     draft = LlamaForCausalLM.from_weights(ckpt.config, ckpt.weights, device)
     draft.ops = _select_ops(device, args.load.kernels)
-    return _quantize(draft, args.load.quantization, args.load.quantization_group_size)
+    _quantize(draft, args.load.quantization, args.load.quantization_group_size)
+    if isinstance(draft.ops, NativeOps):
+        use_native_linears(draft)
+    return draft
 
 
 def _proposer(

@@ -24,7 +24,7 @@ from tokenmill.kernels.cpu import cpu_info
 
 log = logging.getLogger("tokenmill")
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
-CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-Wno-unused-function"]
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-Wno-unused-function"]  # -fopenmp: at::parallel_for is inline OpenMP
 
 
 def build_name() -> str:
@@ -46,7 +46,7 @@ def load_native(verbose: bool = False) -> bool:
         try:
             from torch.utils.cpp_extension import load
 
-            load(name=build_name(), sources=[str(SOURCE)], extra_cflags=CFLAGS, is_python_module=False, verbose=verbose)
+            load(name=build_name(), sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=verbose)
             return True
         except Exception as e:  # noqa: BLE001 - any build failure means: run the torch path
             reason = f"build failed ({str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__})"

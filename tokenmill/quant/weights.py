@@ -58,10 +58,13 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", q)
         self.act_dtype = torch.bfloat16 if weight.device.type == "cpu" else dtype
         self.register_buffer("scales", scales.to(self.act_dtype))
+        self.native_rows = 0  # set by tokenmill.kernels.linear: batches this small use the native kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if flat.device.type == "cpu":
+        if flat.shape[0] <= self.native_rows:
+            out = torch.ops.tokenmill.small_linear(flat.to(self.act_dtype), self.weight, self.scales).to(x.dtype)
+        elif flat.device.type == "cpu":
             out = torch._weight_int8pack_mm(flat.to(self.act_dtype), self.weight, self.scales).to(x.dtype)
         else:
             out = nn.functional.linear(flat, self.weight.to(flat.dtype)) * self.scales

@@ -19,6 +19,11 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define TOKENMILL_AVX512 1
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -502,6 +507,124 @@ void rotary_write_kv(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor cos,
   else TORCH_CHECK(false, "rotary_write_kv: unsupported dtypes ", qt, " / ", ct);
 }
 
+// ---------------------------------------------------------------- small-batch linear
+
+// y[m, n] = sum_k x[m, k] * w[n, k] (* scale[n] for int8 weights), for a few rows m:
+// the decode-time shape, where a linear layer is a pass over its weights and should
+// run at memory bandwidth. Each weight row is read from memory once and reused from
+// L1 for every row of x; threads split the output features.
+#ifdef TOKENMILL_AVX512
+// 16 weights (float32, bfloat16 or int8; `left` < 16 masks a tail) -> 16 floats.
+inline __m512 load16(const float* p, int64_t left) {
+  return left >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << left) - 1), p);
+}
+inline __m512 load16(const c10::BFloat16* p, int64_t left) {
+  const __m256i raw = left >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                 : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << left) - 1), p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const int8_t* p, int64_t left) {
+  const __m128i raw = left >= 16 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))
+                                 : _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << left) - 1), p);
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+}
+
+// 4 weight rows x up to 4 activation rows per pass: 16 independent accumulators keep the
+// FMA pipes busy while the weights stream in once.
+template <typename W, int MR>
+inline void tile(const float* x, const W* w, int64_t k, int64_t nr, float out[4][4]) {
+  __m512 acc[4][MR];
+  for (int r = 0; r < 4; ++r)
+    for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; i += 16) {
+    const int64_t left = k - i;
+    __m512 xv[MR];
+    for (int m = 0; m < MR; ++m) xv[m] = load16(x + m * k + i, left);
+    for (int r = 0; r < 4; ++r) {
+      if (r >= nr) break;
+      // a few streams per thread are too few for the hardware prefetcher to reach full
+      // bandwidth: ask for the weights 4 rows (this thread's next tile) ahead
+      _mm_prefetch(reinterpret_cast<const char*>(w + (r + 4) * k + i), _MM_HINT_T0);
+      const __m512 wv = load16(w + r * k + i, left);
+      for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_fmadd_ps(xv[m], wv, acc[r][m]);
+    }
+  }
+  for (int r = 0; r < 4; ++r)
+    for (int m = 0; m < MR; ++m) out[r][m] = r < nr ? _mm512_reduce_add_ps(acc[r][m]) : 0.f;
+}
+#endif
+
+template <typename W, typename Y>
+void small_linear_impl(const float* x, const W* w, const float* scale, Y* y, int64_t rows, int64_t n_out, int64_t k) {
+  at::parallel_for(0, (n_out + 3) / 4, 16, [&](int64_t b, int64_t e) {
+    for (int64_t blk = b; blk < e; ++blk) {
+      const int64_t n0 = blk * 4, nr = std::min<int64_t>(4, n_out - n0);
+      for (int64_t m0 = 0; m0 < rows; m0 += 4) {
+        const int64_t mr = std::min<int64_t>(4, rows - m0);
+        float out[4][4];
+#ifdef TOKENMILL_AVX512
+        const float* xs = x + m0 * k;
+        const W* ws = w + n0 * k;
+        switch (mr) {
+          case 1: tile<W, 1>(xs, ws, k, nr, out); break;
+          case 2: tile<W, 2>(xs, ws, k, nr, out); break;
+          case 3: tile<W, 3>(xs, ws, k, nr, out); break;
+          default: tile<W, 4>(xs, ws, k, nr, out); break;
+        }
+#else
+        for (int64_t r = 0; r < nr; ++r)
+          for (int64_t m = 0; m < mr; ++m) {
+            const float* xr = x + (m0 + m) * k;
+            const W* wr = w + (n0 + r) * k;
+            float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t i = 0; i < k; ++i) acc += xr[i] * static_cast<float>(wr[i]);
+            out[r][m] = acc;
+          }
+#endif
+        for (int64_t r = 0; r < nr; ++r)
+          for (int64_t m = 0; m < mr; ++m) {
+            const float v = out[r][m];
+            y[(m0 + m) * n_out + n0 + r] = static_cast<Y>(scale ? v * scale[n0 + r] : v);
+          }
+      }
+    }
+  });
+}
+
+template <typename W>
+void small_linear_out(const std::vector<float>& xf, const W* w, const float* scale, Tensor& y, int64_t rows,
+                      int64_t n_out, int64_t k) {
+  if (y.scalar_type() == at::kFloat)
+    small_linear_impl<W, float>(xf.data(), w, scale, y.data_ptr<float>(), rows, n_out, k);
+  else
+    small_linear_impl<W, c10::BFloat16>(xf.data(), w, scale, y.data_ptr<c10::BFloat16>(), rows, n_out, k);
+}
+
+// x [rows, k] (float32 or bfloat16) @ w[n, k]^T -> [rows, n] in x's dtype. w: float32,
+// bfloat16, or int8 with a per-output-channel scale (any float dtype).
+Tensor small_linear(Tensor x, Tensor w, c10::optional<Tensor> scale) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && w.is_contiguous(),
+              "small_linear: expects x [rows, k] and a contiguous weight [n, k]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "small_linear: x must be float32 or bfloat16");
+  const int64_t rows = x.size(0), k = x.size(1), n_out = w.size(0);
+  Tensor xc = x.contiguous().to(at::kFloat);
+  std::vector<float> xf(xc.data_ptr<float>(), xc.data_ptr<float>() + rows * k);
+  Tensor y = at::empty({rows, n_out}, x.options());
+  if (w.scalar_type() == at::kChar) {
+    TORCH_CHECK(scale.has_value() && scale->numel() == n_out, "small_linear: int8 weights need one scale per output");
+    Tensor sf = scale->to(at::kFloat).contiguous();
+    small_linear_out<int8_t>(xf, w.data_ptr<int8_t>(), sf.data_ptr<float>(), y, rows, n_out, k);
+  } else if (w.scalar_type() == at::kBFloat16) {
+    small_linear_out<c10::BFloat16>(xf, w.data_ptr<c10::BFloat16>(), nullptr, y, rows, n_out, k);
+  } else if (w.scalar_type() == at::kFloat) {
+    small_linear_out<float>(xf, w.data_ptr<float>(), nullptr, y, rows, n_out, k);
+  } else {
+    TORCH_CHECK(false, "small_linear: unsupported weight dtype ", w.scalar_type());
+  }
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tokenmill, m) {
@@ -511,6 +634,7 @@ TORCH_LIBRARY(tokenmill, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor x) -> Tensor");
+  m.def("small_linear(Tensor x, Tensor w, Tensor? scale) -> Tensor");
   m.def("rotary(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("rotary_write_kv(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor positions, Tensor cos, Tensor sin, "
         "Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slots) -> ()");
@@ -521,6 +645,7 @@ TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_mul", &silu_mul);
+  m.impl("small_linear", &small_linear);
   m.impl("rotary", &rotary);
   m.impl("rotary_write_kv", &rotary_write_kv);
 }

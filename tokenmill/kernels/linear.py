@@ -1,0 +1,61 @@
+"""Linear layers at decode time: a few rows against the whole weight matrix.
+
+At batch 1 a linear layer is a pass over its weights, so it should run at memory
+bandwidth; PyTorch's CPU matmul reaches about half of it for bfloat16 weights (8-10
+GB/s where a read streams at 16-20, bench/RESULTS.md). ``small_linear`` (the native
+kernel: 4x4 register tiles, weights prefetched a tile ahead) takes over up to a few
+rows, where it was measured faster; bigger batches and prefill stay on PyTorch's GEMM.
+The swap happens once at load, on the CPU, when the native kernels are in use.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.quant.weights import Int8Linear
+
+# Up to these many rows the native kernel beat torch in bench/hot_path.py's sweep
+# (30 layers of SmolLM2 shapes, weights streamed from memory): float32/bfloat16 to
+# 8 rows, int8 to 4.
+FLOAT_ROWS, INT8_ROWS = 8, 4
+
+
+class NativeLinear(nn.Module):
+    """nn.Linear without bias whose small-batch calls go to the native kernel."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if flat.shape[0] <= FLOAT_ROWS and flat.dtype == self.weight.dtype and flat.dtype in (torch.float32, torch.bfloat16):
+            out = torch.ops.tokenmill.small_linear(flat, self.weight, None)
+        else:
+            out = nn.functional.linear(flat, self.weight)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def use_native_linears(model: nn.Module) -> None:
+    """Swap the decoder's float linears (and the LM head, sharing a tied embedding's
+    weight) for NativeLinear, and let int8 layers use the kernel for small batches."""
+    if next(model.parameters()).device.type != "cpu":
+        return
+
+    def swap(module: nn.Module) -> nn.Module:
+        if type(module) is nn.Linear and module.bias is None:
+            return NativeLinear(module.weight)
+        if isinstance(module, Int8Linear):
+            module.native_rows = INT8_ROWS
+        return module
+
+    for layer in model.layers:
+        for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                             (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):  # fmt: skip
+            setattr(parent, name, swap(getattr(parent, name)))
+    if model.lm_head is None:  # tied: the head reads the embedding table (shared, not copied)
+        model.lm_head = NativeLinear(model.embed_tokens.weight)
+    else:
+        model.lm_head = swap(model.lm_head)
