@@ -76,4 +76,5 @@ def test_plan_sizes_the_kv_cache_as_the_engine_does():
     r = run("plan", "--dtype", "float32", "--kv-cache-memory", "64MiB", "--context-len", "512", "--bandwidth", "20")
     assert r.returncode == 0, r.stderr
     assert "46,080 B" in r.stdout and "= 91 blocks of 16" in r.stdout
+    assert "CPU: " in r.stdout and "native bfloat16: " in r.stdout  # every plan records the machine
     assert [ln.split()[-1] for ln in r.stdout.splitlines() if "max sequences of 512 tokens" in ln] == ["2"]

@@ -118,8 +118,11 @@ def run(args: argparse.Namespace, llm) -> int:
         (f"decode bound, 1 sequence at {plan.context_len} tokens", f"{plan.decode_bound(1):.1f} tok/s"),
         (f"decode bound, {max(plan.max_seqs, 1)} sequences", f"{plan.decode_bound(max(plan.max_seqs, 1)):.1f} tok/s"),
     ]
+    from tokenmill.kernels.cpu import cpu_info
+
     print(f"plan for {llm.model_path.name}: dtype {str(llm.dtype).removeprefix('torch.')}, "
-          f"weights {llm.quantization}, KV {llm.kv_cache_dtype}")  # fmt: skip
+          f"weights {llm.quantization}, KV {llm.kv_cache_dtype}, kernels {llm.parts.model.ops.name}")  # fmt: skip
+    print(f"  CPU: {cpu_info().describe()}; native bfloat16: {'yes' if cpu_info().native_bf16 else 'no'}")
     for k, v in rows:
         print(f"  {k:45s} {v}")
     if args.measure:
