@@ -78,7 +78,7 @@ def _timed(fn) -> float:
 
 
 def single_stream(label, dtype, kernels, quant, bandwidth, peaks) -> dict:
-    llm = make(dtype, kernels, quant, kv_cache_memory="256MiB")
+    llm = make(dtype, kernels, quant, kv_cache_memory="256MiB", enable_prefix_caching=False)  # a real prefill each time
     ids = prompt(llm.tokenizer, 512)
     llm.generate([ids[:64]], SamplingParams(temperature=0, max_tokens=8))  # warm-up
     ttft = min(llm.generate([ids], SamplingParams(temperature=0, max_tokens=1))[0].timings[0].ttft for _ in range(3))
@@ -230,6 +230,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--skip-single", action="store_true")
     ap.add_argument("--skip-batched", action="store_true")
+    ap.add_argument("--keep-from", default=None, help="a previous hot_path.json whose sections this run skips")
     args = ap.parse_args()
     RESULTS.mkdir(exist_ok=True)
     info = cpu_info()
@@ -248,7 +249,7 @@ def main() -> None:
         res["greedy_identical_float32_native_vs_torch"] = ref["float32 native"] == ref["float32 torch (old default)"]
         for s in res["single"]:
             s.pop("decode_tokens")
-    if args.llama_bench:
+    if args.llama_bench and not args.skip_single:
         res["llama_bench"] = llama_bench(args.llama_bench, args.llama_gguf_dir)
 
     if not args.skip_batched:
@@ -266,6 +267,12 @@ def main() -> None:
             res["vllm_mixed"] = run_vllm(args.vllm, RESULTS / "workload_mixed.jsonl", *flags)
             res["vllm_prefix_on"] = run_vllm(args.vllm, RESULTS / "workload_shared_prefix.jsonl", *flags)
             res["vllm_prefix_off"] = run_vllm(args.vllm, RESULTS / "workload_shared_prefix.jsonl", "--no-prefix-caching", *flags)
+    if args.keep_from:  # sections skipped here come from an earlier run (noted in the file)
+        old = json.loads(Path(args.keep_from).read_text())
+        kept = [k for k in ("single", "llama_bench", "batched", "vllm_mixed", "vllm_prefix_on", "vllm_prefix_off",
+                            "greedy_identical_float32_native_vs_torch") if k in old and k not in res]  # fmt: skip
+        res.update({k: old[k] for k in kept})
+        res["sections_from_earlier_run"] = kept
     (RESULTS / "hot_path.json").write_text(json.dumps(res, indent=1))
     plot(res, RESULTS / "hot_path.png")
     log(f"wrote {RESULTS / 'hot_path.json'} and hot_path.png")

@@ -265,3 +265,31 @@ def test_bfloat16_native_model_stays_close_to_float32():
         llm = LLM(dtype=dtype, kernels="native", progress=False, kv_cache_memory="64MiB")
         first.append([o.outputs[0].token_ids[0] for o in llm.generate(prompts, params)])
     assert first[0] == first[1]
+
+
+def test_avx2_only_build_matches_the_reference():
+    """The portable (AVX2, no AVX-512) build of the kernels, compiled here with
+    -march=haswell, passes the same attention, norm and linear checks: what an
+    AVX2-only machine runs."""
+    code = (
+        "import torch, sys\n"
+        "sys.path.insert(0, '.')\n"
+        "from tokenmill.kernels.native import build_name, load_native\n"
+        "assert 'haswell' in build_name(), build_name()\n"
+        "assert load_native()\n"
+        "import tests.model.test_native_kernels as t\n"
+        "t.check_attention(t.DECODES + [(700, 4), (90, 90)], heads=9, kv_heads=3)\n"
+        "t.check_attention(t.DECODES, kind='int8')\n"
+        "t.check_attention(t.DECODES + [(50, 3)], heads=9, kv_heads=3, kind='fp8', dtype=torch.bfloat16)\n"
+        "t.test_rms_norm_and_fused_residual_add(torch.bfloat16)\n"
+        "t.test_silu_mul(torch.float32)\n"
+        "for rows in (1, 3, 8):\n"
+        "    t.test_small_linear_matches_torch(torch.bfloat16, rows)\n"
+        "    t.test_small_linear_matches_torch(torch.float32, rows)\n"
+        "t.test_int8_small_linear_matches_the_int8_reference(1)\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, TOKENMILL_MARCH="haswell")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]

@@ -24,12 +24,24 @@ from tokenmill.kernels.cpu import cpu_info
 
 log = logging.getLogger("tokenmill")
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-Wno-unused-function"]  # -fopenmp: at::parallel_for is inline OpenMP
+# -fopenmp: at::parallel_for is inline OpenMP, compiled into our code (without it, one thread)
+BASE_CFLAGS = ["-O3", "-fopenmp", "-Wno-unused-function"]
+
+
+def target_arch() -> str:
+    """``-march`` value: the machine itself, unless TOKENMILL_MARCH names another (e.g.
+    ``haswell``, to build and test the AVX2-only path on an AVX-512 machine)."""
+    return os.environ.get("TOKENMILL_MARCH", "native")
+
+
+def cflags() -> list[str]:
+    return [*BASE_CFLAGS, f"-march={target_arch()}"]
 
 
 def build_name() -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:10]
-    return f"tokenmill_cpu_{cpu_info().isa_tag}_{digest}"
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(cflags()).encode()).hexdigest()[:10]
+    arch = cpu_info().isa_tag if target_arch() == "native" else target_arch().replace("-", "_")
+    return f"tokenmill_cpu_{arch}_{digest}"
 
 
 @cache
@@ -46,7 +58,7 @@ def load_native(verbose: bool = False) -> bool:
         try:
             from torch.utils.cpp_extension import load
 
-            load(name=build_name(), sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=verbose)
+            load(name=build_name(), sources=[str(SOURCE)], extra_cflags=cflags(), extra_ldflags=["-fopenmp"], is_python_module=False, verbose=verbose)
             return True
         except Exception as e:  # noqa: BLE001 - any build failure means: run the torch path
             reason = f"build failed ({str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__})"

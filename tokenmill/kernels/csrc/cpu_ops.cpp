@@ -98,6 +98,23 @@ std::vector<float> fp8_table() {
   return t;
 }
 
+#ifdef TOKENMILL_AVX512
+// 16 weights (float32, bfloat16 or int8; `left` < 16 masks a tail) -> 16 floats.
+inline __m512 load16(const float* p, int64_t left) {
+  return left >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << left) - 1), p);
+}
+inline __m512 load16(const c10::BFloat16* p, int64_t left) {
+  const __m256i raw = left >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                 : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << left) - 1), p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const int8_t* p, int64_t left) {
+  const __m128i raw = left >= 16 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))
+                                 : _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << left) - 1), p);
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+}
+#endif
+
 // ---------------------------------------------------------------- paged attention
 
 // One unit of work: the query rows of sequence `seq` that share KV head `head`,
@@ -111,12 +128,16 @@ struct SeqSplit {
   int64_t seq, num_parts, first_partial;
 };
 
-template <typename Q, typename C>
+// HD: the head dimension when known at compile time (64, 128; 0 = read at run time), so
+// the per-key dot products and V accumulations unroll into a few full vector ops.
+template <typename Q, typename C, int HD>
 void paged_attention_impl(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                           const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale,
                           const Tensor& block_tables, const Tensor& query_start_loc, const Tensor& seq_lens,
                           const Tensor& seq_ids, double scale_d, int64_t partition_size) {
-  const int64_t num_heads = q.size(1), d = q.size(2);
+  const int64_t num_heads = q.size(1);
+  constexpr bool fixed_d = HD > 0;
+  const int64_t d = fixed_d ? HD : q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   const int64_t groups = num_heads / kv_heads;
   const float scale = static_cast<float>(scale_d);
@@ -210,8 +231,19 @@ void paged_attention_impl(Tensor& out, const Tensor& q, const Tensor& k_cache, c
             ks = static_cast<float>(ksp[si]);
             vs = static_cast<float>(vsp[si]);
           }
-          reader.read(kb + t * tok_stride, kf.data() + t * d, d, ks);
-          reader.read(vb + t * tok_stride, vf.data() + t * d, d, vs);
+#ifdef TOKENMILL_AVX512
+          if constexpr (fixed_d && HD % 16 == 0 && !std::is_same_v<C, uint8_t> && !std::is_same_v<C, c10::Half>) {
+            const __m512 ksv = _mm512_set1_ps(ks), vsv = _mm512_set1_ps(vs);
+            for (int c = 0; c < HD / 16; ++c) {
+              _mm512_storeu_ps(kf.data() + t * HD + 16 * c, _mm512_mul_ps(load16(kb + t * tok_stride + 16 * c, 16), ksv));
+              _mm512_storeu_ps(vf.data() + t * HD + 16 * c, _mm512_mul_ps(load16(vb + t * tok_stride + 16 * c, 16), vsv));
+            }
+          } else
+#endif
+          {
+            reader.read(kb + t * tok_stride, kf.data() + t * d, d, ks);
+            reader.read(vb + t * tok_stride, vf.data() + t * d, d, vs);
+          }
         }
         for (int64_t j = first_j; j < nq; ++j) {
           const int64_t visible = std::min(n, len - nq + j - t0 + 1);
@@ -223,8 +255,18 @@ void paged_attention_impl(Tensor& out, const Tensor& q, const Tensor& k_cache, c
             for (int64_t t = 0; t < visible; ++t) {
               const float* kr = kf.data() + t * d;
               float dot = 0.f;
+#ifdef TOKENMILL_AVX512
+              if constexpr (fixed_d && HD % 16 == 0) {
+                __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qr), _mm512_loadu_ps(kr));
+                for (int c = 1; c < HD / 16; ++c)
+                  acc = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * c), _mm512_loadu_ps(kr + 16 * c), acc);
+                dot = _mm512_reduce_add_ps(acc);
+              } else
+#endif
+              {
 #pragma omp simd reduction(+ : dot)
-              for (int64_t x = 0; x < d; ++x) dot += qr[x] * kr[x];
+                for (int64_t x = 0; x < d; ++x) dot += qr[x] * kr[x];
+              }
               scores[t] = dot;
               block_max = std::max(block_max, dot);
             }
@@ -243,11 +285,27 @@ void paged_attention_impl(Tensor& out, const Tensor& q, const Tensor& k_cache, c
               scores[t] = fast_exp(scores[t] - new_max);
               sum += scores[t];
             }
-            for (int64_t t = 0; t < visible; ++t) {
-              const float p = scores[t];
-              const float* vr = vf.data() + t * d;
+#ifdef TOKENMILL_AVX512
+            if constexpr (fixed_d && HD % 16 == 0) {
+              // the row's accumulator stays in registers across the block's keys
+              // (accumulating through memory chains every key's FMAs through a store)
+              __m512 accv[HD / 16];
+              for (int c = 0; c < HD / 16; ++c) accv[c] = _mm512_loadu_ps(ar + 16 * c);
+              for (int64_t t = 0; t < visible; ++t) {
+                const __m512 p = _mm512_set1_ps(scores[t]);
+                const float* vr = vf.data() + t * HD;
+                for (int c = 0; c < HD / 16; ++c) accv[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16 * c), accv[c]);
+              }
+              for (int c = 0; c < HD / 16; ++c) _mm512_storeu_ps(ar + 16 * c, accv[c]);
+            } else
+#endif
+            {
+              for (int64_t t = 0; t < visible; ++t) {
+                const float p = scores[t];
+                const float* vr = vf.data() + t * d;
 #pragma omp simd
-              for (int64_t x = 0; x < d; ++x) ar[x] += p * vr[x];
+                for (int64_t x = 0; x < d; ++x) ar[x] += p * vr[x];
+              }
             }
             l[r] += sum;
           }
@@ -287,22 +345,33 @@ void paged_attention_impl(Tensor& out, const Tensor& q, const Tensor& k_cache, c
   });
 }
 
+template <typename Q, typename C>
+void dispatch_head_dim(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                       const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale, const Tensor& bt,
+                       const Tensor& qsl, const Tensor& lens, const Tensor& ids, double scale, int64_t part) {
+  if (q.size(2) == 64)
+    return paged_attention_impl<Q, C, 64>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part);
+  if (q.size(2) == 128)
+    return paged_attention_impl<Q, C, 128>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part);
+  return paged_attention_impl<Q, C, 0>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part);
+}
+
 template <typename Q>
 void dispatch_cache(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                     const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale, const Tensor& bt,
                     const Tensor& qsl, const Tensor& lens, const Tensor& ids, double scale, int64_t part) {
   switch (k_cache.scalar_type()) {
     case at::kFloat:
-      return paged_attention_impl<Q, float>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part);
+      return dispatch_head_dim<Q, float>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part);
     case at::kBFloat16:
-      return paged_attention_impl<Q, c10::BFloat16>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part);
+      return dispatch_head_dim<Q, c10::BFloat16>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part);
     case at::kHalf:
-      return paged_attention_impl<Q, c10::Half>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part);
+      return dispatch_head_dim<Q, c10::Half>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part);
     case at::kChar:
-      return paged_attention_impl<Q, int8_t>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part);
+      return dispatch_head_dim<Q, int8_t>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part);
     case at::kFloat8_e4m3fn:
     case at::kByte:
-      return paged_attention_impl<Q, uint8_t>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part);
+      return dispatch_head_dim<Q, uint8_t>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part);
     default:
       TORCH_CHECK(false, "paged_attention: unsupported KV cache dtype ", k_cache.scalar_type());
   }
@@ -533,21 +602,6 @@ void rotary_write_kv(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor cos,
 // run at memory bandwidth. Each weight row is read from memory once and reused from
 // L1 for every row of x; threads split the output features.
 #ifdef TOKENMILL_AVX512
-// 16 weights (float32, bfloat16 or int8; `left` < 16 masks a tail) -> 16 floats.
-inline __m512 load16(const float* p, int64_t left) {
-  return left >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << left) - 1), p);
-}
-inline __m512 load16(const c10::BFloat16* p, int64_t left) {
-  const __m256i raw = left >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                                 : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << left) - 1), p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16(const int8_t* p, int64_t left) {
-  const __m128i raw = left >= 16 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))
-                                 : _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << left) - 1), p);
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
-}
-
 // 4 weight rows x up to 4 activation rows per pass: 16 independent accumulators keep the
 // FMA pipes busy while the weights stream in once.
 template <typename W, int MR>

@@ -129,9 +129,9 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [num_tokens, heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim] (new tokens).
 
-    Writes the new K/V into the cache, then returns [num_tokens, heads, head_dim].
+    The new tokens' K/V are already in the cache (written with RoPE, ``TorchOps.rotary_write_kv``);
+    returns [num_tokens, heads, head_dim].
     """
-    cache.write(k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
