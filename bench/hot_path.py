@@ -207,8 +207,9 @@ def plot(res: dict, path: Path) -> None:
     ax = axes[2]
     bars = []
     for b in res.get("batched", []):
-        bars += [(f"{b['label']}\nmixed", b["mixed"]["output_tokens_per_s"]),
-                 (f"{b['label']}\nprefix on", b["prefix_on"]["output_tokens_per_s"])]  # fmt: skip
+        short = b["label"].replace(" (old default)", "\n(old)").replace(" (new default)", "\n(new)")
+        bars += [(f"{short}\nmixed", b["mixed"]["output_tokens_per_s"]),
+                 (f"{short}\nprefix on", b["prefix_on"]["output_tokens_per_s"])]  # fmt: skip
     for key, name in (("vllm_mixed", "vLLM\nmixed"), ("vllm_prefix_on", "vLLM\nprefix on")):
         if res.get(key):
             bars.append((name, res[key]["output_tokens_per_s"]))
