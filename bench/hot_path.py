@@ -88,8 +88,10 @@ def single_stream(label, dtype, kernels, quant, bandwidth, peaks) -> dict:
     model = llm.parts.model
     read = weight_bytes(model) - (model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
                                   if model.lm_head is not None and quant != "none" else 0)  # fmt: skip
-    params = sum(p.numel() for p in model.parameters()) - model.embed_tokens.weight.numel()
-    flops_per_token = 2 * params + 2 * model.config.vocab_size * model.config.hidden_size / 512
+    cfg = model.config  # decoder weights (any storage, int8 included) from the shapes, not the tensors
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    params = cfg.num_layers * cfg.hidden_size * (2 * q + 2 * kv + 3 * cfg.intermediate_size)
+    flops_per_token = 2 * params + 2 * cfg.vocab_size * cfg.hidden_size / 512  # the LM head: last token only
     res = {
         "label": label, "dtype": dtype, "kernels": kernels, "quantization": quant,
         "prefill_tok_s": 512 / ttft, "decode_tok_s": decode,

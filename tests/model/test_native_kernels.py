@@ -248,7 +248,7 @@ def test_int8_small_linear_matches_the_int8_reference(rows):
     layer = Int8Linear(torch.randn(579, 576, generator=g), torch.bfloat16)
     x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
     ref = layer(x).float()
-    layer.native_rows = 4
+    layer.enable_small_batch_kernel(4)
     out = layer(x).float()
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
 

@@ -48,7 +48,7 @@ def use_native_linears(model: nn.Module) -> None:
         if type(module) is nn.Linear and module.bias is None:
             return NativeLinear(module.weight)
         if isinstance(module, Int8Linear):
-            module.native_rows = INT8_ROWS
+            module.enable_small_batch_kernel(INT8_ROWS)
         return module
 
     for layer in model.layers:

@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill.model.layers.attention import AttentionMetadata, paged_attention
+from tokenmill.model.layers.attention import AttentionMetadata, fresh_prefill_attention, paged_attention
 from tokenmill.model.layers.kv_cache import KVCacheLayer
+from tokenmill.model.layers.norm import rms_norm
 from tokenmill.model.layers.rotary import RotaryEmbedding
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
@@ -33,10 +34,7 @@ class TorchOps:
     name = "torch"
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * x32.to(dtype)
+        return rms_norm(x, weight, eps)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """residual += x (in place, the decoder's residual stream); returns its RMSNorm."""
@@ -112,15 +110,8 @@ class NativeOps(TorchOps):
         qsl = meta.query_start_loc
         for i in index.fresh_seqs:  # long fresh prefills: their own K/V, causal, flash SDPA
             start, end = qsl[i], qsl[i + 1]
-            out[start:end] = _fresh_prefill(q[start:end], k[start:end], v[start:end], scale)
+            out[start:end] = fresh_prefill_attention(q[start:end], k[start:end], v[start:end], scale)
         return out
-
-
-def _fresh_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    from tokenmill.model.layers.attention import _sdpa
-
-    out = _sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None, True, scale)
-    return out[0].transpose(0, 1)
 
 
 def select_ops(device: torch.device, kernels: str = "auto") -> TorchOps:

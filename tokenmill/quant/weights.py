@@ -58,12 +58,18 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", q)
         self.act_dtype = torch.bfloat16 if weight.device.type == "cpu" else dtype
         self.register_buffer("scales", scales.to(self.act_dtype))
-        self.native_rows = 0  # set by tokenmill.kernels.linear: batches this small use the native kernel
+        self.native_rows = 0  # set by enable_small_batch_kernel: batches this small use the native kernel
+        self.scales_f32: torch.Tensor | None = None
+
+    def enable_small_batch_kernel(self, rows: int) -> None:
+        """Batches of up to ``rows`` go to tokenmill's native small_linear (float32 scales)."""
+        self.native_rows = rows
+        self.scales_f32 = self.scales.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if flat.shape[0] <= self.native_rows:
-            out = torch.ops.tokenmill.small_linear(flat.to(self.act_dtype), self.weight, self.scales).to(x.dtype)
+            out = torch.ops.tokenmill.small_linear(flat.to(self.act_dtype), self.weight, self.scales_f32).to(x.dtype)
         elif flat.device.type == "cpu":
             out = torch._weight_int8pack_mm(flat.to(self.act_dtype), self.weight, self.scales).to(x.dtype)
         else:

@@ -666,28 +666,29 @@ void small_linear_impl(const float* x, const W* w, const float* scale, Y* y, int
 }
 
 template <typename W>
-void small_linear_out(const std::vector<float>& xf, const W* w, const float* scale, Tensor& y, int64_t rows,
-                      int64_t n_out, int64_t k) {
+void small_linear_out(const float* xf, const W* w, const float* scale, Tensor& y, int64_t rows, int64_t n_out,
+                      int64_t k) {
   if (y.scalar_type() == at::kFloat)
-    small_linear_impl<W, float>(xf.data(), w, scale, y.data_ptr<float>(), rows, n_out, k);
+    small_linear_impl<W, float>(xf, w, scale, y.data_ptr<float>(), rows, n_out, k);
   else
-    small_linear_impl<W, c10::BFloat16>(xf.data(), w, scale, y.data_ptr<c10::BFloat16>(), rows, n_out, k);
+    small_linear_impl<W, c10::BFloat16>(xf, w, scale, y.data_ptr<c10::BFloat16>(), rows, n_out, k);
 }
 
 // x [rows, k] (float32 or bfloat16) @ w[n, k]^T -> [rows, n] in x's dtype. w: float32,
-// bfloat16, or int8 with a per-output-channel scale (any float dtype).
+// bfloat16, or int8 with a float32 per-output-channel scale.
 Tensor small_linear(Tensor x, Tensor w, c10::optional<Tensor> scale) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && w.is_contiguous(),
               "small_linear: expects x [rows, k] and a contiguous weight [n, k]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "small_linear: x must be float32 or bfloat16");
   const int64_t rows = x.size(0), k = x.size(1), n_out = w.size(0);
-  Tensor xc = x.contiguous().to(at::kFloat);
-  std::vector<float> xf(xc.data_ptr<float>(), xc.data_ptr<float>() + rows * k);
+  const Tensor xc = x.contiguous().to(at::kFloat);  // a few rows: one small conversion
+  const float* xf = xc.data_ptr<float>();
   Tensor y = at::empty({rows, n_out}, x.options());
   if (w.scalar_type() == at::kChar) {
-    TORCH_CHECK(scale.has_value() && scale->numel() == n_out, "small_linear: int8 weights need one scale per output");
-    Tensor sf = scale->to(at::kFloat).contiguous();
-    small_linear_out<int8_t>(xf, w.data_ptr<int8_t>(), sf.data_ptr<float>(), y, rows, n_out, k);
+    TORCH_CHECK(scale.has_value() && scale->numel() == n_out && scale->scalar_type() == at::kFloat &&
+                    scale->is_contiguous(),
+                "small_linear: int8 weights need one float32 scale per output");
+    small_linear_out<int8_t>(xf, w.data_ptr<int8_t>(), scale->data_ptr<float>(), y, rows, n_out, k);
   } else if (w.scalar_type() == at::kBFloat16) {
     small_linear_out<c10::BFloat16>(xf, w.data_ptr<c10::BFloat16>(), nullptr, y, rows, n_out, k);
   } else if (w.scalar_type() == at::kFloat) {

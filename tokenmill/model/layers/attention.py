@@ -173,17 +173,25 @@ def _decode_attention(q, cache: KVCacheLayer, meta: AttentionMetadata, scale: fl
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
+def fresh_prefill_attention(q, k, v, scale: float) -> torch.Tensor:
+    """A chunk with nothing cached before it: causal attention over its own fresh K/V
+    (SDPA's flash kernel), [num_new, heads, head_dim]. Shared with the native path."""
+    return _attend_chunk(q, k, v, None, True, scale)
+
+
 def _prefill_attention(q, k, v, cache: KVCacheLayer, meta: AttentionMetadata, i: int, scale: float):
     num_new = q.shape[0]
     length = meta.seq_lens_host[i]
     if length == num_new:  # nothing cached before this chunk: use the fresh K/V directly
-        keys, values, mask, causal = k, v, None, True
-    else:
-        keys, values = _gather(cache, meta.block_tables[i], length)
-        # query j sits at absolute position (length - num_new + j) and sees keys <= that.
-        q_pos = torch.arange(length - num_new, length, device=q.device)
-        mask = torch.arange(length, device=q.device)[None, :] <= q_pos[:, None]
-        causal = False
+        return fresh_prefill_attention(q, k, v, scale)
+    keys, values = _gather(cache, meta.block_tables[i], length)
+    # query j sits at absolute position (length - num_new + j) and sees keys <= that.
+    q_pos = torch.arange(length - num_new, length, device=q.device)
+    mask = torch.arange(length, device=q.device)[None, :] <= q_pos[:, None]
+    return _attend_chunk(q, keys, values, mask, False, scale)
+
+
+def _attend_chunk(q, keys, values, mask: torch.Tensor | None, causal: bool, scale: float) -> torch.Tensor:
     # q: [1, heads, num_new, head_dim]; keys, values: [1, kv_heads, length, head_dim]
     out = _sdpa(q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None], mask, causal, scale)
     return out[0].transpose(0, 1)
