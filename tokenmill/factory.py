@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.config import EngineArgs, ModelConfig, SpeculativeConfig
+from tokenmill.config import EngineArgs, LoadConfig, ModelConfig, SpeculativeConfig
 from tokenmill.engine.engine import Engine, EngineConfig
 from tokenmill.errors import ModelLoadError, TokenmillError
 from tokenmill.kernels.cpu import cpu_info
 from tokenmill.kernels.linear import use_native_linears
-from tokenmill.kernels.ops import NativeOps, TorchOps, select_ops
+from tokenmill.kernels.ops import NativeOps, select_ops
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import load_checkpoint
 from tokenmill.model.tokenizer import Tokenizer, load_tokenizer
@@ -124,13 +124,9 @@ def build_engine(args: EngineArgs, progress: bool = True) -> EngineParts:
     dtype = resolve_dtype(load.dtype, device)
     ckpt = load_checkpoint(load.model, dtype, progress=progress)
     tokenizer = load_tokenizer(ckpt.path, ckpt.metadata)
-    model = LlamaForCausalLM.from_weights(ckpt.config, ckpt.weights, device)
-    model.ops = _select_ops(device, load.kernels)
+    model = _prepare(LlamaForCausalLM.from_weights(ckpt.config, ckpt.weights, device), device, load)
     config, path = ckpt.config, ckpt.path
     del ckpt
-    _quantize(model, load.quantization, load.quantization_group_size)
-    if isinstance(model.ops, NativeOps):
-        use_native_linears(model)
     max_model_len = min(load.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
     spec = args.speculative
     draft = _load_draft(spec.draft_model, config, tokenizer, args, dtype, device, progress) if spec and spec.method == "draft" else None
@@ -160,18 +156,20 @@ def build_engine(args: EngineArgs, progress: bool = True) -> EngineParts:
     return EngineParts(args, engine, runner, model, tokenizer, config, path, device, dtype, max_model_len, num_blocks, per_block)
 
 
-def _select_ops(device: torch.device, kernels: str) -> TorchOps:
+def _prepare(model: LlamaForCausalLM, device: torch.device, load: LoadConfig) -> LlamaForCausalLM:
+    """A loaded model (target or draft) made ready to run: its per-layer ops chosen, its
+    weights quantised, and, with native ops, its linears swapped for the small-batch kernel."""
     try:
-        return select_ops(device, kernels)
-    except RuntimeError as e:
+        model.ops = select_ops(device, load.kernels)
+    except RuntimeError as e:  # kernels="native" without a working build
         raise TokenmillError(str(e)) from None
-
-
-def _quantize(model: LlamaForCausalLM, mode: str, group_size: int) -> LlamaForCausalLM:
     try:
-        return quantize_model(model, mode, group_size)
+        quantize_model(model, load.quantization, load.quantization_group_size)
     except ValueError as e:  # e.g. a group size that does not divide a layer's width
         raise TokenmillError(str(e)) from None
+    if isinstance(model.ops, NativeOps):
+        use_native_linears(model)
+    return model
 
 
 def _load_draft(
@@ -191,12 +189,7 @@ def _load_draft(
         draft_tokenizer = None  # weights only: the vocabulary size has to do
     if draft_tokenizer is not None and draft_tokenizer.backend.get_vocab() != tokenizer.backend.get_vocab():
         raise TokenmillError(f"draft model {path} has a different tokenizer vocabulary from the target's")
-    draft = LlamaForCausalLM.from_weights(ckpt.config, ckpt.weights, device)
-    draft.ops = _select_ops(device, args.load.kernels)
-    _quantize(draft, args.load.quantization, args.load.quantization_group_size)
-    if isinstance(draft.ops, NativeOps):
-        use_native_linears(draft)
-    return draft
+    return _prepare(LlamaForCausalLM.from_weights(ckpt.config, ckpt.weights, device), device, args.load)
 
 
 def _proposer(

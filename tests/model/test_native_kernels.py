@@ -240,6 +240,26 @@ def test_small_linear_matches_torch(dtype, rows):
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=tol)
 
 
+def test_big_bfloat16_batches_upcast_to_float32_gemm():
+    """Prefill-sized bfloat16 batches (>= upcast_rows) multiply in float32 and round once:
+    at least as close to the exact product as the bfloat16 GEMM, and below the threshold
+    nothing changes."""
+    from tokenmill.kernels.linear import NativeLinear
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(300, 576, generator=g).bfloat16()
+    for rows in (127, 128, 200):
+        x = torch.randn(rows, 576, generator=g).bfloat16()
+        exact = torch.nn.functional.linear(x.double(), w.double())
+        out = NativeLinear(w, upcast_rows=128)(x)
+        plain = torch.nn.functional.linear(x, w)
+        if rows < 128:
+            assert torch.equal(out, plain)
+        else:
+            assert out.dtype == torch.bfloat16
+            assert (out.double() - exact).abs().max() <= (plain.double() - exact).abs().max()
+
+
 @pytest.mark.parametrize("rows", [1, 4, 6])
 def test_int8_small_linear_matches_the_int8_reference(rows):
     from tokenmill.quant.weights import Int8Linear

@@ -4,7 +4,8 @@ At batch 1 a linear layer is a pass over its weights, so it should run at memory
 bandwidth; PyTorch's CPU matmul reaches about half of it for bfloat16 weights (8-10
 GB/s where a read streams at 16-20, bench/RESULTS.md). ``small_linear`` (the native
 kernel: 4x4 register tiles, weights prefetched a tile ahead) takes over up to a few
-rows, where it was measured faster; bigger batches and prefill stay on PyTorch's GEMM.
+rows, where it was measured faster; bigger batches and prefill stay on PyTorch's GEMM
+(in float32 for big bfloat16 batches where that is faster, see UPCAST_ROWS).
 The swap happens once at load, on the CPU, when the native kernels are in use.
 """
 
@@ -13,26 +14,36 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.kernels.cpu import cpu_info
 from tokenmill.quant.weights import Int8Linear
 
 # Up to these many rows the native kernel beat torch in bench/hot_path.py's sweep
 # (30 layers of SmolLM2 shapes, weights streamed from memory): float32/bfloat16 to
 # 8 rows, int8 to 4.
 FLOAT_ROWS, INT8_ROWS = 8, 4
+# From this many rows a bfloat16 GEMM runs faster as float32 on CPUs whose bfloat16
+# matmul is not AMX: oneDNN reached 161-168 GFLOP/s in bfloat16 vs 203-306 in float32 on
+# an AVX512_BF16 Xeon, and upcasting the weight for the call won 1.3-1.45x from 128 rows
+# (SmolLM2's 3072x576 at 512 rows: 12.6 -> 9.1 ms; at 64 rows it was even).
+UPCAST_ROWS = 128
 
 
 class NativeLinear(nn.Module):
     """nn.Linear without bias whose small-batch calls go to the native kernel."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, upcast_rows: int | None = None) -> None:
         super().__init__()
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         self.out_features, self.in_features = weight.shape
+        self.upcast_rows = upcast_rows  # bfloat16 batches this big multiply in float32 (None: never)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] <= FLOAT_ROWS and flat.dtype == self.weight.dtype and flat.dtype in (torch.float32, torch.bfloat16):
+        rows, same = flat.shape[0], flat.dtype == self.weight.dtype
+        if rows <= FLOAT_ROWS and same and flat.dtype in (torch.float32, torch.bfloat16):
             out = torch.ops.tokenmill.small_linear(flat, self.weight, None)
+        elif self.upcast_rows is not None and rows >= self.upcast_rows and same and flat.dtype == torch.bfloat16:
+            out = nn.functional.linear(flat.float(), self.weight.float()).to(flat.dtype)
         else:
             out = nn.functional.linear(flat, self.weight)
         return out.reshape(*x.shape[:-1], self.out_features)
@@ -43,10 +54,11 @@ def use_native_linears(model: nn.Module) -> None:
     weight) for NativeLinear, and let int8 layers use the kernel for small batches."""
     if next(model.parameters()).device.type != "cpu":
         return
+    upcast = None if "amx_bf16" in cpu_info().flags else UPCAST_ROWS
 
     def swap(module: nn.Module) -> nn.Module:
         if type(module) is nn.Linear and module.bias is None:
-            return NativeLinear(module.weight)
+            return NativeLinear(module.weight, upcast)
         if isinstance(module, Int8Linear):
             module.enable_small_batch_kernel(INT8_ROWS)
         return module
@@ -56,6 +68,6 @@ def use_native_linears(model: nn.Module) -> None:
                              (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):  # fmt: skip
             setattr(parent, name, swap(getattr(parent, name)))
     if model.lm_head is None:  # tied: the head reads the embedding table (shared, not copied)
-        model.lm_head = NativeLinear(model.embed_tokens.weight)
+        model.lm_head = NativeLinear(model.embed_tokens.weight, upcast)
     else:
         model.lm_head = swap(model.lm_head)

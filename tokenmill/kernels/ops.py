@@ -26,8 +26,8 @@ NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 # A fresh prefill at least this long goes to SDPA's flash kernel (GEMM-shaped work);
 # shorter ones ride along in the paged kernel's single call.
 FRESH_PREFILL_SDPA_MIN = 64
-PARTITION_TOKENS = 256
-SMALL_BATCH_ROWS = 64  # FlashDecoding split of a long context across threads
+PARTITION_TOKENS = 256  # FlashDecoding split of a long context across threads
+SMALL_BATCH_ROWS = 64  # silu_mul: up to this many rows the fused kernel, beyond PyTorch's
 
 
 class TorchOps:

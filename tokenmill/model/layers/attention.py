@@ -21,7 +21,7 @@ the same blocks in place instead, from ``AttentionMetadata.kernel_index``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -89,6 +89,7 @@ class AttentionMetadata:
     num_decodes: int  # the first num_decodes sequences contribute exactly one token
     block_size: int
     block_tables_host: list[list[int]]  # the sequences' own tables (read, not copied)
+    _kernel_indexes: dict[int, KernelIndex] = field(default_factory=dict, repr=False)  # by fresh_sdpa_min
 
     @property
     def num_seqs(self) -> int:
@@ -102,9 +103,10 @@ class AttentionMetadata:
         )
 
     def kernel_index(self, fresh_sdpa_min: int) -> KernelIndex:
-        cached = self.__dict__.get("_kernel_index")
-        if cached is not None and cached[0] == fresh_sdpa_min:
-            return cached[1]
+        """Fresh prefills at least ``fresh_sdpa_min`` long go to SDPA, every other sequence to
+        the kernel; built once per step and threshold, shared by every layer."""
+        if fresh_sdpa_min in self._kernel_indexes:
+            return self._kernel_indexes[fresh_sdpa_min]
         qsl, lens = self.query_start_loc, self.seq_lens_host
         fresh = [i for i in range(self.num_decodes, self.num_seqs)
                  if lens[i] == qsl[i + 1] - qsl[i] and lens[i] >= fresh_sdpa_min]  # fmt: skip
@@ -115,7 +117,7 @@ class AttentionMetadata:
             torch.tensor([i for i in range(self.num_seqs) if i not in skip], dtype=torch.long),
             fresh,
         )
-        self.__dict__["_kernel_index"] = (fresh_sdpa_min, index)
+        self._kernel_indexes[fresh_sdpa_min] = index
         return index
 
 
