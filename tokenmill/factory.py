@@ -8,6 +8,7 @@ number of KV blocks the memory budget buys (``kv_cache_sizing``).
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from tokenmill.model.tokenizer import Tokenizer, load_tokenizer
 from tokenmill.quant.weights import quantize_model
 from tokenmill.spec.draft import ModelProposer
 from tokenmill.spec.ngram import NgramProposer
+from tokenmill.structured.grammar import GrammarCompiler
 from tokenmill.worker.kv_cache import allocate_kv_cache, block_bytes
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.proposer import Proposer
@@ -152,8 +154,18 @@ def build_engine(args: EngineArgs, progress: bool = True) -> EngineParts:
             scheduler=args.scheduler,
             speculative=spec,
         ),
+        grammars=_grammar_compiler(tokenizer, config.vocab_size),
     )
     return EngineParts(args, engine, runner, model, tokenizer, config, path, device, dtype, max_model_len, num_blocks, per_block)
+
+
+def _grammar_compiler(tokenizer: Tokenizer, vocab_size: int) -> GrammarCompiler | None:
+    """Structured output's compiler, for a vocabulary as wide as the logits; None (and
+    structured requests refused with the reason) where llguidance is not installed."""
+    if importlib.util.find_spec("llguidance") is None:
+        logger.warning("llguidance is not installed: structured output and tool calling are unavailable")
+        return None
+    return GrammarCompiler(tokenizer, vocab_size)
 
 
 def _prepare(model: LlamaForCausalLM, device: torch.device, load: LoadConfig) -> LlamaForCausalLM:

@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 
 from tokenmill.errors import InvalidRequestError
+from tokenmill.structured.spec import StructuredOutputs
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
@@ -36,8 +37,15 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None: none; 0: the chosen token's; k: plus the top k
     skip_special_tokens: bool = True
+    # The output must match this JSON schema, regex, choice or grammar (a dict of the
+    # same keys is accepted: {"json": schema}, {"regex": "..."}, ...).
+    structured: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured, dict):
+            object.__setattr__(self, "structured", StructuredOutputs.from_dict(self.structured))
+        elif self.structured is not None and not isinstance(self.structured, StructuredOutputs):
+            raise InvalidRequestError("structured must be a StructuredOutputs or a dict of its fields", param="structured")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif self.stop is None:

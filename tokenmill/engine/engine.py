@@ -29,8 +29,10 @@ from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
 from tokenmill.engine.stats import SpecDecodeStats, StepStats
+from tokenmill.engine.structured import StructuredOutputManager
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured.grammar import CompiledGrammar, GrammarCompiler
 
 logger = logging.getLogger(__name__)
 STEP_STATS_KEPT = 100_000
@@ -62,7 +64,9 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, runner: Runner, tokenizer: TextTokenizer, config: EngineConfig) -> None:
+    def __init__(
+        self, runner: Runner, tokenizer: TextTokenizer, config: EngineConfig, grammars: GrammarCompiler | None = None
+    ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         self.config = config
@@ -72,6 +76,7 @@ class Engine:
             config.scheduler, self.kv, config.max_model_len, tokenizer.stop_token_ids, config.speculative
         )
         self.outputs = OutputProcessor(tokenizer)
+        self.structured = StructuredOutputManager(grammars)
         self._requests: dict[str, list[Request]] = {}  # request id -> its live sequences (n of them)
         self.num_step_retries = 0  # steps that failed as a batch and were re-run request by request
         # The most recent steps' stats (bounded: a server runs for days).
@@ -80,9 +85,17 @@ class Engine:
     # ------------------------------------------------------------------ requests
 
     def add_request(
-        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, add_special_tokens: bool = True
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        add_special_tokens: bool = True,
+        grammar: CompiledGrammar | None = None,
     ) -> list[Request]:
-        """Queue a request; n > 1 becomes n sequences sharing the prompt's KV blocks."""
+        """Queue a request; n > 1 becomes n sequences sharing the prompt's KV blocks.
+
+        A request with ``params.structured`` gets its grammar compiled here unless the
+        caller compiled it already (``structured.compile``, off the step loop)."""
         seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         if request_id in self._requests or any(self.outputs.has_sequence(sid) for sid in seq_ids):
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
@@ -91,6 +104,8 @@ class Engine:
         else:
             text, ids = None, list(prompt)
         self._validate_prompt(ids)
+        if params.structured is not None and grammar is None:
+            grammar = self.structured.compile(params.structured)
         reqs = []
         for i, sid in enumerate(seq_ids):
             seed = None if params.seed is None else params.seed + i
@@ -102,6 +117,7 @@ class Engine:
                 parent_id=request_id,
                 index=i,
                 fork_of=seq_ids[0] if i > 0 else None,
+                grammar=grammar.matcher() if params.structured is not None and grammar is not None else None,
             )
             self.outputs.add(req)
             self.scheduler.add(req)
@@ -146,8 +162,15 @@ class Engine:
         sched = self.scheduler.schedule()
         for s in sched.seqs:
             s.request.timings.first_scheduled = s.request.timings.first_scheduled or t0
-        result = self._execute(sched.model_input)
+        sched.model_input.grammar = self.structured.start_masks(sched)
+        try:
+            result = self._execute(sched.model_input)
+        finally:  # the mask thread moves matchers: it must be done before anyone else does
+            if sched.model_input.grammar is not None:
+                sched.model_input.grammar.future.exception()
         updates = self.scheduler.update_from_output(sched, result)
+        for req, reason in self.structured.advance(updates):  # grammars complete (or broken)
+            self.scheduler.finish(req, reason)
         outputs, stopped = self.outputs.process(updates)
         for req, stop_string in stopped:
             self.scheduler.finish(req, "stop", stop_string)

@@ -13,7 +13,9 @@ what changed. Nothing in a step's record grows with the length of a request.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenmill.sampling_params import SamplingParams
 
@@ -53,6 +55,20 @@ class ScheduledTokens:
 
 
 @dataclass
+class GrammarMasks:
+    """The step's token bitmasks of constrained sequences (``engine.structured``):
+    request id -> int32 ``[1 + drafts, ceil(vocab / 32)]``, bit t of a row set when
+    token t may come next. Computed while the forward runs; the runner waits for
+    them only when it samples. Held where sampling happens (the driver), not sent
+    to other ranks."""
+
+    future: Future
+
+    def get(self) -> dict[str, Any]:
+        return self.future.result()
+
+
+@dataclass
 class ModelInput:
     scheduled: list[ScheduledTokens] = field(default_factory=list)
     new_requests: list[NewRequestData] = field(default_factory=list)
@@ -62,6 +78,7 @@ class ModelInput:
     # Preempted: dropped too, but a seeded request's generator is kept, so that its
     # random stream goes on where it was when the request resumes.
     preempted_request_ids: list[str] = field(default_factory=list)
+    grammar: GrammarMasks | None = None  # structured output: masks for this step's sampling rows
 
     @property
     def num_tokens(self) -> int:
@@ -76,6 +93,7 @@ class ModelInput:
             block_copies=self.block_copies,
             finished_request_ids=self.finished_request_ids,
             preempted_request_ids=self.preempted_request_ids,
+            grammar=self.grammar,
         )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenmill.sampling_params import SamplingParams
 
@@ -76,6 +77,7 @@ class Request:
     # Leading entries of block_ids the model runner already holds; the KV manager
     # lowers it whenever it changes an entry (copy-on-write, trim, free).
     num_synced_blocks: int = 0
+    grammar: Any = None  # structured output: its GrammarMatcher, kept across preemption
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or token id that ended it

@@ -16,7 +16,9 @@ the same step one request at a time to find one that fails) and the step's resul
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from tokenmill.engine.model_input import ModelInput, ModelOutput, SampledToken, ScheduledTokens
@@ -29,7 +31,7 @@ from tokenmill.worker.inputs import InputBuffers, SeqInput, order_seqs, prepare_
 from tokenmill.worker.kv_cache import KVCache
 from tokenmill.worker.proposer import Draft, Proposer
 from tokenmill.worker.rejection import verify_greedy, verify_sampled
-from tokenmill.worker.sampler import SampleRow, chosen_logprobs, sample, sampling_distribution
+from tokenmill.worker.sampler import SampleRow, apply_token_bitmask, chosen_logprobs, sample, sampling_distribution
 
 
 @dataclass
@@ -84,7 +86,7 @@ class ModelRunner:
         try:
             seqs = order_seqs([self._seq_input(s) for s in batch.scheduled])
             logits = self.compute_logits(seqs)
-            sampled = self._sample(seqs, logits)
+            sampled = self._sample(seqs, logits, batch.grammar.get() if batch.grammar is not None else None)
             drafts: dict[str, Draft] = {}
             if self.proposer is not None:
                 new_tokens = {rid: [t.token_id for t in toks] for rid, toks in sampled.items()}
@@ -170,19 +172,27 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         return self.model.compute_logits(hidden)
 
-    def _sample(self, seqs: list[SeqInput], logits: torch.Tensor) -> dict[str, list[SampledToken]]:
+    def _sample(
+        self, seqs: list[SeqInput], logits: torch.Tensor, grammar_masks: dict[str, Any] | None = None
+    ) -> dict[str, list[SampledToken]]:
         """Plain sequences go through the batched sampler; speculating ones through
-        verification of their drafts."""
+        verification of their drafts. Rows of constrained sequences are masked first."""
         plain_rows, plain, spec_rows, spec = [], [], [], []
+        masked_rows, masks = [], []
         row = 0
         for s in seqs:
             if not s.sample:
                 continue
             n = 1 + len(s.spec_token_ids)
+            if grammar_masks and s.request_id in grammar_masks:
+                masked_rows.extend(range(row, row + n))
+                masks.append(grammar_masks[s.request_id])
             (spec_rows if s.spec_token_ids else plain_rows).extend(range(row, row + n))
             (spec if s.spec_token_ids else plain).append(s)
             row += n
         assert row == logits.shape[0]
+        if masks:
+            apply_token_bitmask(logits, masked_rows, np.concatenate(masks))
         result: dict[str, list[SampledToken]] = {}
         if plain:
             rows = [SampleRow(s.params, s.prompt_ids, s.output_ids, self.requests[s.request_id].generator) for s in plain]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from tokenmill.sampling_params import SamplingParams
@@ -33,6 +34,20 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[float | None]  # of the chosen token, None when not asked
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per row, top-n
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> None:
+    """Structured output: in place, ``logits[rows[i], t] = -inf`` where bit t of
+    ``bitmask[i]`` is clear (int32 words, little-endian bits, as llguidance fills
+    them). Columns past the bitmask's width are disallowed too."""
+    vocab = logits.shape[1]
+    allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    disallowed = torch.from_numpy(allowed == 0).to(logits.device, non_blocking=True)
+    if disallowed.shape[1] < vocab:
+        pad = torch.ones(len(rows), vocab - disallowed.shape[1], dtype=torch.bool, device=logits.device)
+        disallowed = torch.cat([disallowed, pad], dim=1)
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(disallowed, -math.inf)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:

@@ -1,0 +1,190 @@
+"""Grammars compiled with llguidance, cached by content, and one matcher per sequence.
+
+Why llguidance (measured against xgrammar on our tokenizer: bench/RESULTS.md,
+"Structured output"): one abi3 wheel with no dependencies (xgrammar pulls in
+transformers, triton and a torch of its own choosing), grammars that compile
+lazily in well under a millisecond for typical schemas, a per-token mask in tens of
+microseconds, and ``rollback`` for speculative decoding.
+
+The tokenizer llguidance needs is built from ours (``tokenizers.Tokenizer.to_str``),
+its vocabulary as wide as the logits (rows past the tokenizer's vocabulary are never
+allowed), and every token that ends generation counted as end-of-sequence: the
+grammar allows them once it is in an accepting state.
+
+Compiling (``GrammarCompiler.compile``) is thread-safe and is meant to run off the
+engine's step loop (the async engine compiles before queueing a request); an invalid
+or unsupported schema, regex or grammar raises ``InvalidRequestError`` naming the
+problem. A compiled grammar is a pristine matcher that each sequence copies.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tokenmill.errors import InvalidRequestError
+from tokenmill.structured.spec import StructuredOutputs
+
+DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (LRU)
+# Between JSON tokens: one space after ',' and ':' (what json.dumps writes and models
+# mostly saw), and no free whitespace, which a small model at temperature 1 can
+# otherwise repeat until max_tokens. ``whitespace_pattern`` overrides it.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words per row of a token bitmask (bit i of word w: token 32*w + i)."""
+    return (vocab_size + 31) // 32
+
+
+class GrammarMatcher:
+    """One sequence's position in its grammar (an ``llguidance.LLMatcher``)."""
+
+    def __init__(self, matcher: Any) -> None:
+        self._m = matcher
+
+    def accept(self, tokens: Iterable[int]) -> bool:
+        """Advance past sampled tokens; False (and an error state) if one is not allowed."""
+        return bool(self._m.consume_tokens(list(tokens)))
+
+    def num_valid(self, tokens: list[int]) -> int:
+        """How many leading tokens the grammar allows from here (drafts to keep)."""
+        return int(self._m.validate_tokens(tokens)) if tokens else 0
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        """Write the allowed next tokens into ``bitmask[row]`` (int32 words)."""
+        target = bitmask[row]
+        assert target.flags["C_CONTIGUOUS"] and target.dtype == np.int32
+        self._m.unsafe_compute_mask_ptr(target.ctypes.data, target.nbytes)
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens and not self._m.rollback(num_tokens):
+            raise RuntimeError(f"grammar rollback of {num_tokens} tokens failed: {self._m.get_error()}")
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar is complete and allows nothing more but end-of-sequence."""
+        return bool(self._m.is_stopped())
+
+    @property
+    def is_accepting(self) -> bool:
+        return bool(self._m.is_accepting())
+
+    @property
+    def error(self) -> str | None:
+        return self._m.get_error() if self._m.is_error() else None
+
+
+@dataclass
+class CompiledGrammar:
+    spec: StructuredOutputs
+    template: Any  # a pristine LLMatcher: sequences get deep copies
+    compile_seconds: float
+
+    def matcher(self) -> GrammarMatcher:
+        return GrammarMatcher(self.template.deep_copy())
+
+
+@dataclass
+class CompileStats:
+    hits: int = 0
+    misses: int = 0
+    seconds: float = 0.0  # spent compiling (misses)
+
+
+class GrammarCompiler:
+    """Compiles StructuredOutputs for one tokenizer; an LRU cache by content."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the logits' width
+        self.cache_size = cache_size
+        self._lock = threading.Lock()
+        self._lltokenizer: Any = None
+        self._cache: OrderedDict[StructuredOutputs, CompiledGrammar] = OrderedDict()
+        self.stats = CompileStats()
+
+    @property
+    def lltokenizer(self) -> Any:
+        """llguidance's view of our tokenizer, built on first use (about a second)."""
+        with self._lock:
+            if self._lltokenizer is None:
+                self._lltokenizer = build_lltokenizer(self._tokenizer, self.vocab_size)
+            return self._lltokenizer
+
+    def compile(self, spec: StructuredOutputs) -> CompiledGrammar:
+        with self._lock:
+            hit = self._cache.get(spec)
+            if hit is not None:
+                self._cache.move_to_end(spec)
+                self.stats.hits += 1
+                return hit
+        lltok = self.lltokenizer
+        t0 = time.perf_counter()
+        compiled = CompiledGrammar(spec, _build_matcher(spec, lltok, self.vocab_size), 0.0)
+        compiled.compile_seconds = time.perf_counter() - t0
+        with self._lock:
+            self.stats.misses += 1
+            self.stats.seconds += compiled.compile_seconds
+            self._cache[spec] = compiled
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+
+def build_lltokenizer(tokenizer: Any, vocab_size: int) -> Any:
+    import llguidance
+
+    backend = tokenizer.backend
+    stop = sorted(set(tokenizer.stop_token_ids) | ({tokenizer.eos_token_id} - {None}))
+    return llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=stop or None)
+
+
+def grammar_text(spec: StructuredOutputs) -> str:
+    """The llguidance grammar for a spec (not yet checked)."""
+    from llguidance import LLMatcher, grammar_from
+
+    kind = spec.kind
+    try:
+        if kind in ("json", "json_object"):
+            options = dict(JSON_OPTIONS)
+            if spec.whitespace_pattern is not None:
+                options = {"whitespace_flexible": True, "whitespace_pattern": spec.whitespace_pattern}
+            return LLMatcher.grammar_from_json_schema(spec.schema, defaults=options)
+        if kind == "regex":
+            return LLMatcher.grammar_from_regex(spec.regex)
+        if kind == "choice":
+            return grammar_from("choice", json.dumps(list(spec.choice)))
+        return grammar_from("grammar", spec.grammar)  # Lark, or GBNF/EBNF converted to Lark
+    except (ValueError, RuntimeError) as e:
+        raise InvalidRequestError(f"invalid structured output {kind}: {e}", param=kind) from e
+
+
+def _build_matcher(spec: StructuredOutputs, lltok: Any, vocab_size: int) -> Any:
+    from llguidance import LLMatcher
+
+    kind = spec.kind
+    grammar = grammar_text(spec)
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, lltok)
+    if is_error:
+        raise InvalidRequestError(f"invalid structured output {kind}: {_first_line(messages)}", param=kind)
+    matcher = LLMatcher(lltok, grammar, log_level=0)
+    if matcher.is_error():
+        raise InvalidRequestError(f"invalid structured output {kind}: {matcher.get_error()}", param=kind)
+    mask = np.zeros((1, bitmask_words(vocab_size)), dtype=np.int32)
+    GrammarMatcher(matcher).fill_bitmask(mask, 0)
+    if matcher.is_error() or not mask.any():  # a dead end before the first token: no text matches
+        raise InvalidRequestError(f"invalid structured output {kind}: it matches no text", param=kind)
+    return matcher
+
+
+def _first_line(messages: list[str]) -> str:
+    text = messages[0] if messages else "invalid grammar"
+    return text.strip().splitlines()[0] if text.strip() else text
