@@ -67,8 +67,8 @@ class FailsAfterSampling(ModelRunner):
 
     poisoned = "bad"
 
-    def _sample(self, seqs, logits):
-        sampled = super()._sample(seqs, logits)
+    def _sample(self, seqs, logits, grammar_masks=None):
+        sampled = super()._sample(seqs, logits, grammar_masks)
         if any(s.request_id == self.poisoned for s in seqs):
             raise RuntimeError("late failure")
         return sampled
