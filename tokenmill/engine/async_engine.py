@@ -67,9 +67,12 @@ class AsyncEngine:
         if self._dead is not None or self._stopped.is_set():
             raise EngineDeadError("the engine loop is not running")
         loop = asyncio.get_running_loop()
+        grammar = None
+        if params.structured is not None:  # compiled here, off the step loop: a big schema stalls nobody
+            grammar = await asyncio.to_thread(self.engine.structured.compile, params.structured)
         stream = _Stream(loop, asyncio.Queue(), params.n)
         accepted: asyncio.Future = loop.create_future()
-        self._commands.put(("add", request_id, prompt, params, stream, accepted))
+        self._commands.put(("add", request_id, prompt, params, grammar, stream, accepted))
         self._wake.set()
         try:
             await accepted  # raises the engine's InvalidRequestError for a bad request
@@ -138,9 +141,9 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, prompt, params, stream, accepted = cmd
+                _, rid, prompt, params, grammar, stream, accepted = cmd
                 try:
-                    self.engine.add_request(rid, prompt, params)
+                    self.engine.add_request(rid, prompt, params, grammar=grammar)
                     self._streams[rid] = stream
                     stream.loop.call_soon_threadsafe(_resolve, accepted, None)
                 except Exception as e:  # invalid request: its caller gets the error

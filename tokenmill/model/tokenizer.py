@@ -45,8 +45,11 @@ class Tokenizer:
     def token_to_str(self, token_id: int) -> str:
         return self.backend.id_to_token(token_id) or ""
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render messages to the prompt text the model was trained on."""
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        """Render messages to the prompt text the model was trained on (``tools``: for
+        templates that describe tools themselves)."""
         _validate_messages(messages)
         if self.chat_template is None:
             lines = [f"{m['role']}: {m['content']}" for m in messages]
@@ -57,6 +60,7 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=self._token_text(self.bos_token_id),
             eos_token=self._token_text(self.eos_token_id),
+            **({"tools": tools} if tools else {}),
         )
 
     def _token_text(self, token_id: int | None) -> str:

@@ -41,6 +41,7 @@ from tokenmill.server.protocol import (
     new_id,
     now,
 )
+from tokenmill.structured.tools import ToolRequest, parse_tool_request, render_messages
 
 logger = logging.getLogger(__name__)
 
@@ -162,11 +163,15 @@ def build_app(engine: AsyncEngine, tokenizer: Any, max_model_len: int, config: S
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         _check_model(served, body.model)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, body.add_generation_prompt)
+        tools = parse_tool_request(body.tools, body.tool_choice, body.parallel_tool_calls, tokenizer.chat_template)
+        messages = [m.as_dict() for m in body.messages]
+        messages = tools.render_messages(messages) if tools else render_messages(messages)
+        described = [t.as_openai() for t in tools.offered] if tools and tools.hermes else None
+        text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, body.add_generation_prompt, described)
         ids = await asyncio.to_thread(tokenizer.encode, text, False)
-        params = body.sampling_params(_max_tokens(served, ids, body.requested_max_tokens))
-        job = _Job(served, "chatcmpl", "chat.completion", [ids], [params], body.include_usage, body.return_timings, chat=True)
+        params = body.sampling_params(_max_tokens(served, ids, body.requested_max_tokens), tools and tools.constraint())
+        job = _Job(served, "chatcmpl", "chat.completion", [ids], [params], body.include_usage, body.return_timings,
+                   chat=True, tools=tools)  # fmt: skip
         return await job.respond(request, body.stream)
 
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
@@ -242,7 +247,7 @@ class _Job:
     prompt i."""
 
     def __init__(self, served: Served, prefix: str, obj: str, prompts: list[list[int]], params: list[SamplingParams],
-                 include_usage: bool, return_timings: bool, chat: bool) -> None:  # fmt: skip
+                 include_usage: bool, return_timings: bool, chat: bool, tools: ToolRequest | None = None) -> None:  # fmt: skip
         queue, waiting = served.config.max_queue, served.engine.num_waiting
         adding = sum(p.n for p in params)  # engine sequences: prompts x n
         if queue is not None and waiting + adding > queue:
@@ -257,6 +262,7 @@ class _Job:
         self.include_usage = include_usage
         self.return_timings = return_timings
         self.chat = chat
+        self.tools = tools  # chat with tools: answers are parsed into tool calls
         self.model = served.config.served_model_name
 
     async def respond(self, request: Request, stream: bool) -> Response:
@@ -306,7 +312,11 @@ class _Job:
         choice: dict[str, Any] = {"index": index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         lps = self._logprobs(c.token_ids, c.logprobs, c.top_logprobs, 0)
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": c.text}
+            content, calls = self.tools.parse(c.text) if self.tools else (c.text, [])
+            choice["message"] = {"role": "assistant", "content": content}
+            if calls:
+                choice["message"]["tool_calls"] = [call.as_openai() for call in calls]
+                choice["finish_reason"] = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
         else:
             choice["text"] = c.text
         choice["logprobs"] = lps
@@ -348,6 +358,7 @@ class _Job:
     async def _sse(self, first, merged) -> AsyncIterator[str]:
         finals: list[RequestOutput] = []
         started: set[int] = set()
+        held: dict[int, str] = {}  # with tools: each choice's text, parsed when it ends
         items = [first] if first is not None else []
         try:
             async for i, out in _until(_chain(items, merged), self.served.drain_expired):
@@ -362,7 +373,12 @@ class _Job:
                 lps = None
                 if out.delta_logprobs is not None and n_new:  # deltas: O(new tokens) per chunk
                     lps = self._logprobs(out.delta_token_ids, out.delta_logprobs, out.delta_top_logprobs, 0)
-                if out.delta_text or out.finished or lps is not None:
+                if self.tools is not None:  # a tool call is known only once its JSON is whole
+                    held[idx] = held.get(idx, "") + out.delta_text
+                    if out.finished:
+                        for chunk in self._tool_chunks(idx, held.pop(idx), c.finish_reason, c.stop_reason):
+                            yield chunk
+                elif out.delta_text or out.finished or lps is not None:
                     choice: dict[str, Any] = {"index": idx, "logprobs": lps,
                                               "finish_reason": c.finish_reason if out.finished else None}  # fmt: skip
                     if self.chat:
@@ -390,6 +406,26 @@ class _Job:
         finally:
             await merged.aclose()
         yield "data: [DONE]\n\n"
+
+    def _tool_chunks(self, idx: int, text: str, finish_reason: str | None, stop_reason: Any) -> list[str]:
+        """A finished answer with tools, as OpenAI streams it: the content, then per call
+        a delta with its id, type and name, then one with its arguments; then the end."""
+        assert self.tools is not None
+        content, calls = self.tools.parse(text)
+        chunks = []
+        if content:
+            chunks.append(self._chunk([{"index": idx, "delta": {"content": content}, "logprobs": None, "finish_reason": None}]))
+        for i, call in enumerate(calls):
+            head = {"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+            args = {"index": i, "function": {"arguments": call.arguments}}
+            for part in (head, args):
+                chunks.append(self._chunk([{"index": idx, "delta": {"tool_calls": [part]}, "logprobs": None,
+                                            "finish_reason": None}]))  # fmt: skip
+        if calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        end = {"index": idx, "delta": {}, "logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason}
+        chunks.append(self._chunk([end]))
+        return chunks
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
         obj = "chat.completion.chunk" if self.chat else "text_completion"

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured.spec import StructuredOutputs
 
 
 def _check_unicode(value: Any) -> None:
@@ -52,9 +53,51 @@ class StreamOptions(_Body):
 
 
 # OpenAI fields this server does not implement: refused when set, not ignored.
-# (tools and response_format come with structured output.)
-_UNSUPPORTED = ("logit_bias", "suffix", "tools", "tool_choice", "functions", "function_call", "response_format",
-                "parallel_tool_calls", "guided_json", "guided_regex", "guided_choice", "guided_grammar")  # fmt: skip
+_UNSUPPORTED = ("logit_bias", "suffix", "functions", "function_call")
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # vLLM's older names
+
+
+def structured_outputs(response_format: dict[str, Any] | None, structured: dict[str, Any] | None,
+                       guided: dict[str, Any], whitespace_pattern: str | None) -> StructuredOutputs | None:  # fmt: skip
+    """One constraint from OpenAI's response_format, vLLM's structured_outputs or the
+    guided_* aliases; more than one of them is a 400 naming them."""
+    given = [name for name, v in (("response_format", _constraining(response_format)),
+                                   ("structured_outputs", structured), *guided.items()) if v is not None]  # fmt: skip
+    if len(given) > 1:
+        raise InvalidRequestError(f"give one constraint, not {' and '.join(given)}", param=given[1])
+    if response_format is not None and _constraining(response_format) is not None:
+        kind = response_format["type"]
+        if kind == "json_object":
+            return StructuredOutputs(json_object=True, whitespace_pattern=whitespace_pattern)
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict | bool):
+            raise InvalidRequestError("response_format json_schema needs a json_schema object with a schema",
+                                      param="response_format")  # fmt: skip
+        return StructuredOutputs(json=spec.get("schema", {}), whitespace_pattern=whitespace_pattern)
+    if structured is not None:
+        body = dict(structured)
+        if whitespace_pattern is not None:
+            body.setdefault("whitespace_pattern", whitespace_pattern)
+        return StructuredOutputs.from_dict(body)
+    for name, value in guided.items():
+        if value is not None:
+            kind = name.removeprefix("guided_")
+            extra = {"whitespace_pattern": whitespace_pattern} if kind == "json" else {}
+            return StructuredOutputs(**{kind: value}, **extra)
+    return None
+
+
+def _constraining(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
+    """response_format, unless it asks for plain text."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind not in ("json_object", "json_schema"):
+        raise InvalidRequestError(f"response_format type must be text, json_object or json_schema, not {kind!r}",
+                                  param="response_format")  # fmt: skip
+    return response_format
 
 
 class _SamplingFields(_Body):
@@ -77,6 +120,14 @@ class _SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     return_timings: bool = False  # tokenmill extra: per-request timings in the last response
     best_of: int | None = None  # accepted only as n (no server-side ranking of extra samples)
+    # structured output: OpenAI's response_format, vLLM's structured_outputs and guided_* aliases
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -94,7 +145,11 @@ class _SamplingFields(_Body):
             raise ValueError("best_of other than 1 is not supported (use n)")
         return value
 
-    def _sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def structured(self) -> StructuredOutputs | None:
+        guided = {name: getattr(self, name) for name in _GUIDED}
+        return structured_outputs(self.response_format, self.structured_outputs, guided, self.guided_whitespace_pattern)
+
+    def _sampling(self, max_tokens: int, logprobs: int | None, structured: StructuredOutputs | None = None) -> SamplingParams:
         def pick(value, default):
             return default if value is None else value
 
@@ -115,6 +170,7 @@ class _SamplingFields(_Body):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
+            structured=structured,
         )
 
     @property
@@ -127,6 +183,15 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_tools(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name in ("tools", "tool_choice", "parallel_tool_calls"):
+                if data.get(name) not in (None, [], {}):
+                    raise ValueError(f"{name} is a chat field: use /v1/chat/completions")
+        return data
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -141,13 +206,28 @@ class CompletionRequest(_SamplingFields):
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         if self.echo:
             raise InvalidRequestError("echo is not supported", param="echo")
-        return self._sampling(max_tokens, self.logprobs)
+        return self._sampling(max_tokens, self.logprobs, self.structured())
 
 
 class ChatMessage(_Body):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result's call
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message for the chat template (tool fields kept for the tools renderer)."""
+        m: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            for i, call in enumerate(self.tool_calls):
+                fn = call.get("function")
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise InvalidRequestError(f"tool_calls[{i}] needs a function with a name", param="messages")
+            m["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            m["tool_call_id"] = self.tool_call_id
+        return m
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -167,11 +247,19 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, structured: StructuredOutputs | None = None) -> SamplingParams:
+        """``structured``: the tools' constraint, if any (it excludes response_format)."""
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
-        return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        own = self.structured()
+        if own is not None and structured is not None:
+            raise InvalidRequestError("a constrained output (response_format, structured_outputs, guided_*) cannot be "
+                                      "combined with tools unless tool_choice is none", param="tool_choice")  # fmt: skip
+        return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, own or structured)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -202,4 +290,4 @@ def now() -> int:
     return int(time.time())
 
 
-FinishReason = Literal["stop", "length", "abort", "error"] | None
+FinishReason = Literal["stop", "length", "abort", "error", "tool_calls"] | None

@@ -113,7 +113,7 @@ class GrammarCompiler:
 
     @property
     def lltokenizer(self) -> Any:
-        """llguidance's view of our tokenizer, built on first use (about a second)."""
+        """llguidance's view of our tokenizer, built on first use (about 0.3 s)."""
         with self._lock:
             if self._lltokenizer is None:
                 self._lltokenizer = build_lltokenizer(self._tokenizer, self.vocab_size)

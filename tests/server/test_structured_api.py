@@ -1,0 +1,210 @@
+"""Structured output and tool calling over HTTP, with the official `openai` client."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from tests.server.conftest import MODEL
+
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+pydantic = pytest.importorskip("pydantic")
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 40}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Current time in a timezone",
+        "parameters": {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 40}}, "required": ["tz"],
+                       "additionalProperties": False},
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+
+
+def test_parse_returns_a_pydantic_object(client):
+    class City(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=30)
+        country: str = pydantic.Field(max_length=30)
+        population: int = pydantic.Field(ge=0, le=100_000_000)  # bounded: a small model repeats digits otherwise
+
+    r = client.beta.chat.completions.parse(
+        model=MODEL, messages=[{"role": "user", "content": "Describe Paris as JSON."}], response_format=City,
+        max_tokens=80, temperature=0,
+    )  # fmt: skip
+    parsed = r.choices[0].message.parsed
+    assert isinstance(parsed, City) and parsed.name and isinstance(parsed.population, int)
+    assert r.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("field", ["response_format", "structured_outputs", "guided_json"])
+def test_every_spelling_of_a_json_schema_is_enforced(client, field):
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "confidence": {"type": "integer",
+              "minimum": 0, "maximum": 10}}, "required": ["answer", "confidence"], "additionalProperties": False}  # fmt: skip
+    extra = {
+        "response_format": {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}},
+        "structured_outputs": {"extra_body": {"structured_outputs": {"json": schema}}},
+        "guided_json": {"extra_body": {"guided_json": schema}},
+    }[field]
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Is the sky blue?"}],
+                                       max_tokens=40, temperature=1.0, seed=3, **extra)  # fmt: skip
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+
+
+def test_json_object_regex_choice_and_grammar_over_completions(client):
+    r = client.completions.create(model=MODEL, prompt="A JSON object:", max_tokens=60, temperature=0.7, seed=1,
+                                  extra_body={"response_format": {"type": "json_object"}})  # fmt: skip
+    assert isinstance(json.loads(r.choices[0].text), dict)
+    r = client.completions.create(model=MODEL, prompt="Date:", max_tokens=20, temperature=1.0, seed=2,
+                                  extra_body={"guided_regex": r"20\d\d-[01]\d-[0-3]\d"})  # fmt: skip
+    assert re.fullmatch(r"20\d\d-[01]\d-[0-3]\d", r.choices[0].text)
+    r = client.completions.create(model=MODEL, prompt="Colour:", max_tokens=10, temperature=1.0, n=3, seed=4,
+                                  extra_body={"structured_outputs": {"choice": ["red", "green", "blue"]}})  # fmt: skip
+    assert all(c.text in ("red", "green", "blue") and c.finish_reason == "stop" for c in r.choices)
+    grammar = 'root ::= num " + " num (" + " num)?\nnum ::= [1-9] [0-9]?'
+    r = client.completions.create(model=MODEL, prompt="Sum:", max_tokens=20, temperature=1.0, seed=5,
+                                  extra_body={"guided_grammar": grammar})  # fmt: skip
+    assert re.fullmatch(r"[1-9][0-9]?( \+ [1-9][0-9]?){1,2}", r.choices[0].text)
+
+
+def test_streamed_structured_output_is_the_same_text(client):
+    body = {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"],
+        "additionalProperties": False}}}}  # fmt: skip
+    full = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=30, temperature=0, **body)
+    chunks = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=30, temperature=0, stream=True, **body)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content and "name" in json.loads(text)
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}}, "nope"),
+        ({"guided_json": {"type": "array", "uniqueItems": True}}, "uniqueItems"),
+        ({"guided_grammar": 'root ::= "a" missing'}, "missing"),
+        ({"guided_regex": "(unclosed"}, "regex"),
+        ({"guided_regex": "a[^\\x00-\\x{10FFFF}]"}, "matches no text"),
+        ({"guided_choice": []}, "choice"),
+        ({"structured_outputs": {"json": {"type": "object"}, "regex": "a"}}, "exactly one"),
+        ({"structured_outputs": {"jsonn": {}}}, "jsonn"),
+        ({"response_format": {"type": "xml"}}, "xml"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "one constraint"),
+    ],
+)
+def test_bad_constraints_are_400_before_queueing(http, body, needle):
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["type"] == "BadRequestError" and err["code"] == 400
+    assert http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+# ------------------------------------------------------------------------- tools
+
+
+def _args(call) -> dict:
+    return json.loads(call.function.arguments)
+
+
+def test_named_tool_choice_calls_that_function(client):
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], max_tokens=60, temperature=0,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})  # fmt: skip
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(_args(call), WEATHER["function"]["parameters"])
+
+
+def test_required_tool_choice_streamed_and_not(client):
+    # parallel_tool_calls=false: SmolLM2-135M, free to add calls, repeats them until max_tokens
+    kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required", max_tokens=120,
+                  temperature=0, parallel_tool_calls=False)  # fmt: skip
+    full = client.chat.completions.create(**kwargs)
+    calls = full.choices[0].message.tool_calls
+    assert full.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+    for call in calls:
+        schema = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]["parameters"]
+        jsonschema.validate(_args(call), schema)
+    # streamed: OpenAI's deltas (id, type and name first, then the arguments), accumulated by index
+    streamed: dict[int, dict] = {}
+    finish = None
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        for tc in delta.tool_calls or []:
+            acc = streamed.setdefault(tc.index, {"name": "", "arguments": "", "id": None})
+            acc["id"] = tc.id or acc["id"]
+            acc["name"] += (tc.function.name or "") if tc.function else ""
+            acc["arguments"] += (tc.function.arguments or "") if tc.function else ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls"
+    assert [(v["name"], json.loads(v["arguments"])) for _, v in sorted(streamed.items())] == [
+        (c.function.name, _args(c)) for c in calls
+    ]
+    assert all(v["id"] and v["id"].startswith("call_") for v in streamed.values())
+
+
+def test_parallel_calls_cut_by_max_tokens_come_back_as_text(client):
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                       max_tokens=30, temperature=0)  # fmt: skip
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and not choice.message.tool_calls
+    assert choice.message.content.startswith('{"tool_calls": [{"name": "get_')
+
+
+def test_auto_tool_choice_answers_or_calls_and_results_render_back(client):
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="auto", max_tokens=80,
+                                       temperature=0)  # fmt: skip
+    m = r.choices[0].message
+    assert (m.tool_calls and r.choices[0].finish_reason == "tool_calls") or (m.content and not m.tool_calls)
+    # a conversation with an earlier call and its result renders and answers
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+            "arguments": json.dumps({"city": "Paris", "unit": "celsius"})}}  # fmt: skip
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"}]  # fmt: skip
+    r = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], max_tokens=60, temperature=0)
+    assert r.choices[0].message.content or r.choices[0].message.tool_calls
+    r = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], tool_choice="none",
+                                       max_tokens=20, temperature=0)  # fmt: skip
+    assert r.choices[0].message.content and not r.choices[0].message.tool_calls
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "name"),
+        ({"tools": [WEATHER, WEATHER]}, "unique"),
+        ({"tool_choice": "required"}, "needs tools"),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "combined"),
+    ],
+)
+def test_bad_tool_requests_are_400(http, body, needle):
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"]
+
+
+def test_tools_on_completions_are_refused(http):
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "tools": [WEATHER]})
+    assert r.status_code == 400 and "chat" in r.json()["error"]["message"]

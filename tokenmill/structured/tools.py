@@ -1,0 +1,236 @@
+"""Tool calling for chat: OpenAI's ``tools`` / ``tool_choice`` in, ``tool_calls`` out.
+
+Two formats, picked by the chat template:
+
+* **Hermes** (the template takes a ``tools`` variable, as Qwen2.5's and Hermes'
+  do): the template describes the tools; the model writes
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks.
+* **Generic JSON** (templates that know nothing of tools, such as SmolLM2's; what
+  llama.cpp does for such models): a system message describes the tools and the
+  answer is one JSON object, either ``{"tool_calls": [{"name", "arguments"}, ...]}``
+  or ``{"response": "..."}``; the grammar enforces that shape and each tool's
+  parameter schema.
+
+``tool_choice``: ``none`` (no tools offered), ``auto`` (the model chooses),
+``required`` (at least one call) or a named function (exactly that one). With
+``required`` or a named function the output is constrained to the call's JSON
+schema in both formats; with ``auto`` the generic format is constrained to "a call
+or a reply", the Hermes format is left free and parsed afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from tokenmill.errors import InvalidRequestError
+from tokenmill.structured.spec import StructuredOutputs
+
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+    def as_openai(self) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": self.parameters}}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI returns it
+
+    def as_openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    """A chat request's tools, after validation."""
+
+    tools: tuple[Tool, ...]
+    choice: str  # "auto" | "required" | "named"
+    named: str | None = None  # the function tool_choice names
+    parallel: bool = True
+    hermes: bool = False  # the chat template renders tools itself
+
+    # -------------------------------------------------------------- the prompt
+
+    def render_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Messages for the chat template: assistant tool calls and tool results in the
+        format's text form; for the generic format, the tools in a system message."""
+        out = [_render_message(m, self.hermes) for m in messages]
+        if self.hermes:
+            return out
+        prompt = self._system_prompt()
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+        return out
+
+    def _system_prompt(self) -> str:
+        tools = "\n".join(json.dumps(t.as_openai()["function"], ensure_ascii=False) for t in self.offered)
+        if self.choice == "auto":
+            shape = ('either with "tool_calls" (a list of calls, each {"name": ..., "arguments": {...}}) '
+                     'or with "response" (your reply to the user)')  # fmt: skip
+        else:
+            shape = 'with "tool_calls": a list of calls, each {"name": ..., "arguments": {...}}'
+        return f"You can call these tools:\n{tools}\nRespond in JSON format, {shape}."
+
+    @property
+    def offered(self) -> tuple[Tool, ...]:
+        return tuple(t for t in self.tools if self.named is None or t.name == self.named)
+
+    # ----------------------------------------------------------- the constraint
+
+    def constraint(self) -> StructuredOutputs | None:
+        """What the output must match (None: free text, parsed afterwards)."""
+        calls = {"type": "array", "items": {"anyOf": [_call_schema(t) for t in self.offered]}, "minItems": 1}
+        if not self.parallel or self.named is not None:
+            calls["maxItems"] = 1
+        if self.hermes:
+            if self.choice == "auto":
+                return None
+            one = json.dumps({"anyOf": [_call_schema(t) for t in self.offered]})
+            block = f'"<tool_call>\\n" %json {one} "\\n</tool_call>"'
+            repeat = "" if not self.parallel or self.named is not None else f' ("\\n" {block})*'
+            return StructuredOutputs(grammar=f"start: {block}{repeat}\n")
+        with_calls = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"],
+                      "additionalProperties": False}  # fmt: skip
+        if self.choice != "auto":
+            return StructuredOutputs(json=with_calls)
+        reply = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
+                 "additionalProperties": False}  # fmt: skip
+        return StructuredOutputs(json={"anyOf": [with_calls, reply]})
+
+    # ------------------------------------------------------------ the answer
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, tool calls) of a finished answer; text that is not in the format
+        (a truncated answer, say) is returned as content."""
+        if self.hermes:
+            calls = [_call(json.loads(m)) for m in _HERMES_CALL.findall(text) if _is_call(m)]
+            content = _HERMES_CALL.sub("", text).strip() if calls else text
+            return (content or None) if calls else text, calls
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            return text, []
+        if isinstance(obj, dict) and isinstance(obj.get("tool_calls"), list):
+            calls = [_call(c) for c in obj["tool_calls"] if isinstance(c, dict) and "name" in c]
+            return None, calls
+        if isinstance(obj, dict) and isinstance(obj.get("response"), str):
+            return obj["response"], []
+        return text, []
+
+
+def render_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages without tools on offer, earlier tool calls and results still rendered."""
+    return [_render_message(m, hermes=False) for m in messages]
+
+
+def parse_tool_request(tools: Any, tool_choice: Any, parallel_tool_calls: bool | None,
+                       template: str | None) -> ToolRequest | None:  # fmt: skip
+    """Validate OpenAI's fields; None when no tool may be called (no tools, or "none")."""
+    if tools is None or tools == []:
+        if tool_choice not in (None, "none", "auto"):
+            raise InvalidRequestError("tool_choice needs tools", param="tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise InvalidRequestError("tools must be a list", param="tools")
+    parsed = tuple(_parse_tool(i, t) for i, t in enumerate(tools))
+    names = [t.name for t in parsed]
+    if len(set(names)) != len(names):
+        raise InvalidRequestError("tools: function names must be unique", param="tools")
+    named = None
+    if tool_choice is None:
+        choice = "auto"
+    elif tool_choice in ("none", "auto", "required"):
+        choice = tool_choice
+    elif isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        named = (tool_choice.get("function") or {}).get("name")
+        if named not in names:
+            raise InvalidRequestError(f"tool_choice names function {named!r}, which is not in tools", param="tool_choice")
+        choice = "named"
+    else:
+        raise InvalidRequestError('tool_choice must be "none", "auto", "required" or {"type": "function", '
+                                  '"function": {"name": ...}}', param="tool_choice")  # fmt: skip
+    if choice == "none":
+        return None
+    hermes = template is not None and "tools" in template and "<tool_call>" in template
+    parallel = True if parallel_tool_calls is None else bool(parallel_tool_calls)
+    return ToolRequest(parsed, choice, named, parallel, hermes)
+
+
+def _parse_tool(i: int, tool: Any) -> Tool:
+    where = f"tools[{i}]"
+    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+        raise InvalidRequestError(f'{where} must be {{"type": "function", "function": {{...}}}}', param="tools")
+    fn = tool["function"]
+    name = fn.get("name")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise InvalidRequestError(f"{where}.function.name must be 1-64 letters, digits, _ or -", param="tools")
+    params = fn.get("parameters", {"type": "object", "properties": {}})
+    if not isinstance(params, dict):
+        raise InvalidRequestError(f"{where}.function.parameters must be a JSON schema object", param="tools")
+    description = fn.get("description") or ""
+    if not isinstance(description, str):
+        raise InvalidRequestError(f"{where}.function.description must be a string", param="tools")
+    return Tool(name, description, params)
+
+
+def _call_schema(tool: Tool) -> dict[str, Any]:
+    return {"type": "object", "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
+            "required": ["name", "arguments"], "additionalProperties": False}  # fmt: skip
+
+
+def _is_call(text: str) -> bool:
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(obj, dict) and isinstance(obj.get("name"), str)
+
+
+def _call(obj: dict[str, Any]) -> ToolCall:
+    args = obj.get("arguments", {})
+    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", str(obj["name"]), json.dumps(args, ensure_ascii=False))
+
+
+def _render_message(m: dict[str, Any], hermes: bool) -> dict[str, Any]:
+    """An assistant message with tool_calls, or a tool result, as the format's text."""
+    calls = m.get("tool_calls")
+    if m.get("role") == "assistant" and calls:
+        parsed = [{"name": c["function"]["name"], "arguments": _arguments(c["function"].get("arguments"))} for c in calls]
+        if hermes:
+            text = "\n".join(f"<tool_call>\n{json.dumps(c, ensure_ascii=False)}\n</tool_call>" for c in parsed)
+            content = f"{m.get('content') or ''}{text}"
+        else:
+            content = json.dumps({"tool_calls": parsed}, ensure_ascii=False)
+        return {"role": "assistant", "content": content}
+    if m.get("role") == "tool":
+        if hermes:
+            return {"role": "tool", "content": m.get("content") or ""}
+        result = {"tool_call_id": m.get("tool_call_id"), "content": m.get("content") or ""}
+        return {"role": "tool", "content": json.dumps({"tool_response": result}, ensure_ascii=False)}
+    return {"role": m["role"], "content": m.get("content") or ""}
+
+
+def _arguments(arguments: Any) -> Any:
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments if arguments is not None else {}
