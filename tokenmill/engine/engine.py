@@ -169,8 +169,6 @@ class Engine:
             if sched.model_input.grammar is not None:
                 sched.model_input.grammar.future.exception()
         updates = self.scheduler.update_from_output(sched, result)
-        for req, reason in self.structured.advance(updates):  # grammars complete (or broken)
-            self.scheduler.finish(req, reason)
         outputs, stopped = self.outputs.process(updates)
         for req, stop_string in stopped:
             self.scheduler.finish(req, "stop", stop_string)

@@ -28,6 +28,7 @@ blocks cached, unused lookahead blocks trimmed, finished requests freed.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -44,6 +45,8 @@ from tokenmill.engine.model_input import (
 )
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.stats import SpecDecodeStats
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -308,17 +311,25 @@ class Scheduler:
                 self.kv.trim(req, req.num_tokens)  # blocks that held only rejected drafts or lookahead
                 draft = result.draft_token_ids.get(rid, [])
                 req.spec_token_ids = draft[: self._max_drafts(req)]
+                if req.grammar is not None and req.spec_token_ids:  # cut at the first the grammar refuses
+                    del req.spec_token_ids[req.grammar.num_valid(req.spec_token_ids) :]
             if new_tokens:
                 updates.append(SeqUpdate(req, new_tokens))
         return updates
 
     def _append(self, req: Request, sampled: list[SampledToken]) -> list[SampledToken]:
-        """Append tokens one by one, up to the first that ends the request."""
+        """Append tokens one by one, up to the first that ends the request (a stop token,
+        the end of its grammar, max_tokens or the context window)."""
         for i, t in enumerate(sampled):
             req.output_token_ids.append(t.token_id)
             p = req.params
             if t.token_id in p.stop_token_ids or (not p.ignore_eos and t.token_id in self.eos_token_ids):
                 self.finish(req, "stop", t.token_id)
+            elif req.grammar is not None and not req.grammar.accept([t.token_id]):  # masked: cannot happen
+                logger.error("request %s: token %d broke its grammar: %s", req.request_id, t.token_id, req.grammar.error)
+                self.finish(req, "error")
+            elif req.grammar is not None and req.grammar.is_terminated:
+                self.finish(req, "stop")  # the output is complete: nothing but end-of-sequence may follow
             elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
                 self.finish(req, "length")
             else:

@@ -12,9 +12,11 @@ Each step, for every sequence that samples and has a grammar:
    through the drafts, then rolled back). The runner applies them to the logits
    before anything else in sampling, so penalties, logprobs, seeded sampling and
    draft verification all see the masked distribution.
-2. ``advance`` moves each matcher past the tokens the step kept; a grammar that is
-   complete ends its sequence with ``stop``; new drafts are cut at the first token
-   the grammar would refuse (a proposer that proposes fewer tokens, so verification
+2. the scheduler (``update_from_output``) moves each matcher past the tokens the
+   step kept, one by one: a grammar that is complete ends its sequence with
+   ``stop`` there (tokens after it, e.g. a bonus token after accepted drafts, are
+   dropped as after a stop token); new drafts are cut at the first token the
+   grammar would refuse (a proposer that proposes fewer tokens, so verification
    stays lossless).
 """
 
@@ -27,8 +29,7 @@ from typing import Any
 import numpy as np
 
 from tokenmill.engine.model_input import GrammarMasks
-from tokenmill.engine.request import Request
-from tokenmill.engine.scheduler import SchedulerOutput, SeqUpdate
+from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.errors import InvalidRequestError
 from tokenmill.structured.grammar import CompiledGrammar, GrammarCompiler, bitmask_words
 from tokenmill.structured.spec import StructuredOutputs
@@ -63,26 +64,6 @@ class StructuredOutputManager:
         words = bitmask_words(self.compiler.vocab_size)
         future: Future[dict[str, np.ndarray]] = self._executor.submit(_fill_masks, jobs, words)
         return GrammarMasks(future)
-
-    # ------------------------------------------------------------- after a step
-
-    def advance(self, updates: list[SeqUpdate]) -> list[tuple[Request, str]]:
-        """Move matchers past the kept tokens; returns the sequences to end, with why
-        ("stop": the grammar is complete; "error": a token it refused)."""
-        ended = []
-        for u in updates:
-            req = u.request
-            matcher = req.grammar
-            if matcher is None or req.finished or not u.new_tokens:
-                continue
-            if not matcher.accept(t.token_id for t in u.new_tokens):
-                logger.error("request %s: a sampled token broke its grammar: %s", req.request_id, matcher.error)
-                ended.append((req, "error"))
-            elif matcher.is_terminated:
-                ended.append((req, "stop"))
-            elif req.spec_token_ids:
-                del req.spec_token_ids[matcher.num_valid(req.spec_token_ids) :]
-        return ended
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

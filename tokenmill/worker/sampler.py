@@ -135,7 +135,8 @@ def chosen_logprobs(
         logprobs[i] = chosen[i]
         if r.params.logprobs > 0:
             vals, ids = raw_logprobs[i].topk(r.params.logprobs)
-            top[i] = list(zip(ids.tolist(), vals.tolist(), strict=True))
+            # tokens a grammar masked out have no probability: not alternatives
+            top[i] = [(t, v) for t, v in zip(ids.tolist(), vals.tolist(), strict=True) if v != -math.inf]
     return logprobs, top
 
 
