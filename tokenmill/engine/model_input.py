@@ -56,11 +56,11 @@ class ScheduledTokens:
 
 @dataclass
 class GrammarMasks:
-    """The step's token bitmasks of constrained sequences (``engine.structured``):
-    request id -> int32 ``[1 + drafts, ceil(vocab / 32)]``, bit t of a row set when
-    token t may come next. Computed while the forward runs; the runner waits for
-    them only when it samples. Held where sampling happens (the driver), not sent
-    to other ranks."""
+    """The step's grammar masks of constrained sequences (``engine.structured``):
+    request id -> float32 ``[1 + drafts, vocab]`` logit bias, 0 where a token may come
+    next and -inf where it may not. Computed while the forward runs; the runner
+    waits for them only when it samples. Held where sampling happens (the driver),
+    not sent to other ranks."""
 
     future: Future
 

