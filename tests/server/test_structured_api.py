@@ -143,14 +143,16 @@ def test_required_tool_choice_streamed_and_not(client):
     for call in calls:
         schema = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]["parameters"]
         jsonschema.validate(_args(call), schema)
-    # streamed: OpenAI's deltas (id, type and name first, then the arguments), accumulated by index
+    # streamed: OpenAI's deltas (id, type and name first, then the arguments in pieces as
+    # they are generated), accumulated by index
     streamed: dict[int, dict] = {}
-    finish = None
+    finish, pieces = None, 0
     for chunk in client.chat.completions.create(**kwargs, stream=True):
         if not chunk.choices:
             continue
         delta = chunk.choices[0].delta
         for tc in delta.tool_calls or []:
+            pieces += bool(tc.function and tc.function.arguments)
             acc = streamed.setdefault(tc.index, {"name": "", "arguments": "", "id": None})
             acc["id"] = tc.id or acc["id"]
             acc["name"] += (tc.function.name or "") if tc.function else ""
@@ -161,6 +163,7 @@ def test_required_tool_choice_streamed_and_not(client):
         (c.function.name, _args(c)) for c in calls
     ]
     assert all(v["id"] and v["id"].startswith("call_") for v in streamed.values())
+    assert pieces > 3  # incremental, not one piece at the end
 
 
 def test_parallel_calls_cut_by_max_tokens_come_back_as_text(client):
@@ -169,6 +172,17 @@ def test_parallel_calls_cut_by_max_tokens_come_back_as_text(client):
     choice = r.choices[0]
     assert choice.finish_reason == "length" and not choice.message.tool_calls
     assert choice.message.content.startswith('{"tool_calls": [{"name": "get_')
+
+
+def test_auto_reply_streams_as_content(client):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Say hello."}], tools=[WEATHER], max_tokens=40,
+                  temperature=0)  # fmt: skip
+    full = client.chat.completions.create(**kwargs)
+    chunks = [c for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert full.choices[0].message.tool_calls is None and full.choices[0].finish_reason == "stop"
+    assert text == full.choices[0].message.content and text.startswith("Hello")  # the reply, not its JSON
+    assert sum(bool(c.choices[0].delta.content) for c in chunks) > 2  # streamed as it decodes
 
 
 def test_auto_tool_choice_answers_or_calls_and_results_render_back(client):

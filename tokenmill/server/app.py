@@ -41,7 +41,7 @@ from tokenmill.server.protocol import (
     new_id,
     now,
 )
-from tokenmill.structured.tools import ToolRequest, parse_tool_request, render_messages
+from tokenmill.structured.tools import ToolRequest, ToolStream, parse_tool_request, render_messages
 
 logger = logging.getLogger(__name__)
 
@@ -358,7 +358,7 @@ class _Job:
     async def _sse(self, first, merged) -> AsyncIterator[str]:
         finals: list[RequestOutput] = []
         started: set[int] = set()
-        held: dict[int, str] = {}  # with tools: each choice's text, parsed when it ends
+        tool_streams: dict[int, ToolStream] = {}  # with tools: each choice's answer, as deltas
         items = [first] if first is not None else []
         try:
             async for i, out in _until(_chain(items, merged), self.served.drain_expired):
@@ -373,11 +373,14 @@ class _Job:
                 lps = None
                 if out.delta_logprobs is not None and n_new:  # deltas: O(new tokens) per chunk
                     lps = self._logprobs(out.delta_token_ids, out.delta_logprobs, out.delta_top_logprobs, 0)
-                if self.tools is not None:  # a tool call is known only once its JSON is whole
-                    held[idx] = held.get(idx, "") + out.delta_text
+                if self.tools is not None:
+                    stream = tool_streams.setdefault(idx, ToolStream(self.tools))
+                    for delta in stream.feed(out.delta_text, out.finished):
+                        yield self._chunk([{"index": idx, "delta": delta, "logprobs": None, "finish_reason": None}])
                     if out.finished:
-                        for chunk in self._tool_chunks(idx, held.pop(idx), c.finish_reason, c.stop_reason):
-                            yield chunk
+                        reason = "tool_calls" if stream.calls and c.finish_reason == "stop" else c.finish_reason
+                        yield self._chunk([{"index": idx, "delta": {}, "logprobs": None, "finish_reason": reason,
+                                            "stop_reason": c.stop_reason}])  # fmt: skip
                 elif out.delta_text or out.finished or lps is not None:
                     choice: dict[str, Any] = {"index": idx, "logprobs": lps,
                                               "finish_reason": c.finish_reason if out.finished else None}  # fmt: skip
@@ -406,26 +409,6 @@ class _Job:
         finally:
             await merged.aclose()
         yield "data: [DONE]\n\n"
-
-    def _tool_chunks(self, idx: int, text: str, finish_reason: str | None, stop_reason: Any) -> list[str]:
-        """A finished answer with tools, as OpenAI streams it: the content, then per call
-        a delta with its id, type and name, then one with its arguments; then the end."""
-        assert self.tools is not None
-        content, calls = self.tools.parse(text)
-        chunks = []
-        if content:
-            chunks.append(self._chunk([{"index": idx, "delta": {"content": content}, "logprobs": None, "finish_reason": None}]))
-        for i, call in enumerate(calls):
-            head = {"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
-            args = {"index": i, "function": {"arguments": call.arguments}}
-            for part in (head, args):
-                chunks.append(self._chunk([{"index": idx, "delta": {"tool_calls": [part]}, "logprobs": None,
-                                            "finish_reason": None}]))  # fmt: skip
-        if calls and finish_reason == "stop":
-            finish_reason = "tool_calls"
-        end = {"index": idx, "delta": {}, "logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason}
-        chunks.append(self._chunk([end]))
-        return chunks
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
         obj = "chat.completion.chunk" if self.chat else "text_completion"

@@ -135,6 +135,152 @@ class ToolRequest:
         return text, []
 
 
+class ToolStream:
+    """Streams one answer of a ``ToolRequest`` as OpenAI's deltas, as it is generated.
+
+    Generic format: ``{"response": "...`` streams the reply's text as it decodes;
+    ``{"tool_calls": [{"name": "f", "arguments": ...`` sends each call's id, type and
+    name once its name is whole, then its arguments' JSON text piece by piece. Hermes
+    format: text streams as content (holding back what could start ``<tool_call>``);
+    each call is sent whole at its ``</tool_call>``. ``feed`` takes the new text and
+    returns the deltas to send (``{"content": ...}`` or ``{"tool_calls": [...]}``).
+    """
+
+    def __init__(self, request: ToolRequest) -> None:
+        self.request = request
+        self.text = ""
+        self.calls: list[ToolCall] = []  # announced, with the arguments sent so far
+        self._sent_content = 0  # characters of content sent
+
+    def feed(self, delta: str, finished: bool = False) -> list[dict[str, Any]]:
+        self.text += delta
+        if self.request.hermes:
+            return self._hermes(finished)
+        return self._generic(finished)
+
+    # ---------------------------------------------------------------- generic
+
+    def _generic(self, finished: bool) -> list[dict[str, Any]]:
+        text = self.text
+        if text.startswith(_REPLY):
+            return self._content(_partial_string(text[len(_REPLY) :]))
+        if not text.startswith(_CALLS) or (finished and not self.calls and _CALL_HEAD.match(text, len(_CALLS)) is None):
+            if finished:
+                return self._content(text)  # not in the format (cut short, say): the text as it is
+            return []
+        out, pos = [], len(_CALLS)
+        for i in range(len(text)):
+            head = _CALL_HEAD.match(text, pos)
+            if head is None:
+                break
+            if i == len(self.calls):
+                self.calls.append(ToolCall(f"call_{uuid.uuid4().hex[:24]}", head.group(1), ""))
+                call = self.calls[i]
+                out.append({"tool_calls": [{"index": i, "id": call.id, "type": "function",
+                                            "function": {"name": call.name, "arguments": ""}}]})  # fmt: skip
+            start = head.end()
+            end = _json_value_end(text, start)
+            args = text[start : end + 1 if end is not None else len(text)]
+            call = self.calls[i]
+            if len(args) > len(call.arguments):
+                out.append({"tool_calls": [{"index": i, "function": {"arguments": args[len(call.arguments) :]}}]})
+                self.calls[i] = ToolCall(call.id, call.name, args)
+            if end is None or not text.startswith(_CALL_SEP, end + 1):
+                break
+            pos = end + 1 + len(_CALL_SEP)  # the next call's head
+        return out
+
+    def _content(self, text: str) -> list[dict[str, Any]]:
+        new = text[self._sent_content :]
+        self._sent_content = len(text)
+        return [{"content": new}] if new else []
+
+    # ----------------------------------------------------------------- hermes
+
+    def _hermes(self, finished: bool) -> list[dict[str, Any]]:
+        out = []
+        blocks = list(_HERMES_CALL.finditer(self.text))
+        for m in blocks[len(self.calls) :]:
+            if _is_call(m.group(1)):
+                call = _call(json.loads(m.group(1)))
+                self.calls.append(call)
+                out.append({"tool_calls": [{"index": len(self.calls) - 1, "id": call.id, "type": "function",
+                                            "function": {"name": call.name, "arguments": call.arguments}}]})  # fmt: skip
+        if self.calls:
+            return out  # text around calls is not streamed (it is in the final message's content)
+        opened = self.text.find("<tool_call>")
+        if finished:
+            visible = self.text
+        elif opened >= 0:
+            visible = self.text[:opened]  # a call is being written: it goes out whole
+        else:
+            visible = _before_possible_tag(self.text, "<tool_call>")
+        return self._content(visible) + out
+
+
+_REPLY = '{"response": "'
+_CALLS = '{"tool_calls": ['
+_CALL_HEAD = re.compile(r'\{"name": "([A-Za-z0-9_-]{1,64})", "arguments": ')
+_CALL_SEP = "}, "  # a call's closing brace, then the next call
+
+
+def _partial_string(body: str) -> str:
+    """The decoded text of a JSON string body that may be cut anywhere (up to its
+    closing quote; an escape cut in the middle waits for the next piece)."""
+    i, end = 0, len(body)
+    while i < len(body):
+        c = body[i]
+        if c == '"':
+            end = i
+            break
+        if c == "\\":
+            width = 6 if body[i + 1 : i + 2] == "u" else 2
+            if i + width > len(body):
+                end = i
+                break
+            i += width
+            continue
+        i += 1
+    else:
+        end = len(body)
+    piece = body[:end]
+    if re.search(r"\\u[dD][89abAB][0-9a-fA-F]{2}$", piece):  # half of a surrogate pair
+        piece = piece[:-6]
+    return json.loads(f'"{piece}"')
+
+
+def _json_value_end(text: str, start: int) -> int | None:
+    """Index of the last character of the JSON object or array starting at ``start``,
+    or None while it is incomplete."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        c = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return i
+    return None
+
+
+def _before_possible_tag(text: str, tag: str) -> str:
+    """text without a tail that could be the start of ``tag``."""
+    for k in range(min(len(tag), len(text)), 0, -1):
+        if tag.startswith(text[-k:]):
+            return text[:-k]
+    return text
+
+
 def render_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Messages without tools on offer, earlier tool calls and results still rendered."""
     return [_render_message(m, hermes=False) for m in messages]
