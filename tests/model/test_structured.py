@@ -84,6 +84,7 @@ def chat(llm: LLM, text: str) -> list[int]:
     return llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": text}]), False)
 
 
+@pytest.mark.slow
 def test_200_sampled_requests_all_validate(llm):
     prompts, params, schemas = [], [], []
     for i in range(200):
@@ -233,3 +234,27 @@ def test_compiled_grammars_are_cached_by_content(llm):
     hits = compiler.stats.hits
     assert compiler.compile(StructuredOutputs(json=json.dumps(schema))) is first  # text or dict: same content
     assert compiler.stats.hits == hits + 1
+
+
+@pytest.mark.slow
+def test_sampling_under_a_grammar_is_distribution_identical_with_speculation(llm):
+    """Self-speculation drafts from an unmasked q; the target's p is masked: verification
+    must still sample each position from the masked p."""
+    scipy_stats = pytest.importorskip("scipy.stats")
+    prompt = chat(llm, "Type six random letters from a to e, separated by commas.")
+    n, regex = 300, "[a-e](, [a-e]){5}"  # the separators are what the draft gets right
+
+    def fourth_letters(engine: LLM) -> list[int]:
+        outs = engine.generate([prompt] * n, [SamplingParams(temperature=1.0, seed=10_000 + i, max_tokens=24,
+                                                             structured={"regex": regex}) for i in range(n)])  # fmt: skip
+        texts = [o.outputs[0].text for o in outs]
+        assert all(re.fullmatch(regex, t) for t in texts), [t for t in texts if not re.fullmatch(regex, t)]
+        return [sum(t.split(", ")[3] == c for t in texts) for c in "abcde"]
+
+    spec = LLM(dtype="float32", progress=False, speculative="self", draft_layers=10, num_speculative_tokens=3,
+               spec_disable_batch_size=1000, max_num_seqs=64)  # fmt: skip
+    with_spec = fourth_letters(spec)
+    assert spec.spec_decode_stats.num_accepted_tokens > 0
+    plain = fourth_letters(llm)
+    table = [[a, b] for a, b in zip(plain, with_spec, strict=True) if a + b > 0]
+    assert scipy_stats.chi2_contingency(table).pvalue > 1e-3, (plain, with_spec)

@@ -222,3 +222,49 @@ def test_bad_tool_requests_are_400(http, body, needle):
 def test_tools_on_completions_are_refused(http):
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "tools": [WEATHER]})
     assert r.status_code == 400 and "chat" in r.json()["error"]["message"]
+
+
+# ------------------------------------------- a chat template that knows tools (Hermes)
+
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nYou may call these tools:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "Answer with <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> blocks.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def hermes_server(tmp_path_factory, llm):
+    """A tiny random Llama with SmolLM2's vocabulary and a Hermes-style template."""
+    from tests.helpers import make_tiny_llama
+    from tests.server.conftest import Server
+
+    path = tmp_path_factory.mktemp("hermes")
+    make_tiny_llama(path, vocab_size=llm.config.vocab_size, max_position_embeddings=1024)
+    llm.tokenizer.backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": HERMES_TEMPLATE, "eos_token": "<|im_end|>"}))
+    server = Server("--model", str(path), "--kv-cache-memory", "64MiB")
+    yield server
+    server.stop()
+
+
+def test_hermes_template_gets_tools_and_its_calls_are_parsed(hermes_server):
+    client = openai.OpenAI(base_url=hermes_server.url + "/v1", api_key="none", max_retries=0)
+    named = {"type": "function", "function": {"name": "get_time"}}
+    parsed = 0
+    for choice, parallel in ((named, True), ("required", False), ("required", True)):
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
+                                           parallel_tool_calls=parallel, max_tokens=120, temperature=0)  # fmt: skip
+        c = r.choices[0]
+        if c.finish_reason == "length":  # random weights may repeat calls (parallel) until max_tokens
+            assert parallel and c.message.content.startswith("<tool_call>\n{"), c.message.content
+            continue
+        assert c.finish_reason == "tool_calls" and c.message.tool_calls, c.message.content
+        assert len(c.message.tool_calls) == 1 or parallel
+        parsed += 1
+        for call in c.message.tool_calls:
+            assert choice != named or call.function.name == "get_time"
+            schema = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]["parameters"]
+            jsonschema.validate(_args(call), schema)
+    assert parsed >= 2  # the named and the single call always end

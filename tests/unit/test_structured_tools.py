@@ -156,3 +156,44 @@ def test_rollback_restores_the_matcher(compiler, tokenizer):
     matcher.rollback(len(ids))
     assert matcher.num_valid(tokenizer.encode("abc", add_special_tokens=False)) >= 1
     assert matcher.num_valid(tokenizer.encode("xbc", add_special_tokens=False)) == 0
+
+
+def _accumulate(deltas: list[dict]) -> tuple[str, list[tuple[str, str]]]:
+    content, calls = "", {}
+    for d in deltas:
+        content += d.get("content", "")
+        for tc in d.get("tool_calls", []):
+            acc = calls.setdefault(tc["index"], ["", ""])
+            acc[0] += tc.get("function", {}).get("name", "")
+            acc[1] += tc.get("function", {}).get("arguments", "")
+    return content, [tuple(calls[i]) for i in sorted(calls)]
+
+
+def _stream(request, text: str, step: int) -> list[dict]:
+    from tokenmill.structured.tools import ToolStream
+
+    stream, out = ToolStream(request), []
+    for i in range(0, len(text), step):
+        out += stream.feed(text[i : i + step], finished=i + step >= len(text))
+    return out
+
+
+@pytest.mark.parametrize("step", [1, 3, 7, 1000])
+def test_tool_stream_sends_what_parse_finds(step):
+    generic = parse_tool_request([WEATHER, TIME], "auto", True, None)
+    calls = ('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Pa\\"ris {x}", "n": [1, {"a": "}"}]}}, '
+             '{"name": "get_time", "arguments": {"tz": "UTC"}}]}')  # fmt: skip
+    deltas = _stream(generic, calls, step)
+    content, streamed = _accumulate(deltas)
+    assert content == "" and [(n, json.loads(a)) for n, a in streamed] == [
+        (c.name, json.loads(c.arguments)) for c in generic.parse(calls)[1]
+    ]
+    assert sum("tool_calls" in d for d in deltas) >= (4 if step < 10 else 2)  # heads, then argument pieces
+    reply = '{"response": "Hi \\u00e9\\ud83d\\ude00 \\"quoted\\" \\\\ done"}'
+    assert _accumulate(_stream(generic, reply, step)) == (generic.parse(reply)[0], [])
+    cut = '{"tool_calls": [{"name": "get_wea'  # cut by max_tokens: the text, as parse gives it
+    assert _accumulate(_stream(generic, cut, step)) == (cut, [])
+    hermes = parse_tool_request([WEATHER], "auto", True, HERMES_TEMPLATE)
+    text = 'Sure, <tool_ checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+    content, calls = _accumulate(_stream(hermes, text, step))
+    assert content == "Sure, <tool_ checking.\n" and calls == [("get_weather", '{"city": "Rome"}')]

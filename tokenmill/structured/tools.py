@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.errors import InvalidRequestError
+from tokenmill.structured.grammar import JSON_OPTIONS
 from tokenmill.structured.spec import StructuredOutputs
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -102,7 +103,8 @@ class ToolRequest:
         if self.hermes:
             if self.choice == "auto":
                 return None
-            one = json.dumps({"anyOf": [_call_schema(t) for t in self.offered]})
+            # JSON_OPTIONS inside the Lark grammar too: no free whitespace to loop on
+            one = json.dumps({"anyOf": [_call_schema(t) for t in self.offered], "x-guidance": JSON_OPTIONS})
             block = f'"<tool_call>\\n" %json {one} "\\n</tool_call>"'
             repeat = "" if not self.parallel or self.named is not None else f' ("\\n" {block})*'
             return StructuredOutputs(grammar=f"start: {block}{repeat}\n")
@@ -198,24 +200,21 @@ class ToolStream:
     # ----------------------------------------------------------------- hermes
 
     def _hermes(self, finished: bool) -> list[dict[str, Any]]:
-        out = []
-        blocks = list(_HERMES_CALL.finditer(self.text))
-        for m in blocks[len(self.calls) :]:
-            if _is_call(m.group(1)):
-                call = _call(json.loads(m.group(1)))
-                self.calls.append(call)
-                out.append({"tool_calls": [{"index": len(self.calls) - 1, "id": call.id, "type": "function",
-                                            "function": {"name": call.name, "arguments": call.arguments}}]})  # fmt: skip
-        if self.calls:
-            return out  # text around calls is not streamed (it is in the final message's content)
+        blocks = [m for m in _HERMES_CALL.finditer(self.text) if _is_call(m.group(1))]
         opened = self.text.find("<tool_call>")
-        if finished:
-            visible = self.text
+        if finished and not blocks:
+            visible = self.text  # no whole call (cut short, say): all of it is content, as parse gives it
         elif opened >= 0:
-            visible = self.text[:opened]  # a call is being written: it goes out whole
+            visible = self.text[:opened]  # text after the first call is in the final message only
         else:
             visible = _before_possible_tag(self.text, "<tool_call>")
-        return self._content(visible) + out
+        out = self._content(visible)
+        for m in blocks[len(self.calls) :]:
+            call = _call(json.loads(m.group(1)))
+            self.calls.append(call)
+            out.append({"tool_calls": [{"index": len(self.calls) - 1, "id": call.id, "type": "function",
+                                        "function": {"name": call.name, "arguments": call.arguments}}]})  # fmt: skip
+        return out
 
 
 _REPLY = '{"response": "'
