@@ -7,9 +7,10 @@ Measures, in one run, with the CPU recorded:
   from ours (once per engine), the schema cold, and again (our LRU cache);
 - mask overhead per step at batch 1, 8 and 32 with every request constrained to the
   extraction schema: the median decode-step time (steps where the whole batch runs)
-  constrained vs free (the free requests ignore EOS), and inside it the time filling
-  the bitmasks (on the mask thread, overlapped with the forward) and applying them to
-  the logits;
+  constrained vs free (the free requests ignore EOS; noisy on a shared machine, as
+  the steps compared differ), and, measured inside the constrained steps, the time
+  filling the masks (mask thread, overlapped with the forward), the runner's wait
+  for them after the forward, and applying them to the logits;
 - a JSON-extraction workload (short bios -> {name, age, city, occupation}), free vs
   constrained: throughput, and the share of outputs that parse and validate (the
   reason to constrain at all).
@@ -31,6 +32,7 @@ import jsonschema
 import tokenmill.engine.structured as structured_engine
 import tokenmill.worker.model_runner as model_runner
 from tokenmill import LLM, SamplingParams
+from tokenmill.engine.model_input import GrammarMasks
 from tokenmill.kernels.cpu import cpu_info
 from tokenmill.structured.grammar import GrammarCompiler
 from tokenmill.structured.spec import StructuredOutputs
@@ -59,12 +61,22 @@ def log(msg: str) -> None:
 
 
 class Timers:
-    """Wall time of the mask fill (mask thread) and of applying masks (runner)."""
+    """Wall time of the mask fill (mask thread), of the runner's wait for it after the
+    forward (the part of the fill not hidden behind the forward), and of applying the
+    masks to the logits (runner)."""
 
     def __init__(self) -> None:
         self.fill: list[float] = []
+        self.wait: list[float] = []
         self.apply: list[float] = []
-        fill, apply = structured_engine._fill_masks, model_runner.apply_grammar_bias
+        fill, apply, get = structured_engine._fill_masks, model_runner.apply_grammar_bias, GrammarMasks.get
+
+        def timed_get(masks):
+            t0 = time.perf_counter()
+            try:
+                return get(masks)
+            finally:
+                self.wait.append(time.perf_counter() - t0)
 
         def timed_fill(*args):
             t0 = time.perf_counter()
@@ -80,9 +92,11 @@ class Timers:
 
         structured_engine._fill_masks = timed_fill
         model_runner.apply_grammar_bias = timed_apply
+        GrammarMasks.get = timed_get
 
     def reset(self) -> None:
         self.fill.clear()
+        self.wait.clear()
         self.apply.clear()
 
 
@@ -122,7 +136,7 @@ def overhead(llm: LLM, timers: Timers, batch: int, tokens: int, rounds: int) -> 
     """Constrained and free runs of the same batch, alternated ``rounds`` times."""
     rng = random.Random(batch)
     prompts = [chat_ids(llm, f"Extract the person as JSON: {bio(rng)}") for _ in range(batch)]
-    free_steps, con_steps, fill, apply, con_tokens = [], [], [], [], []
+    free_steps, con_steps, fill, wait, apply, con_tokens = [], [], [], [], [], []
     for r in range(rounds):
         for constrained in (False, True):
             llm.engine.step_stats.clear()
@@ -138,6 +152,7 @@ def overhead(llm: LLM, timers: Timers, batch: int, tokens: int, rounds: int) -> 
             if constrained:
                 con_steps += steps
                 fill += timers.fill
+                wait += timers.wait
                 apply += timers.apply
                 con_tokens += [len(o.outputs[0].token_ids) for o in outs]
             else:
@@ -150,12 +165,16 @@ def overhead(llm: LLM, timers: Timers, batch: int, tokens: int, rounds: int) -> 
         "overhead_pct": (con / free - 1) * 100,
         "mask_fill_ms": statistics.median(fill) * 1e3,
         "mask_apply_ms": statistics.median(apply) * 1e3,
+        "mask_wait_ms": statistics.median(wait) * 1e3,
         "mask_fill_pct_of_step": statistics.median(fill) / free * 100,
+        # on the step's critical path: the wait for the fill after the forward, and the apply
+        "critical_path_pct_of_step": (statistics.median(wait) + statistics.median(apply)) / free * 100,
         "steps": [len(free_steps), len(con_steps)],
         "constrained_tokens_mean": statistics.mean(con_tokens),
     }
     log(f"  batch {batch}: free {res['free_step_ms']:.1f} ms, constrained {res['constrained_step_ms']:.1f} ms "
-        f"({res['overhead_pct']:+.1f}%), fill {res['mask_fill_ms']:.2f} ms, apply {res['mask_apply_ms']:.2f} ms")  # fmt: skip
+        f"({res['overhead_pct']:+.1f}%), fill {res['mask_fill_ms']:.2f} ms, wait {res['mask_wait_ms']:.2f} ms, "
+        f"apply {res['mask_apply_ms']:.2f} ms")  # fmt: skip
     return res
 
 
@@ -223,7 +242,8 @@ def plot(res: dict, path: Path) -> None:
     a.bar([i - 0.2 for i in x], [r["free_step_ms"] for r in rows], 0.4, label="free")
     a.bar([i + 0.2 for i in x], [r["constrained_step_ms"] for r in rows], 0.4, label="every request constrained")
     for i, r in enumerate(rows):
-        a.text(i + 0.2, r["constrained_step_ms"], f"{r['overhead_pct']:+.1f}%", ha="center", va="bottom", fontsize=8)
+        a.text(i + 0.2, r["constrained_step_ms"], f"{r['overhead_pct']:+.1f}%\nmasks {r['mask_fill_pct_of_step']:.1f}%",
+               ha="center", va="bottom", fontsize=8)  # fmt: skip
     a.set_xticks(list(x), [f"batch {r['batch']}" for r in rows])
     a.set_ylabel("median decode step (ms)")
     a.set_title("Grammar mask overhead per step")

@@ -76,7 +76,8 @@ def test_a_lone_surrogate_is_a_400_not_a_500(app_engine, path, raw):
         ({"best_of": 3}, "best_of"),
         ({"suffix": "!"}, "suffix"),
         ({"tools": [{"type": "function"}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"functions": [{"name": "f"}]}, "functions"),
     ],
 )
 def test_out_of_range_wrongly_typed_or_unsupported_fields_are_400s_naming_the_field(app_engine, body, field):

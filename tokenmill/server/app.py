@@ -14,6 +14,7 @@ aborts its request at once, freeing its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -163,11 +164,14 @@ def build_app(engine: AsyncEngine, tokenizer: Any, max_model_len: int, config: S
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         _check_model(served, body.model)
-        tools = parse_tool_request(body.tools, body.tool_choice, body.parallel_tool_calls, tokenizer.chat_template)
+        template = getattr(tokenizer, "chat_template", None)
+        tools = parse_tool_request(body.tools, body.tool_choice, body.parallel_tool_calls, template)
         messages = [m.as_dict() for m in body.messages]
         messages = tools.render_messages(messages) if tools else render_messages(messages)
-        described = [t.as_openai() for t in tools.offered] if tools and tools.hermes else None
-        text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, body.add_generation_prompt, described)
+        render = tokenizer.apply_chat_template
+        if tools and tools.hermes:  # the template describes the tools itself
+            render = functools.partial(render, tools=[t.as_openai() for t in tools.offered])
+        text = await asyncio.to_thread(render, messages, body.add_generation_prompt)
         ids = await asyncio.to_thread(tokenizer.encode, text, False)
         params = body.sampling_params(_max_tokens(served, ids, body.requested_max_tokens), tools and tools.constraint())
         job = _Job(served, "chatcmpl", "chat.completion", [ids], [params], body.include_usage, body.return_timings,

@@ -163,7 +163,7 @@ def grammar_text(spec: StructuredOutputs) -> str:
         if kind == "choice":
             return grammar_from("choice", json.dumps(list(spec.choice)))
         return grammar_from("grammar", spec.grammar)  # Lark, or GBNF/EBNF converted to Lark
-    except (ValueError, RuntimeError) as e:
+    except Exception as e:  # noqa: BLE001 - any failure to read the user's text is their 400
         raise InvalidRequestError(f"invalid structured output {kind}: {e}", param=kind) from e
 
 

@@ -304,7 +304,8 @@ def parse_tool_request(tools: Any, tool_choice: Any, parallel_tool_calls: bool |
     elif tool_choice in ("none", "auto", "required"):
         choice = tool_choice
     elif isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
-        named = (tool_choice.get("function") or {}).get("name")
+        fn = tool_choice.get("function")
+        named = fn.get("name") if isinstance(fn, dict) else None
         if named not in names:
             raise InvalidRequestError(f"tool_choice names function {named!r}, which is not in tools", param="tool_choice")
         choice = "named"
