@@ -256,7 +256,7 @@ def plot(res: dict, path: Path) -> None:
     b.set_xticks(range(3), labels)
     b.set_ylabel(f"% of {ex['requests']} outputs")
     b.set_title("JSON extraction: outputs a program can use")
-    b.legend()
+    b.legend(loc="center left")
     fig.suptitle(f"CPU: {cpu_info().describe()}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -269,7 +269,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48, help="tokens per request in the overhead runs")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--extraction", type=int, default=32, help="requests in the extraction workload")
+    ap.add_argument("--replot", action="store_true", help="redraw the PNG from the saved JSON")
     args = ap.parse_args()
+    if args.replot:
+        plot(json.loads((RESULTS / "structured.json").read_text()), RESULTS / "structured.png")
+        return
     log(f"CPU: {cpu_info().describe()}")
     llm = LLM(dtype=args.dtype, progress=True, max_num_seqs=max(args.batches + [args.extraction]))
     timers = Timers()

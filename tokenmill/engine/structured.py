@@ -23,7 +23,6 @@ Each step, for every sequence that samples and has a grammar:
 
 from __future__ import annotations
 
-import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -35,10 +34,10 @@ from tokenmill.errors import InvalidRequestError
 from tokenmill.structured.grammar import CompiledGrammar, GrammarCompiler, bitmask_words
 from tokenmill.structured.spec import StructuredOutputs
 
-logger = logging.getLogger(__name__)
-
 
 class StructuredOutputManager:
+    """The engine's side of structured output: compiling, and each step's masks."""
+
     def __init__(self, compiler: GrammarCompiler | None) -> None:
         self.compiler = compiler
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-grammar")
@@ -65,9 +64,6 @@ class StructuredOutputManager:
         words = bitmask_words(self.compiler.vocab_size)
         future: Future[dict[str, np.ndarray]] = self._executor.submit(_fill_masks, jobs, words)
         return GrammarMasks(future)
-
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 def _fill_masks(jobs: list[tuple[str, Any, list[int]]], words: int) -> dict[str, np.ndarray]:
