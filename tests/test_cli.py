@@ -78,3 +78,19 @@ def test_plan_sizes_the_kv_cache_as_the_engine_does():
     assert "46,080 B" in r.stdout and "= 91 blocks of 16" in r.stdout
     assert "CPU: " in r.stdout and "native bfloat16: " in r.stdout  # every plan records the machine
     assert [ln.split()[-1] for ln in r.stdout.splitlines() if "max sequences of 512 tokens" in ln] == ["2"]
+
+
+def test_generate_held_to_a_json_schema_or_a_regex(tmp_path):
+    import json
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+              "additionalProperties": False}  # fmt: skip
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    r = run("chat", "Name a city as JSON.", "--json-schema", f"@{tmp_path / 'schema.json'}", "--temperature", "0.8",
+            "--seed", "1", "--max-tokens", "40")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert set(json.loads(r.stdout.strip().splitlines()[-1])) == {"city"} and "finish: stop" in r.stderr
+    r = run("generate", "Answer:", "--choice", "yes", "--choice", "no", "--max-tokens", "4")
+    assert r.returncode == 0 and r.stdout.strip() in ("yes", "no"), r.stderr
+    r = run("generate", "x", "--regex", "(unclosed")
+    assert r.returncode == 2 and "invalid structured output regex" in r.stderr and "Traceback" not in r.stderr

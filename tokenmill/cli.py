@@ -30,6 +30,30 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
+    c = p.add_argument_group("structured output (one of)")
+    c.add_argument("--json-schema", default=None, metavar="SCHEMA", help="a JSON schema, as text or @file")
+    c.add_argument("--json-object", action="store_true", help="any JSON object")
+    c.add_argument("--regex", default=None)
+    c.add_argument("--choice", action="append", default=None, help="an allowed output (repeatable)")
+    c.add_argument("--grammar", default=None, metavar="GRAMMAR", help="Lark or GBNF text, or @file")
+
+
+def _structured(args: argparse.Namespace):
+    """--json-schema / --json-object / --regex / --choice / --grammar as StructuredOutputs (or None)."""
+    from tokenmill.structured.spec import StructuredOutputs
+
+    def text(value: str | None) -> str | None:
+        if value is not None and value.startswith("@"):
+            from pathlib import Path
+
+            return Path(value[1:]).read_text()
+        return value
+
+    given = {"json": text(args.json_schema), "json_object": args.json_object, "regex": args.regex,
+             "choice": args.choice, "grammar": text(args.grammar)}  # fmt: skip
+    if not any(given.values()):
+        return None
+    return StructuredOutputs(**{k: v for k, v in given.items() if v})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,6 +105,7 @@ def _params(args: argparse.Namespace):
         seed=args.seed,
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
+        structured=_structured(args),
     )
 
 
