@@ -15,7 +15,15 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from tokenmill.config import CacheConfig, EngineArgs, LoadConfig, SchedulerConfig, ServerConfig, SpeculativeConfig
+from tokenmill.config import (
+    CacheConfig,
+    EngineArgs,
+    LoadConfig,
+    LoRAConfig,
+    SchedulerConfig,
+    ServerConfig,
+    SpeculativeConfig,
+)
 from tokenmill.errors import TokenmillError
 
 ENGINE_SECTIONS: dict[str, type] = {
@@ -23,8 +31,10 @@ ENGINE_SECTIONS: dict[str, type] = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "speculative": SpeculativeConfig,
+    "lora": LoRAConfig,
 }
-_TITLES = {"load": "model", "cache": "KV cache", "scheduler": "scheduling", "speculative": "speculative decoding"}
+_TITLES = {"load": "model", "cache": "KV cache", "scheduler": "scheduling", "speculative": "speculative decoding",
+           "lora": "LoRA adapters"}  # fmt: skip
 
 
 def keyword(f: dataclasses.Field) -> str:
@@ -92,6 +102,9 @@ def add_config_arguments(group: Any, cls: type) -> None:
                 group.add_argument("--" + meta["negative"], dest=kw, action="store_const", const=False, help=meta["help"])
             else:
                 group.add_argument(flag, dest=kw, action="store_const", const=True, help=meta["help"])
+            continue
+        if typing.get_origin(hints[f.name]) is tuple:  # a list of values: --flag a b c
+            group.add_argument(flag, dest=kw, nargs="+", default=None, help=meta["help"])
             continue
         choices = meta.get("choices")
         if cls is SpeculativeConfig and f.name == "method":

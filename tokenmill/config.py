@@ -170,6 +170,37 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving: adapters on one base model, mixed in one batch."""
+
+    enable_lora: bool = opt(False, "serve LoRA adapters (PEFT folders) on top of the base model")
+    lora_modules: tuple[str, ...] = opt((), "adapters to serve, as name=path (repeatable: name=path name2=path2)")
+    max_loras: int = opt(4, "most distinct adapters in one step (slots of adapter weights beside the model)")
+    max_lora_rank: int = opt(16, "largest adapter rank accepted (slots are this wide)")
+    max_cpu_loras: int | None = opt(None, "adapters kept loaded in memory, least recently used evicted beyond "
+                                          "(default: max_loras)")  # fmt: skip
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lora_modules", tuple(self.lora_modules or ()))
+        _check(self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")
+        _check(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        _check(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+               f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")  # fmt: skip
+        for m in self.lora_modules:
+            _check("=" in m and m.split("=", 1)[0] and m.split("=", 1)[1],
+                   f"lora_modules entries are name=path, got {m!r}")  # fmt: skip
+        _check(self.enable_lora or not self.lora_modules, "lora_modules needs enable_lora (--enable-lora)")
+
+    @property
+    def modules(self) -> dict[str, str]:
+        return dict(m.split("=", 1) for m in self.lora_modules)
+
+    @property
+    def cpu_capacity(self) -> int:
+        return self.max_cpu_loras or self.max_loras
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """The OpenAI-compatible HTTP server."""
 
@@ -180,6 +211,7 @@ class ServerConfig:
     drain_timeout: float = opt(30.0, "seconds SIGTERM waits for in-flight requests")
     served_model_name: str | None = opt(None, "the model id clients send (default: the model's file name)")
     max_request_bytes: int = opt(2 << 20, "largest request body accepted; larger ones get 413")
+    allow_runtime_lora_updating: bool = opt(False, "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
 
 
 @dataclass(frozen=True)
@@ -190,3 +222,4 @@ class EngineArgs:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
+    lora: LoRAConfig = field(default_factory=LoRAConfig)

@@ -30,6 +30,7 @@ from tokenmill.spec.draft import ModelProposer
 from tokenmill.spec.ngram import NgramProposer
 from tokenmill.structured.grammar import GrammarCompiler
 from tokenmill.worker.kv_cache import allocate_kv_cache, block_bytes
+from tokenmill.worker.lora import LoRAManager
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.proposer import Proposer
 
@@ -142,7 +143,8 @@ def build_engine(args: EngineArgs, progress: bool = True) -> EngineParts:
     cache = args.cache
     kv_caches = allocate_kv_cache(config, num_blocks, cache.block_size, dtype, device, cache.kv_cache_dtype)
     proposer = _proposer(spec, model, draft, kv_caches, num_blocks, args, dtype, device) if spec else None
-    runner = ModelRunner(model, kv_caches, cache.block_size, device, proposer)
+    lora = LoRAManager(model, args.lora) if args.lora.enable_lora else None
+    runner = ModelRunner(model, kv_caches, cache.block_size, device, proposer, lora)
     engine = Engine(
         runner,
         tokenizer,
@@ -153,9 +155,12 @@ def build_engine(args: EngineArgs, progress: bool = True) -> EngineParts:
             enable_prefix_caching=cache.enable_prefix_caching,
             scheduler=args.scheduler,
             speculative=spec,
+            max_loras=args.lora.max_loras if args.lora.enable_lora else None,
         ),
         grammars=_grammar_compiler(tokenizer, config.vocab_size),
     )
+    for name, lora_path in args.lora.modules.items():
+        engine.add_lora(name, lora_path)
     return EngineParts(args, engine, runner, model, tokenizer, config, path, device, dtype, max_model_len, num_blocks, per_block)
 
 

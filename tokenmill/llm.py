@@ -55,16 +55,22 @@ class LLM:
         self,
         prompts: str | Sequence[str] | Sequence[Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order."""
+        """Run every prompt to completion; outputs come back in prompt order. ``lora``: the
+        adapter (name given to ``load_lora`` or ``lora_modules``) for all prompts, or one per
+        prompt (None: the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = _per_prompt(sampling_params, len(prompts))
+        loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != len(prompts):
+            raise InvalidRequestError(f"got {len(loras)} LoRA adapters for {len(prompts)} prompts")
         rids = []
         try:
-            for p, sp in zip(prompts, params, strict=True):
+            for p, sp, adapter in zip(prompts, params, loras, strict=True):
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, p, sp)
+                self.engine.add_request(rid, p, sp, lora=adapter)
                 rids.append(rid)
             done: dict[str, dict[int, RequestOutput]] = {rid: {} for rid in rids}
             while self.engine.has_unfinished():
@@ -81,11 +87,19 @@ class LLM:
         self,
         messages: Messages | Sequence[Messages],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c), add_special_tokens=False) for c in conversations]
-        return self.generate(prompts, sampling_params)  # type: ignore[arg-type]
+        return self.generate(prompts, sampling_params, lora)  # type: ignore[arg-type]
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve a PEFT adapter folder under ``name`` (needs ``enable_lora=True``)."""
+        self.engine.add_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.engine.remove_lora(name)
 
     def stream(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield one output per generated token (its delta_text), the last with finished=True."""

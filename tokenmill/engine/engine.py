@@ -12,6 +12,7 @@ retrying the step one request at a time): that request ends with finish_reason
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -40,6 +41,7 @@ STEP_STATS_KEPT = 100_000
 
 class Runner(Protocol):
     def execute(self, batch: ModelInput) -> ModelOutput: ...
+    def add_lora(self, name: str, path: str) -> None: ...
 
 
 class TextTokenizer(Protocol):
@@ -61,6 +63,17 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
+    max_loras: int | None = None  # None: LoRA adapters are off
+
+
+@dataclass(frozen=True)
+class LoRAInfo:
+    """A served adapter: its id seeds its requests' block hashes (a re-added adapter gets
+    a new one, so no block computed with other weights is ever reused)."""
+
+    name: str
+    path: str
+    id: int
 
 
 class Engine:
@@ -73,8 +86,11 @@ class Engine:
         self.block_pool = BlockPool(config.num_blocks, config.enable_prefix_caching)
         self.kv = KVCacheManager(self.block_pool, config.block_size)
         self.scheduler = Scheduler(
-            config.scheduler, self.kv, config.max_model_len, tokenizer.stop_token_ids, config.speculative
+            config.scheduler, self.kv, config.max_model_len, tokenizer.stop_token_ids, config.speculative,
+            config.max_loras or 1 << 30,
         )
+        self.loras: dict[str, LoRAInfo] = {}  # adapters requests may name
+        self._lora_ids = itertools.count(1)
         self.outputs = OutputProcessor(tokenizer)
         self.structured = StructuredOutputManager(grammars)
         self._requests: dict[str, list[Request]] = {}  # request id -> its live sequences (n of them)
@@ -91,6 +107,7 @@ class Engine:
         params: SamplingParams,
         add_special_tokens: bool = True,
         grammar: CompiledGrammar | None = None,
+        lora: str | None = None,
     ) -> list[Request]:
         """Queue a request; n > 1 becomes n sequences sharing the prompt's KV blocks.
 
@@ -104,6 +121,12 @@ class Engine:
         else:
             text, ids = None, list(prompt)
         self._validate_prompt(ids)
+        adapter = None
+        if lora is not None:
+            adapter = self.loras.get(lora)
+            if adapter is None:
+                known = ", ".join(sorted(self.loras)) or "none (start with --enable-lora --lora-modules name=path)"
+                raise InvalidRequestError(f"unknown LoRA adapter {lora!r}; served: {known}", param="model")
         if params.structured is not None and grammar is None:
             grammar = self.structured.compile(params.structured)
         reqs = []
@@ -118,6 +141,8 @@ class Engine:
                 index=i,
                 fork_of=seq_ids[0] if i > 0 else None,
                 grammar=grammar.matcher() if params.structured is not None and grammar is not None else None,
+                lora_name=lora,
+                hash_root=None if adapter is None else b"lora:%d" % adapter.id,
             )
             self.outputs.add(req)
             self.scheduler.add(req)
@@ -145,6 +170,28 @@ class Engine:
                 f"{self.block_pool.num_blocks}; raise kv_cache_memory",
                 param="prompt",
             )
+
+    def add_lora(self, name: str, path: str) -> LoRAInfo:
+        """Serve an adapter (read and checked now: LoRAError names what is wrong); a name
+        already served is replaced, for requests that arrive from now on."""
+        if self.config.max_loras is None:
+            raise InvalidRequestError("LoRA adapters are off: start the engine with enable_lora (--enable-lora)")
+        self.runner.add_lora(name, path)
+        info = LoRAInfo(name, str(path), next(self._lora_ids))
+        self.loras[name] = info
+        return info
+
+    def remove_lora(self, name: str) -> None:
+        """Stop serving an adapter: new requests naming it are refused; running ones finish."""
+        if self.loras.pop(name, None) is None:
+            raise InvalidRequestError(f"unknown LoRA adapter {name!r}", param="lora_name")
+
+    @property
+    def lora_usage(self) -> tuple[list[str], list[str]]:
+        """Adapters of the running and of the waiting requests (for metrics)."""
+        running = sorted({r.lora_name for r in self.scheduler.running if r.lora_name})
+        waiting = sorted({r.lora_name for r in self.scheduler.waiting if r.lora_name})
+        return running, waiting
 
     def abort(self, request_id: str) -> None:
         """End a request (all its n sequences) now and free everything it holds."""

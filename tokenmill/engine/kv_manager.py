@@ -49,7 +49,7 @@ class KVCacheManager:
             tokens = req.all_token_ids
             bs = self.block_size
             for i in range(len(req.block_hashes), num_blocks):
-                parent = req.block_hashes[-1] if req.block_hashes else None
+                parent = req.block_hashes[-1] if req.block_hashes else req.hash_root
                 req.block_hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))
         return req.block_hashes[:num_blocks]
 

@@ -30,6 +30,7 @@ class NewRequestData:
     output_token_ids: list[int]
     params: SamplingParams
     block_ids: list[int]
+    lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
 
 
 @dataclass

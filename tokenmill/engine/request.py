@@ -78,6 +78,8 @@ class Request:
     # lowers it whenever it changes an entry (copy-on-write, trim, free).
     num_synced_blocks: int = 0
     grammar: Any = None  # structured output: its GrammarMatcher, kept across preemption
+    lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
+    hash_root: bytes | None = None  # seeds its block hashes: an adapter's requests share blocks only among themselves
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or token id that ended it

@@ -89,12 +89,14 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: frozenset[int] = frozenset(),
         speculative: SpeculativeConfig | None = None,
+        max_loras: int = 1 << 30,
     ) -> None:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.speculative = speculative
+        self.max_loras = max_loras  # distinct LoRA adapters among the running requests, at most
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -159,8 +161,12 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         skipped: list[Request] = []
+        adapters = {r.lora_name for r in self.running if r.lora_name is not None}
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.popleft()
+            if req.lora_name is not None and req.lora_name not in adapters and len(adapters) >= self.max_loras:
+                skipped.append(req)  # every adapter slot is taken this step: wait for one to free up
+                continue
             forked = self._try_fork(req, out) if req.fork_of is not None else None
             if forked is None and req.fork_of is not None:  # its sibling's prompt is not computed yet
                 skipped.append(req)
@@ -188,6 +194,8 @@ class Scheduler:
                 out.block_copies.extend(copies)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if req.lora_name is not None:
+                adapters.add(req.lora_name)
             out.seqs.append(ScheduledSeq(req, num_new, [], lookahead))
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
@@ -213,8 +221,15 @@ class Scheduler:
     def _admit_static_batch(self) -> None:
         """Static batching: take up to max_num_seqs waiting requests as one batch; they
         are then scheduled like running ones, and nothing joins until all have ended."""
+        adapters = {r.lora_name for r in self.running if r.lora_name is not None}
+        skipped: list[Request] = []
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.popleft()
+            if req.lora_name is not None and req.lora_name not in adapters and len(adapters) >= self.max_loras:
+                skipped.append(req)
+                continue
+            if req.lora_name is not None:
+                adapters.add(req.lora_name)
             if req.num_computed_tokens == 0:
                 cached = self.kv.find_cached_prefix(req)
                 if cached and self.kv.allocate_slots(req, 0, cached) is not None:
@@ -223,6 +238,7 @@ class Scheduler:
             req.fork_of = None
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+        self.waiting.extendleft(reversed(skipped))
 
     def _try_fork(self, req: Request, out: SchedulerOutput) -> int | None:
         """n > 1: share the sibling's computed prompt blocks and compute only the last
@@ -275,7 +291,8 @@ class Scheduler:
             if rid not in self._known_to_runner:
                 self._known_to_runner.add(rid)
                 batch.new_requests.append(
-                    NewRequestData(rid, req.prompt_token_ids, list(req.output_token_ids), req.params, list(req.block_ids))
+                    NewRequestData(rid, req.prompt_token_ids, list(req.output_token_ids), req.params, list(req.block_ids),
+                                   req.lora_name)  # fmt: skip
                 )
             elif req.num_synced_blocks < len(req.block_ids):
                 batch.cached_requests.append(

@@ -13,6 +13,7 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.kernels.ops import TorchOps
+from tokenmill.lora.layers import LoRAMapping, LoRAState
 from tokenmill.model.layers.attention import AttentionMetadata
 from tokenmill.model.layers.kv_cache import KVCacheLayer
 from tokenmill.model.layers.norm import RMSNorm
@@ -95,6 +96,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None  # built in load_weights (needs rope_freqs)
         self.ops: TorchOps = TorchOps()  # the per-layer ops; the factory may swap in native kernels
+        self.lora_state: LoRAState | None = None  # set by add_lora_slots (multi-LoRA serving)
 
     @classmethod
     def from_weights(
@@ -123,7 +125,17 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],  # one per layer run
         meta: AttentionMetadata,
         num_layers: int | None = None,  # run only the first num_layers (self-speculation's draft)
+        lora: LoRAMapping | None = None,  # which token rows use which adapter slot
     ) -> torch.Tensor:  # [num_tokens, hidden]
+        if self.lora_state is None:
+            return self._forward(input_ids, positions, kv_caches, meta, num_layers)
+        self.lora_state.mapping = lora
+        try:
+            return self._forward(input_ids, positions, kv_caches, meta, num_layers)
+        finally:
+            self.lora_state.mapping = None
+
+    def _forward(self, input_ids, positions, kv_caches, meta, num_layers) -> torch.Tensor:
         assert self.rotary is not None
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         ops = self.ops

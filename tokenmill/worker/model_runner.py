@@ -23,12 +23,14 @@ import torch
 
 from tokenmill.engine.model_input import ModelInput, ModelOutput, SampledToken, ScheduledTokens
 from tokenmill.engine.request import token_slice
+from tokenmill.lora.layers import LoRAMapping
 from tokenmill.model.layers.attention import AttentionMetadata
 from tokenmill.model.layers.kv_cache import copy_blocks
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.inputs import InputBuffers, SeqInput, order_seqs, prepare_inputs
 from tokenmill.worker.kv_cache import KVCache
+from tokenmill.worker.lora import LoRAManager
 from tokenmill.worker.proposer import Draft, Proposer
 from tokenmill.worker.rejection import verify_greedy, verify_sampled
 from tokenmill.worker.sampler import SampleRow, apply_grammar_bias, chosen_logprobs, sample, sampling_distribution
@@ -43,6 +45,7 @@ class CachedRequestState:
     block_ids: list[int]
     generator: torch.Generator | None  # seeded requests only
     draft: Draft | None = None  # proposed last step, to verify next (token ids and their q together)
+    lora_name: str | None = None  # its LoRA adapter (None: the base model)
 
     @property
     def num_tokens(self) -> int:
@@ -60,8 +63,10 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         proposer: Proposer | None = None,
+        lora: LoRAManager | None = None,
     ) -> None:
         self.model = model
+        self.lora = lora  # multi-LoRA: adapters in memory and in slots
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -111,7 +116,7 @@ class ModelRunner:
             generator = held.generator if held is not None else self._parked_generators.pop(rid, None)
             self.requests[rid] = CachedRequestState(
                 rid, new.prompt_token_ids, list(new.output_token_ids), new.params, list(new.block_ids),
-                generator or self._new_generator(new.params.seed),
+                generator or self._new_generator(new.params.seed), lora_name=new.lora_name,
             )
         for c in batch.cached_requests:
             table = self.requests[c.request_id].block_ids
@@ -162,15 +167,28 @@ class ModelRunner:
         """[rows, vocab] float32 logits, in the order of ``seqs`` (``order_seqs`` first):
         one row per sampling sequence, 1 + k for one verifying k drafts."""
         input_ids, positions, meta, logits_indices = self.prepare(seqs)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, lora=self._lora_mapping(seqs))
         return self.model.compute_logits(hidden[logits_indices])
 
     @torch.inference_mode()
     def all_logits(self, seqs: list[SeqInput]) -> torch.Tensor:
         """Logits at every new position of the batch (scoring, and tests against a reference)."""
         input_ids, positions, meta, _ = self.prepare(seqs)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, lora=self._lora_mapping(seqs))
         return self.model.compute_logits(hidden)
+
+    def _lora_mapping(self, seqs: list[SeqInput]) -> LoRAMapping | None:
+        """The flat batch's rows per adapter slot (rows follow ``seqs``)."""
+        if self.lora is None:
+            return None
+        rows = [(self.requests[s.request_id].lora_name if s.request_id in self.requests else None, len(s.token_ids))
+                for s in seqs]  # fmt: skip
+        return self.lora.mapping(rows, self.device)
+
+    def add_lora(self, name: str, path: str) -> None:
+        if self.lora is None:
+            raise RuntimeError("this runner was built without LoRA slots (enable_lora)")
+        self.lora.add(name, path)
 
     def _sample(
         self, seqs: list[SeqInput], logits: torch.Tensor, grammar_masks: dict[str, Any] | None = None

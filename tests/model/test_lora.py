@@ -1,0 +1,202 @@
+"""Multi-LoRA: adapters written in PEFT's format by the tests (random, non-zero A and B)
+on a tiny random Llama with SmolLM2's vocabulary, checked against the same model with
+the adapter merged into its weights (W + s B A), ours and transformers'."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from tests.helpers import make_tiny_llama
+from tokenmill import LLM, SamplingParams
+from tokenmill.errors import InvalidRequestError, TokenmillError
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+HF_NAMES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
+ALL = tuple(HF_NAMES)
+PROMPTS = ["The river ran", "Once upon a time", "def add(a, b):", "The river ran fast over"]
+
+
+def write_adapter(path, hf_model, targets=ALL, rank=4, alpha=8, seed=0, rslora=False, **config):
+    """A PEFT adapter folder with random A and B (B non-zero, unlike a fresh PEFT init)."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i, layer in enumerate(hf_model.model.layers):
+        for t in targets:
+            lin = getattr(getattr(layer, HF_NAMES[t]), t)
+            prefix = f"base_model.model.model.layers.{i}.{HF_NAMES[t]}.{t}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, lin.in_features, generator=g) * 0.3
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(lin.out_features, rank, generator=g) * 0.3
+    path.mkdir(parents=True, exist_ok=True)
+    safetensors_torch.save_file(tensors, str(path / "adapter_model.safetensors"))
+    conf = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "use_rslora": rslora, "target_modules": list(targets),
+            "bias": "none", **config}  # fmt: skip
+    (path / "adapter_config.json").write_text(json.dumps(conf))
+    return path
+
+
+def merged(hf_model, adapter_dir):
+    """A copy of the transformers model with the adapter merged: W + s B A."""
+    conf = json.loads((adapter_dir / "adapter_config.json").read_text())
+    scale = conf["lora_alpha"] / (math.sqrt(conf["r"]) if conf.get("use_rslora") else conf["r"])
+    tensors = safetensors_torch.load_file(str(adapter_dir / "adapter_model.safetensors"))
+    model = transformers.LlamaForCausalLM(hf_model.config).eval()
+    model.load_state_dict(hf_model.state_dict())
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            key = f"base_model.model.{name}.lora_A.weight"
+            if key in tensors:
+                module.weight += scale * tensors[key.replace("lora_A", "lora_B")] @ tensors[key]
+    return model
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, llm):
+    path = tmp_path_factory.mktemp("lora_base")
+    hf = make_tiny_llama(path, vocab_size=llm.config.vocab_size, max_position_embeddings=512, num_hidden_layers=2)
+    llm.tokenizer.backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    return path, hf
+
+
+@pytest.fixture(scope="module")
+def adapters(base, tmp_path_factory):
+    path, hf = base
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "all": write_adapter(root / "all", hf, seed=1),
+        "attn": write_adapter(root / "attn", hf, targets=("q_proj", "v_proj"), rank=8, alpha=16, seed=2),
+        "mlp": write_adapter(root / "mlp", hf, targets=("gate_proj", "up_proj", "down_proj"), rank=2, alpha=4,
+                             seed=3, rslora=True),  # fmt: skip
+    }
+
+
+def served(base, adapters, **kw):
+    mods = [f"{name}={p}" for name, p in adapters.items()]
+    kw = {"kv_cache_memory": "16MiB", **kw}
+    return LLM(str(base[0]), dtype="float32", progress=False, enable_lora=True, lora_modules=mods, **kw)
+
+
+def ids(llm, text):
+    return llm.tokenizer.encode(text)
+
+
+def test_logits_match_transformers_with_the_adapter_merged(base, adapters):
+    path, hf = base
+    ours = served(base, adapters, max_lora_rank=8)
+    for name, adapter_dir in adapters.items():
+        ref = merged(hf, adapter_dir)
+        prompt = ids(ours, PROMPTS[0])
+        out = ours.generate(prompt, SamplingParams(temperature=0, max_tokens=8, logprobs=5), lora=name)[0].outputs[0]
+        full = torch.tensor([prompt + out.token_ids[:-1]])
+        with torch.no_grad():
+            ref_lp = ref(full).logits[0, len(prompt) - 1 :].log_softmax(-1)
+        assert out.token_ids == ref_lp.argmax(-1).tolist(), name  # greedy identical
+        for pos, top in enumerate(out.top_logprobs):
+            for token, lp in top:
+                assert abs(lp - ref_lp[pos, token].item()) < 1e-4, (name, pos)
+    base_only = ours.generate(ids(ours, PROMPTS[0]), SamplingParams(temperature=0, max_tokens=8))[0].outputs[0]
+    with torch.no_grad():
+        plain = hf.generate(torch.tensor([ids(ours, PROMPTS[0])]), max_new_tokens=8, do_sample=False)[0].tolist()
+    assert base_only.token_ids == plain[len(ids(ours, PROMPTS[0])) :]  # no adapter: the base model
+
+
+def test_a_mixed_batch_gives_each_request_its_output_alone(base, adapters):
+    llm = served(base, adapters, max_lora_rank=8)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    loras = [None, "all", "attn", "mlp", "all", None, "mlp", "attn"]
+    prompts = [ids(llm, PROMPTS[i % len(PROMPTS)]) for i in range(len(loras))]
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora=loras)]
+    alone = [llm.generate(p, params, lora=a)[0].outputs[0].token_ids for p, a in zip(prompts, loras, strict=True)]
+    assert together == alone
+    assert len({tuple(t) for t in together[:4]}) == 4  # the adapters do change the output
+
+
+def test_prefix_cache_is_keyed_by_adapter(base, adapters):
+    llm = served(base, adapters, max_lora_rank=8)
+    prompt = ids(llm, " ".join(["a long shared prompt"] * 12))
+    params = SamplingParams(temperature=0, max_tokens=2)
+    assert llm.generate(prompt, params, lora="all")[0].num_cached_tokens == 0
+    assert llm.generate(prompt, params, lora="attn")[0].num_cached_tokens == 0  # never another adapter's blocks
+    assert llm.generate(prompt, params)[0].num_cached_tokens == 0  # nor the base model's
+    assert llm.generate(prompt, params, lora="all")[0].num_cached_tokens > 0  # the same adapter shares
+    assert llm.generate(prompt, params)[0].num_cached_tokens > 0
+
+
+def test_max_loras_preemption_speculation_and_a_small_cpu_cache(base, adapters):
+    reference = served(base, adapters, max_lora_rank=8)
+    params = SamplingParams(temperature=0, max_tokens=40)
+    loras = ["all", "attn", "mlp", None, "mlp", "attn", "all", "mlp"]
+    prompts = [ids(reference, PROMPTS[i % len(PROMPTS)] + " and the mill turned") for i in range(len(loras))]
+    expected = [reference.generate(p, params, lora=a)[0].outputs[0].token_ids for p, a in zip(prompts, loras, strict=True)]
+    # one adapter slot, two adapters in memory (the third is read again from disk), a cache too small for all
+    tight = served(base, adapters, max_lora_rank=8, max_loras=1, max_cpu_loras=2, kv_cache_memory="24KiB",
+                   speculative="ngram", spec_disable_batch_size=64)  # fmt: skip
+    got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, lora=loras)]
+    assert got == expected
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.spec_decode_stats.num_drafts > 0
+    pool = tight.engine.block_pool
+    assert pool.num_free == pool.num_blocks
+
+
+def test_load_and_unload_at_runtime(base, adapters):
+    llm = served(base, {"all": adapters["all"]}, max_lora_rank=8)
+    prompt = ids(llm, PROMPTS[1])
+    params = SamplingParams(temperature=0, max_tokens=6)
+    with pytest.raises(InvalidRequestError, match="unknown LoRA adapter 'mlp'"):
+        llm.generate(prompt, params, lora="mlp")
+    llm.load_lora("mlp", str(adapters["mlp"]))
+    first = llm.generate(prompt, params, lora="mlp")[0].outputs[0].token_ids
+    assert first == served(base, adapters, max_lora_rank=8).generate(prompt, params, lora="mlp")[0].outputs[0].token_ids
+    llm.unload_lora("mlp")
+    with pytest.raises(InvalidRequestError, match="unknown LoRA adapter"):
+        llm.generate(prompt, params, lora="mlp")
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ("rank", "above --max-lora-rank"),
+        ("dora", "DoRA"),
+        ("lm_head", "lm_head"),
+        ("bias", "biases"),
+        ("shape", "expected A"),
+        ("missing", "no adapter_model.safetensors"),
+        ("unpaired", "without its pair"),
+    ],
+)
+def test_bad_adapters_are_refused_naming_the_problem(base, tmp_path, change, needle):
+    path, hf = base
+    kwargs = {"rank": 32} if change == "rank" else {}
+    extra = {"use_dora": True} if change == "dora" else {"bias": "all"} if change == "bias" else {}
+    targets = ("q_proj", "lm_head") if change == "lm_head" else ALL
+    if change == "lm_head":
+        adapter = write_adapter(tmp_path / "a", hf, targets=("q_proj",))
+        conf = json.loads((adapter / "adapter_config.json").read_text())
+        (adapter / "adapter_config.json").write_text(json.dumps({**conf, "target_modules": list(targets)}))
+    else:
+        adapter = write_adapter(tmp_path / "a", hf, **kwargs, **extra)
+    if change in ("shape", "unpaired", "missing"):
+        tensors = safetensors_torch.load_file(str(adapter / "adapter_model.safetensors"))
+        key = next(k for k in tensors if "lora_A" in k)
+        if change == "shape":
+            tensors[key] = torch.randn(4, 7)
+        elif change == "unpaired":
+            del tensors[key.replace("lora_A", "lora_B")]
+        safetensors_torch.save_file(tensors, str(adapter / "adapter_model.safetensors"))
+        if change == "missing":
+            (adapter / "adapter_model.safetensors").unlink()
+    small = {"dtype": "float32", "progress": False, "enable_lora": True, "kv_cache_memory": "16MiB"}
+    with pytest.raises(TokenmillError, match=needle):
+        LLM(str(path), lora_modules=[f"bad={adapter}"], **small)
+    llm = LLM(str(path), **small)
+    with pytest.raises(TokenmillError, match=needle):
+        llm.load_lora("bad", str(adapter))
+    assert llm.generate("hi", SamplingParams(max_tokens=2))[0].outputs[0].token_ids  # the engine serves on

@@ -1,0 +1,132 @@
+"""LoRA adapters in PEFT's format, read and checked against the base model.
+
+A PEFT adapter folder holds ``adapter_config.json`` (``r``, ``lora_alpha``,
+``use_rslora``, ``target_modules``...) and ``adapter_model.safetensors`` with, per
+adapted projection, ``...layers.{i}.{self_attn|mlp}.{name}.lora_A.weight`` (``[r, in]``)
+and ``lora_B.weight`` (``[out, r]``). The projection computes
+``W x + s * B (A x)`` with ``s = alpha / r`` (``alpha / sqrt(r)`` with rsLoRA); the
+scale is folded into B here, once.
+
+Supported: q/k/v/o/gate/up/down projections of the decoder layers. Refused with an
+error naming them: embedding or LM-head adapters, DoRA, trained biases, extra saved
+modules, ranks above ``max_lora_rank``, shapes that do not fit the model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tokenmill.config import ModelConfig
+from tokenmill.errors import TokenmillError
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
+
+
+class LoRAError(TokenmillError):
+    """An adapter that cannot be used with this model (the server answers 400)."""
+
+
+@dataclass
+class LoRAAdapter:
+    name: str
+    path: str
+    rank: int
+    scaling: float
+    # (layer, target) -> (A [r, in], B [out, r] already multiplied by the scaling), float32 on the CPU
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
+
+    @property
+    def targets(self) -> set[str]:
+        return {t for _, t in self.weights}
+
+
+def target_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(out, in) of each adaptable projection."""
+    q, kv, h, i = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}  # fmt: skip
+
+
+def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -> LoRAAdapter:
+    """Read and check a PEFT adapter folder; LoRAError names what is wrong."""
+    folder = Path(path)
+    config_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+    if not config_file.is_file():
+        raise LoRAError(f"LoRA adapter {name!r}: no adapter_config.json in {folder}")
+    if not weights_file.is_file():
+        raise LoRAError(f"LoRA adapter {name!r}: no adapter_model.safetensors in {folder}")
+    try:
+        conf = json.loads(config_file.read_text())
+    except ValueError as e:
+        raise LoRAError(f"LoRA adapter {name!r}: adapter_config.json is not valid JSON: {e}") from None
+    _check_config(name, conf, max_rank)
+    rank, alpha = int(conf["r"]), float(conf.get("lora_alpha", conf["r"]))
+    scaling = alpha / math.sqrt(rank) if conf.get("use_rslora") else alpha / rank
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(str(weights_file))
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file
+        raise LoRAError(f"LoRA adapter {name!r}: cannot read {weights_file.name}: {e}") from None
+    shapes = target_shapes(cfg)
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        m = _KEY.search(key)
+        if m is None:
+            raise LoRAError(f"LoRA adapter {name!r}: unsupported weight {key!r} (only q/k/v/o/gate/up/down "
+                            "projections of the decoder layers can be adapted)")  # fmt: skip
+        layer, target, half = int(m.group(1)), m.group(2), m.group(3)
+        if target not in shapes or layer >= cfg.num_layers:
+            raise LoRAError(f"LoRA adapter {name!r}: weight {key!r} does not match a projection of this model")
+        halves.setdefault((layer, target), {})[half] = tensor.to(torch.float32)
+    weights = {}
+    for (layer, target), pair in sorted(halves.items()):
+        if set(pair) != {"A", "B"}:
+            raise LoRAError(f"LoRA adapter {name!r}: layer {layer} {target} has lora_{''.join(pair)} without its pair")
+        a, b = pair["A"], pair["B"]
+        out, inp = shapes[target]
+        if a.shape != (rank, inp) or b.shape != (out, rank):
+            raise LoRAError(f"LoRA adapter {name!r}: layer {layer} {target} has A {tuple(a.shape)} and B "
+                            f"{tuple(b.shape)}, expected A ({rank}, {inp}) and B ({out}, {rank})")  # fmt: skip
+        weights[(layer, target)] = (a.contiguous(), (b * scaling).contiguous())
+    if not weights:
+        raise LoRAError(f"LoRA adapter {name!r}: {weights_file.name} holds no LoRA weights")
+    return LoRAAdapter(name, str(folder), rank, scaling, weights)
+
+
+def _check_config(name: str, conf: dict, max_rank: int) -> None:
+    def refuse(why: str) -> LoRAError:
+        return LoRAError(f"LoRA adapter {name!r}: {why}")
+
+    if conf.get("peft_type", "LORA") != "LORA":
+        raise refuse(f"peft_type {conf.get('peft_type')!r} is not supported (only LORA)")
+    rank = conf.get("r")
+    if not isinstance(rank, int) or rank < 1:
+        raise refuse(f"r must be a positive integer, got {rank!r}")
+    if rank > max_rank:
+        raise refuse(f"rank {rank} is above --max-lora-rank {max_rank}")
+    if conf.get("use_dora"):
+        raise refuse("DoRA (use_dora) is not supported")
+    if conf.get("bias", "none") != "none":
+        raise refuse(f"trained biases (bias={conf['bias']!r}) are not supported")
+    if conf.get("modules_to_save"):
+        raise refuse(f"modules_to_save {conf['modules_to_save']} are not supported")
+    targets = conf.get("target_modules") or []
+    if isinstance(targets, str):
+        targets = [targets] if targets in TARGETS + ("embed_tokens", "lm_head") else []
+    unsupported = sorted(set(targets) - set(TARGETS))
+    if unsupported:
+        raise refuse(f"target_modules {unsupported} are not supported (supported: {', '.join(TARGETS)})")
+    if conf.get("layers_to_transform") is not None and not isinstance(conf["layers_to_transform"], list | int):
+        raise refuse("layers_to_transform must be a list of layer indices")
