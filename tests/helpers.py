@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from tokenmill.config import ModelConfig
@@ -198,3 +200,38 @@ def tiny_model(seed: int, vocab: int = 8, layers: int = 2) -> LlamaForCausalLM:
         w |= {p + "mlp.gate_proj.weight": rand(64, 32), p + "mlp.up_proj.weight": rand(64, 32)}
         w[p + "mlp.down_proj.weight"] = rand(32, 64)
     return LlamaForCausalLM.from_weights(cfg, w)
+
+
+# ----------------------------------------------------------------------- LoRA
+
+LORA_TARGET_MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+                       "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
+ALL_LORA_TARGETS = tuple(LORA_TARGET_MODULES)
+
+
+def write_adapter(path, hf_model, targets=ALL_LORA_TARGETS, rank=4, alpha=8, seed=0, rslora=False, **config):
+    """A PEFT adapter folder with random A and B (B non-zero, unlike a fresh PEFT init)."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i, layer in enumerate(hf_model.model.layers):
+        for t in targets:
+            lin = getattr(getattr(layer, LORA_TARGET_MODULES[t]), t)
+            prefix = f"base_model.model.model.layers.{i}.{LORA_TARGET_MODULES[t]}.{t}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, lin.in_features, generator=g) * 0.3
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(lin.out_features, rank, generator=g) * 0.3
+    path.mkdir(parents=True, exist_ok=True)
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    conf = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "use_rslora": rslora, "target_modules": list(targets),
+            "bias": "none", **config}  # fmt: skip
+    (path / "adapter_config.json").write_text(json.dumps(conf))
+    return path
+
+
+def make_lora_base(path, tokenizer, vocab_size: int):
+    """A tiny random Llama with the given tokenizer's vocabulary, saved as a HF folder."""
+    model = make_tiny_llama(path, vocab_size=vocab_size, max_position_embeddings=512, num_hidden_layers=2)
+    tokenizer.backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    return model

@@ -10,35 +10,15 @@ import math
 import pytest
 import torch
 
-from tests.helpers import make_tiny_llama
+from tests.helpers import ALL_LORA_TARGETS as ALL
+from tests.helpers import make_lora_base, write_adapter
 from tokenmill import LLM, SamplingParams
 from tokenmill.errors import InvalidRequestError, TokenmillError
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-HF_NAMES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
-ALL = tuple(HF_NAMES)
 PROMPTS = ["The river ran", "Once upon a time", "def add(a, b):", "The river ran fast over"]
-
-
-def write_adapter(path, hf_model, targets=ALL, rank=4, alpha=8, seed=0, rslora=False, **config):
-    """A PEFT adapter folder with random A and B (B non-zero, unlike a fresh PEFT init)."""
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for i, layer in enumerate(hf_model.model.layers):
-        for t in targets:
-            lin = getattr(getattr(layer, HF_NAMES[t]), t)
-            prefix = f"base_model.model.model.layers.{i}.{HF_NAMES[t]}.{t}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, lin.in_features, generator=g) * 0.3
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(lin.out_features, rank, generator=g) * 0.3
-    path.mkdir(parents=True, exist_ok=True)
-    safetensors_torch.save_file(tensors, str(path / "adapter_model.safetensors"))
-    conf = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "use_rslora": rslora, "target_modules": list(targets),
-            "bias": "none", **config}  # fmt: skip
-    (path / "adapter_config.json").write_text(json.dumps(conf))
-    return path
 
 
 def merged(hf_model, adapter_dir):
@@ -59,10 +39,7 @@ def merged(hf_model, adapter_dir):
 @pytest.fixture(scope="module")
 def base(tmp_path_factory, llm):
     path = tmp_path_factory.mktemp("lora_base")
-    hf = make_tiny_llama(path, vocab_size=llm.config.vocab_size, max_position_embeddings=512, num_hidden_layers=2)
-    llm.tokenizer.backend.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
-    return path, hf
+    return path, make_lora_base(path, llm.tokenizer, llm.config.vocab_size)
 
 
 @pytest.fixture(scope="module")

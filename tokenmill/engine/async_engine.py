@@ -61,7 +61,7 @@ class AsyncEngine:
     # ------------------------------------------------------------- asyncio side
 
     async def generate(
-        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams
+        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, lora: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request; leaving the loop early aborts it."""
         if self._dead is not None or self._stopped.is_set():
@@ -72,7 +72,7 @@ class AsyncEngine:
             grammar = await asyncio.to_thread(self.engine.structured.compile, params.structured)
         stream = _Stream(loop, asyncio.Queue(), params.n)
         accepted: asyncio.Future = loop.create_future()
-        self._commands.put(("add", request_id, prompt, params, grammar, stream, accepted))
+        self._commands.put(("add", request_id, prompt, params, grammar, lora, stream, accepted))
         self._wake.set()
         try:
             await accepted  # raises the engine's InvalidRequestError for a bad request
@@ -96,6 +96,24 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    async def add_lora(self, name: str, path: str) -> None:
+        """Serve an adapter: read and checked in a worker thread, then handed to the loop
+        thread, which owns the engine (requests keep running meanwhile)."""
+        if self.is_dead:
+            raise EngineDeadError("the engine loop is not running")
+        loaded = await asyncio.to_thread(self.engine.load_lora, name, path)
+        await self._on_loop(lambda: self.engine.add_lora(name, path, loaded))
+
+    async def remove_lora(self, name: str) -> None:
+        await self._on_loop(lambda: self.engine.remove_lora(name))
+
+    async def _on_loop(self, fn) -> None:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        self._commands.put(("call", fn, loop, done))
+        self._wake.set()
+        await done
 
     @property
     def is_dead(self) -> bool:
@@ -141,13 +159,20 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, prompt, params, grammar, stream, accepted = cmd
+                _, rid, prompt, params, grammar, lora, stream, accepted = cmd
                 try:
-                    self.engine.add_request(rid, prompt, params, grammar=grammar)
+                    self.engine.add_request(rid, prompt, params, grammar=grammar, lora=lora)
                     self._streams[rid] = stream
                     stream.loop.call_soon_threadsafe(_resolve, accepted, None)
                 except Exception as e:  # invalid request: its caller gets the error
                     stream.loop.call_soon_threadsafe(_resolve, accepted, e)
+            elif cmd[0] == "call":  # a change to the engine, made between steps
+                _, fn, loop, done = cmd
+                try:
+                    fn()
+                    loop.call_soon_threadsafe(_resolve, done, None)
+                except Exception as e:  # noqa: BLE001 - handed to the caller
+                    loop.call_soon_threadsafe(_resolve, done, e)
             else:
                 self.engine.abort(cmd[1])
                 self._streams.pop(cmd[1], None)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -41,7 +41,8 @@ STEP_STATS_KEPT = 100_000
 
 class Runner(Protocol):
     def execute(self, batch: ModelInput) -> ModelOutput: ...
-    def add_lora(self, name: str, path: str) -> None: ...
+    def load_lora(self, name: str, path: str) -> object: ...  # read and check; changes nothing
+    def add_lora(self, name: str, path: str, loaded: object | None = None) -> None: ...
 
 
 class TextTokenizer(Protocol):
@@ -91,6 +92,7 @@ class Engine:
         )
         self.loras: dict[str, LoRAInfo] = {}  # adapters requests may name
         self._lora_ids = itertools.count(1)
+        self.lora_requests: Counter[str] = Counter()  # requests per adapter since start
         self.outputs = OutputProcessor(tokenizer)
         self.structured = StructuredOutputManager(grammars)
         self._requests: dict[str, list[Request]] = {}  # request id -> its live sequences (n of them)
@@ -127,6 +129,7 @@ class Engine:
             if adapter is None:
                 known = ", ".join(sorted(self.loras)) or "none (start with --enable-lora --lora-modules name=path)"
                 raise InvalidRequestError(f"unknown LoRA adapter {lora!r}; served: {known}", param="model")
+            self.lora_requests[lora] += 1
         if params.structured is not None and grammar is None:
             grammar = self.structured.compile(params.structured)
         reqs = []
@@ -171,26 +174,35 @@ class Engine:
                 param="prompt",
             )
 
-    def add_lora(self, name: str, path: str) -> LoRAInfo:
-        """Serve an adapter (read and checked now: LoRAError names what is wrong); a name
-        already served is replaced, for requests that arrive from now on."""
+    def load_lora(self, name: str, path: str) -> object:
+        """Read and check an adapter without serving it (safe off the engine's thread)."""
         if self.config.max_loras is None:
             raise InvalidRequestError("LoRA adapters are off: start the engine with enable_lora (--enable-lora)")
-        self.runner.add_lora(name, path)
+        return self.runner.load_lora(name, path)
+
+    def add_lora(self, name: str, path: str, loaded: object | None = None) -> LoRAInfo:
+        """Serve an adapter (read and checked now unless ``loaded`` by ``load_lora``:
+        LoRAError names what is wrong); a name already served is replaced, for requests
+        that arrive from now on."""
+        if loaded is None:
+            loaded = self.load_lora(name, path)
+        self.runner.add_lora(name, path, loaded)
         info = LoRAInfo(name, str(path), next(self._lora_ids))
         self.loras[name] = info
+        logger.info("LoRA adapter %s served from %s", name, path)
         return info
 
     def remove_lora(self, name: str) -> None:
         """Stop serving an adapter: new requests naming it are refused; running ones finish."""
         if self.loras.pop(name, None) is None:
             raise InvalidRequestError(f"unknown LoRA adapter {name!r}", param="lora_name")
+        logger.info("LoRA adapter %s unloaded", name)
 
     @property
     def lora_usage(self) -> tuple[list[str], list[str]]:
         """Adapters of the running and of the waiting requests (for metrics)."""
-        running = sorted({r.lora_name for r in self.scheduler.running if r.lora_name})
-        waiting = sorted({r.lora_name for r in self.scheduler.waiting if r.lora_name})
+        running = sorted({r.lora_name for r in list(self.scheduler.running) if r.lora_name})
+        waiting = sorted({r.lora_name for r in list(self.scheduler.waiting) if r.lora_name})
         return running, waiting
 
     def abort(self, request_id: str) -> None:

@@ -30,13 +30,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenmill.config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from tokenmill.engine.outputs import RequestOutput
-from tokenmill.errors import InvalidRequestError
+from tokenmill.errors import InvalidRequestError, TokenmillError
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoRAAdapterRequest,
     TokenizeRequest,
     error_body,
     new_id,
@@ -129,8 +130,32 @@ def build_app(engine: AsyncEngine, tokenizer: Any, max_model_len: int, config: S
     @app.get("/v1/models")
     async def models() -> dict:
         card = {"id": config.served_model_name, "object": "model", "created": now(), "owned_by": "tokenmill",
-                "root": config.served_model_name, "max_model_len": max_model_len}  # fmt: skip
-        return {"object": "list", "data": [card]}
+                "root": config.served_model_name, "parent": None, "max_model_len": max_model_len}  # fmt: skip
+        adapters = [{"id": name, "object": "model", "created": now(), "owned_by": "tokenmill", "root": info.path,
+                     "parent": config.served_model_name, "max_model_len": max_model_len}
+                    for name, info in sorted(list(engine.engine.loras.items()))]  # fmt: skip
+        return {"object": "list", "data": [card, *adapters]}
+
+    if config.allow_runtime_lora_updating:
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(body: LoRAAdapterRequest) -> Response:
+            if body.lora_path is None:
+                raise APIError(400, "lora_path is required", "lora_path")
+            if body.lora_name == config.served_model_name or body.lora_name in engine.engine.loras:
+                raise APIError(400, f"a model named {body.lora_name!r} is already served", "lora_name")
+            try:
+                await engine.add_lora(body.lora_name, body.lora_path)
+            except TokenmillError as e:
+                raise APIError(400, str(e), "lora_path") from None
+            return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", status_code=200)
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(body: LoRAAdapterRequest) -> Response:
+            if body.lora_name not in engine.engine.loras:
+                raise APIError(404, f"the LoRA adapter {body.lora_name!r} is not served", "lora_name")
+            await engine.remove_lora(body.lora_name)
+            return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", status_code=200)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
@@ -155,15 +180,16 @@ def build_app(engine: AsyncEngine, tokenizer: Any, max_model_len: int, config: S
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        _check_model(served, body.model)
+        lora = _check_model(served, body.model)
         prompts = [await _encode(served, p) for p in body.prompts()]
         params = [body.sampling_params(_max_tokens(served, ids, body.max_tokens)) for ids in prompts]
-        job = _Job(served, "cmpl", "text_completion", prompts, params, body.include_usage, body.return_timings, chat=False)
+        job = _Job(served, "cmpl", "text_completion", prompts, params, body.include_usage, body.return_timings, chat=False,
+                   lora=lora)  # fmt: skip
         return await job.respond(request, body.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        _check_model(served, body.model)
+        lora = _check_model(served, body.model)
         template = getattr(tokenizer, "chat_template", None)
         tools = parse_tool_request(body.tools, body.tool_choice, body.parallel_tool_calls, template)
         messages = [m.as_dict() for m in body.messages]
@@ -175,7 +201,7 @@ def build_app(engine: AsyncEngine, tokenizer: Any, max_model_len: int, config: S
         ids = await asyncio.to_thread(tokenizer.encode, text, False)
         params = body.sampling_params(_max_tokens(served, ids, body.requested_max_tokens), tools and tools.constraint())
         job = _Job(served, "chatcmpl", "chat.completion", [ids], [params], body.include_usage, body.return_timings,
-                   chat=True, tools=tools)  # fmt: skip
+                   chat=True, tools=tools, lora=lora)  # fmt: skip
         return await job.respond(request, body.stream)
 
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
@@ -214,10 +240,14 @@ def _openapi(app: FastAPI) -> dict:
     return schema
 
 
-def _check_model(served: Served, model: str | None) -> None:
-    if model is not None and model != served.config.served_model_name:
-        raise APIError(404, f"the model `{model}` does not exist; this server serves `{served.config.served_model_name}`",
-                       "model")  # fmt: skip
+def _check_model(served: Served, model: str | None) -> str | None:
+    """The request's LoRA adapter (None: the base model); 404 for a model not served."""
+    if model is None or model == served.config.served_model_name:
+        return None
+    if model in served.engine.engine.loras:
+        return model
+    names = ", ".join([served.config.served_model_name, *sorted(served.engine.engine.loras)])
+    raise APIError(404, f"the model `{model}` does not exist; this server serves {names}", "model")
 
 
 async def _encode(served: Served, prompt: str | list[int]) -> list[int]:
@@ -251,7 +281,8 @@ class _Job:
     prompt i."""
 
     def __init__(self, served: Served, prefix: str, obj: str, prompts: list[list[int]], params: list[SamplingParams],
-                 include_usage: bool, return_timings: bool, chat: bool, tools: ToolRequest | None = None) -> None:  # fmt: skip
+                 include_usage: bool, return_timings: bool, chat: bool, tools: ToolRequest | None = None,
+                 lora: str | None = None) -> None:  # fmt: skip
         queue, waiting = served.config.max_queue, served.engine.num_waiting
         adding = sum(p.n for p in params)  # engine sequences: prompts x n
         if queue is not None and waiting + adding > queue:
@@ -267,10 +298,11 @@ class _Job:
         self.return_timings = return_timings
         self.chat = chat
         self.tools = tools  # chat with tools: answers are parsed into tool calls
-        self.model = served.config.served_model_name
+        self.lora = lora
+        self.model = lora or served.config.served_model_name
 
     async def respond(self, request: Request, stream: bool) -> Response:
-        streams = [self.served.engine.generate(f"{self.id}-{i}", ids, p)
+        streams = [self.served.engine.generate(f"{self.id}-{i}", ids, p, self.lora)
                    for i, (ids, p) in enumerate(zip(self.prompts, self.params, strict=True))]  # fmt: skip
         merged = _merge(streams)
         try:

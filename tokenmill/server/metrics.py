@@ -10,6 +10,7 @@ state.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -61,6 +62,16 @@ class EngineCollector:
         yield counter("spec_decode_num_drafts", "Speculative verification steps.", spec.num_drafts)
         yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", spec.num_draft_tokens)
         yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens)
+        if e.config.max_loras is not None:
+            running, waiting = e.lora_usage
+            info = GaugeMetricFamily(P + "lora_requests_info", "Running stats on LoRA requests (as vLLM's).",
+                                     labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])  # fmt: skip
+            info.add_metric([",".join(running), ",".join(waiting), str(e.config.max_loras)], time.time())
+            yield info
+            per = CounterMetricFamily(P + "lora_requests", "Requests per LoRA adapter.", labels=[*names, "lora_name"])
+            for name, count in sorted(dict(e.lora_requests).items()):
+                per.add_metric([*values, name], count)
+            yield per
 
 
 class ServerMetrics:

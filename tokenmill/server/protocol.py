@@ -273,6 +273,11 @@ class TokenizeRequest(_Body):
     add_special_tokens: bool = True
 
 
+class LoRAAdapterRequest(_Body):
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str | None = None
+
+
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]

@@ -33,15 +33,20 @@ class LoRAManager:
         self.slots: list[str | None] = [None] * config.max_loras
         self._slot_use: list[float] = [0.0] * config.max_loras
 
-    def add(self, name: str, path: str) -> LoRAAdapter:
+    def load(self, name: str, path: str) -> LoRAAdapter:
+        """Read and check an adapter; changes nothing here (callable from any thread)."""
         t0 = time.perf_counter()
         adapter = load_adapter(name, path, self.model.config, self.config.max_lora_rank)
+        logger.info("LoRA adapter %s read from %s: rank %d, %d projections, %.1f MiB, %.0f ms", name, path,
+                    adapter.rank, len(adapter.weights), adapter.num_bytes / 2**20, (time.perf_counter() - t0) * 1e3)  # fmt: skip
+        return adapter
+
+    def add(self, name: str, path: str, adapter: LoRAAdapter | None = None) -> LoRAAdapter:
+        adapter = adapter or self.load(name, path)
         if name in self.slots:  # replaced under the same name: the slot must be rewritten
             self.slots[self.slots.index(name)] = None
         self.paths[name] = path
         self._remember(adapter)
-        logger.info("LoRA adapter %s loaded from %s: rank %d, %d projections, %.1f MiB, %.0f ms", name, path,
-                    adapter.rank, len(adapter.weights), adapter.num_bytes / 2**20, (time.perf_counter() - t0) * 1e3)  # fmt: skip
         return adapter
 
     def _remember(self, adapter: LoRAAdapter) -> None:

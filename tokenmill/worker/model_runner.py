@@ -23,6 +23,7 @@ import torch
 
 from tokenmill.engine.model_input import ModelInput, ModelOutput, SampledToken, ScheduledTokens
 from tokenmill.engine.request import token_slice
+from tokenmill.lora.adapter import LoRAAdapter
 from tokenmill.lora.layers import LoRAMapping
 from tokenmill.model.layers.attention import AttentionMetadata
 from tokenmill.model.layers.kv_cache import copy_blocks
@@ -185,10 +186,15 @@ class ModelRunner:
                 for s in seqs]  # fmt: skip
         return self.lora.mapping(rows, self.device)
 
-    def add_lora(self, name: str, path: str) -> None:
+    def load_lora(self, name: str, path: str) -> LoRAAdapter:
         if self.lora is None:
             raise RuntimeError("this runner was built without LoRA slots (enable_lora)")
-        self.lora.add(name, path)
+        return self.lora.load(name, path)
+
+    def add_lora(self, name: str, path: str, loaded: LoRAAdapter | None = None) -> None:
+        if self.lora is None:
+            raise RuntimeError("this runner was built without LoRA slots (enable_lora)")
+        self.lora.add(name, path, loaded)
 
     def _sample(
         self, seqs: list[SeqInput], logits: torch.Tensor, grammar_masks: dict[str, Any] | None = None
