@@ -7,8 +7,9 @@ projection (qkv, gate-up) a slot holds the sub-projections' A matrices stacked
 slot costs two matmuls whatever its targets; ranks below ``max_lora_rank`` are
 zero-padded. A step's ``LoRAMapping`` says which rows of the flat token batch use
 which slot (rows of the base model use none): the projection adds
-``(x[rows] A^T) B^T`` to its output for each slot in the step, the adapter's tokens
-gathered by index (prefill chunks and decodes alike).
+``(x[rows] A^T) B^T`` to its output for each slot in the step, all slots in one pair
+of batched matmuls over their rows gathered and padded (prefill chunks and decodes
+alike).
 
 The model never sees a request: the runner hands ``forward`` the mapping.
 """
@@ -30,9 +31,41 @@ FUSED = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "self_attn.o_proj
 
 @dataclass
 class LoRAMapping:
-    """One step's rows per slot: ``segments[i] = (slot, row indices)``."""
+    """One step's rows per adapter slot, in the two forms the projections use.
+
+    ``segments``: (slot, row indices) per slot in the step. With several slots the
+    projections use the padded form instead: the rows of each slot gathered into
+    ``[slots, max_rows]`` (``gather``; padding repeats row 0 and is zeroed by
+    ``mask``), so that every slot is computed by the same two batched matmuls
+    (``torch.bmm``) whatever the number of adapters: 7 ops per projection rather than
+    4 per slot. ``whole`` is the slot of a step whose every row uses one adapter
+    (no gather at all)."""
 
     segments: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    slots: torch.Tensor | None = None  # [S] slot ids, for the padded form
+    gather: torch.Tensor | None = None  # [S * L] row per padded position
+    mask: torch.Tensor | None = None  # [S, L, 1]: 1 for real rows, 0 for padding
+    whole: int | None = None
+    slot_range: tuple[int, int] | None = None  # the slots are consecutive: weights are read as a view
+
+    @classmethod
+    def build(cls, rows: dict[int, list[int]], num_rows: int, dtype: torch.dtype, device: torch.device) -> LoRAMapping:
+        segments = [(slot, torch.tensor(r, device=device)) for slot, r in sorted(rows.items())]
+        if len(rows) == 1:
+            (slot, r), = rows.items()
+            return cls(segments, whole=slot if len(r) == num_rows else None)
+        longest = max(len(r) for r in rows.values())
+        gather = [r + [0] * (longest - len(r)) for _, r in sorted(rows.items())]
+        mask = [[1.0] * len(r) + [0.0] * (longest - len(r)) for _, r in sorted(rows.items())]
+        slots = sorted(rows)
+        consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
+        return cls(
+            segments,
+            slots=torch.tensor(slots, device=device),
+            gather=torch.tensor(gather, device=device).flatten(),
+            mask=torch.tensor(mask, dtype=dtype, device=device).unsqueeze(-1),
+            slot_range=(slots[0], slots[0] + len(slots)) if consecutive else None,
+        )
 
 
 @dataclass
@@ -59,8 +92,9 @@ class LoRALinear(nn.Module):
             start += out
         inp = shapes[subs[0]][1]
         n = len(subs) * max_rank
-        self.register_buffer("lora_a", torch.zeros(max_loras, n, inp, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("lora_b", torch.zeros(max_loras, start, n, dtype=dtype, device=device), persistent=False)
+        # stored transposed (x @ a, then @ b: no transposes per call)
+        self.register_buffer("lora_a", torch.zeros(max_loras, inp, n, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(max_loras, n, start, dtype=dtype, device=device), persistent=False)
         self.active = [False] * max_loras  # slot holds weights for this projection
 
     def set_slot(self, slot: int, layer: int, adapter: LoRAAdapter | None) -> None:
@@ -77,20 +111,35 @@ class LoRALinear(nn.Module):
             a, b = pair
             lo, hi = self.out_slices[j]
             col = j * self.max_rank
-            self.lora_a[slot, col : col + r].copy_(a)
-            self.lora_b[slot, lo:hi, col : col + r].copy_(b)
+            self.lora_a[slot, :, col : col + r].copy_(a.T)
+            self.lora_b[slot, col : col + r, lo:hi].copy_(b.T)
             self.active[slot] = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        mapping = self.state.mapping
-        if mapping is None:
+        m = self.state.mapping
+        if m is None:
             return y
-        for slot, rows in mapping.segments:
-            if not self.active[slot]:
-                continue
-            xs = x.index_select(0, rows)
-            y.index_add_(0, rows, (xs @ self.lora_a[slot].T) @ self.lora_b[slot].T)
+        x = x.to(self.lora_a.dtype)
+        if m.whole is not None:  # every row, one adapter
+            if self.active[m.whole]:
+                y.add_((x @ self.lora_a[m.whole]) @ self.lora_b[m.whole])
+            return y
+        if m.slots is None:  # one adapter, some rows
+            slot, rows = m.segments[0]
+            if self.active[slot]:
+                d = (x.index_select(0, rows) @ self.lora_a[slot]) @ self.lora_b[slot]
+                y.index_add_(0, rows, d.to(y.dtype))
+            return y
+        s, n = m.mask.shape[0], m.mask.shape[1]
+        if m.slot_range is not None:
+            a, b = self.lora_a[m.slot_range[0] : m.slot_range[1]], self.lora_b[m.slot_range[0] : m.slot_range[1]]
+        else:
+            a, b = self.lora_a.index_select(0, m.slots), self.lora_b.index_select(0, m.slots)
+        xs = x.index_select(0, m.gather).view(s, n, -1)
+        t = torch.bmm(xs, a) * m.mask
+        d = torch.bmm(t, b)
+        y.index_add_(0, m.gather, d.view(s * n, -1).to(y.dtype))
         return y
 
 
@@ -99,13 +148,15 @@ def add_lora_slots(model: nn.Module, max_loras: int, max_rank: int) -> LoRAState
     state through which ``forward`` passes each step's mapping."""
     state = LoRAState()
     cfg = model.config
-    ref = model.embed_tokens.weight
+    device = model.embed_tokens.weight.device
+    # float32 on the CPU: its small float32 matmuls are 3-4x faster than bfloat16 ones on
+    # CPUs without AMX (measured: [16, 576] @ [576, 48] 13 us against 51 us)
+    dtype = torch.float32 if device.type == "cpu" else model.embed_tokens.weight.dtype
     for layer in model.layers:
         for path, subs in FUSED.items():
             parent_name, attr = path.split(".")
             parent = getattr(layer, parent_name)
-            setattr(parent, attr, LoRALinear(getattr(parent, attr), subs, cfg, max_loras, max_rank, state,
-                                             ref.dtype, ref.device))  # fmt: skip
+            setattr(parent, attr, LoRALinear(getattr(parent, attr), subs, cfg, max_loras, max_rank, state, dtype, device))
     return state
 
 

@@ -74,7 +74,8 @@ class LoRAManager:
             if name in self.slots:
                 continue
             free = [i for i, s in enumerate(self.slots) if s is None or s not in names]
-            slot = min(free, key=lambda i: (self.slots[i] is not None, self._slot_use[i]))
+            # an empty slot first, then the least recently used; the lowest index among equals
+            slot = min(free, key=lambda i: (self.slots[i] is not None, self._slot_use[i], i))
             set_adapter_slot(self.model, slot, self._adapter(name))
             self.slots[slot] = name
         slot_of = {name: self.slots.index(name) for name in names}
@@ -94,4 +95,5 @@ class LoRAManager:
             if name is not None:
                 rows.setdefault(slot_of[name], []).extend(range(start, start + n))
             start += n
-        return LoRAMapping([(slot, torch.tensor(r, device=device)) for slot, r in sorted(rows.items())])
+        dtype = self.model.layers[0].mlp.down_proj.lora_a.dtype
+        return LoRAMapping.build(rows, start, dtype, device)
