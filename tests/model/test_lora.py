@@ -177,3 +177,16 @@ def test_bad_adapters_are_refused_naming_the_problem(base, tmp_path, change, nee
     with pytest.raises(TokenmillError, match=needle):
         llm.load_lora("bad", str(adapter))
     assert llm.generate("hi", SamplingParams(max_tokens=2))[0].outputs[0].token_ids  # the engine serves on
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_adapters_on_quantised_base_weights(base, adapters, quantization):
+    llm = served(base, adapters, max_lora_rank=8, quantization=quantization, quantization_group_size=32)
+    params = SamplingParams(temperature=0, max_tokens=10)
+    loras = [None, "all", "attn", "mlp"]
+    prompts = [ids(llm, p) for p in PROMPTS]
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora=loras)]
+    alone = [llm.generate(p, params, lora=a)[0].outputs[0].token_ids for p, a in zip(prompts, loras, strict=True)]
+    assert together == alone
+    plain = [llm.generate(p, params)[0].outputs[0].token_ids for p in prompts]
+    assert together[1:] != plain[1:]  # the adapters apply on top of the quantised weights

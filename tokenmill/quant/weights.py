@@ -77,12 +77,17 @@ class Int8Linear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+
+
 class Int4Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype, group_size: int) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         if self.in_features % group_size:
             raise ValueError(f"int4 group size {group_size} does not divide {self.in_features} input features")
+        if group_size not in INT4_GROUP_SIZES:  # what torch's packed int4 kernels take
+            raise ValueError(f"int4 group size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, got {group_size}")
         self.group_size = group_size
         q, sz = quantize_int4(weight, group_size)
         if weight.device.type == "cpu":
