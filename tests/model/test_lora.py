@@ -87,8 +87,9 @@ def test_logits_match_transformers_with_the_adapter_merged(base, adapters):
 def test_a_mixed_batch_gives_each_request_its_output_alone(base, adapters):
     llm = served(base, adapters, max_lora_rank=8)
     params = SamplingParams(temperature=0, max_tokens=12)
-    loras = [None, "all", "attn", "mlp", "all", None, "mlp", "attn"]
-    prompts = [ids(llm, PROMPTS[i % len(PROMPTS)]) for i in range(len(loras))]
+    loras = [None, "all", "attn", "mlp", "all", None, "mlp", "attn", "mlp"]
+    prompts = [ids(llm, PROMPTS[i % len(PROMPTS)]) for i in range(len(loras) - 1)]
+    prompts.append(ids(llm, " ".join(PROMPTS * 4)))  # a long prompt: its slot is computed on its own
     together = [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora=loras)]
     alone = [llm.generate(p, params, lora=a)[0].outputs[0].token_ids for p, a in zip(prompts, loras, strict=True)]
     assert together == alone

@@ -29,17 +29,21 @@ FUSED = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "self_attn.o_proj
          "mlp.gate_up_proj": ("gate_proj", "up_proj"), "mlp.down_proj": ("down_proj",)}  # fmt: skip
 
 
+PAD_ROWS = 16  # slots with more rows than this in a step are not padded together
+
+
 @dataclass
 class LoRAMapping:
-    """One step's rows per adapter slot, in the two forms the projections use.
+    """One step's rows per adapter slot, in the forms the projections use.
 
-    ``segments``: (slot, row indices) per slot in the step. With several slots the
-    projections use the padded form instead: the rows of each slot gathered into
-    ``[slots, max_rows]`` (``gather``; padding repeats row 0 and is zeroed by
-    ``mask``), so that every slot is computed by the same two batched matmuls
-    (``torch.bmm``) whatever the number of adapters: 7 ops per projection rather than
-    4 per slot. ``whole`` is the slot of a step whose every row uses one adapter
-    (no gather at all)."""
+    Slots with few rows (decodes) are computed together in the padded form: their
+    rows gathered into ``[slots, max_rows]`` (``gather``; padding repeats row 0 and is
+    zeroed by ``mask``), so that they cost the same two batched matmuls
+    (``torch.bmm``) whatever their number: 7 ops per projection rather than 4 per
+    slot. ``segments``: (slot, row indices) of the slots computed on their own (one
+    with many rows, such as a prompt chunk, which would make everyone's padding
+    long; or a lone slot). ``whole``: the slot of a step whose every row uses one
+    adapter (no gather at all)."""
 
     segments: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     slots: torch.Tensor | None = None  # [S] slot ids, for the padded form
@@ -50,14 +54,21 @@ class LoRAMapping:
 
     @classmethod
     def build(cls, rows: dict[int, list[int]], num_rows: int, dtype: torch.dtype, device: torch.device) -> LoRAMapping:
-        segments = [(slot, torch.tensor(r, device=device)) for slot, r in sorted(rows.items())]
         if len(rows) == 1:
             (slot, r), = rows.items()
-            return cls(segments, whole=slot if len(r) == num_rows else None)
-        longest = max(len(r) for r in rows.values())
-        gather = [r + [0] * (longest - len(r)) for _, r in sorted(rows.items())]
-        mask = [[1.0] * len(r) + [0.0] * (longest - len(r)) for _, r in sorted(rows.items())]
-        slots = sorted(rows)
+            return cls([(slot, torch.tensor(r, device=device))], whole=slot if len(r) == num_rows else None)
+        # a slot with many rows (a prompt chunk) is computed on its own: padding every
+        # other slot to its length would multiply the work; the rest (decodes) go together
+        big = {s: r for s, r in rows.items() if len(r) > PAD_ROWS}
+        small = {s: r for s, r in rows.items() if len(r) <= PAD_ROWS}
+        segments = [(slot, torch.tensor(r, device=device)) for slot, r in sorted(big.items())]
+        if len(small) <= 1:
+            segments += [(slot, torch.tensor(r, device=device)) for slot, r in small.items()]
+            return cls(segments)
+        longest = max(len(r) for r in small.values())
+        gather = [r + [0] * (longest - len(r)) for _, r in sorted(small.items())]
+        mask = [[1.0] * len(r) + [0.0] * (longest - len(r)) for _, r in sorted(small.items())]
+        slots = sorted(small)
         consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
         return cls(
             segments,
@@ -125,11 +136,11 @@ class LoRALinear(nn.Module):
             if self.active[m.whole]:
                 y.add_((x @ self.lora_a[m.whole]) @ self.lora_b[m.whole])
             return y
-        if m.slots is None:  # one adapter, some rows
-            slot, rows = m.segments[0]
+        for slot, rows in m.segments:  # slots computed on their own
             if self.active[slot]:
                 d = (x.index_select(0, rows) @ self.lora_a[slot]) @ self.lora_b[slot]
                 y.index_add_(0, rows, d.to(y.dtype))
+        if m.slots is None:
             return y
         s, n = m.mask.shape[0], m.mask.shape[1]
         if m.slot_range is not None:
