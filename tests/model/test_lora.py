@@ -191,3 +191,13 @@ def test_adapters_on_quantised_base_weights(base, adapters, quantization):
     assert together == alone
     plain = [llm.generate(p, params)[0].outputs[0].token_ids for p in prompts]
     assert together[1:] != plain[1:]  # the adapters apply on top of the quantised weights
+
+
+def test_structured_output_with_an_adapter(base, adapters):
+    llm = served(base, adapters, max_lora_rank=8)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}  # fmt: skip
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=20, structured={"json": schema})
+    outs = llm.generate([ids(llm, p) for p in PROMPTS], params, lora=["all", "attn", None, "mlp"])
+    for o in outs:
+        assert o.outputs[0].finish_reason == "stop" and set(json.loads(o.outputs[0].text)) == {"n"}
