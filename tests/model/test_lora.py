@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.helpers import ALL_LORA_TARGETS as ALL
-from tests.helpers import make_lora_base, write_adapter
+from tests.helpers import make_tiny_chat_model, write_adapter
 from tokenmill import LLM, SamplingParams
 from tokenmill.errors import InvalidRequestError, TokenmillError
 
@@ -39,7 +39,7 @@ def merged(hf_model, adapter_dir):
 @pytest.fixture(scope="module")
 def base(tmp_path_factory, llm):
     path = tmp_path_factory.mktemp("lora_base")
-    return path, make_lora_base(path, llm.tokenizer, llm.config.vocab_size)
+    return path, make_tiny_chat_model(path, llm.tokenizer, llm.config.vocab_size)
 
 
 @pytest.fixture(scope="module")

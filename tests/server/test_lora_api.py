@@ -8,7 +8,7 @@ import threading
 import httpx
 import pytest
 
-from tests.helpers import make_lora_base, write_adapter
+from tests.helpers import make_tiny_chat_model, write_adapter
 from tests.server.conftest import MODEL, Server
 from tokenmill import LLM, SamplingParams
 
@@ -16,7 +16,7 @@ from tokenmill import LLM, SamplingParams
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, llm):
     root = tmp_path_factory.mktemp("lora_server")
-    hf = make_lora_base(root / "base", llm.tokenizer, llm.config.vocab_size)
+    hf = make_tiny_chat_model(root / "base", llm.tokenizer, llm.config.vocab_size)
     adapters = {"alpha": write_adapter(root / "alpha", hf, seed=11), "beta": write_adapter(root / "beta", hf, seed=12,
                 targets=("q_proj", "v_proj"), rank=8, alpha=16), "gamma": write_adapter(root / "gamma", hf, seed=13)}  # fmt: skip
     bad = write_adapter(root / "bad", hf, seed=14, rank=64)  # above --max-lora-rank

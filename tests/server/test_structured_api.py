@@ -237,13 +237,11 @@ HERMES_TEMPLATE = (
 @pytest.fixture(scope="module")
 def hermes_server(tmp_path_factory, llm):
     """A tiny random Llama with SmolLM2's vocabulary and a Hermes-style template."""
-    from tests.helpers import make_tiny_llama
+    from tests.helpers import make_tiny_chat_model
     from tests.server.conftest import Server
 
     path = tmp_path_factory.mktemp("hermes")
-    make_tiny_llama(path, vocab_size=llm.config.vocab_size, max_position_embeddings=1024)
-    llm.tokenizer.backend.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": HERMES_TEMPLATE, "eos_token": "<|im_end|>"}))
+    make_tiny_chat_model(path, llm.tokenizer, llm.config.vocab_size, HERMES_TEMPLATE)
     server = Server("--model", str(path), "--kv-cache-memory", "64MiB")
     yield server
     server.stop()

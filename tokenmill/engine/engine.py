@@ -130,7 +130,9 @@ class Engine:
                 known = ", ".join(sorted(self.loras)) or "none (start with --enable-lora --lora-modules name=path)"
                 raise InvalidRequestError(f"unknown LoRA adapter {lora!r}; served: {known}", param="model")
             self.lora_requests[lora] += 1
-        if params.structured is not None and grammar is None:
+        if params.structured is None:
+            grammar = None
+        elif grammar is None:
             grammar = self.structured.compile(params.structured)
         reqs = []
         for i, sid in enumerate(seq_ids):
@@ -143,7 +145,7 @@ class Engine:
                 parent_id=request_id,
                 index=i,
                 fork_of=seq_ids[0] if i > 0 else None,
-                grammar=grammar.matcher() if params.structured is not None and grammar is not None else None,
+                grammar=grammar.matcher() if grammar is not None else None,
                 lora_name=lora,
                 hash_root=None if adapter is None else b"lora:%d" % adapter.id,
             )

@@ -131,11 +131,11 @@ class LoRALinear(nn.Module):
         m = self.state.mapping
         if m is None:
             return y
-        x = x.to(self.lora_a.dtype)
         if m.whole is not None:  # every row, one adapter
             if self.active[m.whole]:
-                y.add_((x @ self.lora_a[m.whole]) @ self.lora_b[m.whole])
+                y.add_((x.to(self.lora_a.dtype) @ self.lora_a[m.whole]) @ self.lora_b[m.whole])
             return y
+        x = x.to(self.lora_a.dtype)
         for slot, rows in m.segments:  # slots computed on their own
             if self.active[slot]:
                 d = (x.index_select(0, rows) @ self.lora_a[slot]) @ self.lora_b[slot]

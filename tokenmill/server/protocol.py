@@ -61,11 +61,12 @@ def structured_outputs(response_format: dict[str, Any] | None, structured: dict[
                        guided: dict[str, Any], whitespace_pattern: str | None) -> StructuredOutputs | None:  # fmt: skip
     """One constraint from OpenAI's response_format, vLLM's structured_outputs or the
     guided_* aliases; more than one of them is a 400 naming them."""
-    given = [name for name, v in (("response_format", _constraining(response_format)),
-                                   ("structured_outputs", structured), *guided.items()) if v is not None]  # fmt: skip
+    response_format = _constraining(response_format)
+    given = [name for name, v in (("response_format", response_format), ("structured_outputs", structured),
+                                   *guided.items()) if v is not None]  # fmt: skip
     if len(given) > 1:
         raise InvalidRequestError(f"give one constraint, not {' and '.join(given)}", param=given[1])
-    if response_format is not None and _constraining(response_format) is not None:
+    if response_format is not None:
         kind = response_format["type"]
         if kind == "json_object":
             return StructuredOutputs(json_object=True, whitespace_pattern=whitespace_pattern)

@@ -84,9 +84,7 @@ class GrammarMatcher:
 
 @dataclass
 class CompiledGrammar:
-    spec: StructuredOutputs
     template: Any  # a pristine LLMatcher: sequences get deep copies
-    compile_seconds: float
 
     def matcher(self) -> GrammarMatcher:
         return GrammarMatcher(self.template.deep_copy())
@@ -128,11 +126,10 @@ class GrammarCompiler:
                 return hit
         lltok = self.lltokenizer
         t0 = time.perf_counter()
-        compiled = CompiledGrammar(spec, _build_matcher(spec, lltok, self.vocab_size), 0.0)
-        compiled.compile_seconds = time.perf_counter() - t0
+        compiled = CompiledGrammar(_build_matcher(spec, lltok, self.vocab_size))
         with self._lock:
             self.stats.misses += 1
-            self.stats.seconds += compiled.compile_seconds
+            self.stats.seconds += time.perf_counter() - t0
             self._cache[spec] = compiled
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)

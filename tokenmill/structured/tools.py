@@ -93,21 +93,24 @@ class ToolRequest:
     def offered(self) -> tuple[Tool, ...]:
         return tuple(t for t in self.tools if self.named is None or t.name == self.named)
 
+    @property
+    def single_call(self) -> bool:
+        """At most one call per answer (parallel_tool_calls false, or a named function)."""
+        return not self.parallel or self.named is not None
+
     # ----------------------------------------------------------- the constraint
 
     def constraint(self) -> StructuredOutputs | None:
         """What the output must match (None: free text, parsed afterwards)."""
-        calls = {"type": "array", "items": {"anyOf": [_call_schema(t) for t in self.offered]}, "minItems": 1}
-        if not self.parallel or self.named is not None:
-            calls["maxItems"] = 1
+        one_call = {"anyOf": [_call_schema(t) for t in self.offered]}
         if self.hermes:
             if self.choice == "auto":
                 return None
             # JSON_OPTIONS inside the Lark grammar too: no free whitespace to loop on
-            one = json.dumps({"anyOf": [_call_schema(t) for t in self.offered], "x-guidance": JSON_OPTIONS})
-            block = f'"<tool_call>\\n" %json {one} "\\n</tool_call>"'
-            repeat = "" if not self.parallel or self.named is not None else f' ("\\n" {block})*'
+            block = f'"<tool_call>\\n" %json {json.dumps({**one_call, "x-guidance": JSON_OPTIONS})} "\\n</tool_call>"'
+            repeat = "" if self.single_call else f' ("\\n" {block})*'
             return StructuredOutputs(grammar=f"start: {block}{repeat}\n")
+        calls = {"type": "array", "items": one_call, "minItems": 1, **({"maxItems": 1} if self.single_call else {})}
         with_calls = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"],
                       "additionalProperties": False}  # fmt: skip
         if self.choice != "auto":
@@ -122,7 +125,7 @@ class ToolRequest:
         """(content, tool calls) of a finished answer; text that is not in the format
         (a truncated answer, say) is returned as content."""
         if self.hermes:
-            calls = [_call(json.loads(m)) for m in _HERMES_CALL.findall(text) if _is_call(m)]
+            calls = [c for c in map(_parse_call, _HERMES_CALL.findall(text)) if c is not None]
             content = _HERMES_CALL.sub("", text).strip() if calls else text
             return (content or None) if calls else text, calls
         try:
@@ -153,6 +156,8 @@ class ToolStream:
         self.text = ""
         self.calls: list[ToolCall] = []  # announced, with the arguments sent so far
         self._sent_content = 0  # characters of content sent
+        self._next_call = len(_CALLS)  # generic format: where the first call not yet complete starts
+        self._complete = 0  # generic format: calls whose arguments are whole (not scanned again)
 
     def feed(self, delta: str, finished: bool = False) -> list[dict[str, Any]]:
         self.text += delta
@@ -170,11 +175,8 @@ class ToolStream:
             if finished:
                 return self._content(text)  # not in the format (cut short, say): the text as it is
             return []
-        out, pos = [], len(_CALLS)
-        for i in range(len(text)):
-            head = _CALL_HEAD.match(text, pos)
-            if head is None:
-                break
+        out, i = [], self._complete
+        while (head := _CALL_HEAD.match(text, self._next_call)) is not None:
             if i == len(self.calls):
                 self.calls.append(ToolCall(f"call_{uuid.uuid4().hex[:24]}", head.group(1), ""))
                 call = self.calls[i]
@@ -189,7 +191,8 @@ class ToolStream:
                 self.calls[i] = ToolCall(call.id, call.name, args)
             if end is None or not text.startswith(_CALL_SEP, end + 1):
                 break
-            pos = end + 1 + len(_CALL_SEP)  # the next call's head
+            self._next_call = end + 1 + len(_CALL_SEP)  # this call is whole: the next one's head
+            self._complete = i = i + 1
         return out
 
     def _content(self, text: str) -> list[dict[str, Any]]:
@@ -200,7 +203,7 @@ class ToolStream:
     # ----------------------------------------------------------------- hermes
 
     def _hermes(self, finished: bool) -> list[dict[str, Any]]:
-        blocks = [m for m in _HERMES_CALL.finditer(self.text) if _is_call(m.group(1))]
+        blocks = [c for c in (_parse_call(m.group(1)) for m in _HERMES_CALL.finditer(self.text)) if c is not None]
         opened = self.text.find("<tool_call>")
         if finished and not blocks:
             visible = self.text  # no whole call (cut short, say): all of it is content, as parse gives it
@@ -209,8 +212,7 @@ class ToolStream:
         else:
             visible = _before_possible_tag(self.text, "<tool_call>")
         out = self._content(visible)
-        for m in blocks[len(self.calls) :]:
-            call = _call(json.loads(m.group(1)))
+        for call in blocks[len(self.calls) :]:
             self.calls.append(call)
             out.append({"tool_calls": [{"index": len(self.calls) - 1, "id": call.id, "type": "function",
                                         "function": {"name": call.name, "arguments": call.arguments}}]})  # fmt: skip
@@ -341,12 +343,13 @@ def _call_schema(tool: Tool) -> dict[str, Any]:
             "required": ["name", "arguments"], "additionalProperties": False}  # fmt: skip
 
 
-def _is_call(text: str) -> bool:
+def _parse_call(text: str) -> ToolCall | None:
+    """A Hermes block's call, or None when it is not one."""
     try:
         obj = json.loads(text)
     except ValueError:
-        return False
-    return isinstance(obj, dict) and isinstance(obj.get("name"), str)
+        return None
+    return _call(obj) if isinstance(obj, dict) and isinstance(obj.get("name"), str) else None
 
 
 def _call(obj: dict[str, Any]) -> ToolCall:
