@@ -229,9 +229,10 @@ def write_adapter(path, hf_model, targets=ALL_LORA_TARGETS, rank=4, alpha=8, see
     return path
 
 
-def make_tiny_chat_model(path, tokenizer, vocab_size: int, chat_template: str | None = None):
+def make_tiny_chat_model(path, tokenizer, vocab_size: int, chat_template: str | None = None, **overrides):
     """A tiny random Llama with the given tokenizer (and chat template), saved as a HF folder."""
-    model = make_tiny_llama(path, vocab_size=vocab_size, max_position_embeddings=1024, num_hidden_layers=2)
+    model = make_tiny_llama(path, **{"vocab_size": vocab_size, "max_position_embeddings": 1024, "num_hidden_layers": 2,
+                                     **overrides})  # fmt: skip
     tokenizer.backend.save(str(path / "tokenizer.json"))
     config = {"eos_token": "<|im_end|>", **({"chat_template": chat_template} if chat_template else {})}
     (path / "tokenizer_config.json").write_text(json.dumps(config))

@@ -20,6 +20,7 @@ from tokenmill.config import (
     EngineArgs,
     LoadConfig,
     LoRAConfig,
+    ParallelConfig,
     SchedulerConfig,
     ServerConfig,
     SpeculativeConfig,
@@ -32,9 +33,10 @@ ENGINE_SECTIONS: dict[str, type] = {
     "scheduler": SchedulerConfig,
     "speculative": SpeculativeConfig,
     "lora": LoRAConfig,
+    "parallel": ParallelConfig,
 }
 _TITLES = {"load": "model", "cache": "KV cache", "scheduler": "scheduling", "speculative": "speculative decoding",
-           "lora": "LoRA adapters"}  # fmt: skip
+           "lora": "LoRA adapters", "parallel": "parallelism"}  # fmt: skip
 
 
 def keyword(f: dataclasses.Field) -> str:

@@ -2,8 +2,9 @@
 
 ``ModelConfig`` is the architecture read from a checkpoint. The options a user sets
 are ``LoadConfig`` (which model, how), ``CacheConfig`` (the KV pool),
-``SchedulerConfig`` (the step budget), ``SpeculativeConfig`` (drafting) and
-``ServerConfig`` (HTTP); ``EngineArgs`` groups the engine's four. Each field's
+``SchedulerConfig`` (the step budget), ``SpeculativeConfig`` (drafting), ``LoRAConfig``
+(adapters), ``ParallelConfig`` (tensor / pipeline parallelism) and ``ServerConfig``
+(HTTP); ``EngineArgs`` groups the engine's. Each field's
 metadata holds its help text (and its flag name where that differs), so the CLI
 flags and the ``LLM`` keywords are generated from these classes (``tokenmill.args``):
 a new option is one new field. Derived values are properties or computed once by
@@ -201,6 +202,25 @@ class LoRAConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor and pipeline parallelism: the model split across processes (gloo on the CPU,
+    NCCL on GPUs). On one machine the engine starts its worker processes itself; across
+    machines every rank runs under ``torchrun`` (README: "Several processes or machines")."""
+
+    tensor_parallel_size: int = opt(1, "ranks each layer's matrices are split across (attention heads, MLP "
+                                       "columns, vocabulary); must divide the query heads")  # fmt: skip
+    pipeline_parallel_size: int = opt(1, "pipeline stages the layers are split into; must divide the layers")
+
+    def __post_init__(self) -> None:
+        _check(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        _check(self.pipeline_parallel_size >= 1, f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """The OpenAI-compatible HTTP server."""
 
@@ -223,3 +243,4 @@ class EngineArgs:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

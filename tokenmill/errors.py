@@ -15,3 +15,8 @@ class InvalidRequestError(TokenmillError, ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param  # the request field at fault, when one is
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot go on (its loop stopped, or a worker process of a split model
+    died or failed); no request can be served. Never retried request by request."""

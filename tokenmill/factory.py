@@ -17,6 +17,11 @@ from pathlib import Path
 import torch
 
 from tokenmill.config import EngineArgs, LoadConfig, ModelConfig, SpeculativeConfig
+from tokenmill.distributed.cluster import Cluster, rank_device, threads_per_rank
+from tokenmill.distributed.groups import ParallelGroups
+from tokenmill.distributed.messages import Load, Setup
+from tokenmill.distributed.runner import DistributedRunner
+from tokenmill.distributed.stage import PipelineStage
 from tokenmill.engine.engine import Engine, EngineConfig
 from tokenmill.errors import ModelLoadError, TokenmillError
 from tokenmill.kernels.cpu import cpu_info
@@ -24,6 +29,7 @@ from tokenmill.kernels.linear import use_native_linears
 from tokenmill.kernels.ops import NativeOps, select_ops
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import load_checkpoint
+from tokenmill.model.shard import ModelShard, check_parallel_sizes, shard_model
 from tokenmill.model.tokenizer import Tokenizer, load_tokenizer
 from tokenmill.quant.weights import quantize_model
 from tokenmill.spec.draft import ModelProposer
@@ -122,29 +128,54 @@ def kv_cache_sizing(
 
 
 def build_engine(args: EngineArgs, progress: bool = True) -> EngineParts:
-    load = args.load
+    load, parallel = args.load, args.parallel
     device = resolve_device(load.device)
     dtype = resolve_dtype(load.dtype, device)
     ckpt = load_checkpoint(load.model, dtype, progress=progress)
     tokenizer = load_tokenizer(ckpt.path, ckpt.metadata)
-    model = _prepare(LlamaForCausalLM.from_weights(ckpt.config, ckpt.weights, device), device, load)
     config, path = ckpt.config, ckpt.path
-    del ckpt
-    max_model_len = min(load.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
-    spec = args.speculative
-    draft = _load_draft(spec.draft_model, config, tokenizer, args, dtype, device, progress) if spec and spec.method == "draft" else None
-    per_block, num_blocks = kv_cache_sizing(args, config, dtype, draft.config if draft is not None else None)
-    pool_tokens = num_blocks * args.cache.block_size
-    if max_model_len > pool_tokens:  # a longer request could never finish: refuse it up front instead
-        logger.warning("max_model_len %d is more than the KV cache holds (%d blocks of %d = %d tokens): "
-                       "using %d; raise kv_cache_memory for longer contexts",
-                       max_model_len, num_blocks, args.cache.block_size, pool_tokens, pool_tokens)  # fmt: skip
-        max_model_len = pool_tokens
-    cache = args.cache
-    kv_caches = allocate_kv_cache(config, num_blocks, cache.block_size, dtype, device, cache.kv_cache_dtype)
-    proposer = _proposer(spec, model, draft, kv_caches, num_blocks, args, dtype, device) if spec else None
-    lora = LoRAManager(model, args.lora) if args.lora.enable_lora else None
-    runner = ModelRunner(model, kv_caches, cache.block_size, device, proposer, lora)
+    cluster = None
+    if parallel.world_size > 1:  # the other ranks start now and load their shards beside ours
+        check_parallel_options(args, config)
+        cluster = Cluster.launch(parallel.world_size)
+    try:
+        if cluster is None:
+            model = prepare_model(LlamaForCausalLM.from_weights(config, ckpt.weights, device), device, load)
+            shard, local = ModelShard(), config
+        else:
+            if device.type == "cpu":
+                torch.set_num_threads(threads_per_rank(cluster.local_world_size))
+            cluster.connect()
+            cluster.broadcast(Load(args, dtype))
+            shard = ModelShard(0, parallel.tensor_parallel_size, 0, parallel.pipeline_parallel_size)
+            device = rank_device(device, 0)
+            model = load_shard(config, ckpt.weights, shard, load, device)
+            local = shard.local_config(config)
+        del ckpt
+        max_model_len = min(load.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+        spec = args.speculative
+        draft = _load_draft(spec.draft_model, config, tokenizer, args, dtype, device, progress) if spec and spec.method == "draft" else None
+        per_block, num_blocks = kv_cache_sizing(args, local, dtype, draft.config if draft is not None else None)
+        pool_tokens = num_blocks * args.cache.block_size
+        if max_model_len > pool_tokens:  # a longer request could never finish: refuse it up front instead
+            logger.warning("max_model_len %d is more than the KV cache holds (%d blocks of %d = %d tokens): "
+                           "using %d; raise kv_cache_memory for longer contexts",
+                           max_model_len, num_blocks, args.cache.block_size, pool_tokens, pool_tokens)  # fmt: skip
+            max_model_len = pool_tokens
+        cache = args.cache
+        kv_caches = allocate_kv_cache(local, num_blocks, cache.block_size, dtype, device, cache.kv_cache_dtype)
+        proposer = _proposer(spec, model, draft, kv_caches, num_blocks, args, dtype, device) if spec else None
+        lora = LoRAManager(model, args.lora) if args.lora.enable_lora else None
+        if cluster is None:
+            runner = ModelRunner(model, kv_caches, cache.block_size, device, proposer, lora)
+        else:
+            cluster.broadcast(Setup(num_blocks))
+            stage = parallel_stage(cluster.groups(shard, device), model, kv_caches, cache.block_size, device, config)
+            runner = DistributedRunner(model, kv_caches, cache.block_size, device, proposer, stage=stage, cluster=cluster)
+    except BaseException:
+        if cluster is not None:
+            cluster.shutdown()
+        raise
     engine = Engine(
         runner,
         tokenizer,
@@ -173,15 +204,17 @@ def _grammar_compiler(tokenizer: Tokenizer, vocab_size: int) -> GrammarCompiler 
     return GrammarCompiler(tokenizer, vocab_size)
 
 
-def _prepare(model: LlamaForCausalLM, device: torch.device, load: LoadConfig) -> LlamaForCausalLM:
+def prepare_model(model: LlamaForCausalLM, device: torch.device, load: LoadConfig, quantize: bool = True) -> LlamaForCausalLM:
     """A loaded model (target or draft) made ready to run: its per-layer ops chosen, its
-    weights quantised, and, with native ops, its linears swapped for the small-batch kernel."""
+    weights quantised (unless a shard was cut from quantised weights already), and, with
+    native ops, its linears swapped for the small-batch kernel."""
     try:
         model.ops = select_ops(device, load.kernels)
     except RuntimeError as e:  # kernels="native" without a working build
         raise TokenmillError(str(e)) from None
     try:
-        quantize_model(model, load.quantization, load.quantization_group_size)
+        if quantize:
+            quantize_model(model, load.quantization, load.quantization_group_size)
     except ValueError as e:  # e.g. a group size that does not divide a layer's width
         raise TokenmillError(str(e)) from None
     if isinstance(model.ops, NativeOps):
@@ -206,7 +239,7 @@ def _load_draft(
         draft_tokenizer = None  # weights only: the vocabulary size has to do
     if draft_tokenizer is not None and draft_tokenizer.backend.get_vocab() != tokenizer.backend.get_vocab():
         raise TokenmillError(f"draft model {path} has a different tokenizer vocabulary from the target's")
-    return _prepare(LlamaForCausalLM.from_weights(ckpt.config, ckpt.weights, device), device, args.load)
+    return prepare_model(LlamaForCausalLM.from_weights(ckpt.config, ckpt.weights, device), device, args.load)
 
 
 def _proposer(
@@ -224,3 +257,38 @@ def _proposer(
     assert draft is not None
     draft_caches = allocate_kv_cache(draft.config, num_blocks, block_size, dtype, device, args.cache.kv_cache_dtype)
     return ModelProposer(draft, draft_caches, block_size, device)
+
+
+# ------------------------------------------------------------ tensor / pipeline parallel
+
+
+def check_parallel_options(args: EngineArgs, config: ModelConfig) -> None:
+    """Refuse what a split model cannot do (yet), and sizes that do not split this model."""
+    parallel, spec = args.parallel, args.speculative
+    if args.lora.enable_lora:
+        raise TokenmillError("LoRA adapters are not supported with tensor or pipeline parallelism yet")
+    if spec is not None and spec.method != "ngram":
+        raise TokenmillError(f"speculative method {spec.method!r} is not supported with tensor or pipeline "
+                             "parallelism yet (prompt lookup, 'ngram', is)")  # fmt: skip
+    check_parallel_sizes(config, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+
+
+def load_shard(
+    config: ModelConfig, weights: dict[str, torch.Tensor], shard: ModelShard, load: LoadConfig, device: torch.device
+) -> LlamaForCausalLM:
+    """This rank's part of the model, cut from the whole (quantised whole, then cut)."""
+    full = LlamaForCausalLM.from_weights(config, weights, "cpu")
+    try:
+        model = shard_model(full, shard, load.quantization, load.quantization_group_size)
+    except ValueError as e:
+        raise TokenmillError(str(e)) from None
+    return prepare_model(model.to(device), device, load, quantize=False)
+
+
+def parallel_stage(
+    groups: ParallelGroups, model: LlamaForCausalLM, kv_caches: list, block_size: int, device: torch.device,
+    config: ModelConfig,
+) -> PipelineStage:  # fmt: skip
+    """Wire a rank's shard to its groups: the TP all-reduces, the pipeline's sends."""
+    model.tp = groups.tp if groups.shard.tp_size > 1 else None
+    return PipelineStage(model, kv_caches, block_size, device, groups, config.hidden_size, config.vocab_size)

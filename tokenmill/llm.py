@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -48,6 +49,19 @@ class LLM:
         self.quantization_group_size = args.load.quantization_group_size
         self.kv_cache_dtype = args.cache.kv_cache_dtype
         self._ids = itertools.count()
+        # A split model's worker processes end with this object (or at exit), not later.
+        self._finalizer = weakref.finalize(self, parts.runner.close)
+
+    def close(self) -> None:
+        """Stop the worker processes of a split model (tensor / pipeline parallel); a
+        no-op otherwise. Also done when the LLM is garbage-collected or Python exits."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ----------------------------------------------------------------- offline
 

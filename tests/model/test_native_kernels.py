@@ -265,7 +265,7 @@ def test_int8_small_linear_matches_the_int8_reference(rows):
     from tokenmill.quant.weights import Int8Linear
 
     g = torch.Generator().manual_seed(7)
-    layer = Int8Linear(torch.randn(579, 576, generator=g), torch.bfloat16)
+    layer = Int8Linear.quantize(torch.randn(579, 576, generator=g), torch.bfloat16)
     x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
     ref = layer(x).float()
     layer.enable_small_batch_kernel(4)

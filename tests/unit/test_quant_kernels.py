@@ -17,7 +17,7 @@ def rand(*shape, seed=0):
 @pytest.mark.parametrize("m", [1, 5, 64])
 def test_int8_linear_is_within_half_a_step_per_weight(m):
     w, x = rand(96, 128), rand(m, 128, seed=1)
-    layer = Int8Linear(w, torch.float32)
+    layer = Int8Linear.quantize(w, torch.float32)
     exact = x @ w.T
     # each weight is off by at most half its row's step s_n = max|w_n| / 127; the
     # kernel's bfloat16 input and output add at most 2**-8 relative each
@@ -31,7 +31,7 @@ def test_int8_linear_is_within_half_a_step_per_weight(m):
 @pytest.mark.parametrize("m", [1, 7, 64])
 def test_int4_linear_is_within_half_a_step_per_group(m, group):
     w, x = rand(64, 256), rand(m, 256, seed=1)
-    layer = Int4Linear(w, torch.float32, group)
+    layer = Int4Linear.quantize(w, group)
     q, sz = quantize_int4(w, group)
     dq = dequantize_int4(q, sz, group)
     assert ((dq - w).abs() <= sz[:, :, 0].T.repeat_interleave(group, 1) / 2 + 1e-6).all()  # half a step per weight
@@ -45,7 +45,7 @@ def test_int4_linear_is_within_half_a_step_per_group(m, group):
 
 def test_int4_needs_a_group_that_divides_the_input():
     with pytest.raises(ValueError, match="does not divide 100"):
-        Int4Linear(rand(16, 100), torch.float32, 64)
+        Int4Linear.quantize(rand(16, 100), 64)
 
 
 @pytest.mark.parametrize("kind,rel", [("int8", 1 / 254 * (1 + 2**-6)), ("fp8", 2**-4)])

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.outputs import RequestOutput
+from tokenmill.errors import EngineDeadError
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -37,10 +38,6 @@ class _Stream:
 
     def __post_init__(self) -> None:
         self.undelivered = self.remaining
-
-
-class EngineDeadError(RuntimeError):
-    """The background loop stopped; no request can be served."""
 
 
 class RequestFailedError(RuntimeError):

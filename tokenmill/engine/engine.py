@@ -31,7 +31,7 @@ from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
 from tokenmill.engine.stats import SpecDecodeStats, StepStats
 from tokenmill.engine.structured import StructuredOutputManager
-from tokenmill.errors import InvalidRequestError
+from tokenmill.errors import EngineDeadError, InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured.grammar import CompiledGrammar, GrammarCompiler
 
@@ -257,6 +257,8 @@ class Engine:
             return ModelOutput()
         try:
             return self.runner.execute(batch)
+        except EngineDeadError:
+            raise  # the runner cannot go on at all (a worker of a split model died)
         except Exception as e:
             if len(batch.scheduled) == 1:
                 logger.exception("model step failed for %s", batch.scheduled[0].request_id)
@@ -267,6 +269,8 @@ class Engine:
         for s in batch.scheduled:
             try:
                 out = self.runner.execute(batch.only(s.request_id))
+            except EngineDeadError:
+                raise
             except Exception as e:
                 logger.exception("model step failed for %s", s.request_id)
                 merged.failed[s.request_id] = f"{type(e).__name__}: {e}"

@@ -4,9 +4,18 @@ Every input is an explicit forward argument: the flat token batch, absolute
 positions, one paged K/V cache (KVCacheLayer) per layer, and the attention metadata. The
 model knows nothing of requests; it maps tokens to hidden states and hidden states
 to logits.
+
+Split across ranks (``ModelShard``, ``model/shard.py``), a model holds its heads,
+columns, vocabulary rows and layers; its ``tp`` group adds the partial sums of the
+row-parallel projections and of the vocabulary-parallel embedding. A pipeline stage
+that is not the first takes the previous stage's residual stream instead of token
+ids, and one that is not the last returns its residual stream instead of the final
+norm's output.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -18,8 +27,15 @@ from tokenmill.model.layers.attention import AttentionMetadata
 from tokenmill.model.layers.kv_cache import KVCacheLayer
 from tokenmill.model.layers.norm import RMSNorm
 from tokenmill.model.layers.rotary import RotaryEmbedding, inverse_frequencies
+from tokenmill.model.shard import ModelShard
 
 KVCache = KVCacheLayer
+
+
+class TensorParallelGroup(Protocol):
+    """The ranks of one pipeline stage (``distributed/groups.py``)."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...  # sum over the ranks, in place
 
 
 class LlamaAttention(nn.Module):
@@ -41,6 +57,7 @@ class LlamaAttention(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         ops: TorchOps,
+        tp: TensorParallelGroup | None = None,
     ) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -49,7 +66,8 @@ class LlamaAttention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         q, k = ops.rotary_write_kv(q, k, v, positions, rotary, kv_cache, meta.slot_mapping)
         out = ops.attention(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(n, -1))
+        out = self.o_proj(out.reshape(n, -1))
+        return out if tp is None else tp.all_reduce(out)  # row-parallel: partial sums
 
 
 class LlamaMLP(nn.Module):
@@ -59,8 +77,9 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, ops: TorchOps, tp: TensorParallelGroup | None = None) -> torch.Tensor:
+        out = self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        return out if tp is None else tp.all_reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -69,7 +88,8 @@ class LlamaDecoderLayer(nn.Module):
     The residual add is fused into the next norm: the layer takes the already
     normalised input ``h`` and the residual stream ``x`` (updated in place), and
     returns the next norm's output (``next_norm``: the next layer's input norm, or
-    the model's final norm)."""
+    the model's final norm; None at the end of a pipeline stage: then it returns the
+    residual stream itself, which the next stage takes)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -79,23 +99,29 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg)
 
     def forward(
-        self, h, x, positions, rotary, kv_cache: KVCache, meta: AttentionMetadata, ops: TorchOps, next_norm: RMSNorm
-    ) -> torch.Tensor:
+        self, h, x, positions, rotary, kv_cache: KVCache, meta: AttentionMetadata, ops: TorchOps,
+        next_norm: RMSNorm | None, tp: TensorParallelGroup | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         post = self.post_attention_layernorm
-        h = ops.add_rms_norm(self.self_attn(h, positions, rotary, kv_cache, meta, ops), x, post.weight, post.eps)
-        return ops.add_rms_norm(self.mlp(h, ops), x, next_norm.weight, next_norm.eps)
+        h = ops.add_rms_norm(self.self_attn(h, positions, rotary, kv_cache, meta, ops, tp), x, post.weight, post.eps)
+        if next_norm is None:
+            return x.add_(self.mlp(h, ops, tp))
+        return ops.add_rms_norm(self.mlp(h, ops, tp), x, next_norm.weight, next_norm.eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: ModelShard | None = None) -> None:
+        """``cfg``: the shapes this model holds (a shard's ``local_config``)."""
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.shard = shard or ModelShard()
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None  # built in load_weights (needs rope_freqs)
         self.ops: TorchOps = TorchOps()  # the per-layer ops; the factory may swap in native kernels
+        self.tp: TensorParallelGroup | None = None  # set when the model is split across ranks
         self.lora_state: LoRAState | None = None  # set by add_lora_slots (multi-LoRA serving)
 
     @classmethod
@@ -126,29 +152,42 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         num_layers: int | None = None,  # run only the first num_layers (self-speculation's draft)
         lora: LoRAMapping | None = None,  # which token rows use which adapter slot
-    ) -> torch.Tensor:  # [num_tokens, hidden]
+        residual: torch.Tensor | None = None,  # a later pipeline stage: the previous stage's output
+    ) -> torch.Tensor:  # [num_tokens, hidden]: final-norm output (last stage) or residual stream
         if self.lora_state is None:
-            return self._forward(input_ids, positions, kv_caches, meta, num_layers)
+            return self._forward(input_ids, positions, kv_caches, meta, num_layers, residual)
         self.lora_state.mapping = lora
         try:
-            return self._forward(input_ids, positions, kv_caches, meta, num_layers)
+            return self._forward(input_ids, positions, kv_caches, meta, num_layers, residual)
         finally:
             self.lora_state.mapping = None
 
-    def _forward(self, input_ids, positions, kv_caches, meta, num_layers) -> torch.Tensor:
+    def _forward(self, input_ids, positions, kv_caches, meta, num_layers, residual) -> torch.Tensor:
         assert self.rotary is not None
         layers = self.layers if num_layers is None else self.layers[:num_layers]
-        ops = self.ops
-        x = self.embed_tokens(input_ids)  # the residual stream, updated in place by each layer
+        ops, tp = self.ops, self.tp
+        x = self._embed(input_ids) if residual is None else residual  # updated in place by each layer
         first = layers[0].input_layernorm
         h = ops.rms_norm(x, first.weight, first.eps)
         for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
-            h = layer(h, x, positions, self.rotary, kv_cache, meta, ops, next_norm)
+            h = layer(h, x, positions, self.rotary, kv_cache, meta, ops, next_norm, tp)
         return h
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        assert self.embed_tokens is not None, "only the first pipeline stage embeds tokens"
+        if self.tp is None:
+            return self.embed_tokens(input_ids)
+        rows = self.config.vocab_size  # vocabulary-parallel: this rank owns rows [start, start + rows)
+        local = input_ids - self.shard.tp_rank * rows
+        outside = (local < 0) | (local >= rows)
+        x = self.embed_tokens(local.clamp(0, rows - 1)).masked_fill_(outside[:, None], 0)
+        return self.tp.all_reduce(x)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
+        """Split by tensor parallelism, these are this rank's vocabulary columns."""
         if self.lm_head is None:  # tied to the embeddings
+            assert self.embed_tokens is not None
             return nn.functional.linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
 

@@ -51,15 +51,21 @@ def dequantize_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size:
 
 
 class Int8Linear(nn.Module):
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+    """Built from quantised parts (``quantize`` makes them from a float weight; a
+    tensor-parallel shard cuts them from the whole weight's)."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
         super().__init__()
-        q, scales = quantize_int8(weight)
-        self.out_features, self.in_features = weight.shape
+        self.out_features, self.in_features = q.shape
         self.register_buffer("weight", q)
-        self.act_dtype = torch.bfloat16 if weight.device.type == "cpu" else dtype
+        self.act_dtype = torch.bfloat16 if q.device.type == "cpu" else dtype
         self.register_buffer("scales", scales.to(self.act_dtype))
         self.native_rows = 0  # set by enable_small_batch_kernel: batches this small use the native kernel
         self.scales_f32: torch.Tensor | None = None
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, dtype: torch.dtype) -> Int8Linear:
+        return cls(*quantize_int8(weight), dtype)
 
     def enable_small_batch_kernel(self, rows: int) -> None:
         """Batches of up to ``rows`` go to tokenmill's native small_linear (float32 scales)."""
@@ -81,22 +87,27 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 
 
 class Int4Linear(nn.Module):
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, group_size: int) -> None:
+    """Built from quantised parts: q [N, K] in [0, 15] and (scale, zero) [K / group, N, 2]."""
+
+    def __init__(self, q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> None:
         super().__init__()
-        self.out_features, self.in_features = weight.shape
-        if self.in_features % group_size:
-            raise ValueError(f"int4 group size {group_size} does not divide {self.in_features} input features")
-        if group_size not in INT4_GROUP_SIZES:  # what torch's packed int4 kernels take
-            raise ValueError(f"int4 group size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, got {group_size}")
+        self.out_features, self.in_features = q.shape
         self.group_size = group_size
-        q, sz = quantize_int4(weight, group_size)
-        if weight.device.type == "cpu":
+        if q.device.type == "cpu":
             packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
         else:
             packed = torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), 8)
         self.register_buffer("weight", packed)
         self.act_dtype = torch.bfloat16  # the packed kernels' fast path, on the CPU and on CUDA
-        self.register_buffer("scales_and_zeros", sz.to(self.act_dtype))
+        self.register_buffer("scales_and_zeros", scales_and_zeros.to(self.act_dtype))
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, group_size: int) -> Int4Linear:
+        if weight.shape[1] % group_size:
+            raise ValueError(f"int4 group size {group_size} does not divide {weight.shape[1]} input features")
+        if group_size not in INT4_GROUP_SIZES:  # what torch's packed int4 kernels take
+            raise ValueError(f"int4 group size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, got {group_size}")
+        return cls(*quantize_int4(weight, group_size), group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(self.act_dtype)
@@ -119,8 +130,8 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 32) -> nn.Modu
 
     def make(weight: torch.Tensor) -> nn.Module:
         if mode == "int4" and weight.shape[1] % group_size == 0:
-            return Int4Linear(weight, dtype, group_size)
-        return Int8Linear(weight, dtype)  # int4 that the group does not divide: int8
+            return Int4Linear.quantize(weight, group_size)
+        return Int8Linear.quantize(weight, dtype)  # int4 that the group does not divide: int8
 
     for layer in model.layers:
         for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),

@@ -16,7 +16,7 @@ the same step one request at a time to find one that fails) and the step's resul
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -33,6 +33,10 @@ from tokenmill.worker.inputs import InputBuffers, SeqInput, order_seqs, prepare_
 from tokenmill.worker.kv_cache import KVCache
 from tokenmill.worker.lora import LoRAManager
 from tokenmill.worker.proposer import Draft, Proposer
+
+if TYPE_CHECKING:
+    from tokenmill.distributed.messages import Committed
+    from tokenmill.distributed.stage import PipelineStage
 from tokenmill.worker.rejection import verify_greedy, verify_sampled
 from tokenmill.worker.sampler import SampleRow, apply_grammar_bias, chosen_logprobs, sample, sampling_distribution
 
@@ -65,8 +69,10 @@ class ModelRunner:
         device: torch.device,
         proposer: Proposer | None = None,
         lora: LoRAManager | None = None,
+        stage: PipelineStage | None = None,
     ) -> None:
         self.model = model
+        self.stage = stage  # a split model: this rank's part of each forward (distributed/stage.py)
         self.lora = lora  # multi-LoRA: adapters in memory and in slots
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -102,6 +108,21 @@ class ModelRunner:
                 gen.set_state(state)
             raise
         return self._commit(batch, sampled, drafts)
+
+    @torch.inference_mode()
+    def follow(self, batch: ModelInput, committed: Committed) -> None:
+        """A worker rank of a split model: take the driver's results of the step before
+        (only the driver samples), apply this step's deltas and run this rank's part of
+        the forward. The request state stays the driver's twin."""
+        for rid, (tokens, draft) in committed.items():
+            state = self.requests.get(rid)
+            if state is not None:
+                state.output_ids.extend(tokens)
+                state.draft = Draft(draft) if draft else None
+        self._update_states(batch)
+        self.copy_blocks(batch.block_copies)
+        if batch.scheduled:
+            self.compute_logits(order_seqs([self._seq_input(s) for s in batch.scheduled]))
 
     def _update_states(self, batch: ModelInput) -> None:
         for rid in batch.finished_request_ids:
@@ -166,7 +187,10 @@ class ModelRunner:
     @torch.inference_mode()
     def compute_logits(self, seqs: list[SeqInput]) -> torch.Tensor:
         """[rows, vocab] float32 logits, in the order of ``seqs`` (``order_seqs`` first):
-        one row per sampling sequence, 1 + k for one verifying k drafts."""
+        one row per sampling sequence, 1 + k for one verifying k drafts. (On a worker
+        rank of a split model: None, the driver gets them.)"""
+        if self.stage is not None:
+            return self.stage.forward(seqs)
         input_ids, positions, meta, logits_indices = self.prepare(seqs)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, lora=self._lora_mapping(seqs))
         return self.model.compute_logits(hidden[logits_indices])
@@ -174,6 +198,8 @@ class ModelRunner:
     @torch.inference_mode()
     def all_logits(self, seqs: list[SeqInput]) -> torch.Tensor:
         """Logits at every new position of the batch (scoring, and tests against a reference)."""
+        if self.stage is not None:
+            return self.stage.forward(seqs, all_rows=True)
         input_ids, positions, meta, _ = self.prepare(seqs)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, lora=self._lora_mapping(seqs))
         return self.model.compute_logits(hidden)
@@ -265,6 +291,9 @@ class ModelRunner:
         copy_blocks(self.kv_caches, copies)
         if self.proposer is not None:
             self.proposer.copy_blocks(copies)
+
+    def close(self) -> None:
+        """Release what outlives the object (a split model's worker processes)."""
 
     def _new_generator(self, seed: int | None) -> torch.Generator | None:
         if seed is None:

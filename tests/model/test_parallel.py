@@ -1,0 +1,203 @@
+"""Tensor and pipeline parallelism on the CPU (gloo): a split model computes what the
+whole one does, and a dead worker ends the engine cleanly.
+
+Each parallel engine starts real worker processes; the reference is the same model,
+same options, on one process. Logits are compared in float32 (1e-4), generations
+greedy token for token, over workloads that exercise prefix caching, chunked
+prefill, preemption, prompt-lookup speculation and int8 weights.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from tests.helpers import make_tiny_chat_model, seq
+from tokenmill import LLM, SamplingParams
+from tokenmill.config import ModelConfig
+from tokenmill.distributed.stage import split_microbatches
+from tokenmill.errors import EngineDeadError, TokenmillError
+from tokenmill.model.loader import load_checkpoint
+from tokenmill.model.shard import ModelShard, check_parallel_sizes
+from tokenmill.worker.kv_cache import block_bytes
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "Once upon a time there was a little robot who",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+]
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+
+def _logits(llm: LLM, token_lists: list[list[int]]) -> torch.Tensor:
+    """Logits at every position of each prompt, all in one batch (borrowed blocks)."""
+    per = [-(-len(t) // llm.engine.block_size) for t in token_lists]
+    with llm.engine.borrow_blocks(sum(per)) as blocks:
+        seqs, at = [], 0
+        for i, (tokens, n) in enumerate(zip(token_lists, per, strict=True)):
+            seqs.append(seq(tokens, blocks[at : at + n], request_id=str(i)))
+            at += n
+        return llm.parts.runner.all_logits(seqs)
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _children(pid: int) -> set[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return {int(p) for p in f.read().split()}
+    except FileNotFoundError:
+        return set()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, llm):
+    """Tiny random Llamas with SmolLM2's tokenizer: 8 query heads, 2 KV heads, 4 layers;
+    the second has a vocabulary no TP size here divides (49155 rows: padded shards)."""
+    paths = {}
+    for name, vocab in (("even", llm.config.vocab_size), ("odd", llm.config.vocab_size + 3)):
+        path = tmp_path_factory.mktemp(f"tiny-{name}")
+        make_tiny_chat_model(path, llm.tokenizer, vocab, num_hidden_layers=4)
+        paths[name] = str(path)
+    return paths
+
+
+# ------------------------------------------------------------------ tensor parallel
+
+
+def test_smollm2_tp3_equals_one_process(llm):
+    """SmolLM2-135M (9 query heads, 3 KV heads) split three ways: logits within 1e-4,
+    greedy generations identical."""
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
+    expected_logits = _logits(llm, prompts)
+    expected = _tokens(llm.generate(PROMPTS, GREEDY))
+    with LLM(dtype="float32", progress=False, kv_cache_memory="64MiB", tensor_parallel_size=3) as split:
+        torch.testing.assert_close(_logits(split, prompts), expected_logits, atol=1e-4, rtol=0)
+        assert _tokens(split.generate(PROMPTS, GREEDY)) == expected
+
+
+@pytest.mark.parametrize(("tp", "model"), [(2, "even"), (4, "odd")])
+def test_tiny_llama_tensor_parallel(tiny, tp, model):
+    """TP=2, and TP=4 with 2 KV heads (each replicated on two ranks) and a vocabulary
+    the ranks split unevenly."""
+    opts = dict(dtype="float32", progress=False, kv_cache_memory="32MiB", max_num_batched_tokens=48)
+    with LLM(tiny[model], **opts) as whole:
+        prompts = [whole.tokenizer.encode(p) for p in PROMPTS]
+        expected_logits = _logits(whole, prompts)
+        expected = _tokens(whole.generate(PROMPTS, GREEDY))
+    with LLM(tiny[model], tensor_parallel_size=tp, **opts) as split:
+        torch.testing.assert_close(_logits(split, prompts), expected_logits, atol=1e-4, rtol=0)
+        assert _tokens(split.generate(PROMPTS, GREEDY)) == expected
+
+
+# ---------------------------------------------------------------- pipeline parallel
+
+
+def _kv_memory(path: str, num_blocks: int, tp: int, pp: int) -> str:
+    """Bytes that buy ``num_blocks`` blocks on each rank of this split."""
+    cfg: ModelConfig = load_checkpoint(path, torch.float32, progress=False).config
+    return f"{num_blocks * block_bytes(ModelShard(0, tp, 0, pp).local_config(cfg), 16, torch.float32)}B"
+
+
+@pytest.mark.parametrize(("tp", "pp", "quantization"), [(1, 2, "int8"), (2, 2, "none")])
+def test_pipeline_with_every_feature(tiny, tp, pp, quantization):
+    """PP=2 (int8 weights) and TP=2 x PP=2: a shared prefix (prefix caching), prompts
+    longer than the step budget (chunked prefill), a pool too small for all
+    (preemption) and prompt-lookup speculation, token-identical to one process with
+    the same options."""
+    path = tiny["even"]
+    opts = dict(dtype="float32", progress=False, max_num_batched_tokens=24, speculative="ngram",
+                num_speculative_tokens=3, spec_disable_batch_size=8, quantization=quantization)  # fmt: skip
+    prefix = "You are a helpful assistant. Answer briefly and precisely. "
+    prompts = [prefix + p for p in PROMPTS] * 2
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    with LLM(path, kv_cache_memory=_kv_memory(path, 14, 1, 1), **opts) as whole:
+        expected = _tokens(whole.generate(prompts, params))
+        assert whole.engine.num_preemptions > 0 and whole.engine.prefix_cache_stats.hits > 0
+    with LLM(path, kv_cache_memory=_kv_memory(path, 14, tp, pp), tensor_parallel_size=tp,
+             pipeline_parallel_size=pp, **opts) as split:  # fmt: skip
+        assert split.num_blocks == 14
+        assert _tokens(split.generate(prompts, params)) == expected
+        engine = split.engine
+        assert engine.num_preemptions > 0 and engine.prefix_cache_stats.hits > 0
+        assert engine.spec_decode_stats.num_accepted_tokens > 0
+        assert engine.block_pool.num_free == engine.block_pool.num_blocks
+
+
+@pytest.mark.parametrize(("tp", "pp", "quantization", "atol"), [(1, 2, "none", 1e-4), (2, 2, "int8", 2e-2)])
+def test_split_logits(tiny, tp, pp, quantization, atol):
+    """Float32 logits of PP=2 within 1e-4. With int8 weights the int8 kernels return
+    bfloat16, so a row-parallel layer's partial sums are rounded before they are added:
+    TP agrees to bfloat16 precision (a pipeline split alone is exact, above)."""
+    opts = dict(dtype="float32", progress=False, kv_cache_memory="32MiB", quantization=quantization)
+    with LLM(tiny["even"], **opts) as whole:
+        prompts = [whole.tokenizer.encode(p) for p in PROMPTS]
+        expected = _logits(whole, prompts)
+    with LLM(tiny["even"], tensor_parallel_size=tp, pipeline_parallel_size=pp, **opts) as split:
+        torch.testing.assert_close(_logits(split, prompts), expected, atol=atol, rtol=0)
+
+
+def test_microbatches_split_by_tokens():
+    seqs = [seq([1] * n, list(range(8)), request_id=str(i)) for i, n in enumerate([1, 1, 1, 1, 40, 3])]
+    groups = split_microbatches(seqs, 2)
+    assert [len(g) for g in groups] == [5, 1] and sum(groups, []) == seqs
+    assert split_microbatches(seqs[:1], 4) == [seqs[:1]]
+    assert [len(g) for g in split_microbatches(seqs[:3], 3)] == [1, 1, 1]
+
+
+# ------------------------------------------------------------------ failures
+
+
+def test_sizes_that_do_not_split_are_refused(llm):
+    with pytest.raises(TokenmillError, match=r"tensor_parallel_size 2 does not divide the 9 attention heads"):
+        LLM(progress=False, tensor_parallel_size=2)
+    with pytest.raises(TokenmillError, match=r"pipeline_parallel_size 4 does not divide the 30 layers"):
+        LLM(progress=False, pipeline_parallel_size=4)
+    with pytest.raises(TokenmillError, match="LoRA adapters are not supported"):
+        LLM(progress=False, tensor_parallel_size=3, enable_lora=True)
+    cfg = llm.config
+    check_parallel_sizes(cfg, 3, 5)
+    with pytest.raises(TokenmillError, match=r"KV heads"):
+        check_parallel_sizes(ModelConfig(**{**cfg.__dict__, "num_heads": 12, "num_kv_heads": 3}), 2, 1)
+
+
+def test_killed_worker_ends_the_engine_cleanly(tiny):
+    llm = LLM(tiny["even"], dtype="float32", progress=False, kv_cache_memory="32MiB", tensor_parallel_size=2,
+              pipeline_parallel_size=2)  # fmt: skip
+    workers = [p.pid for p in llm.parts.runner.cluster.procs]
+    assert len(workers) == 3 and all(_alive(p) for p in workers)
+    victim = workers[1]
+    threading.Timer(1.0, os.kill, (victim, signal.SIGKILL)).start()
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match=r"worker rank 2 exited with code -9"):
+        llm.generate(PROMPTS * 8, SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True))
+    assert time.monotonic() - start < 30
+    assert not any(_alive(p) for p in workers), "a worker outlived the engine"
+    assert not _children(os.getpid()) & set(workers)
+    with pytest.raises(EngineDeadError):
+        llm.generate(PROMPTS[:1], GREEDY)
+    llm.close()
+
+
+def test_failing_worker_is_named(tiny):
+    with LLM(tiny["even"], dtype="float32", progress=False, kv_cache_memory="32MiB", tensor_parallel_size=2) as llm:
+        llm.parts.runner.cluster.broadcast("not a message")  # the worker raises on it
+        with pytest.raises(EngineDeadError, match=r"worker rank 1 failed: RuntimeError: unexpected message str"):
+            llm.generate(PROMPTS[:2], GREEDY)
+        assert not any(_alive(p.pid) for p in llm.parts.runner.cluster.procs)

@@ -1,0 +1,123 @@
+"""A worker rank of a split model: load a shard, then follow the driver step by step.
+
+Started by the driver on one machine (``python -m tokenmill.distributed.worker``, its
+``WorkerSpec`` pickled on stdin), or by torchrun on any machine (``tokenmill serve``
+on a rank other than 0 ends up in ``run_torchrun_worker``). It holds no scheduler, no
+tokenizer and no sampler: a ``ModelRunner`` whose forward is its ``PipelineStage``,
+kept in step with the driver's by the records it receives.
+
+A failure is written to the store (the driver names it in its error) and ends the
+process with status 1; a worker whose parent process dies exits at once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+
+import torch
+from torch.distributed import Store, TCPStore
+
+from tokenmill.distributed.cluster import STORE_TIMEOUT, WorkerSpec, rank_device, threads_per_rank
+from tokenmill.distributed.groups import CommStats, ControlChannel, ParallelGroups
+from tokenmill.distributed.messages import Forward, Load, Setup, Shutdown, Step
+from tokenmill.factory import load_shard, parallel_stage, resolve_device
+from tokenmill.model.loader import load_checkpoint
+from tokenmill.model.shard import ModelShard
+from tokenmill.worker.kv_cache import allocate_kv_cache
+from tokenmill.worker.model_runner import ModelRunner
+
+
+def serve_rank(store: Store, rank: int, world_size: int, local_rank: int, local_world_size: int) -> int:
+    """Run one worker rank until the driver says stop; the exit status."""
+    try:
+        store.set(f"hello/{rank}", "1")
+        control = ControlChannel(store, rank, world_size, CommStats())
+        load = control.receive()
+        if isinstance(load, Shutdown):
+            return 0
+        assert isinstance(load, Load), f"expected Load, got {type(load).__name__}"
+        runner = _build(load, store, control, rank, local_rank, local_world_size)
+        while True:
+            msg = control.receive()
+            if isinstance(msg, Step):
+                runner.follow(msg.batch, msg.committed)
+            elif isinstance(msg, Forward):
+                runner.all_logits(msg.seqs)
+            elif isinstance(msg, Shutdown):
+                return 0
+            else:
+                raise RuntimeError(f"unexpected message {type(msg).__name__}")
+    except Exception:
+        text = traceback.format_exc()
+        print(f"tokenmill worker rank {rank} failed:\n{text}", file=sys.stderr, flush=True)
+        try:
+            store.set(f"error/{rank}", text)
+        except Exception:  # noqa: BLE001 - the driver (and its store) may be gone already
+            pass
+        return 1
+
+
+def _build(
+    load: Load, store: Store, control: ControlChannel, rank: int, local_rank: int, local_world_size: int
+) -> ModelRunner:  # fmt: skip
+    args, parallel = load.args, load.args.parallel
+    device = rank_device(resolve_device(args.load.device), local_rank)
+    if device.type == "cpu":
+        torch.set_num_threads(threads_per_rank(local_world_size))
+    shard = ModelShard.of_rank(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+    ckpt = load_checkpoint(args.load.model, load.dtype, progress=False)
+    config = ckpt.config
+    model = load_shard(config, ckpt.weights, shard, args.load, device)
+    del ckpt
+    setup = control.receive()
+    assert isinstance(setup, Setup), f"expected Setup, got {type(setup).__name__}"
+    cache = args.cache
+    kv_caches = allocate_kv_cache(shard.local_config(config), setup.num_blocks, cache.block_size, load.dtype, device,
+                                  cache.kv_cache_dtype)  # fmt: skip
+    groups = ParallelGroups(store, shard, device, control.stats)
+    stage = parallel_stage(groups, model, kv_caches, cache.block_size, device, config)
+    return ModelRunner(model, kv_caches, cache.block_size, device, stage=stage)
+
+
+def run_torchrun_worker() -> int:
+    """A rank other than 0 under torchrun: the store is torchrun's rendezvous."""
+    import torch.distributed as dist
+
+    store, rank, world_size = next(dist.rendezvous("env://"))
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    return serve_rank(store, rank, world_size, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+
+
+def _exit_with_parent() -> None:
+    """Die with the driver: the kernel's parent-death signal where there is one, and a
+    watchdog thread everywhere (the parent's pid changes when it is gone)."""
+    parent = os.getppid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+def main() -> int:
+    spec: WorkerSpec = pickle.load(sys.stdin.buffer)
+    _exit_with_parent()
+    store = TCPStore(spec.host, spec.port, spec.world_size, False, timeout=STORE_TIMEOUT)
+    return serve_rank(store, spec.rank, spec.world_size, spec.rank, spec.local_world_size)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

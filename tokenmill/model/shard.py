@@ -1,0 +1,228 @@
+"""Which part of the model one rank holds, and how a whole model is cut to it.
+
+Tensor parallelism (Megatron-style) splits each layer across the ``tp_size`` ranks of
+a stage: the fused QKV and gate-up projections by output rows (column-parallel: each
+rank owns whole attention heads and a slice of the MLP's intermediate columns), the
+o and down projections by input columns (row-parallel: partial sums, added by an
+all-reduce), the embedding and LM head by vocabulary rows (each rank looks up the ids
+it owns; logits are gathered). When there are fewer KV heads than ranks, each KV
+head is replicated on the ranks whose query heads read it.
+
+Pipeline parallelism gives each of ``pp_size`` stages a contiguous run of layers: the
+first stage also holds the embedding, the last the final norm and the LM head.
+
+Quantised weights are quantised whole, then cut, so that a rank's int8 scales (per
+output row) and int4 groups (along the input) are exactly those of the unsplit
+model: a row-parallel shard keeps its rows' full-width scales.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tokenmill.config import ModelConfig
+from tokenmill.errors import TokenmillError
+from tokenmill.quant.weights import INT4_GROUP_SIZES, Int4Linear, Int8Linear, quantize_int4, quantize_int8
+
+
+@dataclass(frozen=True)
+class ModelShard:
+    """One rank's part: its tensor-parallel rank within its stage, and its stage."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+
+    @property
+    def is_whole(self) -> bool:
+        return self.tp_size == 1 and self.pp_size == 1
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def rank(self) -> int:
+        """Global rank: stage-major, so a stage's TP group is consecutive ranks."""
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    @classmethod
+    def of_rank(cls, rank: int, tp_size: int, pp_size: int) -> ModelShard:
+        return cls(rank % tp_size, tp_size, rank // tp_size, pp_size)
+
+    def layers(self, cfg: ModelConfig) -> range:
+        per = cfg.num_layers // self.pp_size
+        return range(self.pp_rank * per, (self.pp_rank + 1) * per)
+
+    def q_heads(self, cfg: ModelConfig) -> range:
+        per = cfg.num_heads // self.tp_size
+        return range(self.tp_rank * per, (self.tp_rank + 1) * per)
+
+    def kv_heads(self, cfg: ModelConfig) -> range:
+        if cfg.num_kv_heads >= self.tp_size:
+            per = cfg.num_kv_heads // self.tp_size
+            return range(self.tp_rank * per, (self.tp_rank + 1) * per)
+        head = self.tp_rank * cfg.num_kv_heads // self.tp_size  # the one KV head this rank's queries read
+        return range(head, head + 1)
+
+    def intermediate(self, cfg: ModelConfig) -> range:
+        per = cfg.intermediate_size // self.tp_size
+        return range(self.tp_rank * per, (self.tp_rank + 1) * per)
+
+    def vocab(self, cfg: ModelConfig) -> range:
+        """Vocabulary rows this rank owns; every rank owns ``ceil(V / tp)`` (the last
+        one's tail past V is zero padding, cut off after the logits are gathered)."""
+        per = -(-cfg.vocab_size // self.tp_size)
+        return range(self.tp_rank * per, (self.tp_rank + 1) * per)
+
+    def local_config(self, cfg: ModelConfig) -> ModelConfig:
+        """The shapes this rank's tensors have: its heads, columns, vocabulary rows and
+        layers. A pipeline stage's LM head is its own tensor (the embedding it may be
+        tied to lives on the first stage)."""
+        if self.is_whole:
+            return cfg
+        return dataclasses.replace(
+            cfg,
+            num_layers=len(self.layers(cfg)),
+            num_heads=len(self.q_heads(cfg)),
+            num_kv_heads=len(self.kv_heads(cfg)),
+            intermediate_size=len(self.intermediate(cfg)),
+            vocab_size=len(self.vocab(cfg)),
+            tie_word_embeddings=cfg.tie_word_embeddings and self.pp_size == 1,
+        )
+
+
+def check_parallel_sizes(cfg: ModelConfig, tp: int, pp: int) -> None:
+    """Refuse sizes that do not split this model, naming the numbers."""
+    problems = []
+    if cfg.num_heads % tp:
+        problems.append(f"tensor_parallel_size {tp} does not divide the {cfg.num_heads} attention heads")
+    elif cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
+        problems.append(f"tensor_parallel_size {tp} and the {cfg.num_kv_heads} KV heads: one must divide the other")
+    if cfg.intermediate_size % tp:
+        problems.append(f"tensor_parallel_size {tp} does not divide the MLP's {cfg.intermediate_size} columns")
+    if cfg.num_layers % pp:
+        problems.append(f"pipeline_parallel_size {pp} does not divide the {cfg.num_layers} layers")
+    if problems:
+        divisors = [d for d in range(1, cfg.num_heads + 1) if not cfg.num_heads % d and not cfg.intermediate_size % d
+                    and not (cfg.num_kv_heads % d and d % cfg.num_kv_heads)]  # fmt: skip
+        layers = [d for d in range(1, cfg.num_layers + 1) if not cfg.num_layers % d]
+        raise TokenmillError("; ".join(problems) + f" (this model splits with tensor_parallel_size in {divisors} "
+                             f"and pipeline_parallel_size in {layers})")  # fmt: skip
+
+
+def shard_model(full: nn.Module, shard: ModelShard, quantization: str = "none", group_size: int = 32) -> nn.Module:
+    """This rank's model, cut from the whole one (built on the CPU, unquantised):
+    float tensors are sliced (copies, so the whole model can be freed), linears
+    quantised whole and then sliced when ``quantization`` asks for it."""
+    from tokenmill.model.llama import LlamaForCausalLM  # the model imports this module
+
+    cfg = full.config
+    local = shard.local_config(cfg)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(local, shard)
+    model.rotary = full.rotary
+    hd = cfg.head_dim
+    q_rows = _rows(shard.q_heads(cfg), hd)
+    kv_rows = _rows(shard.kv_heads(cfg), hd)
+    qkv_rows = torch.cat([q_rows, cfg.num_heads * hd + kv_rows, (cfg.num_heads + cfg.num_kv_heads) * hd + kv_rows])
+    inter = shard.intermediate(cfg)
+    gate_up_rows = torch.cat([torch.arange(inter.start, inter.stop), cfg.intermediate_size + torch.arange(inter.start, inter.stop)])
+    q_cols = range(q_rows[0].item(), q_rows[-1].item() + 1)
+
+    def cut(linear: nn.Module, rows: torch.Tensor | None = None, cols: range | None = None) -> nn.Module:
+        return _cut_linear(linear.weight.data, rows, cols, quantization, group_size)
+
+    for j, i in enumerate(shard.layers(cfg)):
+        src, dst = full.layers[i], model.layers[j]
+        dst.input_layernorm.weight = _param(src.input_layernorm.weight)
+        dst.post_attention_layernorm.weight = _param(src.post_attention_layernorm.weight)
+        dst.self_attn.qkv_proj = cut(src.self_attn.qkv_proj, rows=qkv_rows)
+        dst.self_attn.o_proj = cut(src.self_attn.o_proj, cols=q_cols)
+        dst.mlp.gate_up_proj = cut(src.mlp.gate_up_proj, rows=gate_up_rows)
+        dst.mlp.down_proj = cut(src.mlp.down_proj, cols=inter)
+    vocab = shard.vocab(cfg)
+    embedding = _pad_rows(full.embed_tokens.weight.data, vocab)
+    if shard.is_first_stage:
+        model.embed_tokens.weight = _param(embedding)
+    else:
+        model.embed_tokens = None
+    if shard.is_last_stage:
+        model.norm.weight = _param(full.norm.weight)
+        head = full.embed_tokens.weight.data if full.lm_head is None else full.lm_head.weight.data
+        if local.tie_word_embeddings and quantization == "none":
+            model.lm_head = None  # reads this rank's embedding rows, as the whole model does
+        else:
+            model.lm_head = _cut_linear(head, torch.arange(vocab.start, min(vocab.stop, cfg.vocab_size)), None,
+                                        quantization, group_size, pad_rows=len(vocab))  # fmt: skip
+    else:
+        model.norm = None
+        model.lm_head = None
+    return model.eval()
+
+
+def _rows(heads: range, head_dim: int) -> torch.Tensor:
+    return torch.arange(heads.start * head_dim, heads.stop * head_dim)
+
+
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t.clone(), requires_grad=False)
+
+
+def _pad_rows(w: torch.Tensor, rows: range) -> torch.Tensor:
+    """w[rows], zero rows past the end (the vocabulary's padding on the last rank)."""
+    out = w.new_zeros(len(rows), w.shape[1])
+    real = w[rows.start : min(rows.stop, w.shape[0])]
+    out[: real.shape[0]] = real
+    return out
+
+
+def _cut_linear(
+    w: torch.Tensor, rows: torch.Tensor | None, cols: range | None, quantization: str, group_size: int,
+    pad_rows: int | None = None,
+) -> nn.Module:  # fmt: skip
+    """A linear layer holding w[rows][:, cols] (quantised as the whole w would be),
+    with zero rows appended up to ``pad_rows``."""
+
+    def take(t: torch.Tensor, row_dim: int = 0, col_dim: int = 1) -> torch.Tensor:
+        if rows is not None:
+            t = t.index_select(row_dim, rows)
+        if cols is not None:
+            t = t.narrow(col_dim, cols.start, len(cols))
+        if pad_rows is not None and t.shape[row_dim] < pad_rows:
+            shape = list(t.shape)
+            shape[row_dim] = pad_rows - t.shape[row_dim]
+            t = torch.cat([t, t.new_zeros(shape)], dim=row_dim)
+        return t.contiguous()
+
+    k = w.shape[1]
+    width = k if cols is None else len(cols)
+    if quantization == "int4" and not k % group_size and not width % group_size and group_size in INT4_GROUP_SIZES:
+        if cols is not None and cols.start % group_size:
+            raise TokenmillError(f"int4 groups of {group_size} do not align with a shard starting at column {cols.start}")
+        q, scales_and_zeros = quantize_int4(w, group_size)  # [N, K], [K/G, N, 2]
+        group_cols = None if cols is None else range(cols.start // group_size, cols.stop // group_size)
+        sz = scales_and_zeros if rows is None else scales_and_zeros.index_select(1, rows)
+        if group_cols is not None:
+            sz = sz.narrow(0, group_cols.start, len(group_cols))
+        if pad_rows is not None and sz.shape[1] < pad_rows:
+            sz = torch.cat([sz, sz.new_zeros(sz.shape[0], pad_rows - sz.shape[1], 2)], dim=1)  # padding: 0
+        return Int4Linear(take(q), sz.contiguous(), group_size)
+    if quantization in ("int8", "int4"):  # int4 that the group does not divide: int8, as quantize_model does
+        q, scales = quantize_int8(w)
+        s = scales if rows is None else scales.index_select(0, rows)
+        if pad_rows is not None and s.shape[0] < pad_rows:
+            s = torch.cat([s, s.new_ones(pad_rows - s.shape[0])])
+        return Int8Linear(take(q), s, w.dtype)
+    linear = nn.Linear(width, pad_rows or (len(rows) if rows is not None else w.shape[0]), bias=False, device="meta")
+    linear.weight = _param(take(w))
+    return linear
