@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from tokenmill.args import add_config_arguments, add_engine_arguments, engine_args_from_namespace
 from tokenmill.config import ServerConfig
+from tokenmill.distributed.env import torchrun_rank
 from tokenmill.errors import TokenmillError
 
 DEFAULT_CHAT_PROMPT = "What is the capital of France? Answer in one sentence."
@@ -186,6 +187,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in ("generate", "chat", "serve", "plan") and torchrun_rank() > 0:
+        # Under torchrun every rank runs the same command line; only rank 0 drives the
+        # engine (and serves), the others hold their shards and follow it.
+        from tokenmill.distributed.worker import run_torchrun_worker
+
+        return run_torchrun_worker()
     try:
         commands = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "plan": cmd_plan, "bench": cmd_bench}
         return commands[args.command](args)

@@ -201,3 +201,29 @@ def test_failing_worker_is_named(tiny):
         with pytest.raises(EngineDeadError, match=r"worker rank 1 failed: RuntimeError: unexpected message str"):
             llm.generate(PROMPTS[:2], GREEDY)
         assert not any(_alive(p.pid) for p in llm.parts.runner.cluster.procs)
+
+
+def test_torchrun_two_nodes(llm, tmp_path):
+    """The README's two-node example, both "nodes" on this machine: each runs the same
+    command under torchrun; rank 0 prints the generation, rank 1 follows and exits 0."""
+    import shutil
+    import socket
+    import subprocess
+    import sys
+
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    assert torchrun is not None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    prompt = "The capital of France is"
+    cmd = [torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
+           str(port), "-m", "tokenmill", "generate", prompt, "--max-tokens", "8", "--temperature", "0", "--dtype",
+           "float32", "--pipeline-parallel-size", "2", "--kv-cache-memory", "64MiB"]  # fmt: skip
+    nodes = [subprocess.Popen([*cmd[:1], "--node-rank", str(r), *cmd[1:]], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]  # fmt: skip
+    outs = [n.communicate(timeout=240) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outs
+    expected = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0))[0].outputs[0].text
+    assert outs[0][0].strip() == expected.strip()
+    assert outs[1][0].strip() == ""

@@ -31,6 +31,7 @@ from datetime import timedelta
 import torch
 from torch.distributed import Store, TCPStore
 
+from tokenmill.distributed.env import torchrun_rank, under_torchrun
 from tokenmill.distributed.groups import CommStats, ControlChannel, ParallelGroups
 from tokenmill.distributed.messages import Shutdown
 from tokenmill.errors import EngineDeadError, TokenmillError
@@ -50,10 +51,6 @@ class WorkerSpec:
     rank: int
     world_size: int
     local_world_size: int
-
-
-def under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def threads_per_rank(local_world_size: int) -> int:
@@ -83,11 +80,13 @@ class Cluster:
         if under_torchrun():
             import torch.distributed as dist
 
+            if torchrun_rank() != 0:
+                raise TokenmillError("under torchrun only rank 0 builds the engine; the other ranks run "
+                                     "tokenmill.distributed.worker.run_torchrun_worker() (the CLI does this itself)")  # fmt: skip
             store, rank, world = next(dist.rendezvous("env://"))
             if world != world_size:
                 raise TokenmillError(f"torchrun started {world} processes but tensor_parallel_size x "
                                      f"pipeline_parallel_size = {world_size}")  # fmt: skip
-            assert rank == 0, "only rank 0 drives the engine"
             return cls(store, world_size, [], int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         store = TCPStore("127.0.0.1", 0, world_size, True, timeout=STORE_TIMEOUT, wait_for_workers=False)
         procs = []

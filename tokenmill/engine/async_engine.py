@@ -117,6 +117,11 @@ class AsyncEngine:
         return self._dead is not None or self._stopped.is_set()
 
     @property
+    def death(self) -> BaseException | None:
+        """What killed the loop (None while it runs, and after a clean shutdown)."""
+        return self._dead
+
+    @property
     def num_waiting(self) -> int:
         """Requests queued and not yet running (an estimate read from another thread)."""
         return self.engine.num_waiting + self._commands.qsize()

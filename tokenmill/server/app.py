@@ -28,9 +28,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill.config import ServerConfig
-from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from tokenmill.engine.async_engine import AsyncEngine, RequestFailedError
 from tokenmill.engine.outputs import RequestOutput
-from tokenmill.errors import InvalidRequestError, TokenmillError
+from tokenmill.errors import EngineDeadError, InvalidRequestError, TokenmillError
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.protocol import (

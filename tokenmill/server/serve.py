@@ -5,6 +5,10 @@ is admitted, then waits up to ``--drain-timeout`` seconds for in-flight requests
 finish. Streams still open then end with an error event and ``[DONE]``; what is left
 is cancelled (which aborts those requests); the engine loop stops last and the
 process exits 0.
+
+If the engine dies (its loop fails, or a worker process of a split model dies), the
+requests in flight get 503, the server stops accepting, and the process exits 1, so
+that a supervisor restarts it instead of leaving a server that can only answer 503.
 """
 
 from __future__ import annotations
@@ -19,6 +23,13 @@ from dataclasses import replace
 from tokenmill.args import server_config_from_namespace
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.server.app import build_app
+
+
+async def _stop_when_dead(server, engine: AsyncEngine, grace: float = 0.5) -> None:
+    while engine.death is None:
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(grace)  # let the requests in flight send their 503
+    server.should_exit = True
 
 
 async def _expire_streams(server, drain_expired: asyncio.Event, drain_timeout: float) -> None:
@@ -51,15 +62,21 @@ def serve(llm, args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: None)
 
     async def run() -> None:
-        watcher = asyncio.create_task(_expire_streams(server, app.state.served.drain_expired, config.drain_timeout))
+        watchers = [asyncio.create_task(_expire_streams(server, app.state.served.drain_expired, config.drain_timeout)),
+                    asyncio.create_task(_stop_when_dead(server, engine))]  # fmt: skip
         try:
             await server.serve()
         finally:
-            watcher.cancel()
+            for w in watchers:
+                w.cancel()
 
     try:
         asyncio.run(run())
     finally:
         engine.shutdown()
+        llm.close()
+    if engine.death is not None:
+        print(f"tokenmill: the engine died ({engine.death}); server stopped", file=sys.stderr, flush=True)
+        return 1
     print("tokenmill: server stopped", file=sys.stderr, flush=True)
     return 0
