@@ -67,7 +67,8 @@ def use_native_linears(model: nn.Module) -> None:
         for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
                              (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):  # fmt: skip
             setattr(parent, name, swap(getattr(parent, name)))
-    if model.lm_head is None:  # tied: the head reads the embedding table (shared, not copied)
-        model.lm_head = NativeLinear(model.embed_tokens.weight, upcast)
-    else:
+    if model.lm_head is None:
+        if model.config.tie_word_embeddings:  # the head reads the embedding table (shared, not copied)
+            model.lm_head = NativeLinear(model.embed_tokens.weight, upcast)
+    else:  # (a pipeline stage before the last has no head at all)
         model.lm_head = swap(model.lm_head)
