@@ -12,7 +12,9 @@ each running three workloads: decode at batch 1 and batch 8 (64-token prompts,
 Per step: wall time, and on the driver (rank 0) the seconds spent in each kind of
 communication (all-reduce, logits gather, stage-to-stage receive, the step record's
 broadcast), so compute = step - communication; bytes communicated per token.
-Then a prediction for a multi-GPU node from those byte counts (no GPU was lent).
+First, gloo's all-reduce latency among otherwise idle processes (the floor under a
+split step's 61 all-reduces); last, a prediction for a multi-GPU node from the byte
+counts (no GPU was lent).
 Writes bench/results/parallel.json and bench/results/parallel.png.
 """
 
@@ -84,6 +86,46 @@ def run_workload(llm: LLM, name: str, max_new: int) -> dict:
     return out
 
 
+def _allreduce_rank(rank: int, port: int, size: int, shape: tuple[int, int], calls: int, out) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed import PrefixStore, ProcessGroupGloo
+
+    torch.set_num_threads(1)
+    store, _, _ = next(dist.rendezvous(f"tcp://127.0.0.1:{port}", rank=rank, world_size=size))
+    pg = ProcessGroupGloo(PrefixStore("bench", store), rank, size, timedelta(seconds=60))
+    x = torch.randn(*shape)
+    for _ in range(20):
+        pg.allreduce([x]).wait()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        pg.allreduce([x]).wait()
+    if rank == 0:
+        out.put((time.perf_counter() - t0) / calls)
+
+
+def allreduce_latency(size: int, shape: tuple[int, int] = (8, 576), calls: int = 200) -> float:
+    """Seconds per gloo all-reduce of ``shape`` float32 among ``size`` otherwise idle
+    processes on this machine (what a split model's 61 calls per step cost at best)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_allreduce_rank, args=(r, port, size, shape, calls, out)) for r in range(size)]
+    for p in procs:
+        p.start()
+    result = out.get(timeout=120)
+    for p in procs:
+        p.join()
+    return result
+
+
 def predict_gpu(hidden: int, layers: int, vocab: int, weight_bytes: float, tp: int, pp: int) -> dict:
     """Decode at batch 1 on an NVLink node (H200-class), from the byte counts above.
 
@@ -125,9 +167,16 @@ def plot(res: dict, path: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=48, help="new tokens per decode request")
+    p.add_argument("--allreduce-only", action="store_true", help="only the idle all-reduce latency")
     args = p.parse_args()
     log(f"CPU: {cpu_info().describe()}")
-    res: dict = {"cpu": cpu_info().as_dict(), "torch": torch.__version__, "runs": []}
+    latency = {n: allreduce_latency(n) for n in (2, 3)}
+    log("gloo all-reduce of [8, 576] float32, idle processes: " +
+        ", ".join(f"{n} ranks {1e3 * t:.2f} ms" for n, t in latency.items()))  # fmt: skip
+    if args.allreduce_only:
+        return
+    res: dict = {"cpu": cpu_info().as_dict(), "torch": torch.__version__, "runs": [],
+                 "idle_allreduce_ms": {n: 1e3 * t for n, t in latency.items()}}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         base = LLM(progress=False)
         eight = eight_head_model(Path(tmp), base.tokenizer)

@@ -187,7 +187,11 @@ class AsyncEngine:
             stream.undelivered -= 1
             if stream.undelivered == 0:
                 self._streams.pop(out.request_id, None)
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+        except RuntimeError:  # its event loop has closed (the server is stopping): nobody reads it
+            self._streams.pop(out.request_id, None)
+            self.engine.abort(out.request_id)
 
 
 def _resolve(fut: asyncio.Future, error: BaseException | None) -> None:
