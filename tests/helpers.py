@@ -237,3 +237,70 @@ def make_tiny_chat_model(path, tokenizer, vocab_size: int, chat_template: str | 
     config = {"eos_token": "<|im_end|>", **({"chat_template": chat_template} if chat_template else {})}
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     return model
+
+
+# ------------------------------------------------------------------- model families
+
+_GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}  # fmt: skip
+
+
+def write_gguf(path, hf_model, arch: str, tokenizer_gguf) -> None:
+    """A HF model as an F32 GGUF, as llama.cpp's converter writes it (Q/K rows permuted
+    for llama-arch files), with the tokenizer metadata of ``tokenizer_gguf``'s GGUF."""
+    import gguf
+    import numpy as np
+
+    from tokenmill.model.gguf_file import read_gguf
+
+    cfg = hf_model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"])
+    metadata, _ = read_gguf(tokenizer_gguf)
+    w.add_tokenizer_model(metadata["tokenizer.ggml.model"])
+    w.add_tokenizer_pre(metadata.get("tokenizer.ggml.pre", "default"))
+    w.add_token_list(metadata["tokenizer.ggml.tokens"])
+    w.add_token_merges(metadata["tokenizer.ggml.merges"])
+    w.add_token_types(metadata["tokenizer.ggml.token_type"])
+    w.add_eos_token_id(metadata["tokenizer.ggml.eos_token_id"])
+    w.add_bos_token_id(metadata["tokenizer.ggml.bos_token_id"])
+
+    def permute(t, heads):  # llama.cpp's LlamaModel.permute
+        return t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+
+    for name, t in hf_model.state_dict().items():
+        t = t.float().numpy()
+        name = name.removeprefix("model.")
+        if name == "embed_tokens.weight":
+            out = "token_embd.weight"
+        elif name == "norm.weight":
+            out = "output_norm.weight"
+        elif name == "lm_head.weight":
+            if cfg.tie_word_embeddings:
+                continue
+            out = "output.weight"
+        else:
+            _, i, rest = name.split(".", 2)
+            module, kind = rest.rsplit(".", 1)
+            if arch == "llama" and module == "self_attn.q_proj":
+                t = permute(t, cfg.num_attention_heads)
+            elif arch == "llama" and module == "self_attn.k_proj":
+                t = permute(t, cfg.num_key_value_heads)
+            out = f"blk.{i}.{_GGUF_LAYER[module]}.{kind}"
+        w.add_tensor(out, np.ascontiguousarray(t, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -39,7 +39,8 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder; filled from GGUF metadata or config.json."""
+    """Shape of a decoder of the Llama family (Llama, Mistral, Qwen2, Qwen3: one decoder,
+    a few switches); filled from GGUF metadata or config.json."""
 
     vocab_size: int
     hidden_size: int
@@ -54,6 +55,8 @@ class ModelConfig:
     tie_word_embeddings: bool
     rope_scaling: RopeScaling | None = None
     architecture: str = "llama"
+    attention_bias: bool = False  # biases on the q, k and v projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

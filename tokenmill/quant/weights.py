@@ -54,18 +54,19 @@ class Int8Linear(nn.Module):
     """Built from quantised parts (``quantize`` makes them from a float weight; a
     tensor-parallel shard cuts them from the whole weight's)."""
 
-    def __init__(self, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.register_buffer("weight", q)
+        self.register_buffer("bias", bias)  # kept in the model's dtype, added after the matmul
         self.act_dtype = torch.bfloat16 if q.device.type == "cpu" else dtype
         self.register_buffer("scales", scales.to(self.act_dtype))
         self.native_rows = 0  # set by enable_small_batch_kernel: batches this small use the native kernel
         self.scales_f32: torch.Tensor | None = None
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, dtype: torch.dtype) -> Int8Linear:
-        return cls(*quantize_int8(weight), dtype)
+    def quantize(cls, weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None) -> Int8Linear:
+        return cls(*quantize_int8(weight), dtype, bias)
 
     def enable_small_batch_kernel(self, rows: int) -> None:
         """Batches of up to ``rows`` go to tokenmill's native small_linear (float32 scales)."""
@@ -80,6 +81,8 @@ class Int8Linear(nn.Module):
             out = torch._weight_int8pack_mm(flat.to(self.act_dtype), self.weight, self.scales).to(x.dtype)
         else:
             out = nn.functional.linear(flat, self.weight.to(flat.dtype)) * self.scales
+        if self.bias is not None:
+            out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
@@ -89,10 +92,12 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 class Int4Linear(nn.Module):
     """Built from quantised parts: q [N, K] in [0, 15] and (scale, zero) [K / group, N, 2]."""
 
-    def __init__(self, q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> None:
+    def __init__(self, q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+                 bias: torch.Tensor | None = None) -> None:  # fmt: skip
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.group_size = group_size
+        self.register_buffer("bias", bias)
         if q.device.type == "cpu":
             packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
         else:
@@ -102,12 +107,12 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(self.act_dtype))
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, group_size: int) -> Int4Linear:
+    def quantize(cls, weight: torch.Tensor, group_size: int, bias: torch.Tensor | None = None) -> Int4Linear:
         if weight.shape[1] % group_size:
             raise ValueError(f"int4 group size {group_size} does not divide {weight.shape[1]} input features")
         if group_size not in INT4_GROUP_SIZES:  # what torch's packed int4 kernels take
             raise ValueError(f"int4 group size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, got {group_size}")
-        return cls(*quantize_int4(weight, group_size), group_size)
+        return cls(*quantize_int4(weight, group_size), group_size, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(self.act_dtype)
@@ -116,6 +121,8 @@ class Int4Linear(nn.Module):
         else:
             out = torch._weight_int4pack_mm(flat, self.weight, self.group_size, self.scales_and_zeros)
         out = out.to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
@@ -128,15 +135,16 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 32) -> nn.Modu
         return model
     dtype = next(model.parameters()).dtype
 
-    def make(weight: torch.Tensor) -> nn.Module:
+    def make(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
         if mode == "int4" and weight.shape[1] % group_size == 0:
-            return Int4Linear.quantize(weight, group_size)
-        return Int8Linear.quantize(weight, dtype)  # int4 that the group does not divide: int8
+            return Int4Linear.quantize(weight, group_size, bias)
+        return Int8Linear.quantize(weight, dtype, bias)  # int4 that the group does not divide: int8
 
     for layer in model.layers:
         for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
                              (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):  # fmt: skip
-            setattr(parent, name, make(getattr(parent, name).weight.data))
+            linear = getattr(parent, name)
+            setattr(parent, name, make(linear.weight.data, None if linear.bias is None else linear.bias.data))
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     model.lm_head = make(head.data)
     return model

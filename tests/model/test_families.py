@@ -1,0 +1,120 @@
+"""Model families beyond Llama, as switches of one decoder: Qwen2 (q/k/v biases),
+Qwen3 (per-head q/k RMSNorm), Mistral (Llama's shape, its own model type).
+
+Each family is a tiny random checkpoint built here with transformers' own classes,
+saved as a Hugging Face folder (with SmolLM2's tokenizer) and converted to GGUF; both
+load and give transformers' logits (float32, 1e-4) for a prefill and 16 decode steps
+through the paged cache, and the same greedy tokens batched as alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import make_tiny_chat_model, seq, write_gguf
+from tokenmill import LLM, SamplingParams
+from tokenmill.errors import ModelLoadError
+
+transformers = pytest.importorskip("transformers")
+
+COMMON = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=8,
+              num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6)  # fmt: skip
+FAMILIES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16, "tie_word_embeddings": False}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None, "head_dim": 8}),
+}
+GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama"}  # llama.cpp writes Mistral as llama
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory, llm):
+    name = request.param
+    config_cls, model_cls, extra = FAMILIES[name]
+    torch.manual_seed(0)
+    cfg = getattr(transformers, config_cls)(vocab_size=llm.config.vocab_size, **COMMON, **extra)
+    ref = getattr(transformers, model_cls)(cfg).eval()
+    with torch.no_grad():  # transformers starts biases at 0 and norms at 1: make them count
+        for pname, p in ref.named_parameters():
+            if pname.endswith("bias"):
+                p.normal_(0, 0.5)
+            elif "norm" in pname:
+                p.normal_(1, 0.3)
+    folder = tmp_path_factory.mktemp(name)
+    make_tiny_chat_model(folder, llm.tokenizer, llm.config.vocab_size)  # the tokenizer files
+    ref.save_pretrained(folder)
+    gguf = folder.parent / f"{name}.gguf"
+    write_gguf(gguf, ref, GGUF_ARCH[name], llm.model_path)
+    return name, ref, folder, gguf
+
+
+def _prefill_and_decode(llm: LLM, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """Logits at every prompt position, then one decode step at a time (greedy) through
+    the paged cache: [len(prompt) + steps, vocab], and the tokens it chose."""
+    tokens = list(prompt)
+    bs = llm.engine.block_size
+    with llm.engine.borrow_blocks(-(-(len(prompt) + steps) // bs)) as blocks:
+        rows = [llm.parts.runner.all_logits([seq(tokens, blocks)])]
+        for _ in range(steps):
+            tokens.append(int(rows[-1][-1].argmax()))
+            rows.append(llm.parts.runner.all_logits([seq(tokens[-1:], blocks, num_computed=len(tokens) - 1)]))
+    return tokens, torch.cat(rows)
+
+
+@pytest.mark.parametrize("fmt", ["folder", "gguf"])
+def test_family_matches_transformers(family, fmt):
+    name, ref, folder, gguf = family
+    with LLM(str(folder if fmt == "folder" else gguf), dtype="float32", progress=False, kv_cache_memory="32MiB") as llm:
+        assert llm.config.architecture == {"mistral": "mistral" if fmt == "folder" else "llama"}.get(name, name)
+        prompt = llm.tokenizer.encode("Tiny models of every family, one decoder: ")
+        tokens, ours = _prefill_and_decode(llm, prompt, 16)
+        with torch.no_grad():
+            expected = ref(torch.tensor([tokens[:-1]])).logits[0]
+        torch.testing.assert_close(ours[:-1], expected, atol=1e-4, rtol=0)
+
+
+def test_family_batched_equals_alone(family):
+    name, _, folder, _ = family
+    prompts = ["The quick brown fox", "Once upon a time, in a land", "1 2 3 4 5", "def f(x):"]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    with LLM(str(folder), dtype="float32", progress=False, kv_cache_memory="32MiB", quantization="int8") as llm:
+        together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        alone = [llm.generate(p, params)[0].outputs[0].token_ids for p in prompts]
+    assert together == alone
+
+
+def test_unknown_architecture_is_refused_naming_what_is_supported(tmp_path, llm):
+    make_tiny_chat_model(tmp_path, llm.tokenizer, llm.config.vocab_size)
+    config = (tmp_path / "config.json").read_text().replace('"model_type": "llama"', '"model_type": "gpt_neox"')
+    (tmp_path / "config.json").write_text(config)
+    with pytest.raises(ModelLoadError, match=r"unsupported model_type 'gpt_neox'.*supported: llama, mistral, qwen2, qwen3"):
+        LLM(str(tmp_path), progress=False)
+
+
+def test_active_sliding_window_is_refused(tmp_path, llm):
+    cfg = transformers.MistralConfig(vocab_size=llm.config.vocab_size, sliding_window=64, **COMMON)
+    transformers.MistralForCausalLM(cfg).save_pretrained(tmp_path)
+    make_tiny_chat_model(tmp_path / "tok", llm.tokenizer, llm.config.vocab_size)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / f).write_text((tmp_path / "tok" / f).read_text())
+    with pytest.raises(ModelLoadError, match=r"sliding-window attention \(window 64 < context 1024\)"):
+        LLM(str(tmp_path), progress=False)
+
+
+def test_family_tensor_parallel(family):
+    """Qwen2's q/k/v biases are cut with their rows; Qwen3's per-head norms replicated."""
+    name, _, folder, _ = family
+    if name == "mistral":
+        pytest.skip("Llama's shape: covered by tests/model/test_parallel.py")
+    prompts = ["The quick brown fox", "Once upon a time, in a land"]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    opts = dict(dtype="float32", progress=False, kv_cache_memory="32MiB")
+    with LLM(str(folder), **opts) as whole:
+        prompt = whole.tokenizer.encode(prompts[0])
+        _, expected_logits = _prefill_and_decode(whole, prompt, 4)
+        expected = [o.outputs[0].token_ids for o in whole.generate(prompts, params)]
+    with LLM(str(folder), tensor_parallel_size=2, **opts) as split:
+        _, logits = _prefill_and_decode(split, prompt, 4)
+        torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=0)
+        assert [o.outputs[0].token_ids for o in split.generate(prompts, params)] == expected
