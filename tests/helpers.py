@@ -247,13 +247,30 @@ _GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_
                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}  # fmt: skip
 
 
-def write_gguf(path, hf_model, arch: str, tokenizer_gguf) -> None:
+def gguf_tokenizer_metadata(gguf_path) -> dict:
+    """The ``tokenizer.*`` keys of a GGUF file."""
+    from tokenmill.model.gguf_file import read_gguf
+
+    metadata, _ = read_gguf(gguf_path)
+    return {k: v for k, v in metadata.items() if k.startswith("tokenizer.")}
+
+
+_GGUF_TOKENIZER_WRITERS = {
+    "tokenizer.ggml.model": "add_tokenizer_model", "tokenizer.ggml.pre": "add_tokenizer_pre",
+    "tokenizer.ggml.tokens": "add_token_list", "tokenizer.ggml.merges": "add_token_merges",
+    "tokenizer.ggml.scores": "add_token_scores", "tokenizer.ggml.token_type": "add_token_types",
+    "tokenizer.ggml.bos_token_id": "add_bos_token_id", "tokenizer.ggml.eos_token_id": "add_eos_token_id",
+    "tokenizer.ggml.unknown_token_id": "add_unk_token_id", "tokenizer.ggml.add_bos_token": "add_add_bos_token",
+    "tokenizer.ggml.add_eos_token": "add_add_eos_token", "tokenizer.ggml.add_space_prefix": "add_add_space_prefix",
+    "tokenizer.chat_template": "add_chat_template",
+}  # fmt: skip
+
+
+def write_gguf(path, hf_model, arch: str, tokenizer: dict) -> None:
     """A HF model as an F32 GGUF, as llama.cpp's converter writes it (Q/K rows permuted
-    for llama-arch files), with the tokenizer metadata of ``tokenizer_gguf``'s GGUF."""
+    for llama-arch files), with the given ``tokenizer.*`` metadata."""
     import gguf
     import numpy as np
-
-    from tokenmill.model.gguf_file import read_gguf
 
     cfg = hf_model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -268,14 +285,9 @@ def write_gguf(path, hf_model, arch: str, tokenizer_gguf) -> None:
     w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"])
-    metadata, _ = read_gguf(tokenizer_gguf)
-    w.add_tokenizer_model(metadata["tokenizer.ggml.model"])
-    w.add_tokenizer_pre(metadata.get("tokenizer.ggml.pre", "default"))
-    w.add_token_list(metadata["tokenizer.ggml.tokens"])
-    w.add_token_merges(metadata["tokenizer.ggml.merges"])
-    w.add_token_types(metadata["tokenizer.ggml.token_type"])
-    w.add_eos_token_id(metadata["tokenizer.ggml.eos_token_id"])
-    w.add_bos_token_id(metadata["tokenizer.ggml.bos_token_id"])
+    for key, value in tokenizer.items():
+        if key in _GGUF_TOKENIZER_WRITERS:
+            getattr(w, _GGUF_TOKENIZER_WRITERS[key])(value)
 
     def permute(t, heads):  # llama.cpp's LlamaModel.permute
         return t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import make_tiny_chat_model, seq, write_gguf
+from tests.helpers import gguf_tokenizer_metadata, make_tiny_chat_model, seq, write_gguf
 from tokenmill import LLM, SamplingParams
 from tokenmill.errors import ModelLoadError
 
@@ -45,7 +45,7 @@ def family(request, tmp_path_factory, llm):
     make_tiny_chat_model(folder, llm.tokenizer, llm.config.vocab_size)  # the tokenizer files
     ref.save_pretrained(folder)
     gguf = folder.parent / f"{name}.gguf"
-    write_gguf(gguf, ref, GGUF_ARCH[name], llm.model_path)
+    write_gguf(gguf, ref, GGUF_ARCH[name], gguf_tokenizer_metadata(llm.model_path))
     return name, ref, folder, gguf
 
 

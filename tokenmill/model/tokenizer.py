@@ -1,7 +1,7 @@
 """Tokenizer and chat template, built from GGUF metadata or a Hugging Face folder.
 
-A GGUF ``gpt2``-type vocabulary (byte-level BPE: tokens + merges) becomes a
-``tokenizers.Tokenizer`` the way transformers converts it, so both encode alike.
+A GGUF vocabulary (byte-level BPE, or SentencePiece) becomes a ``tokenizers.Tokenizer``
+the way transformers converts it, so both encode alike.
 Chat templates are rendered with a sandboxed jinja2 environment configured as
 transformers configures it.
 """
@@ -20,7 +20,7 @@ from tokenmill.errors import InvalidRequestError, ModelLoadError
 # Tokens that end a turn in common chat formats; generation stops on any present
 # in the vocabulary, as llama.cpp's end-of-generation set does.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>")
-_GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4
+_GGUF_UNKNOWN, _GGUF_CONTROL, _GGUF_USER_DEFINED = 2, 3, 4
 
 
 @dataclass
@@ -101,35 +101,103 @@ def _stop_ids(backend: Any, eos: int | None, extra: Sequence[int] = ()) -> froze
     return frozenset(ids)
 
 
+# How llama.cpp's pre-tokenizer types split text before byte-level BPE (the regexes of
+# the models' own tokenizer.json); any other type gets GPT-2's split.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+GGUF_PRE_SPLITS = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx", "smaug-bpe"), _LLAMA3_SPLIT),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
+    "tekken": _TEKKEN_SPLIT,
+}
+GGUF_TOKENIZER_MODELS = ("gpt2", "llama")  # byte-level BPE; SentencePiece (BPE with byte fallback)
+
+
 def tokenizer_from_gguf(metadata: dict[str, Any], path: Path) -> Tokenizer:
-    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    """A GGUF vocabulary as a ``tokenizers.Tokenizer``, built as transformers builds it
+    from the same file (its GGUF loader is the reference in the tests):
+
+    - ``gpt2``: byte-level BPE from tokens and merges, text split by the pre-tokenizer
+      type's regex (``tokenizer.ggml.pre``: Llama 3, Qwen2, Mistral's tekken, else GPT-2's);
+    - ``llama``: SentencePiece BPE (Llama 2, Mistral): merges recovered from the scores,
+      "▁" for spaces with one prepended to the text, unknown bytes as ``<0xNN>`` tokens.
+
+    ``tokenizer.ggml.add_bos_token`` / ``add_eos_token`` are honoured (a SentencePiece file
+    without the flag gets BOS, as llama.cpp does); control tokens are special, user-defined
+    ones added whole (the unknown token is special too, as both llama.cpp and transformers
+    treat it)."""
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
     from tokenizers import Tokenizer as HFTokenizer
 
     kind = metadata.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ModelLoadError(
-            f"unsupported GGUF tokenizer model {kind!r} in {path}: tokenmill reads byte-level BPE "
-            "('gpt2') vocabularies from GGUF; use a Hugging Face folder with tokenizer.json instead"
-        )
+    if kind not in GGUF_TOKENIZER_MODELS:
+        raise ModelLoadError(f"unsupported GGUF tokenizer model {kind!r} in {path}; supported: "
+                             "'gpt2' (byte-level BPE) and 'llama' (SentencePiece)")  # fmt: skip
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
-    merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
-    backend = HFTokenizer(
-        models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False, byte_fallback=False)
-    )
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    backend.decoder = decoders.ByteLevel()
     types = metadata.get("tokenizer.ggml.token_type", [])
-    special = [i for i, t in enumerate(types) if t in (_GGUF_CONTROL, _GGUF_USER_DEFINED)]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if kind == "gpt2":
+        merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
+        backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        split = GGUF_PRE_SPLITS.get(metadata.get("tokenizer.ggml.pre", ""))
+        if split is None:
+            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        else:
+            backend.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ])  # fmt: skip
+        backend.decoder = decoders.ByteLevel()
+    else:
+        scores = metadata.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+        merges = sentencepiece_merges(tokens, scores)
+        backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+        backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                             decoders.Strip(content=" ", left=1)])  # fmt: skip
+    special = [i for i, t in enumerate(types) if t in (_GGUF_UNKNOWN, _GGUF_CONTROL)]
     backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
-    eos = metadata.get("tokenizer.ggml.eos_token_id")
+    backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                        for i, t in enumerate(types) if t == _GGUF_USER_DEFINED])  # fmt: skip
+    bos, eos = metadata.get("tokenizer.ggml.bos_token_id"), metadata.get("tokenizer.ggml.eos_token_id")
+    add_bos = bos is not None and metadata.get("tokenizer.ggml.add_bos_token", kind == "llama")
+    add_eos = eos is not None and metadata.get("tokenizer.ggml.add_eos_token", False)
+    if add_bos or add_eos:
+        marks = [(tokens[i], i) for i, on in ((bos, add_bos), (eos, add_eos)) if on]
+        single = ([tokens[bos]] if add_bos else []) + ["$A"] + ([tokens[eos]] if add_eos else [])
+        backend.post_processor = processors.TemplateProcessing(single=" ".join(single), special_tokens=marks)
     return Tokenizer(
         backend=backend,
-        bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+        bos_token_id=bos,
         eos_token_id=eos,
         chat_template=metadata.get("tokenizer.chat_template"),
         stop_token_ids=_stop_ids(backend, eos),
         special_token_ids=frozenset(special),
     )
+
+
+def sentencepiece_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a SentencePiece vocabulary: every split of a token into two
+    tokens, best merged score first (transformers' ``generate_merges``, so that both
+    tokenize alike)."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for token, score in zip(tokens, scores, strict=True):
+        local = [(token[:k], token[k:], score) for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab]
+        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(a, b) for a, b, _ in merges]
 
 
 def _token_id(backend: Any, token: Any) -> int | None:
