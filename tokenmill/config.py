@@ -57,6 +57,7 @@ class ModelConfig:
     architecture: str = "llama"
     attention_bias: bool = False  # biases on the q, k and v projections (Qwen2)
     qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3)
+    sliding_window: int | None = None  # a query sees only the last this-many positions (Mistral)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

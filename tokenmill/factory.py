@@ -187,6 +187,7 @@ def build_engine(args: EngineArgs, progress: bool = True) -> EngineParts:
             scheduler=args.scheduler,
             speculative=spec,
             max_loras=args.lora.max_loras if args.lora.enable_lora else None,
+            sliding_window=config.sliding_window,
         ),
         grammars=_grammar_compiler(tokenizer, config.vocab_size),
     )

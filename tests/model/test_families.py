@@ -92,29 +92,32 @@ def test_unknown_architecture_is_refused_naming_what_is_supported(tmp_path, llm)
         LLM(str(tmp_path), progress=False)
 
 
-def test_active_sliding_window_is_refused(tmp_path, llm):
-    cfg = transformers.MistralConfig(vocab_size=llm.config.vocab_size, sliding_window=64, **COMMON)
-    transformers.MistralForCausalLM(cfg).save_pretrained(tmp_path)
-    make_tiny_chat_model(tmp_path / "tok", llm.tokenizer, llm.config.vocab_size)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / f).write_text((tmp_path / "tok" / f).read_text())
-    with pytest.raises(ModelLoadError, match=r"sliding-window attention \(window 64 < context 1024\)"):
-        LLM(str(tmp_path), progress=False)
-
-
-def test_family_tensor_parallel(family):
-    """Qwen2's q/k/v biases are cut with their rows; Qwen3's per-head norms replicated."""
-    name, _, folder, _ = family
-    if name == "mistral":
-        pytest.skip("Llama's shape: covered by tests/model/test_parallel.py")
-    prompts = ["The quick brown fox", "Once upon a time, in a land"]
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    opts = dict(dtype="float32", progress=False, kv_cache_memory="32MiB")
-    with LLM(str(folder), **opts) as whole:
-        prompt = whole.tokenizer.encode(prompts[0])
-        _, expected_logits = _prefill_and_decode(whole, prompt, 4)
-        expected = [o.outputs[0].token_ids for o in whole.generate(prompts, params)]
-    with LLM(str(folder), tensor_parallel_size=2, **opts) as split:
-        _, logits = _prefill_and_decode(split, prompt, 4)
-        torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=0)
-        assert [o.outputs[0].token_ids for o in split.generate(prompts, params)] == expected
+def test_sliding_window_matches_transformers_and_frees_blocks(tmp_path, llm):
+    """Mistral with a 24-token window and a prompt of ~100 tokens: transformers' logits
+    through prefill (in chunks) and decode, and the blocks that left the window are back
+    in the pool while the request still runs."""
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(vocab_size=llm.config.vocab_size, sliding_window=24, head_dim=8, **COMMON)
+    ref = transformers.MistralForCausalLM(cfg).eval()
+    make_tiny_chat_model(tmp_path, llm.tokenizer, llm.config.vocab_size)
+    ref.save_pretrained(tmp_path)
+    prompt = llm.tokenizer.encode("A long prompt, longer than the attention window of this tiny model. " * 8)
+    assert len(prompt) > 4 * 24
+    for kernels in ("native", "torch"):
+        with LLM(str(tmp_path), dtype="float32", progress=False, kv_cache_memory="32MiB", kernels=kernels,
+                 max_num_batched_tokens=40) as ours:  # fmt: skip
+            tokens, logits = _prefill_and_decode(ours, prompt, 8)
+            with torch.no_grad():
+                expected = ref(torch.tensor([tokens[:-1]])).logits[0]
+            torch.testing.assert_close(logits[:-1], expected, atol=1e-4, rtol=0)
+            # through the engine: chunked prefill, then decode, blocks given back as it goes
+            engine = ours.engine
+            (req,) = engine.add_request("w", prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+            while engine.has_unfinished():
+                engine.step()
+                if req.num_computed_tokens > 48 and not req.finished:
+                    held = len(req.block_ids) - req.num_freed_blocks
+                    assert req.num_freed_blocks > 0 and held <= -(-(24 + 40) // 16) + 1
+                    assert engine.block_pool.num_used == held
+            assert req.output_token_ids == tokens[len(prompt) :]
+            assert engine.block_pool.num_free == engine.block_pool.num_blocks

@@ -65,6 +65,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
     max_loras: int | None = None  # None: LoRA adapters are off
+    sliding_window: int | None = None  # the model's attention window: blocks before it are freed
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         self.block_pool = BlockPool(config.num_blocks, config.enable_prefix_caching)
-        self.kv = KVCacheManager(self.block_pool, config.block_size)
+        self.kv = KVCacheManager(self.block_pool, config.block_size, config.sliding_window)
         self.scheduler = Scheduler(
             config.scheduler, self.kv, config.max_model_len, tokenizer.stop_token_ids, config.speculative,
             config.max_loras or 1 << 30,
@@ -297,7 +298,7 @@ class Engine:
             kv_blocks_free=self.block_pool.num_free,
             kv_blocks_cached=self.block_pool.num_cached_free,
             kv_tokens_held=sum(r.num_computed_tokens for r in running),
-            kv_slots_held=sum(len(r.block_ids) for r in running) * self.config.block_size,
+            kv_slots_held=sum(len(r.block_ids) - r.num_freed_blocks for r in running) * self.config.block_size,
         )
 
     # ------------------------------------------------- read-only views for callers

@@ -5,6 +5,11 @@ parent's hash and its own token ids, so equal hashes mean equal whole prefixes.
 
     tokens:  [ b0: 16 tokens ][ b1: 16 tokens ][ b2: 7 tokens ...
     hashes:   h0 = H(-, b0)    h1 = H(h0, b1)    (partial: no hash)
+
+With a sliding window (Mistral), a block whose every position is before the
+window of any query still to come goes back to the pool (``free_outside_window``);
+its entry in the request's table becomes ``FREED`` (the runner keeps reading a
+stale id there, masked out by attention, so it is never told).
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from dataclasses import dataclass
 
 from tokenmill.engine.block_pool import BlockPool
 from tokenmill.engine.request import Request
+
+FREED = -1  # a block-table entry whose block left the sliding window and went back to the pool
 
 
 def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
@@ -35,9 +42,10 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, sliding_window: int | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.stats = PrefixCacheStats()
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -117,6 +125,27 @@ class KVCacheManager:
                 self.pool.cache(req.block_ids[i], hashes[i])
         req.num_cached_blocks = num_full
 
+    def free_outside_window(self, req: Request) -> None:
+        """Give back the blocks no later query of the request can see: the next query
+        is at position num_computed_tokens or later and sees back to that position minus
+        window - 1. (Registered in the prefix cache first, they stay reusable until
+        evicted.)"""
+        if self.sliding_window is None:
+            return
+        first_seen = req.num_computed_tokens - self.sliding_window + 1
+        n = min(max(0, first_seen) // self.block_size, len(req.block_ids))
+        if n <= req.num_freed_blocks:
+            return
+        self.pool.free([b for b in req.block_ids[req.num_freed_blocks : n] if b != FREED][::-1])
+        req.block_ids[req.num_freed_blocks : n] = [FREED] * (n - req.num_freed_blocks)
+        req.num_freed_blocks = n
+
+    @staticmethod
+    def runner_table(req: Request) -> list[int]:
+        """The table as the runner receives it whole (a new or resumed request): freed
+        entries as block 0, a valid index attention masks out."""
+        return [max(b, 0) for b in req.block_ids] if req.num_freed_blocks else list(req.block_ids)
+
     def trim(self, req: Request, num_tokens: int) -> None:
         """Free the request's blocks past the first num_tokens tokens (never computed
         ones: the blocks freed hold only draft or lookahead slots)."""
@@ -131,13 +160,16 @@ class KVCacheManager:
         """dst shares src's blocks holding the first num_tokens tokens (copy-on-write later)."""
         assert not dst.block_ids
         shared = src.block_ids[: self.blocks_for(num_tokens)]
-        self.pool.touch(shared)
+        self.pool.touch([b for b in shared if b != FREED])
         dst.block_ids = list(shared)
+        dst.num_freed_blocks = src.num_freed_blocks
         dst.num_synced_blocks = 0
         dst.num_cached_blocks = min(src.num_cached_blocks, num_tokens // self.block_size)
 
     def free(self, req: Request) -> None:
-        self.pool.free(req.block_ids[::-1])  # tail first: evicted before the shared head
+        held = req.block_ids[req.num_freed_blocks :]
+        self.pool.free(held[::-1])  # tail first: evicted before the shared head
         req.block_ids = []
+        req.num_freed_blocks = 0
         req.num_cached_blocks = 0
         req.num_synced_blocks = 0

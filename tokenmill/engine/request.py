@@ -66,6 +66,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    num_freed_blocks: int = 0  # leading entries given back once they left a sliding window (FREED)
     block_hashes: list[bytes] = field(default_factory=list)  # of full blocks of all_token_ids
     num_cached_blocks: int = 0  # leading blocks registered in the prefix cache
     num_preemptions: int = 0

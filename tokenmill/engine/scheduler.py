@@ -291,8 +291,8 @@ class Scheduler:
             if rid not in self._known_to_runner:
                 self._known_to_runner.add(rid)
                 batch.new_requests.append(
-                    NewRequestData(rid, req.prompt_token_ids, list(req.output_token_ids), req.params, list(req.block_ids),
-                                   req.lora_name)  # fmt: skip
+                    NewRequestData(rid, req.prompt_token_ids, list(req.output_token_ids), req.params,
+                                   self.kv.runner_table(req), req.lora_name)  # fmt: skip
                 )
             elif req.num_synced_blocks < len(req.block_ids):
                 batch.cached_requests.append(
@@ -326,6 +326,7 @@ class Scheduler:
             if req.status is RequestStatus.RUNNING:
                 self.kv.cache_computed_blocks(req)
                 self.kv.trim(req, req.num_tokens)  # blocks that held only rejected drafts or lookahead
+                self.kv.free_outside_window(req)
                 draft = result.draft_token_ids.get(rid, [])
                 req.spec_token_ids = draft[: self._max_drafts(req)]
                 if req.grammar is not None and req.spec_token_ids:  # cut at the first the grammar refuses

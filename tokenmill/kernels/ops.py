@@ -56,10 +56,11 @@ class TorchOps:
 
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata,
-        scale: float,
+        scale: float, window: int | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """Attention of the new tokens (their K/V already in the cache)."""
-        return paged_attention(q, k, v, cache, meta, scale)
+        """Attention of the new tokens (their K/V already in the cache); with ``window``,
+        each query sees only the last ``window`` positions up to its own."""
+        return paged_attention(q, k, v, cache, meta, scale, window)
 
 
 class NativeOps(TorchOps):
@@ -95,9 +96,10 @@ class NativeOps(TorchOps):
             cache.write(k, v, slot_mapping)
         return q, k
 
-    def attention(self, q, k, v, cache, meta, scale):
-        if not self._native(q):
-            return super().attention(q, k, v, cache, meta, scale)
+    def attention(self, q, k, v, cache, meta, scale, window=None):
+        if not self._native(q) or (window is not None and max(meta.seq_lens_host) > window):
+            # the native kernel has no window yet: a sequence longer than it takes the reference
+            return super().attention(q, k, v, cache, meta, scale, window)
         q = q.contiguous()
         out = torch.empty_like(q)
         # Over a quantised cache, fresh prefills all take their fresh K/V (as the reference does).

@@ -1,4 +1,4 @@
-"""The Llama-family decoder: Llama 2/3 and SmolLM2, Mistral (without a sliding window),
+"""The Llama-family decoder: Llama 2/3 and SmolLM2, Mistral (sliding-window attention),
 Qwen2/2.5 (biases on q, k, v) and Qwen3 (per-head q/k RMSNorm), as switches of one
 ``ModelConfig`` rather than copies of this file.
 
@@ -53,6 +53,7 @@ class LlamaAttention(nn.Module):
         # Qwen3: each head's q and k normalised (over head_dim) before RoPE.
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.window = cfg.sliding_window
 
     def forward(
         self,
@@ -73,7 +74,7 @@ class LlamaAttention(nn.Module):
             q = ops.rms_norm(q.reshape(-1, self.head_dim), self.q_norm.weight, self.q_norm.eps).view_as(q)
             k = ops.rms_norm(k.reshape(-1, self.head_dim), self.k_norm.weight, self.k_norm.eps).view_as(k)
         q, k = ops.rotary_write_kv(q, k, v, positions, rotary, kv_cache, meta.slot_mapping)
-        out = ops.attention(q, k, v, kv_cache, meta, self.scale)
+        out = ops.attention(q, k, v, kv_cache, meta, self.scale, self.window)
         out = self.o_proj(out.reshape(n, -1))
         return out if tp is None else tp.all_reduce(out)  # row-parallel: partial sums
 

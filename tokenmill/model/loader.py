@@ -131,7 +131,6 @@ def gguf_config(metadata: dict[str, Any], tensor_names: set[str], path: Path) ->
     elif scaling_type not in (None, "none"):
         raise ModelLoadError(f"unsupported RoPE scaling type {scaling_type!r} in {path}")
     context = int(key("context_length", 2048))
-    _refuse_sliding_window(key("attention.sliding_window"), context, path)
     return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -148,15 +147,13 @@ def gguf_config(metadata: dict[str, Any], tensor_names: set[str], path: Path) ->
         architecture=str(arch),
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        sliding_window=_window(key("attention.sliding_window"), context),
     )
 
 
-def _refuse_sliding_window(window: Any, context: int, where: Path) -> None:
-    """A window shorter than the context changes attention: refuse it rather than
-    attend over the whole context (not implemented yet)."""
-    if window is not None and int(window) < context:
-        raise ModelLoadError(f"{where} uses sliding-window attention (window {window} < context {context}), "
-                             "which tokenmill does not support yet")  # fmt: skip
+def _window(window: Any, context: int) -> int | None:
+    """A sliding window that matters (shorter than the context), or None."""
+    return int(window) if window is not None and int(window) < context else None
 
 
 def _gguf_name(name: str) -> str | None:
@@ -231,9 +228,10 @@ def hf_config(raw: dict[str, Any], path: Path) -> ModelConfig:
     elif rope_type != "default":
         raise ModelLoadError(f"unsupported RoPE scaling type {rope_type!r} in {path / 'config.json'}")
     context = int(raw.get("max_position_embeddings", 2048))
-    # Qwen2/3 configs carry a window that applies only with use_sliding_window.
-    if model_type == "mistral" or raw.get("use_sliding_window"):
-        _refuse_sliding_window(raw.get("sliding_window"), context, path / "config.json")
+    window = _window(raw.get("sliding_window"), context) if model_type == "mistral" else None
+    if raw.get("use_sliding_window") and model_type != "mistral":  # Qwen2: a window on some layers only
+        raise ModelLoadError(f"{path / 'config.json'}: use_sliding_window (a window on layers from "
+                             f"max_window_layers on) is not supported yet")  # fmt: skip
     return ModelConfig(
         vocab_size=int(raw["vocab_size"]),
         hidden_size=int(raw["hidden_size"]),
@@ -250,6 +248,7 @@ def hf_config(raw: dict[str, Any], path: Path) -> ModelConfig:
         architecture=str(model_type),
         attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
         qk_norm=model_type == "qwen3",
+        sliding_window=window,
     )
 
 

@@ -39,6 +39,14 @@ class DecodeGroup:
     num_blocks: int  # blocks gathered per sequence
     block_ids: torch.Tensor  # [(end - start) * num_blocks] int64: their tables, flattened
     mask: torch.Tensor  # [end - start, 1, 1, num_blocks * block_size] bool: real tokens
+    lens: torch.Tensor  # [end - start] int64: context lengths
+
+    def window_mask(self, window: int | None) -> torch.Tensor:
+        """The mask, keeping only each sequence's last ``window`` tokens."""
+        if window is None:
+            return self.mask
+        positions = torch.arange(self.mask.shape[-1], device=self.mask.device)
+        return self.mask & (positions[None, :] >= self.lens[:, None] - window)[:, None, None, :]
 
 
 def build_decode_groups(
@@ -60,7 +68,7 @@ def build_decode_groups(
         ids = [b for t in block_tables[start:end] for b in (t + [0] * num_blocks)[:num_blocks]]
         lens = torch.tensor(seq_lens[start:end], device=device)
         mask = torch.arange(num_blocks * block_size, device=device)[None, :] < lens[:, None]
-        groups.append(DecodeGroup(start, end, num_blocks, torch.tensor(ids, device=device), mask[:, None, None, :]))
+        groups.append(DecodeGroup(start, end, num_blocks, torch.tensor(ids, device=device), mask[:, None, None, :], lens))
     return groups
 
 
@@ -128,20 +136,23 @@ def paged_attention(
     cache: KVCacheLayer,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """q: [num_tokens, heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim] (new tokens).
 
     The new tokens' K/V are already in the cache (written with RoPE, ``TorchOps.rotary_write_kv``);
-    returns [num_tokens, heads, head_dim].
+    returns [num_tokens, heads, head_dim]. With a sliding ``window``, the query at
+    position p sees positions p - window + 1 .. p (blocks entirely before that may
+    already hold another request's tokens: they are read, but masked out).
     """
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
-        out[:nd] = _decode_attention(q[:nd], cache, meta, scale)
+        out[:nd] = _decode_attention(q[:nd], cache, meta, scale, window)
     qsl = meta.query_start_loc
     for i in range(nd, meta.num_seqs):
         start, end = qsl[i], qsl[i + 1]
-        out[start:end] = _prefill_attention(q[start:end], k[start:end], v[start:end], cache, meta, i, scale)
+        out[start:end] = _prefill_attention(q[start:end], k[start:end], v[start:end], cache, meta, i, scale, window)
     return out
 
 
@@ -152,7 +163,7 @@ def _gather(cache: KVCacheLayer, block_table: torch.Tensor, length: int) -> tupl
     return keys.flatten(0, 1)[:length], values.flatten(0, 1)[:length]
 
 
-def _decode_attention(q, cache: KVCacheLayer, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _decode_attention(q, cache: KVCacheLayer, meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
     """One query token per sequence, over its gathered context, group by group.
 
     Within a group the query heads that share a K/V head become that head's "query
@@ -169,28 +180,38 @@ def _decode_attention(q, cache: KVCacheLayer, meta: AttentionMetadata, scale: fl
         keys = keys.view(shape).transpose(1, 2)  # [n, kv_heads, S, head_dim]
         values = values.view(shape).transpose(1, 2)
         out = F.scaled_dot_product_attention(
-            q[g.start : g.end].view(n, kv_heads, num_heads // kv_heads, head_dim), keys, values, attn_mask=g.mask, scale=scale
+            q[g.start : g.end].view(n, kv_heads, num_heads // kv_heads, head_dim), keys, values,
+            attn_mask=g.window_mask(window), scale=scale,
         )
         outs.append(out.reshape(n, num_heads, head_dim))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def fresh_prefill_attention(q, k, v, scale: float) -> torch.Tensor:
+def fresh_prefill_attention(q, k, v, scale: float, window: int | None = None) -> torch.Tensor:
     """A chunk with nothing cached before it: causal attention over its own fresh K/V
     (SDPA's flash kernel), [num_new, heads, head_dim]. Shared with the native path."""
-    return _attend_chunk(q, k, v, None, True, scale)
+    n = q.shape[0]
+    if window is None or n <= window:
+        return _attend_chunk(q, k, v, None, True, scale)
+    return _attend_chunk(q, k, v, _causal_mask(torch.arange(n, device=q.device), n, window), False, scale)
 
 
-def _prefill_attention(q, k, v, cache: KVCacheLayer, meta: AttentionMetadata, i: int, scale: float):
+def _causal_mask(q_pos: torch.Tensor, length: int, window: int | None) -> torch.Tensor:
+    """[len(q_pos), length] bool: key position <= query position (and within the window)."""
+    k_pos = torch.arange(length, device=q_pos.device)[None, :]
+    mask = k_pos <= q_pos[:, None]
+    return mask if window is None else mask & (k_pos > q_pos[:, None] - window)
+
+
+def _prefill_attention(q, k, v, cache: KVCacheLayer, meta: AttentionMetadata, i: int, scale: float, window=None):
     num_new = q.shape[0]
     length = meta.seq_lens_host[i]
     if length == num_new:  # nothing cached before this chunk: use the fresh K/V directly
-        return fresh_prefill_attention(q, k, v, scale)
+        return fresh_prefill_attention(q, k, v, scale, window)
     keys, values = _gather(cache, meta.block_tables[i], length)
     # query j sits at absolute position (length - num_new + j) and sees keys <= that.
     q_pos = torch.arange(length - num_new, length, device=q.device)
-    mask = torch.arange(length, device=q.device)[None, :] <= q_pos[:, None]
-    return _attend_chunk(q, keys, values, mask, False, scale)
+    return _attend_chunk(q, keys, values, _causal_mask(q_pos, length, window), False, scale)
 
 
 def _attend_chunk(q, keys, values, mask: torch.Tensor | None, causal: bool, scale: float) -> torch.Tensor:
