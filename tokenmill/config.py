@@ -30,11 +30,16 @@ def opt(default: Any, help: str, *, flag: str | None = None, choices: tuple[str,
 class RopeScaling:
     """RoPE frequency scaling, as Hugging Face's `rope_scaling` describes it."""
 
-    rope_type: str = "default"  # default | linear | llama3
+    rope_type: str = "default"  # default | linear | llama3 | longrope
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # longrope (Phi-3): per-frequency divisors below / from the original context, and the
+    # factor cos and sin are multiplied by
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """Model families beyond Llama, as switches of one decoder: Qwen2 (q/k/v biases),
-Qwen3 (per-head q/k RMSNorm), Mistral (Llama's shape, its own model type).
+Qwen3 (per-head q/k RMSNorm), Mistral (its own model type; a sliding window), Phi-3
+(projections fused in the checkpoint; LongRoPE).
 
 Each family is a tiny random checkpoint built here with transformers' own classes,
 saved as a Hugging Face folder (with SmolLM2's tokenizer) and converted to GGUF; both
@@ -24,8 +25,9 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16, "tie_word_embeddings": False}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None, "head_dim": 8}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": None, "pad_token_id": None}),
 }
-GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama"}  # llama.cpp writes Mistral as llama
+GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama", "phi3": "phi3"}  # Mistral's GGUFs say llama
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -121,3 +123,25 @@ def test_sliding_window_matches_transformers_and_frees_blocks(tmp_path, llm):
                     assert engine.block_pool.num_used == held
             assert req.output_token_ids == tokens[len(prompt) :]
             assert engine.block_pool.num_free == engine.block_pool.num_blocks
+
+
+def test_phi3_longrope_matches_transformers(tmp_path, llm):
+    """LongRoPE's short factors and attention factor, within the original context (where
+    transformers and we both use the short factors; beyond it, transformers switches a
+    whole sequence to the long factors and we switch per position, as vLLM does)."""
+    torch.manual_seed(0)
+    rope = {"rope_type": "longrope", "short_factor": [1.0 + 0.3 * i for i in range(4)],
+            "long_factor": [2.0 + 0.5 * i for i in range(4)]}  # fmt: skip
+    cfg = transformers.Phi3Config(vocab_size=llm.config.vocab_size, sliding_window=None, pad_token_id=None,
+                                  original_max_position_embeddings=64, rope_scaling=rope, **COMMON)  # fmt: skip
+    ref = transformers.Phi3ForCausalLM(cfg).eval()
+    make_tiny_chat_model(tmp_path, llm.tokenizer, llm.config.vocab_size)
+    ref.save_pretrained(tmp_path)
+    with LLM(str(tmp_path), dtype="float32", progress=False, kv_cache_memory="32MiB") as ours:
+        assert ours.config.rope_scaling.rope_type == "longrope" and ours.config.rope_scaling.attention_factor > 1
+        prompt = ours.tokenizer.encode("Phi-3 with LongRoPE, inside its original context.")
+        tokens, logits = _prefill_and_decode(ours, prompt, 16)
+        assert len(tokens) < 64
+        with torch.no_grad():
+            expected = ref(torch.tensor([tokens[:-1]])).logits[0]
+        torch.testing.assert_close(logits[:-1], expected, atol=1e-4, rtol=0)

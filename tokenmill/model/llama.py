@@ -28,7 +28,7 @@ from tokenmill.lora.layers import LoRAMapping, LoRAState
 from tokenmill.model.layers.attention import AttentionMetadata
 from tokenmill.model.layers.kv_cache import KVCacheLayer
 from tokenmill.model.layers.norm import RMSNorm
-from tokenmill.model.layers.rotary import RotaryEmbedding, inverse_frequencies
+from tokenmill.model.layers.rotary import RotaryEmbedding, rotary_for
 from tokenmill.model.shard import ModelShard
 
 KVCache = KVCacheLayer
@@ -147,10 +147,7 @@ class LlamaForCausalLM(nn.Module):
         missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
         if missing or unexpected:
             raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        model.rotary = RotaryEmbedding(
-            inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, freq_factors),
-            cfg.max_position_embeddings,
-        )
+        model.rotary = rotary_for(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, freq_factors)
         return model.to(device).eval()
 
     def forward(
@@ -206,6 +203,8 @@ def fuse_projections(weights: dict[str, torch.Tensor], num_layers: int) -> dict[
     weights = dict(weights)
     for i in range(num_layers):
         p = f"layers.{i}."
+        if f"{p}self_attn.qkv_proj.weight" in weights and f"{p}mlp.gate_up_proj.weight" in weights:
+            continue  # fused in the checkpoint already (Phi-3), in our order: q, k, v and gate, up
         needed = [f"{p}self_attn.{n}_proj.weight" for n in "qkv"] + [f"{p}mlp.{n}_proj.weight" for n in ("gate", "up")]
         missing = [k for k in needed if k not in weights]
         if missing:

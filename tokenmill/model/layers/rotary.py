@@ -25,6 +25,8 @@ def inverse_frequencies(
         return inv_freq
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
+    if scaling.rope_type == "longrope":  # the short factors; long_inverse_frequencies gives the others
+        return inv_freq / torch.tensor(scaling.short_factor, dtype=torch.float32)
     if scaling.rope_type == "llama3":
         old = scaling.original_max_position_embeddings
         low_wavelen = old / scaling.low_freq_factor
@@ -38,14 +40,34 @@ def inverse_frequencies(
     raise ValueError(f"unsupported rope_type {scaling.rope_type!r}")
 
 
+def rotary_for(head_dim: int, theta: float, scaling: RopeScaling | None, max_positions: int,
+               freq_factors: torch.Tensor | None = None) -> RotaryEmbedding:  # fmt: skip
+    """The model's rotary table. LongRoPE (Phi-3) uses its short factors for positions
+    within the original context and its long ones beyond (per position, as vLLM does; a
+    sequence that stays within the original context sees exactly transformers' RoPE),
+    and scales cos and sin by its attention factor."""
+    inv_freq = inverse_frequencies(head_dim, theta, scaling, freq_factors)
+    if scaling is None or scaling.rope_type != "longrope":
+        return RotaryEmbedding(inv_freq, max_positions)
+    base = inverse_frequencies(head_dim, theta, None)
+    long = base / torch.tensor(scaling.long_factor, dtype=torch.float32)
+    return RotaryEmbedding(inv_freq, max_positions, long, scaling.original_max_position_embeddings,
+                           scaling.attention_factor)  # fmt: skip
+
+
 class RotaryEmbedding(nn.Module):
-    def __init__(self, inv_freq: torch.Tensor, max_positions: int) -> None:
+    def __init__(
+        self, inv_freq: torch.Tensor, max_positions: int, long_inv_freq: torch.Tensor | None = None,
+        long_from: int = 0, scale: float = 1.0,
+    ) -> None:  # fmt: skip
         super().__init__()
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim / 2]
+        if long_inv_freq is not None:  # positions from long_from on rotate at other frequencies
+            freqs[long_from:] = torch.outer(positions[long_from:], long_inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)  # [max_positions, head_dim]
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)  # [max_positions, head_dim]
+        self.register_buffer("sin", emb.sin() * scale, persistent=False)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
