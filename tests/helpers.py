@@ -286,6 +286,9 @@ def write_gguf(path, hf_model, arch: str, tokenizer: dict) -> None:
     w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"])
+    if getattr(cfg, "num_local_experts", None):
+        w.add_expert_count(cfg.num_local_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
     for key, value in tokenizer.items():
         if key in _GGUF_TOKENIZER_WRITERS:
             getattr(w, _GGUF_TOKENIZER_WRITERS[key])(value)
@@ -304,6 +307,15 @@ def write_gguf(path, hf_model, arch: str, tokenizer: dict) -> None:
             if cfg.tie_word_embeddings:
                 continue
             out = "output.weight"
+        elif name.endswith("mlp.experts.gate_up_proj"):  # Mixtral's stacked experts: [E, 2I, H]
+            i = name.split(".")[1]
+            w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(t[:, : t.shape[1] // 2]))
+            w.add_tensor(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(t[:, t.shape[1] // 2 :]))
+            continue
+        elif name.endswith("mlp.experts.down_proj"):
+            out = f"blk.{name.split('.')[1]}.ffn_down_exps.weight"
+        elif name.endswith("mlp.gate.weight") and getattr(cfg, "num_local_experts", None):
+            out = f"blk.{name.split('.')[1]}.ffn_gate_inp.weight"
         else:
             _, i, rest = name.split(".", 2)
             module, kind = rest.rsplit(".", 1)

@@ -63,6 +63,8 @@ class ModelConfig:
     attention_bias: bool = False  # biases on the q, k and v projections (Qwen2)
     qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3)
     sliding_window: int | None = None  # a query sees only the last this-many positions (Mistral)
+    num_experts: int = 0  # mixture of experts (Mixtral): experts per layer (0: a dense MLP)
+    num_experts_per_tok: int = 0  # experts each token is routed to
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

@@ -165,6 +165,8 @@ def build_engine(args: EngineArgs, progress: bool = True) -> EngineParts:
         cache = args.cache
         kv_caches = allocate_kv_cache(local, num_blocks, cache.block_size, dtype, device, cache.kv_cache_dtype)
         proposer = _proposer(spec, model, draft, kv_caches, num_blocks, args, dtype, device) if spec else None
+        if args.lora.enable_lora and config.num_experts:
+            raise TokenmillError("LoRA adapters on a mixture-of-experts model are not supported yet")
         lora = LoRAManager(model, args.lora) if args.lora.enable_lora else None
         if cluster is None:
             runner = ModelRunner(model, kv_caches, cache.block_size, device, proposer, lora)

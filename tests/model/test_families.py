@@ -26,8 +26,11 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16, "tie_word_embeddings": False}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None, "head_dim": 8}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": None, "pad_token_id": None}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"sliding_window": None, "num_local_experts": 6,
+                                                        "num_experts_per_tok": 2, "head_dim": 8}),
 }
-GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama", "phi3": "phi3"}  # Mistral's GGUFs say llama
+# Mistral's and Mixtral's GGUFs say llama
+GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama", "phi3": "phi3", "mixtral": "llama"}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -68,7 +71,8 @@ def _prefill_and_decode(llm: LLM, prompt: list[int], steps: int) -> tuple[list[i
 def test_family_matches_transformers(family, fmt):
     name, ref, folder, gguf = family
     with LLM(str(folder if fmt == "folder" else gguf), dtype="float32", progress=False, kv_cache_memory="32MiB") as llm:
-        assert llm.config.architecture == {"mistral": "mistral" if fmt == "folder" else "llama"}.get(name, name)
+        expected_arch = name if fmt == "folder" or GGUF_ARCH[name] != "llama" else "llama"
+        assert llm.config.architecture == expected_arch
         prompt = llm.tokenizer.encode("Tiny models of every family, one decoder: ")
         tokens, ours = _prefill_and_decode(llm, prompt, 16)
         with torch.no_grad():
@@ -90,7 +94,7 @@ def test_unknown_architecture_is_refused_naming_what_is_supported(tmp_path, llm)
     make_tiny_chat_model(tmp_path, llm.tokenizer, llm.config.vocab_size)
     config = (tmp_path / "config.json").read_text().replace('"model_type": "llama"', '"model_type": "gpt_neox"')
     (tmp_path / "config.json").write_text(config)
-    with pytest.raises(ModelLoadError, match=r"unsupported model_type 'gpt_neox'.*supported: llama, mistral, qwen2, qwen3"):
+    with pytest.raises(ModelLoadError, match=r"unsupported model_type 'gpt_neox'.*supported: llama, mistral, mixtral, phi3, qwen2, qwen3"):
         LLM(str(tmp_path), progress=False)
 
 
@@ -145,3 +149,22 @@ def test_phi3_longrope_matches_transformers(tmp_path, llm):
         with torch.no_grad():
             expected = ref(torch.tensor([tokens[:-1]])).logits[0]
         torch.testing.assert_close(logits[:-1], expected, atol=1e-4, rtol=0)
+
+
+def test_family_tensor_parallel(family):
+    """TP=2 of each family: Qwen2's q/k/v biases cut with their rows, Qwen3's per-head
+    norms replicated, Phi-3's pre-fused projections, Mixtral's experts cut by columns."""
+    name, _, folder, _ = family
+    if name == "mistral":
+        pytest.skip("Llama's shape: covered by tests/model/test_parallel.py")
+    prompts = ["The quick brown fox", "Once upon a time, in a land"]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    opts = dict(dtype="float32", progress=False, kv_cache_memory="32MiB")
+    with LLM(str(folder), **opts) as whole:
+        prompt = whole.tokenizer.encode(prompts[0])
+        _, expected_logits = _prefill_and_decode(whole, prompt, 4)
+        expected = [o.outputs[0].token_ids for o in whole.generate(prompts, params)]
+    with LLM(str(folder), tensor_parallel_size=2, **opts) as split:
+        _, logits = _prefill_and_decode(split, prompt, 4)
+        torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=0)
+        assert [o.outputs[0].token_ids for o in split.generate(prompts, params)] == expected

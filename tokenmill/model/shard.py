@@ -152,8 +152,13 @@ def shard_model(full: nn.Module, shard: ModelShard, quantization: str = "none", 
             dst.self_attn.k_norm.weight = _param(src.self_attn.k_norm.weight)
         dst.self_attn.qkv_proj = cut(src.self_attn.qkv_proj, rows=qkv_rows)
         dst.self_attn.o_proj = cut(src.self_attn.o_proj, cols=q_cols)
-        dst.mlp.gate_up_proj = cut(src.mlp.gate_up_proj, rows=gate_up_rows)
-        dst.mlp.down_proj = cut(src.mlp.down_proj, cols=inter)
+        if cfg.num_experts:  # every expert's slice of the intermediate columns; the router whole
+            dst.mlp.gate.weight = _param(src.mlp.gate.weight)
+            dst.mlp.w13 = _param(src.mlp.w13.data.index_select(1, gate_up_rows))
+            dst.mlp.w2 = _param(src.mlp.w2.data[:, :, inter.start : inter.stop])
+        else:
+            dst.mlp.gate_up_proj = cut(src.mlp.gate_up_proj, rows=gate_up_rows)
+            dst.mlp.down_proj = cut(src.mlp.down_proj, cols=inter)
     vocab = shard.vocab(cfg)
     embedding = _pad_rows(full.embed_tokens.weight.data, vocab)
     if shard.is_first_stage:

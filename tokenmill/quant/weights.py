@@ -141,13 +141,21 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 32) -> nn.Modu
         return Int8Linear.quantize(weight, dtype, bias)  # int4 that the group does not divide: int8
 
     for layer in model.layers:
-        for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
-                             (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):  # fmt: skip
+        for parent, name in linear_layers(layer):
             linear = getattr(parent, name)
             setattr(parent, name, make(linear.weight.data, None if linear.bias is None else linear.bias.data))
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     model.lm_head = make(head.data)
     return model
+
+
+def linear_layers(layer: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(parent, attribute) of a decoder layer's linear layers (a mixture-of-experts MLP's
+    stacked experts are not linears: they stay in the model's dtype)."""
+    found = [(layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj")]
+    if hasattr(layer.mlp, "gate_up_proj"):
+        found += [(layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")]
+    return found
 
 
 def weight_bytes(model: nn.Module) -> int:
