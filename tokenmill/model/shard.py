@@ -98,6 +98,7 @@ class ModelShard:
             intermediate_size=len(self.intermediate(cfg)),
             vocab_size=len(self.vocab(cfg)),
             tie_word_embeddings=cfg.tie_word_embeddings and self.pp_size == 1,
+            layer_windows=None if cfg.layer_windows is None else tuple(cfg.layer_windows[i] for i in self.layers(cfg)),
         )
 
 
@@ -130,7 +131,7 @@ def shard_model(full: nn.Module, shard: ModelShard, quantization: str = "none", 
     local = shard.local_config(cfg)
     with torch.device("meta"):
         model = LlamaForCausalLM(local, shard)
-    model.rotary = full.rotary
+    model.rotary, model.rotary_local = full.rotary, full.rotary_local
     hd = cfg.head_dim
     q_rows = _rows(shard.q_heads(cfg), hd)
     kv_rows = _rows(shard.kv_heads(cfg), hd)
@@ -145,8 +146,9 @@ def shard_model(full: nn.Module, shard: ModelShard, quantization: str = "none", 
 
     for j, i in enumerate(shard.layers(cfg)):
         src, dst = full.layers[i], model.layers[j]
-        dst.input_layernorm.weight = _param(src.input_layernorm.weight)
-        dst.post_attention_layernorm.weight = _param(src.post_attention_layernorm.weight)
+        for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"):
+            if hasattr(src, norm):
+                getattr(dst, norm).weight = _param(getattr(src, norm).weight)
         if src.self_attn.q_norm is not None:  # per-head norms: the same on every rank
             dst.self_attn.q_norm.weight = _param(src.self_attn.q_norm.weight)
             dst.self_attn.k_norm.weight = _param(src.self_attn.k_norm.weight)

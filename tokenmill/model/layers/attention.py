@@ -137,22 +137,25 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q: [num_tokens, heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim] (new tokens).
 
     The new tokens' K/V are already in the cache (written with RoPE, ``TorchOps.rotary_write_kv``);
     returns [num_tokens, heads, head_dim]. With a sliding ``window``, the query at
     position p sees positions p - window + 1 .. p (blocks entirely before that may
-    already hold another request's tokens: they are read, but masked out).
+    already hold another request's tokens: they are read, but masked out). With
+    ``softcap`` (Gemma 2) the scores go through ``softcap * tanh(s / softcap)``.
     """
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
-        out[:nd] = _decode_attention(q[:nd], cache, meta, scale, window)
+        out[:nd] = _decode_attention(q[:nd], cache, meta, scale, window, softcap)
     qsl = meta.query_start_loc
     for i in range(nd, meta.num_seqs):
         start, end = qsl[i], qsl[i + 1]
-        out[start:end] = _prefill_attention(q[start:end], k[start:end], v[start:end], cache, meta, i, scale, window)
+        out[start:end] = _prefill_attention(q[start:end], k[start:end], v[start:end], cache, meta, i, scale, window,
+                                            softcap)  # fmt: skip
     return out
 
 
@@ -163,7 +166,9 @@ def _gather(cache: KVCacheLayer, block_table: torch.Tensor, length: int) -> tupl
     return keys.flatten(0, 1)[:length], values.flatten(0, 1)[:length]
 
 
-def _decode_attention(q, cache: KVCacheLayer, meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
+def _decode_attention(
+    q, cache: KVCacheLayer, meta: AttentionMetadata, scale: float, window: int | None, softcap: float | None = None
+) -> torch.Tensor:  # fmt: skip
     """One query token per sequence, over its gathered context, group by group.
 
     Within a group the query heads that share a K/V head become that head's "query
@@ -179,21 +184,19 @@ def _decode_attention(q, cache: KVCacheLayer, meta: AttentionMetadata, scale: fl
         keys, values = cache.gather(g.block_ids)
         keys = keys.view(shape).transpose(1, 2)  # [n, kv_heads, S, head_dim]
         values = values.view(shape).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q[g.start : g.end].view(n, kv_heads, num_heads // kv_heads, head_dim), keys, values,
-            attn_mask=g.window_mask(window), scale=scale,
-        )
+        out = _attend(q[g.start : g.end].view(n, kv_heads, num_heads // kv_heads, head_dim), keys, values,
+                      g.window_mask(window), False, scale, softcap)  # fmt: skip
         outs.append(out.reshape(n, num_heads, head_dim))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def fresh_prefill_attention(q, k, v, scale: float, window: int | None = None) -> torch.Tensor:
+def fresh_prefill_attention(q, k, v, scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """A chunk with nothing cached before it: causal attention over its own fresh K/V
     (SDPA's flash kernel), [num_new, heads, head_dim]. Shared with the native path."""
     n = q.shape[0]
     if window is None or n <= window:
-        return _attend_chunk(q, k, v, None, True, scale)
-    return _attend_chunk(q, k, v, _causal_mask(torch.arange(n, device=q.device), n, window), False, scale)
+        return _attend_chunk(q, k, v, None, True, scale, softcap)
+    return _attend_chunk(q, k, v, _causal_mask(torch.arange(n, device=q.device), n, window), False, scale, softcap)
 
 
 def _causal_mask(q_pos: torch.Tensor, length: int, window: int | None) -> torch.Tensor:
@@ -203,21 +206,43 @@ def _causal_mask(q_pos: torch.Tensor, length: int, window: int | None) -> torch.
     return mask if window is None else mask & (k_pos > q_pos[:, None] - window)
 
 
-def _prefill_attention(q, k, v, cache: KVCacheLayer, meta: AttentionMetadata, i: int, scale: float, window=None):
+def _prefill_attention(q, k, v, cache: KVCacheLayer, meta: AttentionMetadata, i: int, scale: float, window=None,
+                       softcap=None):  # fmt: skip
     num_new = q.shape[0]
     length = meta.seq_lens_host[i]
     if length == num_new:  # nothing cached before this chunk: use the fresh K/V directly
-        return fresh_prefill_attention(q, k, v, scale, window)
+        return fresh_prefill_attention(q, k, v, scale, window, softcap)
     keys, values = _gather(cache, meta.block_tables[i], length)
     # query j sits at absolute position (length - num_new + j) and sees keys <= that.
     q_pos = torch.arange(length - num_new, length, device=q.device)
-    return _attend_chunk(q, keys, values, _causal_mask(q_pos, length, window), False, scale)
+    return _attend_chunk(q, keys, values, _causal_mask(q_pos, length, window), False, scale, softcap)
 
 
-def _attend_chunk(q, keys, values, mask: torch.Tensor | None, causal: bool, scale: float) -> torch.Tensor:
+def _attend_chunk(q, keys, values, mask: torch.Tensor | None, causal: bool, scale: float, softcap=None) -> torch.Tensor:
     # q: [1, heads, num_new, head_dim]; keys, values: [1, kv_heads, length, head_dim]
-    out = _sdpa(q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None], mask, causal, scale)
+    q4, k4, v4 = q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+    out = _sdpa(q4, k4, v4, mask, causal, scale) if softcap is None else _attend(q4, k4, v4, mask, causal, scale, softcap)
     return out[0].transpose(0, 1)
+
+
+def _attend(q, k, v, mask: torch.Tensor | None, causal: bool, scale: float, softcap: float | None) -> torch.Tensor:
+    """SDPA, or with ``softcap`` the same attention written out (SDPA has no soft-capping):
+    scores capped by ``softcap * tanh(s / softcap)`` before the mask and a float32 softmax,
+    as transformers' Gemma 2 computes them. K/V heads may be fewer (grouped) than q's."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+    if q.shape[-3] != k.shape[-3]:  # (the decode path groups q by K/V head itself)
+        groups = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        n, s = scores.shape[-2:]
+        mask = torch.ones(n, s, dtype=torch.bool, device=q.device).tril(s - n)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 def _sdpa(q, k, v, mask: torch.Tensor | None, causal: bool, scale: float) -> torch.Tensor:
