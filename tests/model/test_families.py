@@ -185,3 +185,29 @@ def test_family_tensor_parallel(family):
         _, logits = _prefill_and_decode(split, prompt, 4)
         torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=0)
         assert [o.outputs[0].token_ids for o in split.generate(prompts, params)] == expected
+
+
+@pytest.mark.parametrize("damage", ["missing", "shape"])
+def test_a_checkpoint_that_does_not_fit_is_refused_naming_the_tensor(family, tmp_path, damage):
+    """A family's checkpoint with a tensor removed, or one of the wrong shape."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    name, _, folder, _ = family
+    if name not in ("qwen3", "mixtral"):
+        pytest.skip("one dense and one mixture-of-experts family are enough")
+    broken = tmp_path / name
+    shutil.copytree(folder, broken)
+    weights = load_file(str(broken / "model.safetensors"))
+    victim = next(k for k in weights if k.startswith("model.layers.1.") and ("q_norm" in k or "experts.2.w3" in k))
+    if damage == "missing":
+        del weights[victim]
+    else:
+        weights[victim] = torch.zeros(3, 5)
+    save_file(weights, str(broken / "model.safetensors"))
+    short = victim.removeprefix("model.")
+    expected = short if damage == "missing" or name != "mixtral" else "the experts of layers.1"
+    with pytest.raises(ModelLoadError, match=r"checkpoint does not fit the model") as err:
+        LLM(str(broken), progress=False)
+    assert expected in str(err.value)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig
+from tokenmill.errors import ModelLoadError
 from tokenmill.kernels.ops import TorchOps
 from tokenmill.lora.layers import LoRAMapping, LoRAState
 from tokenmill.model.layers.attention import AttentionMetadata
@@ -160,21 +161,28 @@ class LlamaForCausalLM(nn.Module):
     def from_weights(
         cls, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device | str = "cpu"
     ) -> LlamaForCausalLM:
-        """Build without allocating random weights, then adopt the loaded tensors."""
+        """Build without allocating random weights, then adopt the loaded tensors. A
+        checkpoint whose tensors do not fit (missing, unexpected, wrong shapes) is refused
+        with ``ModelLoadError`` naming them."""
         with torch.device("meta"):
             model = cls(cfg)
-        weights = fuse_projections(weights, cfg.num_layers, moe=cfg.num_experts > 0)
-        if cfg.num_experts:
-            try:
+        try:
+            weights = fuse_projections(weights, cfg.num_layers, moe=cfg.num_experts > 0)
+            if cfg.num_experts:
                 weights = stack_experts(weights, cfg.num_layers, cfg.num_experts)
-            except KeyError as e:
-                raise ValueError(f"checkpoint does not fit the model: missing expert tensor {e}") from None
+        except KeyError as e:
+            raise ModelLoadError(f"checkpoint does not fit the model: missing tensor {e}") from None
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from None
         freq_factors = weights.pop("rope_freqs", None)
         if cfg.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
-        missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
+        try:
+            missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
+        except RuntimeError as e:  # shapes that do not fit: torch names each tensor
+            raise ModelLoadError(f"checkpoint does not fit the model ({cfg.architecture}): {e}") from None
         if missing or unexpected:
-            raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+            raise ModelLoadError(f"checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
         model.rotary = rotary_for(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, freq_factors)
         if cfg.rope_local_theta is not None:
             model.rotary_local = rotary_for(cfg.head_dim, cfg.rope_local_theta, None, cfg.max_position_embeddings)

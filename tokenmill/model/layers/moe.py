@@ -60,20 +60,27 @@ def stack_experts(weights: dict[str, torch.Tensor], num_layers: int, num_experts
     renamed by the loader to mlp.w1/w3/w2 stacks)."""
     weights = dict(weights)
     for i in range(num_layers):
-        p = f"layers.{i}."
-        if f"{p}block_sparse_moe.gate.weight" in weights:
-            weights[f"{p}mlp.gate.weight"] = weights.pop(f"{p}block_sparse_moe.gate.weight")
-            parts = {w: [weights.pop(f"{p}block_sparse_moe.experts.{j}.{w}.weight") for j in range(num_experts)]
-                     for w in ("w1", "w3", "w2")}  # fmt: skip
-            weights[f"{p}mlp.w13"] = torch.stack([torch.cat([g, u]) for g, u in zip(parts["w1"], parts["w3"], strict=True)])
-            weights[f"{p}mlp.w2"] = torch.stack(parts["w2"])
-        elif f"{p}mlp.experts.gate_up_proj" in weights:
-            weights[f"{p}mlp.w13"] = weights.pop(f"{p}mlp.experts.gate_up_proj")
-            weights[f"{p}mlp.w2"] = weights.pop(f"{p}mlp.experts.down_proj")
-        elif f"{p}mlp.w1_exps.weight" in weights:  # GGUF: gate and up stacked separately
-            gate, up = weights.pop(f"{p}mlp.w1_exps.weight"), weights.pop(f"{p}mlp.w3_exps.weight")
-            weights[f"{p}mlp.w13"] = torch.cat([gate, up], dim=1)
-            weights[f"{p}mlp.w2"] = weights.pop(f"{p}mlp.w2_exps.weight")
-        else:
-            raise ValueError(f"checkpoint does not fit the model: layer {i} has no experts")
+        try:
+            _stack_layer(weights, f"layers.{i}.", num_experts)
+        except RuntimeError as e:  # experts of different shapes
+            raise ValueError(f"checkpoint does not fit the model: the experts of layers.{i}: {e}") from None
     return weights
+
+
+def _stack_layer(weights: dict[str, torch.Tensor], p: str, num_experts: int) -> None:
+    """One layer's experts, stacked in place."""
+    if f"{p}block_sparse_moe.gate.weight" in weights:
+        weights[f"{p}mlp.gate.weight"] = weights.pop(f"{p}block_sparse_moe.gate.weight")
+        parts = {w: [weights.pop(f"{p}block_sparse_moe.experts.{j}.{w}.weight") for j in range(num_experts)]
+                 for w in ("w1", "w3", "w2")}  # fmt: skip
+        weights[f"{p}mlp.w13"] = torch.stack([torch.cat([g, u]) for g, u in zip(parts["w1"], parts["w3"], strict=True)])
+        weights[f"{p}mlp.w2"] = torch.stack(parts["w2"])
+    elif f"{p}mlp.experts.gate_up_proj" in weights:
+        weights[f"{p}mlp.w13"] = weights.pop(f"{p}mlp.experts.gate_up_proj")
+        weights[f"{p}mlp.w2"] = weights.pop(f"{p}mlp.experts.down_proj")
+    elif f"{p}mlp.w1_exps.weight" in weights:  # GGUF: gate and up stacked separately
+        gate, up = weights.pop(f"{p}mlp.w1_exps.weight"), weights.pop(f"{p}mlp.w3_exps.weight")
+        weights[f"{p}mlp.w13"] = torch.cat([gate, up], dim=1)
+        weights[f"{p}mlp.w2"] = weights.pop(f"{p}mlp.w2_exps.weight")
+    else:
+        raise ValueError(f"checkpoint does not fit the model: {p[:-1]} has no experts")
