@@ -211,3 +211,27 @@ def test_a_checkpoint_that_does_not_fit_is_refused_naming_the_tensor(family, tmp
     with pytest.raises(ModelLoadError, match=r"checkpoint does not fit the model") as err:
         LLM(str(broken), progress=False)
     assert expected in str(err.value)
+
+
+def test_family_through_every_engine_feature(family):
+    """Chunked prefill (a 24-token budget), shared prefixes (prefix caching), a pool too
+    small for all (preemption), n=2 and prompt-lookup speculation: token-identical to a
+    plain run. Then int4 weights with an fp8 KV cache, and int8 KV, run."""
+    name, _, folder, _ = family
+    prefix = "Shared system prompt for every request of this test: be brief, be exact, and answer in English. " * 2
+    prompts = [prefix + p for p in ("The quick brown fox", "Once upon a time", "1 2 3 4 5 6 7 8")]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, n=2)
+    opts = dict(dtype="float32", progress=False)
+    with LLM(str(folder), kv_cache_memory="32MiB", **opts) as plain:
+        expected = [[c.token_ids for c in o.outputs] for o in plain.generate(prompts, params)]
+        block_bytes = plain.parts.kv_bytes_per_block
+    with LLM(str(folder), kv_cache_memory=f"{10 * block_bytes}B", max_num_batched_tokens=24, speculative="ngram",
+             spec_disable_batch_size=8, **opts) as busy:  # fmt: skip
+        assert [[c.token_ids for c in o.outputs] for o in busy.generate(prompts, params)] == expected
+        assert busy.engine.num_preemptions > 0 and busy.engine.prefix_cache_stats.hits > 0
+        assert busy.engine.block_pool.num_free == busy.engine.block_pool.num_blocks
+    small = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    for quant, kv in (("int4", "fp8"), ("none", "int8")):
+        with LLM(str(folder), kv_cache_memory="32MiB", quantization=quant, quantization_group_size=32,
+                 kv_cache_dtype=kv, **opts) as llm:  # fmt: skip
+            assert all(len(o.outputs[0].token_ids) == 8 for o in llm.generate(prompts, small))
