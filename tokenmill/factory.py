@@ -144,7 +144,7 @@ def build_engine(args: EngineArgs, progress: bool = True) -> EngineParts:
             shard, local = ModelShard(), config
         else:
             if device.type == "cpu":
-                torch.set_num_threads(threads_per_rank(cluster.local_world_size))
+                cluster.share_cores(threads_per_rank(cluster.local_world_size))
             cluster.connect()
             cluster.broadcast(Load(args, dtype))
             shard = ModelShard(0, parallel.tensor_parallel_size, 0, parallel.pipeline_parallel_size)

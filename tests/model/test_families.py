@@ -216,7 +216,8 @@ def test_a_checkpoint_that_does_not_fit_is_refused_naming_the_tensor(family, tmp
 def test_family_through_every_engine_feature(family):
     """Chunked prefill (a 24-token budget), shared prefixes (prefix caching), a pool too
     small for all (preemption), n=2 and prompt-lookup speculation: token-identical to a
-    plain run. Then int4 weights with an fp8 KV cache, and int8 KV, run."""
+    plain run; draft-model speculation (the model drafting for itself) likewise. Then int4
+    weights with an fp8 KV cache, and int8 KV, run."""
     name, _, folder, _ = family
     prefix = "Shared system prompt for every request of this test: be brief, be exact, and answer in English. " * 2
     prompts = [prefix + p for p in ("The quick brown fox", "Once upon a time", "1 2 3 4 5 6 7 8")]
@@ -230,6 +231,11 @@ def test_family_through_every_engine_feature(family):
         assert [[c.token_ids for c in o.outputs] for o in busy.generate(prompts, params)] == expected
         assert busy.engine.num_preemptions > 0 and busy.engine.prefix_cache_stats.hits > 0
         assert busy.engine.block_pool.num_free == busy.engine.block_pool.num_blocks
+    with LLM(str(folder), kv_cache_memory="32MiB", speculative="draft", draft_model=str(folder),
+             spec_disable_batch_size=8, **opts) as drafted:  # the model drafting for itself: every draft accepted
+        assert [[c.token_ids for c in o.outputs] for o in drafted.generate(prompts, params)] == expected
+        stats = drafted.engine.spec_decode_stats
+        assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
     small = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     for quant, kv in (("int4", "fp8"), ("none", "int8")):
         with LLM(str(folder), kv_cache_memory="32MiB", quantization=quant, quantization_group_size=32,

@@ -44,11 +44,17 @@ CORPUS = [
 ]
 
 
-def _tiny_llama(vocab_size: int):
+def _tiny_llama(vocab_size: int, family: str = "llama"):
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
-    return transformers.LlamaForCausalLM(cfg).eval()
+    config_cls, model_cls, extra = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+        "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 8, "sliding_window": 64}),
+        "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": None}),
+    }[family]
+    cfg = getattr(transformers, config_cls)(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                            max_position_embeddings=256, **extra)  # fmt: skip
+    return getattr(transformers, model_cls)(cfg).eval()
 
 
 def _compare(path, ours, corpus=CORPUS):
@@ -60,10 +66,12 @@ def _compare(path, ours, corpus=CORPUS):
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
 
 
-@pytest.fixture(scope="module")
-def sentencepiece_gguf(tmp_path_factory):
-    """A SentencePiece BPE vocabulary with byte fallback, in a tiny Llama GGUF."""
-    tmp = tmp_path_factory.mktemp("spm")
+@pytest.fixture(scope="module", params=["llama", "gemma2", "phi3"])
+def sentencepiece_gguf(request, tmp_path_factory):
+    """A SentencePiece BPE vocabulary with byte fallback, in a tiny GGUF of each family
+    whose tokenizer transformers builds its own way (Llama 2 / Mistral, Gemma, Phi-3)."""
+    family = request.param
+    tmp = tmp_path_factory.mktemp(f"spm-{family}")
     text = (CORPUS * 3) + [open(__file__.replace("tests/model/test_gguf_tokenizers.py", "bench/prompt.txt")).read()]
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(text), model_prefix=str(tmp / "sp"), vocab_size=700, model_type="bpe",
@@ -90,8 +98,8 @@ def sentencepiece_gguf(tmp_path_factory):
         "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0,
         "tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.add_space_prefix": True,
     }  # fmt: skip
-    path = tmp / "spm-llama.gguf"
-    write_gguf(path, _tiny_llama(n), "llama", tokenizer)
+    path = tmp / f"spm-{family}.gguf"
+    write_gguf(path, _tiny_llama(n, family), family, tokenizer)
     return path, sp
 
 

@@ -73,6 +73,7 @@ class Cluster:
         self.stats = CommStats()
         self.control: ControlChannel | None = None
         self.closed = False
+        self._threads_before: int | None = None  # the driver process's intra-op threads, given back at shutdown
 
     @classmethod
     def launch(cls, world_size: int) -> Cluster:
@@ -103,6 +104,12 @@ class Cluster:
                 p.kill()
             raise
         return cls(store, world_size, procs, world_size)
+
+    def share_cores(self, threads: int) -> None:
+        """Run the driver on its share of the cores while the workers live (the caller's
+        setting comes back at shutdown: the process is not left changed)."""
+        self._threads_before = torch.get_num_threads()
+        torch.set_num_threads(threads)
 
     def connect(self) -> ControlChannel:
         """Wait for every worker to come up, then open the control channel."""
@@ -159,6 +166,8 @@ class Cluster:
         if self.closed:
             return
         self.closed = True
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
         if self.control is not None and not self._dead_workers():
             try:
                 self.control.broadcast(Shutdown())

@@ -242,7 +242,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: bool) -> Checkpoint:
         weights[name] = torch.from_numpy(np.array(arr, dtype=np.float32)).to(dtype)
         reporter.step()
     reporter.done()
-    tokenizer_metadata = {k: v for k, v in metadata.items() if k.startswith("tokenizer.")}
+    tokenizer_metadata = {k: v for k, v in metadata.items() if k.startswith("tokenizer.") or k == "general.architecture"}
     return Checkpoint(config=config, weights=weights, path=path, metadata=tokenizer_metadata)
 
 

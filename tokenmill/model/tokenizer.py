@@ -131,13 +131,15 @@ def tokenizer_from_gguf(metadata: dict[str, Any], path: Path) -> Tokenizer:
     - ``gpt2``: byte-level BPE from tokens and merges, text split by the pre-tokenizer
       type's regex (``tokenizer.ggml.pre``: Llama 3, Qwen2, Mistral's tekken, else GPT-2's);
     - ``llama``: SentencePiece BPE (Llama 2, Mistral): merges recovered from the scores,
-      "▁" for spaces with one prepended to the text, unknown bytes as ``<0xNN>`` tokens.
+      "▁" for spaces with one prepended to the text, unknown bytes as ``<0xNN>`` tokens;
+      Phi-3 prepends through a normalizer, Gemma prepends nothing and orders its merges
+      by the tokens' order (transformers' per-architecture builders).
 
     ``tokenizer.ggml.add_bos_token`` / ``add_eos_token`` are honoured (a SentencePiece file
     without the flag gets BOS, as llama.cpp does); control tokens are special, user-defined
     ones added whole (the unknown token is special too, as both llama.cpp and transformers
     treat it)."""
-    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
     from tokenizers import Tokenizer as HFTokenizer
 
     kind = metadata.get("tokenizer.ggml.model")
@@ -159,11 +161,26 @@ def tokenizer_from_gguf(metadata: dict[str, Any], path: Path) -> Tokenizer:
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ])  # fmt: skip
         backend.decoder = decoders.ByteLevel()
+    elif str(metadata.get("general.architecture", "")).startswith("gemma"):
+        # Gemma: runs of spaces are stored as spaces but looked up as "\u2581"s, merges follow the
+        # tokens' order (not their scores), no prefix space.
+        tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+        vocab = {t: i for i, t in enumerate(tokens)}
+        merges = sentencepiece_merges(tokens, [-float(i) for i in range(len(tokens))])
+        unk = metadata.get("tokenizer.ggml.unknown_token_id")
+        backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True,
+                                         unk_token=tokens[unk] if unk is not None else None))  # fmt: skip
+        backend.normalizer = normalizers.Replace(" ", "\u2581")
+        backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+        backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     else:
         scores = metadata.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
         merges = sentencepiece_merges(tokens, scores)
         backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
-        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+        if metadata.get("general.architecture") == "phi3":  # the prefix space from a normalizer
+            backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+        else:
+            backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
         backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
                                              decoders.Strip(content=" ", left=1)])  # fmt: skip
     special = [i for i, t in enumerate(types) if t in (_GGUF_UNKNOWN, _GGUF_CONTROL)]
