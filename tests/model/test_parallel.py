@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from tests.helpers import make_tiny_chat_model, seq
+from tests.helpers import child_pids, make_tiny_chat_model, process_alive, seq
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import ModelConfig
 from tokenmill.distributed.stage import split_microbatches
@@ -48,22 +48,6 @@ def _logits(llm: LLM, token_lists: list[list[int]]) -> torch.Tensor:
 
 def _tokens(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
-
-
-def _children(pid: int) -> set[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return {int(p) for p in f.read().split()}
-    except FileNotFoundError:
-        return set()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -181,15 +165,15 @@ def test_killed_worker_ends_the_engine_cleanly(tiny):
     llm = LLM(tiny["even"], dtype="float32", progress=False, kv_cache_memory="32MiB", tensor_parallel_size=2,
               pipeline_parallel_size=2)  # fmt: skip
     workers = [p.pid for p in llm.parts.runner.cluster.procs]
-    assert len(workers) == 3 and all(_alive(p) for p in workers)
+    assert len(workers) == 3 and all(process_alive(p) for p in workers)
     victim = workers[1]
     threading.Timer(1.0, os.kill, (victim, signal.SIGKILL)).start()
     start = time.monotonic()
     with pytest.raises(EngineDeadError, match=r"worker rank 2 exited with code -9"):
         llm.generate(PROMPTS * 8, SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True))
     assert time.monotonic() - start < 30
-    assert not any(_alive(p) for p in workers), "a worker outlived the engine"
-    assert not _children(os.getpid()) & set(workers)
+    assert not any(process_alive(p) for p in workers), "a worker outlived the engine"
+    assert not set(child_pids(os.getpid())) & set(workers)
     with pytest.raises(EngineDeadError):
         llm.generate(PROMPTS[:1], GREEDY)
     llm.close()
@@ -200,7 +184,7 @@ def test_failing_worker_is_named(tiny):
         llm.parts.runner.cluster.broadcast("not a message")  # the worker raises on it
         with pytest.raises(EngineDeadError, match=r"worker rank 1 failed: RuntimeError: unexpected message str"):
             llm.generate(PROMPTS[:2], GREEDY)
-        assert not any(_alive(p.pid) for p in llm.parts.runner.cluster.procs)
+        assert not any(process_alive(p.pid) for p in llm.parts.runner.cluster.procs)
 
 
 def test_torchrun_two_nodes(llm, tmp_path):

@@ -10,30 +10,15 @@ import time
 
 import httpx
 
+from tests.helpers import child_pids, process_alive
 from tests.server.conftest import MODEL, Server
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(p) for p in f.read().split()]
-    except FileNotFoundError:
-        return []
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_pipeline_parallel_server_dies_with_its_worker():
     server = Server("--pipeline-parallel-size", "2", "--kv-cache-memory", "64MiB")
     try:
-        workers = _children(server.proc.pid)
-        assert len(workers) == 1 and _alive(workers[0])
+        workers = child_pids(server.proc.pid)
+        assert len(workers) == 1 and process_alive(workers[0])
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 8,
                 "temperature": 0}  # fmt: skip
         reply = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
@@ -56,6 +41,6 @@ def test_pipeline_parallel_server_dies_with_its_worker():
         code = server.proc.wait(timeout=30)
         assert code == 1 and time.monotonic() - start < 15
         assert "the engine died" in server.proc.stderr.read()
-        assert not _alive(workers[0])
+        assert not process_alive(workers[0])
     finally:
         server.stop()
