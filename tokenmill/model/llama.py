@@ -1,6 +1,7 @@
 """The Llama-family decoder: Llama 2/3 and SmolLM2, Mistral (sliding-window attention),
-Qwen2/2.5 (biases on q, k, v) and Qwen3 (per-head q/k RMSNorm), as switches of one
-``ModelConfig`` rather than copies of this file.
+Mixtral (experts, ``layers/moe.py``), Qwen2/2.5 (biases on q, k, v), Qwen3 (per-head q/k
+RMSNorm), Phi-3 (LongRoPE) and Gemma 2/3 (GeGLU, sandwich norms, soft-capping, local and
+global layers), as switches of one ``ModelConfig`` rather than copies of this file.
 
 Every input is an explicit forward argument: the flat token batch, absolute
 positions, one paged K/V cache (KVCacheLayer) per layer, and the attention metadata. The

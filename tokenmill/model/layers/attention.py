@@ -40,13 +40,17 @@ class DecodeGroup:
     block_ids: torch.Tensor  # [(end - start) * num_blocks] int64: their tables, flattened
     mask: torch.Tensor  # [end - start, 1, 1, num_blocks * block_size] bool: real tokens
     lens: torch.Tensor  # [end - start] int64: context lengths
+    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)  # built once per step
 
     def window_mask(self, window: int | None) -> torch.Tensor:
-        """The mask, keeping only each sequence's last ``window`` tokens."""
+        """The mask, keeping only each sequence's last ``window`` tokens (built on the
+        first windowed layer of the step, shared by the others)."""
         if window is None:
             return self.mask
-        positions = torch.arange(self.mask.shape[-1], device=self.mask.device)
-        return self.mask & (positions[None, :] >= self.lens[:, None] - window)[:, None, None, :]
+        if window not in self._window_masks:
+            positions = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            self._window_masks[window] = self.mask & (positions[None, :] >= self.lens[:, None] - window)[:, None, None, :]
+        return self._window_masks[window]
 
 
 def build_decode_groups(
