@@ -90,7 +90,7 @@ class ModelConfig:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft", "self")
-WEIGHT_QUANTIZATIONS = ("none", "int8", "int4")
+WEIGHT_QUANTIZATIONS = ("auto", "none", "int8", "int4")
 KERNELS = ("auto", "native", "torch")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 
@@ -109,7 +109,9 @@ class LoadConfig:
                              "bfloat16 (AVX512_BF16 or AMX), float32 on other CPUs)")
     device: str = opt("cpu", "cpu, cuda, cuda:N or auto")
     max_model_len: int | None = opt(None, "context window (default: the model's)")
-    quantization: str = opt("none", "weight-only quantisation of the linear layers, applied at load",
+    quantization: str = opt("auto", "weights: auto (a GGUF's quantised tensors served as they are stored, with the "
+                                    "native kernels; otherwise none), none (dequantised to dtype), or int8 / int4 "
+                                    "(quantised at load)",
                             choices=WEIGHT_QUANTIZATIONS)  # fmt: skip
     quantization_group_size: int = opt(32, "int4: input channels per scale and zero point (GGUF Q4 blocks are 32)")
     kernels: str = opt("auto", "per-layer ops: native (C++ CPU kernels, built on first use), torch (the pure-torch "

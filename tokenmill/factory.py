@@ -131,7 +131,7 @@ def build_engine(args: EngineArgs, progress: bool = True) -> EngineParts:
     load, parallel = args.load, args.parallel
     device = resolve_device(load.device)
     dtype = resolve_dtype(load.dtype, device)
-    ckpt = load_checkpoint(load.model, dtype, progress=progress)
+    ckpt = load_checkpoint(load.model, dtype, progress=progress, keep_quantized=keeps_quantized_blocks(args, device))
     tokenizer = load_tokenizer(ckpt.path, ckpt.metadata)
     config, path = ckpt.config, ckpt.path
     cluster = None
@@ -198,6 +198,17 @@ def build_engine(args: EngineArgs, progress: bool = True) -> EngineParts:
     return EngineParts(args, engine, runner, model, tokenizer, config, path, device, dtype, max_model_len, num_blocks, per_block)
 
 
+def keeps_quantized_blocks(args: EngineArgs, device: torch.device) -> bool:
+    """``quantization="auto"``: a GGUF's quantised weights stay in their blocks where the native
+    kernels run them (one process on the CPU); elsewhere they are dequantised at load."""
+    load = args.load
+    if load.quantization != "auto" or device.type != "cpu" or load.kernels == "torch" or args.parallel.world_size > 1:
+        return False
+    from tokenmill.kernels.native import load_native
+
+    return load_native()
+
+
 def _grammar_compiler(tokenizer: Tokenizer, vocab_size: int) -> GrammarCompiler | None:
     """Structured output's compiler, for a vocabulary as wide as the logits; None (and
     structured requests refused with the reason) where llguidance is not installed."""
@@ -230,7 +241,7 @@ def _load_draft(
     device: torch.device, progress: bool,
 ) -> LlamaForCausalLM:  # fmt: skip
     """Load the draft model; refuse one whose vocabulary differs from the target's."""
-    ckpt = load_checkpoint(path, dtype, progress=progress)
+    ckpt = load_checkpoint(path, dtype, progress=progress, keep_quantized=keeps_quantized_blocks(args, device))
     if ckpt.config.vocab_size != target.vocab_size:
         raise TokenmillError(
             f"draft model {path} has a vocabulary of {ckpt.config.vocab_size} tokens but the target's has "

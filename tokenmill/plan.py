@@ -67,10 +67,10 @@ def make_plan(llm, kv_budget: int, context_len: int, bandwidth: float) -> Plan:
 
     model = llm.model
     total = weight_bytes(model)
-    embed = model.embed_tokens.weight
-    per_step = total - embed.numel() * embed.element_size()  # a step reads only a few embedding rows...
-    if model.lm_head is None:
-        per_step += embed.numel() * embed.element_size()  # ...unless the tied LM head reads it all
+    embed = sum(t.numel() * t.element_size() for t in model.embed_tokens.state_dict().values())
+    per_step = total - embed  # a step reads only a few embedding rows...
+    if model.head_reads_embedding:
+        per_step += embed  # ...unless the tied LM head reads it all
     block_size = llm.args.cache.block_size
     return Plan(total, per_step, llm.parts.kv_bytes_per_block // block_size, kv_budget, context_len, block_size, bandwidth)
 

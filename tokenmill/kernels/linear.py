@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from tokenmill.kernels.cpu import cpu_info
+from tokenmill.quant.packed import QuantLinear
 from tokenmill.quant.weights import Int8Linear, linear_layers
 
 # Up to these many rows the native kernel beat torch in bench/hot_path.py's sweep
@@ -64,6 +65,8 @@ def use_native_linears(model: nn.Module) -> None:
             return NativeLinear(module.weight, upcast, module.bias)
         if isinstance(module, Int8Linear):
             module.enable_small_batch_kernel(INT8_ROWS)
+        if isinstance(module, QuantLinear):
+            module.native = True
         return module
 
     for layer in model.layers:

@@ -1,6 +1,6 @@
-"""Build and load the C++ CPU kernels (``csrc/cpu_ops.cpp``), once per machine.
+"""Build and load the C++ CPU kernels (``csrc/cpu_ops.cpp``, ``csrc/quant_ops.cpp``), once per machine.
 
-The source is compiled by ``torch.utils.cpp_extension`` with ``-march=native`` on the
+The sources are compiled by ``torch.utils.cpp_extension`` with ``-march=native`` on the
 machine that runs it, under a name holding the CPU's ISA tag and a hash of the source,
 so an AVX2-only machine and an AVX-512 one sharing a home directory each get (and
 keep, in torch's extension cache) their own build. ``make install`` builds it ahead
@@ -23,7 +23,7 @@ import torch
 from tokenmill.kernels.cpu import cpu_info
 
 log = logging.getLogger("tokenmill")
-SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "quant_ops.cpp")]
 # -fopenmp: at::parallel_for is inline OpenMP, compiled into our code (without it, one thread)
 BASE_CFLAGS = ["-O3", "-fopenmp", "-Wno-unused-function"]
 
@@ -39,7 +39,7 @@ def cflags() -> list[str]:
 
 
 def build_name() -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(cflags()).encode()).hexdigest()[:10]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(cflags()).encode()).hexdigest()[:10]
     arch = cpu_info().isa_tag if target_arch() == "native" else target_arch().replace("-", "_")
     return f"tokenmill_cpu_{arch}_{digest}"
 
@@ -51,14 +51,14 @@ def load_native(verbose: bool = False) -> bool:
     ``TOKENMILL_NATIVE=0`` in the environment skips them (the reference path runs)."""
     if os.environ.get("TOKENMILL_NATIVE", "1") == "0":
         return False
-    if hasattr(torch.ops, "tokenmill") and hasattr(torch.ops.tokenmill, "paged_attention"):
+    if hasattr(torch.ops, "tokenmill") and hasattr(torch.ops.tokenmill, "quant_linear"):
         return True
     reason = _missing_tool()
     if reason is None:
         try:
             from torch.utils.cpp_extension import load
 
-            load(name=build_name(), sources=[str(SOURCE)], extra_cflags=cflags(), extra_ldflags=["-fopenmp"], is_python_module=False, verbose=verbose)
+            load(name=build_name(), sources=[str(p) for p in SOURCES], extra_cflags=cflags(), extra_ldflags=["-fopenmp"], is_python_module=False, verbose=verbose)
             return True
         except Exception as e:  # noqa: BLE001 - any build failure means: run the torch path
             reason = f"build failed ({str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__})"

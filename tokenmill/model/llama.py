@@ -33,6 +33,7 @@ from tokenmill.model.layers.moe import MoEMLP, stack_experts
 from tokenmill.model.layers.norm import RMSNorm
 from tokenmill.model.layers.rotary import RotaryEmbedding, rotary_for
 from tokenmill.model.shard import ModelShard
+from tokenmill.quant.packed import PackedWeight, QuantEmbedding, QuantLinear
 
 KVCache = KVCacheLayer
 
@@ -167,6 +168,7 @@ class LlamaForCausalLM(nn.Module):
         with ``ModelLoadError`` naming them."""
         with torch.device("meta"):
             model = cls(cfg)
+        weights = adopt_packed(model, weights)
         try:
             weights = fuse_projections(weights, cfg.num_layers, moe=cfg.num_experts > 0)
             if cfg.num_experts:
@@ -176,7 +178,7 @@ class LlamaForCausalLM(nn.Module):
         except ValueError as e:
             raise ModelLoadError(str(e)) from None
         freq_factors = weights.pop("rope_freqs", None)
-        if cfg.tie_word_embeddings:
+        if cfg.tie_word_embeddings and not isinstance(model.lm_head, QuantLinear):
             weights.pop("lm_head.weight", None)
         try:
             missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
@@ -232,6 +234,14 @@ class LlamaForCausalLM(nn.Module):
             x = self.tp.all_reduce(self.embed_tokens(local.clamp(0, rows - 1)).masked_fill_(outside[:, None], 0))
         return x if scale is None else x * torch.tensor(scale, dtype=x.dtype)  # Gemma: in the model's dtype
 
+    @property
+    def head_reads_embedding(self) -> bool:
+        """True where the LM head multiplies by the embedding table itself (tied, not copied)."""
+        if self.lm_head is None:
+            return True
+        return isinstance(self.lm_head, QuantLinear) and isinstance(self.embed_tokens, QuantEmbedding) and any(
+            p is self.embed_tokens.weight for p in self.lm_head.parts)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
         """Split by tensor parallelism, these are this rank's vocabulary columns."""
         if self.lm_head is None:  # tied to the embeddings
@@ -243,25 +253,78 @@ class LlamaForCausalLM(nn.Module):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
+def adopt_packed(model: LlamaForCausalLM, weights: dict) -> dict:
+    """Quantised checkpoint weights (``PackedWeight``) become QuantLinear / QuantEmbedding
+    modules in place of the meta-device ones; their tensors join the returned weights under
+    the new modules' names, so that loading the state dict sees every tensor. A projection
+    fused here whose parts are not all quantised takes them all in float."""
+    if not any(isinstance(v, PackedWeight) for v in weights.values()):
+        return weights
+    weights = dict(weights)
+    dtype = next(v.dtype for v in weights.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
+
+    def install(parent: nn.Module, attr: str, prefix: str, names: list[str]) -> None:
+        keys = [f"{prefix}{n}.weight" for n in names]
+        if not all(k in weights for k in keys) or not any(isinstance(weights[k], PackedWeight) for k in keys):
+            return
+        if not all(isinstance(weights[k], PackedWeight) for k in keys):  # mixed: all in float
+            for k in keys:
+                w = weights[k]
+                weights[k] = w.dequantize().to(dtype) if isinstance(w, PackedWeight) else w
+            return
+        parts = [weights.pop(k) for k in keys]
+        biases = [weights.pop(f"{prefix}{n}.bias") for n in names if f"{prefix}{n}.bias" in weights]
+        module = QuantLinear(parts, torch.cat(biases) if biases else None)
+        setattr(parent, attr, module)
+        weights.update({f"{prefix}{attr}.{k}": v for k, v in module.state_dict().items()})
+
+    for i, layer in enumerate(model.layers):
+        p = f"layers.{i}."
+        attn, mlp = layer.self_attn, layer.mlp
+        for fused, names in (("qkv_proj", ["q_proj", "k_proj", "v_proj"]), ("qkv_proj", ["qkv_proj"]),
+                             ("o_proj", ["o_proj"])):  # fmt: skip
+            install(attn, fused, f"{p}self_attn.", names)
+        if isinstance(mlp, LlamaMLP):
+            for fused, names in (("gate_up_proj", ["gate_proj", "up_proj"]), ("gate_up_proj", ["gate_up_proj"]),
+                                 ("down_proj", ["down_proj"])):  # fmt: skip
+                install(mlp, fused, f"{p}mlp.", names)
+    embed = weights.get("embed_tokens.weight")
+    if isinstance(embed, PackedWeight):
+        model.embed_tokens = QuantEmbedding(weights.pop("embed_tokens.weight"), dtype)
+        if model.config.tie_word_embeddings:  # the head reads the same blocks
+            model.lm_head = QuantLinear([model.embed_tokens.weight])
+        weights.update({f"embed_tokens.{k}": v for k, v in model.embed_tokens.state_dict().items()})
+    head = weights.get("lm_head.weight")
+    if isinstance(head, PackedWeight) and not model.config.tie_word_embeddings:
+        model.lm_head = QuantLinear([weights.pop("lm_head.weight")])
+    if isinstance(model.lm_head, QuantLinear):
+        weights.update({f"lm_head.{k}": v for k, v in model.lm_head.state_dict().items()})
+    for k, v in list(weights.items()):  # anything left quantised (not a linear we know): float
+        if isinstance(v, PackedWeight):
+            weights[k] = v.dequantize().to(dtype)
+    return weights
+
+
 def fuse_projections(weights: dict[str, torch.Tensor], num_layers: int, moe: bool = False) -> dict[str, torch.Tensor]:
     """Checkpoint names (q/k/v_proj, gate/up_proj) -> our fused qkv_proj and gate_up_proj
-    (a mixture-of-experts layer's MLP is left to ``stack_experts``)."""
+    (a mixture-of-experts layer's MLP is left to ``stack_experts``). Projections fused
+    already (in the checkpoint, as Phi-3's, or as a QuantLinear by ``adopt_packed``) stay."""
     weights = dict(weights)
+
+    def fused(name: str) -> bool:
+        return f"{name}.weight" in weights or f"{name}.parts.0.qs" in weights
+
     for i in range(num_layers):
         p = f"layers.{i}."
-        if f"{p}self_attn.qkv_proj.weight" in weights and f"{p}mlp.gate_up_proj.weight" in weights:
-            continue  # fused in the checkpoint already (Phi-3), in our order: q, k, v and gate, up
-        needed = [f"{p}self_attn.{n}_proj.weight" for n in "qkv"]
-        needed += [] if moe else [f"{p}mlp.{n}_proj.weight" for n in ("gate", "up")]
-        missing = [k for k in needed if k not in weights]
-        if missing:
-            raise ValueError(f"checkpoint does not fit the model: missing {missing}")
-        parts = [weights.pop(f"{p}self_attn.{n}_proj.weight") for n in "qkv"]
-        weights[f"{p}self_attn.qkv_proj.weight"] = torch.cat(parts)
-        if f"{p}self_attn.q_proj.bias" in weights:
-            parts = [weights.pop(f"{p}self_attn.{n}_proj.bias") for n in "qkv"]
-            weights[f"{p}self_attn.qkv_proj.bias"] = torch.cat(parts)
-        if not moe:
-            parts = [weights.pop(f"{p}mlp.{n}_proj.weight") for n in ("gate", "up")]
-            weights[f"{p}mlp.gate_up_proj.weight"] = torch.cat(parts)
+        groups = [("self_attn", ["q_proj", "k_proj", "v_proj"], "qkv_proj")]
+        groups += [] if moe else [("mlp", ["gate_proj", "up_proj"], "gate_up_proj")]
+        for parent, names, into in groups:
+            if fused(f"{p}{parent}.{into}"):
+                continue
+            missing = [f"{p}{parent}.{n}.weight" for n in names if f"{p}{parent}.{n}.weight" not in weights]
+            if missing:
+                raise ValueError(f"checkpoint does not fit the model: missing {missing}")
+            weights[f"{p}{parent}.{into}.weight"] = torch.cat([weights.pop(f"{p}{parent}.{n}.weight") for n in names])
+            if f"{p}{parent}.{names[0]}.bias" in weights:
+                weights[f"{p}{parent}.{into}.bias"] = torch.cat([weights.pop(f"{p}{parent}.{n}.bias") for n in names])
     return weights

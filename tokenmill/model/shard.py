@@ -125,6 +125,7 @@ def shard_model(full: nn.Module, shard: ModelShard, quantization: str = "none", 
     """This rank's model, cut from the whole one (built on the CPU, unquantised):
     float tensors are sliced (copies, so the whole model can be freed), linears
     quantised whole and then sliced when ``quantization`` asks for it."""
+    quantization = "none" if quantization == "auto" else quantization  # split models load dequantised
     from tokenmill.model.llama import LlamaForCausalLM  # the model imports this module
 
     cfg = full.config

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-QUANTIZATION_MODES = ("none", "int8", "int4")
+QUANTIZATION_MODES = ("auto", "none", "int8", "int4")  # auto: keep what the checkpoint stores (quant/packed.py)
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,7 +131,7 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 32) -> nn.Modu
     the embeddings, which stay in float for lookups) for its quantised version."""
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {mode!r}")
-    if mode == "none":
+    if mode in ("auto", "none"):
         return model
     dtype = next(model.parameters()).dtype
 

@@ -1,0 +1,370 @@
+// Block-quantised linear layers: GGUF's Q4_0/Q4_1/Q4_K/Q5_*/Q6_K/Q8_0 (and our own int8/int4),
+// served from their quantised blocks, never from a float copy of the weight.
+//
+// Every format is repacked once at load (tokenmill/quant/packed.py) into one of two layouts:
+//   - 4-bit: values 0..15 in groups of 32, one float32 scale and one float32 min per group
+//     (w = scale * q + min). A row is stored in chunks of 64 values (32 bytes = eight 32-bit
+//     words); word l of a chunk holds value 8i + l in bits 4i..4i+3, so that "shift right by
+//     4i, and 0xF" yields 8 consecutive values in the 8 lanes of an AVX2 register with no
+//     shuffle (AVX-512 takes a chunk and its 4-bit shift as one 16-lane register).
+//   - 8-bit: signed values in groups of 16 or 32, a float32 scale per group and an optional
+//     float32 min (w = scale * q [+ min]).
+// (GGUF's float16 scales and K-quants' 6-bit sub-scales become float32 products exactly.)
+//
+// The arithmetic is "exact mode": weights are converted to float in registers and multiplied
+// with float activations, y = sum_g scale_g * (q_g . x_g) + sum_g min_g * sum(x_g); the same
+// numbers as the dequantised reference up to float32 summation order.
+//
+// Batch-1 decode is a pass over the weights: threads split the output rows, each tile of four
+// rows is read once and reused for every activation row (up to four at a time), and the next
+// tile is prefetched. Prefill (many rows) dequantises panels of rows with quant_dequantize and
+// multiplies them with PyTorch's GEMM (see QuantLinear).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define TM_AVX2 1
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define TM_AVX512 1
+#endif
+
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+
+using at::Tensor;
+
+constexpr int64_t Q4_CHUNK = 64;  // values per 32-byte chunk of the 4-bit layout
+constexpr int NR = 4;             // weight rows per tile
+
+#ifdef TM_AVX2
+inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// ------------------------------------------------------------------ 4-bit tiles
+
+// Dot products of `nr` weight rows (4-bit layout, `row_bytes` apart) with MR activation rows
+// of `x` (`k` apart), scales applied per group; the min terms are added by the caller.
+template <int MR>
+inline void q4_tile(const float* x, int64_t k, const uint8_t* w, int64_t row_bytes, const float* scale,
+                    int64_t groups, int nr, float out[NR][4]) {
+  const int64_t chunks = (k + Q4_CHUNK - 1) / Q4_CHUNK;
+#if defined(TM_AVX512)
+  __m512 acc[NR][MR];
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi32(0xF);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t base = c * Q4_CHUNK;
+    const bool second = base + 32 < k;  // a row whose length is 32 mod 64 ends in a half chunk
+    for (int r = 0; r < NR; ++r) {
+      if (r >= nr) break;
+      const uint8_t* wr = w + r * row_bytes + c * 32;
+      _mm_prefetch(reinterpret_cast<const char*>(wr + NR * row_bytes), _MM_HINT_T0);
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr));
+      const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi32(raw, 4), 1);
+      const __m512 q0 = _mm512_cvtepi32_ps(_mm512_and_si512(z, low4));
+      const __m512 q1 = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(z, 8), low4));
+      const __m512 s0 = _mm512_set1_ps(scale[r * groups + 2 * c]);
+      for (int m = 0; m < MR; ++m) {
+        const float* xm = x + m * k + base;
+        __m512 t = _mm512_mul_ps(q0, _mm512_loadu_ps(xm));
+        t = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xm + 16), t);
+        acc[r][m] = _mm512_fmadd_ps(t, s0, acc[r][m]);
+      }
+      if (second) {
+        const __m512 q2 = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(z, 16), low4));
+        const __m512 q3 = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(z, 24), low4));
+        const __m512 s1 = _mm512_set1_ps(scale[r * groups + 2 * c + 1]);
+        for (int m = 0; m < MR; ++m) {
+          const float* xm = x + m * k + base + 32;
+          __m512 t = _mm512_mul_ps(q2, _mm512_loadu_ps(xm));
+          t = _mm512_fmadd_ps(q3, _mm512_loadu_ps(xm + 16), t);
+          acc[r][m] = _mm512_fmadd_ps(t, s1, acc[r][m]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m) out[r][m] = r < nr ? _mm512_reduce_add_ps(acc[r][m]) : 0.f;
+#elif defined(TM_AVX2)
+  __m256 acc[NR][MR];
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m) acc[r][m] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi32(0xF);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t base = c * Q4_CHUNK;
+    const int halves = base + 32 < k ? 2 : 1;
+    for (int r = 0; r < NR; ++r) {
+      if (r >= nr) break;
+      const uint8_t* wr = w + r * row_bytes + c * 32;
+      _mm_prefetch(reinterpret_cast<const char*>(wr + NR * row_bytes), _MM_HINT_T0);
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr));
+      for (int h = 0; h < halves; ++h) {
+        const __m256 q0 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(raw, 16 * h), low4));
+        const __m256 q1 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(raw, 16 * h + 4), low4));
+        const __m256 q2 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(raw, 16 * h + 8), low4));
+        const __m256 q3 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(raw, 16 * h + 12), low4));
+        const __m256 s = _mm256_set1_ps(scale[r * groups + 2 * c + h]);
+        for (int m = 0; m < MR; ++m) {
+          const float* xm = x + m * k + base + 32 * h;
+          __m256 t = _mm256_mul_ps(q0, _mm256_loadu_ps(xm));
+          t = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xm + 8), t);
+          t = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xm + 16), t);
+          t = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xm + 24), t);
+          acc[r][m] = _mm256_fmadd_ps(t, s, acc[r][m]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m) out[r][m] = r < nr ? hsum256(acc[r][m]) : 0.f;
+#else
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m) {
+      float total = 0.f;
+      if (r < nr) {
+        const uint8_t* wr = w + r * row_bytes;
+        for (int64_t g = 0; g < k / 32; ++g) {
+          const uint32_t* words = reinterpret_cast<const uint32_t*>(wr + (g / 2) * 32);
+          float dot = 0.f;
+          for (int64_t j = 0; j < 32; ++j) {
+            const int64_t v = (g % 2) * 32 + j;  // index within the chunk: nibble v / 8 of word v % 8
+            dot += static_cast<float>((words[v % 8] >> (4 * (v / 8))) & 0xF) * x[m * k + g * 32 + j];
+          }
+          total += scale[r * groups + g] * dot;
+        }
+      }
+      out[r][m] = total;
+    }
+#endif
+}
+
+// ------------------------------------------------------------------ 8-bit tiles
+
+template <int MR, int G>
+inline void q8_tile(const float* x, int64_t k, const int8_t* w, const float* scale, int64_t groups, int nr,
+                    float out[NR][4]) {
+#if defined(TM_AVX512)
+  __m512 acc[NR][MR];
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t base = g * G;
+    for (int r = 0; r < NR; ++r) {
+      if (r >= nr) break;
+      const int8_t* wr = w + r * k + base;
+      _mm_prefetch(reinterpret_cast<const char*>(wr + NR * k), _MM_HINT_T0);
+      const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr))));
+      const __m512 s = _mm512_set1_ps(scale[r * groups + g]);
+      if constexpr (G == 32) {
+        const __m512 q1 =
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + 16))));
+        for (int m = 0; m < MR; ++m) {
+          const float* xm = x + m * k + base;
+          __m512 t = _mm512_mul_ps(q0, _mm512_loadu_ps(xm));
+          t = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xm + 16), t);
+          acc[r][m] = _mm512_fmadd_ps(t, s, acc[r][m]);
+        }
+      } else {
+        for (int m = 0; m < MR; ++m)
+          acc[r][m] = _mm512_fmadd_ps(_mm512_mul_ps(q0, _mm512_loadu_ps(x + m * k + base)), s, acc[r][m]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m) out[r][m] = r < nr ? _mm512_reduce_add_ps(acc[r][m]) : 0.f;
+#elif defined(TM_AVX2)
+  __m256 acc[NR][MR];
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m) acc[r][m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t base = g * G;
+    for (int r = 0; r < NR; ++r) {
+      if (r >= nr) break;
+      const int8_t* wr = w + r * k + base;
+      _mm_prefetch(reinterpret_cast<const char*>(wr + NR * k), _MM_HINT_T0);
+      __m256 q[G / 8];
+      for (int j = 0; j < G / 8; ++j)
+        q[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr + 8 * j))));
+      const __m256 s = _mm256_set1_ps(scale[r * groups + g]);
+      for (int m = 0; m < MR; ++m) {
+        const float* xm = x + m * k + base;
+        __m256 t = _mm256_mul_ps(q[0], _mm256_loadu_ps(xm));
+        for (int j = 1; j < G / 8; ++j) t = _mm256_fmadd_ps(q[j], _mm256_loadu_ps(xm + 8 * j), t);
+        acc[r][m] = _mm256_fmadd_ps(t, s, acc[r][m]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m) out[r][m] = r < nr ? hsum256(acc[r][m]) : 0.f;
+#else
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m) {
+      float total = 0.f;
+      if (r < nr)
+        for (int64_t g = 0; g < groups; ++g) {
+          float dot = 0.f;
+          for (int64_t j = 0; j < G; ++j) dot += static_cast<float>(w[r * k + g * G + j]) * x[m * k + g * G + j];
+          total += scale[r * groups + g] * dot;
+        }
+      out[r][m] = total;
+    }
+#endif
+}
+
+struct Packed {
+  const uint8_t* qs;
+  const float* scale;
+  const float* minv;  // nullptr: no min term
+  int64_t bits, group, k, n, row_bytes, groups;
+};
+
+Packed check_packed(const Tensor& qs, const Tensor& scale, const c10::optional<Tensor>& minv, int64_t bits,
+                    int64_t group, int64_t k) {
+  TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(bits == 4 ? group == 32 : (group == 16 || group == 32),
+              "quant_linear: groups are 32 values (4-bit) or 16/32 values (8-bit), got ", group);
+  TORCH_CHECK(k % group == 0, "quant_linear: ", k, " input features are not a whole number of groups of ", group);
+  TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && (qs.scalar_type() == at::kByte || qs.scalar_type() == at::kChar),
+              "quant_linear: packed values must be a contiguous [n, bytes] uint8/int8 tensor");
+  const int64_t n = qs.size(0), groups = k / group;
+  const int64_t row_bytes = bits == 4 ? (k + Q4_CHUNK - 1) / Q4_CHUNK * 32 : k;
+  TORCH_CHECK(qs.size(1) == row_bytes, "quant_linear: expected ", row_bytes, " bytes per row for ", k,
+              " inputs, got ", qs.size(1));
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == n * groups,
+              "quant_linear: scales must be contiguous float32 [n, k / group]");
+  if (minv.has_value())
+    TORCH_CHECK(minv->scalar_type() == at::kFloat && minv->is_contiguous() && minv->numel() == n * groups,
+                "quant_linear: mins must be contiguous float32 [n, k / group]");
+  return {reinterpret_cast<const uint8_t*>(qs.data_ptr()), scale.data_ptr<float>(),
+          minv.has_value() ? minv->data_ptr<float>() : nullptr, bits, group, k, n, row_bytes, groups};
+}
+
+template <int MR>
+inline void any_tile(const Packed& p, const float* x, int64_t n0, int nr, float out[NR][4]) {
+  const float* sc = p.scale + n0 * p.groups;
+  if (p.bits == 4) {
+    q4_tile<MR>(x, p.k, p.qs + n0 * p.row_bytes, p.row_bytes, sc, p.groups, nr, out);
+  } else {
+    const int8_t* w = reinterpret_cast<const int8_t*>(p.qs) + n0 * p.k;
+    if (p.group == 32) q8_tile<MR, 32>(x, p.k, w, sc, p.groups, nr, out);
+    else q8_tile<MR, 16>(x, p.k, w, sc, p.groups, nr, out);
+  }
+}
+
+template <typename Y>
+void quant_linear_impl(const Packed& p, const float* x, const float* xsum, Y* y, int64_t rows) {
+  const int64_t tiles = (p.n + NR - 1) / NR;
+  at::parallel_for(0, tiles, 8, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t n0 = t * NR;
+      const int nr = static_cast<int>(std::min<int64_t>(NR, p.n - n0));
+      for (int64_t m0 = 0; m0 < rows; m0 += 4) {
+        const int mr = static_cast<int>(std::min<int64_t>(4, rows - m0));
+        const float* xs = x + m0 * p.k;
+        float out[NR][4];
+        switch (mr) {
+          case 1: any_tile<1>(p, xs, n0, nr, out); break;
+          case 2: any_tile<2>(p, xs, n0, nr, out); break;
+          case 3: any_tile<3>(p, xs, n0, nr, out); break;
+          default: any_tile<4>(p, xs, n0, nr, out); break;
+        }
+        for (int r = 0; r < nr; ++r)
+          for (int m = 0; m < mr; ++m) {
+            float v = out[r][m];
+            if (p.minv) {
+              const float* mn = p.minv + (n0 + r) * p.groups;
+              const float* xsm = xsum + (m0 + m) * p.groups;
+              float extra = 0.f;
+#pragma omp simd reduction(+ : extra)
+              for (int64_t g = 0; g < p.groups; ++g) extra += mn[g] * xsm[g];
+              v += extra;
+            }
+            y[(m0 + m) * p.n + n0 + r] = static_cast<Y>(v);
+          }
+      }
+    }
+  });
+}
+
+// x [rows, k] (float32 or bfloat16) @ W^T for a packed W [n, k] -> [rows, n] in x's dtype.
+// Meant for a few rows (decode); QuantLinear sends bigger batches through quant_dequantize + GEMM.
+Tensor quant_linear(Tensor x, Tensor qs, Tensor scale, c10::optional<Tensor> minv, int64_t bits, int64_t group) {
+  TORCH_CHECK(x.dim() == 2, "quant_linear: x must be [rows, k]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "quant_linear: x must be float32 or bfloat16");
+  const Packed p = check_packed(qs, scale, minv, bits, group, x.size(1));
+  const int64_t rows = x.size(0);
+  const Tensor xf = x.contiguous().to(at::kFloat);
+  Tensor xsum;
+  if (p.minv) xsum = xf.view({rows, p.groups, group}).sum(-1).contiguous();  // per-group sums of x, for the mins
+  Tensor y = at::empty({rows, p.n}, x.options());
+  const float* xsp = p.minv ? xsum.data_ptr<float>() : nullptr;
+  if (y.scalar_type() == at::kFloat) quant_linear_impl<float>(p, xf.data_ptr<float>(), xsp, y.data_ptr<float>(), rows);
+  else quant_linear_impl<c10::BFloat16>(p, xf.data_ptr<float>(), xsp, y.data_ptr<c10::BFloat16>(), rows);
+  return y;
+}
+
+// Rows `ids` of the packed weight as float32 [len(ids), k] (embedding lookups, prefill panels).
+Tensor quant_dequantize(Tensor qs, Tensor scale, c10::optional<Tensor> minv, int64_t bits, int64_t group, int64_t k,
+                        Tensor ids) {
+  const Packed p = check_packed(qs, scale, minv, bits, group, k);
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "quant_dequantize: ids must be int64 [rows]");
+  const Tensor idc = ids.contiguous();
+  const int64_t* id = idc.data_ptr<int64_t>();
+  const int64_t rows = idc.numel();
+  for (int64_t i = 0; i < rows; ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < p.n, "quant_dequantize: row ", id[i], " out of range [0, ", p.n, ")");
+  Tensor out = at::empty({rows, k}, scale.options());
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t row = id[i];
+      const float* sc = p.scale + row * p.groups;
+      const float* mn = p.minv ? p.minv + row * p.groups : nullptr;
+      float* dst = op + i * k;
+      if (bits == 4) {
+        const uint32_t* words = reinterpret_cast<const uint32_t*>(p.qs + row * p.row_bytes);
+        for (int64_t j = 0; j < k; ++j) {
+          const int64_t c = j / Q4_CHUNK, v = j % Q4_CHUNK;
+          const float q = static_cast<float>((words[c * 8 + v % 8] >> (4 * (v / 8))) & 0xF);
+          const int64_t g = j / 32;
+          dst[j] = mn ? q * sc[g] + mn[g] : q * sc[g];
+        }
+      } else {
+        const int8_t* w = reinterpret_cast<const int8_t*>(p.qs) + row * k;
+#pragma omp simd
+        for (int64_t j = 0; j < k; ++j) {
+          const int64_t g = j / group;
+          const float q = static_cast<float>(w[j]);
+          dst[j] = mn ? q * sc[g] + mn[g] : q * sc[g];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
+  m.def("quant_linear(Tensor x, Tensor qs, Tensor scale, Tensor? minv, int bits, int group) -> Tensor");
+  m.def("quant_dequantize(Tensor qs, Tensor scale, Tensor? minv, int bits, int group, int k, Tensor ids) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
+  m.impl("quant_linear", &quant_linear);
+  m.impl("quant_dequantize", &quant_dequantize);
+}
