@@ -267,9 +267,29 @@ _GGUF_TOKENIZER_WRITERS = {
 }  # fmt: skip
 
 
-def write_gguf(path, hf_model, arch: str, tokenizer: dict) -> None:
+def random_gguf_blocks(type_name: str, n: int, k: int, seed: int = 0):
+    """[n, k] weights as random GGUF blocks of ``type_name`` (any bits) with small float16
+    scales: for the K-quants, which gguf-py can read but not write."""
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+    raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
+    scale_at = {"Q8_0": [0], "Q4_0": [0], "Q5_0": [0], "Q4_1": [0, 2], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2],
+                "Q6_K": [208]}[type_name]  # fmt: skip
+    small = 0.002 if type_name.endswith("_K") else 0.02  # K-quants multiply by 6/8-bit sub-scales too
+    for pos in scale_at:
+        d = rng.uniform(-small, small, size=raw.shape[:2]).astype(np.float16)
+        raw[..., pos : pos + 2] = d.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(n, -1)
+
+
+def write_gguf(path, hf_model, arch: str, tokenizer: dict, weight_type: str | None = None) -> None:
     """A HF model as an F32 GGUF, as llama.cpp's converter writes it (Q/K rows permuted
-    for llama-arch files), with the given ``tokenizer.*`` metadata."""
+    for llama-arch files), with the given ``tokenizer.*`` metadata. ``weight_type`` stores
+    the 2-D weights quantised (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 with gguf-py's quantiser; the
+    K-quants as random blocks, since gguf-py has no quantiser for them)."""
     import gguf
     import numpy as np
 
@@ -343,7 +363,15 @@ def write_gguf(path, hf_model, arch: str, tokenizer: dict) -> None:
             elif arch == "llama" and module == "self_attn.k_proj":
                 t = permute(t, cfg.num_key_value_heads)
             out = f"blk.{i}.{layer_names[module]}.{kind}"
-        w.add_tensor(out, np.ascontiguousarray(t, dtype=np.float32))
+        t = np.ascontiguousarray(t, dtype=np.float32)
+        if weight_type is not None and t.ndim == 2:
+            qtype = gguf.GGMLQuantizationType[weight_type]
+            if weight_type.endswith("_K"):
+                w.add_tensor(out, random_gguf_blocks(weight_type, *t.shape, seed=len(out)), raw_dtype=qtype)
+            else:
+                w.add_tensor(out, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
+            continue
+        w.add_tensor(out, t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
