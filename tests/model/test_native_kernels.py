@@ -240,6 +240,17 @@ def test_small_linear_matches_torch(dtype, rows):
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=tol)
 
 
+@pytest.mark.parametrize("rows", [1, 4, 8])
+def test_small_linear_float16_weights(rows):
+    """float16 weights with float32 activations (F16C on AVX2, vcvtph2ps on AVX-512)."""
+    g = torch.Generator().manual_seed(rows)
+    for n, k in ((7, 100), (576, 576), (1539, 1536)):
+        w = torch.randn(n, k, generator=g).half()
+        x = torch.randn(rows, k, generator=g)
+        out = torch.ops.tokenmill.small_linear(x, w, None)
+        torch.testing.assert_close(out, x @ w.float().T, rtol=1e-4, atol=1e-4)
+
+
 def test_big_bfloat16_batches_upcast_to_float32_gemm():
     """Prefill-sized bfloat16 batches (>= upcast_rows) multiply in float32 and round once:
     at least as close to the exact product as the bfloat16 GEMM, and below the threshold
@@ -307,6 +318,7 @@ def test_avx2_only_build_matches_the_reference():
         "    t.test_small_linear_matches_torch(torch.bfloat16, rows)\n"
         "    t.test_small_linear_matches_torch(torch.float32, rows)\n"
         "t.test_int8_small_linear_matches_the_int8_reference(1)\n"
+        "t.test_small_linear_float16_weights(3)\n"
         "print('ok')\n"
     )
     env = dict(os.environ, TOKENMILL_MARCH="haswell")

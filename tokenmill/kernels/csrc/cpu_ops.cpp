@@ -22,6 +22,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define TOKENMILL_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define TOKENMILL_AVX2 1
 #endif
 
 #include <algorithm>
@@ -107,6 +110,11 @@ inline __m512 load16(const c10::BFloat16* p, int64_t left) {
   const __m256i raw = left >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
                                  : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << left) - 1), p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* p, int64_t left) {
+  const __m256i raw = left >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                 : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << left) - 1), p);
+  return _mm512_cvtph_ps(raw);
 }
 inline __m512 load16(const int8_t* p, int64_t left) {
   const __m128i raw = left >= 16 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))
@@ -627,6 +635,59 @@ inline void tile(const float* x, const W* w, int64_t k, int64_t nr, float out[4]
 }
 #endif
 
+#ifdef TOKENMILL_AVX2
+// The AVX2 twin of the tile above (8 lanes; float16 weights through F16C, bfloat16 by a
+// shift): what most laptops and cloud VMs run. k must be a multiple of 8 (small_linear
+// takes the portable loop otherwise).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <typename W, int MR>
+inline void tile(const float* x, const W* w, int64_t k, int64_t nr, float out[4][4]) {
+  __m256 acc[4][MR];
+  for (int r = 0; r < 4; ++r)
+    for (int m = 0; m < MR; ++m) acc[r][m] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < k; i += 8) {
+    __m256 xv[MR];
+    for (int m = 0; m < MR; ++m) xv[m] = _mm256_loadu_ps(x + m * k + i);
+    for (int r = 0; r < 4; ++r) {
+      if (r >= nr) break;
+      _mm_prefetch(reinterpret_cast<const char*>(w + (r + 4) * k + i), _MM_HINT_T0);
+      const __m256 wv = load8(w + r * k + i);
+      for (int m = 0; m < MR; ++m) acc[r][m] = _mm256_fmadd_ps(xv[m], wv, acc[r][m]);
+    }
+  }
+  for (int r = 0; r < 4; ++r)
+    for (int m = 0; m < MR; ++m) out[r][m] = r < nr ? hsum8(acc[r][m]) : 0.f;
+}
+#endif
+
+template <typename W>
+inline void portable_tile(const float* x, const W* w, int64_t k, int64_t nr, int64_t mr, float out[4][4]) {
+  for (int64_t r = 0; r < nr; ++r)
+    for (int64_t m = 0; m < mr; ++m) {
+      const float* xr = x + m * k;
+      const W* wr = w + r * k;
+      float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t i = 0; i < k; ++i) acc += xr[i] * static_cast<float>(wr[i]);
+      out[r][m] = acc;
+    }
+}
+
 template <typename W, typename Y>
 void small_linear_impl(const float* x, const W* w, const float* scale, Y* y, int64_t rows, int64_t n_out, int64_t k) {
   at::parallel_for(0, (n_out + 3) / 4, 16, [&](int64_t b, int64_t e) {
@@ -635,25 +696,27 @@ void small_linear_impl(const float* x, const W* w, const float* scale, Y* y, int
       for (int64_t m0 = 0; m0 < rows; m0 += 4) {
         const int64_t mr = std::min<int64_t>(4, rows - m0);
         float out[4][4];
-#ifdef TOKENMILL_AVX512
-        const float* xs = x + m0 * k;
-        const W* ws = w + n0 * k;
-        switch (mr) {
-          case 1: tile<W, 1>(xs, ws, k, nr, out); break;
-          case 2: tile<W, 2>(xs, ws, k, nr, out); break;
-          case 3: tile<W, 3>(xs, ws, k, nr, out); break;
-          default: tile<W, 4>(xs, ws, k, nr, out); break;
-        }
+#if defined(TOKENMILL_AVX512) || defined(TOKENMILL_AVX2)
+#ifdef TOKENMILL_AVX2
+        if (k % 8 == 0) {
 #else
-        for (int64_t r = 0; r < nr; ++r)
-          for (int64_t m = 0; m < mr; ++m) {
-            const float* xr = x + (m0 + m) * k;
-            const W* wr = w + (n0 + r) * k;
-            float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-            for (int64_t i = 0; i < k; ++i) acc += xr[i] * static_cast<float>(wr[i]);
-            out[r][m] = acc;
+        {
+#endif
+          const float* xs = x + m0 * k;
+          const W* ws = w + n0 * k;
+          switch (mr) {
+            case 1: tile<W, 1>(xs, ws, k, nr, out); break;
+            case 2: tile<W, 2>(xs, ws, k, nr, out); break;
+            case 3: tile<W, 3>(xs, ws, k, nr, out); break;
+            default: tile<W, 4>(xs, ws, k, nr, out); break;
           }
+        }
+#ifdef TOKENMILL_AVX2
+        else
+          portable_tile(x + m0 * k, w + n0 * k, k, nr, mr, out);
+#endif
+#else
+        portable_tile(x + m0 * k, w + n0 * k, k, nr, mr, out);
 #endif
         for (int64_t r = 0; r < nr; ++r)
           for (int64_t m = 0; m < mr; ++m) {
@@ -675,7 +738,7 @@ void small_linear_out(const float* xf, const W* w, const float* scale, Tensor& y
 }
 
 // x [rows, k] (float32 or bfloat16) @ w[n, k]^T -> [rows, n] in x's dtype. w: float32,
-// bfloat16, or int8 with a float32 per-output-channel scale.
+// bfloat16, float16, or int8 with a float32 per-output-channel scale.
 Tensor small_linear(Tensor x, Tensor w, c10::optional<Tensor> scale) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && w.is_contiguous(),
               "small_linear: expects x [rows, k] and a contiguous weight [n, k]");
@@ -691,6 +754,8 @@ Tensor small_linear(Tensor x, Tensor w, c10::optional<Tensor> scale) {
     small_linear_out<int8_t>(xf, w.data_ptr<int8_t>(), scale->data_ptr<float>(), y, rows, n_out, k);
   } else if (w.scalar_type() == at::kBFloat16) {
     small_linear_out<c10::BFloat16>(xf, w.data_ptr<c10::BFloat16>(), nullptr, y, rows, n_out, k);
+  } else if (w.scalar_type() == at::kHalf) {
+    small_linear_out<c10::Half>(xf, w.data_ptr<c10::Half>(), nullptr, y, rows, n_out, k);
   } else if (w.scalar_type() == at::kFloat) {
     small_linear_out<float>(xf, w.data_ptr<float>(), nullptr, y, rows, n_out, k);
   } else {

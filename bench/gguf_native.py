@@ -1,0 +1,187 @@
+"""GGUF files served as they are (issue 22): tokenmill against llama.cpp at every precision,
+on this machine's kernel build and on the AVX2-only one, in one run.
+
+    python bench/gguf_native.py --gguf-dir /work/peers/gguf \\
+        --llama-bench native=/work/peers/llama.cpp-native/bin/llama-bench \\
+        --llama-bench haswell=/work/peers/llama.cpp-avx2/bin/llama-bench [--batched]
+
+``--gguf-dir`` holds smollm2-{f32,f16,bf16,q8_0,q4_1}.gguf (llama-quantize makes the first
+four from the bundled Q4_1 file). For each build (``native``: -march=native; ``haswell``:
+AVX2 + FMA + F16C only, what most laptops and cloud VMs have) our side runs in its own
+process (TOKENMILL_MARCH), and llama-bench of the matching build runs right after it:
+- single stream as ``llama-bench -p 512 -n 128 -t <cores> -r 3``: a 512-token prefill
+  (prefix caching off, best of 3) and 128 greedy tokens at batch 1;
+- the decode's share of the bandwidth bound (bytes read per token / measured copy bandwidth),
+  for us and for llama.cpp (its bytes: the file's tensors);
+- with ``--batched``: the mixed workload (64 requests) from the same file, served from its
+  blocks and dequantised (the previous default), same run.
+Writes bench/results/gguf_native.json and bench/results/gguf_native.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+RESULTS = Path(__file__).parent / "results"
+# (label, file, our dtype, our quantization, llama.cpp file)
+CONFIGS = [
+    ("F32 / float32", "f32", "float32", "auto"),
+    ("F16 / float16", "f16", "float16", "auto"),
+    ("BF16 / bfloat16", "bf16", "bfloat16", "auto"),
+    ("Q8_0 / its blocks", "q8_0", "float32", "auto"),
+    ("Q4_1 / its blocks", "q4_1", "float32", "auto"),
+    ("Q4_1, previous default (dequantised)", "q4_1", "auto", "none"),
+    ("Q4_1, defaults", "q4_1", "auto", "auto"),
+]
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def ours(gguf_dir: Path, batched: bool) -> dict:
+    """Our side, in this process (its kernel build chosen by TOKENMILL_MARCH)."""
+    from throughput import mixed_workload, run_ours
+
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.kernels.cpu import cpu_info
+    from tokenmill.kernels.native import build_name
+    from tokenmill.plan import measure_bandwidth
+    from tokenmill.quant.weights import weight_bytes
+
+    bandwidth = measure_bandwidth()
+    rows = []
+    for label, kind, dtype, quant in CONFIGS:
+        llm = LLM(str(gguf_dir / f"smollm2-{kind}.gguf"), dtype=dtype, quantization=quant, progress=False,
+                  kv_cache_memory="256MiB", enable_prefix_caching=False)  # fmt: skip
+        ids = llm.tokenizer.encode(Path(__file__).with_name("prompt.txt").read_text())
+        ids = (ids * 4)[:512]
+        llm.generate([ids[:64]], SamplingParams(temperature=0, max_tokens=8))  # warm-up
+        ttft = min(llm.generate([ids], SamplingParams(temperature=0, max_tokens=1))[0].timings[0].ttft for _ in range(3))
+        decode = 0.0
+        for _ in range(2):  # best of 2
+            out = llm.generate([ids[:16]], SamplingParams(temperature=0, max_tokens=128, ignore_eos=True))[0]
+            t = out.timings[0]
+            decode = max(decode, (len(t.token_times) - 1) / (t.token_times[-1] - t.token_times[0]))
+        model = llm.parts.model
+        embed = sum(v.numel() * v.element_size() for v in model.embed_tokens.state_dict().values())
+        read = weight_bytes(model) - (0 if model.head_reads_embedding else embed)
+        row = {"label": label, "file": kind, "dtype": str(llm.parts.dtype).removeprefix("torch."), "quantization": quant,
+               "prefill_tok_s": 512 / ttft, "decode_tok_s": decode, "bytes_per_token": read,
+               "decode_share_of_bound": decode * read / bandwidth, "tokens": out.token_ids[:32]}  # fmt: skip
+        if batched and label.startswith("Q4_1,"):
+            llm2 = LLM(str(gguf_dir / f"smollm2-{kind}.gguf"), dtype=dtype, quantization=quant, progress=False,
+                       kv_cache_memory="2GiB", max_num_seqs=64)  # fmt: skip
+            r = run_ours(llm2, mixed_workload(llm2.tokenizer, 64))
+            row["batched_mixed_tok_s"] = r["output_tokens_per_s"]
+            del llm2
+        log(f"  {label}: prefill {row['prefill_tok_s']:.0f}, decode {decode:.1f} tok/s "
+            f"({100 * row['decode_share_of_bound']:.0f}% of the bound)"
+            + (f", batched {row['batched_mixed_tok_s']:.1f}" if "batched_mixed_tok_s" in row else ""))  # fmt: skip
+        rows.append(row)
+        del llm
+        gc.collect()
+    return {"build": build_name(), "cpu": cpu_info().as_dict(), "bandwidth": bandwidth, "rows": rows}
+
+
+def gguf_bytes(path: Path) -> int:
+    from tokenmill.model.gguf_file import read_gguf
+
+    return sum(t.data.nbytes for t in read_gguf(path)[1])
+
+
+def llama_bench(binary: str, gguf_dir: Path, cores: int) -> dict:
+    out = {}
+    for kind in sorted({c[1] for c in CONFIGS}):
+        path = gguf_dir / f"smollm2-{kind}.gguf"
+        cmd = [binary, "-m", str(path), "-p", "512", "-n", "128", "-t", str(cores), "-r", "3", "-o", "json"]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        try:
+            res = {("prefill" if row["n_prompt"] else "decode"): row["avg_ts"] for row in json.loads(r.stdout)}
+        except (json.JSONDecodeError, KeyError):
+            log(f"  llama-bench {kind} failed: {r.stderr[-500:]}")
+            continue
+        out[kind] = res | {"bytes_per_token": gguf_bytes(path)}
+        log(f"  llama.cpp {kind}: prefill {res['prefill']:.0f}, decode {res['decode']:.1f} tok/s")
+    return out
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    builds = results["builds"]
+    fig, axes = plt.subplots(1, len(builds), figsize=(7 * len(builds), 4.8), squeeze=False)
+    for ax, (name, b) in zip(axes[0], builds.items(), strict=True):
+        rows = [r for r in b["ours"]["rows"] if "previous" not in r["label"]]
+        x = range(len(rows))
+        ours = [100 * r["decode_share_of_bound"] for r in rows]
+        peer = [100 * b["llama"].get(r["file"], {}).get("decode", 0) * b["llama"].get(r["file"], {}).get("bytes_per_token", 0)
+                / b["ours"]["bandwidth"] for r in rows]  # fmt: skip
+        ax.bar([i - 0.2 for i in x], ours, 0.4, label="tokenmill")
+        ax.bar([i + 0.2 for i in x], peer, 0.4, label="llama.cpp")
+        for i, r in enumerate(rows):
+            ax.text(i - 0.2, ours[i] + 1, f"{r['decode_tok_s']:.0f}", ha="center", fontsize=7)
+            d = b["llama"].get(r["file"], {}).get("decode")
+            if d:
+                ax.text(i + 0.2, peer[i] + 1, f"{d:.0f}", ha="center", fontsize=7)
+        ax.set_xticks(list(x), [r["label"].replace(" / ", "\n").replace(", ", "\n") for r in rows], fontsize=7)
+        ax.set_ylabel("batch-1 decode, % of the bandwidth bound")
+        ax.set_title(f"{name}: {b['ours']['build']}\n(numbers: decode tok/s)", fontsize=9)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"Roofline per ISA, {results['cpu']['model']}, copy bandwidth "
+                 f"{next(iter(builds.values()))['ours']['bandwidth'] / 1e9:.0f} GB/s", fontsize=10)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gguf-dir", type=Path, required=True)
+    ap.add_argument("--llama-bench", action="append", default=[], help="BUILD=path (BUILD: native or haswell)")
+    ap.add_argument("--builds", default="native,haswell")
+    ap.add_argument("--batched", action="store_true")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(ours(args.gguf_dir, args.batched)))
+        return
+    from tokenmill.kernels.cpu import cpu_info
+
+    peers = dict(s.split("=", 1) for s in args.llama_bench)
+    results = {"cpu": cpu_info().as_dict(), "builds": {}}
+    for build in args.builds.split(","):
+        log(f"build {build}:")
+        env = dict(os.environ, TOKENMILL_MARCH=build)
+        cmd = [sys.executable, __file__, "--worker", "--gguf-dir", str(args.gguf_dir)] + (["--batched"] if args.batched else [])
+        r = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True)
+        entry = {"ours": json.loads(r.stdout.strip().splitlines()[-1]), "llama": {}}
+        if build in peers:
+            entry["llama"] = llama_bench(peers[build], args.gguf_dir, cpu_info().cores)
+        results["builds"][build] = entry
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "gguf_native.json").write_text(json.dumps(results, indent=1))
+    plot(results, RESULTS / "gguf_native.png")
+    for build, b in results["builds"].items():
+        print(f"\n{build} ({b['ours']['build']}):\n")
+        print("| precision | llama.cpp prefill | tokenmill prefill | ratio | llama.cpp decode | tokenmill decode | ratio |")
+        print("|---|---|---|---|---|---|---|")
+        for row in b["ours"]["rows"]:
+            peer = b["llama"].get(row["file"], {})
+            lp, ld = peer.get("prefill"), peer.get("decode")
+            ratio = lambda a, b: f"{a / b:.2f}x" if b else "-"  # noqa: E731
+            print(f"| {row['label']} ({row['dtype']}) | {lp or 0:.0f} | {row['prefill_tok_s']:.0f} | {ratio(row['prefill_tok_s'], lp)} "
+                  f"| {ld or 0:.1f} | {row['decode_tok_s']:.1f} | {ratio(row['decode_tok_s'], ld)} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
