@@ -366,7 +366,10 @@ def write_gguf(path, hf_model, arch: str, tokenizer: dict, weight_type: str | No
         t = np.ascontiguousarray(t, dtype=np.float32)
         if weight_type is not None and t.ndim == 2:
             qtype = gguf.GGMLQuantizationType[weight_type]
-            if weight_type.endswith("_K"):
+            if weight_type in ("F16", "BF16"):
+                w.add_tensor(out, t.astype(np.float16) if weight_type == "F16" else gguf.quants.quantize(t, qtype),
+                             raw_dtype=None if weight_type == "F16" else qtype)  # fmt: skip
+            elif weight_type.endswith("_K"):
                 w.add_tensor(out, random_gguf_blocks(weight_type, *t.shape, seed=len(out)), raw_dtype=qtype)
             else:
                 w.add_tensor(out, gguf.quants.quantize(t, qtype), raw_dtype=qtype)

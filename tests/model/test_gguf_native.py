@@ -134,17 +134,24 @@ def test_native_blocks_are_greedy_identical_to_the_dequantized_path(llm):
     assert [o.token_ids for o in ref.generate(prompts, params)] == ours
 
 
-@pytest.mark.parametrize("weight_type", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("weight_type", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"])
 def test_tiny_gguf_of_each_type_matches_its_dequantized_twin(tmp_path, llm, weight_type):
     """A tiny Llama written with every 2-D weight in one type (the K-quants as random blocks):
-    logits of a prefill and decodes within 1e-4 of the dequantised float32 model, greedy equal."""
+    served from the file's own blocks (F16/BF16: 16-bit weights under float32 compute), the
+    log-probabilities of 24 greedy tokens are within 1e-4 of the dequantised float32 model's,
+    and the tokens equal."""
     hf = make_tiny_llama(tmp_path / "hf", vocab_size=llm.config.vocab_size, hidden_size=256, intermediate_size=512,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
     path = tmp_path / f"tiny-{weight_type}.gguf"
     write_gguf(path, hf, "llama", gguf_tokenizer_metadata(llm.model_path), weight_type=weight_type)
     common = dict(dtype="float32", progress=False, kv_cache_memory="32MiB", enable_prefix_caching=False)
     native, ref = LLM(str(path), **common), LLM(str(path), quantization="none", **common)
-    assert isinstance(native.parts.model.layers[1].mlp.down_proj, QuantLinear)
+    down = native.parts.model.layers[1].mlp.down_proj
+    if weight_type.startswith(("F", "B")):
+        assert down.weight.dtype == getattr(torch, {"F16": "float16", "BF16": "bfloat16"}[weight_type])
+        assert native.parts.model.embed_tokens.weight.dtype == down.weight.dtype
+    else:
+        assert isinstance(down, QuantLinear)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
     prompts = ["Hello there, how are you today? I am", "1, 2, 3, 4,"]
     a, b = native.generate(prompts, params), ref.generate(prompts, params)

@@ -42,8 +42,11 @@ class NativeLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         rows, same = flat.shape[0], flat.dtype == self.weight.dtype
-        if rows <= FLOAT_ROWS and same and flat.dtype in (torch.float32, torch.bfloat16):
+        sixteen = self.weight.dtype in (torch.float16, torch.bfloat16)  # a GGUF's F16/BF16 kept as stored
+        if rows <= FLOAT_ROWS and (same or sixteen) and flat.dtype in (torch.float32, torch.bfloat16):
             out = torch.ops.tokenmill.small_linear(flat, self.weight, None)
+        elif not same:  # 16-bit weights under another compute dtype: multiply in float32, round once
+            out = nn.functional.linear(flat.float(), self.weight.float()).to(flat.dtype)
         elif self.upcast_rows is not None and rows >= self.upcast_rows and same and flat.dtype == torch.bfloat16:
             out = nn.functional.linear(flat.float(), self.weight.float()).to(flat.dtype)
         else:

@@ -232,6 +232,7 @@ class LlamaForCausalLM(nn.Module):
             local = input_ids - self.shard.tp_rank * rows
             outside = (local < 0) | (local >= rows)
             x = self.tp.all_reduce(self.embed_tokens(local.clamp(0, rows - 1)).masked_fill_(outside[:, None], 0))
+        x = x.to(self.layers[0].input_layernorm.weight.dtype)  # a table kept in the file's 16 bits
         return x if scale is None else x * torch.tensor(scale, dtype=x.dtype)  # Gemma: in the model's dtype
 
     @property
@@ -261,7 +262,7 @@ def adopt_packed(model: LlamaForCausalLM, weights: dict) -> dict:
     if not any(isinstance(v, PackedWeight) for v in weights.values()):
         return weights
     weights = dict(weights)
-    dtype = next(v.dtype for v in weights.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
+    dtype = weights["norm.weight"].dtype if "norm.weight" in weights else torch.float32
 
     def install(parent: nn.Module, attr: str, prefix: str, names: list[str]) -> None:
         keys = [f"{prefix}{n}.weight" for n in names]

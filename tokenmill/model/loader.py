@@ -4,7 +4,8 @@ Weights come back as a flat dict in our module names (those of Hugging Face's Ll
 without the leading ``model.``), already in the compute dtype. GGUF tensors are
 dequantised here, once, at load, unless ``keep_quantized``: then the linear weights and
 the token embedding of the types the native kernels serve stay in their blocks, repacked
-(``PackedWeight``, quant/packed.py). GGUF's Q/K row permutation (llama.cpp reorders Q
+(``PackedWeight``, quant/packed.py), and F16/BF16 ones keep their 16 bits (the kernels
+convert them in registers) whatever the compute dtype. GGUF's Q/K row permutation (llama.cpp reorders Q
 and K rows so that its RoPE rotates adjacent pairs) is undone so that one RoPE
 implementation serves both formats.
 """
@@ -220,6 +221,7 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 # Our names of the tensors that may stay quantised: the linear layers' weights and the embedding.
 _PACKABLE = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
+_SIXTEEN_BITS = {"F16": torch.float16, "BF16": torch.bfloat16}
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, progress: bool, keep_quantized: bool = False) -> Checkpoint:
@@ -251,7 +253,8 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: bool, keep_quantized: b
             arr = unpermute_qk(arr, config.num_heads)
         elif config.architecture in _PERMUTED_QK and name.endswith(("k_proj.weight", "k_proj.bias")):
             arr = unpermute_qk(arr, config.num_kv_heads)
-        weights[name] = torch.from_numpy(np.array(arr, dtype=np.float32)).to(dtype)
+        keep16 = keep_quantized and t.type_name in _SIXTEEN_BITS and len(t.shape) == 2 and name.endswith(_PACKABLE)
+        weights[name] = torch.from_numpy(np.array(arr, dtype=np.float32)).to(_SIXTEEN_BITS[t.type_name] if keep16 else dtype)
         reporter.step()
     reporter.done()
     tokenizer_metadata = {k: v for k, v in metadata.items() if k.startswith("tokenizer.") or k == "general.architecture"}
