@@ -66,7 +66,7 @@ def test_int8_kv_cache_holds_about_twice_the_blocks_of_bfloat16():
 @pytest.mark.parametrize(
     "kw,message",
     [
-        ({"quantization": "int3"}, "quantization must be one of none, int8, int4"),
+        ({"quantization": "int3"}, "quantization must be one of auto, none, int8, int4"),
         ({"kv_cache_dtype": "int4"}, "kv_cache_dtype must be one of"),
     ],
 )

@@ -69,7 +69,7 @@ def use_native_linears(model: nn.Module) -> None:
         if isinstance(module, Int8Linear):
             module.enable_small_batch_kernel(INT8_ROWS)
         if isinstance(module, QuantLinear):
-            module.native = True
+            module.use_native()
         return module
 
     for layer in model.layers:

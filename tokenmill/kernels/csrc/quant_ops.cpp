@@ -317,6 +317,52 @@ Tensor quant_linear(Tensor x, Tensor qs, Tensor scale, c10::optional<Tensor> min
   return y;
 }
 
+// One packed row -> k floats (w = scale * q [+ min]), vectorised: prefill panels call this
+// for every weight row of every layer.
+void dequantize_row(const Packed& p, int64_t row, float* dst) {
+  const int64_t k = p.k;
+  const float* sc = p.scale + row * p.groups;
+  const float* mn = p.minv ? p.minv + row * p.groups : nullptr;
+  if (p.bits == 4) {
+    const uint8_t* w = p.qs + row * p.row_bytes;
+    for (int64_t g = 0; g < p.groups; ++g) {  // group g: half g % 2 of chunk g / 2
+      const uint8_t* chunk = w + (g / 2) * 32;
+      const int shift = 16 * static_cast<int>(g % 2);
+      float* out = dst + g * 32;
+      const float s = sc[g], m = mn ? mn[g] : 0.f;
+#if defined(TM_AVX2)
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
+      const __m256 sv = _mm256_set1_ps(s), mv = _mm256_set1_ps(m);
+      const __m256i low4 = _mm256_set1_epi32(0xF);
+      for (int i = 0; i < 4; ++i) {  // multiply, then add: the reference's two roundings, not one fused
+        const __m256i q = _mm256_and_si256(_mm256_srl_epi32(raw, _mm_cvtsi32_si128(shift + 4 * i)), low4);
+        _mm256_storeu_ps(out + 8 * i, _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), sv), mv));
+      }
+#else
+      const uint32_t* words = reinterpret_cast<const uint32_t*>(chunk);
+      for (int j = 0; j < 32; ++j)
+        out[j] = static_cast<float>((words[j % 8] >> (shift + 4 * (j / 8))) & 0xF) * s + m;
+#endif
+    }
+  } else {
+    const int8_t* w = reinterpret_cast<const int8_t*>(p.qs) + row * k;
+    for (int64_t g = 0; g < p.groups; ++g) {
+      const float s = sc[g], m = mn ? mn[g] : 0.f;
+      const int8_t* src = w + g * p.group;
+      float* out = dst + g * p.group;
+#if defined(TM_AVX2)
+      const __m256 sv = _mm256_set1_ps(s), mv = _mm256_set1_ps(m);
+      for (int64_t j = 0; j < p.group; j += 8) {
+        const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + j))));
+        _mm256_storeu_ps(out + j, _mm256_add_ps(_mm256_mul_ps(q, sv), mv));
+      }
+#else
+      for (int64_t j = 0; j < p.group; ++j) out[j] = static_cast<float>(src[j]) * s + m;
+#endif
+    }
+  }
+}
+
 // Rows `ids` of the packed weight as float32 [len(ids), k] (embedding lookups, prefill panels).
 Tensor quant_dequantize(Tensor qs, Tensor scale, c10::optional<Tensor> minv, int64_t bits, int64_t group, int64_t k,
                         Tensor ids) {
@@ -330,36 +376,26 @@ Tensor quant_dequantize(Tensor qs, Tensor scale, c10::optional<Tensor> minv, int
   Tensor out = at::empty({rows, k}, scale.options());
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      const int64_t row = id[i];
-      const float* sc = p.scale + row * p.groups;
-      const float* mn = p.minv ? p.minv + row * p.groups : nullptr;
-      float* dst = op + i * k;
-      if (bits == 4) {
-        const uint32_t* words = reinterpret_cast<const uint32_t*>(p.qs + row * p.row_bytes);
-        for (int64_t j = 0; j < k; ++j) {
-          const int64_t c = j / Q4_CHUNK, v = j % Q4_CHUNK;
-          const float q = static_cast<float>((words[c * 8 + v % 8] >> (4 * (v / 8))) & 0xF);
-          const int64_t g = j / 32;
-          dst[j] = mn ? q * sc[g] + mn[g] : q * sc[g];
-        }
-      } else {
-        const int8_t* w = reinterpret_cast<const int8_t*>(p.qs) + row * k;
-#pragma omp simd
-        for (int64_t j = 0; j < k; ++j) {
-          const int64_t g = j / group;
-          const float q = static_cast<float>(w[j]);
-          dst[j] = mn ? q * sc[g] + mn[g] : q * sc[g];
-        }
-      }
-    }
+    for (int64_t i = b; i < e; ++i) dequantize_row(p, id[i], op + i * k);
   });
   return out;
+}
+
+// Floats per vector register in this build (16: AVX-512, 8: AVX2, 1: portable loops).
+int64_t vector_width() {
+#if defined(TM_AVX512)
+  return 16;
+#elif defined(TM_AVX2)
+  return 8;
+#else
+  return 1;
+#endif
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
+  m.def("vector_width() -> int", &vector_width);  // no tensors: registered for every backend
   m.def("quant_linear(Tensor x, Tensor qs, Tensor scale, Tensor? minv, int bits, int group) -> Tensor");
   m.def("quant_dequantize(Tensor qs, Tensor scale, Tensor? minv, int bits, int group, int k, Tensor ids) -> Tensor");
 }
