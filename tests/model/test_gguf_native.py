@@ -71,7 +71,7 @@ def test_prefill_panels_match_the_reference(rows):
     layer = QuantLinear([w])
     x = torch.randn(rows, 512)
     want = x.double() @ torch.from_numpy(ref).double().T
-    for gemv_rows in (8, None):  # panels of the native dequantiser, then the torch reference
+    for gemv_rows in ({torch.float32: 8}, None):  # panels of the native dequantiser, then the torch reference
         layer.gemv_rows = gemv_rows
         err = ((layer(x).double() - want).abs().max() / want.abs().max()).item()
         assert err < 1e-5, (gemv_rows, err)
@@ -186,3 +186,17 @@ def test_avx2_only_build_quant_kernels_match_the_reference():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_bfloat16_batches_multiply_bfloat16_panels():
+    """Under bfloat16 compute on a CPU with native bfloat16 GEMMs, batches past the kernel
+    multiply panels rounded to bfloat16: the dequantised bfloat16 model's own weights."""
+    w, ref = packed("Q4_1", 300, 576)
+    layer = QuantLinear([w])
+    layer.use_native()
+    layer.bf16_panels = True
+    x = torch.randn(40, 576).bfloat16()
+    want = x.float() @ torch.from_numpy(ref).bfloat16().float().T
+    got = layer(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=2e-2 * want.abs().max().item())

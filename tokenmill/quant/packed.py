@@ -32,12 +32,14 @@ from torch import nn
 # GGML types served from their blocks (the others are dequantised at load).
 NATIVE_GGUF_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
 QK_K = 256
-# Up to this many rows (per build) the GEMV kernel runs (each tile of weight rows unpacked
-# once per 4 activation rows); beyond, panels of PANEL_ROWS weight rows are dequantised and
-# multiplied by PyTorch's GEMM. Measured on SmolLM2's 3072x576 Q4_1 gate_up, 2 cores of an
-# AMD EPYC: AVX-512 build 64 rows 1.8 ms kernel vs 2.5 ms panels, 128 rows 3.7 vs 3.7;
-# AVX2 build 64 rows 1.63 vs 1.49, 128 rows 3.3 vs 2.7.
-GEMV_ROWS = {16: 96, 8: 48}  # keyed by the build's floats per vector register
+# Up to this many rows the GEMV kernel runs (each tile of weight rows unpacked once per 4
+# activation rows); beyond, panels of PANEL_ROWS weight rows are dequantised into PyTorch's
+# GEMM. Measured on SmolLM2's 3072x576 Q4_1 gate_up, 2 cores of an AMD EPYC (Zen 4):
+# float32: AVX-512 build 64 rows 1.8 ms kernel vs 2.5 ms panels, 128 rows 3.7 vs 3.7; AVX2
+# build 64 rows 1.63 vs 1.49. bfloat16 on a CPU with native bfloat16 GEMMs (panels rounded to
+# bfloat16): 16 rows 0.47 vs 0.63, 32 rows 0.92 vs 0.72, 512 rows 15.7 vs 3.4.
+GEMV_ROWS = {16: 96, 8: 48}  # float32, keyed by the build's floats per vector register
+GEMV_ROWS_NATIVE_BF16 = 24
 PANEL_ROWS = 256
 
 
@@ -206,18 +208,21 @@ class PackedWeight(nn.Module):
                                                         self.in_features, ids)  # fmt: skip
         return self.dequantize(ids)
 
-    def matmul(self, x: torch.Tensor, gemv_rows: int | None) -> torch.Tensor:
-        """x [rows, in] @ W^T -> [rows, out] in x's dtype; ``gemv_rows`` None: the reference."""
+    def matmul(self, x: torch.Tensor, gemv_rows: int | None, bf16_panels: bool = False) -> torch.Tensor:
+        """x [rows, in] @ W^T -> [rows, out] in x's dtype; ``gemv_rows`` None: the reference.
+        ``bf16_panels``: bfloat16 batches multiply panels rounded to bfloat16 (what the
+        dequantised bfloat16 model multiplies) in the CPU's native bfloat16 GEMM."""
         rows = x.shape[0]
         if gemv_rows is None:
             return nn.functional.linear(x.float(), self.dequantize()).to(x.dtype)
         if rows <= gemv_rows and x.dtype in (torch.float32, torch.bfloat16):
             return torch.ops.tokenmill.quant_linear(x, self.qs, self.scale, self.minv, self.bits, self.group)
-        xf = x.float()
-        out = torch.empty(rows, self.out_features, dtype=torch.float32, device=x.device)
+        dtype = torch.bfloat16 if bf16_panels and x.dtype == torch.bfloat16 else torch.float32
+        xc = x.to(dtype)
+        out = torch.empty(rows, self.out_features, dtype=dtype, device=x.device)
         for start in range(0, self.out_features, PANEL_ROWS):
             ids = torch.arange(start, min(start + PANEL_ROWS, self.out_features))
-            out[:, start : start + len(ids)] = xf @ self.dequantize_rows(ids).T
+            out[:, start : start + len(ids)] = xc @ self.dequantize_rows(ids).to(dtype).T
         return out.to(x.dtype)
 
     def extra_repr(self) -> str:
@@ -241,10 +246,16 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", bias)
         self.in_features = merged[0].in_features
         self.out_features = sum(p.out_features for p in merged)
-        self.gemv_rows: int | None = None  # use_native_linears: the C++ kernels run up to this many rows
+        self.gemv_rows: dict[torch.dtype, int] | None = None  # use_native(): GEMV up to this many rows
+        self.bf16_panels = False
 
     def use_native(self) -> None:
-        self.gemv_rows = GEMV_ROWS.get(torch.ops.tokenmill.vector_width(), 16)
+        """Run on the native kernels, with this build's and CPU's cross-overs."""
+        from tokenmill.kernels.cpu import cpu_info
+
+        rows = GEMV_ROWS.get(torch.ops.tokenmill.vector_width(), 16)
+        self.bf16_panels = cpu_info().native_bf16
+        self.gemv_rows = {torch.float32: rows, torch.bfloat16: GEMV_ROWS_NATIVE_BF16 if self.bf16_panels else rows}
 
     @property
     def native(self) -> bool:
@@ -252,7 +263,8 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        outs = [p.matmul(flat, self.gemv_rows) for p in self.parts]
+        rows = None if self.gemv_rows is None else self.gemv_rows.get(flat.dtype, 0)
+        outs = [p.matmul(flat, rows, self.bf16_panels) for p in self.parts]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         if self.bias is not None:
             out = out + self.bias
