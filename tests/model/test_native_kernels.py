@@ -319,9 +319,56 @@ def test_avx2_only_build_matches_the_reference():
         "    t.test_small_linear_matches_torch(torch.float32, rows)\n"
         "t.test_int8_small_linear_matches_the_int8_reference(1)\n"
         "t.test_small_linear_float16_weights(3)\n"
+        "t.test_cpp_layer_loop_is_bit_identical_to_the_python_loop('float32', 'auto')\n"
         "print('ok')\n"
     )
     env = dict(os.environ, TOKENMILL_MARCH="haswell")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("dtype,quantization", [("float32", "auto"), ("bfloat16", "auto"), ("float32", "none")])
+def test_cpp_layer_loop_is_bit_identical_to_the_python_loop(dtype, quantization):
+    """Decode steps of the plain Llama layer run in C++ (decode_layers): the same kernels in
+    the same order as the Python loop, so the logits are equal to the bit, for one sequence
+    and for three decoding together, from packed and from float weights."""
+    from tests.helpers import all_logits, seq
+    from tokenmill import LLM
+
+    llm = LLM(dtype=dtype, quantization=quantization, progress=False, kv_cache_memory="32MiB")
+    model, runner, pool = llm.parts.model, llm.engine.runner, llm.engine.block_pool
+    assert model.fused_plan is not None
+    prompts = [llm.tokenizer.encode(p) for p in ("The capital of France is", "def f(x):", "Once upon a time, a fox")]
+    tables = [pool.allocate(2) for _ in prompts]
+    try:
+        for ids, blocks in zip(prompts, tables, strict=True):
+            all_logits(runner, [seq(ids, blocks)])  # prefill (more tokens than the loop takes: Python)
+        results = {}
+        for fused in (True, False):
+            model._fused_plan = False if fused else None  # None: the Python loop
+            one = all_logits(runner, [seq([42], tables[0], num_computed=len(prompts[0]))])
+            three = all_logits(runner, [seq([7 + i], blocks, num_computed=len(ids) + 1)
+                                        for i, (ids, blocks) in enumerate(zip(prompts, tables, strict=True))])  # fmt: skip
+            results[fused] = (one, three)
+        assert torch.equal(results[True][0], results[False][0])
+        assert torch.equal(results[True][1], results[False][1])
+    finally:
+        model._fused_plan = False
+        for blocks in tables:
+            pool.free(blocks)
+
+
+def test_layers_the_loop_does_not_serve_take_the_python_path():
+    """A model whose layers are not the plain Llama layer (here: q/k/v biases) has no plan."""
+    from tests.helpers import tiny_model
+    from tokenmill.kernels.linear import NativeLinear, use_native_linears
+
+    model = tiny_model(0)
+    model.ops = NativeOps()
+    use_native_linears(model)
+    assert model.fused_plan is not None
+    model.layers[0].self_attn.qkv_proj = NativeLinear(model.layers[0].self_attn.qkv_proj.weight,
+                                                      bias=torch.zeros(64))  # fmt: skip
+    model.reset_fused_plan()
+    assert model.fused_plan is None

@@ -80,3 +80,4 @@ def use_native_linears(model: nn.Module) -> None:
             model.lm_head = NativeLinear(model.embed_tokens.weight, upcast)
     else:  # (a pipeline stage before the last has no head at all)
         model.lm_head = swap(model.lm_head)
+    model.reset_fused_plan()

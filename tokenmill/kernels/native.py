@@ -1,4 +1,4 @@
-"""Build and load the C++ CPU kernels (``csrc/cpu_ops.cpp``, ``csrc/quant_ops.cpp``), once per machine.
+"""Build and load the C++ CPU kernels (``csrc/*.cpp``), once per machine.
 
 The sources are compiled by ``torch.utils.cpp_extension`` with ``-march=native`` on the
 machine that runs it, under a name holding the CPU's ISA tag and a hash of the source,
@@ -23,7 +23,8 @@ import torch
 from tokenmill.kernels.cpu import cpu_info
 
 log = logging.getLogger("tokenmill")
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "quant_ops.cpp")]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / name for name in ("cpu_ops.cpp", "quant_ops.cpp", "decode_loop.cpp")]
 # -fopenmp: at::parallel_for is inline OpenMP, compiled into our code (without it, one thread)
 BASE_CFLAGS = ["-O3", "-fopenmp", "-Wno-unused-function"]
 
@@ -39,7 +40,7 @@ def cflags() -> list[str]:
 
 
 def build_name() -> str:
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(cflags()).encode()).hexdigest()[:10]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in [*SOURCES, CSRC / "ops.h"]) + " ".join(cflags()).encode()).hexdigest()[:10]
     arch = cpu_info().isa_tag if target_arch() == "native" else target_arch().replace("-", "_")
     return f"tokenmill_cpu_{arch}_{digest}"
 
@@ -51,7 +52,7 @@ def load_native(verbose: bool = False) -> bool:
     ``TOKENMILL_NATIVE=0`` in the environment skips them (the reference path runs)."""
     if os.environ.get("TOKENMILL_NATIVE", "1") == "0":
         return False
-    if hasattr(torch.ops, "tokenmill") and hasattr(torch.ops.tokenmill, "quant_linear"):
+    if hasattr(torch.ops, "tokenmill") and hasattr(torch.ops.tokenmill, "decode_layers"):
         return True
     reason = _missing_tool()
     if reason is None:

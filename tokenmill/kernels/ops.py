@@ -28,6 +28,9 @@ NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 FRESH_PREFILL_SDPA_MIN = 64
 PARTITION_TOKENS = 256  # FlashDecoding split of a long context across threads
 SMALL_BATCH_ROWS = 64  # silu_mul: up to this many rows the fused kernel, beyond PyTorch's
+# Steps of up to this many tokens run their layers in C++ (decode_layers) where the model
+# allows: within every native linear's small-batch kernel range (NativeLinear: 8 rows).
+FUSED_MAX_TOKENS = 8
 
 
 class TorchOps:
@@ -62,6 +65,11 @@ class TorchOps:
         each query sees only the last ``window`` positions up to its own; with ``softcap``,
         scores are soft-capped (Gemma 2)."""
         return paged_attention(q, k, v, cache, meta, scale, window, softcap)
+
+    def decoder_layers(self, x, h, plan, positions, rotary, kv_caches, meta) -> torch.Tensor | None:
+        """Every layer of a plain decoder in one call (``plan``: the model's ``fused_plan``),
+        or None: the model runs its layers one by one (always, in the reference)."""
+        return None
 
 
 class NativeOps(TorchOps):
@@ -115,6 +123,20 @@ class NativeOps(TorchOps):
             start, end = qsl[i], qsl[i + 1]
             out[start:end] = fresh_prefill_attention(q[start:end], k[start:end], v[start:end], scale)
         return out
+
+
+    def decoder_layers(self, x, h, plan, positions, rotary, kv_caches, meta):
+        first = kv_caches[0]
+        if x.shape[0] > FUSED_MAX_TOKENS or not self._native(x) or first.quant is not None or first.k.dtype not in NATIVE_DTYPES:
+            return None
+        index = meta.kernel_index(FRESH_PREFILL_SDPA_MIN)
+        if index.fresh_seqs or index.paged_seq_ids.numel() != meta.num_seqs:
+            return None
+        return torch.ops.tokenmill.decode_layers(
+            x, h, plan.weights, plan.kinds, positions, rotary.cos, rotary.sin, [c.k for c in kv_caches],
+            [c.v for c in kv_caches], meta.slot_mapping, meta.block_tables, index.query_start_loc, index.seq_lens,
+            index.paged_seq_ids, plan.scale, plan.eps, plan.num_heads, plan.num_kv_heads, plan.head_dim, PARTITION_TOKENS,
+        )  # fmt: skip
 
 
 def select_ops(device: torch.device, kernels: str = "auto") -> TorchOps:

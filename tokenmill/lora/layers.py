@@ -168,6 +168,7 @@ def add_lora_slots(model: nn.Module, max_loras: int, max_rank: int) -> LoRAState
             parent_name, attr = path.split(".")
             parent = getattr(layer, parent_name)
             setattr(parent, attr, LoRALinear(getattr(parent, attr), subs, cfg, max_loras, max_rank, state, dtype, device))
+    model.reset_fused_plan()
     return state
 
 

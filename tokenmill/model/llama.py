@@ -18,6 +18,7 @@ norm's output.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -143,6 +144,36 @@ class LlamaDecoderLayer(nn.Module):
         return ops.add_rms_norm(out, x, next_norm.weight, next_norm.eps)
 
 
+@dataclass
+class FusedPlan:
+    """A plain decoder's tensors in the order ``decode_layers`` (kernels/csrc/decode_loop.cpp)
+    reads them: per layer the post-attention norm, the next norm, and 3 tensors per linear
+    (qkv, o, gate_up, down); ``kinds``: (bits, group) per linear, bits 0 for a float weight."""
+
+    weights: list[torch.Tensor]
+    kinds: list[int]
+    scale: float
+    eps: float
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def _fused_linear(linear: nn.Module, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[int]] | None:
+    """A linear as decode_layers takes it: one packed weight, or a float weight the small-batch
+    kernel multiplies as NativeLinear would (the same dtype, or 16 bits kept from the file)."""
+    from tokenmill.kernels.linear import NativeLinear
+
+    empty = torch.empty(0)
+    if isinstance(linear, QuantLinear) and len(linear.parts) == 1 and linear.bias is None and linear.native:
+        p = linear.parts[0]
+        return [p.qs, p.scale, empty if p.minv is None else p.minv], [p.bits, p.group]
+    sixteen = (torch.float16, torch.bfloat16)
+    if type(linear) is NativeLinear and linear.bias is None and (linear.weight.dtype == dtype or linear.weight.dtype in sixteen):
+        return [linear.weight, empty, empty], [0, 0]
+    return None
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, shard: ModelShard | None = None) -> None:
         """``cfg``: the shapes this model holds (a shard's ``local_config``)."""
@@ -158,6 +189,7 @@ class LlamaForCausalLM(nn.Module):
         self.ops: TorchOps = TorchOps()  # the per-layer ops; the factory may swap in native kernels
         self.tp: TensorParallelGroup | None = None  # set when the model is split across ranks
         self.lora_state: LoRAState | None = None  # set by add_lora_slots (multi-LoRA serving)
+        self._fused_plan: FusedPlan | None | bool = False  # False: not looked at yet
 
     @classmethod
     def from_weights(
@@ -216,6 +248,11 @@ class LlamaForCausalLM(nn.Module):
         x = self._embed(input_ids) if residual is None else residual  # updated in place by each layer
         first = layers[0].input_layernorm
         h = ops.rms_norm(x, first.weight, first.eps)
+        plan = self.fused_plan if num_layers is None and tp is None and residual is None and self.lora_state is None else None
+        if plan is not None:
+            out = ops.decoder_layers(x, h, plan, positions, self.rotary, kv_caches, meta)
+            if out is not None:
+                return out
         for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
             rotary = self.rotary_local if self.rotary_local is not None and layer.self_attn.window else self.rotary
@@ -234,6 +271,43 @@ class LlamaForCausalLM(nn.Module):
             x = self.tp.all_reduce(self.embed_tokens(local.clamp(0, rows - 1)).masked_fill_(outside[:, None], 0))
         x = x.to(self.layers[0].input_layernorm.weight.dtype)  # a table kept in the file's 16 bits
         return x if scale is None else x * torch.tensor(scale, dtype=x.dtype)  # Gemma: in the model's dtype
+
+    @property
+    def fused_plan(self) -> FusedPlan | None:
+        """This model's tensors for the C++ layer loop, when every layer is the plain Llama
+        layer (pre-norm attention, SwiGLU, no biases, q/k norms, windows or soft-capping) and
+        every linear has a small-batch kernel; None otherwise. Built once (after the linears
+        took their final form: the first forward comes after ``prepare_model``)."""
+        if self._fused_plan is False:
+            self._fused_plan = self._build_fused_plan()
+        return self._fused_plan  # type: ignore[return-value]
+
+    def reset_fused_plan(self) -> None:
+        """Called by whatever swaps this model's linears (quantisation, native kernels, LoRA)."""
+        self._fused_plan = False
+
+    def _build_fused_plan(self) -> FusedPlan | None:
+        cfg = self.config
+        if self.rotary_local is not None or self.norm is None or cfg.final_softcap is not None:
+            return None
+        dtype = self.norm.weight.dtype
+        weights: list[torch.Tensor] = []
+        kinds: list[int] = []
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            if (type(mlp) is not LlamaMLP or mlp.gelu or layer.sandwich or attn.q_norm is not None
+                    or attn.window is not None or attn.softcap is not None):  # fmt: skip
+                return None
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            weights += [layer.post_attention_layernorm.weight, next_norm.weight]
+            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                fused = _fused_linear(linear, dtype)
+                if fused is None:
+                    return None
+                weights += fused[0]
+                kinds += fused[1]
+        attn = self.layers[0].self_attn
+        return FusedPlan(weights, kinds, attn.scale, cfg.rms_norm_eps, attn.num_heads, attn.num_kv_heads, attn.head_dim)
 
     @property
     def head_reads_embedding(self) -> bool:

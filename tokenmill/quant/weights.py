@@ -146,6 +146,7 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 32) -> nn.Modu
             setattr(parent, name, make(linear.weight.data, None if linear.bias is None else linear.bias.data))
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     model.lm_head = make(head.data)
+    model.reset_fused_plan()
     return model
 
 

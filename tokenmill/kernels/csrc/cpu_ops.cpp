@@ -766,6 +766,28 @@ Tensor small_linear(Tensor x, Tensor w, c10::optional<Tensor> scale) {
 
 }  // namespace
 
+#include "ops.h"
+
+namespace tokenmill {  // external names for decode_loop.cpp
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) { return ::rms_norm(x, w, eps); }
+at::Tensor add_rms_norm(at::Tensor x, at::Tensor r, at::Tensor w, double eps) { return ::add_rms_norm(x, r, w, eps); }
+at::Tensor silu_mul(at::Tensor x) { return ::silu_mul(x); }
+void rotary_write_kv(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor positions, at::Tensor cos, at::Tensor sin,
+                     at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots) {
+  ::rotary_write_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots);
+}
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                     c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale, at::Tensor block_tables,
+                     at::Tensor query_start_loc, at::Tensor seq_lens, at::Tensor seq_ids, double scale,
+                     int64_t partition_size) {
+  ::paged_attention(out, q, k_cache, v_cache, k_scale, v_scale, block_tables, query_start_loc, seq_lens, seq_ids,
+                    scale, partition_size);
+}
+at::Tensor small_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> scale) {
+  return ::small_linear(x, w, scale);
+}
+}  // namespace tokenmill
+
 TORCH_LIBRARY(tokenmill, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
         "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, Tensor seq_ids, float scale, "

@@ -394,6 +394,13 @@ int64_t vector_width() {
 
 }  // namespace
 
+#include "ops.h"
+
+at::Tensor tokenmill::quant_linear(at::Tensor x, at::Tensor qs, at::Tensor scale, c10::optional<at::Tensor> minv,
+                                   int64_t bits, int64_t group) {
+  return ::quant_linear(x, qs, scale, minv, bits, group);
+}
+
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("vector_width() -> int", &vector_width);  // no tensors: registered for every backend
   m.def("quant_linear(Tensor x, Tensor qs, Tensor scale, Tensor? minv, int bits, int group) -> Tensor");
