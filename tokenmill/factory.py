@@ -228,7 +228,8 @@ def prepare_model(model: LlamaForCausalLM, device: torch.device, load: LoadConfi
         raise TokenmillError(str(e)) from None
     try:
         if quantize:
-            quantize_model(model, load.quantization, load.quantization_group_size)
+            packed = isinstance(model.ops, NativeOps) and device.type == "cpu"
+            quantize_model(model, load.quantization, load.quantization_group_size, packed=packed)
     except ValueError as e:  # e.g. a group size that does not divide a layer's width
         raise TokenmillError(str(e)) from None
     if isinstance(model.ops, NativeOps):

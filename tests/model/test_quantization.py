@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.errors import TokenmillError
@@ -48,11 +49,22 @@ def test_perplexity_stays_within_its_bound_of_float32(llm, heldout_ids, float_pp
 
 
 def test_int8_weights_agree_with_float32_on_most_greedy_tokens(llm):
+    """float32's greedy continuations, teacher-forced through the int8 model: its top-1 is
+    float32's on most positions (teacher forcing: one near-tie does not end the comparison,
+    as free-running generations that part at the first differing token would)."""
+    from tests.helpers import all_logits, seq
+
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    ref = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
-    got = [o.outputs[0].token_ids for o in quantized(quantization="int8").generate(PROMPTS, params)]
-    same = sum(a == b for r, g in zip(ref, got, strict=True) for a, b in zip(r, g, strict=True))
-    assert same / sum(len(r) for r in ref) >= 0.75
+    int8 = quantized(quantization="int8")
+    same = total = 0
+    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params), strict=True):
+        ids = llm.tokenizer.encode(prompt)
+        full = ids + out.outputs[0].token_ids
+        with int8.engine.borrow_blocks(-(-len(full) // int8.engine.block_size)) as blocks:
+            top = all_logits(int8.engine.runner, [seq(full, blocks)]).argmax(-1)[len(ids) - 1 : -1]
+        same += (top == torch.tensor(out.outputs[0].token_ids)).sum().item()
+        total += len(out.outputs[0].token_ids)
+    assert same / total >= 0.85, f"int8 top-1 agrees with float32 on {same}/{total} positions"
 
 
 def test_int8_kv_cache_holds_about_twice_the_blocks_of_bfloat16():

@@ -126,9 +126,30 @@ class Int4Linear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-def quantize_model(model: nn.Module, mode: str, group_size: int = 32) -> nn.Module:
+def packed_linear(q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, bits: int, group: int,
+                  bias: torch.Tensor | None) -> nn.Module | None:
+    """int8/int4 parts (per-row or per-group scales) as a QuantLinear for the native kernels:
+    scales repeated to the kernels' groups of 32 (exact), q repacked; None where the width
+    is not a whole number of 32s."""
+    from tokenmill.quant.packed import Decomposed, PackedWeight, QuantLinear
+
+    n, k = q.shape
+    if k % 32 or group % 32:
+        return None
+    reps = group // 32
+    scale = scale.float().repeat_interleave(reps, dim=1)
+    minv = None if minv is None else minv.float().repeat_interleave(reps, dim=1)
+    dtype = torch.uint8 if bits == 4 else torch.int8
+    parts = Decomposed(q.to(dtype).numpy(), scale.numpy(), None if minv is None else minv.numpy(), bits, 32)
+    return QuantLinear([PackedWeight.from_decomposed(parts, f"int{bits}")], bias)
+
+
+def quantize_model(model: nn.Module, mode: str, group_size: int = 32, packed: bool = False) -> nn.Module:
     """Swap every linear layer of the decoder (and the LM head, also when it is tied to
-    the embeddings, which stay in float for lookups) for its quantised version."""
+    the embeddings, which stay in float for lookups) for its quantised version. ``packed``
+    (the native CPU kernels run the model): int8 and int4 go to the same kernels as a
+    GGUF's blocks (quant/packed.py), with float32 activations and scales; otherwise
+    Int8Linear / Int4Linear (PyTorch's packed kernels, on any device)."""
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {mode!r}")
     if mode in ("auto", "none"):
@@ -136,9 +157,21 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 32) -> nn.Modu
     dtype = next(model.parameters()).dtype
 
     def make(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
-        if mode == "int4" and weight.shape[1] % group_size == 0:
+        int4 = mode == "int4" and weight.shape[1] % group_size == 0  # else int8
+        if packed and int4:
+            q, sz = quantize_int4(weight, group_size)
+            s, z = sz[..., 0].T, sz[..., 1].T  # [n, k / group]: w = (q - 8) s + z = q s + (z - 8 s)
+            layer = packed_linear(q, s, z - 8 * s, 4, group_size, bias)
+        elif packed:
+            q, s = quantize_int8(weight)
+            layer = packed_linear(q, s[:, None], None, 8, weight.shape[1], bias)
+        else:
+            layer = None
+        if layer is not None:
+            return layer
+        if int4:
             return Int4Linear.quantize(weight, group_size, bias)
-        return Int8Linear.quantize(weight, dtype, bias)  # int4 that the group does not divide: int8
+        return Int8Linear.quantize(weight, dtype, bias)
 
     for layer in model.layers:
         for parent, name in linear_layers(layer):
