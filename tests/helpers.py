@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import torch
 
@@ -382,6 +385,22 @@ def write_gguf(path, hf_model, arch: str, tokenizer: dict, weight_type: str | No
 
 
 # ------------------------------------------------------------------- processes
+
+
+def run_on_avx2_build(checks: str) -> None:
+    """Run ``checks`` (Python, from the repository root) in a fresh interpreter whose native
+    kernels are the -march=haswell build: AVX2, FMA and F16C only, what an AVX2-only CPU
+    runs. Fails with the child's stderr unless the checks complete."""
+    code = (
+        "import sys, torch\n"
+        "sys.path.insert(0, '.')\n"
+        "from tokenmill.kernels.native import build_name, load_native\n"
+        "assert 'haswell' in build_name() and load_native(), build_name()\n" + checks + "\nprint('ok')\n"
+    )
+    env = dict(os.environ, TOKENMILL_MARCH="haswell")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
 def child_pids(pid: int) -> list[int]:

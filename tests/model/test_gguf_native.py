@@ -5,15 +5,11 @@ blocks give the dequantised path's greedy tokens."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
 
-from tests.helpers import gguf_tokenizer_metadata, make_tiny_llama, random_gguf_blocks, write_gguf
+from tests.helpers import gguf_tokenizer_metadata, make_tiny_llama, random_gguf_blocks, run_on_avx2_build, write_gguf
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels.native import load_native
 from tokenmill.quant.packed import NATIVE_GGUF_TYPES, PackedWeight, QuantEmbedding, QuantLinear
@@ -42,6 +38,8 @@ def test_repacked_blocks_hold_gguf_dequantized_values(type_name):
         np.testing.assert_array_equal(w.dequantize().numpy(), ref)
         ids = torch.tensor([n - 1, 0, n // 2])
         np.testing.assert_array_equal(w.dequantize_rows(ids).numpy(), ref[ids.numpy()])
+        np.testing.assert_array_equal(w.dequantize_rows().numpy(), ref)
+        assert torch.equal(w.dequantize_rows(bf16=True), torch.from_numpy(ref).bfloat16())
 
 
 def check_quant_linear(type_name: str, dtype: torch.dtype = torch.float32) -> None:
@@ -65,13 +63,13 @@ def test_quant_linear_matches_the_dequantized_reference(type_name, dtype):
 
 
 @pytest.mark.parametrize("rows", [9, 64, 130])
-def test_prefill_panels_match_the_reference(rows):
-    """Batches past the GEMV kernel go through dequantised panels and the GEMM: same numbers."""
-    w, ref = packed("Q4_K", 600, 512)  # 600 rows: panels of 256, 256 and 88
+def test_prefill_batches_match_the_reference(rows):
+    """Batches past the GEMV kernel multiply the dequantised weight in the GEMM: same numbers."""
+    w, ref = packed("Q4_K", 600, 512)
     layer = QuantLinear([w])
     x = torch.randn(rows, 512)
     want = x.double() @ torch.from_numpy(ref).double().T
-    for gemv_rows in ({torch.float32: 8}, None):  # panels of the native dequantiser, then the torch reference
+    for gemv_rows in ({torch.float32: 8}, None):  # the native dequantiser, then the torch reference
         layer.gemv_rows = gemv_rows
         err = ((layer(x).double() - want).abs().max() / want.abs().max()).item()
         assert err < 1e-5, (gemv_rows, err)
@@ -169,32 +167,23 @@ def test_quantization_none_and_torch_kernels_dequantize_at_load():
 
 def test_avx2_only_build_quant_kernels_match_the_reference():
     """The -march=haswell build (what an AVX2-only CPU runs) passes the same kernel checks."""
-    code = (
-        "import sys, torch\n"
-        "sys.path.insert(0, '.')\n"
-        "from tokenmill.kernels.native import build_name, load_native\n"
-        "assert 'haswell' in build_name() and load_native()\n"
+    run_on_avx2_build(
         "import tests.model.test_gguf_native as t\n"
         "for name in t.NATIVE_GGUF_TYPES:\n"
         "    t.test_repacked_blocks_hold_gguf_dequantized_values(name)\n"
         "    t.check_quant_linear(name)\n"
         "t.check_quant_linear('Q4_1', torch.bfloat16)\n"
-        "t.test_prefill_panels_match_the_reference(64)\n"
-        "print('ok')\n"
+        "t.test_prefill_batches_match_the_reference(64)\n"
     )
-    env = dict(os.environ, TOKENMILL_MARCH="haswell")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
-def test_bfloat16_batches_multiply_bfloat16_panels():
+def test_bfloat16_batches_multiply_a_bfloat16_weight():
     """Under bfloat16 compute on a CPU with native bfloat16 GEMMs, batches past the kernel
-    multiply panels rounded to bfloat16: the dequantised bfloat16 model's own weights."""
+    multiply the weight rounded to bfloat16: the dequantised bfloat16 model's own weights."""
     w, ref = packed("Q4_1", 300, 576)
     layer = QuantLinear([w])
     layer.use_native()
-    layer.bf16_panels = True
+    layer.bf16_gemm = True
     x = torch.randn(40, 576).bfloat16()
     want = x.float() @ torch.from_numpy(ref).bfloat16().float().T
     got = layer(x)

@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 
+from tests.helpers import run_on_avx2_build
 from tokenmill.kernels.native import load_native
 from tokenmill.kernels.ops import NativeOps, TorchOps, select_ops
 from tokenmill.model.layers.attention import AttentionMetadata
@@ -302,12 +303,7 @@ def test_avx2_only_build_matches_the_reference():
     """The portable (AVX2, no AVX-512) build of the kernels, compiled here with
     -march=haswell, passes the same attention, norm and linear checks: what an
     AVX2-only machine runs."""
-    code = (
-        "import torch, sys\n"
-        "sys.path.insert(0, '.')\n"
-        "from tokenmill.kernels.native import build_name, load_native\n"
-        "assert 'haswell' in build_name(), build_name()\n"
-        "assert load_native()\n"
+    run_on_avx2_build(
         "import tests.model.test_native_kernels as t\n"
         "t.check_attention(t.DECODES + [(700, 4), (90, 90)], heads=9, kv_heads=3)\n"
         "t.check_attention(t.DECODES, kind='int8')\n"
@@ -320,12 +316,7 @@ def test_avx2_only_build_matches_the_reference():
         "t.test_int8_small_linear_matches_the_int8_reference(1)\n"
         "t.test_small_linear_float16_weights(3)\n"
         "t.test_cpp_layer_loop_is_bit_identical_to_the_python_loop('float32', 'auto')\n"
-        "print('ok')\n"
     )
-    env = dict(os.environ, TOKENMILL_MARCH="haswell")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
 @pytest.mark.parametrize("dtype,quantization", [("float32", "auto"), ("bfloat16", "auto"), ("float32", "none")])

@@ -16,8 +16,8 @@ float32 rounding). ``PackedWeight`` holds the form laid out for ``csrc/quant_ops
 Bytes per weight: Q4_x 0.75 (0.5 + 8 bytes of float32 scale and min per 32), Q8_0 1.125.
 
 ``QuantLinear`` runs a layer from these: the native ``quant_linear`` kernel for a few rows,
-panels dequantised into PyTorch's GEMM for many, and ``dequantize`` (pure torch) as the
-reference every kernel is tested against. ``QuantEmbedding`` looks tokens up in the same
+the weight dequantised for the call into PyTorch's GEMM for many, and ``dequantize`` (pure
+torch) as the reference every kernel is tested against. ``QuantEmbedding`` looks tokens up in the same
 blocks (and a tied LM head reads them too).
 """
 
@@ -33,14 +33,14 @@ from torch import nn
 NATIVE_GGUF_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
 QK_K = 256
 # Up to this many rows the GEMV kernel runs (each tile of weight rows unpacked once per 4
-# activation rows); beyond, panels of PANEL_ROWS weight rows are dequantised into PyTorch's
-# GEMM. Measured on SmolLM2's 3072x576 Q4_1 gate_up, 2 cores of an AMD EPYC (Zen 4):
-# float32: AVX-512 build 64 rows 1.8 ms kernel vs 2.5 ms panels, 128 rows 3.7 vs 3.7; AVX2
-# build 64 rows 1.63 vs 1.49. bfloat16 on a CPU with native bfloat16 GEMMs (panels rounded to
-# bfloat16): 16 rows 0.47 vs 0.63, 32 rows 0.92 vs 0.72, 512 rows 15.7 vs 3.4.
-GEMV_ROWS = {16: 96, 8: 48}  # float32, keyed by the build's floats per vector register
-GEMV_ROWS_NATIVE_BF16 = 24
-PANEL_ROWS = 256
+# activation rows); beyond, the weight is dequantised for the call (a transient, rounded to
+# bfloat16 under bfloat16 compute on CPUs with native bfloat16 GEMMs) into PyTorch's GEMM.
+# Measured on SmolLM2's 3072x576 Q4_1 gate_up, 2 cores of an AMD EPYC (Zen 4), kernel vs
+# dequantise + GEMM: float32, AVX-512 build 16 rows 0.46 vs 0.58 ms, 32 rows 0.90 vs 0.82;
+# AVX2 build 32 rows 0.84 vs 0.88, 48 rows 1.24 vs 1.06. bfloat16 (native GEMM): 8 rows
+# 0.27 vs 0.22, 64 rows 1.91 vs 0.42, 512 rows 15.7 vs 2.2.
+GEMV_ROWS = 32
+GEMV_ROWS_NATIVE_BF16 = 8
 
 
 @dataclass
@@ -201,29 +201,27 @@ class PackedWeight(nn.Module):
             w = w + minv[..., None]
         return w.reshape(n, self.in_features)
 
-    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``ids`` as float32: the native kernel on the CPU, the reference elsewhere."""
+    def dequantize_rows(self, ids: torch.Tensor | None = None, bf16: bool = False) -> torch.Tensor:
+        """Rows ``ids`` (all when None) as float32, or rounded to bfloat16: the native kernel on
+        the CPU, the reference elsewhere."""
         if self.qs.device.type == "cpu" and hasattr(torch.ops.tokenmill, "quant_dequantize"):
             return torch.ops.tokenmill.quant_dequantize(self.qs, self.scale, self.minv, self.bits, self.group,
-                                                        self.in_features, ids)  # fmt: skip
-        return self.dequantize(ids)
+                                                        self.in_features, ids, bf16)  # fmt: skip
+        w = self.dequantize(ids)
+        return w.bfloat16() if bf16 else w
 
-    def matmul(self, x: torch.Tensor, gemv_rows: int | None, bf16_panels: bool = False) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, gemv_rows: int | None, bf16_gemm: bool = False) -> torch.Tensor:
         """x [rows, in] @ W^T -> [rows, out] in x's dtype; ``gemv_rows`` None: the reference.
-        ``bf16_panels``: bfloat16 batches multiply panels rounded to bfloat16 (what the
+        ``bf16_gemm``: bfloat16 batches multiply the weight rounded to bfloat16 (what the
         dequantised bfloat16 model multiplies) in the CPU's native bfloat16 GEMM."""
         rows = x.shape[0]
         if gemv_rows is None:
             return nn.functional.linear(x.float(), self.dequantize()).to(x.dtype)
         if rows <= gemv_rows and x.dtype in (torch.float32, torch.bfloat16):
             return torch.ops.tokenmill.quant_linear(x, self.qs, self.scale, self.minv, self.bits, self.group)
-        dtype = torch.bfloat16 if bf16_panels and x.dtype == torch.bfloat16 else torch.float32
-        xc = x.to(dtype)
-        out = torch.empty(rows, self.out_features, dtype=dtype, device=x.device)
-        for start in range(0, self.out_features, PANEL_ROWS):
-            ids = torch.arange(start, min(start + PANEL_ROWS, self.out_features))
-            out[:, start : start + len(ids)] = xc @ self.dequantize_rows(ids).to(dtype).T
-        return out.to(x.dtype)
+        bf16 = bf16_gemm and x.dtype == torch.bfloat16
+        w = self.dequantize_rows(bf16=bf16)  # transient: this call's weight, freed after the GEMM
+        return nn.functional.linear(x if bf16 else x.float(), w).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.source}: {self.out_features}x{self.in_features}, {self.bits}-bit, group {self.group}"
@@ -247,15 +245,14 @@ class QuantLinear(nn.Module):
         self.in_features = merged[0].in_features
         self.out_features = sum(p.out_features for p in merged)
         self.gemv_rows: dict[torch.dtype, int] | None = None  # use_native(): GEMV up to this many rows
-        self.bf16_panels = False
+        self.bf16_gemm = False  # bfloat16 batches past the kernel: a bfloat16 weight into the native GEMM
 
     def use_native(self) -> None:
         """Run on the native kernels, with this build's and CPU's cross-overs."""
         from tokenmill.kernels.cpu import cpu_info
 
-        rows = GEMV_ROWS.get(torch.ops.tokenmill.vector_width(), 16)
-        self.bf16_panels = cpu_info().native_bf16
-        self.gemv_rows = {torch.float32: rows, torch.bfloat16: GEMV_ROWS_NATIVE_BF16 if self.bf16_panels else rows}
+        self.bf16_gemm = cpu_info().native_bf16
+        self.gemv_rows = {torch.float32: GEMV_ROWS, torch.bfloat16: GEMV_ROWS_NATIVE_BF16 if self.bf16_gemm else GEMV_ROWS}
 
     @property
     def native(self) -> bool:
@@ -264,7 +261,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         rows = None if self.gemv_rows is None else self.gemv_rows.get(flat.dtype, 0)
-        outs = [p.matmul(flat, rows, self.bf16_panels) for p in self.parts]
+        outs = [p.matmul(flat, rows, self.bf16_gemm) for p in self.parts]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         if self.bias is not None:
             out = out + self.bias

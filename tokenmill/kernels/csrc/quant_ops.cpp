@@ -17,8 +17,8 @@
 //
 // Batch-1 decode is a pass over the weights: threads split the output rows, each tile of four
 // rows is read once and reused for every activation row (up to four at a time), and the next
-// tile is prefetched. Prefill (many rows) dequantises panels of rows with quant_dequantize and
-// multiplies them with PyTorch's GEMM (see QuantLinear).
+// tile is prefetched. Batches past a few dozen rows dequantise the weight for the call with
+// quant_dequantize and multiply it in PyTorch's GEMM (see QuantLinear).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -372,7 +372,7 @@ Tensor quant_linear(Tensor x, Tensor qs, Tensor scale, c10::optional<Tensor> min
   return y;
 }
 
-// One packed row -> k floats (w = scale * q [+ min]), vectorised: prefill panels call this
+// One packed row -> k floats (w = scale * q [+ min]), vectorised: batches past the kernel call this
 // for every weight row of every layer.
 void dequantize_row(const Packed& p, int64_t row, float* dst) {
   const int64_t k = p.k;
@@ -418,33 +418,54 @@ void dequantize_row(const Packed& p, int64_t row, float* dst) {
   }
 }
 
-// Rows `ids` of the packed weight as float32 [len(ids), k] (embedding lookups, prefill panels).
-Tensor quant_dequantize(Tensor qs, Tensor scale, c10::optional<Tensor> minv, int64_t bits, int64_t group, int64_t k,
-                        Tensor ids) {
-  const Packed p = check_packed(qs, scale, minv, bits, group, k);
-  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "quant_dequantize: ids must be int64 [rows]");
-  const Tensor idc = ids.contiguous();
-  const int64_t* id = idc.data_ptr<int64_t>();
-  const int64_t rows = idc.numel();
-  for (int64_t i = 0; i < rows; ++i)
-    TORCH_CHECK(id[i] >= 0 && id[i] < p.n, "quant_dequantize: row ", id[i], " out of range [0, ", p.n, ")");
-  Tensor out = at::empty({rows, k}, scale.options());
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) dequantize_row(p, id[i], op + i * k);
-  });
-  return out;
+// float32 -> bfloat16, round to nearest even (as c10::BFloat16 and .to(bfloat16) round finite
+// values), 8 at a time on AVX2.
+void round_to_bf16(const float* src, c10::BFloat16* dst, int64_t k) {
+  int64_t j = 0;
+#if defined(TM_AVX2)
+  const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7FFF);
+  for (; j + 8 <= k; j += 8) {
+    __m256i b = _mm256_castps_si256(_mm256_loadu_ps(src + j));
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), one);
+    b = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, half)), 16);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(b, b), 0x08);  // qwords 0 and 2
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j), _mm256_castsi256_si128(packed));
+  }
+#endif
+  for (; j < k; ++j) dst[j] = c10::BFloat16(src[j]);
 }
 
-// Floats per vector register in this build (16: AVX-512, 8: AVX2, 1: portable loops).
-int64_t vector_width() {
-#if defined(TM_AVX512)
-  return 16;
-#elif defined(TM_AVX2)
-  return 8;
-#else
-  return 1;
-#endif
+// Rows `ids` (all rows when absent) of the packed weight as float32 [rows, k], or rounded to
+// bfloat16 (as .to(bfloat16) rounds) when `bf16`: embedding lookups, and the weights that
+// batches past the GEMV kernel multiply in PyTorch's GEMM.
+Tensor quant_dequantize(Tensor qs, Tensor scale, c10::optional<Tensor> minv, int64_t bits, int64_t group, int64_t k,
+                        c10::optional<Tensor> ids, bool bf16) {
+  const Packed p = check_packed(qs, scale, minv, bits, group, k);
+  Tensor idc;
+  const int64_t* id = nullptr;
+  int64_t rows = p.n;
+  if (ids.has_value()) {
+    TORCH_CHECK(ids->scalar_type() == at::kLong && ids->dim() == 1, "quant_dequantize: ids must be int64 [rows]");
+    idc = ids->contiguous();
+    id = idc.data_ptr<int64_t>();
+    rows = idc.numel();
+    for (int64_t i = 0; i < rows; ++i)
+      TORCH_CHECK(id[i] >= 0 && id[i] < p.n, "quant_dequantize: row ", id[i], " out of range [0, ", p.n, ")");
+  }
+  Tensor out = at::empty({rows, k}, scale.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
+    std::vector<float> buf(bf16 ? k : 0);
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t row = id ? id[i] : i;
+      if (!bf16) {
+        dequantize_row(p, row, out.data_ptr<float>() + i * k);
+        continue;
+      }
+      dequantize_row(p, row, buf.data());
+      round_to_bf16(buf.data(), out.data_ptr<c10::BFloat16>() + i * k, k);
+    }
+  });
+  return out;
 }
 
 }  // namespace
@@ -457,9 +478,9 @@ at::Tensor tokenmill::quant_linear(at::Tensor x, at::Tensor qs, at::Tensor scale
 }
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
-  m.def("vector_width() -> int", &vector_width);  // no tensors: registered for every backend
   m.def("quant_linear(Tensor x, Tensor qs, Tensor scale, Tensor? minv, int bits, int group) -> Tensor");
-  m.def("quant_dequantize(Tensor qs, Tensor scale, Tensor? minv, int bits, int group, int k, Tensor ids) -> Tensor");
+  m.def("quant_dequantize(Tensor qs, Tensor scale, Tensor? minv, int bits, int group, int k, Tensor? ids, "
+        "bool bf16=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
