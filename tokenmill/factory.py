@@ -198,15 +198,21 @@ def build_engine(args: EngineArgs, progress: bool = True) -> EngineParts:
     return EngineParts(args, engine, runner, model, tokenizer, config, path, device, dtype, max_model_len, num_blocks, per_block)
 
 
-def keeps_quantized_blocks(args: EngineArgs, device: torch.device) -> bool:
-    """``quantization="auto"``: a GGUF's quantised weights stay in their blocks where the native
-    kernels run them (one process on the CPU); elsewhere they are dequantised at load."""
-    load = args.load
-    if load.quantization != "auto" or device.type != "cpu" or load.kernels == "torch" or args.parallel.world_size > 1:
+def native_kernels_run(load: LoadConfig, device: torch.device) -> bool:
+    """Whether the native CPU kernels will run this model (the rule select_ops follows): then
+    a GGUF's blocks are kept and int8/int4 go to the packed kernels."""
+    if load.kernels == "torch" or device.type != "cpu":
         return False
     from tokenmill.kernels.native import load_native
 
     return load_native()
+
+
+def keeps_quantized_blocks(args: EngineArgs, device: torch.device) -> bool:
+    """``quantization="auto"``: a GGUF's quantised weights stay in their blocks where the native
+    kernels run them (one process on the CPU); elsewhere they are dequantised at load."""
+    load = args.load
+    return load.quantization == "auto" and args.parallel.world_size == 1 and native_kernels_run(load, device)
 
 
 def _grammar_compiler(tokenizer: Tokenizer, vocab_size: int) -> GrammarCompiler | None:
@@ -228,7 +234,7 @@ def prepare_model(model: LlamaForCausalLM, device: torch.device, load: LoadConfi
         raise TokenmillError(str(e)) from None
     try:
         if quantize:
-            packed = isinstance(model.ops, NativeOps) and device.type == "cpu"
+            packed = native_kernels_run(load, device)
             quantize_model(model, load.quantization, load.quantization_group_size, packed=packed)
     except ValueError as e:  # e.g. a group size that does not divide a layer's width
         raise TokenmillError(str(e)) from None
@@ -294,7 +300,8 @@ def load_shard(
     """This rank's part of the model, cut from the whole (quantised whole, then cut)."""
     full = LlamaForCausalLM.from_weights(config, weights, "cpu")
     try:
-        model = shard_model(full, shard, load.quantization, load.quantization_group_size)
+        model = shard_model(full, shard, load.quantization, load.quantization_group_size,
+                            packed=native_kernels_run(load, device))  # as quantize_model does in one process
     except ValueError as e:
         raise TokenmillError(str(e)) from None
     return prepare_model(model.to(device), device, load, quantize=False)

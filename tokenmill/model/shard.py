@@ -26,7 +26,14 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.errors import TokenmillError
-from tokenmill.quant.weights import INT4_GROUP_SIZES, Int4Linear, Int8Linear, quantize_int4, quantize_int8
+from tokenmill.quant.weights import (
+    INT4_GROUP_SIZES,
+    Int4Linear,
+    Int8Linear,
+    packed_linear,
+    quantize_int4,
+    quantize_int8,
+)
 
 
 @dataclass(frozen=True)
@@ -121,10 +128,12 @@ def check_parallel_sizes(cfg: ModelConfig, tp: int, pp: int) -> None:
                              f"and pipeline_parallel_size in {layers})")  # fmt: skip
 
 
-def shard_model(full: nn.Module, shard: ModelShard, quantization: str = "none", group_size: int = 32) -> nn.Module:
+def shard_model(full: nn.Module, shard: ModelShard, quantization: str = "none", group_size: int = 32,
+                packed: bool = False) -> nn.Module:  # fmt: skip
     """This rank's model, cut from the whole one (built on the CPU, unquantised):
     float tensors are sliced (copies, so the whole model can be freed), linears
-    quantised whole and then sliced when ``quantization`` asks for it."""
+    quantised whole and then sliced when ``quantization`` asks for it (``packed``: into the
+    native kernels' layout, as ``quantize_model`` packs them in one process)."""
     quantization = "none" if quantization == "auto" else quantization  # split models load dequantised
     from tokenmill.model.llama import LlamaForCausalLM  # the model imports this module
 
@@ -143,7 +152,7 @@ def shard_model(full: nn.Module, shard: ModelShard, quantization: str = "none", 
 
     def cut(linear: nn.Module, rows: torch.Tensor | None = None, cols: range | None = None) -> nn.Module:
         bias = None if linear.bias is None else linear.bias.data  # (column-parallel layers only: qkv)
-        return _cut_linear(linear.weight.data, rows, cols, quantization, group_size, bias=bias)
+        return _cut_linear(linear.weight.data, rows, cols, quantization, group_size, bias=bias, packed=packed)
 
     for j, i in enumerate(shard.layers(cfg)):
         src, dst = full.layers[i], model.layers[j]
@@ -175,7 +184,7 @@ def shard_model(full: nn.Module, shard: ModelShard, quantization: str = "none", 
             model.lm_head = None  # reads this rank's embedding rows, as the whole model does
         else:
             model.lm_head = _cut_linear(head, torch.arange(vocab.start, min(vocab.stop, cfg.vocab_size)), None,
-                                        quantization, group_size, pad_rows=len(vocab))  # fmt: skip
+                                        quantization, group_size, pad_rows=len(vocab), packed=packed)  # fmt: skip
     else:
         model.norm = None
         model.lm_head = None
@@ -200,7 +209,7 @@ def _pad_rows(w: torch.Tensor, rows: range) -> torch.Tensor:
 
 def _cut_linear(
     w: torch.Tensor, rows: torch.Tensor | None, cols: range | None, quantization: str, group_size: int,
-    pad_rows: int | None = None, bias: torch.Tensor | None = None,
+    pad_rows: int | None = None, bias: torch.Tensor | None = None, packed: bool = False,
 ) -> nn.Module:  # fmt: skip
     """A linear layer holding w[rows][:, cols] (quantised as the whole w would be),
     with zero rows appended up to ``pad_rows``, and bias[rows]."""
@@ -231,13 +240,19 @@ def _cut_linear(
             sz = sz.narrow(0, group_cols.start, len(group_cols))
         if pad_rows is not None and sz.shape[1] < pad_rows:
             sz = torch.cat([sz, sz.new_zeros(sz.shape[0], pad_rows - sz.shape[1], 2)], dim=1)  # padding: 0
+        if packed:  # w = (q - 8) s + z = q s + (z - 8 s), as quantize_model packs it
+            s, z = sz[..., 0].T, sz[..., 1].T
+            layer = packed_linear(take(q), s, z - 8 * s, 4, group_size, bias)
+            if layer is not None:
+                return layer
         return Int4Linear(take(q), sz.contiguous(), group_size, bias)
     if quantization in ("int8", "int4"):  # int4 that the group does not divide: int8, as quantize_model does
         q, scales = quantize_int8(w)
         s = scales if rows is None else scales.index_select(0, rows)
         if pad_rows is not None and s.shape[0] < pad_rows:
             s = torch.cat([s, s.new_ones(pad_rows - s.shape[0])])
-        return Int8Linear(take(q), s, w.dtype, bias)
+        layer = packed_linear(take(q), s[:, None], None, 8, width, bias) if packed else None
+        return layer if layer is not None else Int8Linear(take(q), s, w.dtype, bias)
     linear = nn.Linear(width, pad_rows or (len(rows) if rows is not None else w.shape[0]), bias=bias is not None,
                        device="meta")  # fmt: skip
     linear.weight = _param(take(w))

@@ -372,9 +372,23 @@ Tensor quant_linear(Tensor x, Tensor qs, Tensor scale, c10::optional<Tensor> min
   return y;
 }
 
-// One packed row -> k floats (w = scale * q [+ min]), vectorised: batches past the kernel call this
-// for every weight row of every layer.
-void dequantize_row(const Packed& p, int64_t row, float* dst) {
+#if defined(TM_AVX2)
+// 8 floats -> 8 bfloat16, round to nearest even (as c10::BFloat16 and .to(bfloat16) round finite values).
+inline void store8(c10::BFloat16* dst, __m256 v) {
+  __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  b = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(b, b), 0x08);  // qwords 0 and 2
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(packed));
+}
+inline void store8(float* dst, __m256 v) { _mm256_storeu_ps(dst, v); }
+#endif
+
+// One packed row -> k values (w = scale * q [+ min]) in float32 or rounded to bfloat16, vectorised:
+// batches past the kernel call this for every weight row of every layer. Multiply, then add: the
+// reference's two roundings, not one fused.
+template <typename Out>
+void dequantize_row(const Packed& p, int64_t row, Out* dst) {
   const int64_t k = p.k;
   const float* sc = p.scale + row * p.groups;
   const float* mn = p.minv ? p.minv + row * p.groups : nullptr;
@@ -383,20 +397,20 @@ void dequantize_row(const Packed& p, int64_t row, float* dst) {
     for (int64_t g = 0; g < p.groups; ++g) {  // group g: half g % 2 of chunk g / 2
       const uint8_t* chunk = w + (g / 2) * 32;
       const int shift = 16 * static_cast<int>(g % 2);
-      float* out = dst + g * 32;
+      Out* out = dst + g * 32;
       const float s = sc[g], m = mn ? mn[g] : 0.f;
 #if defined(TM_AVX2)
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
       const __m256 sv = _mm256_set1_ps(s), mv = _mm256_set1_ps(m);
       const __m256i low4 = _mm256_set1_epi32(0xF);
-      for (int i = 0; i < 4; ++i) {  // multiply, then add: the reference's two roundings, not one fused
+      for (int i = 0; i < 4; ++i) {
         const __m256i q = _mm256_and_si256(_mm256_srl_epi32(raw, _mm_cvtsi32_si128(shift + 4 * i)), low4);
-        _mm256_storeu_ps(out + 8 * i, _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), sv), mv));
+        store8(out + 8 * i, _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), sv), mv));
       }
 #else
       const uint32_t* words = reinterpret_cast<const uint32_t*>(chunk);
       for (int j = 0; j < 32; ++j)
-        out[j] = static_cast<float>((words[j % 8] >> (shift + 4 * (j / 8))) & 0xF) * s + m;
+        out[j] = static_cast<Out>(static_cast<float>((words[j % 8] >> (shift + 4 * (j / 8))) & 0xF) * s + m);
 #endif
     }
   } else {
@@ -404,35 +418,18 @@ void dequantize_row(const Packed& p, int64_t row, float* dst) {
     for (int64_t g = 0; g < p.groups; ++g) {
       const float s = sc[g], m = mn ? mn[g] : 0.f;
       const int8_t* src = w + g * p.group;
-      float* out = dst + g * p.group;
+      Out* out = dst + g * p.group;
 #if defined(TM_AVX2)
       const __m256 sv = _mm256_set1_ps(s), mv = _mm256_set1_ps(m);
       for (int64_t j = 0; j < p.group; j += 8) {
         const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + j))));
-        _mm256_storeu_ps(out + j, _mm256_add_ps(_mm256_mul_ps(q, sv), mv));
+        store8(out + j, _mm256_add_ps(_mm256_mul_ps(q, sv), mv));
       }
 #else
-      for (int64_t j = 0; j < p.group; ++j) out[j] = static_cast<float>(src[j]) * s + m;
+      for (int64_t j = 0; j < p.group; ++j) out[j] = static_cast<Out>(static_cast<float>(src[j]) * s + m);
 #endif
     }
   }
-}
-
-// float32 -> bfloat16, round to nearest even (as c10::BFloat16 and .to(bfloat16) round finite
-// values), 8 at a time on AVX2.
-void round_to_bf16(const float* src, c10::BFloat16* dst, int64_t k) {
-  int64_t j = 0;
-#if defined(TM_AVX2)
-  const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7FFF);
-  for (; j + 8 <= k; j += 8) {
-    __m256i b = _mm256_castps_si256(_mm256_loadu_ps(src + j));
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), one);
-    b = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, half)), 16);
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(b, b), 0x08);  // qwords 0 and 2
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j), _mm256_castsi256_si128(packed));
-  }
-#endif
-  for (; j < k; ++j) dst[j] = c10::BFloat16(src[j]);
 }
 
 // Rows `ids` (all rows when absent) of the packed weight as float32 [rows, k], or rounded to
@@ -454,15 +451,10 @@ Tensor quant_dequantize(Tensor qs, Tensor scale, c10::optional<Tensor> minv, int
   }
   Tensor out = at::empty({rows, k}, scale.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
   at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
-    std::vector<float> buf(bf16 ? k : 0);
     for (int64_t i = b; i < e; ++i) {
       const int64_t row = id ? id[i] : i;
-      if (!bf16) {
-        dequantize_row(p, row, out.data_ptr<float>() + i * k);
-        continue;
-      }
-      dequantize_row(p, row, buf.data());
-      round_to_bf16(buf.data(), out.data_ptr<c10::BFloat16>() + i * k, k);
+      if (bf16) dequantize_row(p, row, out.data_ptr<c10::BFloat16>() + i * k);
+      else dequantize_row(p, row, out.data_ptr<float>() + i * k);
     }
   });
   return out;
