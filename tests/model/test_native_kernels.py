@@ -155,12 +155,6 @@ def test_rms_norm_and_fused_residual_add(dtype):
     close(y1, y2, dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_mul(dtype):
-    x = (torch.randn(19, 2 * 1536, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
-    close(NATIVE.silu_mul(x), REF.silu_mul(x), dtype)
-
-
 @pytest.mark.parametrize("dtype,kind", [(torch.float32, "auto"), (torch.bfloat16, "auto"), (torch.float32, "bfloat16"),
                                         (torch.float32, "int8"), (torch.bfloat16, "fp8")])  # fmt: skip
 def test_rotary_with_cache_write(dtype, kind):
@@ -309,7 +303,6 @@ def test_avx2_only_build_matches_the_reference():
         "t.check_attention(t.DECODES, kind='int8')\n"
         "t.check_attention(t.DECODES + [(50, 3)], heads=9, kv_heads=3, kind='fp8', dtype=torch.bfloat16)\n"
         "t.test_rms_norm_and_fused_residual_add(torch.bfloat16)\n"
-        "t.test_silu_mul(torch.float32)\n"
         "for rows in (1, 3, 8):\n"
         "    t.test_small_linear_matches_torch(torch.bfloat16, rows)\n"
         "    t.test_small_linear_matches_torch(torch.float32, rows)\n"

@@ -27,7 +27,6 @@ NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 # shorter ones ride along in the paged kernel's single call.
 FRESH_PREFILL_SDPA_MIN = 64
 PARTITION_TOKENS = 256  # FlashDecoding split of a long context across threads
-SMALL_BATCH_ROWS = 64  # silu_mul: up to this many rows the fused kernel, beyond PyTorch's
 # Steps of up to this many tokens run their layers in C++ (decode_layers) where the model
 # allows: within every native linear's small-batch kernel range (NativeLinear: 8 rows).
 FUSED_MAX_TOKENS = 8
@@ -87,13 +86,6 @@ class NativeOps(TorchOps):
         if not self._native(x) or x.dtype != weight.dtype or not residual.is_contiguous():
             return super().add_rms_norm(x, residual, weight, eps)
         return torch.ops.tokenmill.add_rms_norm(x.contiguous(), residual, weight, eps)
-
-    def silu_mul(self, gate_up):
-        # decode-sized batches: one fused call instead of three; at prefill sizes PyTorch's
-        # vectorised SiLU is faster (3.3 vs 1.5 ms on 512 x 1536, bench/RESULTS.md)
-        if not self._native(gate_up) or gate_up.shape[0] > SMALL_BATCH_ROWS:
-            return super().silu_mul(gate_up)
-        return torch.ops.tokenmill.silu_mul(gate_up.contiguous())
 
     def rotary_write_kv(self, q, k, v, positions, rotary, cache, slot_mapping):
         if not self._native(q) or q.shape[-1] > 512:

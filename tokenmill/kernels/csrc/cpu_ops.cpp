@@ -1,6 +1,5 @@
 // tokenmill's CPU kernels: paged attention read in place from the KV blocks, and the
-// small per-layer ops fused (RMSNorm with the residual add, RoPE with the cache
-// write, SiLU-and-multiply).
+// small per-layer ops fused (RMSNorm with the residual add, RoPE with the cache write).
 //
 // Built by torch.utils.cpp_extension on the machine that runs it, with -march=native,
 // under a name that carries the CPU's ISA level: that is the runtime dispatch (an
@@ -477,38 +476,6 @@ Tensor add_rms_norm(Tensor x, Tensor residual, Tensor w, double eps) {
   return y;
 }
 
-// ---------------------------------------------------------------- SiLU and multiply
-
-template <typename T>
-void silu_mul_impl(const Tensor& x, Tensor& y) {
-  const int64_t rows = x.size(0), n = y.size(1);
-  const T* xp = x.data_ptr<T>();
-  T* yp = y.data_ptr<T>();
-  at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      const T* gate = xp + i * 2 * n;
-      const T* up = gate + n;
-      T* out = yp + i * n;
-#pragma omp simd
-      for (int64_t c = 0; c < n; ++c) {
-        const float g = to_f(gate[c]);
-        const float s = round_as<T>(g / (1.f + fast_exp(-g)));
-        out[c] = static_cast<T>(s * to_f(up[c]));
-      }
-    }
-  });
-}
-
-// [rows, 2n] (gate | up) -> [rows, n] silu(gate) * up.
-Tensor silu_mul(Tensor x) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0, "silu_mul: expects contiguous [rows, 2n]");
-  Tensor y = at::empty({x.size(0), x.size(1) / 2}, x.options());
-  if (x.scalar_type() == at::kFloat) silu_mul_impl<float>(x, y);
-  else if (x.scalar_type() == at::kBFloat16) silu_mul_impl<c10::BFloat16>(x, y);
-  else TORCH_CHECK(false, "silu_mul: unsupported dtype ", x.scalar_type());
-  return y;
-}
-
 // ---------------------------------------------------------------- RoPE (+ cache write)
 
 // x * cos + rotate_half(x) * sin, rotate-half layout, with cos/sin rounded to x's
@@ -771,7 +738,6 @@ Tensor small_linear(Tensor x, Tensor w, c10::optional<Tensor> scale) {
 namespace tokenmill {  // external names for decode_loop.cpp
 at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) { return ::rms_norm(x, w, eps); }
 at::Tensor add_rms_norm(at::Tensor x, at::Tensor r, at::Tensor w, double eps) { return ::add_rms_norm(x, r, w, eps); }
-at::Tensor silu_mul(at::Tensor x) { return ::silu_mul(x); }
 void rotary_write_kv(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor positions, at::Tensor cos, at::Tensor sin,
                      at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots) {
   ::rotary_write_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots);
@@ -794,7 +760,6 @@ TORCH_LIBRARY(tokenmill, m) {
         "int partition_size) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
-  m.def("silu_mul(Tensor x) -> Tensor");
   m.def("small_linear(Tensor x, Tensor w, Tensor? scale) -> Tensor");
   m.def("rotary(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("rotary_write_kv(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor positions, Tensor cos, Tensor sin, "
@@ -805,7 +770,6 @@ TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("silu_mul", &silu_mul);
   m.impl("small_linear", &small_linear);
   m.impl("rotary", &rotary);
   m.impl("rotary_write_kv", &rotary_write_kv);

@@ -59,7 +59,8 @@ Tensor decode_layers(Tensor x, Tensor h, std::vector<Tensor> weights, std::vecto
     const Tensor o = run_linear(attn.view({n, q_size}), weights, w0 + 5, kind[2], kind[3]);
     h = tokenmill::add_rms_norm(o, x, weights[w0], eps);
     const Tensor gate_up = run_linear(h, weights, w0 + 8, kind[4], kind[5]);
-    const Tensor down = run_linear(tokenmill::silu_mul(gate_up), weights, w0 + 11, kind[6], kind[7]);
+    const auto halves = gate_up.chunk(2, -1);  // SiLU(gate) * up, as TorchOps.silu_mul computes it
+    const Tensor down = run_linear(at::mul(at::silu(halves[0]), halves[1]), weights, w0 + 11, kind[6], kind[7]);
     h = tokenmill::add_rms_norm(down, x, weights[w0 + 1], eps);
   }
   return h;
