@@ -164,8 +164,8 @@ class PackedWeight(nn.Module):
     def layout(self) -> tuple[int, int, bool]:
         return self.bits, self.group, self.minv is not None
 
-    def rows(self, index: torch.Tensor | slice) -> PackedWeight:
-        """A row subset (a permutation, or a cut for a fused projection's part)."""
+    def rows(self, index: torch.Tensor) -> PackedWeight:
+        """These rows, in this order (llama.cpp's Q/K row permutation undone)."""
         minv = None if self.minv is None else self.minv[index].contiguous()
         return PackedWeight(self.qs[index].contiguous(), self.scale[index].contiguous(), minv, self.bits, self.group,
                             self.in_features, self.source)  # fmt: skip
@@ -266,9 +266,6 @@ class QuantLinear(nn.Module):
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
-
-    def dequantize(self) -> torch.Tensor:
-        return torch.cat([p.dequantize() for p in self.parts])
 
 
 class QuantEmbedding(nn.Module):
