@@ -383,6 +383,15 @@ inline void store8(c10::BFloat16* dst, __m256 v) {
 }
 inline void store8(float* dst, __m256 v) { _mm256_storeu_ps(dst, v); }
 #endif
+#if defined(TM_AVX512)
+inline void store16(c10::BFloat16* dst, __m512 v) {  // the same rounding as store8, 16 wide
+  __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  b = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(b));
+}
+inline void store16(float* dst, __m512 v) { _mm512_storeu_ps(dst, v); }
+#endif
 
 // One packed row -> k values (w = scale * q [+ min]) in float32 or rounded to bfloat16, vectorised:
 // batches past the kernel call this for every weight row of every layer. Multiply, then add: the
@@ -399,7 +408,16 @@ void dequantize_row(const Packed& p, int64_t row, Out* dst) {
       const int shift = 16 * static_cast<int>(g % 2);
       Out* out = dst + g * 32;
       const float s = sc[g], m = mn ? mn[g] : 0.f;
-#if defined(TM_AVX2)
+#if defined(TM_AVX512)
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
+      const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi32(raw, 4), 1);
+      const __m512 sv = _mm512_set1_ps(s), mv = _mm512_set1_ps(m);
+      const __m512i low4 = _mm512_set1_epi32(0xF);
+      for (int i = 0; i < 2; ++i) {  // values 16 i .. 16 i + 15 of the group: nibbles 2 i, 2 i + 1 (+ 4 for the half)
+        const __m512i q = _mm512_and_si512(_mm512_srl_epi32(z, _mm_cvtsi32_si128(shift + 8 * i)), low4);
+        store16(out + 16 * i, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q), sv), mv));
+      }
+#elif defined(TM_AVX2)
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
       const __m256 sv = _mm256_set1_ps(s), mv = _mm256_set1_ps(m);
       const __m256i low4 = _mm256_set1_epi32(0xF);
@@ -419,7 +437,13 @@ void dequantize_row(const Packed& p, int64_t row, Out* dst) {
       const float s = sc[g], m = mn ? mn[g] : 0.f;
       const int8_t* src = w + g * p.group;
       Out* out = dst + g * p.group;
-#if defined(TM_AVX2)
+#if defined(TM_AVX512)
+      const __m512 sv = _mm512_set1_ps(s), mv = _mm512_set1_ps(m);
+      for (int64_t j = 0; j < p.group; j += 16) {
+        const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j))));
+        store16(out + j, _mm512_add_ps(_mm512_mul_ps(q, sv), mv));
+      }
+#elif defined(TM_AVX2)
       const __m256 sv = _mm256_set1_ps(s), mv = _mm256_set1_ps(m);
       for (int64_t j = 0; j < p.group; j += 8) {
         const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + j))));
