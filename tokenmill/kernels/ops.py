@@ -17,10 +17,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tokenmill.kernels.linear import FLOAT_ROWS
 from tokenmill.model.layers.attention import AttentionMetadata, fresh_prefill_attention, paged_attention
 from tokenmill.model.layers.kv_cache import KVCacheLayer
 from tokenmill.model.layers.norm import rms_norm
 from tokenmill.model.layers.rotary import RotaryEmbedding
+from tokenmill.quant.packed import GEMV_ROWS_NATIVE_BF16
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 # A fresh prefill at least this long goes to SDPA's flash kernel (GEMM-shaped work);
@@ -28,8 +30,8 @@ NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 FRESH_PREFILL_SDPA_MIN = 64
 PARTITION_TOKENS = 256  # FlashDecoding split of a long context across threads
 # Steps of up to this many tokens run their layers in C++ (decode_layers) where the model
-# allows: within every native linear's small-batch kernel range (NativeLinear: 8 rows).
-FUSED_MAX_TOKENS = 8
+# allows: within every native linear's small-batch kernel range.
+FUSED_MAX_TOKENS = min(FLOAT_ROWS, GEMV_ROWS_NATIVE_BF16)
 
 
 class TorchOps:
@@ -116,13 +118,12 @@ class NativeOps(TorchOps):
             out[start:end] = fresh_prefill_attention(q[start:end], k[start:end], v[start:end], scale)
         return out
 
-
     def decoder_layers(self, x, h, plan, positions, rotary, kv_caches, meta):
         first = kv_caches[0]
         if x.shape[0] > FUSED_MAX_TOKENS or not self._native(x) or first.quant is not None or first.k.dtype not in NATIVE_DTYPES:
             return None
         index = meta.kernel_index(FRESH_PREFILL_SDPA_MIN)
-        if index.fresh_seqs or index.paged_seq_ids.numel() != meta.num_seqs:
+        if index.fresh_seqs:  # a long fresh prefill takes SDPA: the Python loop
             return None
         return torch.ops.tokenmill.decode_layers(
             x, h, plan.weights, plan.kinds, positions, rotary.cos, rotary.sin, [c.k for c in kv_caches],

@@ -18,6 +18,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define TOKENMILL_AVX512 1
@@ -615,12 +617,6 @@ inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128
 inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 template <typename W, int MR>
 inline void tile(const float* x, const W* w, int64_t k, int64_t nr, float out[4][4]) {
@@ -638,7 +634,7 @@ inline void tile(const float* x, const W* w, int64_t k, int64_t nr, float out[4]
     }
   }
   for (int r = 0; r < 4; ++r)
-    for (int m = 0; m < MR; ++m) out[r][m] = r < nr ? hsum8(acc[r][m]) : 0.f;
+    for (int m = 0; m < MR; ++m) out[r][m] = r < nr ? tokenmill::hsum8(acc[r][m]) : 0.f;
 }
 #endif
 
@@ -732,8 +728,6 @@ Tensor small_linear(Tensor x, Tensor w, c10::optional<Tensor> scale) {
 }
 
 }  // namespace
-
-#include "ops.h"
 
 namespace tokenmill {  // external names for decode_loop.cpp
 at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) { return ::rms_norm(x, w, eps); }

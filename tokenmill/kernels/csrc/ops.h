@@ -1,10 +1,25 @@
-// The kernels one C++ caller (decode_loop.cpp) runs directly, without the dispatcher: the
-// same functions torch.ops.tokenmill exposes, defined in cpu_ops.cpp and quant_ops.cpp.
+// What the kernel sources share: the kernels one C++ caller (decode_loop.cpp) runs directly,
+// without the dispatcher (the functions torch.ops.tokenmill exposes, defined in cpu_ops.cpp and
+// quant_ops.cpp), and the SIMD helpers more than one of them uses.
 #pragma once
 
 #include <ATen/ATen.h>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace tokenmill {
+
+#if defined(__AVX2__)
+// The sum of an AVX2 register's 8 floats.
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
 
 at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);
 at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor w, double eps);

@@ -25,6 +25,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define TM_AVX2 1
@@ -45,12 +47,6 @@ constexpr int64_t Q4_CHUNK = 64;  // values per 32-byte chunk of the 4-bit layou
 constexpr int NR = 4;             // weight rows per tile
 
 #ifdef TM_AVX2
-inline float hsum256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 #endif
 
 // ------------------------------------------------------------------ 4-bit tiles
@@ -175,7 +171,7 @@ inline void q4_tile(const float* x, int64_t k, const uint8_t* w, int64_t row_byt
     }
   }
   for (int r = 0; r < NR; ++r)
-    for (int m = 0; m < MR; ++m) out[r][m] = r < nr ? hsum256(acc[r][m]) : 0.f;
+    for (int m = 0; m < MR; ++m) out[r][m] = r < nr ? tokenmill::hsum8(acc[r][m]) : 0.f;
 #else
   for (int r = 0; r < NR; ++r)
     for (int m = 0; m < MR; ++m) {
@@ -254,7 +250,7 @@ inline void q8_tile(const float* x, int64_t k, const int8_t* w, const float* sca
     }
   }
   for (int r = 0; r < NR; ++r)
-    for (int m = 0; m < MR; ++m) out[r][m] = r < nr ? hsum256(acc[r][m]) : 0.f;
+    for (int m = 0; m < MR; ++m) out[r][m] = r < nr ? tokenmill::hsum8(acc[r][m]) : 0.f;
 #else
   for (int r = 0; r < NR; ++r)
     for (int m = 0; m < MR; ++m) {
@@ -485,8 +481,6 @@ Tensor quant_dequantize(Tensor qs, Tensor scale, c10::optional<Tensor> minv, int
 }
 
 }  // namespace
-
-#include "ops.h"
 
 at::Tensor tokenmill::quant_linear(at::Tensor x, at::Tensor qs, at::Tensor scale, c10::optional<at::Tensor> minv,
                                    int64_t bits, int64_t group) {
