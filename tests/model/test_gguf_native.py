@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not load_native(), reason="native kernels did no
 # (out, in) shapes per type: K-quants need rows of 256; the others include a row whose
 # length is 32 mod 64 (a half chunk of the 4-bit layout) and an output count not a multiple of 4.
 SHAPES = {t: [(37, 512), (6, 768)] if t.endswith("_K") else [(37, 576), (9, 224), (64, 96)] for t in NATIVE_GGUF_TYPES}
-ROWS = (1, 2, 3, 4, 5, 8)
+ROWS = (1, 2, 3, 4, 5, 8, 13)  # the GEMV tiles and the blocked kernel, on both builds
 
 
 def packed(type_name: str, n: int, k: int, seed: int = 0) -> tuple[PackedWeight, np.ndarray]:
@@ -62,17 +62,18 @@ def test_quant_linear_matches_the_dequantized_reference(type_name, dtype):
     check_quant_linear(type_name, dtype)
 
 
-@pytest.mark.parametrize("rows", [9, 64, 130])
-def test_prefill_batches_match_the_reference(rows):
-    """Batches past the GEMV kernel multiply the dequantised weight in the GEMM: same numbers."""
+@pytest.mark.parametrize("rows", [9, 64, 130, 300])
+def test_batches_and_prefill_match_the_reference(rows):
+    """Decode batches (weight rows unpacked into L1) and prefills (the weight dequantised for
+    the call into the GEMM), past each build's cross-overs: the same numbers as the reference."""
     w, ref = packed("Q4_K", 600, 512)
     layer = QuantLinear([w])
     x = torch.randn(rows, 512)
     want = x.double() @ torch.from_numpy(ref).double().T
-    for gemv_rows in ({torch.float32: 8}, None):  # the native dequantiser, then the torch reference
-        layer.gemv_rows = gemv_rows
+    for native in (True, False):  # the native kernels, then the torch reference
+        layer.native = native
         err = ((layer(x).double() - want).abs().max() / want.abs().max()).item()
-        assert err < 1e-5, (gemv_rows, err)
+        assert err < 1e-5, (native, err)
 
 
 def test_a_projection_fused_from_mixed_types_keeps_each_part():
@@ -173,22 +174,31 @@ def test_avx2_only_build_quant_kernels_match_the_reference():
         "    t.test_repacked_blocks_hold_gguf_dequantized_values(name)\n"
         "    t.check_quant_linear(name)\n"
         "t.check_quant_linear('Q4_1', torch.bfloat16)\n"
-        "t.test_prefill_batches_match_the_reference(64)\n"
+        "t.test_batches_and_prefill_match_the_reference(130)\n"
+        "t.test_bfloat16_batches_multiply_a_bfloat16_weight()\n"
     )
 
 
 def test_bfloat16_batches_multiply_a_bfloat16_weight():
-    """Under bfloat16 compute on a CPU with native bfloat16 GEMMs, batches past the kernel
-    multiply the weight rounded to bfloat16: the dequantised bfloat16 model's own weights."""
-    w, ref = packed("Q4_1", 300, 576)
-    layer = QuantLinear([w])
-    layer.use_native()
-    layer.bf16_gemm = True
-    x = torch.randn(40, 576).bfloat16()
-    want = x.float() @ torch.from_numpy(ref).bfloat16().float().T
-    got = layer(x)
-    assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=2e-2 * want.abs().max().item())
+    """Under bfloat16 compute on a CPU with native bfloat16 units, batches past EXACT_BF16_ROWS
+    multiply the weight rounded to bfloat16 (the dequantised bfloat16 model's own weights): in
+    the blocked kernel's bfloat16 dot products (20 rows; a width of 16 mod 32 ends in a masked
+    load) and through the GEMM (40 rows)."""
+    from tokenmill.quant.packed import Decomposed
+
+    q8 = np.random.default_rng(0).integers(-128, 128, (70, 48)).astype(np.int8)
+    scales = np.random.default_rng(1).random((70, 3)).astype(np.float32) / 64
+    tail = PackedWeight.from_decomposed(Decomposed(q8, scales, None, 8, 16), "int8")
+    for w in (packed("Q4_1", 300, 576)[0], tail):
+        layer = QuantLinear([w])
+        layer.use_native()
+        layer.bf16_gemm = True
+        for rows in (20, 40):
+            x = torch.randn(rows, w.in_features).bfloat16()
+            want = x.float() @ w.dequantize().bfloat16().float().T
+            got = layer(x)
+            assert got.dtype == torch.bfloat16
+            torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=2e-2 * want.abs().max().item())
 
 
 def test_perplexity_from_the_blocks_equals_the_dequantized_model(llm):

@@ -22,7 +22,7 @@ from tokenmill.model.layers.attention import AttentionMetadata, fresh_prefill_at
 from tokenmill.model.layers.kv_cache import KVCacheLayer
 from tokenmill.model.layers.norm import rms_norm
 from tokenmill.model.layers.rotary import RotaryEmbedding
-from tokenmill.quant.packed import GEMV_ROWS_NATIVE_BF16
+from tokenmill.quant.packed import EXACT_BF16_ROWS
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 # A fresh prefill at least this long goes to SDPA's flash kernel (GEMM-shaped work);
@@ -30,8 +30,9 @@ NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 FRESH_PREFILL_SDPA_MIN = 64
 PARTITION_TOKENS = 256  # FlashDecoding split of a long context across threads
 # Steps of up to this many tokens run their layers in C++ (decode_layers) where the model
-# allows: within every native linear's small-batch kernel range.
-FUSED_MAX_TOKENS = min(FLOAT_ROWS, GEMV_ROWS_NATIVE_BF16)
+# allows: within the float linears' small-batch kernel range, and the rows the quantised
+# linears multiply with float32 weights under any dtype (the C++ loop asks for those).
+FUSED_MAX_TOKENS = min(FLOAT_ROWS, EXACT_BF16_ROWS)
 
 
 class TorchOps:

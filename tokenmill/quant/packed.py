@@ -15,9 +15,10 @@ float32 rounding). ``PackedWeight`` holds the form laid out for ``csrc/quant_ops
 
 Bytes per weight: Q4_x 0.75 (0.5 + 8 bytes of float32 scale and min per 32), Q8_0 1.125.
 
-``QuantLinear`` runs a layer from these: the native ``quant_linear`` kernel for a few rows,
-the weight dequantised for the call into PyTorch's GEMM for many, and ``dequantize`` (pure
-torch) as the reference every kernel is tested against. ``QuantEmbedding`` looks tokens up in the same
+``QuantLinear`` runs a layer from these: the native ``quant_linear`` op for any number of rows
+(GEMV tiles for a few, weight rows unpacked into L1 for decode batches, the weight dequantised
+for the call into PyTorch's GEMM for long prefills), and ``dequantize`` (pure torch) as the
+reference every kernel is tested against. ``QuantEmbedding`` looks tokens up in the same
 blocks (and a tied LM head reads them too).
 """
 
@@ -32,15 +33,10 @@ from torch import nn
 # GGML types served from their blocks (the others are dequantised at load).
 NATIVE_GGUF_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
 QK_K = 256
-# Up to this many rows the GEMV kernel runs (each tile of weight rows unpacked once per 4
-# activation rows); beyond, the weight is dequantised for the call (a transient, rounded to
-# bfloat16 under bfloat16 compute on CPUs with native bfloat16 GEMMs) into PyTorch's GEMM.
-# Measured on SmolLM2's 3072x576 Q4_1 gate_up, 2 cores of an AMD EPYC (Zen 4), kernel vs
-# dequantise + GEMM: float32, AVX-512 build 16 rows 0.46 vs 0.58 ms, 32 rows 0.90 vs 0.82;
-# AVX2 build 32 rows 0.84 vs 0.88, 48 rows 1.24 vs 1.06. bfloat16 (native GEMM): 8 rows
-# 0.27 vs 0.22, 64 rows 1.91 vs 0.42, 512 rows 15.7 vs 2.2.
-GEMV_ROWS = 32
-GEMV_ROWS_NATIVE_BF16 = 8
+# bfloat16 batches up to this many rows multiply float32 weights; past it, on CPUs with native
+# bfloat16 dot products, the weight rounded to bfloat16 (csrc/quant_ops.cpp's EXACT_BF16_ROWS;
+# which kernel runs for how many rows is the build's choice, measured there).
+EXACT_BF16_ROWS = 8
 
 
 @dataclass
@@ -210,18 +206,13 @@ class PackedWeight(nn.Module):
         w = self.dequantize(ids)
         return w.bfloat16() if bf16 else w
 
-    def matmul(self, x: torch.Tensor, gemv_rows: int | None, bf16_gemm: bool = False) -> torch.Tensor:
-        """x [rows, in] @ W^T -> [rows, out] in x's dtype; ``gemv_rows`` None: the reference.
-        ``bf16_gemm``: bfloat16 batches multiply the weight rounded to bfloat16 (what the
-        dequantised bfloat16 model multiplies) in the CPU's native bfloat16 GEMM."""
-        rows = x.shape[0]
-        if gemv_rows is None:
+    def matmul(self, x: torch.Tensor, native: bool, bf16_gemm: bool = False) -> torch.Tensor:
+        """x [rows, in] @ W^T -> [rows, out] in x's dtype; ``native`` False: the reference.
+        ``bf16_gemm``: bfloat16 batches past EXACT_BF16_ROWS multiply the weight rounded to
+        bfloat16 (what the dequantised bfloat16 model multiplies) on the CPU's bfloat16 units."""
+        if not native or x.dtype not in (torch.float32, torch.bfloat16):
             return nn.functional.linear(x.float(), self.dequantize()).to(x.dtype)
-        if rows <= gemv_rows and x.dtype in (torch.float32, torch.bfloat16):
-            return torch.ops.tokenmill.quant_linear(x, self.qs, self.scale, self.minv, self.bits, self.group)
-        bf16 = bf16_gemm and x.dtype == torch.bfloat16
-        w = self.dequantize_rows(bf16=bf16)  # transient: this call's weight, freed after the GEMM
-        return nn.functional.linear(x if bf16 else x.float(), w).to(x.dtype)
+        return torch.ops.tokenmill.quant_linear(x, self.qs, self.scale, self.minv, self.bits, self.group, bf16_gemm)
 
     def extra_repr(self) -> str:
         return f"{self.source}: {self.out_features}x{self.in_features}, {self.bits}-bit, group {self.group}"
@@ -244,24 +235,19 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", bias)
         self.in_features = merged[0].in_features
         self.out_features = sum(p.out_features for p in merged)
-        self.gemv_rows: dict[torch.dtype, int] | None = None  # use_native(): GEMV up to this many rows
-        self.bf16_gemm = False  # bfloat16 batches past the kernel: a bfloat16 weight into the native GEMM
+        self.native = False  # use_native(): the native kernels, else the torch reference
+        self.bf16_gemm = False  # bfloat16 batches past EXACT_BF16_ROWS: a bfloat16 weight
 
     def use_native(self) -> None:
-        """Run on the native kernels, with this build's and CPU's cross-overs."""
+        """Run on the native kernels, with this CPU's bfloat16 units where it has them."""
         from tokenmill.kernels.cpu import cpu_info
 
+        self.native = True
         self.bf16_gemm = cpu_info().native_bf16
-        self.gemv_rows = {torch.float32: GEMV_ROWS, torch.bfloat16: GEMV_ROWS_NATIVE_BF16 if self.bf16_gemm else GEMV_ROWS}
-
-    @property
-    def native(self) -> bool:
-        return self.gemv_rows is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        rows = None if self.gemv_rows is None else self.gemv_rows.get(flat.dtype, 0)
-        outs = [p.matmul(flat, rows, self.bf16_gemm) for p in self.parts]
+        outs = [p.matmul(flat, self.native, self.bf16_gemm) for p in self.parts]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         if self.bias is not None:
             out = out + self.bias

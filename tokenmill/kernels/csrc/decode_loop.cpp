@@ -30,7 +30,7 @@ Tensor run_linear(const Tensor& x, const std::vector<Tensor>& w, int64_t at, int
   if (bits == 0) return tokenmill::small_linear(x, w[at], c10::nullopt);
   const Tensor& minv = w[at + 2];
   return tokenmill::quant_linear(x, w[at], w[at + 1], minv.numel() ? c10::optional<Tensor>(minv) : c10::nullopt,
-                                 bits, group);
+                                 bits, group, false);  // (steps here are within EXACT_BF16_ROWS)
 }
 
 // x: the residual stream [n, hidden] (updated in place); h: the first layer's normed input.

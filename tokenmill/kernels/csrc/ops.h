@@ -31,6 +31,6 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
                      int64_t partition_size);
 at::Tensor small_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> scale);
 at::Tensor quant_linear(at::Tensor x, at::Tensor qs, at::Tensor scale, c10::optional<at::Tensor> minv, int64_t bits,
-                        int64_t group);
+                        int64_t group, bool bf16);
 
 }  // namespace tokenmill

@@ -341,15 +341,9 @@ void quant_linear_impl(const Packed& p, const float* x, const float* xsum, Y* y,
   });
 }
 
-// x [rows, k] (float32 or bfloat16) @ W^T for a packed W [n, k] -> [rows, n] in x's dtype.
-// Meant for a few rows (decode); QuantLinear sends bigger batches through quant_dequantize + GEMM.
-Tensor quant_linear(Tensor x, Tensor qs, Tensor scale, c10::optional<Tensor> minv, int64_t bits, int64_t group) {
-  TORCH_CHECK(x.dim() == 2, "quant_linear: x must be [rows, k]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "quant_linear: x must be float32 or bfloat16");
-  const Packed p = check_packed(qs, scale, minv, bits, group, x.size(1));
-  const int64_t rows = x.size(0);
-  const Tensor xf = x.contiguous().to(at::kFloat);
+// The GEMV tiles over xf [rows, k] (float32) into y [rows, n] (float32 or bfloat16).
+void gemv_tiles(const Packed& p, const Tensor& xf, Tensor& y) {
+  const int64_t rows = xf.size(0), group = p.group;
   std::vector<float> xsum;  // per-group sums of x, for the mins (a plain loop: no op dispatch at batch 1)
   if (p.minv) {
     const float* xp = xf.data_ptr<float>();
@@ -361,11 +355,9 @@ Tensor quant_linear(Tensor x, Tensor qs, Tensor scale, c10::optional<Tensor> min
       xsum[i] = total;
     }
   }
-  Tensor y = at::empty({rows, p.n}, x.options());
   const float* xsp = p.minv ? xsum.data() : nullptr;
   if (y.scalar_type() == at::kFloat) quant_linear_impl<float>(p, xf.data_ptr<float>(), xsp, y.data_ptr<float>(), rows);
   else quant_linear_impl<c10::BFloat16>(p, xf.data_ptr<float>(), xsp, y.data_ptr<c10::BFloat16>(), rows);
-  return y;
 }
 
 #if defined(TM_AVX2)
@@ -452,6 +444,188 @@ void dequantize_row(const Packed& p, int64_t row, Out* dst) {
   }
 }
 
+// ------------------------------------------------------------------ batches: tiles unpacked into L1
+//
+// Decode batches of a dozen to a hundred rows: the GEMV tiles above would unpack every weight
+// tile again for each 4 activation rows, and dequantising the whole weight for PyTorch's GEMM
+// writes (and reads back) a float copy of it in memory on every call. Here each thread unpacks
+// a few weight rows at a time into a buffer that stays in L1/L2 and multiplies every
+// activation row with it before unpacking the next: the weight is read from memory once per
+// call, as 4 bits, and never written.
+//
+// bf16: activations in bfloat16 times the weight rounded to bfloat16 (what the dequantised
+// bfloat16 model multiplies), products summed in float32 (AVX512_BF16 dot products where the
+// build has them); otherwise float32 activations and weights.
+
+// Micro-tiles: NR weight rows x MR activation rows of dot products along k, NR * MR accumulator
+// registers plus NR + MR for the operands (16 registers on AVX2: 3 x 3; 32 on AVX-512: 4 x 5).
+#if defined(TM_AVX512)
+constexpr int GEMM_NR = 4, GEMM_MR = 4;
+#elif defined(TM_AVX2)
+constexpr int GEMM_NR = 2, GEMM_MR = 6;
+#else
+constexpr int GEMM_NR = 4, GEMM_MR = 4;
+#endif
+constexpr int64_t GEMM_NB = 8;  // weight rows unpacked per block (18 KiB of float32 at 576 inputs)
+
+#if defined(TM_AVX2)
+// The sums of four registers' lanes, side by side.
+inline __m128 reduce4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+#endif
+#if defined(TM_AVX512)
+inline __m256 fold(__m512 v) {
+  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+#endif
+
+// out[r * MR + m] = the lanes of acc[r][m] summed (acc: NR x MR registers, flattened).
+template <typename V>
+inline void reduce_tile(V* acc, int count, float* out) {
+  int i = 0;
+#if defined(TM_AVX512)
+  if constexpr (sizeof(V) == 64) {
+    for (; i + 4 <= count; i += 4)
+      _mm_storeu_ps(out + i, reduce4(fold(acc[i]), fold(acc[i + 1]), fold(acc[i + 2]), fold(acc[i + 3])));
+    for (; i < count; ++i) out[i] = _mm512_reduce_add_ps(acc[i]);
+    return;
+  }
+#endif
+#if defined(TM_AVX2)
+  if constexpr (sizeof(V) == 32) {
+    for (; i + 4 <= count; i += 4) _mm_storeu_ps(out + i, reduce4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]));
+    for (; i < count; ++i) out[i] = tokenmill::hsum8(acc[i]);
+    return;
+  }
+#endif
+  if constexpr (sizeof(V) == sizeof(float))
+    for (; i < count; ++i) out[i] = acc[i];
+}
+
+// float32: NR weight rows (`k` apart) x MR activation rows (`ldx` apart), k a multiple of the
+// register width (8; 16 on AVX-512: groups are 16 or 32 values).
+template <int NR, int MR>
+inline void gemm_tile_f32(const float* x, int64_t ldx, const float* w, int64_t k, float* out) {
+#if defined(TM_AVX512)
+  __m512 acc[NR * MR];
+  for (int i = 0; i < NR * MR; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < k; j += 16) {
+    __m512 wv[NR];
+    for (int r = 0; r < NR; ++r) wv[r] = _mm512_loadu_ps(w + r * k + j);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xv = _mm512_loadu_ps(x + m * ldx + j);
+      for (int r = 0; r < NR; ++r) acc[r * MR + m] = _mm512_fmadd_ps(wv[r], xv, acc[r * MR + m]);
+    }
+  }
+#elif defined(TM_AVX2)
+  __m256 acc[NR * MR];
+  for (int i = 0; i < NR * MR; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < k; j += 8) {
+    __m256 wv[NR];
+    for (int r = 0; r < NR; ++r) wv[r] = _mm256_loadu_ps(w + r * k + j);
+    for (int m = 0; m < MR; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * ldx + j);
+      for (int r = 0; r < NR; ++r) acc[r * MR + m] = _mm256_fmadd_ps(wv[r], xv, acc[r * MR + m]);
+    }
+  }
+#else
+  float acc[NR * MR] = {};
+  for (int64_t j = 0; j < k; ++j)
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < MR; ++m) acc[r * MR + m] += w[r * k + j] * x[m * ldx + j];
+#endif
+  reduce_tile(acc, NR * MR, out);
+}
+
+#if defined(TM_AVX512) && defined(__AVX512BF16__)
+#define TM_BF16_DOT 1
+// bfloat16 pairs, 32 values per dot-product instruction; a trailing 16 (k = 16 mod 32) through
+// a masked load.
+template <int NR, int MR>
+inline void gemm_tile_bf16(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w, int64_t k, float* out) {
+  __m512 acc[NR * MR];
+  for (int i = 0; i < NR * MR; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < k; j += 32) {
+    const __mmask32 mask = j + 32 <= k ? 0xFFFFFFFFu : 0xFFFFu;
+    __m512bh wv[NR];
+    for (int r = 0; r < NR; ++r) wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + r * k + j);
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * ldx + j);
+      for (int r = 0; r < NR; ++r) acc[r * MR + m] = _mm512_dpbf16_ps(acc[r * MR + m], wv[r], xv);
+    }
+  }
+  reduce_tile(acc, NR * MR, out);
+}
+#endif
+
+// A tile of GEMM_NR weight rows x `mr` (<= GEMM_MR) activation rows: the tile for that many rows.
+template <typename X, typename Tile, int MR = GEMM_MR>
+inline void tile_rows(const X* x, int64_t k, const X* w, int mr, float* out, Tile tile) {
+  if constexpr (MR > 1) {
+    if (mr < MR) return tile_rows<X, Tile, MR - 1>(x, k, w, mr, out, tile);
+  }
+  tile.template operator()<MR>(x, k, w, out);
+}
+
+// Threads take blocks of GEMM_NB weight rows; each block is unpacked (`unpack(row, dst)`) into
+// the thread's buffer, then multiplied with every activation row, GEMM_NR x GEMM_MR at a time.
+template <typename X, typename Y, typename Unpack, typename Tile>
+void gemm_blocks(const Packed& p, const X* x, Y* y, int64_t rows, Unpack unpack, Tile tile) {
+  const int64_t k = p.k, blocks = (p.n + GEMM_NB - 1) / GEMM_NB;
+  at::parallel_for(0, blocks, 1, [&](int64_t b, int64_t e) {
+    std::vector<X> buf(GEMM_NB * k);  // this thread's unpacked rows (past a short last block: unused)
+    for (int64_t blk = b; blk < e; ++blk) {
+      const int64_t n0 = blk * GEMM_NB, nb = std::min(GEMM_NB, p.n - n0);
+      for (int64_t r = 0; r < nb; ++r) unpack(n0 + r, buf.data() + r * k);
+      for (int64_t r0 = 0; r0 < nb; r0 += GEMM_NR) {
+        const int nr = static_cast<int>(std::min<int64_t>(GEMM_NR, nb - r0));
+        for (int64_t m0 = 0; m0 < rows; m0 += GEMM_MR) {
+          const int mr = static_cast<int>(std::min<int64_t>(GEMM_MR, rows - m0));
+          float out[GEMM_NR * GEMM_MR];
+          tile_rows(x + m0 * k, k, buf.data() + r0 * k, mr, out, tile);
+          for (int r = 0; r < nr; ++r)
+            for (int m = 0; m < mr; ++m) y[(m0 + m) * p.n + n0 + r0 + r] = static_cast<Y>(out[r * mr + m]);
+        }
+      }
+    }
+  });
+}
+
+struct F32Tile {
+  template <int MR>
+  void operator()(const float* x, int64_t k, const float* w, float* out) const {
+    gemm_tile_f32<GEMM_NR, MR>(x, k, w, k, out);
+  }
+};
+#if defined(TM_BF16_DOT)
+struct BF16Tile {
+  template <int MR>
+  void operator()(const c10::BFloat16* x, int64_t k, const c10::BFloat16* w, float* out) const {
+    gemm_tile_bf16<GEMM_NR, MR>(x, k, w, k, out);
+  }
+};
+#endif
+
+// The blocked kernel: xf float32 (bf16: x bfloat16) into y.
+void gemm(const Packed& p, const Tensor& x, Tensor& y, bool bf16) {
+  const int64_t rows = x.size(0);
+  if (bf16) {
+#if defined(TM_BF16_DOT)
+    using B = c10::BFloat16;
+    gemm_blocks(p, x.data_ptr<B>(), y.data_ptr<B>(), rows, [&](int64_t row, B* dst) { dequantize_row(p, row, dst); },
+                BF16Tile{});
+#else
+    TORCH_CHECK(false, "quant_linear: no bfloat16 dot products in this build");
+#endif
+    return;
+  }
+  auto unpack = [&](int64_t row, float* dst) { dequantize_row(p, row, dst); };
+  if (y.scalar_type() == at::kFloat) gemm_blocks(p, x.data_ptr<float>(), y.data_ptr<float>(), rows, unpack, F32Tile{});
+  else gemm_blocks(p, x.data_ptr<float>(), y.data_ptr<c10::BFloat16>(), rows, unpack, F32Tile{});
+}
+
 // Rows `ids` (all rows when absent) of the packed weight as float32 [rows, k], or rounded to
 // bfloat16 (as .to(bfloat16) rounds) when `bf16`: embedding lookups, and the weights that
 // batches past the GEMV kernel multiply in PyTorch's GEMM.
@@ -480,15 +654,65 @@ Tensor quant_dequantize(Tensor qs, Tensor scale, c10::optional<Tensor> minv, int
   return out;
 }
 
+// ------------------------------------------------------------------ the op
+
+// Which kernel multiplies how many rows, per build; measured on a 3072x576 Q4_1 weight, 2 cores
+// of an AMD EPYC (Zen 5), ms per call (bench/quant_linear.py):
+//   float32, AVX-512 build: 2 rows GEMV 0.063 / blocks 0.093; 4 rows 0.116 / 0.090;
+//     48 rows blocks 0.55 / dequantise + GEMM 1.04; 256 rows 3.3 / 4.4; 512 rows 12.0 / 10.1.
+//   float32, AVX2 build: 8 rows GEMV 0.21 / blocks 0.23; 16 rows 0.42 / 0.37;
+//     48 rows blocks 0.93 / dequantise + GEMM 1.02; 128 rows 2.6 / 2.3.
+//   bfloat16 weights (AVX512_BF16): 16 rows blocks 0.16 / dequantise + GEMM 0.19; 32 rows
+//     0.27 / 0.26; 48 rows 0.37 / 0.30.
+#if defined(TM_AVX512)
+constexpr int64_t GEMV_MAX_ROWS = 3, BLOCKS_MAX_ROWS = 256;
+#else
+constexpr int64_t GEMV_MAX_ROWS = 8, BLOCKS_MAX_ROWS = 64;
+#endif
+constexpr int64_t EXACT_BF16_ROWS = 8;    // bfloat16 batches up to this many rows: float32 weights
+constexpr int64_t BF16_BLOCKS_MAX_ROWS = 32;
+
+// x [rows, k] (float32 or bfloat16) @ W^T for a packed W [n, k] -> [rows, n] in x's dtype.
+// Float32 weights times float32 activations (exact mode), except `bf16`: bfloat16 batches of more
+// than EXACT_BF16_ROWS rows multiply the weight rounded to bfloat16 (what the dequantised
+// bfloat16 model multiplies), for the CPU's bfloat16 dot products. The kernel is chosen by rows:
+// the GEMV tiles, the blocked kernel, or (prefill) the weight dequantised for the call into
+// PyTorch's GEMM.
+Tensor quant_linear(Tensor x, Tensor qs, Tensor scale, c10::optional<Tensor> minv, int64_t bits, int64_t group,
+                    bool bf16) {
+  TORCH_CHECK(x.dim() == 2, "quant_linear: x must be [rows, k]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "quant_linear: x must be float32 or bfloat16");
+  const Packed p = check_packed(qs, scale, minv, bits, group, x.size(1));
+  const int64_t rows = x.size(0);
+  Tensor y = at::empty({rows, p.n}, x.options());
+  if (rows == 0 || p.n == 0) return y;
+  if (bf16 && x.scalar_type() == at::kBFloat16 && rows > EXACT_BF16_ROWS) {
+    const Tensor xc = x.contiguous();
+#if defined(TM_BF16_DOT)
+    if (rows <= BF16_BLOCKS_MAX_ROWS) {
+      gemm(p, xc, y, true);
+      return y;
+    }
+#endif
+    return at::linear(xc, quant_dequantize(qs, scale, minv, bits, group, p.k, c10::nullopt, true));
+  }
+  const Tensor xf = x.contiguous().to(at::kFloat);
+  if (rows <= GEMV_MAX_ROWS) gemv_tiles(p, xf, y);
+  else if (rows <= BLOCKS_MAX_ROWS) gemm(p, xf, y, false);
+  else y.copy_(at::linear(xf, quant_dequantize(qs, scale, minv, bits, group, p.k, c10::nullopt, false)));
+  return y;
+}
+
 }  // namespace
 
 at::Tensor tokenmill::quant_linear(at::Tensor x, at::Tensor qs, at::Tensor scale, c10::optional<at::Tensor> minv,
-                                   int64_t bits, int64_t group) {
-  return ::quant_linear(x, qs, scale, minv, bits, group);
+                                   int64_t bits, int64_t group, bool bf16) {
+  return ::quant_linear(x, qs, scale, minv, bits, group, bf16);
 }
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
-  m.def("quant_linear(Tensor x, Tensor qs, Tensor scale, Tensor? minv, int bits, int group) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor qs, Tensor scale, Tensor? minv, int bits, int group, bool bf16=False) -> Tensor");
   m.def("quant_dequantize(Tensor qs, Tensor scale, Tensor? minv, int bits, int group, int k, Tensor? ids, "
         "bool bf16=False) -> Tensor");
 }
