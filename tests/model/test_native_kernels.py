@@ -109,6 +109,12 @@ def test_prefix_hits_and_speculative_verification():
     check_attention([(3, 1), (129, 1), (20, 5), (48, 16), (700, 4), (1100, 90), (31, 31)], heads=9, kv_heads=3)
 
 
+def test_long_prefill_chunk_over_a_long_context():
+    # a chunk of 300 queries after 2,300 cached tokens: cut into runs of queries, each run's
+    # keys (up to its last query) split into partitions and merged
+    check_attention([(1, 1), (2600, 300), (515, 512)], heads=9, kv_heads=3)
+
+
 def test_fresh_prefills_long_and_short():
     check_attention([(10, 10), (200, 200), (63, 63), (64, 64)], heads=9, kv_heads=3)
 
@@ -299,7 +305,7 @@ def test_avx2_only_build_matches_the_reference():
     AVX2-only machine runs."""
     run_on_avx2_build(
         "import tests.model.test_native_kernels as t\n"
-        "t.check_attention(t.DECODES + [(700, 4), (90, 90)], heads=9, kv_heads=3)\n"
+        "t.check_attention(t.DECODES + [(700, 4), (90, 90), (2600, 300)], heads=9, kv_heads=3)\n"
         "t.check_attention(t.DECODES, kind='int8')\n"
         "t.check_attention(t.DECODES + [(50, 3)], heads=9, kv_heads=3, kind='fp8', dtype=torch.bfloat16)\n"
         "t.test_rms_norm_and_fused_residual_add(torch.bfloat16)\n"

@@ -126,16 +126,22 @@ inline __m512 load16(const int8_t* p, int64_t left) {
 
 // ---------------------------------------------------------------- paged attention
 
-// One unit of work: the query rows of sequence `seq` that share KV head `head`,
-// against the keys [key_begin, key_end) of its context (a FlashDecoding split).
+// One unit of work: queries [q_begin, q_end) of sequence `seq`, the rows of them that share KV
+// head `head`, against the keys [key_begin, key_end) of its context (a FlashDecoding split).
 struct WorkItem {
-  int64_t seq, head, key_begin, key_end, partial;  // partial: index of its scratch slot
+  int64_t seq, q_begin, q_end, head, key_begin, key_end, partial;  // partial: index of its scratch slot
   int64_t cost;
 };
 
+// A sequence's queries [q_begin, q_end), its keys split into num_parts partitions.
 struct SeqSplit {
-  int64_t seq, num_parts, first_partial;
+  int64_t seq, q_begin, q_end, num_parts, first_partial;
 };
+
+// A long query chunk (a prefill continuing over a cached context) is cut into runs of this many
+// queries: work for every thread, and each run's accumulators (queries x group x head_dim
+// floats) stay in L1 while the keys stream past.
+constexpr int64_t QUERY_RUN = 32;
 
 // HD: the head dimension when known at compile time (64, 128; 0 = read at run time), so
 // the per-key dot products and V accumulations unroll into a few full vector ops.
@@ -176,19 +182,22 @@ void paged_attention_impl(Tensor& out, const Tensor& q, const Tensor& k_cache, c
   std::vector<int64_t> partial_offset;  // row offset of each partial's scratch
   for (int64_t i = 0; i < seq_ids.numel(); ++i) {
     const int64_t s = ids[i], nq = qsl[s + 1] - qsl[s], len = lens[s];
-    const int64_t rows = nq * groups;
-    int64_t part = std::max<int64_t>(partition_size, 1);
-    if (rows > 64) part = std::max<int64_t>(part, 1024);  // long query chunks: fewer, bigger splits
-    part = (part + block_size - 1) / block_size * block_size;
-    const int64_t num_parts = (len + part - 1) / part;
-    splits.push_back({s, num_parts, num_partials});
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      for (int64_t p = 0; p < num_parts; ++p) {
-        const int64_t kb = p * part, ke = std::min(len, kb + part);
-        items.push_back({s, h, kb, ke, num_partials, (ke - kb) * rows});
-        partial_offset.push_back(partial_rows);
-        partial_rows += rows;
-        ++num_partials;
+    for (int64_t jb = 0; jb < nq; jb += QUERY_RUN) {
+      const int64_t je = std::min(nq, jb + QUERY_RUN), rows = (je - jb) * groups;
+      const int64_t keys = len - nq + je;  // the run's last query sees keys [0, keys)
+      int64_t part = std::max<int64_t>(partition_size, 1);
+      if (rows > 64) part = std::max<int64_t>(part, 1024);  // many rows: fewer, bigger splits
+      part = (part + block_size - 1) / block_size * block_size;
+      const int64_t num_parts = (keys + part - 1) / part;
+      splits.push_back({s, jb, je, num_parts, num_partials});
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        for (int64_t p = 0; p < num_parts; ++p) {
+          const int64_t kb = p * part, ke = std::min(keys, kb + part);
+          items.push_back({s, jb, je, h, kb, ke, num_partials, (ke - kb) * rows});
+          partial_offset.push_back(partial_rows);
+          partial_rows += rows;
+          ++num_partials;
+        }
       }
     }
   }
@@ -208,7 +217,7 @@ void paged_attention_impl(Tensor& out, const Tensor& q, const Tensor& k_cache, c
     for (int64_t w = next++; w < n_items; w = next++) {
       const WorkItem& it = items[order[w]];
       const int64_t s = it.seq, h = it.head, q0 = qsl[s], nq = qsl[s + 1] - q0, len = lens[s];
-      const int64_t rows = nq * groups;
+      const int64_t jb = it.q_begin, je = it.q_end, rows = (je - jb) * groups;
       float* a = acc.data() + partial_offset[it.partial] * d;
       float* m = row_max.data() + partial_offset[it.partial];
       float* l = row_sum.data() + partial_offset[it.partial];
@@ -217,13 +226,13 @@ void paged_attention_impl(Tensor& out, const Tensor& q, const Tensor& k_cache, c
       std::fill(l, l + rows, 0.f);
       // Query j sits at position len - nq + j and sees keys up to it; rows whose
       // position is before this partition see none of it.
-      const int64_t first_j = std::max<int64_t>(0, it.key_begin - (len - nq));
-      if (first_j >= nq) continue;
+      const int64_t first_j = std::max<int64_t>(jb, it.key_begin - (len - nq));
+      if (first_j >= je) continue;
       qf.resize(rows * d);
-      for (int64_t j = first_j; j < nq; ++j)
+      for (int64_t j = first_j; j < je; ++j)
         for (int64_t g = 0; g < groups; ++g) {
           const Q* src = qp + ((q0 + j) * num_heads + h * groups + g) * d;
-          float* dst = qf.data() + (j * groups + g) * d;
+          float* dst = qf.data() + ((j - jb) * groups + g) * d;
 #pragma omp simd
           for (int64_t x = 0; x < d; ++x) dst[x] = to_f(src[x]) * scale;
         }
@@ -254,11 +263,11 @@ void paged_attention_impl(Tensor& out, const Tensor& q, const Tensor& k_cache, c
             reader.read(vb + t * tok_stride, vf.data() + t * d, d, vs);
           }
         }
-        for (int64_t j = first_j; j < nq; ++j) {
+        for (int64_t j = first_j; j < je; ++j) {
           const int64_t visible = std::min(n, len - nq + j - t0 + 1);
           if (visible <= 0) continue;
           for (int64_t g = 0; g < groups; ++g) {
-            const int64_t r = j * groups + g;
+            const int64_t r = (j - jb) * groups + g;
             const float* qr = qf.data() + r * d;
             float block_max = -std::numeric_limits<float>::infinity();
             for (int64_t t = 0; t < visible; ++t) {
@@ -323,13 +332,13 @@ void paged_attention_impl(Tensor& out, const Tensor& q, const Tensor& k_cache, c
     }
   });
 
-  // Merge each sequence's partitions (online-softmax rescaling) into the output.
+  // Merge each query run's partitions (online-softmax rescaling) into the output.
   at::parallel_for(0, static_cast<int64_t>(splits.size()) * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> merged(d);
     for (int64_t w = begin; w < end; ++w) {
       const SeqSplit& sp = splits[w / kv_heads];
-      const int64_t h = w % kv_heads, s = sp.seq, q0 = qsl[s], nq = qsl[s + 1] - q0;
-      const int64_t rows = nq * groups;
+      const int64_t h = w % kv_heads, s = sp.seq, q0 = qsl[s];
+      const int64_t rows = (sp.q_end - sp.q_begin) * groups;
       const int64_t first = sp.first_partial + h * sp.num_parts;
       for (int64_t r = 0; r < rows; ++r) {
         float gmax = -std::numeric_limits<float>::infinity();
@@ -346,7 +355,7 @@ void paged_attention_impl(Tensor& out, const Tensor& q, const Tensor& k_cache, c
           for (int64_t x = 0; x < d; ++x) merged[x] += w_p * ap[x];
         }
         const float inv = 1.f / total;
-        const int64_t j = r / groups, g = r % groups;
+        const int64_t j = sp.q_begin + r / groups, g = r % groups;
         Q* dst = op + ((q0 + j) * num_heads + h * groups + g) * d;
         for (int64_t x = 0; x < d; ++x) dst[x] = static_cast<Q>(merged[x] * inv);
       }
