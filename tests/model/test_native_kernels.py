@@ -76,11 +76,12 @@ def batch(specs, heads, kv_heads, head_dim, kind, dtype, seed=0):
     return q, torch.cat(ks), torch.cat(vs), cache, meta
 
 
-def check_attention(specs, heads=8, kv_heads=2, head_dim=64, kind="auto", dtype=torch.float32, seed=0):
+def check_attention(specs, heads=8, kv_heads=2, head_dim=64, kind="auto", dtype=torch.float32, seed=0, window=None,
+                    softcap=None):  # fmt: skip
     q, k, v, cache, meta = batch(specs, heads, kv_heads, head_dim, kind, dtype, seed)
     scale = head_dim**-0.5
-    ref = REF.attention(q, k, v, cache, meta, scale).float()
-    out = NATIVE.attention(q, k, v, cache, meta, scale).float()
+    ref = REF.attention(q, k, v, cache, meta, scale, window, softcap).float()
+    out = NATIVE.attention(q, k, v, cache, meta, scale, window, softcap).float()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
 
@@ -113,6 +114,15 @@ def test_long_prefill_chunk_over_a_long_context():
     # a chunk of 300 queries after 2,300 cached tokens: cut into runs of queries, each run's
     # keys (up to its last query) split into partitions and merged
     check_attention([(1, 1), (2600, 300), (515, 512)], heads=9, kv_heads=3)
+
+
+@pytest.mark.parametrize("window,softcap", [(100, None), (16, None), (None, 50.0), (64, 30.0)])
+def test_sliding_windows_and_soft_capping(window, softcap):
+    """Mistral's sliding window and Gemma 2's soft-capped scores in the kernel: decodes past the
+    window, chunks straddling it, fresh prefills longer than it, against the reference."""
+    specs = [(1, 1), (99, 1), (100, 1), (101, 1), (1000, 1), (700, 4), (1100, 90), (2600, 300), (40, 40), (300, 300)]
+    check_attention(specs, heads=9, kv_heads=3, window=window, softcap=softcap)
+    check_attention([(500, 1), (90, 7)], heads=9, kv_heads=3, kind="int8", window=window, softcap=softcap)
 
 
 def test_fresh_prefills_long_and_short():
@@ -306,6 +316,7 @@ def test_avx2_only_build_matches_the_reference():
     run_on_avx2_build(
         "import tests.model.test_native_kernels as t\n"
         "t.check_attention(t.DECODES + [(700, 4), (90, 90), (2600, 300)], heads=9, kv_heads=3)\n"
+        "t.test_sliding_windows_and_soft_capping(64, 30.0)\n"
         "t.check_attention(t.DECODES, kind='int8')\n"
         "t.check_attention(t.DECODES + [(50, 3)], heads=9, kv_heads=3, kind='fp8', dtype=torch.bfloat16)\n"
         "t.test_rms_norm_and_fused_residual_add(torch.bfloat16)\n"

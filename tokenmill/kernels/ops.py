@@ -101,8 +101,7 @@ class NativeOps(TorchOps):
         return q, k
 
     def attention(self, q, k, v, cache, meta, scale, window=None, softcap=None):
-        if not self._native(q) or softcap is not None or (window is not None and max(meta.seq_lens_host) > window):
-            # the native kernel has no window or soft-capping yet: those take the reference
+        if not self._native(q):
             return super().attention(q, k, v, cache, meta, scale, window, softcap)
         q = q.contiguous()
         out = torch.empty_like(q)
@@ -111,12 +110,12 @@ class NativeOps(TorchOps):
         if index.paged_seq_ids.numel():
             torch.ops.tokenmill.paged_attention(
                 out, q, cache.k, cache.v, cache.k_scale, cache.v_scale, meta.block_tables, index.query_start_loc,
-                index.seq_lens, index.paged_seq_ids, scale, PARTITION_TOKENS,
+                index.seq_lens, index.paged_seq_ids, scale, PARTITION_TOKENS, window or 0, softcap or 0.0,
             )
         qsl = meta.query_start_loc
         for i in index.fresh_seqs:  # long fresh prefills: their own K/V, causal, flash SDPA
             start, end = qsl[i], qsl[i + 1]
-            out[start:end] = fresh_prefill_attention(q[start:end], k[start:end], v[start:end], scale)
+            out[start:end] = fresh_prefill_attention(q[start:end], k[start:end], v[start:end], scale, window, softcap)
         return out
 
     def decoder_layers(self, x, h, plan, positions, rotary, kv_caches, meta):

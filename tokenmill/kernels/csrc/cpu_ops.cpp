@@ -149,13 +149,14 @@ template <typename Q, typename C, int HD>
 void paged_attention_impl(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                           const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale,
                           const Tensor& block_tables, const Tensor& query_start_loc, const Tensor& seq_lens,
-                          const Tensor& seq_ids, double scale_d, int64_t partition_size) {
+                          const Tensor& seq_ids, double scale_d, int64_t partition_size, int64_t window,
+                          double softcap_d) {
   const int64_t num_heads = q.size(1);
   constexpr bool fixed_d = HD > 0;
   const int64_t d = fixed_d ? HD : q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   const int64_t groups = num_heads / kv_heads;
-  const float scale = static_cast<float>(scale_d);
+  const float scale = static_cast<float>(scale_d), softcap = static_cast<float>(softcap_d);
   const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int64_t* ids = seq_ids.data_ptr<int64_t>();
@@ -184,15 +185,18 @@ void paged_attention_impl(Tensor& out, const Tensor& q, const Tensor& k_cache, c
     const int64_t s = ids[i], nq = qsl[s + 1] - qsl[s], len = lens[s];
     for (int64_t jb = 0; jb < nq; jb += QUERY_RUN) {
       const int64_t je = std::min(nq, jb + QUERY_RUN), rows = (je - jb) * groups;
-      const int64_t keys = len - nq + je;  // the run's last query sees keys [0, keys)
+      const int64_t keys = len - nq + je;  // the run's last query sees keys [.., keys)
+      // with a sliding window, its first query sees keys from (its position - window + 1):
+      // whole blocks before that are skipped
+      const int64_t first_key = window > 0 ? std::max<int64_t>(0, len - nq + jb - window + 1) / block_size * block_size : 0;
       int64_t part = std::max<int64_t>(partition_size, 1);
       if (rows > 64) part = std::max<int64_t>(part, 1024);  // many rows: fewer, bigger splits
       part = (part + block_size - 1) / block_size * block_size;
-      const int64_t num_parts = (keys + part - 1) / part;
+      const int64_t num_parts = (keys - first_key + part - 1) / part;
       splits.push_back({s, jb, je, num_parts, num_partials});
       for (int64_t h = 0; h < kv_heads; ++h) {
         for (int64_t p = 0; p < num_parts; ++p) {
-          const int64_t kb = p * part, ke = std::min(keys, kb + part);
+          const int64_t kb = first_key + p * part, ke = std::min(keys, kb + part);
           items.push_back({s, jb, je, h, kb, ke, num_partials, (ke - kb) * rows});
           partial_offset.push_back(partial_rows);
           partial_rows += rows;
@@ -264,13 +268,15 @@ void paged_attention_impl(Tensor& out, const Tensor& q, const Tensor& k_cache, c
           }
         }
         for (int64_t j = first_j; j < je; ++j) {
+          // keys [lo, visible) of this block: up to the query's position, and within its window
           const int64_t visible = std::min(n, len - nq + j - t0 + 1);
-          if (visible <= 0) continue;
+          const int64_t lo = window > 0 ? std::max<int64_t>(0, len - nq + j - window + 1 - t0) : 0;
+          if (visible <= lo) continue;
           for (int64_t g = 0; g < groups; ++g) {
             const int64_t r = (j - jb) * groups + g;
             const float* qr = qf.data() + r * d;
             float block_max = -std::numeric_limits<float>::infinity();
-            for (int64_t t = 0; t < visible; ++t) {
+            for (int64_t t = lo; t < visible; ++t) {
               const float* kr = kf.data() + t * d;
               float dot = 0.f;
 #ifdef TOKENMILL_AVX512
@@ -285,6 +291,7 @@ void paged_attention_impl(Tensor& out, const Tensor& q, const Tensor& k_cache, c
 #pragma omp simd reduction(+ : dot)
                 for (int64_t x = 0; x < d; ++x) dot += qr[x] * kr[x];
               }
+              if (softcap > 0.f) dot = softcap * std::tanh(dot / softcap);  // Gemma 2's soft cap
               scores[t] = dot;
               block_max = std::max(block_max, dot);
             }
@@ -299,7 +306,7 @@ void paged_attention_impl(Tensor& out, const Tensor& q, const Tensor& k_cache, c
             }
             float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-            for (int64_t t = 0; t < visible; ++t) {
+            for (int64_t t = lo; t < visible; ++t) {
               scores[t] = fast_exp(scores[t] - new_max);
               sum += scores[t];
             }
@@ -309,7 +316,7 @@ void paged_attention_impl(Tensor& out, const Tensor& q, const Tensor& k_cache, c
               // (accumulating through memory chains every key's FMAs through a store)
               __m512 accv[HD / 16];
               for (int c = 0; c < HD / 16; ++c) accv[c] = _mm512_loadu_ps(ar + 16 * c);
-              for (int64_t t = 0; t < visible; ++t) {
+              for (int64_t t = lo; t < visible; ++t) {
                 const __m512 p = _mm512_set1_ps(scores[t]);
                 const float* vr = vf.data() + t * HD;
                 for (int c = 0; c < HD / 16; ++c) accv[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16 * c), accv[c]);
@@ -318,7 +325,7 @@ void paged_attention_impl(Tensor& out, const Tensor& q, const Tensor& k_cache, c
             } else
 #endif
             {
-              for (int64_t t = 0; t < visible; ++t) {
+              for (int64_t t = lo; t < visible; ++t) {
                 const float p = scores[t];
                 const float* vr = vf.data() + t * d;
 #pragma omp simd
@@ -366,30 +373,32 @@ void paged_attention_impl(Tensor& out, const Tensor& q, const Tensor& k_cache, c
 template <typename Q, typename C>
 void dispatch_head_dim(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                        const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale, const Tensor& bt,
-                       const Tensor& qsl, const Tensor& lens, const Tensor& ids, double scale, int64_t part) {
+                       const Tensor& qsl, const Tensor& lens, const Tensor& ids, double scale, int64_t part,
+                       int64_t window, double softcap) {
   if (q.size(2) == 64)
-    return paged_attention_impl<Q, C, 64>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part);
+    return paged_attention_impl<Q, C, 64>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part, window, softcap);
   if (q.size(2) == 128)
-    return paged_attention_impl<Q, C, 128>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part);
-  return paged_attention_impl<Q, C, 0>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part);
+    return paged_attention_impl<Q, C, 128>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part, window, softcap);
+  return paged_attention_impl<Q, C, 0>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part, window, softcap);
 }
 
 template <typename Q>
 void dispatch_cache(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                     const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale, const Tensor& bt,
-                    const Tensor& qsl, const Tensor& lens, const Tensor& ids, double scale, int64_t part) {
+                    const Tensor& qsl, const Tensor& lens, const Tensor& ids, double scale, int64_t part,
+                       int64_t window, double softcap) {
   switch (k_cache.scalar_type()) {
     case at::kFloat:
-      return dispatch_head_dim<Q, float>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part);
+      return dispatch_head_dim<Q, float>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part, window, softcap);
     case at::kBFloat16:
-      return dispatch_head_dim<Q, c10::BFloat16>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part);
+      return dispatch_head_dim<Q, c10::BFloat16>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part, window, softcap);
     case at::kHalf:
-      return dispatch_head_dim<Q, c10::Half>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part);
+      return dispatch_head_dim<Q, c10::Half>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part, window, softcap);
     case at::kChar:
-      return dispatch_head_dim<Q, int8_t>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part);
+      return dispatch_head_dim<Q, int8_t>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part, window, softcap);
     case at::kFloat8_e4m3fn:
     case at::kByte:
-      return dispatch_head_dim<Q, uint8_t>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part);
+      return dispatch_head_dim<Q, uint8_t>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part, window, softcap);
     default:
       TORCH_CHECK(false, "paged_attention: unsupported KV cache dtype ", k_cache.scalar_type());
   }
@@ -400,7 +409,8 @@ void dispatch_cache(Tensor& out, const Tensor& q, const Tensor& k_cache, const T
 // already written), causal within the new tokens. K/V are read where they lie.
 void paged_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, c10::optional<Tensor> k_scale,
                      c10::optional<Tensor> v_scale, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens,
-                     Tensor seq_ids, double scale, int64_t partition_size) {
+                     Tensor seq_ids, double scale, int64_t partition_size, int64_t window, double softcap) {
+  TORCH_CHECK(window >= 0 && softcap >= 0, "paged_attention: window and softcap must be >= 0 (0: none)");
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && out.is_contiguous() && out.sizes() == q.sizes(),
               "paged_attention: q and out must be contiguous [tokens, heads, head_dim]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4,
@@ -417,9 +427,9 @@ void paged_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, c10::
                              v_scale->is_contiguous()),
               "paged_attention: a quantised cache needs contiguous bfloat16 scales");
   if (q.scalar_type() == at::kFloat)
-    dispatch_cache<float>(out, q, k_cache, v_cache, k_scale, v_scale, block_tables, query_start_loc, seq_lens, seq_ids, scale, partition_size);
+    dispatch_cache<float>(out, q, k_cache, v_cache, k_scale, v_scale, block_tables, query_start_loc, seq_lens, seq_ids, scale, partition_size, window, softcap);
   else if (q.scalar_type() == at::kBFloat16)
-    dispatch_cache<c10::BFloat16>(out, q, k_cache, v_cache, k_scale, v_scale, block_tables, query_start_loc, seq_lens, seq_ids, scale, partition_size);
+    dispatch_cache<c10::BFloat16>(out, q, k_cache, v_cache, k_scale, v_scale, block_tables, query_start_loc, seq_lens, seq_ids, scale, partition_size, window, softcap);
   else
     TORCH_CHECK(false, "paged_attention: unsupported query dtype ", q.scalar_type());
 }
@@ -748,9 +758,9 @@ void rotary_write_kv(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor positi
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                      c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale, at::Tensor block_tables,
                      at::Tensor query_start_loc, at::Tensor seq_lens, at::Tensor seq_ids, double scale,
-                     int64_t partition_size) {
+                     int64_t partition_size, int64_t window, double softcap) {
   ::paged_attention(out, q, k_cache, v_cache, k_scale, v_scale, block_tables, query_start_loc, seq_lens, seq_ids,
-                    scale, partition_size);
+                    scale, partition_size, window, softcap);
 }
 at::Tensor small_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> scale) {
   return ::small_linear(x, w, scale);
@@ -760,7 +770,7 @@ at::Tensor small_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> sc
 TORCH_LIBRARY(tokenmill, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
         "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, Tensor seq_ids, float scale, "
-        "int partition_size) -> ()");
+        "int partition_size, int window=0, float softcap=0.) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("small_linear(Tensor x, Tensor w, Tensor? scale) -> Tensor");

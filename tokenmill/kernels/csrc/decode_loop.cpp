@@ -55,7 +55,7 @@ Tensor decode_layers(Tensor x, Tensor h, std::vector<Tensor> weights, std::vecto
     const Tensor qc = q.contiguous();
     Tensor attn = at::empty_like(qc);
     tokenmill::paged_attention(attn, qc, k_caches[i], v_caches[i], c10::nullopt, c10::nullopt, block_tables,
-                               query_start_loc, seq_lens, seq_ids, scale, partition);
+                               query_start_loc, seq_lens, seq_ids, scale, partition, 0, 0.0);  // plain Llama: no window, no cap
     const Tensor o = run_linear(attn.view({n, q_size}), weights, w0 + 5, kind[2], kind[3]);
     h = tokenmill::add_rms_norm(o, x, weights[w0], eps);
     const Tensor gate_up = run_linear(h, weights, w0 + 8, kind[4], kind[5]);

@@ -28,7 +28,7 @@ void rotary_write_kv(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor positi
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                      c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale, at::Tensor block_tables,
                      at::Tensor query_start_loc, at::Tensor seq_lens, at::Tensor seq_ids, double scale,
-                     int64_t partition_size);
+                     int64_t partition_size, int64_t window, double softcap);
 at::Tensor small_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> scale);
 at::Tensor quant_linear(at::Tensor x, at::Tensor qs, at::Tensor scale, c10::optional<at::Tensor> minv, int64_t bits,
                         int64_t group, bool bf16);
