@@ -66,13 +66,15 @@ def tiny(tmp_path_factory, llm):
 
 
 def test_smollm2_tp3_equals_one_process(llm):
-    """SmolLM2-135M (9 query heads, 3 KV heads) split three ways: logits within 1e-4,
-    greedy generations identical."""
+    """SmolLM2-135M (9 query heads, 3 KV heads) split three ways: logits within 2.5e-4 (float32
+    summation order: a row-parallel layer's shards sum their partial products apart and then
+    all-reduce; 0.6-1.3e-4 measured after 30 layers, on logits of magnitude ~20), greedy
+    generations identical."""
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
     expected_logits = _logits(llm, prompts)
     expected = _tokens(llm.generate(PROMPTS, GREEDY))
     with LLM(dtype="float32", progress=False, kv_cache_memory="64MiB", tensor_parallel_size=3) as split:
-        torch.testing.assert_close(_logits(split, prompts), expected_logits, atol=1e-4, rtol=0)
+        torch.testing.assert_close(_logits(split, prompts), expected_logits, atol=2.5e-4, rtol=0)
         assert _tokens(split.generate(PROMPTS, GREEDY)) == expected
 
 
