@@ -470,19 +470,6 @@ constexpr int GEMM_NR = 4, GEMM_MR = 4;
 #endif
 constexpr int64_t GEMM_NB = 8;  // weight rows unpacked per block (18 KiB of float32 at 576 inputs)
 
-#if defined(TM_AVX2)
-// The sums of four registers' lanes, side by side.
-inline __m128 reduce4(__m256 a, __m256 b, __m256 c, __m256 d) {
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
-#endif
-#if defined(TM_AVX512)
-inline __m256 fold(__m512 v) {
-  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-}
-#endif
-
 // out[r * MR + m] = the lanes of acc[r][m] summed (acc: NR x MR registers, flattened).
 template <typename V>
 inline void reduce_tile(V* acc, int count, float* out) {
@@ -490,14 +477,14 @@ inline void reduce_tile(V* acc, int count, float* out) {
 #if defined(TM_AVX512)
   if constexpr (sizeof(V) == 64) {
     for (; i + 4 <= count; i += 4)
-      _mm_storeu_ps(out + i, reduce4(fold(acc[i]), fold(acc[i + 1]), fold(acc[i + 2]), fold(acc[i + 3])));
+      _mm_storeu_ps(out + i, tokenmill::hsum4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]));
     for (; i < count; ++i) out[i] = _mm512_reduce_add_ps(acc[i]);
     return;
   }
 #endif
 #if defined(TM_AVX2)
   if constexpr (sizeof(V) == 32) {
-    for (; i + 4 <= count; i += 4) _mm_storeu_ps(out + i, reduce4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]));
+    for (; i + 4 <= count; i += 4) _mm_storeu_ps(out + i, tokenmill::hsum4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]));
     for (; i < count; ++i) out[i] = tokenmill::hsum8(acc[i]);
     return;
   }
