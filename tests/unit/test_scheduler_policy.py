@@ -126,7 +126,9 @@ def test_update_from_output_is_the_whole_post_step():
     updates = s.update_from_output(out, ModelOutput(sampled={"a": [SampledToken(3)]}))
     assert a.finished and a.finish_reason == "stop" and a.stop_reason == 3
     assert [u.request for u in updates] == [a] and s.kv.pool.num_free == s.kv.pool.num_blocks
-    assert s.take_dropped() == (["a"], [])  # the runner is told to drop it
+    drops = s.runner_sync.drops()  # the runner is told to drop it, once
+    assert (drops.finished_request_ids, drops.preempted_request_ids) == (["a"], [])
+    assert s.runner_sync.drops().finished_request_ids == []
 
 
 def test_the_runner_is_sent_deltas_only():

@@ -241,8 +241,7 @@ class Engine:
         if sched.seqs:
             self._step_stats.append(self._stats(sched, t0))
         if not self.has_unfinished():  # idle now: let the runner drop what finished
-            finished, preempted = self.scheduler.take_dropped()
-            self._execute(ModelInput(finished_request_ids=finished, preempted_request_ids=preempted))
+            self._execute(self.scheduler.runner_sync.drops())
         return outputs
 
     def _execute(self, batch: ModelInput) -> ModelOutput:

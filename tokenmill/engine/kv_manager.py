@@ -9,7 +9,9 @@ parent's hash and its own token ids, so equal hashes mean equal whole prefixes.
 With a sliding window (Mistral), a block whose every position is before the
 window of any query still to come goes back to the pool (``free_outside_window``);
 its entry in the request's table becomes ``FREED`` (the runner keeps reading a
-stale id there, masked out by attention, so it is never told).
+stale id there, masked out by attention, so it is never told: ``BlockTable.release``).
+Every other change to a table is the runner's to hear about, which the table records
+by itself (engine/block_table.py).
 """
 
 from __future__ import annotations
@@ -106,7 +108,6 @@ class KVCacheManager:
             (dst,) = self.pool.allocate(1)
             self.pool.free([src])
             req.block_ids[i] = dst
-            req.num_synced_blocks = min(req.num_synced_blocks, i)
             copies.append((src, dst))
             req.num_cached_blocks = min(req.num_cached_blocks, i)
         req.block_ids.extend(self.pool.allocate(num_new_blocks))
@@ -137,7 +138,7 @@ class KVCacheManager:
         if n <= req.num_freed_blocks:
             return
         self.pool.free([b for b in req.block_ids[req.num_freed_blocks : n] if b != FREED][::-1])
-        req.block_ids[req.num_freed_blocks : n] = [FREED] * (n - req.num_freed_blocks)
+        req.block_ids.release(req.num_freed_blocks, n, FREED)
         req.num_freed_blocks = n
 
     @staticmethod
@@ -154,22 +155,19 @@ class KVCacheManager:
             assert req.num_computed_tokens <= keep * self.block_size
             self.pool.free(req.block_ids[keep:][::-1])
             del req.block_ids[keep:]
-            req.num_synced_blocks = min(req.num_synced_blocks, keep)
 
     def fork(self, src: Request, dst: Request, num_tokens: int) -> None:
         """dst shares src's blocks holding the first num_tokens tokens (copy-on-write later)."""
         assert not dst.block_ids
         shared = src.block_ids[: self.blocks_for(num_tokens)]
         self.pool.touch([b for b in shared if b != FREED])
-        dst.block_ids = list(shared)
+        dst.block_ids.extend(shared)
         dst.num_freed_blocks = src.num_freed_blocks
-        dst.num_synced_blocks = 0
         dst.num_cached_blocks = min(src.num_cached_blocks, num_tokens // self.block_size)
 
     def free(self, req: Request) -> None:
         held = req.block_ids[req.num_freed_blocks :]
         self.pool.free(held[::-1])  # tail first: evicted before the shared head
-        req.block_ids = []
+        req.block_ids.clear()
         req.num_freed_blocks = 0
         req.num_cached_blocks = 0
-        req.num_synced_blocks = 0

@@ -4,7 +4,8 @@ Only the scheduler (and the KV manager it drives) changes it: ``status``,
 ``num_computed_tokens``, the tokens appended after each step, the blocks it holds;
 the engine and the output processor only stamp ``timings``. What a user sees (text,
 logprobs) is the output processor's; what the model needs per step is the runner's
-own copy, kept in step by the deltas the scheduler sends.
+own copy, kept in step by the deltas ``RunnerSync`` builds (the block table itself
+knows how much of it the runner holds).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.engine.block_table import BlockTable
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -65,7 +67,7 @@ class Request:
     params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: BlockTable = field(default_factory=BlockTable)  # knows how much of it the runner holds
     num_freed_blocks: int = 0  # leading entries given back once they left a sliding window (FREED)
     block_hashes: list[bytes] = field(default_factory=list)  # of full blocks of all_token_ids
     num_cached_blocks: int = 0  # leading blocks registered in the prefix cache
@@ -75,9 +77,6 @@ class Request:
     index: int = 0
     num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify next step
-    # Leading entries of block_ids the model runner already holds; the KV manager
-    # lowers it whenever it changes an entry (copy-on-write, trim, free).
-    num_synced_blocks: int = 0
     grammar: Any = None  # structured output: its GrammarMatcher, kept across preemption
     lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
     hash_root: bytes | None = None  # seeds its block hashes: an adapter's requests share blocks only among themselves

@@ -23,7 +23,8 @@ lookahead slots (for a model proposer's K/V) past its tokens.
 
 ``update_from_output`` is the one place where a step's results land: drafts kept
 or rejected, computed counts, appended tokens, stop by token id or length, full
-blocks cached, unused lookahead blocks trimmed, finished requests freed.
+blocks cached, unused lookahead blocks trimmed, finished requests freed. What the
+runner is told each step is ``RunnerSync``'s (engine/runner_sync.py).
 """
 
 from __future__ import annotations
@@ -35,15 +36,9 @@ from dataclasses import dataclass, field
 
 from tokenmill.config import SchedulerConfig, SpeculativeConfig
 from tokenmill.engine.kv_manager import KVCacheManager
-from tokenmill.engine.model_input import (
-    CachedRequestData,
-    ModelInput,
-    ModelOutput,
-    NewRequestData,
-    SampledToken,
-    ScheduledTokens,
-)
+from tokenmill.engine.model_input import ModelInput, ModelOutput, SampledToken
 from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.runner_sync import RunnerSync
 from tokenmill.engine.stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
@@ -101,9 +96,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.spec_stats = SpecDecodeStats()
-        self._known_to_runner: set[str] = set()  # requests whose state the runner holds
-        self._dropped: list[str] = []  # finished: to tell the runner next step
-        self._preempted: list[str] = []  # likewise, preempted
+        self.runner_sync = RunnerSync()  # what the runner holds; each step's deltas
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -122,7 +115,8 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         for req in out.unschedulable:
             self.finish(req, "length")
-        out.model_input = self._model_input(out)
+        scheduled = [(s.request, s.num_new_tokens, s.spec_token_ids, s.num_lookahead) for s in out.seqs]
+        out.model_input = self.runner_sync.model_input(scheduled, out.block_copies, self.kv.runner_table)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -271,7 +265,7 @@ class Scheduler:
         given_back = sum(s.num_new_tokens for s in out.seqs if s.request is req)
         out.seqs = [s for s in out.seqs if s.request is not req]
         self.kv.free(req)
-        self._forget_in_runner(req, preempted=True)
+        self.runner_sync.forget(req, preempted=True)
         req.num_computed_tokens = 0
         req.spec_token_ids = []
         req.status = RequestStatus.WAITING
@@ -280,29 +274,6 @@ class Scheduler:
         self.waiting.appendleft(req)
         out.preempted.append(req)
         return given_back
-
-    def _model_input(self, out: SchedulerOutput) -> ModelInput:
-        """The step as the runner sees it: deltas against what it already holds."""
-        batch = ModelInput(block_copies=out.block_copies)
-        batch.finished_request_ids, batch.preempted_request_ids = self.take_dropped()
-        for s in out.seqs:
-            req = s.request
-            rid = req.request_id
-            if rid not in self._known_to_runner:
-                self._known_to_runner.add(rid)
-                batch.new_requests.append(
-                    NewRequestData(rid, req.prompt_token_ids, list(req.output_token_ids), req.params,
-                                   self.kv.runner_table(req), req.lora_name)  # fmt: skip
-                )
-            elif req.num_synced_blocks < len(req.block_ids):
-                batch.cached_requests.append(
-                    CachedRequestData(rid, req.num_synced_blocks, req.block_ids[req.num_synced_blocks :])
-                )
-            req.num_synced_blocks = len(req.block_ids)
-            batch.scheduled.append(
-                ScheduledTokens(rid, req.num_computed_tokens, s.num_new_tokens, s.spec_token_ids, s.num_lookahead)
-            )
-        return batch
 
     # ------------------------------------------------------------- after a step
 
@@ -369,21 +340,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req)
-        self._forget_in_runner(req)
+        self.runner_sync.forget(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
         req.timings.finished = time.perf_counter()
-
-    def _forget_in_runner(self, req: Request, preempted: bool = False) -> None:
-        rid = req.request_id
-        if rid in self._known_to_runner:
-            self._known_to_runner.discard(rid)
-            (self._preempted if preempted else self._dropped).append(rid)
-        elif not preempted and req.num_preemptions:
-            self._dropped.append(rid)  # the runner keeps a preempted request's generator until it ends
-
-    def take_dropped(self) -> tuple[list[str], list[str]]:
-        """(finished, preempted) requests the runner should drop since it was last told."""
-        dropped, self._dropped = self._dropped, []
-        preempted, self._preempted = self._preempted, []
-        return dropped, preempted
