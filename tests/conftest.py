@@ -1,11 +1,29 @@
-"""Shared fixtures: the real model (ours and the transformers oracle) and tiny models."""
+"""Shared fixtures: the real model (ours and the transformers oracle) and tiny models;
+and the test tiers, marked by where a test lives (``-m unit``: no weights, seconds)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
 from tokenmill.engine.block_pool import BlockPool
+
+TESTS = Path(__file__).parent
+# tests that start other processes (servers, torch.distributed workers, the CLI, other builds)
+SUBPROCESS_FILES = {"test_cli.py", "test_parallel.py"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """unit / model / server from the directory; subprocess for the files above, the server
+    tier, and tests marked so one by one."""
+    for item in items:
+        parts = Path(item.fspath).relative_to(TESTS).parts
+        tier = parts[0] if len(parts) > 1 else "server"  # (tests/test_cli.py drives the CLI)
+        item.add_marker(getattr(pytest.mark, tier))
+        if tier == "server" or parts[-1] in SUBPROCESS_FILES:
+            item.add_marker(pytest.mark.subprocess)
 
 
 @pytest.fixture(scope="session")

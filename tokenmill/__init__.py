@@ -1,8 +1,29 @@
-"""tokenmill: an LLM inference and serving engine on PyTorch."""
+"""tokenmill: an LLM inference and serving engine on PyTorch.
 
-from tokenmill.config import EngineArgs
-from tokenmill.llm import LLM, RequestOutput
-from tokenmill.sampling_params import SamplingParams
+The package's names load on first use (a module ``__getattr__``), so that the engine's
+bookkeeping (``tokenmill.engine``) and ``tokenmill --help`` import without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenmill.config import EngineArgs
+    from tokenmill.llm import LLM, RequestOutput
+    from tokenmill.sampling_params import SamplingParams
 
 __all__ = ["LLM", "EngineArgs", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
+
+_HOMES = {"LLM": "tokenmill.llm", "RequestOutput": "tokenmill.llm", "EngineArgs": "tokenmill.config",
+          "SamplingParams": "tokenmill.sampling_params"}  # fmt: skip
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'tokenmill' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value  # once loaded, an ordinary attribute
+    return value

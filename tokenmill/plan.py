@@ -19,11 +19,11 @@ import sys
 import time
 from dataclasses import dataclass
 
-import torch
-
 
 def measure_bandwidth(size_mib: int = 256, repeats: int = 5) -> float:
     """Copy bandwidth in bytes/s (bytes read + bytes written), best of a few copies."""
+    import torch  # here, not at the top: the CLI's parser imports this module
+
     src = torch.ones(size_mib << 18, dtype=torch.float32)
     dst = torch.empty_like(src)
     best = float("inf")

@@ -83,7 +83,24 @@ def test_static_scheduling_matches_alone(alone):
 
 
 def test_parallel_sampling_shares_prompt_blocks(llm):
+    """n = 4 completions hold the prompt's blocks once (the same block ids in every table,
+    far fewer blocks than four copies) and sample as four seeded single requests would."""
     prompt = SHARED + "Name a fruit:"
+    engine, pool = llm.engine, llm.engine.block_pool
+    engine.add_request("share", prompt, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=8))
+    try:
+        seqs = []
+        for _ in range(3):  # the prompt computed once (first sequence), then its siblings fork from it
+            engine.step()
+            seqs = [r for r in engine.scheduler.running if r.parent_id == "share"]
+            if len(seqs) == 4:
+                break
+        prompt_blocks = len(llm.tokenizer.encode(prompt)) // engine.config.block_size
+        assert len(seqs) == 4 and prompt_blocks >= 2
+        assert all(list(r.block_ids[:prompt_blocks]) == list(seqs[0].block_ids[:prompt_blocks]) for r in seqs)
+        assert pool.num_blocks - pool.num_free <= prompt_blocks + 4 * 2  # the prompt once, a tail each
+    finally:
+        engine.abort("share")
     out = llm.generate(prompt, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=8))[0]
     assert len(out.outputs) == 4 and len({tuple(c.token_ids) for c in out.outputs}) > 1
     single = [llm.generate(prompt, SamplingParams(temperature=1.0, seed=3 + i, max_tokens=8))[0].token_ids for i in range(4)]

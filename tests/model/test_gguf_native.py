@@ -166,6 +166,7 @@ def test_quantization_none_and_torch_kernels_dequantize_at_load():
     assert not any(isinstance(m, QuantLinear) for m in torch_ops.parts.model.modules())
 
 
+@pytest.mark.subprocess
 def test_avx2_only_build_quant_kernels_match_the_reference():
     """The -march=haswell build (what an AVX2-only CPU runs) passes the same kernel checks."""
     run_on_avx2_build(

@@ -209,6 +209,7 @@ def test_model_level_greedy_identity_real_model():
     assert outs[0] == outs[1]
 
 
+@pytest.mark.subprocess
 def test_no_compiler_falls_back_with_one_warning(tmp_path):
     """Without a compiler the reference path runs, with a one-line warning; insisting on
     native kernels is an error that says why."""
@@ -309,6 +310,7 @@ def test_bfloat16_native_model_stays_close_to_float32():
     assert first[0] == first[1]
 
 
+@pytest.mark.subprocess
 def test_avx2_only_build_matches_the_reference():
     """The portable (AVX2, no AVX-512) build of the kernels, compiled here with
     -march=haswell, passes the same attention, norm and linear checks: what an

@@ -134,10 +134,12 @@ def test_a_stream_cancelled_mid_wait_leaves_its_source_closable():
     from tokenmill.server.app import _until
 
     closed = []
+    waiting = asyncio.Event()
 
     async def source():
         try:
             yield 1
+            waiting.set()
             await asyncio.sleep(3600)  # an engine that has nothing yet
             yield 2
         finally:
@@ -151,7 +153,7 @@ def test_a_stream_cancelled_mid_wait_leaves_its_source_closable():
                 pass
 
         task = asyncio.create_task(consume())
-        await asyncio.sleep(0.05)
+        await asyncio.wait_for(waiting.wait(), timeout=10)  # the consumer is blocked on the source
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await items.aclose()  # must not raise

@@ -31,14 +31,22 @@ def test_stream_deltas_add_up_to_the_final_completion():
 
 
 def test_outputs_do_not_copy_the_history_each_step():
-    """Each step's output holds only its delta; the cumulative lists are built when read."""
+    """Each step's output holds only its delta: every list it stores is at most a step long
+    (the prompt is one shared list, the completion one shared append-only record), and the
+    cumulative lists are built when read, as they stood at that step."""
     e = engine()
-    e.add_request("r", [1, 2, 3], SamplingParams(max_tokens=200))
+    e.add_request("r", [1, 2, 3], SamplingParams(max_tokens=200, logprobs=0))
     outs = []
     while e.has_unfinished():
         outs += e.step()
+    record = outs[0].outputs[0]._source
+    for o in outs:
+        stored = [v for obj in (o, o.outputs[0]) for k, v in vars(obj).items() if isinstance(v, list) and k != "prompt_token_ids"]
+        assert all(len(v) <= 1 for v in stored if v is not o.outputs)
+        assert o.prompt_token_ids is outs[0].prompt_token_ids and o.outputs[0]._source is record
     assert all(len(o.delta_token_ids) == 1 for o in outs)
     assert outs[-1].outputs[0].token_ids == [t for o in outs for t in o.delta_token_ids]
+    assert len(outs[9].outputs[0].token_ids) == 10 and len(outs[9].outputs[0].logprobs) == 10
 
 
 def test_a_stop_string_inside_a_multi_token_step_ends_the_request_there():

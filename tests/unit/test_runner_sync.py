@@ -5,13 +5,27 @@ from __future__ import annotations
 
 import pytest
 
-from tests.unit.test_scheduler_policy import BS, add, make
+from tokenmill.config import SchedulerConfig
 from tokenmill.engine.block_pool import BlockPool
 from tokenmill.engine.block_table import BlockTable
 from tokenmill.engine.kv_manager import KVCacheManager
 from tokenmill.engine.model_input import ModelOutput, SampledToken
 from tokenmill.engine.request import Request
+from tokenmill.engine.scheduler import Scheduler
 from tokenmill.sampling_params import SamplingParams
+
+BS = 4
+
+
+def make(num_blocks: int) -> Scheduler:
+    kv = KVCacheManager(BlockPool(num_blocks, enable_caching=True), BS)
+    return Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), kv, 100, frozenset())
+
+
+def add(s: Scheduler, rid: str, prompt_len: int) -> Request:
+    req = Request(rid, None, [(7 * len(rid) + i) % 50 for i in range(prompt_len)], SamplingParams(max_tokens=50))
+    s.add(req)
+    return req
 
 
 def test_a_table_notes_every_change_the_runner_has_not_heard():
@@ -57,7 +71,7 @@ def test_copy_on_write_and_trim_resend_the_table_from_the_changed_block():
 
 
 def test_drops_are_sent_once_finished_and_preempted_apart():
-    s = make(num_blocks=4, budget=64)
+    s = make(num_blocks=4)
     a = add(s, "a", 2 * BS)
     out = s.schedule()
     s.update_from_output(out, ModelOutput(sampled={"a": [SampledToken(1)]}))
