@@ -16,22 +16,19 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.config import EngineArgs, LoadConfig, ModelConfig, SpeculativeConfig
+from tokenmill.config import EngineArgs, ModelConfig, SpeculativeConfig
 from tokenmill.distributed.cluster import Cluster, rank_device, threads_per_rank
-from tokenmill.distributed.groups import ParallelGroups
 from tokenmill.distributed.messages import Load, Setup
 from tokenmill.distributed.runner import DistributedRunner
-from tokenmill.distributed.stage import PipelineStage
+from tokenmill.distributed.stage import parallel_stage
 from tokenmill.engine.engine import Engine, EngineConfig
 from tokenmill.errors import ModelLoadError, TokenmillError
 from tokenmill.kernels.cpu import cpu_info
-from tokenmill.kernels.linear import use_native_linears
-from tokenmill.kernels.ops import NativeOps, select_ops
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import load_checkpoint
-from tokenmill.model.shard import ModelShard, check_parallel_sizes, shard_model
+from tokenmill.model.shard import ModelShard, check_parallel_sizes
 from tokenmill.model.tokenizer import Tokenizer, load_tokenizer
-from tokenmill.quant.weights import quantize_model
+from tokenmill.model_setup import load_shard, native_kernels_run, prepare_model, resolve_device
 from tokenmill.spec.draft import ModelProposer
 from tokenmill.spec.ngram import NgramProposer
 from tokenmill.structured.grammar import GrammarCompiler
@@ -65,15 +62,6 @@ class EngineParts:
     max_model_len: int
     num_blocks: int
     kv_bytes_per_block: int  # the target's cache and, with a draft model, the draft's
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise TokenmillError(f"device {device!r} requested but CUDA is not available on this machine")
-    return dev
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -198,16 +186,6 @@ def build_engine(args: EngineArgs, progress: bool = True) -> EngineParts:
     return EngineParts(args, engine, runner, model, tokenizer, config, path, device, dtype, max_model_len, num_blocks, per_block)
 
 
-def native_kernels_run(load: LoadConfig, device: torch.device) -> bool:
-    """Whether the native CPU kernels will run this model (the rule select_ops follows): then
-    a GGUF's blocks are kept and int8/int4 go to the packed kernels."""
-    if load.kernels == "torch" or device.type != "cpu":
-        return False
-    from tokenmill.kernels.native import load_native
-
-    return load_native()
-
-
 def keeps_quantized_blocks(args: EngineArgs, device: torch.device) -> bool:
     """``quantization="auto"``: a GGUF's quantised weights stay in their blocks where the native
     kernels run them (one process on the CPU); elsewhere they are dequantised at load."""
@@ -222,25 +200,6 @@ def _grammar_compiler(tokenizer: Tokenizer, vocab_size: int) -> GrammarCompiler 
         logger.warning("llguidance is not installed: structured output and tool calling are unavailable")
         return None
     return GrammarCompiler(tokenizer, vocab_size)
-
-
-def prepare_model(model: LlamaForCausalLM, device: torch.device, load: LoadConfig, quantize: bool = True) -> LlamaForCausalLM:
-    """A loaded model (target or draft) made ready to run: its per-layer ops chosen, its
-    weights quantised (unless a shard was cut from quantised weights already), and, with
-    native ops, its linears swapped for the small-batch kernel."""
-    try:
-        model.ops = select_ops(device, load.kernels)
-    except RuntimeError as e:  # kernels="native" without a working build
-        raise TokenmillError(str(e)) from None
-    try:
-        if quantize:
-            packed = native_kernels_run(load, device)
-            quantize_model(model, load.quantization, load.quantization_group_size, packed=packed)
-    except ValueError as e:  # e.g. a group size that does not divide a layer's width
-        raise TokenmillError(str(e)) from None
-    if isinstance(model.ops, NativeOps):
-        use_native_linears(model)
-    return model
 
 
 def _load_draft(
@@ -292,25 +251,3 @@ def check_parallel_options(args: EngineArgs, config: ModelConfig) -> None:
         raise TokenmillError(f"speculative method {spec.method!r} is not supported with tensor or pipeline "
                              "parallelism yet (prompt lookup, 'ngram', is)")  # fmt: skip
     check_parallel_sizes(config, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
-
-
-def load_shard(
-    config: ModelConfig, weights: dict[str, torch.Tensor], shard: ModelShard, load: LoadConfig, device: torch.device
-) -> LlamaForCausalLM:
-    """This rank's part of the model, cut from the whole (quantised whole, then cut)."""
-    full = LlamaForCausalLM.from_weights(config, weights, "cpu")
-    try:
-        model = shard_model(full, shard, load.quantization, load.quantization_group_size,
-                            packed=native_kernels_run(load, device))  # as quantize_model does in one process
-    except ValueError as e:
-        raise TokenmillError(str(e)) from None
-    return prepare_model(model.to(device), device, load, quantize=False)
-
-
-def parallel_stage(
-    groups: ParallelGroups, model: LlamaForCausalLM, kv_caches: list, block_size: int, device: torch.device,
-    config: ModelConfig,
-) -> PipelineStage:  # fmt: skip
-    """Wire a rank's shard to its groups: the TP all-reduces, the pipeline's sends."""
-    model.tp = groups.tp if groups.shard.tp_size > 1 else None
-    return PipelineStage(model, kv_caches, block_size, device, groups, config.hidden_size, config.vocab_size)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.config import ModelConfig
 from tokenmill.distributed.groups import ParallelGroups
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.worker.inputs import InputBuffers, SeqInput, prepare_inputs
@@ -96,3 +97,12 @@ class PipelineStage:
         if not logits:
             return torch.empty(0, self.vocab_size, device=self.device)
         return logits[0] if len(logits) == 1 else torch.cat(logits)
+
+
+def parallel_stage(
+    groups: ParallelGroups, model: LlamaForCausalLM, kv_caches: list, block_size: int, device: torch.device,
+    config: ModelConfig,
+) -> PipelineStage:  # fmt: skip
+    """Wire a rank's shard to its groups: the TP all-reduces, the pipeline's sends."""
+    model.tp = groups.tp if groups.shard.tp_size > 1 else None
+    return PipelineStage(model, kv_caches, block_size, device, groups, config.hidden_size, config.vocab_size)

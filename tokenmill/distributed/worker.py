@@ -27,9 +27,10 @@ from torch.distributed import Store, TCPStore
 from tokenmill.distributed.cluster import STORE_TIMEOUT, WorkerSpec, rank_device, threads_per_rank
 from tokenmill.distributed.groups import CommStats, ControlChannel, ParallelGroups
 from tokenmill.distributed.messages import Forward, Load, Setup, Shutdown, Step
-from tokenmill.factory import load_shard, parallel_stage, resolve_device
+from tokenmill.distributed.stage import parallel_stage
 from tokenmill.model.loader import load_checkpoint
 from tokenmill.model.shard import ModelShard
+from tokenmill.model_setup import load_shard, resolve_device
 from tokenmill.worker.kv_cache import allocate_kv_cache
 from tokenmill.worker.model_runner import ModelRunner
 

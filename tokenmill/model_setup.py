@@ -1,0 +1,70 @@
+"""A loaded model made ready to run on its device: the one recipe that the one-process
+engine (``factory.build_engine``) and every distributed worker (``distributed/worker.py``)
+share, so the two cannot drift: which per-layer ops run, whether the native kernels do
+(and so whether a GGUF's blocks are kept and int8/int4 are packed), the quantisation, and
+a rank's shard cut from the whole model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.config import LoadConfig, ModelConfig
+from tokenmill.errors import TokenmillError
+from tokenmill.kernels.linear import use_native_linears
+from tokenmill.kernels.ops import NativeOps, select_ops
+from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.model.shard import ModelShard
+from tokenmill.model.sharding import shard_model
+from tokenmill.quant.weights import quantize_model
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise TokenmillError(f"device {device!r} requested but CUDA is not available on this machine")
+    return dev
+
+
+def native_kernels_run(load: LoadConfig, device: torch.device) -> bool:
+    """Whether the native CPU kernels will run this model (the rule select_ops follows): then
+    a GGUF's blocks are kept and int8/int4 go to the packed kernels."""
+    if load.kernels == "torch" or device.type != "cpu":
+        return False
+    from tokenmill.kernels.native import load_native
+
+    return load_native()
+
+
+def prepare_model(model: LlamaForCausalLM, device: torch.device, load: LoadConfig, quantize: bool = True) -> LlamaForCausalLM:
+    """A loaded model (target or draft) made ready to run: its per-layer ops chosen, its
+    weights quantised (unless a shard was cut from quantised weights already), and, with
+    native ops, its linears swapped for the small-batch kernel."""
+    try:
+        model.ops = select_ops(device, load.kernels)
+    except RuntimeError as e:  # kernels="native" without a working build
+        raise TokenmillError(str(e)) from None
+    try:
+        if quantize:
+            packed = native_kernels_run(load, device)
+            quantize_model(model, load.quantization, load.quantization_group_size, packed=packed)
+    except ValueError as e:  # e.g. a group size that does not divide a layer's width
+        raise TokenmillError(str(e)) from None
+    if isinstance(model.ops, NativeOps):
+        use_native_linears(model)
+    return model
+
+
+def load_shard(
+    config: ModelConfig, weights: dict[str, torch.Tensor], shard: ModelShard, load: LoadConfig, device: torch.device
+) -> LlamaForCausalLM:
+    """This rank's part of the model, cut from the whole (quantised whole, then cut)."""
+    full = LlamaForCausalLM.from_weights(config, weights, "cpu")
+    try:
+        model = shard_model(full, shard, load.quantization, load.quantization_group_size,
+                            packed=native_kernels_run(load, device))  # as quantize_model does in one process
+    except ValueError as e:
+        raise TokenmillError(str(e)) from None
+    return prepare_model(model.to(device), device, load, quantize=False)
