@@ -12,8 +12,8 @@ import torch
 from tokenmill.config import LoadConfig, ModelConfig
 from tokenmill.errors import TokenmillError
 from tokenmill.kernels.linear import use_native_linears
-from tokenmill.kernels.ops import NativeOps, select_ops
 from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.model.ops import NativeOps, select_ops
 from tokenmill.model.shard import ModelShard
 from tokenmill.model.sharding import shard_model
 from tokenmill.quant.weights import quantize_model

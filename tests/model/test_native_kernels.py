@@ -1,4 +1,4 @@
-"""The native CPU kernels against their pure-torch reference twins (tokenmill.kernels.ops).
+"""The native CPU kernels against their pure-torch reference twins (tokenmill.model.ops).
 
 Paged attention over random block tables, GQA, contexts of 1 to 4k tokens, every KV
 storage dtype, prefix hits (chunks after a cached prefix), several query tokens a
@@ -17,10 +17,10 @@ import torch
 
 from tests.helpers import run_on_avx2_build
 from tokenmill.kernels.native import load_native
-from tokenmill.kernels.ops import NativeOps, TorchOps, select_ops
 from tokenmill.model.layers.attention import AttentionMetadata
 from tokenmill.model.layers.kv_cache import KVCacheLayer
 from tokenmill.model.layers.rotary import RotaryEmbedding, inverse_frequencies
+from tokenmill.model.ops import NativeOps, TorchOps, select_ops
 from tokenmill.quant.kv import QUANTIZED_KV, SCALE_DTYPE
 
 BS = 16
@@ -215,7 +215,7 @@ def test_no_compiler_falls_back_with_one_warning(tmp_path):
     native kernels is an error that says why."""
     code = (
         "import torch\n"
-        "from tokenmill.kernels.ops import select_ops\n"
+        "from tokenmill.model.ops import select_ops\n"
         "print(type(select_ops(torch.device('cpu'), 'auto')).__name__)\n"
         "try:\n    select_ops(torch.device('cpu'), 'native')\nexcept RuntimeError as e:\n    print('ERR', e)\n"
     )

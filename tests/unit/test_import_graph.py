@@ -64,3 +64,18 @@ def test_no_import_cycles():
 def test_the_checker_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+# package -> packages it must never import (docs/ARCHITECTURE.md, "Who may import whom")
+FORBIDDEN = {
+    "tokenmill.engine": ("tokenmill.model", "tokenmill.worker", "tokenmill.kernels", "tokenmill.quant",
+                         "tokenmill.distributed", "tokenmill.spec"),  # fmt: skip
+    "tokenmill.model": ("tokenmill.engine", "tokenmill.worker", "tokenmill.distributed", "tokenmill.spec"),
+    "tokenmill.kernels": ("tokenmill.model", "tokenmill.engine", "tokenmill.worker", "tokenmill.spec"),
+}
+
+
+def test_imports_point_down():
+    wrong = [f"{m} -> {d}" for m, deps in import_graph().items() for pkg, banned in FORBIDDEN.items()
+             if m.startswith(pkg + ".") or m == pkg for d in deps if d.startswith(banned)]  # fmt: skip
+    assert not wrong, wrong

@@ -1,2 +1,3 @@
-"""Per-layer ops (native C++ CPU kernels and their pure-torch reference) and the CPU facts
-that choose between them."""
+"""The native C++ CPU kernels (built once per machine), the linears that call them, and the
+CPU facts that choose between them; ``model/ops.py`` is the per-layer interface a model
+calls, native or its pure-torch reference."""

@@ -26,13 +26,13 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ModelLoadError
-from tokenmill.kernels.ops import TorchOps
 from tokenmill.lora.layers import LoRAMapping, LoRAState
 from tokenmill.model.layers.attention import AttentionMetadata
 from tokenmill.model.layers.kv_cache import KVCacheLayer
 from tokenmill.model.layers.moe import MoEMLP, stack_experts
 from tokenmill.model.layers.norm import RMSNorm
 from tokenmill.model.layers.rotary import RotaryEmbedding, rotary_for
+from tokenmill.model.ops import TorchOps
 from tokenmill.model.shard import ModelShard
 from tokenmill.quant.packed import PackedWeight, QuantEmbedding, QuantLinear
 
