@@ -646,7 +646,8 @@ Tensor quant_dequantize(Tensor qs, Tensor scale, c10::optional<Tensor> minv, int
 // ------------------------------------------------------------------ the op
 
 // Which kernel multiplies how many rows, per build; measured on a 3072x576 Q4_1 weight, 2 cores
-// of an AMD EPYC (Zen 5), ms per call (bench/quant_linear.py):
+// of an AMD EPYC with AVX-512 + AVX512_BF16, ms per call (bench/quant_linear.py; the AVX2 build
+// on the same CPU):
 //   float32, AVX-512 build: 2 rows GEMV 0.063 / blocks 0.093; 4 rows 0.116 / 0.090;
 //     48 rows blocks 0.55 / dequantise + GEMM 1.04; 256 rows 3.3 / 4.4; 512 rows 12.0 / 10.1.
 //   float32, AVX2 build: 8 rows GEMV 0.21 / blocks 0.23; 16 rows 0.42 / 0.37;
