@@ -29,8 +29,8 @@ from tokenmill.model.loader import load_checkpoint
 from tokenmill.model.shard import ModelShard, check_parallel_sizes
 from tokenmill.model.tokenizer import Tokenizer, load_tokenizer
 from tokenmill.model_setup import load_shard, native_kernels_run, prepare_model, resolve_device
-from tokenmill.spec.draft import ModelProposer
-from tokenmill.spec.ngram import NgramProposer
+from tokenmill.speculative.draft import ModelProposer
+from tokenmill.speculative.ngram import NgramProposer
 from tokenmill.structured.grammar import GrammarCompiler
 from tokenmill.worker.kv_cache import allocate_kv_cache, block_bytes
 from tokenmill.worker.lora import LoRAManager

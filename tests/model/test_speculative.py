@@ -19,8 +19,8 @@ from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.engine import Engine, EngineConfig
 from tokenmill.engine.scheduler import SchedulerConfig
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec.draft import ModelProposer
-from tokenmill.spec.ngram import NgramProposer
+from tokenmill.speculative.draft import ModelProposer
+from tokenmill.speculative.ngram import NgramProposer
 from tokenmill.worker.kv_cache import allocate_kv_cache
 from tokenmill.worker.model_runner import ModelRunner
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec.ngram import NgramProposer, lookup
+from tokenmill.speculative.ngram import NgramProposer, lookup
 from tokenmill.worker.inputs import SeqInput
 
 

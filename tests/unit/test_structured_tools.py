@@ -11,9 +11,9 @@ from tokenmill.errors import InvalidRequestError
 from tokenmill.model.gguf_file import read_gguf
 from tokenmill.model.loader import default_model_path
 from tokenmill.model.tokenizer import load_tokenizer
+from tokenmill.server.tools import parse_tool_request
 from tokenmill.structured.grammar import GrammarCompiler
 from tokenmill.structured.spec import StructuredOutputs
-from tokenmill.structured.tools import parse_tool_request
 
 pytest.importorskip("llguidance")
 
@@ -170,7 +170,7 @@ def _accumulate(deltas: list[dict]) -> tuple[str, list[tuple[str, str]]]:
 
 
 def _stream(request, text: str, step: int) -> list[dict]:
-    from tokenmill.structured.tools import ToolStream
+    from tokenmill.server.tools import ToolStream
 
     stream, out = ToolStream(request), []
     for i in range(0, len(text), step):

@@ -43,7 +43,7 @@ from tokenmill.server.protocol import (
     new_id,
     now,
 )
-from tokenmill.structured.tools import ToolRequest, ToolStream, parse_tool_request, render_messages
+from tokenmill.server.tools import ToolRequest, ToolStream, parse_tool_request, render_messages
 
 logger = logging.getLogger(__name__)
 
