@@ -597,19 +597,17 @@ struct BF16Tile {
 };
 #endif
 
-// The blocked kernel: xf float32 (bf16: x bfloat16) into y.
+// The blocked kernel: x float32 (bf16, builds with bfloat16 dot products only: x bfloat16) into y.
 void gemm(const Packed& p, const Tensor& x, Tensor& y, bool bf16) {
   const int64_t rows = x.size(0);
-  if (bf16) {
 #if defined(TM_BF16_DOT)
+  if (bf16) {
     using B = c10::BFloat16;
     gemm_blocks(p, x.data_ptr<B>(), y.data_ptr<B>(), rows, [&](int64_t row, B* dst) { dequantize_row(p, row, dst); },
                 BF16Tile{});
-#else
-    TORCH_CHECK(false, "quant_linear: no bfloat16 dot products in this build");
-#endif
     return;
   }
+#endif
   auto unpack = [&](int64_t row, float* dst) { dequantize_row(p, row, dst); };
   if (y.scalar_type() == at::kFloat) gemm_blocks(p, x.data_ptr<float>(), y.data_ptr<float>(), rows, unpack, F32Tile{});
   else gemm_blocks(p, x.data_ptr<float>(), y.data_ptr<c10::BFloat16>(), rows, unpack, F32Tile{});
@@ -675,22 +673,20 @@ Tensor quant_linear(Tensor x, Tensor qs, Tensor scale, c10::optional<Tensor> min
               "quant_linear: x must be float32 or bfloat16");
   const Packed p = check_packed(qs, scale, minv, bits, group, x.size(1));
   const int64_t rows = x.size(0);
-  Tensor y = at::empty({rows, p.n}, x.options());
-  if (rows == 0 || p.n == 0) return y;
-  if (bf16 && x.scalar_type() == at::kBFloat16 && rows > EXACT_BF16_ROWS) {
-    const Tensor xc = x.contiguous();
+  if (rows == 0 || p.n == 0) return at::empty({rows, p.n}, x.options());
+  const bool bf16_weight = bf16 && x.scalar_type() == at::kBFloat16 && rows > EXACT_BF16_ROWS;
+  const Tensor xs = bf16_weight ? x.contiguous() : x.contiguous().to(at::kFloat);
 #if defined(TM_BF16_DOT)
-    if (rows <= BF16_BLOCKS_MAX_ROWS) {
-      gemm(p, xc, y, true);
-      return y;
-    }
+  const int64_t blocks_max = bf16_weight ? BF16_BLOCKS_MAX_ROWS : BLOCKS_MAX_ROWS;
+#else
+  const int64_t blocks_max = bf16_weight ? 0 : BLOCKS_MAX_ROWS;  // no bfloat16 dot products here: the GEMM
 #endif
-    return at::linear(xc, quant_dequantize(qs, scale, minv, bits, group, p.k, c10::nullopt, true));
-  }
-  const Tensor xf = x.contiguous().to(at::kFloat);
-  if (rows <= GEMV_MAX_ROWS) gemv_tiles(p, xf, y);
-  else if (rows <= BLOCKS_MAX_ROWS) gemm(p, xf, y, false);
-  else y.copy_(at::linear(xf, quant_dequantize(qs, scale, minv, bits, group, p.k, c10::nullopt, false)));
+  if (rows > blocks_max)  // the weight dequantised for the call, the output in x's dtype
+    return at::linear(xs, quant_dequantize(qs, scale, minv, bits, group, p.k, c10::nullopt, bf16_weight))
+        .to(x.scalar_type());
+  Tensor y = at::empty({rows, p.n}, x.options());
+  if (!bf16_weight && rows <= GEMV_MAX_ROWS) gemv_tiles(p, xs, y);
+  else gemm(p, xs, y, bf16_weight);
   return y;
 }
 
