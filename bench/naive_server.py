@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 def build(model_path: str) -> FastAPI:
     import transformers
 
-    from tokenmill.model.loader import default_model_path
+    from tokenmill.model.paths import default_model_path
 
     path = default_model_path() if model_path is None else Path(model_path)
     tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

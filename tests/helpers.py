@@ -412,6 +412,23 @@ def child_pids(pid: int) -> list[int]:
         return []
 
 
+def engine_core_pid(server_pid: int) -> int:
+    """The engine-core process of a `tokenmill serve` (its child started by
+    multiprocessing's spawn, not spawn's resource tracker)."""
+    for pid in child_pids(server_pid):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ")
+        if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+            return pid
+    raise AssertionError(f"process {server_pid} has no engine-core child")
+
+
+def loads_torch(pid: int) -> bool:
+    """True when the process has torch's library mapped (Linux /proc)."""
+    with open(f"/proc/{pid}/maps") as f:
+        return "libtorch" in f.read()
+
+
 def process_alive(pid: int) -> bool:
     """True while the process exists and is not a zombie."""
     try:

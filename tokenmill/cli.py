@@ -165,7 +165,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from tokenmill.server.serve import serve
 
-    return serve(_llm(args), args)
+    return serve(args)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -21,7 +21,8 @@ from tokenmill.distributed.cluster import Cluster, rank_device, threads_per_rank
 from tokenmill.distributed.messages import Load, Setup
 from tokenmill.distributed.runner import DistributedRunner
 from tokenmill.distributed.stage import parallel_stage
-from tokenmill.engine.engine import Engine, EngineConfig
+from tokenmill.engine.core import EngineConfig, EngineCore
+from tokenmill.engine.engine import Engine
 from tokenmill.errors import ModelLoadError, TokenmillError
 from tokenmill.kernels.cpu import cpu_info
 from tokenmill.model.llama import LlamaForCausalLM
@@ -51,7 +52,7 @@ class EngineParts:
     """What build_engine made; ``LLM`` keeps it."""
 
     args: EngineArgs
-    engine: Engine
+    engine: Engine  # an EngineCore where build_engine was asked for one
     runner: ModelRunner
     model: LlamaForCausalLM
     tokenizer: Tokenizer
@@ -115,7 +116,9 @@ def kv_cache_sizing(
     return per_block, num_blocks
 
 
-def build_engine(args: EngineArgs, progress: bool = True) -> EngineParts:
+def build_engine(args: EngineArgs, progress: bool = True, engine_class: type[EngineCore] = Engine) -> EngineParts:
+    """The model, its runner and an engine over them (``Engine``: with output processing,
+    for one process; ``EngineCore``: the engine-core process of ``tokenmill serve``)."""
     load, parallel = args.load, args.parallel
     device = resolve_device(load.device)
     dtype = resolve_dtype(load.dtype, device)
@@ -166,7 +169,7 @@ def build_engine(args: EngineArgs, progress: bool = True) -> EngineParts:
         if cluster is not None:
             cluster.shutdown()
         raise
-    engine = Engine(
+    engine = engine_class(
         runner,
         tokenizer,
         EngineConfig(

@@ -9,7 +9,7 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tokenmill.model.loader import default_model_path
+from tokenmill.model.paths import default_model_path
 
 if __name__ == "__main__":
     out = sys.argv[1]

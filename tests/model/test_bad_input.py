@@ -7,7 +7,8 @@ import pytest
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.errors import InvalidRequestError, ModelLoadError
-from tokenmill.model.loader import default_model_path, load_checkpoint
+from tokenmill.model.loader import load_checkpoint
+from tokenmill.model.paths import default_model_path
 
 
 def write_gguf(path, arch="llama", tensor_type=None):

@@ -11,7 +11,7 @@ import torch
 
 from tests.helpers import gguf_tokenizer_metadata, write_gguf
 from tests.server.conftest import MODEL, Server
-from tokenmill.model.loader import default_model_path
+from tokenmill.model.paths import default_model_path
 
 transformers = pytest.importorskip("transformers")
 

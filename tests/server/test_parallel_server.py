@@ -10,14 +10,14 @@ import time
 
 import httpx
 
-from tests.helpers import child_pids, process_alive
+from tests.helpers import child_pids, engine_core_pid, process_alive
 from tests.server.conftest import MODEL, Server
 
 
 def test_pipeline_parallel_server_dies_with_its_worker():
     server = Server("--pipeline-parallel-size", "2", "--kv-cache-memory", "64MiB")
     try:
-        workers = child_pids(server.proc.pid)
+        workers = child_pids(engine_core_pid(server.proc.pid))  # the ranks are the engine core's children
         assert len(workers) == 1 and process_alive(workers[0])
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 8,
                 "temperature": 0}  # fmt: skip

@@ -13,7 +13,7 @@ BS = 4
 
 
 def req(tokens, rid="r"):
-    return Request(request_id=rid, prompt=None, prompt_token_ids=list(tokens), params=SamplingParams())
+    return Request(request_id=rid, prompt_token_ids=list(tokens), params=SamplingParams())
 
 
 def computed(kv, r, n):

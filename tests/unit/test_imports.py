@@ -19,6 +19,17 @@ def test_engine_modules_import_without_torch():
     assert "tokenmill.engine.scheduler" in loaded and "torch" not in loaded
 
 
+def test_the_api_process_of_serve_imports_without_torch():
+    """Its tokenizer, app and engine client load no model stack: torch lives in the
+    engine-core process only."""
+    loaded = _modules_after(
+        "import tokenmill.server.serve, tokenmill.engine.core_client, tokenmill.engine.core_loop, tokenmill.core_process\n"
+        "from tokenmill.model.paths import resolve_model_path\nfrom tokenmill.model.tokenizer import load_tokenizer\n"
+        "tok = load_tokenizer(resolve_model_path(None))\nassert tok.encode('hello')"
+    )
+    assert "tokenmill.engine.wire" in loaded and "torch" not in loaded
+
+
 def test_cli_help_imports_without_torch():
     loaded = _modules_after(
         "import sys\nfrom tokenmill.cli import main\nsys.argv = ['tokenmill', '--help']\n"

@@ -23,7 +23,7 @@ def make(num_blocks: int) -> Scheduler:
 
 
 def add(s: Scheduler, rid: str, prompt_len: int) -> Request:
-    req = Request(rid, None, [(7 * len(rid) + i) % 50 for i in range(prompt_len)], SamplingParams(max_tokens=50))
+    req = Request(rid, [(7 * len(rid) + i) % 50 for i in range(prompt_len)], SamplingParams(max_tokens=50))
     s.add(req)
     return req
 
@@ -54,10 +54,10 @@ def test_copy_on_write_and_trim_resend_the_table_from_the_changed_block():
     """A sibling (n > 1) shares its parent's partly filled last block; writing into it takes a
     copy, and the table is sent again from that block on. A trim keeps the rest."""
     kv = KVCacheManager(BlockPool(16, enable_caching=True), BS)
-    parent = Request("p", None, list(range(2 * BS + 2)), SamplingParams())
+    parent = Request("p", list(range(2 * BS + 2)), SamplingParams())
     assert kv.allocate_slots(parent, parent.num_tokens) == []
     parent.num_computed_tokens = parent.num_tokens
-    child = Request("c", None, list(parent.prompt_token_ids), SamplingParams())
+    child = Request("c", list(parent.prompt_token_ids), SamplingParams())
     kv.fork(parent, child, parent.num_tokens)
     child.num_computed_tokens = parent.num_tokens
     child.block_ids.mark_synced()  # the runner got the child's table whole

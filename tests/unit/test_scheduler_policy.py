@@ -22,7 +22,7 @@ def make(num_blocks=64, budget=64, max_seqs=8, spec=None, max_model_len=100, cac
 
 
 def add(s: Scheduler, rid: str, prompt_len: int, max_tokens: int = 50, **params) -> Request:
-    req = Request(rid, None, [(7 * len(rid) + i) % 50 for i in range(prompt_len)],
+    req = Request(rid, [(7 * len(rid) + i) % 50 for i in range(prompt_len)],
                   SamplingParams(max_tokens=max_tokens, temperature=0, **params))  # fmt: skip
     s.add(req)
     return req

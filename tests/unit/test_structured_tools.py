@@ -9,7 +9,7 @@ import pytest
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.model.gguf_file import read_gguf
-from tokenmill.model.loader import default_model_path
+from tokenmill.model.paths import default_model_path
 from tokenmill.model.tokenizer import load_tokenizer
 from tokenmill.server.tools import parse_tool_request
 from tokenmill.structured.grammar import GrammarCompiler

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.stats import EngineSnapshot
 from tokenmill.errors import EngineDeadError
 from tokenmill.sampling_params import SamplingParams
 
@@ -44,33 +45,27 @@ class RequestFailedError(RuntimeError):
     """The model step failed for this request (the engine and other requests go on)."""
 
 
-class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
-        self._wake = threading.Event()
-        self._stopped = threading.Event()
-        self._dead: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
-        self._thread.start()
+class StreamingFront:
+    """What both engine fronts share (the threaded ``AsyncEngine`` here, the process
+    client in core_client.py): one asyncio queue per request, filled from another
+    thread, and the rules of a stream: the caller's ``generate`` raises the engine's
+    InvalidRequestError before any output, leaving the loop early aborts the request,
+    and a dead engine fails every stream with EngineDeadError."""
 
-    # ------------------------------------------------------------- asyncio side
+    def __init__(self) -> None:
+        self._streams: dict[str, _Stream] = {}
+        self._dead: BaseException | None = None
 
     async def generate(
         self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, lora: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request; leaving the loop early aborts it."""
-        if self._dead is not None or self._stopped.is_set():
+        if self.is_dead:
             raise EngineDeadError("the engine loop is not running")
         loop = asyncio.get_running_loop()
-        grammar = None
-        if params.structured is not None:  # compiled here, off the step loop: a big schema stalls nobody
-            grammar = await asyncio.to_thread(self.engine.structured.compile, params.structured)
         stream = _Stream(loop, asyncio.Queue(), params.n)
         accepted: asyncio.Future = loop.create_future()
-        self._commands.put(("add", request_id, prompt, params, grammar, lora, stream, accepted))
-        self._wake.set()
+        await self._submit(request_id, prompt, params, lora, stream, accepted)
         try:
             await accepted  # raises the engine's InvalidRequestError for a bad request
         except asyncio.CancelledError:
@@ -94,6 +89,90 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    async def _submit(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, lora: str | None,
+                      stream: _Stream, accepted: asyncio.Future) -> None:  # fmt: skip
+        """Hand the request to the engine; resolve ``accepted`` once it is queued (or refused)."""
+        raise NotImplementedError
+
+    def abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    async def add_lora(self, name: str, path: str) -> None:
+        raise NotImplementedError
+
+    async def remove_lora(self, name: str) -> None:
+        raise NotImplementedError
+
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's gauges and counters (metrics, served adapters)."""
+        raise NotImplementedError
+
+    @property
+    def num_waiting(self) -> int:
+        raise NotImplementedError
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        raise NotImplementedError
+
+    @property
+    def death(self) -> BaseException | None:
+        """What killed the engine (None while it runs, and after a clean shutdown)."""
+        return self._dead
+
+    @property
+    def is_dead(self) -> bool:
+        return self._dead is not None
+
+    def _deliver(self, out: RequestOutput) -> bool:
+        """Hand one output to its stream (from the engine's thread); False when its
+        event loop has closed (the server is stopping: nobody reads it)."""
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return True
+        if out.finished:  # n > 1: the stream ends with the last of its sequences, whatever the step
+            stream.undelivered -= 1
+            if stream.undelivered == 0:
+                self._streams.pop(out.request_id, None)
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+        except RuntimeError:
+            self._streams.pop(out.request_id, None)
+            return False
+        return True
+
+    def _fail_all(self, error: BaseException, dead: bool = True) -> None:
+        """End every stream with EngineDeadError; ``dead``: the engine died of ``error``
+        (not a clean stop)."""
+        if dead:
+            self._dead = error
+        for rid, s in list(self._streams.items()):
+            try:
+                s.loop.call_soon_threadsafe(s.queue.put_nowait, EngineDeadError(f"engine loop died: {error}"))
+            except RuntimeError:
+                pass
+            self._streams.pop(rid, None)
+
+
+class AsyncEngine(StreamingFront):
+    """The engine loop on a thread of this process (the offline engine, driven for asyncio)."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__()
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
+        self._thread.start()
+
+    async def _submit(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, lora: str | None,
+                      stream: _Stream, accepted: asyncio.Future) -> None:  # fmt: skip
+        grammar = None
+        if params.structured is not None:  # compiled here, off the step loop: a big schema stalls nobody
+            grammar = await asyncio.to_thread(self.engine.structured.compile, params.structured)
+        self._commands.put(("add", request_id, prompt, params, grammar, lora, stream, accepted))
+        self._wake.set()
+
     async def add_lora(self, name: str, path: str) -> None:
         """Serve an adapter: read and checked in a worker thread, then handed to the loop
         thread, which owns the engine (requests keep running meanwhile)."""
@@ -116,10 +195,10 @@ class AsyncEngine:
     def is_dead(self) -> bool:
         return self._dead is not None or self._stopped.is_set()
 
-    @property
-    def death(self) -> BaseException | None:
-        """What killed the loop (None while it runs, and after a clean shutdown)."""
-        return self._dead
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's gauges now (read from another thread: each value is current, the
+        set is not one instant's)."""
+        return self.engine.snapshot()
 
     @property
     def num_waiting(self) -> int:
@@ -149,10 +228,7 @@ class AsyncEngine:
                     self._deliver(out)
         except BaseException as e:  # a bug in the loop itself: fail every stream
             logger.exception("engine loop died")
-            self._dead = e
-            for rid, s in list(self._streams.items()):
-                s.loop.call_soon_threadsafe(s.queue.put_nowait, EngineDeadError(f"engine loop died: {e}"))
-                self._streams.pop(rid, None)
+            self._fail_all(e)
 
     def _apply_commands(self) -> None:
         while True:
@@ -179,19 +255,11 @@ class AsyncEngine:
                 self.engine.abort(cmd[1])
                 self._streams.pop(cmd[1], None)
 
-    def _deliver(self, out: RequestOutput) -> None:
-        stream = self._streams.get(out.request_id)
-        if stream is None:
-            return
-        if out.finished:  # n > 1: the stream ends with the last of its sequences, whatever the step
-            stream.undelivered -= 1
-            if stream.undelivered == 0:
-                self._streams.pop(out.request_id, None)
-        try:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
-        except RuntimeError:  # its event loop has closed (the server is stopping): nobody reads it
-            self._streams.pop(out.request_id, None)
+    def _deliver(self, out: RequestOutput) -> bool:
+        if not super()._deliver(out):
             self.engine.abort(out.request_id)
+            return False
+        return True
 
 
 def _resolve(fut: asyncio.Future, error: BaseException | None) -> None:

@@ -1,13 +1,15 @@
 """Output processing in one place: detokenising, stop strings, logprobs, RequestOutput.
 
-The scheduler reports what each step did to each sequence (``SeqUpdate``: the tokens
-it kept, or why it ended); this module turns that into the user's view. It holds
-each sequence's append-only record (token ids, logprobs, the incremental
-detokenizer), so each step costs O(new tokens) and outputs carry deltas; the whole
-text is joined only when somebody reads it.
+The engine core reports what each step did to each sequence (``SeqDelta``: the tokens
+it kept, or why it ended, as plain data); this module turns that into the user's
+view. It holds each sequence's append-only record (token ids, logprobs, the
+incremental detokenizer, timings), so each step costs O(new tokens) and outputs carry
+deltas; the whole text is joined only when somebody reads it. It needs no engine
+state, so it runs wherever the user is: beside the core in ``Engine``, or in the API
+process when the core has a process of its own.
 
 A stop string is text, so it is found here; the sequence's tokens after the one that
-completed it are dropped, and the engine is told to end the request.
+completed it are dropped, and the caller tells the core to end the sequence.
 """
 
 from __future__ import annotations
@@ -16,16 +18,20 @@ import time
 from dataclasses import dataclass, field
 
 from tokenmill.engine.detokenizer import Decoder, IncrementalDetokenizer
-from tokenmill.engine.outputs import CompletionOutput, RequestOutput, TopLogprobs
-from tokenmill.engine.request import Request
-from tokenmill.engine.scheduler import SeqUpdate
+from tokenmill.engine.outputs import CompletionOutput, RequestOutput, RequestTimings, SeqDelta, TopLogprobs
+from tokenmill.sampling_params import SamplingParams
 
 
 @dataclass
 class SeqOutputState:
     """One sequence's output so far (a ``CompletionSource``)."""
 
+    request_id: str  # the user's (the sequence is completion `index` of it)
+    index: int
+    prompt: str | None
+    prompt_token_ids: list[int]
     detok: IncrementalDetokenizer
+    timings: RequestTimings = field(default_factory=RequestTimings)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float | None] | None = None
     top_logprobs: list[TopLogprobs] | None = None
@@ -40,36 +46,38 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._seqs: dict[str, SeqOutputState] = {}  # by sequence id
 
-    def add(self, req: Request) -> None:
-        p = req.params
-        detok = IncrementalDetokenizer(
-            self.tokenizer, req.prompt_token_ids, p.stop, p.include_stop_str_in_output, p.skip_special_tokens
-        )
+    def add(self, seq_id: str, request_id: str, index: int, prompt: str | None, prompt_ids: list[int],
+            params: SamplingParams) -> None:  # fmt: skip
+        """Follow a sequence (its arrival time is now)."""
+        p = params
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, p.stop, p.include_stop_str_in_output, p.skip_special_tokens)
         wants = p.logprobs is not None
-        self._seqs[req.request_id] = SeqOutputState(detok, logprobs=[] if wants else None, top_logprobs=[] if wants else None)
+        self._seqs[seq_id] = SeqOutputState(request_id, index, prompt, prompt_ids, detok,
+                                            logprobs=[] if wants else None, top_logprobs=[] if wants else None)  # fmt: skip
 
     def has_sequence(self, seq_id: str) -> bool:
         return seq_id in self._seqs
 
-    def process(self, updates: list[SeqUpdate]) -> tuple[list[RequestOutput], list[tuple[Request, str]]]:
-        """Outputs for the step's updates, and the sequences a stop string ended
-        (the caller tells the scheduler to finish them)."""
+    def process(self, deltas: list[SeqDelta]) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
+        """Outputs for the step's deltas, and the sequences a stop string ended, as
+        (sequence id, stop string): the caller tells the core to finish them."""
         now = time.perf_counter()
         outputs, stopped = [], []
-        for u in updates:
-            state = self._seqs.get(u.request.request_id)
-            if state is None:
+        for d in deltas:
+            state = self._seqs.get(d.seq_id)
+            if state is None:  # aborted, or already ended by a stop string
                 continue
-            new_ids = self._append(u, state, now)
-            if state.stop_string is not None and not u.request.finished:
-                stopped.append((u.request, state.stop_string))
-            outputs.append(self._output(u.request, state, new_ids, u.error, finished=u.request.finished or state.stop_string is not None))
+            state.timings.first_scheduled = state.timings.first_scheduled or d.first_scheduled
+            new_ids = self._append(d, state, now)
+            if state.stop_string is not None and d.finish_reason is None:
+                stopped.append((d.seq_id, state.stop_string))
+            outputs.append(self._output(d, state, new_ids, now))
         return outputs, stopped
 
-    def _append(self, u: SeqUpdate, state: SeqOutputState, now: float) -> list[int]:
-        req, timings = u.request, u.request.timings
+    def _append(self, d: SeqDelta, state: SeqOutputState, now: float) -> list[int]:
+        timings = state.timings
         new_ids = []
-        for t in u.new_tokens:
+        for t in d.new_tokens:
             state.token_ids.append(t.token_id)
             new_ids.append(t.token_id)
             timings.token_times.append(now)
@@ -77,7 +85,7 @@ class OutputProcessor:
             if state.logprobs is not None and state.top_logprobs is not None:
                 state.logprobs.append(t.logprob)
                 state.top_logprobs.append(t.top_logprobs)
-            if req.finished and req.stop_reason == t.token_id and t is u.new_tokens[-1]:
+            if d.finish_reason is not None and d.stop_reason == t.token_id and t is d.new_tokens[-1]:
                 break  # a stop token id: not detokenised into the text
             stop = state.detok.add_token(t.token_id)
             if stop is not None:
@@ -85,38 +93,38 @@ class OutputProcessor:
                 break
         return new_ids
 
-    def _output(
-        self, req: Request, state: SeqOutputState, new_ids: list[int], error: str | None, finished: bool
-    ) -> RequestOutput:
+    def _output(self, d: SeqDelta, state: SeqOutputState, new_ids: list[int], now: float) -> RequestOutput:
+        finished = d.finish_reason is not None or state.stop_string is not None
         if finished and state.stop_string is None:
             state.detok.flush()  # a stop string truncated the text already
         delta = state.detok.take_delta(finished)
         n = len(new_ids)
         completion = CompletionOutput(
-            index=req.index,
-            finish_reason="stop" if state.stop_string is not None else req.finish_reason,
-            stop_reason=state.stop_string if state.stop_string is not None else req.stop_reason,
+            index=state.index,
+            finish_reason="stop" if state.stop_string is not None else d.finish_reason,
+            stop_reason=state.stop_string if state.stop_string is not None else d.stop_reason,
             _source=state,
             _num_tokens=len(state.token_ids),
             _num_chars=state.detok.num_chars,
         )
         if finished:
-            self._seqs.pop(req.request_id, None)
+            state.timings.finished = now
+            del self._seqs[d.seq_id]
         return RequestOutput(
-            request_id=req.parent_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
             outputs=[completion],
             finished=finished,
-            timings=[req.timings],
+            timings=[state.timings],
             delta_text=delta,
             delta_token_ids=new_ids,
             delta_logprobs=None if state.logprobs is None else state.logprobs[len(state.logprobs) - n :],
             delta_top_logprobs=None if state.top_logprobs is None else state.top_logprobs[len(state.top_logprobs) - n :],
-            error=error,
-            num_cached_tokens=req.num_cached_prompt_tokens,
+            error=d.error,
+            num_cached_tokens=d.num_cached_tokens,
         )
 
-    def abort(self, req: Request) -> None:
+    def abort(self, seq_id: str) -> None:
         """Forget a sequence that ends without an output (aborted by its caller)."""
-        self._seqs.pop(req.request_id, None)
+        self._seqs.pop(seq_id, None)

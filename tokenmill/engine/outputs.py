@@ -9,12 +9,54 @@ O(new tokens) a step, and O(length) only for a caller who asks for the whole.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tokenmill.engine.request import RequestTimings
+from tokenmill.engine.model_input import SampledToken
 
 TopLogprobs = list[tuple[int, float]]
+
+
+@dataclass
+class RequestTimings:
+    """Wall-clock times (time.perf_counter seconds) of a request's life."""
+
+    arrival: float = field(default_factory=time.perf_counter)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first."""
+        if len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finished is None else self.finished - self.arrival
+
+
+@dataclass
+class SeqDelta:
+    """What one step did to one sequence, as plain data: the engine core's output, which
+    the output processor turns into the user's view (in the same process for the offline
+    ``LLM``, in the API process for ``tokenmill serve``)."""
+
+    seq_id: str
+    new_tokens: list[SampledToken] = field(default_factory=list)
+    finish_reason: str | None = None  # set once the core has ended the sequence
+    stop_reason: str | int | None = None
+    error: str | None = None
+    first_scheduled: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
 
 
 class CompletionSource(Protocol):

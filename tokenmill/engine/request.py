@@ -2,8 +2,8 @@
 
 Only the scheduler (and the KV manager it drives) changes it: ``status``,
 ``num_computed_tokens``, the tokens appended after each step, the blocks it holds;
-the engine and the output processor only stamp ``timings``. What a user sees (text,
-logprobs) is the output processor's; what the model needs per step is the runner's
+the engine core stamps ``first_scheduled``. What a user sees (text, logprobs,
+timings) is the output processor's; what the model needs per step is the runner's
 own copy, kept in step by the deltas ``RunnerSync`` builds (the block table itself
 knows how much of it the runner holds).
 """
@@ -11,7 +11,6 @@ knows how much of it the runner holds).
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,30 +24,10 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
-class RequestTimings:
-    """Wall-clock times (time.perf_counter seconds) of a request's life."""
-
-    arrival: float = field(default_factory=time.perf_counter)
-    first_scheduled: float | None = None
-    first_token: float | None = None
-    token_times: list[float] = field(default_factory=list)
-    finished: float | None = None
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token is None else self.first_token - self.arrival
-
-    @property
-    def tpot(self) -> float | None:
-        """Mean time per output token after the first."""
-        if len(self.token_times) < 2:
-            return None
-        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
-
-    @property
-    def e2e(self) -> float | None:
-        return None if self.finished is None else self.finished - self.arrival
+def sequence_ids(request_id: str, n: int) -> list[str]:
+    """The ids of a request's n sequences (the one place that names them: the engine core
+    and the output processor, in whichever process, must agree)."""
+    return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
 
 
 def token_slice(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:
@@ -62,7 +41,6 @@ def token_slice(prompt: list[int], output: list[int], start: int, end: int) -> l
 @dataclass
 class Request:
     request_id: str
-    prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)
@@ -83,7 +61,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or token id that ended it
-    timings: RequestTimings = field(default_factory=RequestTimings)
+    first_scheduled: float | None = None  # when a step first gave it tokens (time.perf_counter)
 
     def __post_init__(self) -> None:
         self.parent_id = self.parent_id or self.request_id

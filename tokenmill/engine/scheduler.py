@@ -30,7 +30,6 @@ runner is told each step is ``RunnerSync``'s (engine/runner_sync.py).
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -343,4 +342,3 @@ class Scheduler:
         self.runner_sync.forget(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
-        req.timings.finished = time.perf_counter()

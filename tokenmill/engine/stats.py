@@ -53,3 +53,26 @@ class SpecDecodeStats:
     def mean_accepted_length(self) -> float:
         """Tokens a verification step yields on average: accepted drafts plus the target's one."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's gauges and counters at one moment, as plain data: what a server's
+    /metrics, /v1/models and admission control read, whether the core runs in its
+    thread or in a process of its own (it travels with every message of the core's)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_preemptions: int = 0
+    num_step_retries: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    max_loras: int | None = None  # None: LoRA adapters are off
+    loras: dict[str, str] = field(default_factory=dict)  # served adapters: name -> path
+    lora_requests: dict[str, int] = field(default_factory=dict)  # requests per adapter since start
+    running_loras: list[str] = field(default_factory=list)
+    waiting_loras: list[str] = field(default_factory=list)

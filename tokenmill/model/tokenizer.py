@@ -255,4 +255,12 @@ def tokenizer_from_folder(path: Path) -> Tokenizer:
 
 
 def load_tokenizer(path: Path, metadata: dict[str, Any] | None = None) -> Tokenizer:
-    return tokenizer_from_folder(path) if path.is_dir() else tokenizer_from_gguf(metadata or {}, path)
+    """The tokenizer of a model file or folder; a GGUF's metadata is read here unless
+    given (the API process of ``tokenmill serve`` needs the tokenizer, not the weights)."""
+    if path.is_dir():
+        return tokenizer_from_folder(path)
+    if metadata is None:
+        from tokenmill.model.gguf_file import read_gguf
+
+        metadata, _ = read_gguf(path)
+    return tokenizer_from_gguf(metadata, path)

@@ -28,7 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill.config import ServerConfig
-from tokenmill.engine.async_engine import AsyncEngine, RequestFailedError
+from tokenmill.engine.async_engine import RequestFailedError, StreamingFront
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.errors import EngineDeadError, InvalidRequestError, TokenmillError
 from tokenmill.sampling_params import SamplingParams
@@ -71,7 +71,7 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
 class Served:
     """What the routes need: the engine front, tokenizer, limits, metrics."""
 
-    engine: AsyncEngine
+    engine: StreamingFront  # the engine loop: a thread here, or a process of its own
     tokenizer: Any
     max_model_len: int
     config: ServerConfig
@@ -81,10 +81,10 @@ class Served:
     drain_expired: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-def build_app(engine: AsyncEngine, tokenizer: Any, max_model_len: int, config: ServerConfig) -> FastAPI:
+def build_app(engine: StreamingFront, tokenizer: Any, max_model_len: int, config: ServerConfig) -> FastAPI:
     if config.served_model_name is None:  # `serve` names it after the model file; a bare app:
         config = replace(config, served_model_name="tokenmill")
-    metrics = ServerMetrics(engine.engine, config.served_model_name, alive=lambda: not engine.is_dead)
+    metrics = ServerMetrics(engine.snapshot, config.served_model_name, alive=lambda: not engine.is_dead)
     served = Served(engine, tokenizer, max_model_len, config, metrics)
     app = FastAPI(title="tokenmill", version="0.1")
     app.state.served = served
@@ -131,9 +131,9 @@ def build_app(engine: AsyncEngine, tokenizer: Any, max_model_len: int, config: S
     async def models() -> dict:
         card = {"id": config.served_model_name, "object": "model", "created": now(), "owned_by": "tokenmill",
                 "root": config.served_model_name, "parent": None, "max_model_len": max_model_len}  # fmt: skip
-        adapters = [{"id": name, "object": "model", "created": now(), "owned_by": "tokenmill", "root": info.path,
+        adapters = [{"id": name, "object": "model", "created": now(), "owned_by": "tokenmill", "root": path,
                      "parent": config.served_model_name, "max_model_len": max_model_len}
-                    for name, info in sorted(list(engine.engine.loras.items()))]  # fmt: skip
+                    for name, path in sorted(engine.snapshot().loras.items())]  # fmt: skip
         return {"object": "list", "data": [card, *adapters]}
 
     if config.allow_runtime_lora_updating:
@@ -142,7 +142,7 @@ def build_app(engine: AsyncEngine, tokenizer: Any, max_model_len: int, config: S
         async def load_lora_adapter(body: LoRAAdapterRequest) -> Response:
             if body.lora_path is None:
                 raise APIError(400, "lora_path is required", "lora_path")
-            if body.lora_name == config.served_model_name or body.lora_name in engine.engine.loras:
+            if body.lora_name == config.served_model_name or body.lora_name in engine.snapshot().loras:
                 raise APIError(400, f"a model named {body.lora_name!r} is already served", "lora_name")
             try:
                 await engine.add_lora(body.lora_name, body.lora_path)
@@ -152,7 +152,7 @@ def build_app(engine: AsyncEngine, tokenizer: Any, max_model_len: int, config: S
 
         @app.post("/v1/unload_lora_adapter")
         async def unload_lora_adapter(body: LoRAAdapterRequest) -> Response:
-            if body.lora_name not in engine.engine.loras:
+            if body.lora_name not in engine.snapshot().loras:
                 raise APIError(404, f"the LoRA adapter {body.lora_name!r} is not served", "lora_name")
             await engine.remove_lora(body.lora_name)
             return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", status_code=200)
@@ -244,9 +244,9 @@ def _check_model(served: Served, model: str | None) -> str | None:
     """The request's LoRA adapter (None: the base model); 404 for a model not served."""
     if model is None or model == served.config.served_model_name:
         return None
-    if model in served.engine.engine.loras:
+    if model in served.engine.snapshot().loras:
         return model
-    names = ", ".join([served.config.served_model_name, *sorted(served.engine.engine.loras)])
+    names = ", ".join([served.config.served_model_name, *sorted(served.engine.snapshot().loras)])
     raise APIError(404, f"the model `{model}` does not exist; this server serves {names}", "model")
 
 

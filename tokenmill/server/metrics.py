@@ -3,8 +3,9 @@ dashboards built for vLLM read them unchanged.
 
 Per-request histograms are observed by the server when a request ends, from the
 engine's own timings. Engine-wide gauges and counters (running, waiting, KV usage,
-preemptions, prefix cache, speculative tokens) are read from the engine at scrape
-time by a collector, so nothing polls. Each server has its own registry: no global
+preemptions, prefix cache, speculative tokens) are read from the engine's latest
+snapshot at scrape time by a collector, so nothing polls (with the core in its own
+process, the snapshot comes with each of its messages). Each server has its own registry: no global
 state.
 """
 
@@ -16,8 +17,8 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from tokenmill.engine.engine import Engine
 from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.stats import EngineSnapshot
 
 P = "tokenmill:"
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
@@ -28,13 +29,13 @@ TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 class EngineCollector:
     """Gauges and counters read from the engine when /metrics is scraped."""
 
-    def __init__(self, engine: Engine, model_name: str, alive: Callable[[], bool] = lambda: True) -> None:
-        self.engine = engine
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str, alive: Callable[[], bool] = lambda: True) -> None:
+        self.snapshot = snapshot
         self.labels = {"model_name": model_name}
         self.alive = alive
 
     def collect(self) -> Iterator[Metric]:
-        e = self.engine
+        e = self.snapshot()
         names = list(self.labels)
         values = list(self.labels.values())
 
@@ -55,29 +56,27 @@ class EngineCollector:
         yield counter("num_preemptions", "Cumulative preemptions.", e.num_preemptions)
         yield counter("num_step_retries", "Steps that failed as a batch and were re-run one request at a time.",
                       e.num_step_retries)  # fmt: skip
-        prefix = e.prefix_cache_stats
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", prefix.queries)
-        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", prefix.hits)
-        spec = e.spec_decode_stats
-        yield counter("spec_decode_num_drafts", "Speculative verification steps.", spec.num_drafts)
-        yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", spec.num_draft_tokens)
-        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens)
-        if e.config.max_loras is not None:
-            running, waiting = e.lora_usage
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", e.prefix_cache_queries)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", e.prefix_cache_hits)
+        yield counter("spec_decode_num_drafts", "Speculative verification steps.", e.spec_num_drafts)
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", e.spec_num_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", e.spec_num_accepted_tokens)
+        if e.max_loras is not None:
+            running, waiting = e.running_loras, e.waiting_loras
             info = GaugeMetricFamily(P + "lora_requests_info", "Running stats on LoRA requests (as vLLM's).",
                                      labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])  # fmt: skip
-            info.add_metric([",".join(running), ",".join(waiting), str(e.config.max_loras)], time.time())
+            info.add_metric([",".join(running), ",".join(waiting), str(e.max_loras)], time.time())
             yield info
             per = CounterMetricFamily(P + "lora_requests", "Requests per LoRA adapter.", labels=[*names, "lora_name"])
-            for name, count in sorted(dict(e.lora_requests).items()):
+            for name, count in sorted(e.lora_requests.items()):
                 per.add_metric([*values, name], count)
             yield per
 
 
 class ServerMetrics:
-    def __init__(self, engine: Engine, model_name: str, alive: Callable[[], bool] = lambda: True) -> None:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str, alive: Callable[[], bool] = lambda: True) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(engine, model_name, alive))
+        self.registry.register(EngineCollector(snapshot, model_name, alive))
         labels = ["model_name"]
         self.model_name = model_name
 

@@ -1,5 +1,11 @@
 """`tokenmill serve`: the engine loop, the app and uvicorn, with a graceful drain.
 
+Two processes by default (``--engine-core process``, vLLM v1's shape): this one is
+the API process (HTTP, JSON, tokenising, detokenising, SSE: core_client.py) and the
+engine core runs in its own (scheduler, KV blocks, model: core_loop.py), so neither
+waits on the other's GIL. ``--engine-core thread`` runs the engine loop on a thread
+here instead (and so does a server under torchrun, whose ranks are one process each).
+
 On SIGTERM (or Ctrl-C) uvicorn closes the listening socket at once, so nothing new
 is admitted, then waits up to ``--drain-timeout`` seconds for in-flight requests to
 finish. Streams still open then end with an error event and ``[DONE]``; what is left
@@ -15,17 +21,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import signal
 import sys
 from dataclasses import replace
+from pathlib import Path
 
-from tokenmill.args import server_config_from_namespace
-from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.args import engine_args_from_namespace, server_config_from_namespace
+from tokenmill.config import ServerConfig
+from tokenmill.distributed.env import under_torchrun
+from tokenmill.engine.async_engine import AsyncEngine, StreamingFront
 from tokenmill.server.app import build_app
 
 
-async def _stop_when_dead(server, engine: AsyncEngine, grace: float = 0.5) -> None:
+async def _stop_when_dead(server, engine: StreamingFront, grace: float = 0.5) -> None:
     while engine.death is None:
         await asyncio.sleep(0.1)
     await asyncio.sleep(grace)  # let the requests in flight send their 503
@@ -40,16 +50,31 @@ async def _expire_streams(server, drain_expired: asyncio.Event, drain_timeout: f
     drain_expired.set()
 
 
-def serve(llm, args: argparse.Namespace) -> int:
+def _start_engine(args: argparse.Namespace, config: ServerConfig):
+    """The engine front, the tokenizer, the context length, the model's path, and how to
+    release what was started."""
+    engine_args = engine_args_from_namespace(args)
+    if config.engine_core == "process" and not under_torchrun():
+        from tokenmill.core_process import run_engine_core
+        from tokenmill.engine.core_client import AsyncCoreClient
+        from tokenmill.model.paths import resolve_model_path
+        from tokenmill.model.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(resolve_model_path(engine_args.load.model))
+        client = AsyncCoreClient(functools.partial(run_engine_core, engine_args), tokenizer)
+        return client, tokenizer, client.info["max_model_len"], Path(client.info["model_path"]), lambda: None
+    from tokenmill.llm import LLM
+
+    llm = LLM(args=engine_args)
+    return AsyncEngine(llm.engine), llm.tokenizer, llm.max_model_len, llm.model_path, llm.close
+
+
+def _run_server(engine: StreamingFront, tokenizer, max_model_len: int, path: Path, config: ServerConfig) -> None:
     import uvicorn
 
-    config = server_config_from_namespace(args)
-    path = llm.model_path
     name = config.served_model_name or (path.stem if path.is_file() else path.name)
     config = replace(config, served_model_name=name)
-    engine = AsyncEngine(llm.engine)
-    app = build_app(engine, llm.tokenizer, llm.max_model_len, config)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    app = build_app(engine, tokenizer, max_model_len, config)
     print(f"tokenmill: serving {name} on http://{config.host}:{config.port}/v1", file=sys.stderr, flush=True)
     # uvicorn waits a little longer than the drain timeout, so that at the timeout our
     # open streams can still send their error event and [DONE] before it closes them.
@@ -70,11 +95,18 @@ def serve(llm, args: argparse.Namespace) -> int:
             for w in watchers:
                 w.cancel()
 
-    try:
-        asyncio.run(run())
+    asyncio.run(run())
+
+
+def serve(args: argparse.Namespace) -> int:
+    config = server_config_from_namespace(args)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    engine, tokenizer, max_model_len, path, close = _start_engine(args, config)
+    try:  # from here on the engine (perhaps a process) is stopped however this ends
+        _run_server(engine, tokenizer, max_model_len, path, config)
     finally:
         engine.shutdown()
-        llm.close()
+        close()
     if engine.death is not None:
         print(f"tokenmill: the engine died ({engine.death}); server stopped", file=sys.stderr, flush=True)
         return 1

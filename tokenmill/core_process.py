@@ -1,0 +1,35 @@
+"""The engine-core process of ``tokenmill serve``: loads the model, runs the core loop.
+
+Started by the API process (``AsyncCoreClient``, spawn) with the engine options; it
+builds an ``EngineCore`` over the model (factory.build_engine) and serves it over the
+pipe (engine/core_loop.py). Ctrl-C and SIGTERM are the API process's to handle: it
+drains, then tells this one to stop; a closed pipe (the API process died) stops it too.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from multiprocessing.connection import Connection
+
+from tokenmill.config import EngineArgs
+
+
+def run_engine_core(args: EngineArgs, conn: Connection) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s (engine core): %(message)s")
+
+    def build():
+        from tokenmill.engine.core import EngineCore
+        from tokenmill.factory import build_engine
+
+        parts = build_engine(args, progress=False, engine_class=EngineCore)
+        info = {"max_model_len": parts.max_model_len, "num_blocks": parts.num_blocks,
+                "block_size": args.cache.block_size, "model_path": str(parts.model_path)}  # fmt: skip
+        return parts.engine, info, parts.runner.close
+
+    from tokenmill.engine.core_loop import serve_core
+
+    sys.exit(serve_core(build, conn))

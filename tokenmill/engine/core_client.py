@@ -1,0 +1,259 @@
+"""AsyncCoreClient: the API process's side of an engine core in its own process.
+
+The core process (core_loop.py) schedules and computes; this side does what is about
+text and users: it registers each request's sequences with its own output processor
+(detokenising, stop strings, logprobs, timings), sends the request as token ids, and
+a reader thread turns each step's deltas into ``RequestOutput``s for the asyncio
+streams. A stop string found here ends the sequence in the core with a "stop"
+message. The core's gauges arrive with every message (``snapshot()``), so /metrics
+never waits on the core.
+
+    client = AsyncCoreClient(functools.partial(run_engine_core, args), tokenizer)
+    async for out in client.generate("id-1", ids, SamplingParams(max_tokens=8)): ...
+
+If the core process dies (or fails at start), every stream ends with EngineDeadError
+and ``death`` says why; ``shutdown()`` stops it cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tokenmill.engine.async_engine import StreamingFront, _resolve, _Stream
+from tokenmill.engine.detokenizer import Decoder
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.request import sequence_ids
+from tokenmill.engine.stats import EngineSnapshot
+from tokenmill.engine.wire import (
+    delta_from_wire,
+    error_from_wire,
+    pack,
+    params_to_wire,
+    snapshot_from_wire,
+    unpack,
+)
+from tokenmill.errors import EngineDeadError, InvalidRequestError, TokenmillError
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class Tokenizer(Decoder):
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+
+class AsyncCoreClient(StreamingFront):
+    def __init__(self, target: Callable[[Any], None], tokenizer: Tokenizer, start_timeout: float | None = None) -> None:
+        """Start the core process: ``target(conn)`` runs in it (spawned: a fresh
+        interpreter, so no thread or lock of this process is inherited), and this waits
+        until it says ready; a core that fails to start raises its error here."""
+        super().__init__()
+        self.tokenizer = tokenizer
+        self.outputs = OutputProcessor(tokenizer)
+        self._lock = threading.Lock()  # outputs, streams and the pipe's sending end: asyncio and reader threads
+        self._seq_ids: dict[str, list[str]] = {}  # request id -> its sequences, while it streams
+        self._accepting: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._call_ids = itertools.count()
+        self._snapshot = EngineSnapshot()
+        self._stopping = False
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=target, args=(child,), name="tokenmill-engine-core")
+        self.process.start()
+        child.close()
+        try:
+            self.info = self._wait_ready(start_timeout)
+        except BaseException:  # a failed start, or Ctrl-C meanwhile: leave no process behind
+            if self.process.is_alive():
+                self.process.kill()
+            self.process.join(5)
+            self._conn.close()
+            raise
+        self._reader = threading.Thread(target=self._read, name="tokenmill-core-reader", daemon=True)
+        self._reader.start()
+
+    def _wait_ready(self, timeout: float | None) -> dict:
+        if not self._conn.poll(timeout):
+            raise TokenmillError(f"the engine core did not start within {timeout} s")
+        try:
+            msg = unpack(self._conn.recv_bytes())
+        except (EOFError, OSError):
+            self.process.join(5)
+            raise TokenmillError(f"the engine core process exited at start (exit code {self.process.exitcode})") from None
+        if msg[0] == "failed":
+            self.process.join(10)
+            raise error_from_wire(msg[2]) if msg[2].get("user") else TokenmillError(f"the engine core failed: {msg[1]}")
+        self._snapshot = snapshot_from_wire(msg[2])
+        return msg[1]
+
+    # ------------------------------------------------------------- asyncio side
+
+    async def _submit(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, lora: str | None,
+                      stream: _Stream, accepted: asyncio.Future) -> None:  # fmt: skip
+        if isinstance(prompt, str):
+            text, ids = prompt, await asyncio.to_thread(self.tokenizer.encode, prompt)
+        else:
+            text, ids = None, list(prompt)
+        seq_ids = sequence_ids(request_id, params.n)
+        with self._lock:
+            if request_id in self._seq_ids:
+                raise InvalidRequestError(f"duplicate request id {request_id!r}")
+            for i, sid in enumerate(seq_ids):  # before the core can answer: no delta finds nobody
+                self.outputs.add(sid, request_id, i, text, ids, params)
+            self._seq_ids[request_id] = seq_ids
+            self._streams[request_id] = stream
+            self._accepting[request_id] = (stream.loop, accepted)
+            try:
+                self._send(["add", request_id, ids, params_to_wire(params), lora])
+            except EngineDeadError:
+                self._forget(request_id)
+                raise
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._forget(request_id)
+            if not self.is_dead:
+                try:
+                    self._send(["abort", request_id])
+                except EngineDeadError:  # nothing left to abort
+                    pass
+
+    def _forget(self, request_id: str) -> None:
+        """Stop following a request (the caller holds the lock)."""
+        self._streams.pop(request_id, None)
+        self._accepting.pop(request_id, None)
+        for sid in self._seq_ids.pop(request_id, ()):
+            self.outputs.abort(sid)
+
+    async def add_lora(self, name: str, path: str) -> None:
+        """Serve an adapter: read and checked by the core off its step loop."""
+        await self._call("add_lora", [name, path])
+
+    async def remove_lora(self, name: str) -> None:
+        await self._call("remove_lora", [name])
+
+    async def _call(self, method: str, args: list) -> None:
+        if self.is_dead:
+            raise EngineDeadError("the engine loop is not running")
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        with self._lock:
+            call_id = next(self._call_ids)
+            self._calls[call_id] = (loop, done)
+            try:
+                self._send(["call", call_id, method, args])
+            except EngineDeadError:
+                del self._calls[call_id]
+                raise
+        await done
+
+    def snapshot(self) -> EngineSnapshot:
+        """The core's gauges as of its latest message."""
+        return self._snapshot
+
+    @property
+    def is_dead(self) -> bool:
+        return self._dead is not None or self._stopping
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences queued and not yet running, counting those still on their way."""
+        with self._lock:
+            on_the_way = len(self._accepting)
+        return self._snapshot.num_waiting + on_the_way
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Stop the core process (it finishes its step, frees everything, exits)."""
+        with self._lock:
+            self._stopping = True
+            if self.process.is_alive():
+                try:
+                    self._send(["shutdown"])
+                except EngineDeadError:
+                    pass
+        self.process.join(timeout)
+        if self.process.is_alive():
+            logger.warning("the engine core did not stop within %s s; killing it", timeout)
+            self.process.kill()
+            self.process.join(5)
+        self._reader.join(timeout)
+        self._conn.close()
+
+    def _send(self, msg: list) -> None:
+        """Send to the core (the caller holds the lock); a core gone meanwhile is EngineDeadError."""
+        try:
+            self._conn.send_bytes(pack(msg))
+        except OSError as e:
+            raise EngineDeadError(f"the engine core process is gone ({type(e).__name__})") from None
+
+    # ------------------------------------------------------------- reader thread
+
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = unpack(self._conn.recv_bytes())
+                kind = msg[0]
+                if kind == "dead":
+                    raise EngineDeadError(msg[1])
+                self._snapshot = snapshot_from_wire(msg[-1])
+                if kind == "out":
+                    self._on_outputs(msg[1])
+                elif kind == "accepted":
+                    self._settle(self._accepting, msg[1], None)
+                elif kind == "rejected":
+                    self._settle(self._accepting, msg[1], error_from_wire(msg[2]))
+                    with self._lock:
+                        self._forget(msg[1])
+                elif kind == "reply":
+                    self._settle(self._calls, msg[1], None if msg[2] is None else error_from_wire(msg[2]))
+        except (EOFError, OSError):
+            if self._stopping:  # a clean stop: what still streams ends, nobody died
+                self._fail_all(EngineDeadError("the engine was shut down"), dead=False)
+                return
+            self.process.join(2)
+            self._fail_all(EngineDeadError(f"the engine core process died (exit code {self.process.exitcode})"))
+        except BaseException as e:  # noqa: BLE001 - the core said it died, or this thread failed
+            logger.error("engine core: %s", e)
+            self._fail_all(e if isinstance(e, EngineDeadError) else EngineDeadError(f"{type(e).__name__}: {e}"))
+
+    def _on_outputs(self, wire_deltas: list) -> None:
+        with self._lock:
+            outputs, stopped = self.outputs.process([delta_from_wire(w) for w in wire_deltas])
+            for seq_id, stop_string in stopped:
+                self._send(["stop", seq_id, stop_string])
+            for out in outputs:
+                if not self._deliver(out):  # its event loop has closed: nobody reads it
+                    self._forget(out.request_id)
+                    self._send(["abort", out.request_id])
+                elif out.finished and out.request_id not in self._streams:  # its last sequence ended
+                    self._seq_ids.pop(out.request_id, None)
+
+    def _settle(self, waiting: dict, key: Any, error: BaseException | None) -> None:
+        with self._lock:
+            entry = waiting.pop(key, None)
+        if entry is not None:
+            loop, fut = entry
+            try:
+                loop.call_soon_threadsafe(_resolve, fut, error)
+            except RuntimeError:  # its event loop has closed
+                pass
+
+    def _fail_all(self, error: BaseException, dead: bool = True) -> None:
+        with self._lock:
+            pending = list(self._accepting.items()) + list(self._calls.items())
+            self._accepting.clear()
+            self._calls.clear()
+            self._seq_ids.clear()
+            super()._fail_all(error, dead)
+        for _, (loop, fut) in pending:
+            try:
+                loop.call_soon_threadsafe(_resolve, fut, error)
+            except RuntimeError:
+                pass

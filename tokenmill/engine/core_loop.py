@@ -1,0 +1,195 @@
+"""The engine core's loop in its own process: commands in, one message per step out.
+
+The process owns the ``EngineCore`` (scheduler, KV blocks, runner) and nothing else:
+no HTTP, no JSON, no text. Each turn it applies every command waiting on the pipe,
+starts what finished compiling, runs one step if anything is unfinished, and sends
+that step's deltas with a snapshot of the engine's gauges. Idle, it blocks on the
+pipe (no polling). Grammars and LoRA adapters are prepared by a worker thread, so a
+big schema or a slow disk never stalls the steps of other requests.
+
+The pipe carries msgpack (engine/wire.py). It closing means the API process is gone:
+the loop ends, and so does the process.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from tokenmill.engine.core import EngineCore
+from tokenmill.engine.wire import (
+    delta_to_wire,
+    error_to_wire,
+    pack,
+    params_from_wire,
+    snapshot_to_wire,
+    unpack,
+)
+from tokenmill.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+IDLE_POLL_S = 0.01  # how often an idle loop looks at work prepared by its thread
+
+
+@dataclass
+class _Pending:
+    """Work prepared off the loop (a grammar compiled, an adapter read), applied on it."""
+
+    future: Future
+    apply: Callable[[Any], None]  # with the prepared value, on the loop
+    fail: Callable[[BaseException], None]
+    request_id: str | None = None  # an add: an abort meanwhile drops it
+
+
+class CoreLoop:
+    def __init__(self, core: EngineCore, conn: Connection) -> None:
+        self.core = core
+        self.conn = conn
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-prepare")
+        self.pending: list[_Pending] = []
+        self.running = True
+
+    def send(self, *msg: Any) -> None:
+        self.conn.send_bytes(pack(list(msg)))
+
+    def snapshot(self) -> dict:
+        return snapshot_to_wire(self.core.snapshot())
+
+    def run(self) -> None:
+        try:
+            while self.running:
+                busy = self.core.has_unfinished()
+                changed = self._apply_commands(block=not busy and not self.pending)
+                changed |= self._apply_prepared()
+                if self.core.has_unfinished():
+                    deltas = self.core.run_step()
+                    self.send("out", [delta_to_wire(d) for d in deltas], self.snapshot())
+                elif changed:
+                    self.send("stats", self.snapshot())
+        except (EOFError, OSError):  # the API process is gone: nobody to serve
+            logger.info("engine core: the API process closed the pipe; stopping")
+        except BaseException as e:
+            logger.exception("engine core loop died")
+            try:
+                self.send("dead", f"{type(e).__name__}: {e}")
+            except OSError:
+                pass
+            raise
+        finally:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ commands
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply every command waiting (blocking for the first one when idle)."""
+        timeout = None if block else 0.0
+        if block and self.pending:
+            timeout = IDLE_POLL_S
+        changed = False
+        while self.running and self.conn.poll(timeout):
+            self._command(unpack(self.conn.recv_bytes()))
+            changed = True
+            timeout = 0.0
+        return changed
+
+    def _command(self, msg: list) -> None:
+        kind = msg[0]
+        if kind == "add":
+            _, rid, prompt_ids, params, lora = msg
+            self._add(rid, prompt_ids, params, lora)
+        elif kind == "abort":
+            self.pending = [p for p in self.pending if p.request_id != msg[1]]
+            self.core.abort(msg[1])
+        elif kind == "stop":
+            self.core.finish_stopped(msg[1], msg[2])
+        elif kind == "call":
+            self._call(msg[1], msg[2], msg[3])
+        elif kind == "shutdown":
+            self.running = False
+        else:
+            raise ValueError(f"unknown engine-core command {kind!r}")
+
+    def _add(self, rid: str, prompt_ids: list[int], params_wire: dict, lora: str | None) -> None:
+        try:
+            params = params_from_wire(params_wire)
+        except InvalidRequestError as e:
+            self.send("rejected", rid, error_to_wire(e), self.snapshot())
+            return
+
+        def add(grammar: Any) -> None:
+            try:
+                self.core.add_request(rid, prompt_ids, params, grammar=grammar, lora=lora)
+            except Exception as e:  # noqa: BLE001 - a bad request: its caller gets the error
+                self.send("rejected", rid, error_to_wire(e), self.snapshot())
+                return
+            self.send("accepted", rid, self.snapshot())
+
+        if params.structured is None:
+            add(None)
+            return
+        future = self.pool.submit(self.core.structured.compile, params.structured)
+
+        def fail(e: BaseException) -> None:
+            self.send("rejected", rid, error_to_wire(e), self.snapshot())
+
+        self.pending.append(_Pending(future, add, fail, rid))
+
+    def _call(self, call_id: int, method: str, args: list) -> None:
+        def reply(error: BaseException | None = None) -> None:
+            self.send("reply", call_id, None if error is None else error_to_wire(error), self.snapshot())
+
+        try:
+            if method == "add_lora":
+                name, path = args
+                future = self.pool.submit(self.core.load_lora, name, path)
+                self.pending.append(_Pending(future, lambda loaded: (self.core.add_lora(name, path, loaded), reply()),
+                                             reply))  # fmt: skip
+                return
+            if method == "remove_lora":
+                self.core.remove_lora(args[0])
+            else:
+                raise ValueError(f"unknown engine-core call {method!r}")
+        except Exception as e:  # noqa: BLE001 - handed to the caller
+            reply(e)
+            return
+        reply()
+
+    def _apply_prepared(self) -> bool:
+        done = [p for p in self.pending if p.future.done()]
+        if not done:
+            return False
+        self.pending = [p for p in self.pending if not p.future.done()]
+        for p in done:
+            error = p.future.exception()
+            if error is not None:
+                p.fail(error)
+                continue
+            try:
+                p.apply(p.future.result())
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                p.fail(e)
+        return True
+
+
+def serve_core(build: Callable[[], tuple[EngineCore, dict, Callable[[], None]]], conn: Connection) -> int:
+    """The body of the engine-core process: build the core (``build`` returns it, what
+    the API process should know of it, and how to release it), say ready, loop."""
+    try:
+        core, info, close = build()
+    except BaseException as e:  # noqa: BLE001 - the API process reports it and exits
+        conn.send_bytes(pack(["failed", str(e) or type(e).__name__, error_to_wire(e)]))
+        return 1
+    try:
+        conn.send_bytes(pack(["ready", info, snapshot_to_wire(core.snapshot())]))
+        CoreLoop(core, conn).run()
+        return 0
+    except BaseException:  # noqa: BLE001 - logged and sent by the loop
+        return 1
+    finally:
+        close()
+        conn.close()
+

@@ -1,0 +1,106 @@
+"""The messages between the API process and the engine-core process, as msgpack.
+
+Only plain values cross (strings, numbers, lists, maps): never a pickled object, so
+a message means the same on both sides whatever either has imported, and decoding
+one cannot run code. Each message is a list whose first item names it:
+
+    API -> core   ["add", request_id, prompt_ids, params, lora]
+                  ["abort", request_id]
+                  ["stop", seq_id, stop_string]          (the API found a stop string)
+                  ["call", call_id, method, args]        (add_lora / remove_lora)
+                  ["shutdown"]
+    core -> API   ["ready", info, snapshot] | ["failed", message, error]  (once, at start)
+                  ["accepted", request_id, snapshot] | ["rejected", request_id, error, snapshot]
+                  ["out", deltas, snapshot]              (one per step)
+                  ["reply", call_id, error | None, snapshot]
+                  ["stats", snapshot]                    (after commands that changed it)
+                  ["dead", message]                      (the loop failed: nothing more follows)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import msgpack
+
+from tokenmill.engine.model_input import SampledToken
+from tokenmill.engine.outputs import SeqDelta
+from tokenmill.engine.stats import EngineSnapshot
+from tokenmill.errors import EngineDeadError, InvalidRequestError, TokenmillError
+from tokenmill.sampling_params import SamplingParams
+
+
+def pack(msg: list[Any]) -> bytes:
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def unpack(data: bytes) -> list[Any]:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+# ------------------------------------------------------------------- requests
+
+
+def params_to_wire(p: SamplingParams) -> dict[str, Any]:
+    d = dataclasses.asdict(p)  # the structured spec becomes a map of its fields
+    if d["structured"] is not None:
+        d["structured"] = {k: v for k, v in d["structured"].items() if v not in (None, False)}
+    return d
+
+
+def params_from_wire(d: dict[str, Any]) -> SamplingParams:
+    """Validated again on the way in (an unknown field is an error, never dropped)."""
+    try:
+        return SamplingParams(**d)
+    except TypeError as e:
+        raise InvalidRequestError(f"bad sampling parameters: {e}") from e
+
+
+# -------------------------------------------------------------------- outputs
+
+
+def delta_to_wire(d: SeqDelta) -> list[Any]:
+    toks = d.new_tokens
+    logprobs = [t.logprob for t in toks] if toks and toks[0].logprob is not None else None
+    tops = [t.top_logprobs for t in toks] if logprobs is not None else None
+    return [d.seq_id, [t.token_id for t in toks], logprobs, tops, d.finish_reason, d.stop_reason, d.error,
+            d.first_scheduled, d.num_cached_tokens]  # fmt: skip
+
+
+def delta_from_wire(w: list[Any]) -> SeqDelta:
+    seq_id, ids, logprobs, tops, finish_reason, stop_reason, error, first_scheduled, num_cached = w
+    if logprobs is None:
+        toks = [SampledToken(t) for t in ids]
+    else:
+        toks = [SampledToken(t, lp, [(a, b) for a, b in top]) for t, lp, top in zip(ids, logprobs, tops, strict=True)]
+    return SeqDelta(seq_id, toks, finish_reason, stop_reason, error, first_scheduled, num_cached)
+
+
+def snapshot_to_wire(s: EngineSnapshot) -> dict[str, Any]:
+    return dataclasses.asdict(s)
+
+
+def snapshot_from_wire(d: dict[str, Any]) -> EngineSnapshot:
+    return EngineSnapshot(**d)
+
+
+# --------------------------------------------------------------------- errors
+
+def error_to_wire(e: BaseException) -> dict[str, Any]:
+    return {"type": type(e).__name__, "message": str(e), "param": getattr(e, "param", None),
+            "user": isinstance(e, TokenmillError)}  # fmt: skip
+
+
+def error_from_wire(d: dict[str, Any]) -> Exception:
+    """The core's error as the API process raises it: a request's fault stays an
+    InvalidRequestError (a 400 naming its parameter), another user-facing error (a bad
+    adapter: LoRAError) a TokenmillError with the core's message, anything else a
+    RuntimeError."""
+    if d["type"] == "InvalidRequestError":
+        return InvalidRequestError(d["message"], param=d.get("param"))
+    if d["type"] == "EngineDeadError":
+        return EngineDeadError(d["message"])
+    if d.get("user"):
+        return TokenmillError(d["message"])
+    return RuntimeError(f"{d['type']}: {d['message']}")
