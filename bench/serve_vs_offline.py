@@ -1,14 +1,17 @@
 """Serving vs offline on the same requests: how much does the server cost?
 
-For each concurrency C: the offline ``LLM.generate`` runs the workload with
-``max_num_seqs=C`` (the scheduler never holds more than C sequences, as a client
-that keeps C requests in flight), then ``tokenmill serve`` (same engine options)
-takes the same requests from ``tokenmill bench serve --max-concurrency C``. Both
-generate exactly ``max_tokens`` per request (greedy, ``ignore_eos``), so output
-tokens/s compare directly; the ratio serve/offline is the figure, measured in one
-run on one machine. TTFT and ITL p99 come from the streaming client.
+For each concurrency C and each round: the offline ``LLM.generate`` runs the
+workload with ``max_num_seqs=C`` (the scheduler never holds more than C sequences, as
+a client that keeps C requests in flight), then ``tokenmill serve`` (same engine
+options) takes the same requests from ``tokenmill bench serve --max-concurrency C``,
+once per ``--modes`` entry (``process``: the engine core in its own process;
+``thread``: the engine loop on a thread of the API process, the shape before the
+split). Everything generates exactly ``max_tokens`` per request (greedy,
+``ignore_eos``), so output tokens/s compare directly. Rounds alternate the runs (the
+machine is shared and noisy); the table gives medians, and serve/offline ratios
+within a round. TTFT and ITL come from the streaming client.
 
-    python bench/serve_vs_offline.py --num-prompts 64 --concurrency 16,64 --out bench/results/serve_vs_offline.json
+    python bench/serve_vs_offline.py --num-prompts 64 --concurrency 16,64 --rounds 3 --out bench/results/serve_vs_offline.json
 """
 
 from __future__ import annotations
@@ -96,40 +99,56 @@ def served(dataset: Path, n: int, concurrency: int, port: int, extra: list[str],
     return run
 
 
+def median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--concurrency", default="16,64")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--modes", default="process,thread", help="engine-core modes of the server to measure")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--port", type=int, default=8131)
-    ap.add_argument("--serve-args", default="", help="extra flags for tokenmill serve (e.g. --engine-core thread)")
-    ap.add_argument("--label", default="", help="names this run in the output (e.g. before / after)")
+    ap.add_argument("--label", default="", help="names this run in the output")
     ap.add_argument("--out", default="bench/results/serve_vs_offline.json")
     args = ap.parse_args()
     reqs = synthetic("mixed", args.num_prompts, args.seed)
     tmp = Path(tempfile.mkdtemp(prefix="serve_vs_offline_"))
     dataset = tmp / "mixed.jsonl"
     dataset.write_text("".join(json.dumps(r) + "\n" for r in reqs))
-    rows = []
+    modes = args.modes.split(",")
+    rounds = []
     for c in [int(x) for x in args.concurrency.split(",")]:
-        off = offline(reqs, c)
-        srv = served(dataset, args.num_prompts, c, args.port, args.serve_args.split(), tmp)
-        row = {"concurrency": c, "offline_tok_s": off["output_token_throughput"],
-               "serve_tok_s": srv["output_token_throughput"], "completed": srv["completed"], "failed": srv["failed"],
-               "ttft_p50_s": srv["ttft_s"]["p50"], "ttft_p99_s": srv["ttft_s"]["p99"],
-               "itl_p50_s": srv["itl_s"]["p50"], "itl_p99_s": srv["itl_s"]["p99"]}  # fmt: skip
-        row["serve_over_offline"] = row["serve_tok_s"] / row["offline_tok_s"]
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        for r in range(args.rounds):
+            row = {"concurrency": c, "round": r, "offline_tok_s": offline(reqs, c)["output_token_throughput"]}
+            for mode in modes:
+                srv = served(dataset, args.num_prompts, c, args.port, ["--engine-core", mode], tmp)
+                row[mode] = {"tok_s": srv["output_token_throughput"], "failed": srv["failed"],
+                             "ttft_p50_s": srv["ttft_s"]["p50"], "ttft_p99_s": srv["ttft_s"]["p99"],
+                             "itl_p50_s": srv["itl_s"]["p50"], "itl_p99_s": srv["itl_s"]["p99"],
+                             "over_offline": srv["output_token_throughput"] / row["offline_tok_s"]}  # fmt: skip
+            rounds.append(row)
+            print(json.dumps(row), flush=True)
     result = {"label": args.label, "cpu": cpu_name(), "cores": os.cpu_count(), "num_prompts": args.num_prompts,
-              "serve_args": args.serve_args, "rows": rows, "command": " ".join(sys.argv)}  # fmt: skip
+              "rounds": rounds, "command": " ".join(sys.argv)}  # fmt: skip
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
-    print(f"| C | offline tok/s | serve tok/s | serve/offline | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) |  [{args.label}, {cpu_name()}]")
-    for r in rows:
-        print(f"| {r['concurrency']} | {r['offline_tok_s']:.1f} | {r['serve_tok_s']:.1f} | {r['serve_over_offline']:.2f} | "
-              f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} | {r['itl_p50_s'] * 1000:.0f} / {r['itl_p99_s'] * 1000:.0f} |")
+    print(f"\n{cpu_name()}, {os.cpu_count()} cores, {args.num_prompts} mixed requests, medians of {args.rounds} rounds")
+    print("| C | server | offline tok/s | serve tok/s | serve/offline | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) |")
+    print("|---|---|---|---|---|---|---|")
+    for c in dict.fromkeys(r["concurrency"] for r in rounds):
+        rs = [r for r in rounds if r["concurrency"] == c]
+        for mode in modes:
+            def m(key: str, rs=rs, mode=mode) -> float:
+                return median([r[mode][key] for r in rs])
+
+            print(f"| {c} | {mode} | {median([r['offline_tok_s'] for r in rs]):.1f} | {m('tok_s'):.1f} | "
+                  f"{m('over_offline'):.2f} | {m('ttft_p50_s'):.2f} / {m('ttft_p99_s'):.2f} | "
+                  f"{m('itl_p50_s') * 1000:.0f} / {m('itl_p99_s') * 1000:.0f} |")
     return 0
 
 

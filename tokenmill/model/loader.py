@@ -25,15 +25,11 @@ import torch
 
 from tokenmill.config import ModelConfig, RopeScaling
 from tokenmill.errors import ModelLoadError
+from tokenmill.model.families import Family, family_named, gguf_family, hf_family, window_if_shorter
 from tokenmill.model.gguf_file import read_gguf
 from tokenmill.model.paths import resolve_model_path
 from tokenmill.quant.packed import NATIVE_GGUF_TYPES, PackedWeight
 
-SUPPORTED_ARCHITECTURES = ("gemma2", "gemma3_text", "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3")
-GGUF_ARCHITECTURES = ("gemma2", "gemma3", "llama", "mistral", "phi3", "qwen2", "qwen3")  # Mixtral's GGUFs say llama
-GEMMA = ("gemma2", "gemma3_text", "gemma3")  # HF norms stored as w - 1 (transformers multiplies by 1 + w)
-# llama.cpp permutes the Q/K rows of these architectures when it writes a GGUF (not Qwen's).
-_PERMUTED_QK = ("llama", "mistral")
 # GGML tensor types we dequantise at load (gguf.quants implements each).
 SUPPORTED_GGUF_TYPES = (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
@@ -96,8 +92,7 @@ def load_checkpoint(
 
 def gguf_config(metadata: dict[str, Any], tensor_names: set[str], path: Path) -> ModelConfig:
     arch = metadata.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ModelLoadError(f"unsupported architecture {arch!r} in {path}; supported: {', '.join(GGUF_ARCHITECTURES)}")
+    family = gguf_family(arch, path)
 
     def key(name: str, default: Any = None) -> Any:
         return metadata.get(f"{arch}.{name}", default)
@@ -112,8 +107,7 @@ def gguf_config(metadata: dict[str, Any], tensor_names: set[str], path: Path) ->
     elif scaling_type not in (None, "none"):
         raise ModelLoadError(f"unsupported RoPE scaling type {scaling_type!r} in {path}")
     context = int(key("context_length", 2048))
-    gemma = _gemma_gguf(arch, key, hidden, heads, context) if arch in GEMMA else {}
-    return ModelConfig(**gemma,
+    fields = dict(
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
@@ -129,56 +123,18 @@ def gguf_config(metadata: dict[str, Any], tensor_names: set[str], path: Path) ->
         architecture=str(arch),
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
-        sliding_window=None if gemma else _window(key("attention.sliding_window"), context),
+        sliding_window=window_if_shorter(key("attention.sliding_window"), context),
         num_experts=int(key("expert_count", 0)),
         num_experts_per_tok=int(key("expert_used_count", 0)),
     )
+    return ModelConfig(**{**fields, **family.gguf_fields(str(arch), key, hidden, heads, context)})
 
 
-def _gemma_gguf(arch: str, key: Any, hidden: int, heads: int, context: int) -> dict[str, Any]:
-    """Gemma 2/3 settings a GGUF states, or llama.cpp's defaults where it does not: local
-    layers every other one (Gemma 2) or five in six (Gemma 3), the local RoPE base 10000,
-    and the attention scale 1/sqrt(head_dim), except the 27B models' 1/sqrt(hidden/heads)
-    (46 layers for Gemma 2, 62 for Gemma 3, as llama.cpp tells them apart)."""
-    layers = int(key("block_count"))
-    window = _window(key("attention.sliding_window"), context)
-    pattern = key("attention.sliding_window_pattern")
-    if isinstance(pattern, list):
-        local = [bool(p) for p in pattern]
-    else:
-        period = int(pattern or (2 if arch == "gemma2" else 6))
-        local = [bool((i + 1) % period) for i in range(layers)]
-    head_dim = int(key("attention.key_length") or hidden // heads)
-    big = layers == (46 if arch == "gemma2" else 62)
-    return dict(
-        hidden_act="gelu_tanh",
-        embedding_scale=float(hidden) ** 0.5,
-        sandwich_norms=True,
-        attn_softcap=key("attn_logit_softcapping"),
-        final_softcap=key("final_logit_softcapping"),
-        query_scale=(hidden / heads if big else head_dim) ** -0.5,
-        layer_windows=tuple(window if is_local else None for is_local in local),
-        rope_local_theta=float(key("rope.freq_base_swa", 10000.0)) if arch == "gemma3" else None,
-    )
-
-
-def _window(window: Any, context: int) -> int | None:
-    """A sliding window that matters (shorter than the context), or None."""
-    return int(window) if window is not None and int(window) < context else None
-
-
-# Phi-3's GGUF holds the fused projections (and "ffn_up" is gate and up together).
-_GEMMA_GGUF_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
-                     "post_ffw_norm": "post_feedforward_layernorm"}  # fmt: skip
-_GGUF_ARCH_LAYER_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
-                          "gemma2": _GEMMA_GGUF_NAMES, "gemma3": _GEMMA_GGUF_NAMES}  # fmt: skip
-
-
-def _gguf_name(name: str, arch: str = "llama") -> str | None:
+def _gguf_name(name: str, family: Family) -> str | None:
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
     parts = name.split(".")  # blk.{i}.{kind}.weight
-    layer_names = _GGUF_LAYER_NAMES | _GGUF_ARCH_LAYER_NAMES.get(arch, {})
+    layer_names = _GGUF_LAYER_NAMES | dict(family.gguf_layer_names)
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in layer_names:
         return f"layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
     return None
@@ -200,6 +156,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: bool, keep_quantized: b
 
     metadata, tensors = read_gguf(path)
     config = gguf_config(metadata, {t.name for t in tensors}, path)
+    family = family_named(config.architecture)
     for t in tensors:  # fail before spending time dequantising
         if t.type_name not in SUPPORTED_GGUF_TYPES:
             raise ModelLoadError(
@@ -209,20 +166,20 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: bool, keep_quantized: b
     weights: dict[str, torch.Tensor] = {}
     reporter = _Progress("loading weights", len(tensors), progress)
     for t in tensors:
-        name = _gguf_name(t.name, config.architecture)
+        name = _gguf_name(t.name, family)
         if name is None:
             if t.name.startswith("rope_factors_"):
                 raise ModelLoadError(f"{path} uses LongRoPE factors ({t.name}), not supported from GGUF yet; "
                                      "load the Hugging Face folder instead")  # fmt: skip
             raise ModelLoadError(f"unexpected tensor {t.name} in {path}")
         if keep_quantized and t.type_name in NATIVE_GGUF_TYPES and len(t.shape) == 2 and name.endswith(_PACKABLE):
-            weights[name] = _packed(t.type_name, t.data, t.shape, name, config)
+            weights[name] = _packed(t.type_name, t.data, t.shape, name, config, family)
             reporter.step()
             continue
         arr = dequantize(t.data, GGMLQuantizationType[t.type_name]).reshape(t.shape)
-        if config.architecture in _PERMUTED_QK and name.endswith(("q_proj.weight", "q_proj.bias")):
+        if family.permuted_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
             arr = unpermute_qk(arr, config.num_heads)
-        elif config.architecture in _PERMUTED_QK and name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif family.permuted_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
             arr = unpermute_qk(arr, config.num_kv_heads)
         keep16 = keep_quantized and t.type_name in _SIXTEEN_BITS and len(t.shape) == 2 and name.endswith(_PACKABLE)
         weights[name] = torch.from_numpy(np.array(arr, dtype=np.float32)).to(_SIXTEEN_BITS[t.type_name] if keep16 else dtype)
@@ -232,10 +189,11 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: bool, keep_quantized: b
     return Checkpoint(config=config, weights=weights, path=path, metadata=tokenizer_metadata)
 
 
-def _packed(type_name: str, data: np.ndarray, shape: tuple[int, ...], name: str, config: ModelConfig) -> PackedWeight:
+def _packed(type_name: str, data: np.ndarray, shape: tuple[int, ...], name: str, config: ModelConfig,
+            family: Family) -> PackedWeight:  # fmt: skip
     """A quantised GGUF weight repacked for the kernels, with llama.cpp's Q/K row order undone."""
     packed = PackedWeight.from_gguf(type_name, data, (shape[0], shape[1]))
-    if config.architecture in _PERMUTED_QK and name.endswith(("q_proj.weight", "k_proj.weight")):
+    if family.permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
         heads = config.num_heads if name.endswith("q_proj.weight") else config.num_kv_heads
         packed = packed.rows(torch.from_numpy(unpermute_qk(np.arange(shape[0]), heads)))
     return packed
@@ -246,11 +204,7 @@ def _packed(type_name: str, data: np.ndarray, shape: tuple[int, ...], name: str,
 
 def hf_config(raw: dict[str, Any], path: Path) -> ModelConfig:
     model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"unsupported model_type {model_type!r} in {path / 'config.json'}; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    family = hf_family(model_type, path)
     heads = int(raw["num_attention_heads"])
     rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
     local_theta = None
@@ -277,18 +231,11 @@ def hf_config(raw: dict[str, Any], path: Path) -> ModelConfig:
     if float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))) != 1.0:
         raise ModelLoadError(f"{path / 'config.json'}: partial rotary embeddings are not supported yet")
     context = int(raw.get("max_position_embeddings", 2048))
-    window = _window(raw.get("sliding_window"), context) if model_type in ("mistral", "mixtral", "phi3") else None
-    gemma = model_type in GEMMA
-    layer_windows = None
-    if gemma:
-        types = raw.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
-                                           for i in range(int(raw["num_hidden_layers"]))]  # fmt: skip
-        layer_windows = tuple(_window(raw.get("sliding_window"), context) if t == "sliding_attention" else None
-                              for t in types)  # fmt: skip
-    if raw.get("use_sliding_window") and model_type != "mistral":  # Qwen2: a window on some layers only
+    window = window_if_shorter(raw.get("sliding_window"), context) if family.hf_window else None
+    if raw.get("use_sliding_window") and not family.hf_window:  # Qwen2: a window on some layers only
         raise ModelLoadError(f"{path / 'config.json'}: use_sliding_window (a window on layers from "
                              f"max_window_layers on) is not supported yet")  # fmt: skip
-    return ModelConfig(
+    fields = dict(
         vocab_size=int(raw["vocab_size"]),
         hidden_size=int(raw["hidden_size"]),
         intermediate_size=int(raw["intermediate_size"]),
@@ -299,23 +246,17 @@ def hf_config(raw: dict[str, Any], path: Path) -> ModelConfig:
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=float(theta),
         max_position_embeddings=context,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", model_type in GEMMA)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", family.hf_tied_by_default)),
         rope_scaling=scaling,
         architecture=str(model_type),
-        attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-        qk_norm=model_type in ("qwen3", "gemma3_text"),
+        attention_bias=family.hf_attention_bias or bool(raw.get("attention_bias", False)),
+        qk_norm=family.hf_qk_norm,
         sliding_window=window,
-        num_experts=int(raw.get("num_local_experts", 0)) if model_type == "mixtral" else 0,
-        num_experts_per_tok=int(raw.get("num_experts_per_tok", 0)) if model_type == "mixtral" else 0,
-        hidden_act="gelu_tanh" if gemma else "silu",
-        embedding_scale=float(raw["hidden_size"]) ** 0.5 if gemma else None,
-        sandwich_norms=gemma,
-        attn_softcap=raw.get("attn_logit_softcapping") if gemma else None,
-        final_softcap=raw.get("final_logit_softcapping") if gemma else None,
-        query_scale=float(raw["query_pre_attn_scalar"]) ** -0.5 if gemma and raw.get("query_pre_attn_scalar") else None,
-        layer_windows=layer_windows,
+        num_experts=int(raw.get("num_local_experts", 0)) if family.hf_experts else 0,
+        num_experts_per_tok=int(raw.get("num_experts_per_tok", 0)) if family.hf_experts else 0,
         rope_local_theta=local_theta,
     )
+    return ModelConfig(**{**fields, **family.hf_fields(raw, context)})
 
 
 def _longrope(rope: dict[str, Any], raw: dict[str, Any], path: Path) -> RopeScaling:
@@ -342,6 +283,7 @@ def _load_hf_folder(path: Path, dtype: torch.dtype, progress: bool) -> Checkpoin
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"invalid JSON in {config_file}: {e}") from e
     config = hf_config(raw, path)
+    offset = family_named(config.architecture).norm_offset
     index = path / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -360,8 +302,8 @@ def _load_hf_folder(path: Path, dtype: torch.dtype, progress: bool) -> Checkpoin
             k = k.removeprefix("model.")
             if "rotary_emb" in k:
                 continue
-            if config.architecture in GEMMA and k.endswith("norm.weight"):
-                v = v.float() + 1  # Gemma's norms multiply by 1 + w
+            if offset and k.endswith("norm.weight"):
+                v = v.float() + offset  # stored as w - offset (Gemma's norms multiply by 1 + w)
             weights[k] = v.to(dtype)
         reporter.step()
     reporter.done()

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.errors import InvalidRequestError, ModelLoadError
+from tokenmill.model.families import GGUF_FAMILIES
 
 # Tokens that end a turn in common chat formats; generation stops on any present
 # in the vocabulary, as llama.cpp's end-of-generation set does.
@@ -146,6 +147,8 @@ def tokenizer_from_gguf(metadata: dict[str, Any], path: Path) -> Tokenizer:
     if kind not in GGUF_TOKENIZER_MODELS:
         raise ModelLoadError(f"unsupported GGUF tokenizer model {kind!r} in {path}; supported: "
                              "'gpt2' (byte-level BPE) and 'llama' (SentencePiece)")  # fmt: skip
+    family = GGUF_FAMILIES.get(metadata.get("general.architecture"))  # unknown: the plain SentencePiece split
+    sentencepiece = family.sentencepiece if family is not None else "metaspace"
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     types = metadata.get("tokenizer.ggml.token_type", [])
     vocab = {t: i for i, t in enumerate(tokens)}
@@ -161,7 +164,7 @@ def tokenizer_from_gguf(metadata: dict[str, Any], path: Path) -> Tokenizer:
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ])  # fmt: skip
         backend.decoder = decoders.ByteLevel()
-    elif str(metadata.get("general.architecture", "")).startswith("gemma"):
+    elif sentencepiece == "gemma":
         # Gemma: runs of spaces are stored as spaces but looked up as "\u2581"s, merges follow the
         # tokens' order (not their scores), no prefix space.
         tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
@@ -177,7 +180,7 @@ def tokenizer_from_gguf(metadata: dict[str, Any], path: Path) -> Tokenizer:
         scores = metadata.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
         merges = sentencepiece_merges(tokens, scores)
         backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
-        if metadata.get("general.architecture") == "phi3":  # the prefix space from a normalizer
+        if sentencepiece == "prefix":  # the prefix space from a normalizer (Phi-3)
             backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
         else:
             backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
