@@ -119,7 +119,7 @@ class ScriptedRunner:
         self.requests: dict[str, dict] = {}
         self.parked: set[str] = set()
 
-    def execute(self, batch):
+    def execute(self, batch, grammar=None):  # grammar masks: a scripted runner samples no logits
         from tokenmill.engine.model_input import ModelOutput, SampledToken
 
         self.batches.append(batch)

@@ -26,7 +26,7 @@ from tokenmill.engine.engine import Engine
 from tokenmill.errors import ModelLoadError, TokenmillError
 from tokenmill.kernels.cpu import cpu_info
 from tokenmill.model.llama import LlamaForCausalLM
-from tokenmill.model.loader import load_checkpoint
+from tokenmill.model.loader import load_checkpoint, read_config
 from tokenmill.model.shard import ModelShard, check_parallel_sizes
 from tokenmill.model.tokenizer import Tokenizer, load_tokenizer
 from tokenmill.model_setup import load_shard, native_kernels_run, prepare_model, resolve_device
@@ -122,12 +122,12 @@ def build_engine(args: EngineArgs, progress: bool = True, engine_class: type[Eng
     load, parallel = args.load, args.parallel
     device = resolve_device(load.device)
     dtype = resolve_dtype(load.dtype, device)
+    check_options(args)  # before any weights load: a bad option costs no loading time
     ckpt = load_checkpoint(load.model, dtype, progress=progress, keep_quantized=keeps_quantized_blocks(args, device))
     tokenizer = load_tokenizer(ckpt.path, ckpt.metadata)
     config, path = ckpt.config, ckpt.path
     cluster = None
     if parallel.world_size > 1:  # the other ranks start now and load their shards beside ours
-        check_parallel_options(args, config)
         cluster = Cluster.launch(parallel.world_size)
     try:
         if cluster is None:
@@ -205,23 +205,38 @@ def _grammar_compiler(tokenizer: Tokenizer, vocab_size: int) -> GrammarCompiler 
     return GrammarCompiler(tokenizer, vocab_size)
 
 
+def check_options(args: EngineArgs) -> None:
+    """Check the options against the checkpoints' headers (config.json, a GGUF's
+    metadata), before any weights load: a draft that does not share the target's
+    vocabulary, self-speculation deeper than the model, sizes that do not split it."""
+    path, config = read_config(args.load.model)
+    spec = args.speculative
+    if spec is not None and spec.method == "self" and spec.draft_layers is not None:
+        if spec.draft_layers >= config.num_layers:
+            raise TokenmillError(f"draft_layers={spec.draft_layers} must be below the model's {config.num_layers} layers")
+    if spec is not None and spec.method == "draft":
+        draft_path, draft = read_config(spec.draft_model)
+        if draft.vocab_size != config.vocab_size:
+            raise TokenmillError(
+                f"draft model {spec.draft_model} has a vocabulary of {draft.vocab_size} tokens but the target's has "
+                f"{config.vocab_size}: a draft must share the target's tokenizer"
+            )
+        try:
+            draft_tokenizer = load_tokenizer(draft_path)
+        except ModelLoadError:
+            draft_tokenizer = None  # weights only: the vocabulary size has to do
+        if draft_tokenizer is not None and draft_tokenizer.backend.get_vocab() != load_tokenizer(path).backend.get_vocab():
+            raise TokenmillError(f"draft model {spec.draft_model} has a different tokenizer vocabulary from the target's")
+    if args.parallel.world_size > 1:
+        check_parallel_options(args, config)
+
+
 def _load_draft(
     path: str | None, target: ModelConfig, tokenizer: Tokenizer, args: EngineArgs, dtype: torch.dtype,
     device: torch.device, progress: bool,
 ) -> LlamaForCausalLM:  # fmt: skip
-    """Load the draft model; refuse one whose vocabulary differs from the target's."""
+    """Load the draft model (checked against the target by ``check_options``)."""
     ckpt = load_checkpoint(path, dtype, progress=progress, keep_quantized=keeps_quantized_blocks(args, device))
-    if ckpt.config.vocab_size != target.vocab_size:
-        raise TokenmillError(
-            f"draft model {path} has a vocabulary of {ckpt.config.vocab_size} tokens but the target's has "
-            f"{target.vocab_size}: a draft must share the target's tokenizer"
-        )
-    try:
-        draft_tokenizer = load_tokenizer(ckpt.path, ckpt.metadata)
-    except ModelLoadError:
-        draft_tokenizer = None  # weights only: the vocabulary size has to do
-    if draft_tokenizer is not None and draft_tokenizer.backend.get_vocab() != tokenizer.backend.get_vocab():
-        raise TokenmillError(f"draft model {path} has a different tokenizer vocabulary from the target's")
     return prepare_model(LlamaForCausalLM.from_weights(ckpt.config, ckpt.weights, device), device, args.load)
 
 
@@ -233,9 +248,7 @@ def _proposer(
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
     if spec.method == "self":
-        assert spec.draft_layers is not None
-        if spec.draft_layers >= model.config.num_layers:
-            raise TokenmillError(f"draft_layers={spec.draft_layers} must be below the model's {model.config.num_layers} layers")
+        assert spec.draft_layers is not None  # below the model's layers: check_options
         return ModelProposer(model, kv_caches, block_size, device, spec.draft_layers, catch_up=False)
     assert draft is not None
     draft_caches = allocate_kv_cache(draft.config, num_blocks, block_size, dtype, device, args.cache.kv_cache_dtype)

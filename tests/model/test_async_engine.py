@@ -20,10 +20,10 @@ class FaultInjectingRunner:
     def __init__(self, runner, poisoned: str) -> None:
         self.runner, self.poisoned = runner, poisoned
 
-    def execute(self, batch):
+    def execute(self, batch, grammar=None):
         if any(s.request_id == self.poisoned for s in batch.scheduled):
             raise RuntimeError("injected fault")
-        return self.runner.execute(batch)
+        return self.runner.execute(batch, grammar)
 
 
 async def collect(engine, rid, prompt, params):

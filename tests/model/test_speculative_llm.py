@@ -65,6 +65,18 @@ def test_a_draft_with_another_vocabulary_is_refused(tmp_path):
         LLM(progress=False, kv_cache_memory="16MiB", speculative="draft", draft_model=str(tmp_path))
 
 
+def test_speculative_options_are_checked_before_any_weights_load(tmp_path):
+    """Against the checkpoints' headers only: with the weights gone, the error is still
+    the option's, not the missing weights' (nothing was loaded to find it out)."""
+    make_tiny_llama(tmp_path)  # 3 layers, a vocabulary of 512
+    for f in tmp_path.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(TokenmillError, match="draft_layers=5 must be below the model's 3 layers"):
+        LLM(str(tmp_path), progress=False, kv_cache_memory="16MiB", speculative="self", draft_layers=5)
+    with pytest.raises(TokenmillError, match="vocabulary of 512 tokens but the target's has 49152"):
+        LLM(progress=False, kv_cache_memory="16MiB", speculative="draft", draft_model=str(tmp_path))
+
+
 @pytest.mark.parametrize(
     "kwargs,message",
     [

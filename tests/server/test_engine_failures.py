@@ -28,10 +28,10 @@ class DyingRunner(ScriptedRunner):
         super().__init__(block_size=4)
         self.dead = False
 
-    def execute(self, batch):
+    def execute(self, batch, grammar=None):
         if batch.scheduled and self.dead:
             raise LoopBug("the loop's own code failed")
-        return super().execute(batch)
+        return super().execute(batch, grammar)
 
 
 def test_dead_engine_answers_503_and_health_fails():

@@ -15,10 +15,10 @@ class FailsFor(ScriptedRunner):
         super().__init__(block_size)
         self.poisoned = poisoned
 
-    def execute(self, batch: ModelInput):
+    def execute(self, batch: ModelInput, grammar=None):
         if any(s.request_id == self.poisoned for s in batch.scheduled):
             raise RuntimeError("boom")
-        return super().execute(batch)
+        return super().execute(batch, grammar)
 
 
 def test_failure_is_isolated_and_caches_nothing():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.worker.sampler import SampleRow, apply_penalties, sample
+from tokenmill.worker.sampler import PenaltyState, SampleRow, apply_penalties, sample, sampling_distribution
 
 V = 50
 
@@ -90,6 +90,41 @@ def test_penalties():
     torch.testing.assert_close(apply_penalties(lg, [r]), torch.tensor([[1.0, -4.0, 1.0, 0.5]]))
     r = SampleRow(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), prompt_ids=[0], output_ids=[2, 2, 3])
     torch.testing.assert_close(apply_penalties(lg, [r]), torch.tensor([[2.0, -2.0, 1.0 - 0.5 - 0.5, 0.5 - 0.5 - 0.25]]))
+
+
+def test_penalty_counts_kept_by_deltas_equal_counts_from_the_whole_history():
+    """A request's PenaltyState, built once and then told each token it gains, penalises
+    exactly as counting its whole token lists afresh; a verification row's drafts (past
+    what the state counted) are counted too."""
+    params = SamplingParams(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2)
+    prompt, output = [3, 4, 4, 9], [1, 1]
+    state = PenaltyState(params, prompt, output)
+    lg = logits(1, seed=5)
+    apply_penalties(lg, [SampleRow(params, prompt, output, penalties=state)])  # builds the tensors
+    for gained in ([7], [7, 1], [], [0, 49]):
+        output.extend(gained)
+        state.add(gained)
+        drafts = [2, 7]
+        for i in range(len(drafts) + 1):
+            history = output + drafts[:i]
+            fresh = apply_penalties(lg, [SampleRow(params, prompt, history)])
+            kept = apply_penalties(lg, [SampleRow(params, prompt, history, penalties=state)])
+            assert torch.equal(kept, fresh)
+    assert state.num_counted == len(output)
+
+
+def test_sample_draws_from_the_shared_sampling_distribution():
+    """sample() and sampling_distribution() are one pipeline: greedy rows take its
+    greedy choice, and a sampled row's frequencies follow its distribution."""
+    lg = logits(2, seed=9)
+    rows = [row(temperature=0.0, frequency_penalty=0.5), row(temperature=0.7, top_k=5)]
+    rows[0].output_ids = [int(lg[0].argmax())]  # the penalty moves the greedy choice
+    probs, greedy_tokens = sampling_distribution(lg, rows)
+    out = [sample(lg, rows).token_ids for _ in range(2000)]
+    assert all(o[0] == int(greedy_tokens[0]) for o in out)
+    freq = torch.bincount(torch.tensor([o[1] for o in out]), minlength=V).float() / len(out)
+    assert (freq[probs[1] == 0] == 0).all()
+    assert torch.allclose(freq, probs[1], atol=0.04)
 
 
 def test_logprobs_of_chosen_and_top_n():

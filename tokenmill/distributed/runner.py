@@ -14,13 +14,11 @@ on one process.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from tokenmill.distributed.cluster import Cluster
 from tokenmill.distributed.messages import Committed, Forward, Step
-from tokenmill.engine.model_input import ModelInput, ModelOutput
+from tokenmill.engine.model_input import GrammarMasks, ModelInput, ModelOutput
 from tokenmill.errors import EngineDeadError
 from tokenmill.worker.inputs import SeqInput
 from tokenmill.worker.model_runner import ModelRunner
@@ -32,10 +30,10 @@ class DistributedRunner(ModelRunner):
         self.cluster = cluster
         self._committed: Committed = {}  # sampled last step, not yet told to the workers
 
-    def execute(self, batch: ModelInput) -> ModelOutput:
-        self.cluster.broadcast(Step(replace(batch, grammar=None), self._committed))
+    def execute(self, batch: ModelInput, grammar: GrammarMasks | None = None) -> ModelOutput:
+        self.cluster.broadcast(Step(batch, self._committed))  # the masks stay here: only the driver samples
         self._committed = {}
-        out = super().execute(batch)
+        out = super().execute(batch, grammar)
         for s in batch.scheduled:
             rid = s.request_id
             self._committed[rid] = ([t.token_id for t in out.sampled.get(rid, [])], out.draft_token_ids.get(rid))

@@ -28,7 +28,7 @@ from typing import Protocol
 from tokenmill.config import SchedulerConfig, SpeculativeConfig
 from tokenmill.engine.block_pool import BlockPool
 from tokenmill.engine.kv_manager import KVCacheManager, PrefixCacheStats
-from tokenmill.engine.model_input import ModelInput, ModelOutput, SampledToken
+from tokenmill.engine.model_input import GrammarMasks, ModelInput, ModelOutput, SampledToken
 from tokenmill.engine.outputs import SeqDelta
 from tokenmill.engine.request import Request, sequence_ids
 from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
@@ -43,7 +43,7 @@ STEP_STATS_KEPT = 100_000
 
 
 class Runner(Protocol):
-    def execute(self, batch: ModelInput) -> ModelOutput: ...
+    def execute(self, batch: ModelInput, grammar: GrammarMasks | None = None) -> ModelOutput: ...
     def load_lora(self, name: str, path: str) -> object: ...  # read and check; changes nothing
     def add_lora(self, name: str, path: str, loaded: object | None = None) -> None: ...
 
@@ -242,12 +242,12 @@ class EngineCore:
         sched = self.scheduler.schedule()
         for s in sched.seqs:
             s.request.first_scheduled = s.request.first_scheduled or t0
-        sched.model_input.grammar = self.structured.start_masks(sched)
+        masks = self.structured.start_masks(sched)  # beside the step's record, not in it
         try:
-            result = self._execute(sched.model_input)
+            result = self._execute(sched.model_input, masks)
         finally:  # the mask thread moves matchers: it must be done before anyone else does
-            if sched.model_input.grammar is not None:
-                sched.model_input.grammar.future.exception()
+            if masks is not None:
+                masks.future.exception()
         updates = self.scheduler.update_from_output(sched, result)
         deltas = [_delta(u.request, u.new_tokens, u.error) for u in updates]
         for u in updates:  # a request is gone once all its n sequences are
@@ -263,7 +263,7 @@ class EngineCore:
         if not self.has_unfinished():
             self._execute(self.scheduler.runner_sync.drops())
 
-    def _execute(self, batch: ModelInput) -> ModelOutput:
+    def _execute(self, batch: ModelInput, masks: GrammarMasks | None = None) -> ModelOutput:
         """Run the step; on failure, run it one request at a time to find the culprit.
 
         Retrying is safe: K/V written for the same positions are the same values,
@@ -275,7 +275,7 @@ class EngineCore:
                 self.runner.execute(batch)
             return ModelOutput()
         try:
-            return self.runner.execute(batch)
+            return self.runner.execute(batch, masks)
         except EngineDeadError:
             raise  # the runner cannot go on at all (a worker of a split model died)
         except Exception as e:
@@ -287,7 +287,7 @@ class EngineCore:
         merged = ModelOutput()
         for s in batch.scheduled:
             try:
-                out = self.runner.execute(batch.only(s.request_id))
+                out = self.runner.execute(batch.only(s.request_id), masks)
             except EngineDeadError:
                 raise
             except Exception as e:

@@ -60,8 +60,9 @@ class GrammarMasks:
     """The step's grammar masks of constrained sequences (``engine.structured``):
     request id -> float32 ``[1 + drafts, vocab]`` logit bias, 0 where a token may come
     next and -inf where it may not. Computed while the forward runs; the runner
-    waits for them only when it samples. Held where sampling happens (the driver),
-    not sent to other ranks."""
+    waits for them only when it samples. They travel beside the ``ModelInput`` (a
+    second argument of ``execute``), never in it: the record stays ids and counts,
+    and only the driver, which samples, ever holds them."""
 
     future: Future
 
@@ -79,7 +80,6 @@ class ModelInput:
     # Preempted: dropped too, but a seeded request's generator is kept, so that its
     # random stream goes on where it was when the request resumes.
     preempted_request_ids: list[str] = field(default_factory=list)
-    grammar: GrammarMasks | None = None  # structured output: masks for this step's sampling rows
 
     @property
     def num_tokens(self) -> int:
@@ -94,7 +94,6 @@ class ModelInput:
             block_copies=self.block_copies,
             finished_request_ids=self.finished_request_ids,
             preempted_request_ids=self.preempted_request_ids,
-            grammar=self.grammar,
         )
 
 

@@ -76,6 +76,26 @@ class Checkpoint:
         return self.path.is_file()
 
 
+def read_config(model: str | Path | None) -> tuple[Path, ModelConfig]:
+    """A checkpoint's path and configuration, without its weights (a GGUF's header, or
+    config.json): what the options can be checked against before anything loads."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return path, hf_config(_read_config_json(path), path)
+    metadata, tensors = read_gguf(path)
+    return path, gguf_config(metadata, {t.name for t in tensors}, path)
+
+
+def _read_config_json(path: Path) -> dict[str, Any]:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"no config.json in model folder {path}")
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"invalid JSON in {config_file}: {e}") from e
+
+
 def load_checkpoint(
     model: str | Path | None, dtype: torch.dtype = torch.float32, progress: bool = True, keep_quantized: bool = False
 ) -> Checkpoint:
@@ -275,14 +295,7 @@ def _longrope(rope: dict[str, Any], raw: dict[str, Any], path: Path) -> RopeScal
 def _load_hf_folder(path: Path, dtype: torch.dtype, progress: bool) -> Checkpoint:
     from safetensors.torch import load_file
 
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ModelLoadError(f"no config.json in model folder {path}")
-    try:
-        raw = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"invalid JSON in {config_file}: {e}") from e
-    config = hf_config(raw, path)
+    config = hf_config(_read_config_json(path), path)
     offset = family_named(config.architecture).norm_offset
     index = path / "model.safetensors.index.json"
     if index.is_file():

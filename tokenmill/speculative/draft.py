@@ -68,8 +68,8 @@ class ModelProposer:
                 self._forward(batch)
                 break
             logits = self._forward(batch)
-            rows = [SampleRow(s.params, s.prompt_ids, s.output_ids, generator_for(s.request_id, s.params.seed))
-                    for s in sampling]  # fmt: skip
+            rows = [SampleRow(s.params, s.prompt_ids, s.output_ids, generator_for(s.request_id, s.params.seed),
+                              s.penalties) for s in sampling]  # fmt: skip
             dist, greedy = sampling_distribution(logits, rows)
             nxt = []
             for i, s in enumerate(sampling):
@@ -128,6 +128,7 @@ def _seq(s: SeqInput, tokens: list[int], start: int, output_ids: list[int], samp
         params=s.params,
         prompt_ids=s.prompt_ids,
         output_ids=output_ids,
+        penalties=s.penalties,
         num_lookahead=s.num_lookahead,
     )
 

@@ -15,6 +15,7 @@ import torch
 
 from tokenmill.model.layers.attention import AttentionMetadata
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.sampler import PenaltyState
 
 
 @dataclass
@@ -37,6 +38,7 @@ class SeqInput:
     params: SamplingParams
     prompt_ids: list[int]  # for repetition penalties
     output_ids: list[int]  # for all penalties
+    penalties: PenaltyState | None = None  # the request's penalty counts (penalised requests only)
     spec_token_ids: list[int] = field(default_factory=list)  # drafts at the end of token_ids
     num_lookahead: int = 0  # after sampling, propose up to this many draft tokens
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from tokenmill.engine.model_input import ModelInput, ModelOutput, SampledToken, ScheduledTokens
+from tokenmill.engine.model_input import GrammarMasks, ModelInput, ModelOutput, SampledToken, ScheduledTokens
 from tokenmill.engine.request import token_slice
 from tokenmill.lora.adapter import LoRAAdapter
 from tokenmill.lora.layers import LoRAMapping
@@ -38,7 +38,14 @@ if TYPE_CHECKING:
     from tokenmill.distributed.messages import Committed
     from tokenmill.distributed.stage import PipelineStage
 from tokenmill.worker.rejection import verify_greedy, verify_sampled
-from tokenmill.worker.sampler import SampleRow, apply_grammar_bias, chosen_logprobs, sample, sampling_distribution
+from tokenmill.worker.sampler import (
+    PenaltyState,
+    SampleRow,
+    apply_grammar_bias,
+    chosen_logprobs,
+    sample,
+    sampling_distribution,
+)
 
 
 @dataclass
@@ -51,6 +58,17 @@ class CachedRequestState:
     generator: torch.Generator | None  # seeded requests only
     draft: Draft | None = None  # proposed last step, to verify next (token ids and their q together)
     lora_name: str | None = None  # its LoRA adapter (None: the base model)
+    penalties: PenaltyState | None = None  # its penalty counts, kept up to date (penalised requests only)
+
+    def __post_init__(self) -> None:
+        if self.params.uses_penalties:
+            self.penalties = PenaltyState(self.params, self.prompt_ids, self.output_ids)
+
+    def gained(self, token_ids: list[int]) -> None:
+        """Output tokens committed to this request."""
+        self.output_ids.extend(token_ids)
+        if self.penalties is not None:
+            self.penalties.add(token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -87,7 +105,9 @@ class ModelRunner:
     # ------------------------------------------------------------------ the step
 
     @torch.inference_mode()
-    def execute(self, batch: ModelInput) -> ModelOutput:
+    def execute(self, batch: ModelInput, grammar: GrammarMasks | None = None) -> ModelOutput:
+        """One step: apply the deltas, compute, sample (rows of constrained sequences
+        biased by ``grammar``'s masks), propose drafts, commit."""
         self._update_states(batch)
         self.copy_blocks(batch.block_copies)
         if not batch.scheduled:
@@ -98,7 +118,7 @@ class ModelRunner:
         try:
             seqs = order_seqs([self._seq_input(s) for s in batch.scheduled])
             logits = self.compute_logits(seqs)
-            sampled = self._sample(seqs, logits, batch.grammar.get() if batch.grammar is not None else None)
+            sampled = self._sample(seqs, logits, grammar.get() if grammar is not None else None)
             drafts: dict[str, Draft] = {}
             if self.proposer is not None:
                 new_tokens = {rid: [t.token_id for t in toks] for rid, toks in sampled.items()}
@@ -117,7 +137,7 @@ class ModelRunner:
         for rid, (tokens, draft) in committed.items():
             state = self.requests.get(rid)
             if state is not None:
-                state.output_ids.extend(tokens)
+                state.gained(tokens)
                 state.draft = Draft(draft) if draft else None
         self._update_states(batch)
         self.copy_blocks(batch.block_copies)
@@ -163,6 +183,7 @@ class ModelRunner:
             params=state.params,
             prompt_ids=state.prompt_ids,
             output_ids=state.output_ids,
+            penalties=state.penalties,
             spec_token_ids=s.spec_token_ids,
             num_lookahead=s.num_lookahead,
         )
@@ -172,7 +193,7 @@ class ModelRunner:
         out = ModelOutput(sampled=sampled)
         for s in batch.scheduled:
             state = self.requests[s.request_id]
-            state.output_ids.extend(t.token_id for t in sampled.get(s.request_id, []))
+            state.gained([t.token_id for t in sampled.get(s.request_id, [])])
             state.draft = drafts.get(s.request_id)
             if state.draft is not None:
                 out.draft_token_ids[s.request_id] = state.draft.token_ids
@@ -246,7 +267,8 @@ class ModelRunner:
             apply_grammar_bias(logits, masked_rows, masks[0] if len(masks) == 1 else np.concatenate(masks))
         result: dict[str, list[SampledToken]] = {}
         if plain:
-            rows = [SampleRow(s.params, s.prompt_ids, s.output_ids, self.requests[s.request_id].generator) for s in plain]
+            rows = [SampleRow(s.params, s.prompt_ids, s.output_ids, self.requests[s.request_id].generator, s.penalties)
+                    for s in plain]  # fmt: skip
             out = sample(_rows(logits, plain_rows), rows, self._default_generator)
             for i, s in enumerate(plain):
                 result[s.request_id] = [SampledToken(out.token_ids[i], out.logprobs[i], out.top_logprobs[i])]
@@ -258,7 +280,8 @@ class ModelRunner:
         """logits: k_i + 1 rows per sequence. Row i is judged with the penalties the
         sequence would have after accepting its first i drafts."""
         rows = [
-            SampleRow(s.params, s.prompt_ids, s.output_ids + s.spec_token_ids[:i], self._generator_or_default(s.request_id))
+            SampleRow(s.params, s.prompt_ids, s.output_ids + s.spec_token_ids[:i], self._generator_or_default(s.request_id),
+                      s.penalties)
             for s in seqs
             for i in range(len(s.spec_token_ids) + 1)
         ]  # fmt: skip

@@ -1,11 +1,17 @@
-"""The batched sampler.
+"""The batched sampler: one pipeline for sampling, verification and drafting.
 
-One ``sample`` call handles the whole batch with per-row parameters: penalties,
-temperature, top-k, top-p and min-p are tensor operations over ``[batch, vocab]``;
-the only Python loop is over rows that carry their own seed (each has its own
-``torch.Generator`` so that its output does not depend on its batch neighbours).
-Sampling draws ``argmax(p / E)`` with ``E ~ Exp(1)``, which picks token i with
-probability p_i (the exponential race) and lets every row use its own generator.
+``sampling_distribution`` is the pipeline every consumer of logits shares: penalties,
+then the greedy choice, then temperature, top-k, top-p and min-p and the softmax, as
+tensor operations over ``[batch, vocab]`` with per-row parameters. ``sample`` draws
+from it; speculative verification compares drafts against it; a draft model drafts
+from it. Sampling draws ``argmax(p / E)`` with ``E ~ Exp(1)``, which picks token i
+with probability p_i (the exponential race) and lets every row use its own
+generator; the only Python loop is over rows that carry their own seed, so a seeded
+row's output does not depend on its batch neighbours.
+
+Penalty counts are a request's ``PenaltyState``: tensors the runner keeps for the
+request's life and updates with each token it commits, so a step never rebuilds them
+from the request's token lists (O(its length) per step before).
 """
 
 from __future__ import annotations
@@ -19,14 +25,56 @@ import torch
 from tokenmill.sampling_params import SamplingParams
 
 
+class PenaltyState:
+    """A request's penalty statistics as tensors: how often each token occurs in its
+    output, and (for a repetition penalty) which occur in its prompt. Built from the
+    token lists once, on first use (the vocabulary width comes with the logits), then
+    kept up to date by ``add`` with each token the request gains."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> None:
+        self.params = params
+        self._prompt_ids = prompt_ids
+        self._output_ids = output_ids  # read once, when the tensors are built
+        self.counts: torch.Tensor | None = None  # [vocab] float32: output occurrences
+        self.in_prompt: torch.Tensor | None = None  # [vocab] bool (repetition penalty only)
+        self.num_counted = 0  # output tokens in counts
+
+    def tensors(self, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.counts is None:
+            self.counts = torch.zeros(vocab, device=device)
+            self._count(self._output_ids)
+            if self.params.repetition_penalty != 1.0:
+                self.in_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
+                if self._prompt_ids:
+                    self.in_prompt[torch.tensor(self._prompt_ids, device=device)] = True
+            self._prompt_ids = self._output_ids = []
+        return self.counts, self.in_prompt
+
+    def add(self, token_ids: list[int]) -> None:
+        """The request gained these output tokens (before the tensors exist: nothing to do,
+        they will be built from the output list)."""
+        if self.counts is not None and token_ids:
+            self._count(token_ids)
+
+    def _count(self, token_ids: list[int]) -> None:
+        assert self.counts is not None
+        if token_ids:
+            ids = torch.tensor(token_ids, device=self.counts.device)
+            self.counts.index_add_(0, ids, torch.ones(len(token_ids), device=self.counts.device))
+        self.num_counted += len(token_ids)
+
+
 @dataclass
 class SampleRow:
-    """What the sampler needs to know about one row besides its logits."""
+    """What the sampler needs to know about one row besides its logits. ``output_ids`` is
+    the row's history: the request's output, plus for a verification or draft row the
+    drafts before it; ``penalties`` (the request's state) has counted a prefix of it."""
 
     params: SamplingParams
     prompt_ids: list[int]
     output_ids: list[int]
     generator: torch.Generator | None = None  # set for seeded requests
+    penalties: PenaltyState | None = None  # the request's (None: built for this call from the lists)
 
 
 @dataclass
@@ -54,18 +102,23 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
     """Repetition (prompt and output), presence and frequency (output) penalties.
 
     Repetition divides positive logits and multiplies negative ones (CTRL / HF /
-    vLLM); presence and frequency subtract as the OpenAI API defines them.
+    vLLM); presence and frequency subtract as the OpenAI API defines them. Each row's
+    counts are its request's ``PenaltyState`` plus the tokens of its history that state
+    has not counted (the drafts before a verification or draft row).
     """
     batch, vocab = logits.shape
     device = logits.device
-    counts = torch.zeros(batch, vocab, device=device)
+    counts = torch.empty(batch, vocab, device=device)
     seen_prompt = torch.zeros(batch, vocab, dtype=torch.bool, device=device)
-    for i, r in enumerate(rows):  # one scatter per row, not a loop over the vocabulary
-        if r.output_ids:
-            out = torch.tensor(r.output_ids, device=device)
-            counts[i].scatter_add_(0, out, torch.ones(len(r.output_ids), device=device))
-        if r.params.repetition_penalty != 1.0 and r.prompt_ids:
-            seen_prompt[i, torch.tensor(r.prompt_ids, device=device)] = True
+    for i, r in enumerate(rows):
+        state = r.penalties or PenaltyState(r.params, r.prompt_ids, r.output_ids)
+        row_counts, in_prompt = state.tensors(vocab, device)
+        counts[i] = row_counts
+        extra = r.output_ids[state.num_counted :]
+        if extra:
+            counts[i].index_add_(0, torch.tensor(extra, device=device), torch.ones(len(extra), device=device))
+        if in_prompt is not None:
+            seen_prompt[i] = in_prompt
     rep = torch.tensor([r.params.repetition_penalty for r in rows], device=device)[:, None]
     pres = torch.tensor([r.params.presence_penalty for r in rows], device=device)[:, None]
     freq = torch.tensor([r.params.frequency_penalty for r in rows], device=device)[:, None]
@@ -144,27 +197,27 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch
     """logits: [batch, vocab] float32, one row per entry of ``rows``."""
     assert logits.shape[0] == len(rows)
     raw_logprobs = logits.log_softmax(dim=-1) if any(r.params.logprobs is not None for r in rows) else None
-    if any(r.params.uses_penalties for r in rows):
-        logits = apply_penalties(logits, rows)
-    greedy_tokens = greedy(logits)
-    if all(r.params.greedy for r in rows):
-        tokens = greedy_tokens
-    else:
-        probs = filter_logits(logits, rows).softmax(dim=-1)
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, r in enumerate(rows) if r.generator is None]
-        if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
-                generator=default_generator
-            )
-        for i, r in enumerate(rows):
-            if r.generator is not None:
-                noise[i].exponential_(generator=r.generator)
-        sampled = greedy(probs / noise)
-        is_greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
-        tokens = torch.where(is_greedy, greedy_tokens, sampled)
+    probs, greedy_tokens = sampling_distribution(logits, rows)
+    tokens = greedy_tokens if probs is None else _draw(probs, rows, greedy_tokens, default_generator)
     token_list = tokens.tolist()
     out = SamplerOutput(token_ids=token_list, logprobs=[None] * len(rows), top_logprobs=[[] for _ in rows])
     if raw_logprobs is not None:
         out.logprobs, out.top_logprobs = chosen_logprobs(raw_logprobs, token_list, rows)
     return out
+
+
+def _draw(probs: torch.Tensor, rows: list[SampleRow], greedy_tokens: torch.Tensor,
+          default_generator: torch.Generator | None) -> torch.Tensor:  # fmt: skip
+    """One token per row by the exponential race (greedy rows keep their greedy choice)."""
+    noise = torch.empty_like(probs)
+    unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+    if unseeded:
+        noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
+            generator=default_generator
+        )
+    for i, r in enumerate(rows):
+        if r.generator is not None:
+            noise[i].exponential_(generator=r.generator)
+    sampled = greedy(probs / noise)
+    is_greedy = torch.tensor([r.params.greedy for r in rows], device=probs.device)
+    return torch.where(is_greedy, greedy_tokens, sampled)
