@@ -14,6 +14,7 @@ the loop ends, and so does the process.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from tokenmill.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_S = 0.01  # how often an idle loop looks at work prepared by its thread
+SNAPSHOT_EVERY_S = 0.5  # steps that yield no token (prompt chunks) send the gauges at most this often
 
 
 @dataclass
@@ -52,6 +54,7 @@ class CoreLoop:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-prepare")
         self.pending: list[_Pending] = []
         self.running = True
+        self.last_snapshot = 0.0  # time.monotonic() of the last gauges sent
 
     def send(self, *msg: Any) -> None:
         self.conn.send_bytes(pack(list(msg)))
@@ -63,13 +66,18 @@ class CoreLoop:
         try:
             while self.running:
                 busy = self.core.has_unfinished()
-                changed = self._apply_commands(block=not busy and not self.pending)
+                changed = self._apply_commands(block=not busy)
                 changed |= self._apply_prepared()
                 if self.core.has_unfinished():
                     deltas = self.core.run_step()
-                    self.send("out", [delta_to_wire(d) for d in deltas], self.snapshot())
-                elif changed:
+                    if deltas:
+                        self.send("out", [delta_to_wire(d) for d in deltas], self.snapshot())
+                        self.last_snapshot = time.monotonic()
+                        continue
+                    changed |= time.monotonic() - self.last_snapshot > SNAPSHOT_EVERY_S  # a long prefill: gauges move
+                if changed:
                     self.send("stats", self.snapshot())
+                    self.last_snapshot = time.monotonic()
         except (EOFError, OSError):  # the API process is gone: nobody to serve
             logger.info("engine core: the API process closed the pipe; stopping")
         except BaseException as e:
@@ -85,10 +93,9 @@ class CoreLoop:
     # ------------------------------------------------------------------ commands
 
     def _apply_commands(self, block: bool) -> bool:
-        """Apply every command waiting (blocking for the first one when idle)."""
-        timeout = None if block else 0.0
-        if block and self.pending:
-            timeout = IDLE_POLL_S
+        """Apply every command waiting; idle (``block``), wait for the first one, or for
+        IDLE_POLL_S while work is being prepared on the thread."""
+        timeout = (IDLE_POLL_S if self.pending else None) if block else 0.0
         changed = False
         while self.running and self.conn.poll(timeout):
             self._command(unpack(self.conn.recv_bytes()))

@@ -79,20 +79,12 @@ class LoRAMapping:
         )
 
 
-@dataclass
-class LoRAState:
-    """The mapping of the forward in progress (set by ``LlamaForCausalLM.forward``)."""
-
-    mapping: LoRAMapping | None = None
-
-
 class LoRALinear(nn.Module):
     def __init__(self, base: nn.Module, subs: tuple[str, ...], cfg: ModelConfig, max_loras: int, max_rank: int,
-                 state: LoRAState, dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
+                 dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
         super().__init__()
         self.base = base
         self.subs = subs
-        self.state = state
         self.max_rank = max_rank
         shapes = target_shapes(cfg)
         self.out_slices = []
@@ -126,9 +118,10 @@ class LoRALinear(nn.Module):
             self.lora_b[slot, col : col + r, lo:hi].copy_(b.T)
             self.active[slot] = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, m: LoRAMapping | None = None) -> torch.Tensor:
+        """The base projection plus each row's adapter (``m``: this step's rows per slot,
+        passed down from ``LlamaForCausalLM.forward``; None: the base model only)."""
         y = self.base(x)
-        m = self.state.mapping
         if m is None:
             return y
         if m.whole is not None:  # every row, one adapter
@@ -154,10 +147,9 @@ class LoRALinear(nn.Module):
         return y
 
 
-def add_lora_slots(model: nn.Module, max_loras: int, max_rank: int) -> LoRAState:
-    """Wrap every adaptable projection of the model in a LoRALinear; returns the shared
-    state through which ``forward`` passes each step's mapping."""
-    state = LoRAState()
+def add_lora_slots(model: nn.Module, max_loras: int, max_rank: int) -> None:
+    """Wrap every adaptable projection of the model in a LoRALinear (each step's mapping
+    reaches them as an argument of ``forward``)."""
     cfg = model.config
     device = model.layers[0].input_layernorm.weight.device
     # float32 on the CPU: its small float32 matmuls are 3-4x faster than bfloat16 ones on
@@ -167,9 +159,9 @@ def add_lora_slots(model: nn.Module, max_loras: int, max_rank: int) -> LoRAState
         for path, subs in FUSED.items():
             parent_name, attr = path.split(".")
             parent = getattr(layer, parent_name)
-            setattr(parent, attr, LoRALinear(getattr(parent, attr), subs, cfg, max_loras, max_rank, state, dtype, device))
+            setattr(parent, attr, LoRALinear(getattr(parent, attr), subs, cfg, max_loras, max_rank, dtype, device))
+    model.has_lora_slots = True
     model.reset_fused_plan()
-    return state
 
 
 def set_adapter_slot(model: nn.Module, slot: int, adapter: LoRAAdapter | None) -> None:

@@ -26,7 +26,7 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ModelLoadError
-from tokenmill.lora.layers import LoRAMapping, LoRAState
+from tokenmill.lora.layers import LoRAMapping
 from tokenmill.model.layers.attention import AttentionMetadata
 from tokenmill.model.layers.kv_cache import KVCacheLayer
 from tokenmill.model.layers.moe import MoEMLP, stack_experts
@@ -43,6 +43,12 @@ class TensorParallelGroup(Protocol):
     """The ranks of one pipeline stage (``distributed/groups.py``)."""
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...  # sum over the ranks, in place
+
+
+def project(linear: nn.Module, x: torch.Tensor, lora: LoRAMapping | None) -> torch.Tensor:
+    """A projection, with this step's LoRA rows when there are any (then ``linear`` is a
+    LoRALinear: the mapping reaches it as an argument, never as module state)."""
+    return linear(x) if lora is None else linear(x, lora)
 
 
 class LlamaAttention(nn.Module):
@@ -70,9 +76,10 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
         ops: TorchOps,
         tp: TensorParallelGroup | None = None,
+        lora: LoRAMapping | None = None,
     ) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = project(self.qkv_proj, x, lora).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
@@ -81,7 +88,7 @@ class LlamaAttention(nn.Module):
             k = ops.rms_norm(k.reshape(-1, self.head_dim), self.k_norm.weight, self.k_norm.eps).view_as(k)
         q, k = ops.rotary_write_kv(q, k, v, positions, rotary, kv_cache, meta.slot_mapping)
         out = ops.attention(q, k, v, kv_cache, meta, self.scale, self.window, self.softcap)
-        out = self.o_proj(out.reshape(n, -1))
+        out = project(self.o_proj, out.reshape(n, -1), lora)
         return out if tp is None else tp.all_reduce(out)  # row-parallel: partial sums
 
 
@@ -93,14 +100,15 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, ops: TorchOps, tp: TensorParallelGroup | None = None) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+    def forward(self, x: torch.Tensor, ops: TorchOps, tp: TensorParallelGroup | None = None,
+                lora: LoRAMapping | None = None) -> torch.Tensor:  # fmt: skip
+        gate_up = project(self.gate_up_proj, x, lora)
         if self.gelu:
             gate, up = gate_up.chunk(2, dim=-1)
             h = nn.functional.gelu(gate, approximate="tanh") * up
         else:
             h = ops.silu_mul(gate_up)
-        out = self.down_proj(h)
+        out = project(self.down_proj, h, lora)
         return out if tp is None else tp.all_reduce(out)
 
 
@@ -128,15 +136,15 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self, h, x, positions, rotary, kv_cache: KVCache, meta: AttentionMetadata, ops: TorchOps,
-        next_norm: RMSNorm | None, tp: TensorParallelGroup | None = None,
+        next_norm: RMSNorm | None, tp: TensorParallelGroup | None = None, lora: LoRAMapping | None = None,
     ) -> torch.Tensor:  # fmt: skip
         post = self.post_attention_layernorm
-        attn = self.self_attn(h, positions, rotary, kv_cache, meta, ops, tp)
+        attn = self.self_attn(h, positions, rotary, kv_cache, meta, ops, tp, lora)
         if self.sandwich:
             attn = ops.rms_norm(attn, post.weight, post.eps)
             post = self.pre_feedforward_layernorm
         h = ops.add_rms_norm(attn, x, post.weight, post.eps)
-        out = self.mlp(h, ops, tp)
+        out = self.mlp(h, ops, tp) if lora is None else self.mlp(h, ops, tp, lora)  # no adapters on experts
         if self.sandwich:
             out = ops.rms_norm(out, self.post_feedforward_layernorm.weight, self.post_feedforward_layernorm.eps)
         if next_norm is None:
@@ -188,7 +196,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary_local: RotaryEmbedding | None = None  # windowed layers' own RoPE base (Gemma 3)
         self.ops: TorchOps = TorchOps()  # the per-layer ops; the factory may swap in native kernels
         self.tp: TensorParallelGroup | None = None  # set when the model is split across ranks
-        self.lora_state: LoRAState | None = None  # set by add_lora_slots (multi-LoRA serving)
+        self.has_lora_slots = False  # set by add_lora_slots (multi-LoRA serving)
         self._fused_plan: FusedPlan | None | bool = False  # False: not looked at yet
 
     @classmethod
@@ -233,22 +241,14 @@ class LlamaForCausalLM(nn.Module):
         lora: LoRAMapping | None = None,  # which token rows use which adapter slot
         residual: torch.Tensor | None = None,  # a later pipeline stage: the previous stage's output
     ) -> torch.Tensor:  # [num_tokens, hidden]: final-norm output (last stage) or residual stream
-        if self.lora_state is None:
-            return self._forward(input_ids, positions, kv_caches, meta, num_layers, residual)
-        self.lora_state.mapping = lora
-        try:
-            return self._forward(input_ids, positions, kv_caches, meta, num_layers, residual)
-        finally:
-            self.lora_state.mapping = None
-
-    def _forward(self, input_ids, positions, kv_caches, meta, num_layers, residual) -> torch.Tensor:
         assert self.rotary is not None
+        assert lora is None or self.has_lora_slots, "a LoRA mapping for a model without adapter slots"
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         ops, tp = self.ops, self.tp
         x = self._embed(input_ids) if residual is None else residual  # updated in place by each layer
         first = layers[0].input_layernorm
         h = ops.rms_norm(x, first.weight, first.eps)
-        plan = self.fused_plan if num_layers is None and tp is None and residual is None and self.lora_state is None else None
+        plan = self.fused_plan if num_layers is None and tp is None and residual is None and not self.has_lora_slots else None
         if plan is not None:
             out = ops.decoder_layers(x, h, plan, positions, self.rotary, kv_caches, meta)
             if out is not None:
@@ -256,7 +256,7 @@ class LlamaForCausalLM(nn.Module):
         for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
             rotary = self.rotary_local if self.rotary_local is not None and layer.self_attn.window else self.rotary
-            h = layer(h, x, positions, rotary, kv_cache, meta, ops, next_norm, tp)
+            h = layer(h, x, positions, rotary, kv_cache, meta, ops, next_norm, tp, lora)
         return h
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:

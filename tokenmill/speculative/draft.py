@@ -69,7 +69,7 @@ class ModelProposer:
                 break
             logits = self._forward(batch)
             rows = [SampleRow(s.params, s.prompt_ids, s.output_ids, generator_for(s.request_id, s.params.seed),
-                              s.penalties) for s in sampling]  # fmt: skip
+                              s.penalties, s.param_row) for s in sampling]  # fmt: skip
             dist, greedy = sampling_distribution(logits, rows)
             nxt = []
             for i, s in enumerate(sampling):
@@ -129,6 +129,7 @@ def _seq(s: SeqInput, tokens: list[int], start: int, output_ids: list[int], samp
         prompt_ids=s.prompt_ids,
         output_ids=output_ids,
         penalties=s.penalties,
+        param_row=s.param_row,
         num_lookahead=s.num_lookahead,
     )
 

@@ -39,6 +39,7 @@ class SeqInput:
     prompt_ids: list[int]  # for repetition penalties
     output_ids: list[int]  # for all penalties
     penalties: PenaltyState | None = None  # the request's penalty counts (penalised requests only)
+    param_row: torch.Tensor | None = None  # the request's sampling parameters as a tensor row
     spec_token_ids: list[int] = field(default_factory=list)  # drafts at the end of token_ids
     num_lookahead: int = 0  # after sampling, propose up to this many draft tokens
 

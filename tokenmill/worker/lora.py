@@ -27,7 +27,7 @@ class LoRAManager:
     def __init__(self, model: nn.Module, config: LoRAConfig) -> None:
         self.model = model
         self.config = config
-        model.lora_state = add_lora_slots(model, config.max_loras, config.max_lora_rank)
+        add_lora_slots(model, config.max_loras, config.max_lora_rank)
         self.paths: dict[str, str] = {}  # every adapter ever added (running requests may outlive an unload)
         self.loaded: OrderedDict[str, LoRAAdapter] = OrderedDict()  # in memory, LRU first
         self.slots: list[str | None] = [None] * config.max_loras

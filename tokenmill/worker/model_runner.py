@@ -43,6 +43,7 @@ from tokenmill.worker.sampler import (
     SampleRow,
     apply_grammar_bias,
     chosen_logprobs,
+    param_row,
     sample,
     sampling_distribution,
 )
@@ -59,6 +60,7 @@ class CachedRequestState:
     draft: Draft | None = None  # proposed last step, to verify next (token ids and their q together)
     lora_name: str | None = None  # its LoRA adapter (None: the base model)
     penalties: PenaltyState | None = None  # its penalty counts, kept up to date (penalised requests only)
+    param_row: torch.Tensor | None = None  # its sampling parameters as one tensor row (sampler.param_row)
 
     def __post_init__(self) -> None:
         if self.params.uses_penalties:
@@ -159,6 +161,7 @@ class ModelRunner:
             self.requests[rid] = CachedRequestState(
                 rid, new.prompt_token_ids, list(new.output_token_ids), new.params, list(new.block_ids),
                 generator or self._new_generator(new.params.seed), lora_name=new.lora_name,
+                param_row=held.param_row if held is not None else param_row(new.params, self.device),
             )
         for c in batch.cached_requests:
             table = self.requests[c.request_id].block_ids
@@ -184,6 +187,7 @@ class ModelRunner:
             prompt_ids=state.prompt_ids,
             output_ids=state.output_ids,
             penalties=state.penalties,
+            param_row=state.param_row,
             spec_token_ids=s.spec_token_ids,
             num_lookahead=s.num_lookahead,
         )
@@ -267,8 +271,8 @@ class ModelRunner:
             apply_grammar_bias(logits, masked_rows, masks[0] if len(masks) == 1 else np.concatenate(masks))
         result: dict[str, list[SampledToken]] = {}
         if plain:
-            rows = [SampleRow(s.params, s.prompt_ids, s.output_ids, self.requests[s.request_id].generator, s.penalties)
-                    for s in plain]  # fmt: skip
+            rows = [SampleRow(s.params, s.prompt_ids, s.output_ids, self.requests[s.request_id].generator, s.penalties,
+                              s.param_row) for s in plain]  # fmt: skip
             out = sample(_rows(logits, plain_rows), rows, self._default_generator)
             for i, s in enumerate(plain):
                 result[s.request_id] = [SampledToken(out.token_ids[i], out.logprobs[i], out.top_logprobs[i])]
@@ -281,7 +285,7 @@ class ModelRunner:
         sequence would have after accepting its first i drafts."""
         rows = [
             SampleRow(s.params, s.prompt_ids, s.output_ids + s.spec_token_ids[:i], self._generator_or_default(s.request_id),
-                      s.penalties)
+                      s.penalties, s.param_row)
             for s in seqs
             for i in range(len(s.spec_token_ids) + 1)
         ]  # fmt: skip

@@ -9,9 +9,10 @@ with probability p_i (the exponential race) and lets every row use its own
 generator; the only Python loop is over rows that carry their own seed, so a seeded
 row's output does not depend on its batch neighbours.
 
-Penalty counts are a request's ``PenaltyState``: tensors the runner keeps for the
-request's life and updates with each token it commits, so a step never rebuilds them
-from the request's token lists (O(its length) per step before).
+A request's parameters and penalty counts are tensors the runner keeps for the
+request's life (``param_row``, ``PenaltyState``, updated with each token it commits),
+so a step stacks them rather than rebuilding them from Python lists (the counts from
+the request's whole token list, O(its length) per step, before).
 """
 
 from __future__ import annotations
@@ -64,6 +65,24 @@ class PenaltyState:
         self.num_counted += len(token_ids)
 
 
+# The columns of a request's parameter row: one float32 tensor per request, built once.
+TEMPERATURE, TOP_P, TOP_K, MIN_P, REPETITION, PRESENCE, FREQUENCY, GREEDY = range(8)
+_TOP_K_CAP = 1 << 24  # top-k past any vocabulary (exact in float32): the same as none
+
+
+def param_row(p: SamplingParams, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A request's sampling parameters as one row (top-k 0: none; greedy rows keep
+    temperature 1, their choice is the argmax)."""
+    top_k = min(p.top_k, _TOP_K_CAP) if p.top_k > 0 else 0
+    return torch.tensor([1.0 if p.greedy else p.temperature, p.top_p, float(top_k), p.min_p, p.repetition_penalty,
+                         p.presence_penalty, p.frequency_penalty, float(p.greedy)], device=device)  # fmt: skip
+
+
+def param_matrix(rows: list[SampleRow], device: torch.device) -> torch.Tensor:
+    """[rows, 8]: each row's parameters, stacked from the requests' rows."""
+    return torch.stack([r.param_row if r.param_row is not None else param_row(r.params, device) for r in rows])
+
+
 @dataclass
 class SampleRow:
     """What the sampler needs to know about one row besides its logits. ``output_ids`` is
@@ -75,6 +94,7 @@ class SampleRow:
     output_ids: list[int]
     generator: torch.Generator | None = None  # set for seeded requests
     penalties: PenaltyState | None = None  # the request's (None: built for this call from the lists)
+    param_row: torch.Tensor | None = None  # the request's (None: built for this call from params)
 
 
 @dataclass
@@ -98,7 +118,7 @@ def apply_grammar_bias(logits: torch.Tensor, rows: list[int], bias: np.ndarray) 
         logits.index_add_(0, torch.tensor(rows, device=logits.device), add)
 
 
-def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, rows: list[SampleRow], params: torch.Tensor | None = None) -> torch.Tensor:
     """Repetition (prompt and output), presence and frequency (output) penalties.
 
     Repetition divides positive logits and multiplies negative ones (CTRL / HF /
@@ -119,38 +139,35 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
             counts[i].index_add_(0, torch.tensor(extra, device=device), torch.ones(len(extra), device=device))
         if in_prompt is not None:
             seen_prompt[i] = in_prompt
-    rep = torch.tensor([r.params.repetition_penalty for r in rows], device=device)[:, None]
-    pres = torch.tensor([r.params.presence_penalty for r in rows], device=device)[:, None]
-    freq = torch.tensor([r.params.frequency_penalty for r in rows], device=device)[:, None]
+    params = param_matrix(rows, device) if params is None else params
+    rep, pres, freq = params[:, REPETITION, None], params[:, PRESENCE, None], params[:, FREQUENCY, None]
     seen = seen_prompt | (counts > 0)
     penalised = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalised, logits)
     return logits - freq * counts - pres * (counts > 0).float()
 
 
-def filter_logits(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+def filter_logits(logits: torch.Tensor, rows: list[SampleRow], params: torch.Tensor | None = None) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p masks (-inf outside the allowed set)."""
     device = logits.device
-    temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rows], device=device)
-    logits = logits / temps[:, None]
+    params = param_matrix(rows, device) if params is None else params
+    logits = logits / params[:, TEMPERATURE, None]
     vocab = logits.shape[1]
-    top_k = [r.params.top_k if r.params.top_k > 0 else vocab for r in rows]
-    top_p = [r.params.top_p for r in rows]
-    min_p = [r.params.min_p for r in rows]
-    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+    if any(0 < r.params.top_k < vocab for r in rows) or any(r.params.top_p < 1.0 for r in rows):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=device)[None, :]
-        drop = ranks >= torch.tensor(top_k, device=device)[:, None]
+        top_k = params[:, TOP_K]
+        drop = ranks >= torch.where(top_k > 0, top_k, vocab)[:, None]
         sorted_logits = sorted_logits.masked_fill(drop, -math.inf)
         probs = sorted_logits.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
-        drop = mass_before >= torch.tensor(top_p, device=device)[:, None]
+        drop = mass_before >= params[:, TOP_P, None]
         drop[:, 0] = False  # always keep the most likely token
         sorted_logits = sorted_logits.masked_fill(drop, -math.inf)
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
-    if any(p > 0 for p in min_p):
+    if any(r.params.min_p > 0 for r in rows):
         probs = logits.softmax(dim=-1)
-        threshold = torch.tensor(min_p, device=device)[:, None] * probs.max(dim=-1, keepdim=True).values
+        threshold = params[:, MIN_P, None] * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < threshold, -math.inf)
     return logits
 
@@ -165,12 +182,16 @@ def sampling_distribution(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[
     """The distribution each row samples from (after penalties, temperature, top-k/p
     and min-p; None when every row is greedy) and each row's greedy choice: what
     speculative verification compares drafts against."""
-    if any(r.params.uses_penalties for r in rows):
-        logits = apply_penalties(logits, rows)
+    penalised = any(r.params.uses_penalties for r in rows)
+    if not penalised and all(r.params.greedy for r in rows):  # the usual greedy batch: no parameter is read
+        return None, greedy(logits)
+    params = param_matrix(rows, logits.device)
+    if penalised:
+        logits = apply_penalties(logits, rows, params)
     greedy_tokens = greedy(logits)
     if all(r.params.greedy for r in rows):
         return None, greedy_tokens
-    return filter_logits(logits, rows).softmax(dim=-1), greedy_tokens
+    return filter_logits(logits, rows, params).softmax(dim=-1), greedy_tokens
 
 
 def chosen_logprobs(
@@ -219,5 +240,5 @@ def _draw(probs: torch.Tensor, rows: list[SampleRow], greedy_tokens: torch.Tenso
         if r.generator is not None:
             noise[i].exponential_(generator=r.generator)
     sampled = greedy(probs / noise)
-    is_greedy = torch.tensor([r.params.greedy for r in rows], device=probs.device)
+    is_greedy = param_matrix(rows, probs.device)[:, GREEDY] > 0
     return torch.where(is_greedy, greedy_tokens, sampled)
