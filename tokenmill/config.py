@@ -13,8 +13,11 @@ the factory; nothing is mutated after construction.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from tokenmill.errors import InvalidRequestError
 
 
 def opt(default: Any, help: str, *, flag: str | None = None, choices: tuple[str, ...] | None = None,
@@ -195,6 +198,17 @@ class SpeculativeConfig:
         return 0 if self.method == "ngram" else self.num_speculative_tokens
 
 
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def check_adapter_name(name: str) -> None:
+    """Adapter names are model ids clients send and logs print: letters, digits, '.',
+    '_' and '-', a letter or digit first, at most 128 (no path, control or bidi mark)."""
+    if not isinstance(name, str) or ADAPTER_NAME.fullmatch(name) is None:
+        raise InvalidRequestError("a LoRA adapter name is 1-128 letters, digits, '.', '_' or '-', starting with a "
+                                  "letter or digit", param="lora_name")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class LoRAConfig:
     """Multi-LoRA serving: adapters on one base model, mixed in one batch."""
@@ -215,6 +229,7 @@ class LoRAConfig:
         for m in self.lora_modules:
             _check("=" in m and m.split("=", 1)[0] and m.split("=", 1)[1],
                    f"lora_modules entries are name=path, got {m!r}")  # fmt: skip
+            check_adapter_name(m.split("=", 1)[0])
         _check(self.enable_lora or not self.lora_modules, "lora_modules needs enable_lora (--enable-lora)")
 
     @property

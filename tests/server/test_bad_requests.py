@@ -14,6 +14,7 @@ from tokenmill.config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.engine import Engine, EngineConfig
 from tokenmill.server.app import build_app
+from tokenmill.server.protocol import ChatCompletionRequest
 
 KEY = "sekrit"
 MODEL = "toy"
@@ -60,7 +61,9 @@ def assert_error(r: httpx.Response, status: int, *words: str) -> dict:
     ids=["prompt", "model", "chat-content", "role", "tokenize"],
 )
 def test_a_lone_surrogate_is_a_400_not_a_500(app_engine, path, raw):
-    assert_error(call(app_engine[0], "POST", path, raw=raw), 400, "surrogate")
+    # a role is one of OpenAI's names, checked first: pydantic's words ("not a unicode string")
+    word = "unicode" if b'"role": "\\ud83d"' in raw else "surrogate"
+    assert_error(call(app_engine[0], "POST", path, raw=raw), 400, word)
 
 
 @pytest.mark.parametrize(
@@ -160,3 +163,25 @@ def test_a_stream_cancelled_mid_wait_leaves_its_source_closable():
 
     asyncio.run(main())
     assert closed == [True]
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize("messages,words", [
+    ([{"role": "hacker", "content": "hi"}], ("messages.0.role",)),
+    ([{"role": "tool", "tool_call_id": "call_1", "content": "r"}, {"role": "user", "content": "hi"}],
+     ("messages[0]", "no such tool_call_id")),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+      {"role": "tool", "tool_call_id": "call_9", "content": "r"}], ("messages[2]", "no such tool_call_id")),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+      {"role": "tool", "content": "r"}], ("needs the tool_call_id",)),
+], ids=["unknown-role", "tool-first", "unknown-call-id", "no-call-id"])  # fmt: skip
+def test_conversations_openai_refuses_are_400s(app_engine, messages, words):
+    """Issue 24 item 10: roles are OpenAI's; a tool message answers an earlier call."""
+    app, engine = app_engine
+    r = call(app, "POST", "/v1/chat/completions", {"messages": messages, "max_tokens": 2})
+    assert_error(r, 400, *words)
+    ok = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+          {"role": "tool", "tool_call_id": "call_1", "content": "r"}]  # fmt: skip
+    assert len(ChatCompletionRequest(messages=ok, max_tokens=2).messages) == 3  # the same, answered: accepted

@@ -94,3 +94,65 @@ def test_runtime_updates_are_off_unless_allowed(setup):
 
 def server_model_dir(adapters) -> str:
     return str(next(iter(adapters.values())).parent / "base")
+
+
+def test_bad_adapter_folders_are_400s_in_openai_shape(setup, tmp_path):
+    """Issue 24 items 4 and 6: what used to be a plain-text 500 (or an adapter answering
+    '' with stop) is a 400 in OpenAI's error shape, and the server goes on serving."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    server, adapters, _, _ = setup
+
+    def copy(name: str, conf_text: str | None = None, nan: bool = False):
+        path = shutil.copytree(adapters["alpha"], tmp_path / name)
+        if conf_text is not None:
+            (path / "adapter_config.json").write_text(conf_text)
+        if nan:
+            tensors = load_file(str(path / "adapter_model.safetensors"))
+            key = next(iter(tensors))
+            tensors[key][0, 0] = float("nan")
+            save_file(tensors, str(path / "adapter_model.safetensors"))
+        return str(path)
+
+    conf = (adapters["alpha"] / "adapter_config.json").read_text()
+    cases = {"alpha-null": copy("a1", conf.replace('"lora_alpha": 8', '"lora_alpha": null')),
+             "a-list": copy("a2", "[1, 2]"), "deep": copy("a3", "[" * 100_000 + "]" * 100_000),
+             "nan-weights": copy("a4", nan=True), "alpha-nan": copy("a5", conf.replace('"lora_alpha": 8', '"lora_alpha": NaN')),
+             "long-path": str(tmp_path / ("x" * 300))}  # fmt: skip
+    for name, path in cases.items():
+        r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path}, timeout=60)
+        assert r.status_code == 400, (name, r.status_code, r.text[:200])
+        assert r.json()["error"]["type"] == "BadRequestError" and r.json()["error"]["code"] == 400, name
+    assert complete(server, MODEL).status_code == 200
+    assert not {c["id"] for c in httpx.get(server.url + "/v1/models").json()["data"]} & set(cases)
+
+
+def test_concurrent_loads_of_one_name_serve_it_once(setup):
+    """Issue 24 item 5: of four loads of one new name at once, one is served (200) and
+    the others are told it already is (400), whichever wins."""
+    server, adapters, _, _ = setup
+    results: list[httpx.Response] = []
+
+    def load():
+        body = {"lora_name": "delta", "lora_path": str(adapters["gamma"])}
+        results.append(httpx.post(server.url + "/v1/load_lora_adapter", json=body, timeout=60))
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(r.status_code for r in results) == [200, 400, 400, 400]
+    assert all("already served" in r.json()["error"]["message"] for r in results if r.status_code == 400)
+    assert httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "delta"}).status_code == 200
+
+
+@pytest.mark.parametrize("name", ["bad\nname", "\u202eevil", "../../etc", " ", "a/b", "x" * 200])
+def test_adapter_names_outside_a_safe_set_are_refused(setup, name):
+    """Issue 24 item 10: adapter names are letters, digits, '.', '_' and '-' (a letter or
+    digit first, at most 128): nothing that reads as a path, a control or a direction mark."""
+    server, adapters, _, _ = setup
+    r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(adapters["gamma"])})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name", r.text

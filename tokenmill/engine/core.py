@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from tokenmill.config import SchedulerConfig, SpeculativeConfig
+from tokenmill.config import SchedulerConfig, SpeculativeConfig, check_adapter_name
 from tokenmill.engine.block_pool import BlockPool
 from tokenmill.engine.kv_manager import KVCacheManager, PrefixCacheStats
 from tokenmill.engine.model_input import GrammarMasks, ModelInput, ModelOutput, SampledToken
@@ -178,6 +178,7 @@ class EngineCore:
 
     def load_lora(self, name: str, path: str) -> object:
         """Read and check an adapter without serving it (safe off the engine's thread)."""
+        check_adapter_name(name)
         if self.config.max_loras is None:
             raise InvalidRequestError("LoRA adapters are off: start the engine with enable_lora (--enable-lora)")
         return self.runner.load_lora(name, path)
@@ -186,6 +187,7 @@ class EngineCore:
         """Serve an adapter (read and checked now unless ``loaded`` by ``load_lora``:
         LoRAError names what is wrong); a name already served is replaced, for requests
         that arrive from now on."""
+        check_adapter_name(name)
         if loaded is None:
             loaded = self.load_lora(name, path)
         self.runner.add_lora(name, path, loaded)

@@ -53,6 +53,7 @@ class CoreLoop:
         self.conn = conn
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-prepare")
         self.pending: list[_Pending] = []
+        self.loading: set[str] = set()  # adapters being read for add_lora
         self.running = True
         self.last_snapshot = 0.0  # time.monotonic() of the last gauges sent
 
@@ -150,11 +151,22 @@ class CoreLoop:
             self.send("reply", call_id, None if error is None else error_to_wire(error), self.snapshot())
 
         try:
-            if method == "add_lora":
+            if method == "add_lora":  # a new name only (the server's loads): concurrent ones, one wins
                 name, path = args
-                future = self.pool.submit(self.core.load_lora, name, path)
-                self.pending.append(_Pending(future, lambda loaded: (self.core.add_lora(name, path, loaded), reply()),
-                                             reply))  # fmt: skip
+                if name in self.core.loras or name in self.loading:
+                    raise InvalidRequestError(f"a model named {name!r} is already served", param="lora_name")
+                self.loading.add(name)
+
+                def served(loaded: Any) -> None:
+                    self.loading.discard(name)
+                    self.core.add_lora(name, path, loaded)
+                    reply()
+
+                def failed(e: BaseException) -> None:
+                    self.loading.discard(name)
+                    reply(e)
+
+                self.pending.append(_Pending(self.pool.submit(self.core.load_lora, name, path), served, failed))
                 return
             if method == "remove_lora":
                 self.core.remove_lora(args[0])

@@ -9,7 +9,12 @@ scale is folded into B here, once.
 
 Supported: q/k/v/o/gate/up/down projections of the decoder layers. Refused with an
 error naming them: embedding or LM-head adapters, DoRA, trained biases, extra saved
-modules, ranks above ``max_lora_rank``, shapes that do not fit the model.
+modules, ranks above ``max_lora_rank``, shapes that do not fit the model, weights or a
+``lora_alpha`` that are not finite numbers. Nothing is read whole before its size is
+checked: ``adapter_config.json`` is capped at ``MAX_CONFIG_BYTES`` and the safetensors
+header at ``MAX_HEADER_BYTES``, and a malformed file (a config that is not an object,
+nested past JSON's recursion limit, a path the OS refuses) is a LoRAError, never an
+exception of another kind.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +31,8 @@ import torch
 from tokenmill.config import ModelConfig
 from tokenmill.errors import TokenmillError
 
+MAX_CONFIG_BYTES = 1 << 20  # an adapter_config.json is a few hundred bytes
+MAX_HEADER_BYTES = 16 << 20  # a safetensors header: names, dtypes, shapes, offsets
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
 
@@ -62,23 +70,29 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -
     """Read and check a PEFT adapter folder; LoRAError names what is wrong."""
     folder = Path(path)
     config_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
-    if not config_file.is_file():
-        raise LoRAError(f"LoRA adapter {name!r}: no adapter_config.json in {folder}")
-    if not weights_file.is_file():
-        raise LoRAError(f"LoRA adapter {name!r}: no adapter_model.safetensors in {folder}")
     try:
-        conf = json.loads(config_file.read_text())
-    except ValueError as e:
-        raise LoRAError(f"LoRA adapter {name!r}: adapter_config.json is not valid JSON: {e}") from None
+        _check_file(name, config_file, MAX_CONFIG_BYTES)
+        _check_file(name, weights_file, None)
+        conf = json.loads(config_file.read_bytes())
+        header = _safetensors_header_size(weights_file)
+    except OSError as e:  # a path the OS refuses (a name too long, no permission)
+        raise LoRAError(f"LoRA adapter {name!r}: cannot read {folder}: {e.strerror or type(e).__name__}") from None
+    except (ValueError, RecursionError) as e:
+        raise LoRAError(f"LoRA adapter {name!r}: adapter_config.json is not valid JSON: {type(e).__name__}") from None
+    if header > MAX_HEADER_BYTES:
+        raise LoRAError(f"LoRA adapter {name!r}: {weights_file.name} has a header of {header} bytes "
+                        f"(more than {MAX_HEADER_BYTES}): not an adapter")  # fmt: skip
+    if not isinstance(conf, dict):
+        raise LoRAError(f"LoRA adapter {name!r}: adapter_config.json must hold a JSON object")
     _check_config(name, conf, max_rank)
-    rank, alpha = int(conf["r"]), float(conf.get("lora_alpha", conf["r"]))
+    rank, alpha = conf["r"], conf.get("lora_alpha", conf["r"])
     scaling = alpha / math.sqrt(rank) if conf.get("use_rslora") else alpha / rank
     from safetensors.torch import load_file
 
     try:
         tensors = load_file(str(weights_file))
     except Exception as e:  # noqa: BLE001 - a truncated or foreign file
-        raise LoRAError(f"LoRA adapter {name!r}: cannot read {weights_file.name}: {e}") from None
+        raise LoRAError(f"LoRA adapter {name!r}: cannot read {weights_file.name}: {type(e).__name__}") from None
     shapes = target_shapes(cfg)
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
@@ -89,7 +103,10 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -
         layer, target, half = int(m.group(1)), m.group(2), m.group(3)
         if target not in shapes or layer >= cfg.num_layers:
             raise LoRAError(f"LoRA adapter {name!r}: weight {key!r} does not match a projection of this model")
-        halves.setdefault((layer, target), {})[half] = tensor.to(torch.float32)
+        tensor = tensor.to(torch.float32)
+        if not torch.isfinite(tensor).all():
+            raise LoRAError(f"LoRA adapter {name!r}: weight {key!r} holds values that are not finite (NaN or inf)")
+        halves.setdefault((layer, target), {})[half] = tensor
     weights = {}
     for (layer, target), pair in sorted(halves.items()):
         if set(pair) != {"A", "B"}:
@@ -105,23 +122,40 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -
     return LoRAAdapter(name, str(folder), rank, scaling, weights)
 
 
+def _check_file(name: str, path: Path, max_bytes: int | None) -> None:
+    if not path.is_file():
+        raise LoRAError(f"LoRA adapter {name!r}: no {path.name} in {path.parent}")
+    if max_bytes is not None and path.stat().st_size > max_bytes:
+        raise LoRAError(f"LoRA adapter {name!r}: {path.name} is {path.stat().st_size} bytes (more than {max_bytes})")
+
+
+def _safetensors_header_size(path: Path) -> int:
+    """The length safetensors' first 8 bytes give its JSON header (read before the file is)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    return struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+
+
 def _check_config(name: str, conf: dict, max_rank: int) -> None:
     def refuse(why: str) -> LoRAError:
         return LoRAError(f"LoRA adapter {name!r}: {why}")
 
     if conf.get("peft_type", "LORA") != "LORA":
-        raise refuse(f"peft_type {conf.get('peft_type')!r} is not supported (only LORA)")
+        raise refuse("its peft_type is not supported (only LORA)")  # the value is not echoed
     rank = conf.get("r")
     if not isinstance(rank, int) or rank < 1:
-        raise refuse(f"r must be a positive integer, got {rank!r}")
+        raise refuse("r must be a positive integer")
     if rank > max_rank:
         raise refuse(f"rank {rank} is above --max-lora-rank {max_rank}")
+    alpha = conf.get("lora_alpha", rank)
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
+        raise refuse("lora_alpha must be a finite number")
     if conf.get("use_dora"):
         raise refuse("DoRA (use_dora) is not supported")
     if conf.get("bias", "none") != "none":
-        raise refuse(f"trained biases (bias={conf['bias']!r}) are not supported")
+        raise refuse("trained biases (bias other than 'none') are not supported")
     if conf.get("modules_to_save"):
-        raise refuse(f"modules_to_save {conf['modules_to_save']} are not supported")
+        raise refuse("modules_to_save are not supported")
     targets = conf.get("target_modules") or []
     if isinstance(targets, str):
         targets = [targets] if targets in TARGETS + ("embed_tokens", "lm_head") else []

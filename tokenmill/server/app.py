@@ -147,7 +147,7 @@ def build_app(engine: StreamingFront, tokenizer: Any, max_model_len: int, config
             try:
                 await engine.add_lora(body.lora_name, body.lora_path)
             except TokenmillError as e:
-                raise APIError(400, str(e), "lora_path") from None
+                raise APIError(400, str(e), getattr(e, "param", None) or "lora_path") from None
             return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", status_code=200)
 
         @app.post("/v1/unload_lora_adapter")

@@ -211,7 +211,7 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(_Body):
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # OpenAI's, nothing else
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
@@ -252,6 +252,11 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 
+    @model_validator(mode="after")
+    def _tool_results_answer_calls(self) -> ChatCompletionRequest:
+        check_tool_results(self.messages)
+        return self
+
     def sampling_params(self, max_tokens: int, structured: StructuredOutputs | None = None) -> SamplingParams:
         """``structured``: the tools' constraint, if any (it excludes response_format)."""
         if self.top_logprobs is not None and not self.logprobs:
@@ -265,6 +270,22 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def check_tool_results(messages: list[ChatMessage]) -> None:
+    """As OpenAI's API: a tool message answers a call of an assistant message before it,
+    named by its ``tool_call_id``."""
+    calls: set[str] = set()
+    for i, m in enumerate(messages):
+        if m.role == "assistant" and m.tool_calls:
+            calls |= {c["id"] for c in m.tool_calls if isinstance(c, dict) and isinstance(c.get("id"), str)}
+        elif m.role == "tool":
+            if m.tool_call_id is None:
+                raise InvalidRequestError(f"messages[{i}]: a tool message needs the tool_call_id it answers",
+                                          param="messages")  # fmt: skip
+            if m.tool_call_id not in calls:
+                raise InvalidRequestError(f"messages[{i}]: a tool message must answer a tool call of an earlier "
+                                          "assistant message (no such tool_call_id)", param="messages")  # fmt: skip
 
 
 class TokenizeRequest(_Body):
