@@ -60,6 +60,27 @@ def test_dead_engine_answers_503_and_health_fails():
     assert health.status_code == 503
 
 
+def test_requests_racing_the_loops_death_all_get_503_at_once():
+    """Issue 24 item 9: requests queued while the loop dies, or just after, are answered
+    503 at once, not left waiting for a loop that will never read them."""
+    runner = DyingRunner()
+    engine = AsyncEngine(Engine(runner, ToyTokenizer(), EngineConfig(num_blocks=32, block_size=4, max_model_len=64)))
+    app = build_app(engine, ToyTokenizer(), 64, ServerConfig(served_model_name=MODEL))
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as c:
+            body = {"model": MODEL, "prompt": "abc", "max_tokens": 3}
+            runner.dead = True
+            return await asyncio.wait_for(asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(40))), 20)
+
+    try:
+        replies = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert [r.status_code for r in replies] == [503] * 40
+
+
 def test_a_client_leaving_a_non_streamed_request_aborts_it(server):
     """The request would run for minutes; once its client hangs up it must be aborted
     (the API-key check must not hide the disconnect from the handler)."""

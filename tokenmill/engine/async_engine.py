@@ -173,6 +173,7 @@ class AsyncEngine(StreamingFront):
             grammar = await asyncio.to_thread(self.engine.structured.compile, params.structured)
         self._commands.put(("add", request_id, prompt, params, grammar, lora, stream, accepted))
         self._wake.set()
+        self._unless_dead(accepted)
 
     async def add_lora(self, name: str, path: str) -> None:
         """Serve an adapter: read and checked in a worker thread, then handed to the loop
@@ -196,7 +197,14 @@ class AsyncEngine(StreamingFront):
         done: asyncio.Future = loop.create_future()
         self._commands.put(("call", fn, loop, done))
         self._wake.set()
+        self._unless_dead(done)
         await done
+
+    def _unless_dead(self, fut: asyncio.Future) -> None:
+        """A command queued after the loop died is read by nobody: answer it here (one
+        queued before is answered by the dying loop's drain)."""
+        if self._dead is not None:
+            _resolve(fut, EngineDeadError(f"the engine loop died: {self._dead}"))
 
     @property
     def is_dead(self) -> bool:
@@ -236,6 +244,22 @@ class AsyncEngine(StreamingFront):
         except BaseException as e:  # a bug in the loop itself: fail every stream
             logger.exception("engine loop died")
             self._fail_all(e)
+            self._refuse_queued(e)
+
+    def _refuse_queued(self, error: BaseException) -> None:
+        """The loop has died: every command still queued (a request, a LoRA call) gets
+        EngineDeadError now instead of waiting for a loop that will never read it."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] in ("add", "call"):
+                loop, fut = (cmd[6].loop, cmd[7]) if cmd[0] == "add" else (cmd[2], cmd[3])
+                try:
+                    loop.call_soon_threadsafe(_resolve, fut, EngineDeadError(f"the engine loop died: {error}"))
+                except RuntimeError:  # its event loop has closed
+                    pass
 
     def _apply_commands(self) -> None:
         while True:

@@ -102,7 +102,9 @@ class AsyncCoreClient(StreamingFront):
         else:
             text, ids = None, list(prompt)
         seq_ids = sequence_ids(request_id, params.n)
-        with self._lock:
+        with self._lock:  # the reader's _fail_all holds it too: a request is failed by it or refused here
+            if self.is_dead:
+                raise EngineDeadError("the engine core is not running")
             if request_id in self._seq_ids:
                 raise InvalidRequestError(f"duplicate request id {request_id!r}")
             for i, sid in enumerate(seq_ids):  # before the core can answer: no delta finds nobody
