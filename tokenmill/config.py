@@ -271,6 +271,7 @@ class ServerConfig:
     drain_timeout: float = opt(30.0, "seconds SIGTERM waits for in-flight requests")
     served_model_name: str | None = opt(None, "the model id clients send (default: the model's file name)")
     max_request_bytes: int = opt(2 << 20, "largest request body accepted; larger ones get 413")
+    request_body_timeout: float = opt(30.0, "seconds a client has to send a request's whole body; then 408")
     allow_runtime_lora_updating: bool = opt(False, "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
     engine_core: str = opt("process", "where the engine loop runs: process (its own, beside the API process that "
                            "tokenises, detokenises and streams) or thread (a thread of the API process)",

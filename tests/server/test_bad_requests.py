@@ -185,3 +185,35 @@ def test_conversations_openai_refuses_are_400s(app_engine, messages, words):
     ok = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
           {"role": "tool", "tool_call_id": "call_1", "content": "r"}]  # fmt: skip
     assert len(ChatCompletionRequest(messages=ok, max_tokens=2).messages) == 3  # the same, answered: accepted
+
+
+def test_a_body_trickled_past_the_timeout_gets_408():
+    """Issue 24 item 11: a client that never finishes its body is answered 408 (OpenAI's
+    error shape) after --request-body-timeout, instead of holding its connection."""
+    engine = AsyncEngine(Engine(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=16, block_size=4, max_model_len=64)))
+    app = build_app(engine, ToyTokenizer(), 64, ServerConfig(served_model_name=MODEL, request_body_timeout=0.5))
+    sent: list[dict] = []
+
+    async def main():
+        parts = [{"type": "http.request", "body": b'{"prompt": "ab', "more_body": True}]
+
+        async def receive():
+            if parts:
+                return parts.pop()
+            await asyncio.sleep(3600)  # the rest never comes
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                 "query_string": b"", "headers": [(b"content-type", b"application/json")], "http_version": "1.1",
+                 "scheme": "http", "server": ("t", 80), "client": ("c", 1), "root_path": ""}  # fmt: skip
+        await asyncio.wait_for(app(scope, receive, send), 10)
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 408
+    err = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))["error"]
+    assert err["code"] == 408 and "--request-body-timeout" in err["message"]

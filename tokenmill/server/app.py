@@ -48,6 +48,7 @@ from tokenmill.server.tools import ToolRequest, ToolStream, parse_tool_request, 
 logger = logging.getLogger(__name__)
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+               408: "RequestTimeoutError",
                413: "RequestTooLargeError", 429: "RateLimitError", 500: "InternalServerError",
                503: "ServiceUnavailableError"}  # fmt: skip
 
@@ -115,7 +116,7 @@ def build_app(engine: StreamingFront, tokenizer: Any, max_model_len: int, config
 
     if config.api_key is not None:
         app.add_middleware(APIKeyMiddleware, key=config.api_key)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes, timeout=config.request_body_timeout)
 
     @app.get("/health")
     async def health() -> Response:
@@ -559,11 +560,13 @@ class APIKeyMiddleware:
 
 class BodyLimitMiddleware:
     """413 for a request body over ``max_bytes`` (declared or streamed), before any of it
-    is parsed. The body is read here and handed on whole; later ``receive`` calls go
-    to the client, so a disconnect is still seen."""
+    is parsed, and 408 for one not received whole within ``timeout`` seconds (a client
+    trickling a body would otherwise hold its connection open for ever). The body is
+    read here and handed on whole; later ``receive`` calls go to the client, so a
+    disconnect is still seen."""
 
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: Any, max_bytes: int, timeout: float = 30.0) -> None:
+        self.app, self.max_bytes, self.timeout = app, max_bytes, timeout
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
@@ -574,8 +577,14 @@ class BodyLimitMiddleware:
             await self._too_large(scope, receive, send)
             return
         chunks, size, more = [], 0, True
+        deadline = asyncio.get_running_loop().time() + self.timeout
         while more:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - asyncio.get_running_loop().time()))
+            except TimeoutError:
+                message = f"request body not received within {self.timeout:g} s (--request-body-timeout)"
+                await error_response(408, message)(scope, receive, send)
+                return
             if message["type"] != "http.request":  # the client left while sending
                 return
             chunks.append(message.get("body", b""))
