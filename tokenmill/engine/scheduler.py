@@ -301,21 +301,30 @@ class Scheduler:
                 req.spec_token_ids = draft[: self._max_drafts(req)]
                 if req.grammar is not None and req.spec_token_ids:  # cut at the first the grammar refuses
                     del req.spec_token_ids[req.grammar.num_valid(req.spec_token_ids) :]
-            if new_tokens:
+            if new_tokens or req.finished:  # a request ended by a refused token gains none
                 updates.append(SeqUpdate(req, new_tokens))
         return updates
 
     def _append(self, req: Request, sampled: list[SampledToken]) -> list[SampledToken]:
         """Append tokens one by one, up to the first that ends the request (a stop token,
-        the end of its grammar, max_tokens or the context window)."""
+        the end of its grammar, max_tokens or the context window).
+
+        A token its grammar's matcher cannot take (it was allowed by the mask, but the
+        matcher hit one of its limits taking it: a right-recursive grammar, thousands of
+        alternatives) is dropped and the request ends as a cut-off ("length"): the output
+        stays a valid prefix of the constraint, as at max_tokens, never an invalid whole."""
         for i, t in enumerate(sampled):
-            req.output_token_ids.append(t.token_id)
             p = req.params
-            if t.token_id in p.stop_token_ids or (not p.ignore_eos and t.token_id in self.eos_token_ids):
+            stop_token = t.token_id in p.stop_token_ids or (not p.ignore_eos and t.token_id in self.eos_token_ids)
+            if not stop_token and req.grammar is not None and not req.grammar.accept([t.token_id]):
+                why = (req.grammar.error or "refused").strip().splitlines()
+                logger.warning("request %s: structured output cut off after %d tokens: the grammar matcher stopped (%s)",
+                               req.request_id, len(req.output_token_ids), why[-1][:200] if why else "")  # fmt: skip
+                self.finish(req, "length")
+                return sampled[:i]
+            req.output_token_ids.append(t.token_id)
+            if stop_token:
                 self.finish(req, "stop", t.token_id)
-            elif req.grammar is not None and not req.grammar.accept([t.token_id]):  # masked: cannot happen
-                logger.error("request %s: token %d broke its grammar: %s", req.request_id, t.token_id, req.grammar.error)
-                self.finish(req, "error")
             elif req.grammar is not None and req.grammar.is_terminated:
                 self.finish(req, "stop")  # the output is complete: nothing but end-of-sequence may follow
             elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
