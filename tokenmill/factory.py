@@ -209,8 +209,10 @@ def check_options(args: EngineArgs) -> None:
     """Check the options against the checkpoints' headers (config.json, a GGUF's
     metadata), before any weights load: a draft that does not share the target's
     vocabulary, self-speculation deeper than the model, sizes that do not split it."""
-    path, config = read_config(args.load.model)
     spec = args.speculative
+    if (spec is None or spec.method == "ngram") and args.parallel.world_size == 1:
+        return  # nothing depends on the checkpoint: its header is read once, by the loader
+    path, config = read_config(args.load.model)
     if spec is not None and spec.method == "self" and spec.draft_layers is not None:
         if spec.draft_layers >= config.num_layers:
             raise TokenmillError(f"draft_layers={spec.draft_layers} must be below the model's {config.num_layers} layers")

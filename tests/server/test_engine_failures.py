@@ -34,10 +34,15 @@ class DyingRunner(ScriptedRunner):
         return super().execute(batch, grammar)
 
 
-def test_dead_engine_answers_503_and_health_fails():
+def dying_app():
+    """An app over a threaded engine whose loop dies once ``runner.dead`` is set."""
     runner = DyingRunner()
     engine = AsyncEngine(Engine(runner, ToyTokenizer(), EngineConfig(num_blocks=32, block_size=4, max_model_len=64)))
-    app = build_app(engine, ToyTokenizer(), 64, ServerConfig(served_model_name=MODEL))
+    return runner, engine, build_app(engine, ToyTokenizer(), 64, ServerConfig(served_model_name=MODEL))
+
+
+def test_dead_engine_answers_503_and_health_fails():
+    runner, engine, app = dying_app()
 
     async def main():
         transport = httpx.ASGITransport(app=app)
@@ -63,9 +68,7 @@ def test_dead_engine_answers_503_and_health_fails():
 def test_requests_racing_the_loops_death_all_get_503_at_once():
     """Issue 24 item 9: requests queued while the loop dies, or just after, are answered
     503 at once, not left waiting for a loop that will never read them."""
-    runner = DyingRunner()
-    engine = AsyncEngine(Engine(runner, ToyTokenizer(), EngineConfig(num_blocks=32, block_size=4, max_model_len=64)))
-    app = build_app(engine, ToyTokenizer(), 64, ServerConfig(served_model_name=MODEL))
+    runner, engine, app = dying_app()
 
     async def main():
         transport = httpx.ASGITransport(app=app)

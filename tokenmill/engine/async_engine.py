@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.stats import EngineSnapshot
-from tokenmill.errors import EngineDeadError, InvalidRequestError
+from tokenmill.errors import EngineDeadError
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -160,7 +160,6 @@ class AsyncEngine(StreamingFront):
         super().__init__()
         self.engine = engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._loading: set[str] = set()  # adapters being read by add_lora
         self._wake = threading.Event()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
@@ -180,14 +179,9 @@ class AsyncEngine(StreamingFront):
         thread, which owns the engine (requests keep running meanwhile)."""
         if self.is_dead:
             raise EngineDeadError("the engine loop is not running")
-        if name in self.engine.loras or name in self._loading:  # a new name only: concurrent loads, one wins
-            raise InvalidRequestError(f"a model named {name!r} is already served", param="lora_name")
-        self._loading.add(name)  # this event loop's thread only
-        try:
+        with self.engine.new_lora_name(name):  # a new name only: of concurrent loads, one goes on
             loaded = await asyncio.to_thread(self.engine.load_lora, name, path)
             await self._on_loop(lambda: self.engine.add_lora(name, path, loaded))
-        finally:
-            self._loading.discard(name)
 
     async def remove_lora(self, name: str) -> None:
         await self._on_loop(lambda: self.engine.remove_lora(name))

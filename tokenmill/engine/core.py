@@ -95,6 +95,7 @@ class EngineCore:
             config.max_loras or 1 << 30,
         )
         self.loras: dict[str, LoRAInfo] = {}  # adapters requests may name
+        self._lora_names_held: set[str] = set()  # names of adapters being read (new_lora_name)
         self._lora_ids = itertools.count(1)
         self.lora_requests: Counter[str] = Counter()  # requests per adapter since start
         self.structured = StructuredOutputManager(grammars)
@@ -195,6 +196,18 @@ class EngineCore:
         self.loras[name] = info
         logger.info("LoRA adapter %s served from %s", name, path)
         return info
+
+    @contextmanager
+    def new_lora_name(self, name: str) -> Iterator[None]:
+        """Hold a name for an adapter being read (a server's runtime load): a name served
+        or already held is refused, so of concurrent loads of one name exactly one goes on."""
+        if name in self.loras or name in self._lora_names_held:
+            raise InvalidRequestError(f"a model named {name!r} is already served", param="lora_name")
+        self._lora_names_held.add(name)
+        try:
+            yield
+        finally:
+            self._lora_names_held.discard(name)
 
     def remove_lora(self, name: str) -> None:
         """Stop serving an adapter: new requests naming it are refused; running ones finish."""

@@ -23,7 +23,7 @@ import logging
 import multiprocessing
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from tokenmill.engine.async_engine import StreamingFront, _resolve, _Stream
 from tokenmill.engine.detokenizer import Decoder
@@ -44,7 +44,7 @@ from tokenmill.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-class Tokenizer(Decoder):
+class Tokenizer(Decoder, Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
 

@@ -53,7 +53,6 @@ class CoreLoop:
         self.conn = conn
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-prepare")
         self.pending: list[_Pending] = []
-        self.loading: set[str] = set()  # adapters being read for add_lora
         self.running = True
         self.last_snapshot = 0.0  # time.monotonic() of the last gauges sent
 
@@ -153,17 +152,16 @@ class CoreLoop:
         try:
             if method == "add_lora":  # a new name only (the server's loads): concurrent ones, one wins
                 name, path = args
-                if name in self.core.loras or name in self.loading:
-                    raise InvalidRequestError(f"a model named {name!r} is already served", param="lora_name")
-                self.loading.add(name)
+                held = self.core.new_lora_name(name)
+                held.__enter__()  # released when the read ends, either way
 
                 def served(loaded: Any) -> None:
-                    self.loading.discard(name)
+                    held.__exit__(None, None, None)
                     self.core.add_lora(name, path, loaded)
                     reply()
 
                 def failed(e: BaseException) -> None:
-                    self.loading.discard(name)
+                    held.__exit__(None, None, None)
                     reply(e)
 
                 self.pending.append(_Pending(self.pool.submit(self.core.load_lora, name, path), served, failed))

@@ -182,16 +182,22 @@ def sampling_distribution(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[
     """The distribution each row samples from (after penalties, temperature, top-k/p
     and min-p; None when every row is greedy) and each row's greedy choice: what
     speculative verification compares drafts against."""
+    probs, greedy_tokens, _ = _distribution(logits, rows)
+    return probs, greedy_tokens
+
+
+def _distribution(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """``sampling_distribution`` plus the parameter matrix it stacked (None when it read none)."""
     penalised = any(r.params.uses_penalties for r in rows)
     if not penalised and all(r.params.greedy for r in rows):  # the usual greedy batch: no parameter is read
-        return None, greedy(logits)
+        return None, greedy(logits), None
     params = param_matrix(rows, logits.device)
     if penalised:
         logits = apply_penalties(logits, rows, params)
     greedy_tokens = greedy(logits)
     if all(r.params.greedy for r in rows):
-        return None, greedy_tokens
-    return filter_logits(logits, rows, params).softmax(dim=-1), greedy_tokens
+        return None, greedy_tokens, params
+    return filter_logits(logits, rows, params).softmax(dim=-1), greedy_tokens, params
 
 
 def chosen_logprobs(
@@ -218,8 +224,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch
     """logits: [batch, vocab] float32, one row per entry of ``rows``."""
     assert logits.shape[0] == len(rows)
     raw_logprobs = logits.log_softmax(dim=-1) if any(r.params.logprobs is not None for r in rows) else None
-    probs, greedy_tokens = sampling_distribution(logits, rows)
-    tokens = greedy_tokens if probs is None else _draw(probs, rows, greedy_tokens, default_generator)
+    probs, greedy_tokens, params = _distribution(logits, rows)
+    tokens = greedy_tokens if probs is None else _draw(probs, rows, params, greedy_tokens, default_generator)
     token_list = tokens.tolist()
     out = SamplerOutput(token_ids=token_list, logprobs=[None] * len(rows), top_logprobs=[[] for _ in rows])
     if raw_logprobs is not None:
@@ -227,7 +233,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch
     return out
 
 
-def _draw(probs: torch.Tensor, rows: list[SampleRow], greedy_tokens: torch.Tensor,
+def _draw(probs: torch.Tensor, rows: list[SampleRow], params: torch.Tensor, greedy_tokens: torch.Tensor,
           default_generator: torch.Generator | None) -> torch.Tensor:  # fmt: skip
     """One token per row by the exponential race (greedy rows keep their greedy choice)."""
     noise = torch.empty_like(probs)
@@ -240,5 +246,5 @@ def _draw(probs: torch.Tensor, rows: list[SampleRow], greedy_tokens: torch.Tenso
         if r.generator is not None:
             noise[i].exponential_(generator=r.generator)
     sampled = greedy(probs / noise)
-    is_greedy = param_matrix(rows, probs.device)[:, GREEDY] > 0
+    is_greedy = params[:, GREEDY] > 0
     return torch.where(is_greedy, greedy_tokens, sampled)
