@@ -65,3 +65,38 @@ def test_incremental_decoding_never_emits_broken_utf8(llm):
     detok.flush()
     pieces.append(detok.take_delta(finished=True))
     assert "".join(pieces) == text
+
+
+def _ticks_while(fn) -> tuple[int, object]:
+    """How many times another thread got to run (and sleep 1 ms) while ``fn`` ran."""
+    import threading
+    import time
+
+    ticks, done = [0], threading.Event()
+
+    def ticker() -> None:
+        while not done.is_set():
+            time.sleep(0.001)
+            ticks[0] += 1
+
+    t = threading.Thread(target=ticker)
+    t.start()
+    try:
+        result = fn()
+    finally:
+        done.set()
+        t.join()
+    return ticks[0], result
+
+
+def test_long_encode_and_decode_let_other_threads_run(llm, hf_tokenizer):
+    """The server tokenises in a worker thread so that its event loop keeps answering;
+    that only helps if the tokenizer releases the GIL (tokenizers' ``encode`` holds it
+    for the whole call: a 2 MB prompt froze the server for seconds)."""
+    text = "".join(CORPUS) * 2000  # 1 MB: held, the GIL lets 3 ticks through; released, 400
+    ticks, ids = _ticks_while(lambda: llm.tokenizer.encode(text))
+    assert ids == hf_tokenizer(text).input_ids  # still the same tokens
+    assert ticks >= 50, f"the event loop's thread ran {ticks} times during a long encode"
+    ticks, back = _ticks_while(lambda: llm.tokenizer.decode(ids, skip_special_tokens=False))
+    assert back == hf_tokenizer.decode(ids, skip_special_tokens=False)
+    assert ticks >= 10, f"the event loop's thread ran {ticks} times during a long decode"
