@@ -24,6 +24,7 @@ from tokenmill.config import (
     SchedulerConfig,
     ServerConfig,
     SpeculativeConfig,
+    StructuredConfig,
 )
 from tokenmill.errors import TokenmillError
 
@@ -33,10 +34,11 @@ ENGINE_SECTIONS: dict[str, type] = {
     "scheduler": SchedulerConfig,
     "speculative": SpeculativeConfig,
     "lora": LoRAConfig,
+    "structured": StructuredConfig,
     "parallel": ParallelConfig,
 }
 _TITLES = {"load": "model", "cache": "KV cache", "scheduler": "scheduling", "speculative": "speculative decoding",
-           "lora": "LoRA adapters", "parallel": "parallelism"}  # fmt: skip
+           "lora": "LoRA adapters", "structured": "structured output", "parallel": "parallelism"}  # fmt: skip
 
 
 def keyword(f: dataclasses.Field) -> str:

@@ -242,6 +242,21 @@ class LoRAConfig:
 
 
 @dataclass(frozen=True)
+class StructuredConfig:
+    """What one request's structured output (a JSON schema, regex, choice or grammar, or
+    the tools it offers) may cost. Past either limit the request gets a 400 before it
+    is queued, so that a few heavy grammars cannot starve everyone else."""
+
+    max_grammar_bytes: int = opt(256 << 10, "largest structured output accepted (a JSON schema, regex or grammar, "
+                                            "or the choices together), in bytes")  # fmt: skip
+    grammar_compile_timeout: float = opt(10.0, "seconds a request's grammar may wait for and take to compile")
+
+    def __post_init__(self) -> None:
+        _check(self.max_grammar_bytes >= 1, f"max_grammar_bytes must be >= 1, got {self.max_grammar_bytes}")
+        _check(self.grammar_compile_timeout > 0, f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}")
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     """Tensor and pipeline parallelism: the model split across processes (gloo on the CPU,
     NCCL on GPUs). On one machine the engine starts its worker processes itself; across
@@ -287,4 +302,5 @@ class EngineArgs:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    structured: StructuredConfig = field(default_factory=StructuredConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

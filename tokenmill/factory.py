@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.config import EngineArgs, ModelConfig, SpeculativeConfig
+from tokenmill.config import EngineArgs, ModelConfig, SpeculativeConfig, StructuredConfig
 from tokenmill.distributed.cluster import Cluster, rank_device, threads_per_rank
 from tokenmill.distributed.messages import Load, Setup
 from tokenmill.distributed.runner import DistributedRunner
@@ -182,7 +182,7 @@ def build_engine(args: EngineArgs, progress: bool = True, engine_class: type[Eng
             max_loras=args.lora.max_loras if args.lora.enable_lora else None,
             sliding_window=config.sliding_window,
         ),
-        grammars=_grammar_compiler(tokenizer, config.vocab_size),
+        grammars=_grammar_compiler(tokenizer, config.vocab_size, args.structured),
     )
     for name, lora_path in args.lora.modules.items():
         engine.add_lora(name, lora_path)
@@ -196,13 +196,13 @@ def keeps_quantized_blocks(args: EngineArgs, device: torch.device) -> bool:
     return load.quantization == "auto" and args.parallel.world_size == 1 and native_kernels_run(load, device)
 
 
-def _grammar_compiler(tokenizer: Tokenizer, vocab_size: int) -> GrammarCompiler | None:
+def _grammar_compiler(tokenizer: Tokenizer, vocab_size: int, config: StructuredConfig) -> GrammarCompiler | None:
     """Structured output's compiler, for a vocabulary as wide as the logits; None (and
     structured requests refused with the reason) where llguidance is not installed."""
     if importlib.util.find_spec("llguidance") is None:
         logger.warning("llguidance is not installed: structured output and tool calling are unavailable")
         return None
-    return GrammarCompiler(tokenizer, vocab_size)
+    return GrammarCompiler(tokenizer, vocab_size, config)
 
 
 def check_options(args: EngineArgs) -> None:

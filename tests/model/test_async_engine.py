@@ -4,6 +4,7 @@ does not take the loop or its neighbours down."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -118,3 +119,29 @@ def test_n_sequences_finishing_in_the_same_step_all_reach_the_stream(llm, start_
         return finished
 
     assert sorted(asyncio.run(asyncio.wait_for(main(), timeout=60))) == [0, 1, 2]
+
+
+def test_a_grammar_slower_than_its_compile_timeout_is_refused_and_a_retry_is_cached(llm, start_async):
+    """Issue 24 item 2, the threaded front: the compile waits on the engine's compile
+    thread for at most ``grammar_compile_timeout``; then the request is refused, the
+    running compile finishes into the cache, and a retry is served."""
+    from tokenmill.config import StructuredConfig
+    from tokenmill.structured.grammar import GrammarCompiler
+
+    structured = llm.engine.structured
+    default = structured.compiler
+    structured.compiler = GrammarCompiler(llm.tokenizer, default.vocab_size, StructuredConfig(grammar_compile_timeout=0.05))
+    try:
+        async_engine = start_async()
+        props = {f"k{i}": {"type": "integer"} for i in range(2000)}
+        params = SamplingParams(max_tokens=2, structured={"json": {"type": "object", "properties": props,
+                                                                   "required": list(props)}})  # fmt: skip
+        with pytest.raises(InvalidRequestError, match="--grammar-compile-timeout"):
+            asyncio.run(collect(async_engine, "slow", "x", params))
+        deadline = time.time() + 10
+        while structured.compiler.cached(params.structured) is None:
+            assert time.time() < deadline, "the compile never reached the cache"
+            time.sleep(0.05)
+        assert asyncio.run(collect(async_engine, "retry", "x", params))[1].finished
+    finally:
+        structured.compiler = default

@@ -183,3 +183,33 @@ def test_serve_with_the_engine_loop_on_a_thread_keeps_one_process():
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     finally:
         assert server.stop() == 0
+
+
+def big_schema(tag: str, n: int = 2000) -> dict:
+    """A schema that takes a good fraction of a second to compile (n required properties)."""
+    props = {f"{tag}_{i}": {"type": "integer"} for i in range(n)}
+    return {"type": "object", "properties": props, "required": list(props)}
+
+
+def test_a_grammar_slower_than_its_compile_timeout_is_refused_and_plain_requests_do_not_wait():
+    """Issue 24 item 2: compiles run on the engine's own compile thread with a time
+    budget. Past it, the request is refused (400 before queueing); the compile goes on
+    and is cached, so a retry is served at once; a plain request is never queued
+    behind compiles."""
+    c = start_client(grammar_compile_timeout=0.05)
+    try:
+        async def run():
+            slow = [asyncio.ensure_future(collect(c, f"s{i}", "x", SamplingParams(
+                max_tokens=2, structured={"json": big_schema(f"s{i}")}))) for i in range(3)]  # fmt: skip
+            plain = await collect(c, "plain", "Hello", SamplingParams(max_tokens=2))
+            assert plain[-1].finished and not any(s.done() and not s.exception() for s in slow)
+            return await asyncio.gather(*slow, return_exceptions=True)
+
+        results = asyncio.run(run())
+        assert all(isinstance(r, InvalidRequestError) and "--grammar-compile-timeout" in str(r) for r in results), results
+        wait_for(lambda: c.snapshot().num_running == 0)
+        time.sleep(2)  # the refused compiles finish in the background, into the cache
+        outs = asyncio.run(collect(c, "retry", "x", SamplingParams(max_tokens=2, structured={"json": big_schema("s0")})))
+        assert outs[-1].finished
+    finally:
+        c.shutdown()

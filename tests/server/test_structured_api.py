@@ -106,14 +106,33 @@ def test_streamed_structured_output_is_the_same_text(client):
         ({"structured_outputs": {"jsonn": {}}}, "jsonn"),
         ({"response_format": {"type": "xml"}}, "xml"),
         ({"guided_regex": "a", "guided_choice": ["a"]}, "one constraint"),
+        # issue 24 item 1: what the matcher cannot enforce (found at compile time), what is too big
+        ({"guided_grammar": 'root ::= "a" root'}, "cannot be enforced"),
+        ({"guided_regex": "a{1000000}"}, "cannot be enforced"),
+        ({"guided_json": {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(700)}}},
+         "cannot be enforced"),
+        ({"guided_choice": [f"option {i}" for i in range(30000)]}, "--max-grammar-bytes"),
     ],
+    ids=lambda v: None if isinstance(v, str) else json.dumps(v)[:40],
 )
-def test_bad_constraints_are_400_before_queueing(http, body, needle):
-    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4, **body})
+@pytest.mark.parametrize("stream", [False, True])
+def test_bad_constraints_are_400_before_queueing(http, body, needle, stream):
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4, "stream": stream, **body})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert needle in err["message"] and err["type"] == "BadRequestError" and err["code"] == 400
+    assert len(err["message"]) < 400  # the reason, not the grammar
     assert http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_many_choices_are_one_lexeme_and_enforced(http):
+    """10,000 choices (an Earley row each, before, past the matcher's limit of 2,000)."""
+    choices = [f"option {i}" for i in range(10000)]
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Pick one option:", "max_tokens": 8,
+                                           "temperature": 0, "guided_choice": choices})  # fmt: skip
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    assert c["text"] in choices and c["finish_reason"] == "stop", c
 
 
 # ------------------------------------------------------------------------- tools
@@ -211,6 +230,8 @@ def test_auto_tool_choice_answers_or_calls_and_results_render_back(client):
         ({"tool_choice": "required"}, "needs tools"),
         ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
         ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "combined"),
+        ({"tools": [{"type": "function", "function": {"name": "loop", "parameters": {"$ref": "#"}}}],
+          "tool_choice": "required"}, "matches no text"),
     ],
 )
 def test_bad_tool_requests_are_400(http, body, needle):

@@ -197,3 +197,23 @@ def test_tool_stream_sends_what_parse_finds(step):
     text = 'Sure, <tool_ checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
     content, calls = _accumulate(_stream(hermes, text, step))
     assert content == "Sure, <tool_ checking.\n" and calls == [("get_weather", '{"city": "Rome"}')]
+
+
+def test_a_token_the_grammar_refuses_ends_the_output_as_a_cut_off(tokenizer, compiler, caplog):
+    """Where the matcher cannot take a sampled token (the mask allowed it, but taking it
+    hit one of the matcher's limits), the token is dropped and the request ends with
+    "length": the output stays a valid prefix, never an invalid whole with "error".
+    A scripted runner ignores the mask, so its tokens reach the matcher unfiltered:
+    from [30, 31] it says ';', '+', then a special token the regex refuses."""
+    from tests.helpers import ScriptedRunner
+    from tokenmill.engine.engine import Engine, EngineConfig
+    from tokenmill.sampling_params import SamplingParams
+
+    engine = Engine(ScriptedRunner(4), tokenizer, EngineConfig(num_blocks=64, block_size=4, max_model_len=200),
+                    grammars=compiler)  # fmt: skip
+    engine.add_request("r", [30, 31], SamplingParams(max_tokens=30, structured={"regex": "[;+]{1,40}"}))
+    outs = [o for _ in range(40) if engine.has_unfinished() for o in engine.step()]
+    final = outs[-1].outputs[0]
+    assert (final.text, final.finish_reason) == (";+", "length") and final.token_ids == [43, 27]
+    assert any("cut off after 2 tokens" in r.getMessage() and len(r.getMessage()) < 400 for r in caplog.records)
+    assert not engine.has_unfinished() and engine.snapshot().kv_usage == 0.0  # nothing held

@@ -168,8 +168,13 @@ class AsyncEngine(StreamingFront):
     async def _submit(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, lora: str | None,
                       stream: _Stream, accepted: asyncio.Future) -> None:  # fmt: skip
         grammar = None
-        if params.structured is not None:  # compiled here, off the step loop: a big schema stalls nobody
-            grammar = await asyncio.to_thread(self.engine.structured.compile, params.structured)
+        if params.structured is not None:  # compiled on the engine's compile thread: it stalls no step
+            structured = self.engine.structured
+            try:  # a timeout cancels a compile still queued; one running goes on, and is cached
+                grammar = await asyncio.wait_for(asyncio.wrap_future(structured.submit(params.structured)),
+                                                 structured.compile_timeout)  # fmt: skip
+            except TimeoutError:
+                raise structured.timeout_error(params.structured) from None
         self._commands.put(("add", request_id, prompt, params, grammar, lora, stream, accepted))
         self._wake.set()
         self._unless_dead(accepted)

@@ -4,8 +4,9 @@ The process owns the ``EngineCore`` (scheduler, KV blocks, runner) and nothing e
 no HTTP, no JSON, no text. Each turn it applies every command waiting on the pipe,
 starts what finished compiling, runs one step if anything is unfinished, and sends
 that step's deltas with a snapshot of the engine's gauges. Idle, it blocks on the
-pipe (no polling). Grammars and LoRA adapters are prepared by a worker thread, so a
-big schema or a slow disk never stalls the steps of other requests.
+pipe (no polling). Grammars are compiled on the engine's compile thread and LoRA
+adapters read on a worker thread, so a big schema or a slow disk never stalls the
+steps of other requests; a grammar not compiled within its timeout is refused.
 
 The pipe carries msgpack (engine/wire.py). It closing means the API process is gone:
 the loop ends, and so does the process.
@@ -45,6 +46,8 @@ class _Pending:
     apply: Callable[[Any], None]  # with the prepared value, on the loop
     fail: Callable[[BaseException], None]
     request_id: str | None = None  # an add: an abort meanwhile drops it
+    deadline: float | None = None  # time.monotonic() past which it fails (a grammar's compile timeout)
+    expired: Callable[[], BaseException] | None = None  # what it fails with then
 
 
 class CoreLoop:
@@ -138,12 +141,18 @@ class CoreLoop:
         if params.structured is None:
             add(None)
             return
-        future = self.pool.submit(self.core.structured.compile, params.structured)
 
         def fail(e: BaseException) -> None:
             self.send("rejected", rid, error_to_wire(e), self.snapshot())
 
-        self.pending.append(_Pending(future, add, fail, rid))
+        structured, spec = self.core.structured, params.structured
+        try:  # on the engine's compile thread: it stalls no step, and LoRA reads do not wait behind it
+            future = structured.submit(spec)
+        except InvalidRequestError as e:
+            fail(e)
+            return
+        deadline = time.monotonic() + structured.compile_timeout
+        self.pending.append(_Pending(future, add, fail, rid, deadline, lambda: structured.timeout_error(spec)))
 
     def _call(self, call_id: int, method: str, args: list) -> None:
         def reply(error: BaseException | None = None) -> None:
@@ -176,10 +185,15 @@ class CoreLoop:
         reply()
 
     def _apply_prepared(self) -> bool:
-        done = [p for p in self.pending if p.future.done()]
-        if not done:
+        now = time.monotonic()
+        expired = [p for p in self.pending if not p.future.done() and p.deadline is not None and now > p.deadline]
+        for p in expired:  # a compile still queued is dropped; one running goes on, and is cached
+            p.future.cancel()
+            p.fail(p.expired())
+        done = [p for p in self.pending if p.future.done() and p not in expired]
+        if not done and not expired:
             return False
-        self.pending = [p for p in self.pending if not p.future.done()]
+        self.pending = [p for p in self.pending if not p.future.done() and p not in expired]
         for p in done:
             error = p.future.exception()
             if error is not None:

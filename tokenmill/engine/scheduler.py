@@ -317,9 +317,8 @@ class Scheduler:
             p = req.params
             stop_token = t.token_id in p.stop_token_ids or (not p.ignore_eos and t.token_id in self.eos_token_ids)
             if not stop_token and req.grammar is not None and not req.grammar.accept([t.token_id]):
-                why = (req.grammar.error or "refused").strip().splitlines()
                 logger.warning("request %s: structured output cut off after %d tokens: the grammar matcher stopped (%s)",
-                               req.request_id, len(req.output_token_ids), why[-1][:200] if why else "")  # fmt: skip
+                               req.request_id, len(req.output_token_ids), req.grammar.error or "refused")  # fmt: skip
                 self.finish(req, "length")
                 return sampled[:i]
             req.output_token_ids.append(t.token_id)

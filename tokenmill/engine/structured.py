@@ -36,17 +36,49 @@ from tokenmill.structured.spec import StructuredOutputs
 
 
 class StructuredOutputManager:
-    """The engine's side of structured output: compiling, and each step's masks."""
+    """The engine's side of structured output: compiling, and each step's masks.
+
+    Compiles run on one thread of their own (``submit``), never on a pool that
+    tokenising or other requests wait on: a burst of big schemas queues behind itself,
+    takes at most one core, and each request waits at most ``grammar_compile_timeout``
+    before it is refused."""
 
     def __init__(self, compiler: GrammarCompiler | None) -> None:
         self.compiler = compiler
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-grammar")
+        self._compiles = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-grammar-compile")
 
     def compile(self, spec: StructuredOutputs) -> CompiledGrammar:
-        """Compile (or find in the cache); thread-safe, raises InvalidRequestError."""
+        """Compile (or find in the cache) on the caller's thread; thread-safe, raises
+        InvalidRequestError."""
+        return self._compiler().compile(spec)
+
+    def submit(self, spec: StructuredOutputs) -> Future[CompiledGrammar]:
+        """Compile on the compile thread (a cached grammar: at once). A spec refused
+        on its size raises here, before it waits for anything."""
+        compiler = self._compiler()
+        compiler.check_size(spec)
+        hit = compiler.cached(spec)
+        if hit is None:
+            return self._compiles.submit(compiler.compile, spec)
+        done: Future[CompiledGrammar] = Future()
+        done.set_result(hit)
+        return done
+
+    @property
+    def compile_timeout(self) -> float:
+        return self._compiler().config.grammar_compile_timeout
+
+    def timeout_error(self, spec: StructuredOutputs) -> InvalidRequestError:
+        """What a request whose grammar did not compile within the timeout gets."""
+        return InvalidRequestError(f"structured output {spec.kind} did not compile within {self.compile_timeout:g} s "
+                                   "(--grammar-compile-timeout); simplify it, or retry when the server is less busy",
+                                   param=spec.kind)  # fmt: skip
+
+    def _compiler(self) -> GrammarCompiler:
         if self.compiler is None:
             raise InvalidRequestError("structured output is not available: no grammar backend (pip install llguidance)")
-        return self.compiler.compile(spec)
+        return self.compiler
 
     # ------------------------------------------------------------ before a step
 

@@ -12,9 +12,14 @@ allowed), and every token that ends generation counted as end-of-sequence: the
 grammar allows them once it is in an accepting state.
 
 Compiling (``GrammarCompiler.compile``) is thread-safe and is meant to run off the
-engine's step loop (the async engine compiles before queueing a request); an invalid
-or unsupported schema, regex or grammar raises ``InvalidRequestError`` naming the
-problem. A compiled grammar is a pristine matcher that each sequence copies.
+engine's step loop (the engine's fronts compile on a thread of their own before
+queueing a request); an invalid or unsupported schema, regex or grammar raises
+``InvalidRequestError`` naming the problem, and so does one that cannot be enforced:
+over ``max_grammar_bytes``, or past the matcher's limits (an Earley row or a lexer
+that explodes: a schema with hundreds of optional properties, ``a{1000000}``, a rule
+that never ends). Those limits are llguidance's, and they are found by walking a few
+tokens into the grammar at compile time (``_probe``), not by a user's request halfway
+through its answer. A compiled grammar is a pristine matcher that each sequence copies.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from tokenmill.config import StructuredConfig
 from tokenmill.errors import InvalidRequestError
 from tokenmill.structured.spec import StructuredOutputs
 
@@ -37,6 +43,9 @@ DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (LRU)
 # mostly saw), and no free whitespace, which a small model at temperature 1 can
 # otherwise repeat until max_tokens. ``whitespace_pattern`` overrides it.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# The compile-time probe: from the first mask, this many allowed tokens (spread over the
+# vocabulary), each followed this many tokens deep.
+PROBE_TOKENS, PROBE_DEPTH = 4, 4
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -79,7 +88,11 @@ class GrammarMatcher:
 
     @property
     def error(self) -> str | None:
-        return self._m.get_error() if self._m.is_error() else None
+        """Why the matcher stopped, in one short line (None while it has not)."""
+        if not self._m.is_error():
+            return None
+        lines = self._m.get_error().replace("<non-verbose/>", "").strip().splitlines()
+        return lines[0][:200] if lines else "a token the grammar does not allow"
 
 
 @dataclass
@@ -100,9 +113,11 @@ class CompileStats:
 class GrammarCompiler:
     """Compiles StructuredOutputs for one tokenizer; an LRU cache by content."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, config: StructuredConfig | None = None,
+                 cache_size: int = DEFAULT_CACHE_SIZE) -> None:  # fmt: skip
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size  # the logits' width
+        self.config = config or StructuredConfig()
         self.cache_size = cache_size
         self._lock = threading.Lock()
         self._lltokenizer: Any = None
@@ -117,13 +132,26 @@ class GrammarCompiler:
                 self._lltokenizer = build_lltokenizer(self._tokenizer, self.vocab_size)
             return self._lltokenizer
 
-    def compile(self, spec: StructuredOutputs) -> CompiledGrammar:
+    def check_size(self, spec: StructuredOutputs) -> None:
+        """400 for a spec over ``max_grammar_bytes`` (before any work on it)."""
+        limit = self.config.max_grammar_bytes
+        if spec.size_bytes > limit:
+            raise InvalidRequestError(f"structured output {spec.kind} is {spec.size_bytes} bytes, over the server's "
+                                      f"limit of {limit} (--max-grammar-bytes)", param=spec.kind)  # fmt: skip
+
+    def cached(self, spec: StructuredOutputs) -> CompiledGrammar | None:
         with self._lock:
             hit = self._cache.get(spec)
             if hit is not None:
                 self._cache.move_to_end(spec)
                 self.stats.hits += 1
-                return hit
+            return hit
+
+    def compile(self, spec: StructuredOutputs) -> CompiledGrammar:
+        self.check_size(spec)
+        hit = self.cached(spec)
+        if hit is not None:
+            return hit
         lltok = self.lltokenizer
         t0 = time.perf_counter()
         compiled = CompiledGrammar(_build_matcher(spec, lltok, self.vocab_size))
@@ -157,11 +185,20 @@ def grammar_text(spec: StructuredOutputs) -> str:
             return LLMatcher.grammar_from_json_schema(spec.schema, defaults=options)
         if kind == "regex":
             return LLMatcher.grammar_from_regex(spec.regex)
-        if kind == "choice":
-            return grammar_from("choice", json.dumps(list(spec.choice)))
+        if kind == "choice":  # one lexeme (a DFA over all the choices), not a parser row per choice
+            literals = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
+            return f"start: CHOICE\nCHOICE: {literals}\n"
         return grammar_from("grammar", spec.grammar)  # Lark, or GBNF/EBNF converted to Lark
     except Exception as e:  # noqa: BLE001 - any failure to read the user's text is their 400
         raise InvalidRequestError(f"invalid structured output {kind}: {e}", param=kind) from e
+
+
+def parser_limits() -> Any:
+    """llguidance's default limits, with errors that name the problem and not the whole
+    grammar (which can be hundreds of KB, and is the user's)."""
+    from llguidance import LLParserLimits
+
+    return LLParserLimits(verbose_errors=False)
 
 
 def _build_matcher(spec: StructuredOutputs, lltok: Any, vocab_size: int) -> Any:
@@ -169,17 +206,51 @@ def _build_matcher(spec: StructuredOutputs, lltok: Any, vocab_size: int) -> Any:
 
     kind = spec.kind
     grammar = grammar_text(spec)
-    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, lltok)
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, lltok, limits=parser_limits())
     if is_error:
         raise InvalidRequestError(f"invalid structured output {kind}: {_first_line(messages)}", param=kind)
-    matcher = LLMatcher(lltok, grammar, log_level=0)
+    matcher = LLMatcher(lltok, grammar, log_level=0, limits=parser_limits())
     if matcher.is_error():
-        raise InvalidRequestError(f"invalid structured output {kind}: {matcher.get_error()}", param=kind)
+        raise InvalidRequestError(f"invalid structured output {kind}: {_first_line([matcher.get_error()])}", param=kind)
     mask = np.zeros((1, bitmask_words(vocab_size)), dtype=np.int32)
     GrammarMatcher(matcher).fill_bitmask(mask, 0)
     if matcher.is_error() or not mask.any():  # a dead end before the first token: no text matches
         raise InvalidRequestError(f"invalid structured output {kind}: it matches no text", param=kind)
+    error = _probe(matcher, mask)
+    if error is not None:
+        raise InvalidRequestError(f"structured output {kind} cannot be enforced: it exceeds the grammar matcher's "
+                                  f"limits ({_first_line([error])}); simplify it", param=kind)  # fmt: skip
     return matcher
+
+
+def _probe(matcher: Any, first_mask: np.ndarray) -> str | None:
+    """Walk a few tokens into the grammar, on copies of its matcher; the matcher's error
+    if one of them hits a limit. Grammars whose Earley rows or lexer states explode do
+    so within the first tokens (700 optional properties: at ``{``), so a user is told
+    before queueing instead of getting a cut-off answer. The path is the allowed tokens
+    spread evenly over the vocabulary, then the middle allowed one at each step."""
+    allowed = _allowed(first_mask)
+    picks = allowed[np.linspace(0, len(allowed) - 1, min(PROBE_TOKENS, len(allowed))).astype(np.int64)]
+    mask = np.zeros_like(first_mask)
+    for token in picks:
+        m = GrammarMatcher(matcher.deep_copy())
+        for _ in range(PROBE_DEPTH):
+            if not m.accept([int(token)]) or m.is_terminated:
+                break
+            m.fill_bitmask(mask, 0)
+            if m.error is not None:
+                break
+            following = _allowed(mask)
+            if not len(following):
+                break
+            token = following[len(following) // 2]
+        if m.error is not None:
+            return m.error
+    return None
+
+
+def _allowed(mask: np.ndarray) -> np.ndarray:
+    return np.flatnonzero(np.unpackbits(mask[0].view(np.uint8), bitorder="little"))
 
 
 def _first_line(messages: list[str]) -> str:

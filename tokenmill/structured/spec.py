@@ -63,6 +63,13 @@ class StructuredOutputs:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
     @property
+    def size_bytes(self) -> int:
+        """How big the user's spec is (UTF-8 bytes of the schema, regex, grammar, or of
+        the choices together): what ``max_grammar_bytes`` caps."""
+        parts = [self.json, self.regex, self.grammar, self.whitespace_pattern, *(self.choice or ())]
+        return sum(len(p.encode()) for p in parts if p is not None)
+
+    @property
     def schema(self) -> dict[str, Any] | None:
         """The JSON schema as a dict (json_object: any object)."""
         if self.json is not None:
