@@ -219,6 +219,8 @@ class LoRAConfig:
     max_lora_rank: int = opt(16, "largest adapter rank accepted (slots are this wide)")
     max_cpu_loras: int | None = opt(None, "adapters kept loaded in memory, least recently used evicted beyond "
                                           "(default: max_loras)")  # fmt: skip
+    lora_root: str | None = opt(None, "load adapters only from folders inside this one (symlinks followed); "
+                                      "other paths are refused")  # fmt: skip
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lora_modules", tuple(self.lora_modules or ()))
@@ -231,6 +233,7 @@ class LoRAConfig:
                    f"lora_modules entries are name=path, got {m!r}")  # fmt: skip
             check_adapter_name(m.split("=", 1)[0])
         _check(self.enable_lora or not self.lora_modules, "lora_modules needs enable_lora (--enable-lora)")
+        _check(self.enable_lora or self.lora_root is None, "lora_root needs enable_lora (--enable-lora)")
 
     @property
     def modules(self) -> dict[str, str]:

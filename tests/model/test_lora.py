@@ -146,7 +146,7 @@ def test_load_and_unload_at_runtime(base, adapters):
         ("lm_head", "lm_head"),
         ("bias", "biases"),
         ("shape", "expected A"),
-        ("missing", "no adapter_model.safetensors"),
+        ("missing", "no loadable adapter at this path"),
         ("unpaired", "without its pair"),
     ],
 )
@@ -201,3 +201,19 @@ def test_structured_output_with_an_adapter(base, adapters):
     outs = llm.generate([ids(llm, p) for p in PROMPTS], params, lora=["all", "attn", None, "mlp"])
     for o in outs:
         assert o.outputs[0].finish_reason == "stop" and set(json.loads(o.outputs[0].text)) == {"n"}
+
+
+def test_lora_root_fences_the_paths_adapters_load_from(base, tmp_path):
+    """Issue 24 item 8: with --lora-root, an adapter outside it is refused (at start and
+    at run time) before anything is read; one inside loads."""
+    path, hf = base
+    inside = write_adapter(tmp_path / "root" / "a", hf)
+    outside = write_adapter(tmp_path / "b", hf)
+    small = {"dtype": "float32", "progress": False, "enable_lora": True, "kv_cache_memory": "16MiB",
+             "lora_root": str(tmp_path / "root")}  # fmt: skip
+    with pytest.raises(TokenmillError, match="--lora-root"):
+        LLM(str(path), lora_modules=[f"out={outside}"], **small)
+    llm = LLM(str(path), lora_modules=[f"in={inside}"], **small)
+    with pytest.raises(TokenmillError, match="--lora-root"):
+        llm.load_lora("out", str(outside))
+    assert llm.generate("hi", SamplingParams(max_tokens=2), lora="in")[0].outputs[0].token_ids

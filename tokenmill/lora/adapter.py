@@ -15,11 +15,19 @@ checked: ``adapter_config.json`` is capped at ``MAX_CONFIG_BYTES`` and the safet
 header at ``MAX_HEADER_BYTES``, and a malformed file (a config that is not an object,
 nested past JSON's recursion limit, a path the OS refuses) is a LoRAError, never an
 exception of another kind.
+
+A client may name any path (``/v1/load_lora_adapter``), so what the error tells it must
+not map the disk: every way a path fails to hold the two files, readable and of a sane
+size (nothing there, a file, no permission, a name too long, a file too big or not
+JSON), gets one message, ``NOT_LOADABLE``; the reason goes to the server's log. With
+``root`` (``--lora-root``), a path that resolves outside it is refused before anything
+is read.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import struct
@@ -31,6 +39,8 @@ import torch
 from tokenmill.config import ModelConfig
 from tokenmill.errors import TokenmillError
 
+logger = logging.getLogger(__name__)
+NOT_LOADABLE = "no loadable adapter at this path (adapter_config.json and adapter_model.safetensors); see the server log"
 MAX_CONFIG_BYTES = 1 << 20  # an adapter_config.json is a few hundred bytes
 MAX_HEADER_BYTES = 16 << 20  # a safetensors header: names, dtypes, shapes, offsets
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -66,24 +76,31 @@ def target_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
             "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}  # fmt: skip
 
 
-def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -> LoRAAdapter:
-    """Read and check a PEFT adapter folder; LoRAError names what is wrong."""
+def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int,
+                 root: str | Path | None = None) -> LoRAAdapter:  # fmt: skip
+    """Read and check a PEFT adapter folder; LoRAError names what is wrong (a path that
+    holds no adapter: ``NOT_LOADABLE``, with the reason logged)."""
     folder = Path(path)
+    if root is not None and not _inside(folder, Path(root)):
+        raise LoRAError(f"LoRA adapter {name!r}: the path is outside the folder this server loads adapters from "
+                        "(--lora-root)")  # fmt: skip
     config_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
     try:
-        _check_file(name, config_file, MAX_CONFIG_BYTES)
-        _check_file(name, weights_file, None)
+        _check_file(config_file, MAX_CONFIG_BYTES)
+        _check_file(weights_file, None)
         conf = json.loads(config_file.read_bytes())
         header = _safetensors_header_size(weights_file)
     except OSError as e:  # a path the OS refuses (a name too long, no permission)
-        raise LoRAError(f"LoRA adapter {name!r}: cannot read {folder}: {e.strerror or type(e).__name__}") from None
+        raise _not_loadable(name, folder, f"cannot read it: {e.strerror or type(e).__name__}") from None
     except (ValueError, RecursionError) as e:
-        raise LoRAError(f"LoRA adapter {name!r}: adapter_config.json is not valid JSON: {type(e).__name__}") from None
+        raise _not_loadable(name, folder, f"adapter_config.json is not valid JSON: {type(e).__name__}") from None
+    except _FileProblem as e:
+        raise _not_loadable(name, folder, str(e)) from None
     if header > MAX_HEADER_BYTES:
-        raise LoRAError(f"LoRA adapter {name!r}: {weights_file.name} has a header of {header} bytes "
-                        f"(more than {MAX_HEADER_BYTES}): not an adapter")  # fmt: skip
+        raise _not_loadable(name, folder, f"{weights_file.name} claims a header of {header} bytes (more than "
+                                          f"{MAX_HEADER_BYTES})")  # fmt: skip
     if not isinstance(conf, dict):
-        raise LoRAError(f"LoRA adapter {name!r}: adapter_config.json must hold a JSON object")
+        raise _not_loadable(name, folder, "adapter_config.json does not hold a JSON object")
     _check_config(name, conf, max_rank)
     rank, alpha = conf["r"], conf.get("lora_alpha", conf["r"])
     scaling = alpha / math.sqrt(rank) if conf.get("use_rslora") else alpha / rank
@@ -92,7 +109,7 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -
     try:
         tensors = load_file(str(weights_file))
     except Exception as e:  # noqa: BLE001 - a truncated or foreign file
-        raise LoRAError(f"LoRA adapter {name!r}: cannot read {weights_file.name}: {type(e).__name__}") from None
+        raise _not_loadable(name, folder, f"cannot read {weights_file.name}: {type(e).__name__}: {e}") from None
     shapes = target_shapes(cfg)
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
@@ -122,11 +139,28 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -
     return LoRAAdapter(name, str(folder), rank, scaling, weights)
 
 
-def _check_file(name: str, path: Path, max_bytes: int | None) -> None:
+class _FileProblem(Exception):
+    """One of the two files is missing or too big (logged, never told to the client)."""
+
+
+def _check_file(path: Path, max_bytes: int | None) -> None:
     if not path.is_file():
-        raise LoRAError(f"LoRA adapter {name!r}: no {path.name} in {path.parent}")
+        raise _FileProblem(f"no file {path.name} there")
     if max_bytes is not None and path.stat().st_size > max_bytes:
-        raise LoRAError(f"LoRA adapter {name!r}: {path.name} is {path.stat().st_size} bytes (more than {max_bytes})")
+        raise _FileProblem(f"{path.name} is {path.stat().st_size} bytes (more than {max_bytes})")
+
+
+def _not_loadable(name: str, folder: Path, why: str) -> LoRAError:
+    logger.warning("LoRA adapter %r at %r is not loadable: %s", name, str(folder)[:300], why)
+    return LoRAError(f"LoRA adapter {name!r}: {NOT_LOADABLE}")
+
+
+def _inside(folder: Path, root: Path) -> bool:
+    """``folder`` resolves (symlinks and '..' followed) to ``root`` or below it."""
+    try:
+        return folder.resolve().is_relative_to(root.resolve())
+    except (OSError, RuntimeError):  # a symlink loop, a name too long
+        return False
 
 
 def _safetensors_header_size(path: Path) -> int:
