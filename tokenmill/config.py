@@ -290,6 +290,8 @@ class ServerConfig:
     served_model_name: str | None = opt(None, "the model id clients send (default: the model's file name)")
     max_request_bytes: int = opt(2 << 20, "largest request body accepted; larger ones get 413")
     request_body_timeout: float = opt(30.0, "seconds a client has to send a request's whole body; then 408")
+    max_open_requests: int = opt(1024, "most HTTP requests open at once (bodies still arriving and streams "
+                                       "included); more get 503 until some finish (/health and /metrics exempt)")  # fmt: skip
     allow_runtime_lora_updating: bool = opt(False, "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
     engine_core: str = opt("process", "where the engine loop runs: process (its own, beside the API process that "
                            "tokenises, detokenises and streams) or thread (a thread of the API process)",

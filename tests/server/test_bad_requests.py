@@ -217,3 +217,66 @@ def test_a_body_trickled_past_the_timeout_gets_408():
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 408
     err = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))["error"]
     assert err["code"] == 408 and "--request-body-timeout" in err["message"]
+
+
+def _scope(method: str, path: str) -> dict:
+    return {"type": "http", "method": method, "path": path, "raw_path": path.encode(), "query_string": b"",
+            "headers": [(b"content-type", b"application/json")], "http_version": "1.1", "scheme": "http",
+            "server": ("t", 80), "client": ("c", 1), "root_path": ""}  # fmt: skip
+
+
+async def _call_asgi(app, method: str, path: str, body: bytes = b"") -> tuple[int, dict, bytes]:
+    sent: list[dict] = []
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    await app(_scope(method, path), receive, send)
+    headers = {k.decode(): v.decode() for k, v in sent[0].get("headers", [])}
+    return sent[0]["status"], headers, b"".join(m.get("body", b"") for m in sent[1:])
+
+
+def test_requests_past_the_open_request_cap_get_503_and_probes_still_answer():
+    """Issue 24 item 11: while --max-open-requests are open (here: two bodies that never
+    finish arriving), a new request is answered 503 at once in OpenAI's shape with
+    Retry-After; /health still answers; once they close, requests are served again."""
+    engine = AsyncEngine(Engine(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=16, block_size=4, max_model_len=64)))
+    app = build_app(engine, ToyTokenizer(), 64, ServerConfig(served_model_name=MODEL, max_open_requests=2,
+                                                             request_body_timeout=3600))  # fmt: skip
+
+    async def trickle():
+        first = [{"type": "http.request", "body": b'{"prompt": "ab', "more_body": True}]
+
+        async def receive():
+            if first:
+                return first.pop()
+            await asyncio.sleep(3600)
+
+        async def send(message):
+            pass
+
+        await app(_scope("POST", "/v1/completions"), receive, send)
+
+    async def main():
+        slow = [asyncio.create_task(trickle()) for _ in range(2)]
+        await asyncio.sleep(0.1)
+        busy = await _call_asgi(app, "POST", "/v1/completions", json.dumps({"prompt": "ab", "max_tokens": 2}).encode())
+        health = await _call_asgi(app, "GET", "/health")
+        for t in slow:
+            t.cancel()
+        await asyncio.gather(*slow, return_exceptions=True)
+        after = await _call_asgi(app, "POST", "/v1/completions", json.dumps({"prompt": "ab", "max_tokens": 2}).encode())
+        return busy, health, after
+
+    try:
+        busy, health, after = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    status, headers, body = busy
+    err = json.loads(body)["error"]
+    assert status == 503 and err["code"] == 503 and "--max-open-requests" in err["message"] and headers["retry-after"]
+    assert health[0] == 200
+    assert after[0] == 200 and json.loads(after[2])["choices"][0]["text"]

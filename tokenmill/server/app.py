@@ -62,8 +62,8 @@ class APIError(Exception):
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+def error_response(status: int, message: str, param: str | None = None, retry_after: bool = False) -> JSONResponse:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 or retry_after else None
     return JSONResponse(error_body(message, ERROR_TYPES.get(status, "Error"), status, param), status_code=status,
                         headers=headers)  # fmt: skip
 
@@ -117,6 +117,7 @@ def build_app(engine: StreamingFront, tokenizer: Any, max_model_len: int, config
     if config.api_key is not None:
         app.add_middleware(APIKeyMiddleware, key=config.api_key)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes, timeout=config.request_body_timeout)
+    app.add_middleware(OpenRequestLimitMiddleware, limit=config.max_open_requests)  # outermost: counts everything
 
     @app.get("/health")
     async def health() -> Response:
@@ -556,6 +557,33 @@ class APIKeyMiddleware:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+UNCAPPED = ("/health", "/metrics")  # a saturated server still answers its probes
+
+
+class OpenRequestLimitMiddleware:
+    """503 (OpenAI's shape, with Retry-After) for a request that arrives while ``limit``
+    are open: whether their bodies are still arriving, they wait for the engine, or they
+    stream. Thousands of slow or idle clients cannot take every socket and task the
+    server has; they are answered at once, and the connection closes."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit, self.open = app, limit, 0
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope["path"] in UNCAPPED:
+            await self.app(scope, receive, send)
+            return
+        if self.open >= self.limit:
+            message = f"server busy: {self.open} requests are open (--max-open-requests {self.limit}); retry later"
+            await error_response(503, message, retry_after=True)(scope, receive, send)
+            return
+        self.open += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.open -= 1
 
 
 class BodyLimitMiddleware:
