@@ -436,3 +436,23 @@ def process_alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+# A model shape small enough for adapter files written in a test (no weights needed).
+LORA_CFG = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                       head_dim=4, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=64,
+                       tie_word_embeddings=True)  # fmt: skip
+
+
+def tiny_adapter(path, conf=None, a=None, b=None):
+    """A PEFT adapter folder for LORA_CFG: q_proj of layer 0, rank 2."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    a = torch.randn(2, 16) if a is None else a
+    b = torch.randn(16, 2) if b is None else b
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": a,
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": b}, str(path / "adapter_model.safetensors"))  # fmt: skip
+    conf = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]} if conf is None else conf
+    (path / "adapter_config.json").write_text(conf if isinstance(conf, str) else json.dumps(conf))
+    return path

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import ScriptedRunner, ToyTokenizer
+from tests.helpers import LORA_CFG, ScriptedRunner, ToyTokenizer, tiny_adapter
 from tokenmill.config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.engine import Engine, EngineConfig
@@ -97,3 +97,117 @@ def test_every_route_answers_fuzzed_bodies_without_a_5xx(fuzz_app, data):
     if r.status_code >= 400:
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
     assert engine.engine.num_unfinished_requests == 0 or path not in ("/v1/completions", "/v1/chat/completions")
+
+
+# --------------------------------------- structured output, tools and LoRA routes
+# Issue 24: the same fuzz against a server that compiles grammars (our real tokenizer
+# and llguidance), offers tools and loads adapters at run time (real adapter files,
+# read and checked against a small model config), still on a scripted engine.
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
+SCHEMAS = [
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+    {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+    {"$ref": "#"}, {"type": "nope"}, {"type": "object", "properties": {f"p{i}": {} for i in range(700)}},
+    {"anyOf": [{"type": "string", "pattern": "(a+)+$"}, {"type": "null"}]}, {"$ref": "http://example.com/x"},
+]  # fmt: skip
+STRUCTURED = {
+    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "xml"},
+                                        *({"type": "json_schema", "json_schema": {"name": "s", "schema": s}}
+                                          for s in SCHEMAS), {"type": "json_schema"}]),  # fmt: skip
+    "guided_json": st.sampled_from(SCHEMAS),
+    "guided_regex": st.sampled_from(["[a-z]{1,5}", "a{1000000}", "(unclosed", "(a|aa)*b", "\\d+"]),
+    "guided_choice": st.sampled_from([["yes", "no"], [""], ["x"] * 3, [f"o{i}" for i in range(5000)]]),
+    "guided_grammar": st.sampled_from(['root ::= "a" root', 'root ::= "yes" | "no"', "start: /[0-9]+/", "root ::="]),
+    "structured_outputs": st.sampled_from([{"regex": "[0-9]+"}, {"choice": ["a", "b"]}, {"json": {}}, {"jsonn": 1}]),
+    "tools": st.sampled_from([[WEATHER], [WEATHER, WEATHER], [{"type": "function", "function": {"name": "f",
+                              "parameters": {"$ref": "#"}}}], [{"type": "function"}]]),  # fmt: skip
+    "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function", "function": {"name": "get_weather"}},
+                                    {"type": "function", "function": {"name": "nope"}}]),  # fmt: skip
+    "lora_name": st.sampled_from(["ad1", "ad2", "ad1", "ad2", "toy", "../x", "a\nb", ""]),
+}
+
+
+class LoRARunner(ScriptedRunner):
+    """The scripted runner with the real adapter reader: files are read and checked
+    against a small model config, names served are kept (the scripted 'model' ignores
+    them when it samples)."""
+
+    def __init__(self, block_size: int) -> None:
+        super().__init__(block_size)
+        self.adapters: dict[str, object] = {}
+
+    def load_lora(self, name: str, path: str) -> object:
+        from tokenmill.lora.adapter import load_adapter
+
+        return load_adapter(name, path, LORA_CFG, max_rank=8)
+
+    def add_lora(self, name: str, path: str, loaded: object) -> None:
+        self.adapters[name] = loaded
+
+    def remove_lora(self, name: str) -> None:
+        self.adapters.pop(name, None)
+
+
+@pytest.fixture(scope="module")
+def full_fuzz_app(tmp_path_factory):
+    from tokenmill.model.paths import default_model_path
+    from tokenmill.model.tokenizer import load_tokenizer
+    from tokenmill.structured.grammar import GrammarCompiler
+
+    pytest.importorskip("llguidance")
+    tokenizer = load_tokenizer(default_model_path())
+    config = EngineConfig(num_blocks=256, block_size=4, max_model_len=256, max_loras=2)
+    engine = AsyncEngine(Engine(LoRARunner(4), tokenizer, config, grammars=GrammarCompiler(tokenizer, 49152)))
+    app = build_app(engine, tokenizer, 256, ServerConfig(served_model_name="toy", max_queue=64, max_request_bytes=1 << 16,
+                                                        allow_runtime_lora_updating=True))  # fmt: skip
+    good = tiny_adapter(tmp_path_factory.mktemp("lora") / "good")
+    yield app, engine, [str(good), str(good), str(good), "/nonexistent", "/etc", str(good.parent)]
+    engine.shutdown()
+
+
+
+@st.composite
+def full_requests(draw, app, lora_paths: list[str]):
+    method, path, schema = draw(st.sampled_from(routes(app)))
+    if schema is None:
+        return method, path, None
+    props = schema.get("properties", {})
+    constraints = [n for n in STRUCTURED if n in props and n not in ("tools", "tool_choice", "lora_name")]
+    constraint = draw(st.sampled_from([None, *constraints])) if constraints else None
+    body = {}
+    for name, prop in props.items():  # a valid body, often with one constraint or tools ...
+        wanted = name in schema.get("required", []) or draw(st.integers(0, 5)) == 0
+        if name == "lora_path":
+            body[name] = draw(st.sampled_from(lora_paths))
+        elif name == "lora_name" or name == constraint or (name in ("tools", "tool_choice") and wanted):
+            body[name] = draw(STRUCTURED[name])
+        elif name == "model":
+            body[name] = draw(st.sampled_from(["toy", "toy", "toy", "ad1", "ad2", "nope"]))
+        elif wanted and name not in STRUCTURED and name != "best_of":
+            body[name] = draw(valid_value(name, prop))
+    body = {k: v for k, v in body.items() if v is not None}
+    if draw(st.integers(0, 3)) == 0:  # ... and perhaps one hostile field
+        body[draw(st.sampled_from(sorted(props)))] = draw(HOSTILE)
+    return method, path, body
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_structured_tool_and_lora_routes_answer_fuzzed_bodies_without_a_5xx(full_fuzz_app, data):
+    app, engine, lora_paths = full_fuzz_app
+    method, path, body = data.draw(full_requests(app, lora_paths))
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
+            content = None if body is None else json.dumps(body).encode()
+            return await c.request(method, path, content=content, headers={"content-type": "application/json"})
+
+    r = asyncio.run(go())
+    assert r.status_code < 500, (method, path, body, r.text[:500])
+    if r.status_code >= 400 and r.headers.get("content-type", "").startswith("application/json"):
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+    assert r.status_code < 400 or "Traceback" not in r.text
+    assert engine.engine.num_unfinished_requests == 0 or path not in ("/v1/completions", "/v1/chat/completions")
+    assert engine.engine.snapshot().kv_usage == 0.0 or path not in ("/v1/completions", "/v1/chat/completions")

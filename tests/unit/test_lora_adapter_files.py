@@ -5,32 +5,16 @@ whatever the reason (the reason is logged), and --lora-root fences the paths."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import struct
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
-from tokenmill.config import ModelConfig
+from tests.helpers import LORA_CFG as CFG
+from tests.helpers import tiny_adapter as adapter
 from tokenmill.lora.adapter import MAX_CONFIG_BYTES, MAX_HEADER_BYTES, NOT_LOADABLE, LoRAError, load_adapter
-
-CFG = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                  head_dim=4, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=64, tie_word_embeddings=True)  # fmt: skip
-
-
-def adapter(path, conf=None, a=None, b=None):
-    """A one-projection adapter folder (q_proj of layer 0, rank 2)."""
-    path.mkdir(parents=True, exist_ok=True)
-    a = torch.randn(2, 16) if a is None else a
-    b = torch.randn(16, 2) if b is None else b
-    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": a,
-               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": b}, str(path / "adapter_model.safetensors"))  # fmt: skip
-    conf = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]} if conf is None else conf
-    (path / "adapter_config.json").write_text(conf if isinstance(conf, str) else json.dumps(conf))
-    return path
 
 
 def refused(path, match):
