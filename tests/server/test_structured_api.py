@@ -231,7 +231,7 @@ def test_auto_tool_choice_answers_or_calls_and_results_render_back(client):
         ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
         ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "combined"),
         ({"tools": [{"type": "function", "function": {"name": "loop", "parameters": {"$ref": "#"}}}],
-          "tool_choice": "required"}, "matches no text"),
+          "tool_choice": "required"}, "cannot be enforced"),
     ],
 )
 def test_bad_tool_requests_are_400(http, body, needle):
