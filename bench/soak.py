@@ -1,6 +1,8 @@
 """Soak test: a real `tokenmill serve` at saturation for a long while, abused.
 
-    python bench/soak.py [--duration 600] [--concurrency 16] [--port 0]
+    python bench/soak.py [--duration 600] [--concurrency 16]
+    python bench/soak.py --mix grammars --duration 600   # + structured output, tools, LoRA
+
 
 For `--duration` seconds, `--concurrency` clients keep requests in flight against a
 server this script starts (the default model, on 127.0.0.1 only): streamed and
@@ -10,6 +12,16 @@ it samples the server's RSS and its running / waiting / KV-usage gauges. At the 
 it waits for the server to go idle and checks that nothing is left: no running
 request, KV usage back to zero. Writes results/soak.json and results/soak.png (RSS
 over time, p99 latency per minute, load).
+
+``--mix grammars`` (issue 24) runs two phases against one server started with LoRA,
+runtime adapter loading and a KV pool small enough to preempt: first the plain mix
+alone (the baseline), then the same plain mix with, beside it, constrained requests
+(a JSON schema, a regex, a choice, a required tool call; every 200 checked against its
+constraint), requests to adapters (two served from the start, others loaded and
+unloaded at run time meanwhile), and now and then a burst of big distinct schemas to
+compile. It reports the plain requests' time to first token in both phases (the
+constrained and adapter traffic must not slow plain traffic down by more than 1.5x at
+p99) and writes results/soak_grammars.json and .png.
 """
 
 from __future__ import annotations
@@ -27,6 +39,8 @@ import time
 from pathlib import Path
 
 import httpx
+import torch
+from safetensors.torch import save_file
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
@@ -53,10 +67,26 @@ def free_port() -> int:
 
 
 def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    """RSS of the server: its API process and its children (the engine core)."""
+    total = 0.0
+    for p in [pid, *children(pid)]:
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) / 1024
+        except OSError:  # gone meanwhile
+            pass
+    return total
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out + [g for c in out for g in children(c)]
 
 
 def gauges(url: str) -> dict[str, float]:
@@ -68,11 +98,63 @@ def gauges(url: str) -> dict[str, float]:
     return out
 
 
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}  # fmt: skip
+PHONE = r"\d{3}-\d{4}"
+CHOICES = ["red", "green", "blue"]
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+    "additionalProperties": False}}}  # fmt: skip
+
+
+def valid(kind: str, text: str, calls: list | None) -> bool:
+    """Does a finished constrained answer obey its constraint?"""
+    import re
+
+    try:
+        if kind == "json":
+            v = json.loads(text)
+            return set(v) == {"name", "age"} and isinstance(v["name"], str) and isinstance(v["age"], int)
+        if kind == "regex":
+            return re.fullmatch(PHONE, text) is not None
+        if kind == "choice":
+            return text in CHOICES
+        if kind == "tool":
+            return bool(calls) and all(c["function"]["name"] == "get_weather"
+                                       and set(json.loads(c["function"]["arguments"])) == {"city"} for c in calls)  # fmt: skip
+    except (ValueError, KeyError, TypeError):
+        return False
+    return False
+
+
+def write_adapter(path: Path, cfg, rank: int, seed: int) -> Path:
+    """A PEFT adapter of random weights for the served model (q and v projections)."""
+    from tokenmill.lora.adapter import target_shapes
+
+    g = torch.Generator().manual_seed(seed)
+    shapes, tensors = target_shapes(cfg), {}
+    for i in range(cfg.num_layers):
+        for t in ("q_proj", "v_proj"):
+            out, inp = shapes[t]
+            tensors[f"base_model.model.model.layers.{i}.self_attn.{t}.lora_A.weight"] = torch.randn(rank, inp, generator=g) * 0.02
+            tensors[f"base_model.model.model.layers.{i}.self_attn.{t}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.02
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    conf = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": ["q_proj", "v_proj"]}
+    (path / "adapter_config.json").write_text(json.dumps(conf))
+    return path
+
+
 class Soak:
-    def __init__(self, url: str, duration: float, seed: int) -> None:
+    def __init__(self, url: str, duration: float, seed: int, grammars: bool = False,
+                 adapter_paths: list[str] | None = None) -> None:  # fmt: skip
         self.url, self.duration, self.rng = url, duration, random.Random(seed)
+        self.grammars = grammars  # add constrained, adapter and big-schema requests to the mix
+        self.adapter_paths = adapter_paths or []
+        self.runtime_adapters: list[str] = []  # loaded at run time and not yet unloaded
         self.t0 = time.perf_counter()
         self.done: list[dict] = []  # one row per request
+        self.churn: list[dict] = []  # runtime loads and unloads
 
     def body(self) -> tuple[str, dict]:
         r = self.rng
@@ -83,11 +165,30 @@ class Soak:
             return "/v1/completions", {"prompt": f"Story {r.randint(0, 10**6)}: once upon a time", **common}
         return "/v1/chat/completions", {"messages": [{"role": "user", "content": f"Say something about {r.random()}"}], **common}
 
+    def constrained_body(self) -> tuple[str, str, dict]:
+        r = self.rng
+        kind = r.choice(["json", "regex", "choice", "tool"])
+        common = {"max_tokens": 64, "temperature": r.choice([0, 0.7]), "seed": r.randint(0, 99), "stream": r.random() < 0.5}
+        ask = {"json": "Describe a person as JSON.", "regex": "Give a phone number.", "choice": "Pick a colour.",
+               "tool": "What is the weather in Paris?"}[kind]  # fmt: skip
+        body = {"messages": [{"role": "user", "content": f"{ask} ({r.randint(0, 10**6)})"}], **common}
+        if kind == "json":
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+        elif kind == "regex":
+            body["guided_regex"] = PHONE
+        elif kind == "choice":
+            body["guided_choice"] = CHOICES
+        else:
+            body["tools"], body["tool_choice"] = [WEATHER], "required"
+        return kind, "/v1/chat/completions", body
+
     async def one(self, client: httpx.AsyncClient) -> None:
         r, start = self.rng, time.perf_counter()
         row = {"t": start - self.t0, "kind": "ok"}
         try:
-            if r.random() < 0.06:
+            if self.grammars and r.random() < 0.4:
+                await self.one_extra(client, row)
+            elif r.random() < 0.06:
                 row["kind"] = "bad"
                 resp = await client.post("/v1/completions", content=r.choice(BAD_BODIES),
                                          headers={"content-type": "application/json"})  # fmt: skip
@@ -104,9 +205,15 @@ class Soak:
             else:
                 path, body = self.body()
                 if body["stream"]:
+                    lines = []
                     async with client.stream("POST", path, json=body) as resp:
                         row["status"] = resp.status_code
-                        lines = [ln async for ln in resp.aiter_lines() if ln.startswith("data: ")]
+                        async for ln in resp.aiter_lines():
+                            if ln.startswith("data: "):
+                                if "ttft" not in row and ('"text": "' in ln or '"content": "' in ln) \
+                                        and '"content": ""' not in ln:
+                                    row["ttft"] = time.perf_counter() - start
+                                lines.append(ln)
                     row["complete"] = bool(lines) and lines[-1] == "data: [DONE]"
                 else:
                     resp = await client.post(path, json=body)
@@ -117,13 +224,95 @@ class Soak:
         row["latency"] = time.perf_counter() - start
         self.done.append(row)
 
+    async def one_extra(self, client: httpx.AsyncClient, row: dict) -> None:
+        """A constrained request (checked), one to an adapter, or a big schema to compile."""
+        r = self.rng
+        roll = r.random()
+        if roll < 0.55:
+            kind, path, body = self.constrained_body()
+            row["kind"], row["constraint"] = "constrained", kind
+            text, calls, finish = await self.send(client, path, body, row)
+            row["finish"] = finish
+            if row["status"] == 200 and finish in ("stop", "tool_calls"):
+                row["valid"] = valid(kind, text, calls)
+        elif roll < 0.95:
+            names = ["ad0", "ad1", *self.runtime_adapters]
+            name = r.choice(names)
+            row["kind"], row["adapter"] = "adapter", name
+            path, body = self.body()
+            body["model"] = name
+            await self.send(client, path, body, row)
+            # an adapter unloaded meanwhile is a 404 naming it: answered, not lost
+            row["complete"] = row["status"] == 200 or (row["status"] == 404 and name.startswith("rt"))
+        else:
+            row["kind"] = "big_schema"
+            tag = r.randint(0, 10**9)
+            props = {f"f{tag}_{i}": {"type": "integer"} for i in range(1500)}
+            body = {"messages": [{"role": "user", "content": "JSON please"}], "max_tokens": 8,
+                    "guided_json": {"type": "object", "properties": props, "required": list(props)}}  # fmt: skip
+            resp = await client.post("/v1/chat/completions", json=body)
+            row["status"] = resp.status_code
+            row["complete"] = resp.status_code == 200 or (resp.status_code == 400 and "compile" in resp.text)
+
+    async def send(self, client: httpx.AsyncClient, path: str, body: dict, row: dict) -> tuple[str, list, str | None]:
+        """Send a chat or completion request (streamed or not); its text, tool calls and
+        finish reason (choice 0), and whether it came back whole (``row``)."""
+        start = time.perf_counter()
+        text, calls, finish = "", [], None
+        if body.get("stream"):
+            tool_args: dict[int, dict] = {}
+            async with client.stream("POST", path, json=body) as resp:
+                row["status"] = resp.status_code
+                lines = [ln async for ln in resp.aiter_lines() if ln.startswith("data: ")]
+            row["complete"] = resp.status_code == 200 and bool(lines) and lines[-1] == "data: [DONE]"
+            for ln in lines[:-1]:
+                chunk = json.loads(ln[6:])
+                for c in chunk.get("choices", []):
+                    if c["index"] != 0:
+                        continue
+                    delta = c.get("delta", {})
+                    text += delta.get("content") or c.get("text") or ""
+                    for tc in delta.get("tool_calls") or []:
+                        slot = tool_args.setdefault(tc["index"], {"function": {"name": "", "arguments": ""}})
+                        slot["function"]["name"] += tc.get("function", {}).get("name") or ""
+                        slot["function"]["arguments"] += tc.get("function", {}).get("arguments") or ""
+                    finish = c.get("finish_reason") or finish
+            calls = [tool_args[i] for i in sorted(tool_args)]
+        else:
+            resp = await client.post(path, json=body)
+            row["status"] = resp.status_code
+            row["complete"] = resp.status_code == 200
+            if resp.status_code == 200:
+                c = resp.json()["choices"][0]
+                msg = c.get("message") or {}
+                text, calls, finish = msg.get("content") or c.get("text") or "", msg.get("tool_calls") or [], c["finish_reason"]
+        row["latency"] = time.perf_counter() - start
+        return text, calls, finish
+
+    async def adapter_churn(self, client: httpx.AsyncClient) -> None:
+        """Load an adapter under a new name every few seconds; unload the oldest beyond two."""
+        k = 0
+        while time.perf_counter() - self.t0 < self.duration:
+            await asyncio.sleep(4)
+            name, k = f"rt{k}", k + 1
+            resp = await client.post("/v1/load_lora_adapter", json={"lora_name": name,
+                                                                     "lora_path": self.rng.choice(self.adapter_paths)})  # fmt: skip
+            self.churn.append({"t": time.perf_counter() - self.t0, "op": "load", "status": resp.status_code})
+            if resp.status_code == 200:
+                self.runtime_adapters.append(name)
+            if len(self.runtime_adapters) > 2:
+                old = self.runtime_adapters.pop(0)
+                resp = await client.post("/v1/unload_lora_adapter", json={"lora_name": old})
+                self.churn.append({"t": time.perf_counter() - self.t0, "op": "unload", "status": resp.status_code})
+
     async def client_loop(self, client: httpx.AsyncClient) -> None:
         while time.perf_counter() - self.t0 < self.duration:
             await self.one(client)
 
 
-async def run(url: str, args: argparse.Namespace, pid: int) -> dict:
-    soak = Soak(url, args.duration, args.seed)
+async def run(url: str, args: argparse.Namespace, pid: int, grammars: bool = False,
+              adapter_paths: list[str] | None = None) -> dict:  # fmt: skip
+    soak = Soak(url, args.duration, args.seed, grammars, adapter_paths)
     samples: list[dict] = []
 
     async def sampler() -> None:
@@ -135,6 +324,8 @@ async def run(url: str, args: argparse.Namespace, pid: int) -> dict:
     sampling = asyncio.create_task(sampler())
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
         tasks = [asyncio.create_task(soak.client_loop(client)) for _ in range(args.concurrency)]
+        if grammars:
+            tasks.append(asyncio.create_task(soak.adapter_churn(client)))
         last = 0
         while not all(t.done() for t in tasks):
             await asyncio.sleep(10)
@@ -151,7 +342,7 @@ async def run(url: str, args: argparse.Namespace, pid: int) -> dict:
         await asyncio.sleep(0.5)
     sampling.cancel()
     final = gauges(url)
-    return {"rows": soak.done, "samples": samples, "final": final, "final_rss_mib": rss_mib(pid)}
+    return {"rows": soak.done, "samples": samples, "final": final, "final_rss_mib": rss_mib(pid), "churn": soak.churn}
 
 
 def summarise(res: dict, duration: float) -> dict:
@@ -164,7 +355,34 @@ def summarise(res: dict, duration: float) -> dict:
         if lat:
             per_minute[m] = {"n": len(lat), "p50_s": statistics.median(lat), "p99_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))]}
     rss = [s["rss_mib"] for s in res["samples"]]
+    ttft = sorted(r["ttft"] for r in ok if "ttft" in r)
+    extra = {}
+    if any(r["kind"] in ("constrained", "adapter", "big_schema") for r in rows):
+        con = [r for r in rows if r["kind"] == "constrained"]
+        ada = [r for r in rows if r["kind"] == "adapter"]
+        big = [r for r in rows if r["kind"] == "big_schema"]
+        extra = {
+            "constrained": len(con),
+            "constrained_200_finished": sum(1 for r in con if "valid" in r),
+            "constrained_200_valid": sum(1 for r in con if r.get("valid")),
+            "constrained_cut_by_length": sum(1 for r in con if r.get("finish") == "length"),
+            "constrained_not_whole": sum(1 for r in con if not r.get("complete")),
+            "adapter_requests": len(ada),
+            "adapter_ok": sum(1 for r in ada if r.get("status") == 200),
+            "adapter_gone_404": sum(1 for r in ada if r.get("status") == 404),
+            "adapter_not_answered": sum(1 for r in ada if not r.get("complete")),
+            "big_schemas": len(big),
+            "big_schemas_200": sum(1 for r in big if r.get("status") == 200),
+            "big_schemas_400_compile_timeout": sum(1 for r in big if r.get("status") == 400),
+            "runtime_loads_200": sum(1 for c in res.get("churn", []) if c["op"] == "load" and c["status"] == 200),
+            "runtime_unloads_200": sum(1 for c in res.get("churn", []) if c["op"] == "unload" and c["status"] == 200),
+            "runtime_churn_failures": sum(1 for c in res.get("churn", []) if c["status"] != 200),
+        }
     return {
+        **extra,
+        "plain_ttft_n": len(ttft),
+        "plain_ttft_p50_s": statistics.median(ttft) if ttft else None,
+        "plain_ttft_p99_s": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] if ttft else None,
         "requests": len(rows),
         "completed_ok": sum(1 for r in ok if r.get("complete")),
         "incomplete_or_failed": sum(1 for r in ok if not r.get("complete")),
@@ -213,16 +431,34 @@ def plot(res: dict, summary: dict, path: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--duration", type=float, default=600)
+    p.add_argument("--duration", type=float, default=600, help="seconds (of each phase, with --mix grammars)")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mix", choices=("plain", "grammars"), default="plain")
+    p.add_argument("--kv-cache-memory", default=None, help="default: 512MiB (plain), 48MiB (grammars: to preempt)")
     args = p.parse_args()
+    grammars = args.mix == "grammars"
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "tokenmill", "serve", "--port", str(port), "--kv-cache-memory", "512MiB",
+    kv = args.kv_cache_memory or ("48MiB" if grammars else "512MiB")
+    cmd = [sys.executable, "-m", "tokenmill", "serve", "--port", str(port), "--kv-cache-memory", kv,
            "--max-queue", "256", "--served-model-name", "soak"]  # fmt: skip
-    server_log = open(RESULTS / "soak_server.log", "w")  # noqa: SIM115 - closed below; a pipe could fill and stall it
+    adapter_paths: list[str] = []
+    if grammars:
+        import tempfile
+
+        from tokenmill.model.loader import read_config
+
+        _, cfg = read_config(None)
+        tmp = Path(tempfile.mkdtemp(prefix="tokenmill-soak-"))
+        adapter_paths = [str(write_adapter(tmp / f"a{i}", cfg, rank=8, seed=i)) for i in range(4)]
+        cmd += ["--enable-lora", "--allow-runtime-lora-updating", "--max-loras", "2", "--max-lora-rank", "8",
+                "--lora-modules", f"ad0={adapter_paths[0]}", f"ad1={adapter_paths[1]}"]  # fmt: skip
+    RESULTS.mkdir(exist_ok=True)
+    name = "soak_grammars" if grammars else "soak"
+    server_log = open(RESULTS / f"{name}_server.log", "w")  # noqa: SIM115 - closed below; a pipe could fill and stall it
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=server_log, text=True)
+    phases: dict[str, dict] = {}
     try:
         for _ in range(240):
             try:
@@ -230,22 +466,37 @@ def main() -> None:
                     break
             except httpx.HTTPError:
                 time.sleep(0.5)
-        log(f"soak: {args.duration:.0f} s, {args.concurrency} clients against {url}")
-        res = asyncio.run(run(url, args, server.pid))
+        log(f"soak: {args.duration:.0f} s, {args.concurrency} clients against {url} ({' '.join(cmd[3:])})")
+        if grammars:
+            log("phase 1: the plain mix alone (baseline)")
+            phases["plain"] = asyncio.run(run(url, args, server.pid))
+            log("phase 2: the plain mix with constrained, adapter and big-schema requests, adapters loaded meanwhile")
+            phases["mixed"] = asyncio.run(run(url, args, server.pid, grammars=True, adapter_paths=adapter_paths))
+        else:
+            phases["plain"] = asyncio.run(run(url, args, server.pid))
+        preemptions = next((float(ln.rsplit(" ", 1)[1]) for ln in httpx.get(url + "/metrics").text.splitlines()
+                            if ln.startswith("tokenmill:num_preemptions_total")), None)  # fmt: skip
     finally:
         server.terminate()
         code = server.wait(60)
         server_log.close()
-    summary = summarise(res, args.duration)
-    summary["server_exit_code"] = code
-    summary["command"] = " ".join(sys.argv)
-    RESULTS.mkdir(exist_ok=True)
+    summaries = {k: summarise(v, args.duration) for k, v in phases.items()}
+    result: dict = {"command": " ".join(sys.argv), "server_command": " ".join(cmd[1:]), "server_exit_code": code,
+                    "preemptions_total": preemptions}  # fmt: skip
     sys.path.insert(0, str(HERE))
     from step_overhead import cpu_info
 
-    (RESULTS / "soak.json").write_text(json.dumps({"cpu": cpu_info(), "summary": summary, "samples": res["samples"]}, indent=1))
-    plot(res, summary, RESULTS / "soak.png")
-    print(json.dumps(summary, indent=1))
+    if grammars:
+        base, mixed = summaries["plain"]["plain_ttft_p99_s"], summaries["mixed"]["plain_ttft_p99_s"]
+        result["plain_ttft_p99_ratio_mixed_over_plain"] = mixed / base if base and mixed else None
+        result["summary"] = summaries
+        samples = phases["plain"]["samples"] + [{**x, "t": x["t"] + args.duration} for x in phases["mixed"]["samples"]]
+    else:
+        result["summary"] = summaries["plain"]
+        samples = phases["plain"]["samples"]
+    (RESULTS / f"{name}.json").write_text(json.dumps({"cpu": cpu_info(), **result, "samples": samples}, indent=1))
+    plot({"samples": samples}, summaries["mixed" if grammars else "plain"], RESULTS / f"{name}.png")
+    print(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
