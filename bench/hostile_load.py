@@ -109,7 +109,7 @@ async def measure(url: str, prompt_2mb: str) -> dict:
             during.append(await ttft(client, f"Say hello ({len(during)})"))
             await asyncio.sleep(0.2)
         res["storm_s"] = time.perf_counter() - t0
-        res["storm_statuses"] = sorted((await s).status_code for s in storm)
+        res["storm_statuses"] = sorted(s.result().status_code for s in storm)
         res["ttft_during_storm_s"] = during
     return res
 
