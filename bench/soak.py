@@ -435,12 +435,12 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mix", choices=("plain", "grammars"), default="plain")
-    p.add_argument("--kv-cache-memory", default=None, help="default: 512MiB (plain), 48MiB (grammars: to preempt)")
+    p.add_argument("--kv-cache-memory", default=None, help="default: 512MiB (plain), 32MiB (grammars: to preempt)")
     args = p.parse_args()
     grammars = args.mix == "grammars"
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    kv = args.kv_cache_memory or ("48MiB" if grammars else "512MiB")
+    kv = args.kv_cache_memory or ("32MiB" if grammars else "512MiB")
     cmd = [sys.executable, "-m", "tokenmill", "serve", "--port", str(port), "--kv-cache-memory", kv,
            "--max-queue", "256", "--served-model-name", "soak"]  # fmt: skip
     adapter_paths: list[str] = []
