@@ -36,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -263,9 +264,15 @@ class Soak:
             tool_args: dict[int, dict] = {}
             async with client.stream("POST", path, json=body) as resp:
                 row["status"] = resp.status_code
-                lines = [ln async for ln in resp.aiter_lines() if ln.startswith("data: ")]
-            row["complete"] = resp.status_code == 200 and bool(lines) and lines[-1] == "data: [DONE]"
-            for ln in lines[:-1]:
+                every = [ln async for ln in resp.aiter_lines()]
+            lines = [ln for ln in every if ln.startswith("data: ")]
+            if resp.status_code != 200:
+                row["answer"] = "\n".join(every)
+            errors = [ln for ln in lines if ln.startswith('data: {"error"')]
+            if errors:
+                row["answer"] = errors[0]
+            row["complete"] = resp.status_code == 200 and bool(lines) and lines[-1] == "data: [DONE]" and not errors
+            for ln in lines[:-1] if row["complete"] else []:
                 chunk = json.loads(ln[6:])
                 for c in chunk.get("choices", []):
                     if c["index"] != 0:
@@ -282,6 +289,8 @@ class Soak:
             resp = await client.post(path, json=body)
             row["status"] = resp.status_code
             row["complete"] = resp.status_code == 200
+            if resp.status_code != 200:
+                row["answer"] = resp.text
             if resp.status_code == 200:
                 c = resp.json()["choices"][0]
                 msg = c.get("message") or {}
@@ -371,6 +380,9 @@ def summarise(res: dict, duration: float) -> dict:
             "adapter_ok": sum(1 for r in ada if r.get("status") == 200),
             "adapter_gone_404": sum(1 for r in ada if r.get("status") == 404),
             "adapter_not_answered": sum(1 for r in ada if not r.get("complete")),
+            "adapter_statuses": dict(Counter(r.get("status") for r in ada)),
+            "constrained_statuses": dict(Counter(r.get("status") for r in con)),
+            "adapter_other_answers": [r.get("answer", "")[:200] for r in ada if r.get("status") not in (200, 404)][:5],
             "big_schemas": len(big),
             "big_schemas_200": sum(1 for r in big if r.get("status") == 200),
             "big_schemas_400_compile_timeout": sum(1 for r in big if r.get("status") == 400),

@@ -217,3 +217,16 @@ def test_a_token_the_grammar_refuses_ends_the_output_as_a_cut_off(tokenizer, com
     assert (final.text, final.finish_reason) == (";+", "length") and final.token_ids == [43, 27]
     assert any("cut off after 2 tokens" in r.getMessage() and len(r.getMessage()) < 400 for r in caplog.records)
     assert not engine.has_unfinished() and engine.snapshot().kv_usage == 0.0  # nothing held
+
+
+def test_the_grammar_cache_is_bounded_by_spec_bytes_as_well_as_count(tokenizer):
+    """A compiled grammar's memory grows with its spec (~90x), so distinct big schemas
+    must not pile up in the cache until its entry count is reached."""
+    small = GrammarCompiler(tokenizer, 49152, cache_size=256, cache_bytes=20_000)
+    specs = [StructuredOutputs(json={"type": "object", "properties": {f"k{n}_{i}": {"type": "integer"} for i in range(200)}})
+             for n in range(6)]  # fmt: skip
+    for spec in specs:
+        small.compile(spec)
+        assert small.cached_bytes <= 20_000
+    assert small.cached(specs[-1]) is not None and small.cached(specs[0]) is None  # least recently used went first
+    assert small.cached_bytes == sum(s.size_bytes for s in specs if small.cached(s) is not None)

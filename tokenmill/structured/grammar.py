@@ -38,7 +38,11 @@ from tokenmill.config import StructuredConfig
 from tokenmill.errors import InvalidRequestError
 from tokenmill.structured.spec import StructuredOutputs
 
-DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (LRU)
+DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (LRU) ...
+# ... and at most this much spec text among them: a compiled matcher takes ~90x its
+# spec's size (4 MB for a 45 KB schema of 1,500 properties), so a cache bounded by
+# count alone grew by hundreds of MB under distinct big schemas (bench/soak.py).
+DEFAULT_CACHE_BYTES = 1 << 20
 # Between JSON tokens: one space after ',' and ':' (what json.dumps writes and models
 # mostly saw), and no free whitespace, which a small model at temperature 1 can
 # otherwise repeat until max_tokens. ``whitespace_pattern`` overrides it.
@@ -114,11 +118,13 @@ class GrammarCompiler:
     """Compiles StructuredOutputs for one tokenizer; an LRU cache by content."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, config: StructuredConfig | None = None,
-                 cache_size: int = DEFAULT_CACHE_SIZE) -> None:  # fmt: skip
+                 cache_size: int = DEFAULT_CACHE_SIZE, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:  # fmt: skip
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size  # the logits' width
         self.config = config or StructuredConfig()
         self.cache_size = cache_size
+        self.cache_bytes = cache_bytes  # of spec text (what a compiled grammar's memory grows with)
+        self._cached_bytes = 0
         self._lock = threading.Lock()
         self._lltokenizer: Any = None
         self._cache: OrderedDict[StructuredOutputs, CompiledGrammar] = OrderedDict()
@@ -158,10 +164,18 @@ class GrammarCompiler:
         with self._lock:
             self.stats.misses += 1
             self.stats.seconds += time.perf_counter() - t0
-            self._cache[spec] = compiled
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+            if spec not in self._cache:
+                self._cache[spec] = compiled
+                self._cached_bytes += spec.size_bytes
+            while len(self._cache) > 1 and (len(self._cache) > self.cache_size or self._cached_bytes > self.cache_bytes):
+                evicted, _ = self._cache.popitem(last=False)
+                self._cached_bytes -= evicted.size_bytes
         return compiled
+
+    @property
+    def cached_bytes(self) -> int:
+        """Spec text held by the cache (bounded by ``cache_bytes``, but for one entry)."""
+        return self._cached_bytes
 
 
 def build_lltokenizer(tokenizer: Any, vocab_size: int) -> Any:
