@@ -17,6 +17,11 @@ class InvalidRequestError(TokenmillError, ValueError):
         self.param = param  # the request field at fault, when one is
 
 
+class UnknownModelError(InvalidRequestError):
+    """A request names a model (a LoRA adapter) the engine does not serve, or no longer
+    does: an unload can land between the server's check and the engine (HTTP 404)."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine cannot go on (its loop stopped, or a worker process of a split model
     died or failed); no request can be served. Never retried request by request."""

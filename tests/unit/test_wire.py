@@ -20,7 +20,7 @@ from tokenmill.engine.wire import (
     snapshot_to_wire,
     unpack,
 )
-from tokenmill.errors import EngineDeadError, InvalidRequestError, TokenmillError
+from tokenmill.errors import EngineDeadError, InvalidRequestError, TokenmillError, UnknownModelError
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -77,6 +77,9 @@ def test_errors_keep_their_kind_and_the_field_at_fault():
     e = error_from_wire(trip(error_to_wire(InvalidRequestError("bad top_p", param="top_p"))))
     assert isinstance(e, InvalidRequestError) and e.param == "top_p" and str(e) == "bad top_p"
     assert isinstance(error_from_wire(trip(error_to_wire(EngineDeadError("gone")))), EngineDeadError)
+    # an adapter unloaded between the server's check and the core: still the server's 404
+    e = error_from_wire(trip(error_to_wire(UnknownModelError("unknown LoRA adapter 'rt3'", param="model"))))
+    assert type(e) is UnknownModelError and e.param == "model"
 
     class AdapterError(TokenmillError):
         pass

@@ -34,7 +34,7 @@ from tokenmill.engine.request import Request, sequence_ids
 from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
 from tokenmill.engine.stats import EngineSnapshot, SpecDecodeStats, StepStats
 from tokenmill.engine.structured import StructuredOutputManager
-from tokenmill.errors import EngineDeadError, InvalidRequestError
+from tokenmill.errors import EngineDeadError, InvalidRequestError, UnknownModelError
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured.grammar import CompiledGrammar, GrammarCompiler
 
@@ -129,7 +129,7 @@ class EngineCore:
             adapter = self.loras.get(lora)
             if adapter is None:
                 known = ", ".join(sorted(self.loras)) or "none (start with --enable-lora --lora-modules name=path)"
-                raise InvalidRequestError(f"unknown LoRA adapter {lora!r}; served: {known}", param="model")
+                raise UnknownModelError(f"unknown LoRA adapter {lora!r}; served: {known}", param="model")
         if params.structured is None:
             grammar = None
         elif grammar is None:

@@ -27,7 +27,7 @@ import msgpack
 from tokenmill.engine.model_input import SampledToken
 from tokenmill.engine.outputs import SeqDelta
 from tokenmill.engine.stats import EngineSnapshot
-from tokenmill.errors import EngineDeadError, InvalidRequestError, TokenmillError
+from tokenmill.errors import EngineDeadError, InvalidRequestError, TokenmillError, UnknownModelError
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -99,6 +99,8 @@ def error_from_wire(d: dict[str, Any]) -> Exception:
     RuntimeError."""
     if d["type"] == "InvalidRequestError":
         return InvalidRequestError(d["message"], param=d.get("param"))
+    if d["type"] == "UnknownModelError":
+        return UnknownModelError(d["message"], param=d.get("param"))
     if d["type"] == "EngineDeadError":
         return EngineDeadError(d["message"])
     if d.get("user"):

@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenmill.config import ServerConfig
 from tokenmill.engine.async_engine import RequestFailedError, StreamingFront
 from tokenmill.engine.outputs import RequestOutput
-from tokenmill.errors import EngineDeadError, InvalidRequestError, TokenmillError
+from tokenmill.errors import EngineDeadError, InvalidRequestError, TokenmillError, UnknownModelError
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.protocol import (
@@ -97,6 +97,10 @@ def build_app(engine: StreamingFront, tokenizer: Any, max_model_len: int, config
     @app.exception_handler(InvalidRequestError)
     async def _invalid(_: Request, e: InvalidRequestError) -> JSONResponse:
         return error_response(400, str(e), e.param)
+
+    @app.exception_handler(UnknownModelError)
+    async def _unknown_model(_: Request, e: UnknownModelError) -> JSONResponse:
+        return error_response(404, str(e), e.param)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
