@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -81,22 +82,42 @@ def requests(draw, app):
     return method, path, body
 
 
-@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-@given(data=st.data())
-def test_every_route_answers_fuzzed_bodies_without_a_5xx(fuzz_app, data):
-    app, engine = fuzz_app
-    method, path, body = data.draw(requests(app))
+GENERATING = ("/v1/completions", "/v1/chat/completions")
+
+
+def settles(condition, timeout: float = 5.0) -> bool:
+    """The engine's thread frees a finished request after the client has its last
+    output (the next loop turn): poll for it rather than race it."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def call(app, method: str, path: str, body: dict | None) -> httpx.Response:
+    """One request to the app, in process."""
 
     async def go():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
             content = None if body is None else json.dumps(body).encode()
             return await c.request(method, path, content=content, headers={"content-type": "application/json"})
 
-    r = asyncio.run(go())
+    return asyncio.run(go())
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_every_route_answers_fuzzed_bodies_without_a_5xx(fuzz_app, data):
+    app, engine = fuzz_app
+    method, path, body = data.draw(requests(app))
+
+    r = call(app, method, path, body)
     assert r.status_code < 500, (method, path, body, r.text[:500])
     if r.status_code >= 400:
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
-    assert engine.engine.num_unfinished_requests == 0 or path not in ("/v1/completions", "/v1/chat/completions")
+    assert path not in GENERATING or settles(lambda: engine.engine.num_unfinished_requests == 0)
 
 
 # --------------------------------------- structured output, tools and LoRA routes
@@ -199,15 +220,9 @@ def test_structured_tool_and_lora_routes_answer_fuzzed_bodies_without_a_5xx(full
     app, engine, lora_paths = full_fuzz_app
     method, path, body = data.draw(full_requests(app, lora_paths))
 
-    async def go():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
-            content = None if body is None else json.dumps(body).encode()
-            return await c.request(method, path, content=content, headers={"content-type": "application/json"})
-
-    r = asyncio.run(go())
+    r = call(app, method, path, body)
     assert r.status_code < 500, (method, path, body, r.text[:500])
-    if r.status_code >= 400 and r.headers.get("content-type", "").startswith("application/json"):
+    if r.status_code >= 400:
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
-    assert r.status_code < 400 or "Traceback" not in r.text
-    assert engine.engine.num_unfinished_requests == 0 or path not in ("/v1/completions", "/v1/chat/completions")
-    assert engine.engine.snapshot().kv_usage == 0.0 or path not in ("/v1/completions", "/v1/chat/completions")
+    assert path not in GENERATING or settles(lambda: engine.engine.num_unfinished_requests == 0
+                                             and engine.engine.snapshot().kv_usage == 0.0)  # fmt: skip
