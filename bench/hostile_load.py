@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,16 +30,8 @@ import httpx
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(HERE))
+from soak import free_port, log  # noqa: E402 - a sibling script
 
 
 def start(checkout: Path, port: int) -> subprocess.Popen:
@@ -178,7 +169,6 @@ def main() -> None:
                 proc.wait(60)
             runs.append({"label": label, "checkout": str(checkout), "round": rnd + 1, "summary": summary(res), "raw": res})
             log(json.dumps(runs[-1]["summary"]))
-    sys.path.insert(0, str(HERE))
     from step_overhead import cpu_info
 
     RESULTS.mkdir(exist_ok=True)

@@ -40,8 +40,6 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
-import torch
-from safetensors.torch import save_file
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
@@ -130,6 +128,9 @@ def valid(kind: str, text: str, calls: list | None) -> bool:
 
 def write_adapter(path: Path, cfg, rank: int, seed: int) -> Path:
     """A PEFT adapter of random weights for the served model (q and v projections)."""
+    import torch
+    from safetensors.torch import save_file
+
     from tokenmill.lora.adapter import target_shapes
 
     g = torch.Generator().manual_seed(seed)

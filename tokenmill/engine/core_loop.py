@@ -186,14 +186,20 @@ class CoreLoop:
 
     def _apply_prepared(self) -> bool:
         now = time.monotonic()
-        expired = [p for p in self.pending if not p.future.done() and p.deadline is not None and now > p.deadline]
+        done, expired, waiting = [], [], []
+        for p in self.pending:
+            if p.future.done():
+                done.append(p)
+            elif p.deadline is not None and now > p.deadline:
+                expired.append(p)
+            else:
+                waiting.append(p)
+        if not done and not expired:
+            return False
+        self.pending = waiting
         for p in expired:  # a compile still queued is dropped; one running goes on, and is cached
             p.future.cancel()
             p.fail(p.expired())
-        done = [p for p in self.pending if p.future.done() and p not in expired]
-        if not done and not expired:
-            return False
-        self.pending = [p for p in self.pending if not p.future.done() and p not in expired]
         for p in done:
             error = p.future.exception()
             if error is not None:
