@@ -185,12 +185,29 @@ def test_required_tool_choice_streamed_and_not(client):
     assert pieces > 3  # incremental, not one piece at the end
 
 
-def test_parallel_calls_cut_by_max_tokens_come_back_as_text(client):
-    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
-                                       max_tokens=30, temperature=0)  # fmt: skip
-    choice = r.choices[0]
-    assert choice.finish_reason == "length" and not choice.message.tool_calls
-    assert choice.message.content.startswith('{"tool_calls": [{"name": "get_')
+@pytest.mark.parametrize("max_tokens", [8, 30, 45])
+def test_calls_cut_by_max_tokens_are_the_same_streamed_and_not(client, max_tokens):
+    """Parallel calls cut by max_tokens: the calls made so far (the last one's arguments
+    as far as they got, as OpenAI's), the same streamed or not; the wrapper never in content."""
+    kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required", max_tokens=max_tokens,
+                  temperature=0)  # fmt: skip
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "length" and not choice.message.content
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    streamed: dict[int, list[str]] = {}
+    content = ""
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for tc in c.delta.tool_calls or []:
+                acc = streamed.setdefault(tc.index, ["", ""])
+                acc[0] += tc.function.name or ""
+                acc[1] += tc.function.arguments or ""
+    assert content == "" and [tuple(v) for _, v in sorted(streamed.items())] == calls
+    if max_tokens == 8:
+        assert calls == []  # still in the wrapper
+    elif max_tokens == 45:  # greedy: one whole call, the next one begun
+        assert len(calls) == 2 and json.loads(calls[0][1]) and calls[1][1] and not calls[1][1].endswith("}")
 
 
 def test_auto_reply_streams_as_content(client):

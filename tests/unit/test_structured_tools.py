@@ -83,7 +83,7 @@ def test_generic_format_renders_tools_calls_and_results(tokenizer):
     content, calls = tools.parse('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Rome"}}]}')
     assert content is None and calls[0].name == "get_weather" and json.loads(calls[0].arguments) == {"city": "Rome"}
     assert tools.parse('{"response": "Sunny."}') == ("Sunny.", [])
-    assert tools.parse('{"tool_calls": [{"name": "get_wea') == ('{"tool_calls": [{"name": "get_wea', [])
+    assert tools.parse('{"tool_calls": [{"name": "get_wea') == ("", [])  # cut short: the wrapper is not content
 
 
 def test_hermes_format_for_templates_that_take_tools(compiler, tokenizer):
@@ -191,8 +191,8 @@ def test_tool_stream_sends_what_parse_finds(step):
     assert sum("tool_calls" in d for d in deltas) >= (4 if step < 10 else 2)  # heads, then argument pieces
     reply = '{"response": "Hi \\u00e9\\ud83d\\ude00 \\"quoted\\" \\\\ done"}'
     assert _accumulate(_stream(generic, reply, step)) == (generic.parse(reply)[0], [])
-    cut = '{"tool_calls": [{"name": "get_wea'  # cut by max_tokens: the text, as parse gives it
-    assert _accumulate(_stream(generic, cut, step)) == (cut, [])
+    cut = '{"tool_calls": [{"name": "get_wea'  # cut by max_tokens: no call yet, and no content
+    assert _accumulate(_stream(generic, cut, step)) == ("", [])
     hermes = parse_tool_request([WEATHER], "auto", True, HERMES_TEMPLATE)
     text = 'Sure, <tool_ checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
     content, calls = _accumulate(_stream(hermes, text, step))
@@ -230,3 +230,62 @@ def test_the_grammar_cache_is_bounded_by_spec_bytes_as_well_as_count(tokenizer):
         assert small.cached_bytes <= 20_000
     assert small.cached(specs[-1]) is not None and small.cached(specs[0]) is None  # least recently used went first
     assert small.cached_bytes == sum(s.size_bytes for s in specs if small.cached(s) is not None)
+
+
+GENERIC_ANSWER = ('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "S\\u00e3o \\"Paulo\\" {1}"}}, '
+                  '{"name": "get_time", "arguments": {"tz": "UTC"}}]}')  # fmt: skip
+REPLY_ANSWER = '{"response": "It is sunny in S\\u00e3o Paulo, 25 \\u00b0C."}'
+HERMES_ANSWER = ('Checking both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
+                 '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>')  # fmt: skip
+
+
+def _whole_calls(text: str, hermes: bool) -> list[tuple[str, dict]]:
+    """The calls complete in ``text``, found the slow way: every prefix that parses."""
+    if hermes:
+        blocks = [b.split("</tool_call>")[0] for b in text.split("<tool_call>")[1:] if "</tool_call>" in b]
+        return [(c["name"], c["arguments"]) for c in map(json.loads, blocks)]
+    body = text[len('{"tool_calls": [') :] if text.startswith('{"tool_calls": [') else ""
+    calls, decoder, i = [], json.JSONDecoder(), 0
+    while i < len(body):
+        try:
+            call, i = decoder.raw_decode(body, i)
+        except ValueError:
+            break
+        calls.append((call["name"], call["arguments"]))
+        i += 2  # ", "
+    return calls
+
+
+@pytest.mark.parametrize("hermes", [False, True])
+@pytest.mark.parametrize("answer", ["calls", "reply"])
+def test_tool_calls_cut_at_every_token_boundary_match_streamed_and_whole(tokenizer, hermes, answer):
+    """Cut a real answer (our tokenizer's tokens) after every token, as max_tokens does:
+    the non-streamed parse carries exactly the calls and content the stream sent, every
+    complete call is among them, and the format's wrapper never lands in content."""
+    if hermes and answer == "reply":
+        pytest.skip("Hermes replies are free text")
+    request = parse_tool_request([WEATHER, TIME], "auto", True, HERMES_TEMPLATE if hermes else None)
+    text = HERMES_ANSWER if hermes else GENERIC_ANSWER if answer == "calls" else REPLY_ANSWER
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(ids) == text
+    from tokenmill.server.tools import ToolStream
+
+    for k in range(len(ids) + 1):
+        stream, deltas, sent = ToolStream(request), [], ""
+        for j in range(1, k + 1):  # the detokenizer's deltas, one token at a time
+            now = tokenizer.decode(ids[:j])
+            deltas += stream.feed(now[len(sent) :], finished=j == k)
+            sent = now
+        if k == 0:
+            deltas += stream.feed("", finished=True)
+        prefix = tokenizer.decode(ids[:k])
+        content, calls = request.parse(prefix)
+        streamed_content, streamed_calls = _accumulate(deltas)
+        assert [(c.name, c.arguments) for c in calls] == streamed_calls, (k, prefix)
+        assert (content or "").strip() == streamed_content.strip(), (k, prefix)
+        whole = _whole_calls(prefix, hermes)
+        assert [(c.name, json.loads(c.arguments)) for c in calls[: len(whole)]] == whole, (k, prefix)
+        assert len(calls) - len(whole) <= (0 if hermes else 1)  # at most the call being written, streamed so far
+        assert "tool_call" not in (content or "") and "{" not in (content or ""), (k, prefix)
+    if answer == "reply":
+        assert request.parse(text) == ("It is sunny in S\u00e3o Paulo, 25 \u00b0C.", [])

@@ -31,7 +31,6 @@ from tokenmill.structured.grammar import JSON_OPTIONS
 from tokenmill.structured.spec import StructuredOutputs
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -122,33 +121,29 @@ class ToolRequest:
     # ------------------------------------------------------------ the answer
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content, tool calls) of a finished answer; text that is not in the format
-        (a truncated answer, say) is returned as content."""
-        if self.hermes:
-            calls = [c for c in map(_parse_call, _HERMES_CALL.findall(text)) if c is not None]
-            content = _HERMES_CALL.sub("", text).strip() if calls else text
-            return (content or None) if calls else text, calls
-        try:
-            obj = json.loads(text)
-        except ValueError:
-            return text, []
-        if isinstance(obj, dict) and isinstance(obj.get("tool_calls"), list):
-            calls = [_call(c) for c in obj["tool_calls"] if isinstance(c, dict) and "name" in c]
-            return None, calls
-        if isinstance(obj, dict) and isinstance(obj.get("response"), str):
-            return obj["response"], []
-        return text, []
+        """(content, tool calls) of a finished answer: what streaming it sends, so that
+        streamed and whole answers carry the same calls wherever the answer was cut.
+        The format's wrapper is never content; text that is not in the format is."""
+        stream = ToolStream(self)
+        content = "".join(d.get("content", "") for d in stream.feed(text, finished=True))
+        if stream.calls:
+            return content.strip() or None, stream.calls
+        return content, []
 
 
 class ToolStream:
-    """Streams one answer of a ``ToolRequest`` as OpenAI's deltas, as it is generated.
+    """Streams one answer of a ``ToolRequest`` as OpenAI's deltas, as it is generated;
+    ``parse`` is this stream run over a whole answer.
 
     Generic format: ``{"response": "...`` streams the reply's text as it decodes;
     ``{"tool_calls": [{"name": "f", "arguments": ...`` sends each call's id, type and
-    name once its name is whole, then its arguments' JSON text piece by piece. Hermes
-    format: text streams as content (holding back what could start ``<tool_call>``);
-    each call is sent whole at its ``</tool_call>``. ``feed`` takes the new text and
-    returns the deltas to send (``{"content": ...}`` or ``{"tool_calls": [...]}``).
+    name once its name is whole, then its arguments' JSON text piece by piece (a call
+    cut by ``max_tokens`` keeps the arguments it has, as OpenAI's do). The wrapper is
+    never content, even cut short. Hermes format: text outside the blocks streams as
+    content (holding back what could start ``<tool_call>``); each call is sent whole at
+    its ``</tool_call>``; a block (or tag) cut short is dropped, one that is not a call is
+    content. ``feed`` takes the new text and returns the deltas to send
+    (``{"content": ...}`` or ``{"tool_calls": [...]}``).
     """
 
     def __init__(self, request: ToolRequest) -> None:
@@ -171,10 +166,10 @@ class ToolStream:
         text = self.text
         if text.startswith(_REPLY):
             return self._content(_partial_string(text[len(_REPLY) :]))
-        if not text.startswith(_CALLS) or (finished and not self.calls and _CALL_HEAD.match(text, len(_CALLS)) is None):
-            if finished:
-                return self._content(text)  # not in the format (cut short, say): the text as it is
-            return []
+        if not text.startswith(_CALLS):
+            if _REPLY.startswith(text) or _CALLS.startswith(text):
+                return []  # the wrapper so far (all there is, if cut short here)
+            return self._content(text)  # not in the format: the text as it is
         out, i = [], self._complete
         while (head := _CALL_HEAD.match(text, self._next_call)) is not None:
             if i == len(self.calls):
@@ -203,22 +198,31 @@ class ToolStream:
     # ----------------------------------------------------------------- hermes
 
     def _hermes(self, finished: bool) -> list[dict[str, Any]]:
-        blocks = [c for c in (_parse_call(m.group(1)) for m in _HERMES_CALL.finditer(self.text)) if c is not None]
-        opened = self.text.find("<tool_call>")
-        if finished and not blocks:
-            visible = self.text  # no whole call (cut short, say): all of it is content, as parse gives it
-        elif opened >= 0:
-            visible = self.text[:opened]  # text after the first call is in the final message only
-        else:
-            visible = _before_possible_tag(self.text, "<tool_call>")
-        out = self._content(visible)
-        for call in blocks[len(self.calls) :]:
+        text, visible, calls, pos = self.text, [], [], 0
+        while True:
+            start = text.find(_OPEN, pos)
+            if start < 0:
+                visible.append(_before_possible_tag(text[pos:], _OPEN))  # at the end: a tag cut short
+                break
+            visible.append(text[pos:start])
+            end = text.find(_CLOSE, start)
+            if end < 0:
+                break  # a call still being written; cut short if finished: dropped
+            call = _parse_call(text[start + len(_OPEN) : end].strip())
+            if call is None:
+                visible.append(text[start : end + len(_CLOSE)])  # a block that is not a call: content
+            else:
+                calls.append(call)
+            pos = end + len(_CLOSE)
+        out = self._content("".join(visible))
+        for call in calls[len(self.calls) :]:
             self.calls.append(call)
             out.append({"tool_calls": [{"index": len(self.calls) - 1, "id": call.id, "type": "function",
                                         "function": {"name": call.name, "arguments": call.arguments}}]})  # fmt: skip
         return out
 
 
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _REPLY = '{"response": "'
 _CALLS = '{"tool_calls": ['
 _CALL_HEAD = re.compile(r'\{"name": "([A-Za-z0-9_-]{1,64})", "arguments": ')
