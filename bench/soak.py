@@ -67,15 +67,33 @@ def free_port() -> int:
 
 def rss_mib(pid: int) -> float:
     """RSS of the server: its API process and its children (the engine core)."""
-    total = 0.0
-    for p in [pid, *children(pid)]:
+    return sum(rss_mib_of(p) for p in [pid, *children(pid)])
+
+
+def rss_mib_of(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:  # gone meanwhile
+        pass
+    return 0.0
+
+
+def rss_parts_mib(pid: int) -> dict[str, float]:
+    """RSS split by process (API, core) and kind: anonymous memory can leak, file pages
+    (shared libraries touched for the first time) only grow to the size of the files."""
+    out = {}
+    core = max(children(pid), key=lambda c: rss_mib_of(c), default=None)  # not a resource tracker
+    for role, p in [("api", pid), ("core", core)]:
         try:
             for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) / 1024
-        except OSError:  # gone meanwhile
+                key = {"RssAnon:": "anon", "RssFile:": "file"}.get(line.split(":")[0] + ":")
+                if key:
+                    out[f"{role}_{key}_mib"] = int(line.split()[1]) / 1024
+        except OSError:
             pass
-    return total
+    return out
 
 
 def children(pid: int) -> list[int]:
@@ -328,7 +346,7 @@ async def run(url: str, args: argparse.Namespace, pid: int, grammars: bool = Fal
     async def sampler() -> None:
         while True:
             g = await asyncio.to_thread(gauges, url)
-            samples.append({"t": time.perf_counter() - soak.t0, "rss_mib": rss_mib(pid), **g})
+            samples.append({"t": time.perf_counter() - soak.t0, "rss_mib": rss_mib(pid), **rss_parts_mib(pid), **g})
             await asyncio.sleep(5)
 
     sampling = asyncio.create_task(sampler())
@@ -407,6 +425,8 @@ def summarise(res: dict, duration: float) -> dict:
         "rss_mib_first_min": min(rss[: max(1, len(rss) // 10)]) if rss else None,
         "rss_mib_last": rss[-1] if rss else None,
         "rss_mib_max": max(rss) if rss else None,
+        **{f"{k}_first_last": (res["samples"][0].get(k), res["samples"][-1].get(k)) for k in
+           ("api_anon_mib", "api_file_mib", "core_anon_mib", "core_file_mib") if res["samples"]},  # fmt: skip
         "latency_per_minute": per_minute,
     }
 
@@ -449,6 +469,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mix", choices=("plain", "grammars"), default="plain")
     p.add_argument("--kv-cache-memory", default=None, help="default: 512MiB (plain), 32MiB (grammars: to preempt)")
+    p.add_argument("--name", default=None, help="results/NAME.json and .png (default: soak or soak_grammars)")
     args = p.parse_args()
     grammars = args.mix == "grammars"
     port = free_port()
@@ -468,7 +489,7 @@ def main() -> None:
         cmd += ["--enable-lora", "--allow-runtime-lora-updating", "--max-loras", "2", "--max-lora-rank", "8",
                 "--lora-modules", f"ad0={adapter_paths[0]}", f"ad1={adapter_paths[1]}"]  # fmt: skip
     RESULTS.mkdir(exist_ok=True)
-    name = "soak_grammars" if grammars else "soak"
+    name = args.name or ("soak_grammars" if grammars else "soak")
     server_log = open(RESULTS / f"{name}_server.log", "w")  # noqa: SIM115 - closed below; a pipe could fill and stall it
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=server_log, text=True)
     phases: dict[str, dict] = {}

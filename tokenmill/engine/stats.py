@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # 100,000 are kept: ~150 bytes each, not ~500 with a __dict__
 class StepStats:
     time: float  # perf_counter at the start of the step
     duration: float
