@@ -293,6 +293,9 @@ class ServerConfig:
     max_open_requests: int = opt(1024, "most HTTP requests open at once (bodies still arriving and streams "
                                        "included); more get 503 until some finish (/health and /metrics exempt)")  # fmt: skip
     allow_runtime_lora_updating: bool = opt(False, "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    max_stored_responses: int = opt(1000, "responses kept for previous_response_id and GET /v1/responses/{id} "
+                                          "(store: true; the oldest go first)")  # fmt: skip
+    stored_response_ttl: float = opt(3600.0, "seconds a stored response is kept")
     engine_core: str = opt("process", "where the engine loop runs: process (its own, beside the API process that "
                            "tokenises, detokenises and streams) or thread (a thread of the API process)",
                            choices=("process", "thread"))  # fmt: skip

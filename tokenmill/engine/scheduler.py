@@ -322,8 +322,8 @@ class Scheduler:
                 self.finish(req, "length")
                 return sampled[:i]
             req.output_token_ids.append(t.token_id)
-            if stop_token:
-                self.finish(req, "stop", t.token_id)
+            if stop_token:  # stop_reason: a stop_token_ids entry, None for end-of-sequence (as vLLM)
+                self.finish(req, "stop", t.token_id if t.token_id in p.stop_token_ids else None)
             elif req.grammar is not None and req.grammar.is_terminated:
                 self.finish(req, "stop")  # the output is complete: nothing but end-of-sequence may follow
             elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:

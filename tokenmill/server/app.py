@@ -1,7 +1,8 @@
 """The OpenAI-compatible routes on FastAPI, in front of the AsyncEngine.
 
     POST /v1/completions, /v1/chat/completions   (stream or not; n; logprobs; usage)
-    GET  /v1/models, /health, /metrics
+    POST /v1/responses; GET, DELETE /v1/responses/{id}   (OpenAI's Responses API)
+    GET  /v1/models, /v1/models/{id}, /health, /ping, /version, /metrics
     POST /tokenize, /detokenize
 
 Every error a client can cause is a 4xx in OpenAI's shape
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -25,8 +27,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tokenmill import __version__
 from tokenmill.config import ServerConfig
 from tokenmill.engine.async_engine import RequestFailedError, StreamingFront
 from tokenmill.engine.outputs import RequestOutput
@@ -43,6 +47,17 @@ from tokenmill.server.protocol import (
     new_id,
     now,
 )
+from tokenmill.server.responses import (
+    OutputBuilder,
+    ResponseShape,
+    ResponsesRequest,
+    ResponseStore,
+    Stored,
+    output_messages,
+    owner_of,
+    sse_event,
+)
+from tokenmill.server.responses import usage as responses_usage
 from tokenmill.server.tools import ToolRequest, ToolStream, parse_tool_request, render_messages
 
 logger = logging.getLogger(__name__)
@@ -77,6 +92,7 @@ class Served:
     max_model_len: int
     config: ServerConfig
     metrics: ServerMetrics
+    responses: ResponseStore  # /v1/responses stored with store: true
     # Set by `serve` when a shutdown's drain timeout has passed: open streams end with
     # an error event and [DONE] rather than being cut mid-body.
     drain_expired: asyncio.Event = field(default_factory=asyncio.Event)
@@ -86,7 +102,8 @@ def build_app(engine: StreamingFront, tokenizer: Any, max_model_len: int, config
     if config.served_model_name is None:  # `serve` names it after the model file; a bare app:
         config = replace(config, served_model_name="tokenmill")
     metrics = ServerMetrics(engine.snapshot, config.served_model_name, alive=lambda: not engine.is_dead)
-    served = Served(engine, tokenizer, max_model_len, config, metrics)
+    store = ResponseStore(config.max_stored_responses, config.stored_response_ttl)
+    served = Served(engine, tokenizer, max_model_len, config, metrics, store)
     app = FastAPI(title="tokenmill", version="0.1")
     app.state.served = served
 
@@ -105,6 +122,11 @@ def build_app(engine: StreamingFront, tokenizer: Any, max_model_len: int, config
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {}
+        error = first.get("ctx", {}).get("error")
+        if isinstance(error, InvalidRequestError):  # raised by a validator: its own message and field
+            return error_response(400, str(error), error.param)
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', 'malformed')}")
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         where = ".".join(loc) or "body"
         return error_response(400, f"invalid request: {where}: {first.get('msg', 'malformed')}", where)
@@ -141,6 +163,22 @@ def build_app(engine: StreamingFront, tokenizer: Any, max_model_len: int, config
                      "parent": config.served_model_name, "max_model_len": max_model_len}
                     for name, path in sorted(engine.snapshot().loras.items())]  # fmt: skip
         return {"object": "list", "data": [card, *adapters]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        found = next((card for card in (await models())["data"] if card["id"] == model_id), None)
+        if found is None:
+            raise APIError(404, f"the model `{model_id}` does not exist", "model")
+        return found
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/ping")
+    @app.post("/ping")
+    async def ping() -> Response:
+        return await health()
 
     if config.allow_runtime_lora_updating:
 
@@ -196,19 +234,35 @@ def build_app(engine: StreamingFront, tokenizer: Any, max_model_len: int, config
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         lora = _check_model(served, body.model)
-        template = getattr(tokenizer, "chat_template", None)
-        tools = parse_tool_request(body.tools, body.tool_choice, body.parallel_tool_calls, template)
-        messages = [m.as_dict() for m in body.messages]
-        messages = tools.render_messages(messages) if tools else render_messages(messages)
-        render = tokenizer.apply_chat_template
-        if tools and tools.hermes:  # the template describes the tools itself
-            render = functools.partial(render, tools=[t.as_openai() for t in tools.offered])
-        text = await asyncio.to_thread(render, messages, body.add_generation_prompt)
-        ids = await asyncio.to_thread(tokenizer.encode, text, False)
-        params = body.sampling_params(_max_tokens(served, ids, body.requested_max_tokens), tools and tools.constraint())
+        ids, params, tools = await _chat_prompt(served, body)
         job = _Job(served, "chatcmpl", "chat.completion", [ids], [params], body.include_usage, body.return_timings,
                    chat=True, tools=tools, lora=lora)  # fmt: skip
         return await job.respond(request, body.stream)
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        lora = _check_model(served, body.model)
+        owner = owner_of(request.headers.get("authorization"))
+        history: list[dict[str, Any]] = []
+        if body.previous_response_id is not None:
+            history = _stored(served, owner, body.previous_response_id, "previous_response_id").messages
+        chat = _chat_body(body.chat_body(history))
+        ids, params, tools = await _chat_prompt(served, chat)
+        _check_queue(served, params.n)
+        shape = ResponseShape(body, lora or served.config.served_model_name)
+        job = _ResponseJob(served, shape, ids, params, tools, lora, owner, history + body.input_messages())
+        return await job.respond(request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request) -> dict:
+        return _stored(served, owner_of(request.headers.get("authorization")), response_id, "response_id").body
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request) -> dict:
+        owner = owner_of(request.headers.get("authorization"))
+        _stored(served, owner, response_id, "response_id")
+        served.responses.delete(owner, response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
@@ -244,6 +298,54 @@ def _openapi(app: FastAPI) -> dict:
                 ok.setdefault("content", {})["text/event-stream"] = {"schema": {"type": "string"}}
     app.openapi_schema = schema
     return schema
+
+
+async def _chat_prompt(served: Served, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams, ToolRequest | None]:
+    """A chat request's prompt ids (through the chat template, tools rendered), its
+    sampling parameters and its tools."""
+    tokenizer = served.tokenizer
+    template = getattr(tokenizer, "chat_template", None)
+    tools = parse_tool_request(body.tools, body.tool_choice, body.parallel_tool_calls, template)
+    messages = [m.as_dict() for m in body.messages]
+    messages = tools.render_messages(messages) if tools else render_messages(messages)
+    render = tokenizer.apply_chat_template
+    if tools and tools.hermes:  # the template describes the tools itself
+        render = functools.partial(render, tools=[t.as_openai() for t in tools.offered])
+    text = await asyncio.to_thread(render, messages, body.add_generation_prompt)
+    ids = await asyncio.to_thread(tokenizer.encode, text, False)
+    params = body.sampling_params(_max_tokens(served, ids, body.requested_max_tokens), tools and tools.constraint())
+    return ids, params, tools
+
+
+def _chat_body(body: dict[str, Any]) -> ChatCompletionRequest:
+    """A chat request made from another route's body; its validation errors are 400s."""
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        error = first.get("ctx", {}).get("error")
+        if isinstance(error, InvalidRequestError):
+            raise error from None
+        where = ".".join(str(x) for x in first.get("loc", ())) or "input"
+        raise APIError(400, f"invalid request: {where}: {first.get('msg', 'malformed')}", "input") from None
+
+
+def _stored(served: Served, owner: str, response_id: str, param: str) -> Stored:
+    found = served.responses.get(owner, response_id)
+    if found is None:
+        cfg = served.config
+        raise APIError(404, f"no stored response {response_id!r} (kept with store: true, for "
+                            f"{cfg.stored_response_ttl:g} s, the last {cfg.max_stored_responses}, "
+                            "for the API key that made it)", param)  # fmt: skip
+    return found
+
+
+def _check_queue(served: Served, adding: int) -> None:
+    """429 while ``max_queue`` engine sequences already wait."""
+    queue, waiting = served.config.max_queue, served.engine.num_waiting
+    if queue is not None and waiting + adding > queue:
+        raise APIError(429, f"server busy: {waiting} sequences are already waiting and this request adds "
+                            f"{adding} (max_queue={queue}); retry later")  # fmt: skip
 
 
 def _check_model(served: Served, model: str | None) -> str | None:
@@ -289,11 +391,7 @@ class _Job:
     def __init__(self, served: Served, prefix: str, obj: str, prompts: list[list[int]], params: list[SamplingParams],
                  include_usage: bool, return_timings: bool, chat: bool, tools: ToolRequest | None = None,
                  lora: str | None = None) -> None:  # fmt: skip
-        queue, waiting = served.config.max_queue, served.engine.num_waiting
-        adding = sum(p.n for p in params)  # engine sequences: prompts x n
-        if queue is not None and waiting + adding > queue:
-            raise APIError(429, f"server busy: {waiting} sequences are already waiting and this request adds "
-                                f"{adding} (max_queue={queue}); retry later")  # fmt: skip
+        _check_queue(served, sum(p.n for p in params))  # engine sequences: prompts x n
         self.served = served
         self.id = new_id(prefix)
         self.object = obj
@@ -460,6 +558,78 @@ class _Job:
         return f"data: {json.dumps(body)}\n\n"
 
 
+class _ResponseJob:
+    """One /v1/responses request: one engine request, its answer as output items
+    (``OutputBuilder``), whole or as OpenAI's typed events; stored when asked."""
+
+    def __init__(self, served: Served, shape: ResponseShape, ids: list[int], params: SamplingParams,
+                 tools: ToolRequest | None, lora: str | None, owner: str, conversation: list[dict[str, Any]]) -> None:  # fmt: skip
+        self.served, self.shape, self.ids, self.params, self.tools = served, shape, ids, params, tools
+        self.lora, self.owner, self.conversation = lora, owner, conversation
+
+    async def respond(self, request: Request) -> Response:
+        stream = self.served.engine.generate(self.shape.id, self.ids, self.params, self.lora)
+        try:
+            first = [await anext(stream)]  # surfaces an invalid request as a 400 before any byte is sent
+        except StopAsyncIteration:
+            first = []
+        except RequestFailedError as e:
+            await stream.aclose()
+            return error_response(500, str(e))
+        if self.shape.request.stream:
+            return StreamingResponse(self._events(first, stream), media_type="text/event-stream")
+        return await _until_disconnect(request, self._whole(first, stream))
+
+    async def _whole(self, first: list, stream: AsyncIterator[RequestOutput]) -> Response:
+        final = None
+        try:
+            async for out in _chain(first, stream):
+                if out.finished:
+                    final = out
+        except RequestFailedError as e:
+            return error_response(500, str(e))
+        finally:
+            await stream.aclose()
+        builder = OutputBuilder(self.tools)
+        builder.feed(final.text if final is not None else "", finished=True)
+        return JSONResponse(self._finish(builder.output, final))
+
+    async def _events(self, first: list, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+        sequence = itertools.count()
+        yield sse_event("response.created", next(sequence), response=self.shape.body("in_progress", [], None))
+        yield sse_event("response.in_progress", next(sequence), response=self.shape.body("in_progress", [], None))
+        builder, final = OutputBuilder(self.tools), None
+        try:
+            async for out in _until(_chain(first, stream), self.served.drain_expired):
+                for kind, payload in builder.feed(out.delta_text, out.finished):
+                    yield sse_event(kind, next(sequence), **payload)
+                if out.finished:
+                    final = out
+            body = self._finish(builder.output, final)
+            kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
+            yield sse_event(kind, next(sequence), response=body)
+        except (InvalidRequestError, RequestFailedError, EngineDeadError, DrainExpired) as e:
+            status = {InvalidRequestError: 400, RequestFailedError: 500}.get(type(e), 503)
+            message = str(e) or "the server is shutting down and its drain timeout has passed: request aborted"
+            yield sse_event("error", next(sequence), code=status, message=message, param=getattr(e, "param", None))
+        finally:
+            await stream.aclose()
+
+    def _finish(self, output: list[dict[str, Any]], final: RequestOutput | None) -> dict[str, Any]:
+        """The finished response (stored when asked); ``final``: the engine's last output."""
+        if final is not None:
+            self.served.metrics.observe_finished(final)
+        reason = final.finish_reason if final is not None else "abort"
+        incomplete = None if reason in ("stop", "tool_calls") else "max_output_tokens" if reason == "length" else reason
+        tokens = len(final.token_ids) if final is not None else 0
+        cached = final.num_cached_tokens if final is not None else 0
+        body = self.shape.body("incomplete" if incomplete else "completed", output,
+                               responses_usage(len(self.ids), tokens, cached), incomplete)  # fmt: skip
+        if self.shape.request.store:
+            self.served.responses.put(self.owner, body, self.conversation + output_messages(output))
+        return body
+
+
 def _offsets(texts: list[str]) -> list[int]:
     out, pos = [], 0
     for t in texts:
@@ -563,7 +733,7 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-UNCAPPED = ("/health", "/metrics")  # a saturated server still answers its probes
+UNCAPPED = ("/health", "/ping", "/metrics")  # a saturated server still answers its probes
 
 
 class OpenRequestLimitMiddleware:

@@ -4,8 +4,9 @@ Requests are validated twice: shapes and types here (pydantic, strict as OpenAI'
 types are: ``"max_tokens": "16"`` or ``"stream": "yes"`` is a 400), values by
 ``SamplingParams`` (the same rules as the offline API). Every string must be valid
 Unicode (JSON can carry a lone surrogate such as ``"\ud800"``, which no tokenizer
-can encode). Fields of the OpenAI API that this server does not implement are
-refused with a 400 naming them, never silently ignored; unknown fields are ignored.
+can encode). A request field is never silently ignored: one this server does not
+know is a 400 naming it, as OpenAI's ``Unrecognized request argument supplied``;
+the few OpenAI fields accepted with no effect here are ``NO_EFFECT``, with why.
 """
 
 from __future__ import annotations
@@ -46,6 +47,30 @@ class _Body(BaseModel):
     def _valid_unicode(cls, value: Any) -> Any:
         _check_unicode(value)
         return value
+
+
+# OpenAI fields accepted and then unused, and why: they ask nothing of the output.
+NO_EFFECT = {
+    "user": "an end-user id for OpenAI's abuse monitoring; nothing here reads it",
+    "safety_identifier": "the same, newer name",
+    "metadata": "tags for OpenAI's dashboard (echoed by /v1/responses)",
+    "store": "on chat: OpenAI's stored completions; not kept here (/v1/responses does keep them)",
+    "service_tier": "there is one tier here",
+    "prompt_cache_key": "prefix caching here is automatic, by content",
+}
+
+
+class StrictBody(_Body):
+    """A request body: a field it does not declare is refused by name, not ignored."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unknown(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name in data:
+                if name not in cls.model_fields:
+                    raise InvalidRequestError(f"Unrecognized request argument supplied: {name}", param=name)
+        return data
 
 
 class StreamOptions(_Body):
@@ -101,7 +126,7 @@ def _constraining(response_format: dict[str, Any] | None) -> dict[str, Any] | No
     return response_format
 
 
-class _SamplingFields(_Body):
+class _SamplingFields(StrictBody):
     model: str | None = None
     n: int = 1
     temperature: float | None = None
@@ -129,6 +154,18 @@ class _SamplingFields(_Body):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
+    # OpenAI's, accepted with no effect (NO_EFFECT says why); functions and function_call
+    # (its old tool fields), suffix and logit_bias are declared to be refused by name
+    user: str | None = None
+    safety_identifier: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    suffix: str | None = None
+    logit_bias: dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -288,19 +325,19 @@ def check_tool_results(messages: list[ChatMessage]) -> None:
                                           "assistant message (no such tool_call_id)", param="messages")  # fmt: skip
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(StrictBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
 
 
-class LoRAAdapterRequest(_Body):
+class LoRAAdapterRequest(StrictBody):
     lora_name: str = Field(min_length=1, max_length=256)
     lora_path: str | None = None
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(StrictBody):
     model: str | None = None
     tokens: list[int]
 

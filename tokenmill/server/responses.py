@@ -1,0 +1,407 @@
+"""OpenAI's Responses API (``/v1/responses``) over the chat pipeline.
+
+A Responses request is a chat request in another shape: ``input`` (a string or a
+list of items) and ``instructions`` become chat messages, flat function tools become
+chat tools, ``text.format`` becomes a ``response_format``. The answer is one
+generation, parsed as a chat answer (text and tool calls), and comes back as output
+items: a ``message`` with ``output_text`` and a ``function_call`` per call; streamed
+as OpenAI's typed events. With ``store`` (the default, as OpenAI's) the response and
+its conversation are kept in memory (bounded in count and age, per API key) for
+``previous_response_id`` and ``GET``/``DELETE /v1/responses/{id}``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import Field
+
+from tokenmill.errors import InvalidRequestError
+from tokenmill.server.protocol import StrictBody, now
+from tokenmill.server.tools import ToolCall, ToolRequest, ToolStream
+
+# Tool types of the Responses API that run on OpenAI's side: refused by name.
+HOSTED_TOOLS = ("web_search", "web_search_preview", "file_search", "computer_use_preview", "computer",
+                "code_interpreter", "image_generation", "mcp", "local_shell", "shell", "apply_patch", "custom")  # fmt: skip
+
+
+class ResponsesRequest(StrictBody):
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    include: list[str] | None = None
+    truncation: Literal["disabled"] | None = None  # "auto" (drop early turns to fit) is not implemented
+    background: bool | None = None
+    reasoning: dict[str, Any] | None = None
+    top_logprobs: int | None = None
+    max_tool_calls: int | None = None
+    # accepted, no effect here (see protocol.NO_EFFECT)
+    user: str | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+    def refuse_unsupported(self) -> None:
+        """The Responses fields whose feature this server does not have: a 400 by name."""
+        if self.background:
+            raise InvalidRequestError("background responses are not supported (send background: false)",
+                                      param="background")  # fmt: skip
+        if self.include:
+            raise InvalidRequestError(f"include {self.include!r} is not supported (no hosted tools, reasoning or "
+                                      "output logprobs here)", param="include")  # fmt: skip
+        if self.reasoning and any(v is not None for v in self.reasoning.values()):
+            raise InvalidRequestError("reasoning is not supported by this model", param="reasoning")
+        if self.top_logprobs:
+            raise InvalidRequestError("top_logprobs is not supported on /v1/responses (use /v1/chat/completions)",
+                                      param="top_logprobs")  # fmt: skip
+        if self.max_tool_calls is not None:
+            raise InvalidRequestError("max_tool_calls is not supported (use parallel_tool_calls: false for one)",
+                                      param="max_tool_calls")  # fmt: skip
+
+    # ------------------------------------------------------------ to a chat request
+
+    def chat_body(self, history: list[dict[str, Any]]) -> dict[str, Any]:
+        """The equivalent chat completions body: ``history`` (a stored conversation's
+        messages, for previous_response_id) then this request's input."""
+        self.refuse_unsupported()
+        messages = ([{"role": "system", "content": self.instructions}] if self.instructions else []) + history
+        messages += self.input_messages()
+        body: dict[str, Any] = {"messages": messages, "stream": False}
+        for name, value in (("model", self.model), ("max_tokens", self.max_output_tokens),
+                            ("temperature", self.temperature), ("top_p", self.top_p),
+                            ("parallel_tool_calls", self.parallel_tool_calls)):  # fmt: skip
+            if value is not None:
+                body[name] = value
+        if self.tools:
+            body["tools"] = [_chat_tool(i, t) for i, t in enumerate(self.tools)]
+        if self.tool_choice is not None:
+            body["tool_choice"] = _chat_tool_choice(self.tool_choice)
+        response_format = _response_format(self.text)
+        if response_format is not None:
+            body["response_format"] = response_format
+        return body
+
+    def input_messages(self) -> list[dict[str, Any]]:
+        if isinstance(self.input, str):
+            return [{"role": "user", "content": self.input}]
+        if not self.input:
+            raise InvalidRequestError("input is empty", param="input")
+        return items_to_messages(self.input)
+
+
+def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Input items as chat messages: consecutive function calls become one assistant
+    message's tool_calls; a function call's output, a tool message."""
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise InvalidRequestError(f"{where}: role must be user, system, developer or assistant, not {role!r}",
+                                          param="input")  # fmt: skip
+            out.append({"role": role, "content": _item_text(item.get("content"), where)})
+        elif kind == "function_call":
+            call = {"id": _string(item, "call_id", where), "type": "function",
+                    "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}  # fmt: skip
+            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") is not None:
+                out[-1]["tool_calls"].append(call)
+            elif out and out[-1]["role"] == "assistant" and not out[-1].get("tool_calls"):
+                out[-1]["tool_calls"] = [call]  # text, then the calls it made: one message
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            text = output if isinstance(output, str) else _item_text(output, where)
+            out.append({"role": "tool", "tool_call_id": _string(item, "call_id", where), "content": text})
+        else:
+            raise InvalidRequestError(f"{where}: input items of type {kind!r} are not supported (message, "
+                                      "function_call and function_call_output are)", param="input")  # fmt: skip
+    return out
+
+
+def _item_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequestError(f"{where}: content must be a string or a list of text parts", param="input")
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+            raise InvalidRequestError(f"{where}: content parts of type {kind!r} are not supported (text only)",
+                                      param="input")  # fmt: skip
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def _string(item: dict[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise InvalidRequestError(f"{where}: {key} must be a string", param="input")
+    return value
+
+
+def _chat_tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
+    kind = tool.get("type")
+    if kind in HOSTED_TOOLS or (isinstance(kind, str) and kind.startswith(("web_search", "computer"))):
+        raise InvalidRequestError(f"tools[{i}]: {kind} tools are not supported by this server (function tools are)",
+                                  param="tools")  # fmt: skip
+    if kind != "function":
+        raise InvalidRequestError(f'tools[{i}] must be {{"type": "function", "name": ..., "parameters": ...}}',
+                                  param="tools")  # fmt: skip
+    fn = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
+    return {"type": "function", "function": fn}
+
+
+def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
+    if isinstance(choice, str):
+        return choice
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise InvalidRequestError(f"tool_choice {choice!r} is not supported: none, auto, required or "
+                              '{"type": "function", "name": ...}', param="tool_choice")  # fmt: skip
+
+
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not text:
+        return None
+    unknown = set(text) - {"format"}
+    if unknown:
+        raise InvalidRequestError(f"text.{sorted(unknown)[0]} is not supported", param="text")
+    fmt = text.get("format") or {"type": "text"}
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise InvalidRequestError("text.format json_schema needs a schema object", param="text")
+        return {"type": "json_schema", "json_schema": {"name": fmt.get("name", "output"), "schema": fmt["schema"]}}
+    raise InvalidRequestError(f"text.format type must be text, json_object or json_schema, not {kind!r}", param="text")
+
+
+# --------------------------------------------------------------------- answers
+
+
+def new_item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+@dataclass
+class ResponseShape:
+    """The response object as a request sees it: its echo of the request, then the
+    output and usage once known."""
+
+    request: ResponsesRequest
+    model: str
+    id: str = field(default_factory=lambda: new_item_id("resp"))
+    created_at: int = field(default_factory=now)
+
+    def body(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None,
+             incomplete: str | None = None) -> dict[str, Any]:  # fmt: skip
+        r = self.request
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+            "background": False, "error": None,
+            "incomplete_details": {"reason": incomplete} if incomplete else None,
+            "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "max_tool_calls": None,
+            "model": self.model, "output": output,
+            "parallel_tool_calls": r.parallel_tool_calls if r.parallel_tool_calls is not None else True,
+            "previous_response_id": r.previous_response_id, "reasoning": None, "service_tier": "default",
+            "store": r.store, "temperature": r.temperature if r.temperature is not None else 1.0,
+            "text": {"format": (r.text or {}).get("format") or {"type": "text"}},
+            "tool_choice": r.tool_choice if r.tool_choice is not None else "auto",
+            "tools": r.tools or [], "top_logprobs": 0, "top_p": r.top_p if r.top_p is not None else 1.0,
+            "truncation": "disabled", "usage": usage, "user": r.user, "metadata": r.metadata or {},
+        }  # fmt: skip
+
+
+def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt_tokens + output_tokens}  # fmt: skip
+
+
+def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [text_part(text)]}  # fmt: skip
+
+
+def text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def call_item(item_id: str, call: ToolCall, status: str = "completed") -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id, "call_id": call.id, "name": call.name,
+            "arguments": call.arguments, "status": status}  # fmt: skip
+
+
+def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A response's output items as the chat messages a follow-up turn continues from."""
+    text = "".join(p["text"] for item in output if item["type"] == "message" for p in item["content"])
+    calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
+             for i in output if i["type"] == "function_call"]  # fmt: skip
+    message: dict[str, Any] = {"role": "assistant", "content": text or None}
+    if calls:
+        message["tool_calls"] = calls
+    return [message]
+
+
+class OutputBuilder:
+    """One answer's output items, built from its text as it grows: a ``message`` item
+    for text, a ``function_call`` item per call, in the order they appear. ``feed``
+    returns the stream events (kind, payload) the new text makes; a whole answer fed at
+    once builds the same items, so streamed and non-streamed responses agree."""
+
+    def __init__(self, tools: ToolRequest | None) -> None:
+        self.stream = ToolStream(tools) if tools is not None else None
+        self.output: list[dict[str, Any]] = []
+        self._open_message: int | None = None  # index in output of the message being written
+        self._calls: dict[int, int] = {}  # tool-call index -> its item's index in output
+
+    def feed(self, delta: str, finished: bool) -> list[tuple[str, dict[str, Any]]]:
+        pieces = self.stream.feed(delta, finished) if self.stream is not None else [{"content": delta}] if delta else []
+        events: list[tuple[str, dict[str, Any]]] = []
+        for piece in pieces:
+            if piece.get("content"):
+                events += self._text(piece["content"])
+            for call in piece.get("tool_calls", []):
+                events += self._call(call)
+        if finished:
+            if self._open_message is None and not self.output:
+                events += self._text("")  # an empty answer is an empty message, as OpenAI's
+            events += self._close_message()
+            for i in self._calls.values():
+                item = self.output[i]
+                item["status"] = "completed"
+                events.append(("response.function_call_arguments.done",
+                               {"item_id": item["id"], "output_index": i, "name": item["name"],
+                                "arguments": item["arguments"]}))  # fmt: skip
+                events.append(("response.output_item.done", {"output_index": i, "item": dict(item)}))
+        return events
+
+    def _text(self, text: str) -> list[tuple[str, dict[str, Any]]]:
+        events = []
+        if self._open_message is None:
+            self._open_message = len(self.output)
+            item = message_item(new_item_id("msg"), "", status="in_progress")
+            self.output.append(item)
+            events.append(("response.output_item.added",
+                           {"output_index": self._open_message, "item": {**item, "content": []}}))  # fmt: skip
+            events.append(("response.content_part.added", {"item_id": item["id"], "output_index": self._open_message,
+                                                            "content_index": 0, "part": text_part("")}))  # fmt: skip
+        item = self.output[self._open_message]
+        item["content"][0]["text"] += text
+        if text:
+            events.append(("response.output_text.delta", {"item_id": item["id"], "output_index": self._open_message,
+                                                          "content_index": 0, "delta": text, "logprobs": []}))  # fmt: skip
+        return events
+
+    def _close_message(self) -> list[tuple[str, dict[str, Any]]]:
+        if self._open_message is None:
+            return []
+        i, self._open_message = self._open_message, None
+        item = self.output[i]
+        item["status"] = "completed"
+        part = item["content"][0]
+        return [("response.output_text.done", {"item_id": item["id"], "output_index": i, "content_index": 0,
+                                               "text": part["text"], "logprobs": []}),
+                ("response.content_part.done", {"item_id": item["id"], "output_index": i, "content_index": 0,
+                                                "part": dict(part)}),
+                ("response.output_item.done", {"output_index": i, "item": _copy(item)})]  # fmt: skip
+
+    def _call(self, delta: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        events = []
+        if delta.get("id") is not None:  # a new call: its head
+            events += self._close_message()
+            fn = delta["function"]
+            call = ToolCall(delta["id"], fn["name"], "")
+            self._calls[delta["index"]] = len(self.output)
+            item = call_item(new_item_id("fc"), call, status="in_progress")
+            self.output.append(item)
+            events.append(("response.output_item.added", {"output_index": len(self.output) - 1, "item": dict(item)}))
+        i = self._calls[delta["index"]]
+        piece = delta.get("function", {}).get("arguments", "")
+        if piece:
+            self.output[i]["arguments"] += piece
+            events.append(("response.function_call_arguments.delta",
+                           {"item_id": self.output[i]["id"], "output_index": i, "delta": piece}))  # fmt: skip
+        return events
+
+
+def _copy(item: dict[str, Any]) -> dict[str, Any]:
+    return {**item, "content": [dict(p) for p in item["content"]]}
+
+
+# ----------------------------------------------------------------------- store
+
+
+@dataclass
+class Stored:
+    owner: str
+    body: dict[str, Any]  # the response object, as GET returns it
+    messages: list[dict[str, Any]]  # the whole conversation, its output included (instructions excluded)
+    at: float
+
+
+class ResponseStore:
+    """Stored responses in memory: at most ``size`` of them, each for ``ttl`` seconds,
+    visible only to the API key that made it (a server without keys has one owner)."""
+
+    def __init__(self, size: int, ttl: float) -> None:
+        self.size, self.ttl = size, ttl
+        self._items: OrderedDict[str, Stored] = OrderedDict()
+
+    def put(self, owner: str, body: dict[str, Any], messages: list[dict[str, Any]]) -> None:
+        self._expire()
+        self._items[body["id"]] = Stored(owner, body, messages, time.monotonic())
+        while len(self._items) > self.size:
+            self._items.popitem(last=False)
+
+    def get(self, owner: str, response_id: str) -> Stored | None:
+        self._expire()
+        item = self._items.get(response_id)
+        return item if item is not None and item.owner == owner else None
+
+    def delete(self, owner: str, response_id: str) -> bool:
+        if self.get(owner, response_id) is None:
+            return False
+        del self._items[response_id]
+        return True
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def _expire(self) -> None:
+        cutoff = time.monotonic() - self.ttl
+        while self._items and next(iter(self._items.values())).at < cutoff:
+            self._items.popitem(last=False)
+
+
+def owner_of(authorization: str | None) -> str:
+    """Who a stored response belongs to: a digest of the credentials presented."""
+    return hashlib.sha256((authorization or "").encode()).hexdigest()
+
+
+def sse_event(kind: str, sequence: int, **payload: Any) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': sequence, **payload})}\n\n"
