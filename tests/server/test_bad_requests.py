@@ -88,6 +88,37 @@ def test_out_of_range_wrongly_typed_or_unsupported_fields_are_400s_naming_the_fi
     assert assert_error(r, 400)["param"] in (field, f"{field}.0", f"{field}.5") or field in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 2}),
+    ("/tokenize", {"prompt": "hi"}),
+])  # fmt: skip
+def test_a_field_we_do_not_know_is_refused_by_name_and_no_effect_fields_are_accepted(app_engine, path, body):
+    for name, value in (("foo_unknown", 1), ("min_tokens_typo", 3), ("chat_template_kwargs", {"x": 1})):
+        err = assert_error(call(app_engine[0], "POST", path, {**body, name: value}), 400,
+                           f"Unrecognized request argument supplied: {name}")  # fmt: skip
+        assert err["param"] == name
+    if path != "/tokenize":
+        from tokenmill.server.protocol import NO_EFFECT
+
+        accepted = {"user": "u1", "metadata": {"k": "v"}, "service_tier": "auto", "prompt_cache_key": "p",
+                    "safety_identifier": "s", "store": path == "/v1/responses"}  # fmt: skip
+        assert set(accepted) == set(NO_EFFECT)
+        assert call(app_engine[0], "POST", path, {**body, **accepted}).status_code == 200
+
+
+def test_models_by_id_version_ping_and_a_body_that_is_not_json(app_engine):
+    app = app_engine[0]
+    card = call(app, "GET", f"/v1/models/{MODEL}").json()
+    assert card["id"] == MODEL and card["object"] == "model"
+    assert_error(call(app, "GET", "/v1/models/other"), 404, "other")
+    assert call(app, "GET", "/version", auth=None).json()["version"]
+    assert call(app, "GET", "/ping", auth=None).status_code == 200 == call(app, "POST", "/ping", auth=None).status_code
+    err = assert_error(call(app, "POST", "/v1/completions", raw=b'{"prompt": "hi", "max_tokens": '), 400, "not valid JSON")
+    assert err["param"] is None
+
+
 def test_unknown_routes_and_methods_answer_in_the_openai_shape(app_engine):
     assert_error(call(app_engine[0], "GET", "/v1/nope"), 404, "/v1/nope")
     assert_error(call(app_engine[0], "GET", "/v1/completions"), 405)

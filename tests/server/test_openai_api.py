@@ -39,6 +39,8 @@ def test_chat_and_streaming_agree(client):
     messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
     full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
     assert "Paris" in full.choices[0].message.content and full.choices[0].message.role == "assistant"
+    # a natural end (the end-of-sequence token): no stop_reason, as vLLM's (it names a stop string or stop_token_ids)
+    assert full.choices[0].finish_reason == "stop" and full.choices[0].model_extra["stop_reason"] is None
     chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
                                                  stream=True, stream_options={"include_usage": True}))  # fmt: skip
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
