@@ -25,7 +25,7 @@ HOSTILE = st.sampled_from([
     None, True, -1, 0, 2**31, 2**63, 10**30, -(10**30), 1e308, -0.5, "", "16", "\ud800", "x" * 3000,
     [], [1, 2], ["a"], [[1]], {}, {"a": 1}, [[[[[[[[[[1]]]]]]]]]],
 ])  # fmt: skip
-CAPS = {"max_tokens": 3, "max_completion_tokens": 3, "n": 2}
+CAPS = {"max_tokens": 3, "max_completion_tokens": 3, "max_output_tokens": 3, "n": 2}
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +52,11 @@ def valid_value(name: str, prop: dict) -> st.SearchStrategy:
         return st.integers(1, CAPS[name])
     if name == "messages":
         return st.just([{"role": "user", "content": "hi"}])
+    if name == "input":  # /v1/responses
+        return st.sampled_from(["hello", [{"role": "user", "content": "hi"}],
+                                [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+                                 {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                                 {"type": "function_call_output", "call_id": "c1", "output": "42"}]])  # fmt: skip
     if name == "prompt":
         return st.sampled_from(["hello", [1, 2, 3], ["a", "b"]])
     if name == "tokens":
@@ -82,7 +87,7 @@ def requests(draw, app):
     return method, path, body
 
 
-GENERATING = ("/v1/completions", "/v1/chat/completions")
+GENERATING = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
 def settles(condition, timeout: float = 5.0) -> bool:
@@ -143,7 +148,11 @@ STRUCTURED = {
     "guided_grammar": st.sampled_from(['root ::= "a" root', 'root ::= "yes" | "no"', "start: /[0-9]+/", "root ::="]),
     "structured_outputs": st.sampled_from([{"regex": "[0-9]+"}, {"choice": ["a", "b"]}, {"json": {}}, {"jsonn": 1}]),
     "tools": st.sampled_from([[WEATHER], [WEATHER, WEATHER], [{"type": "function", "function": {"name": "f",
-                              "parameters": {"$ref": "#"}}}], [{"type": "function"}]]),  # fmt: skip
+                              "parameters": {"$ref": "#"}}}], [{"type": "function"}],
+                              [{"type": "function", **WEATHER["function"]}], [{"type": "web_search"}]]),  # fmt: skip
+    "text": st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}}, {"format": {}},
+                             *({"format": {"type": "json_schema", "name": "s", "schema": s}} for s in SCHEMAS),
+                             {"verbosity": "low"}]),  # fmt: skip
     "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function", "function": {"name": "get_weather"}},
                                     {"type": "function", "function": {"name": "nope"}}]),  # fmt: skip
     "lora_name": st.sampled_from(["ad1", "ad2", "ad1", "ad2", "toy", "../x", "a\nb", ""]),
