@@ -40,6 +40,14 @@ class SamplingParams:
     # The output must match this JSON schema, regex, choice or grammar (a dict of the
     # same keys is accepted: {"json": schema}, {"regex": "..."}, ...).
     structured: StructuredOutputs | None = None
+    min_tokens: int = 0  # end-of-sequence, stop_token_ids and stop strings held back until this many
+    # OpenAI's logit_bias: token id -> a bias in [-100, 100] added to its logit (a dict is
+    # accepted; kept as sorted (id, bias) pairs)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled
+    # The model's end-of-sequence ids, filled in by the engine (as vLLM's
+    # all_stop_token_ids): what min_tokens holds back besides stop_token_ids.
+    eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.structured, dict):
@@ -53,6 +61,14 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids or ()))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else (self.logit_bias or ())
+        try:
+            object.__setattr__(self, "logit_bias", tuple(sorted((k, v) for k, v in bias)))
+        except (TypeError, ValueError):
+            raise InvalidRequestError("logit_bias must map token ids to numbers", param="logit_bias") from None
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         self._validate()
 
     def _validate(self) -> None:
@@ -84,10 +100,30 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or not 0 <= t <= MAX_INT32 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be token ids in [0, 2**31)")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad("min_tokens", "must be an integer in [0, max_tokens]")
+        for t, v in self.logit_bias:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= MAX_INT32:
+                raise bad("logit_bias", f"keys must be token ids in [0, 2**31), not {t!r}")
+            if not _finite(v) or not -100 <= v <= 100:
+                raise bad("logit_bias", f"biases must be numbers in [-100, 100], not {v!r}")
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids or any(not isinstance(t, int) or not 0 <= t <= MAX_INT32 for t in self.allowed_token_ids)
+        ):
+            raise bad("allowed_token_ids", "must be a non-empty list of token ids in [0, 2**31)")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def uses_logit_controls(self) -> bool:
+        """min_tokens, logit_bias or allowed_token_ids: logits the sampler changes first."""
+        return self.min_tokens > 0 or bool(self.logit_bias) or self.allowed_token_ids is not None
+
+    def token_ids_named(self) -> list[int]:
+        """Every token id these parameters name (checked against the vocabulary)."""
+        return [*self.stop_token_ids, *(t for t, _ in self.logit_bias), *(self.allowed_token_ids or ())]
 
     @property
     def uses_penalties(self) -> bool:

@@ -53,6 +53,7 @@ def test_eos_stops_unless_ignored(llm):
     messages = [{"role": "user", "content": "Say just the word 'yes'."}]
     out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=40))[0]
     assert out.finish_reason == "stop" and out.token_ids[-1] in llm.tokenizer.stop_token_ids
+    assert out.outputs[0].stop_reason is None  # as vLLM's: only a stop string or a stop_token_ids entry is named
     ignored = llm.chat(messages, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
     assert ignored.finish_reason == "length" and len(ignored.token_ids) == 40
 
@@ -79,3 +80,35 @@ def test_stream_deltas_add_up_and_abort_frees_blocks(llm):
     next(stream)
     stream.close()  # the consumer walks away: the request is aborted
     assert llm.engine.block_pool.num_free == llm.engine.block_pool.num_blocks
+
+
+YES = [{"role": "user", "content": "Say just the word 'yes'."}]
+
+
+def test_min_tokens_holds_back_eos_stop_ids_and_stop_strings(llm):
+    """min_tokens masks end-of-sequence (and stop_token_ids) as logit_bias -100 on them
+    would, so the two agree token for token; a stop string is not looked for before."""
+    short = llm.chat(YES, SamplingParams(temperature=0, max_tokens=40))[0]
+    m = len(short.token_ids) + 6
+    eos = sorted(llm.tokenizer.stop_token_ids)
+    held = llm.chat(YES, SamplingParams(temperature=0, max_tokens=40, min_tokens=m))[0]
+    biased = llm.chat(YES, SamplingParams(temperature=0, max_tokens=m, logit_bias={t: -100 for t in eos}))[0]
+    assert len(held.token_ids) >= m and held.token_ids[:m] == biased.token_ids
+    assert not set(held.token_ids[: m]) & set(eos)
+    first_word = short.text.split()[0]
+    early = llm.chat(YES, SamplingParams(temperature=0, max_tokens=40, stop=[first_word]))[0]
+    stopped = llm.chat(YES, SamplingParams(temperature=0, max_tokens=40, min_tokens=m, stop=[first_word]))[0]
+    assert len(early.token_ids) < m <= len(stopped.token_ids)
+
+
+def test_logit_bias_and_allowed_token_ids_steer_sampling(llm):
+    tok = llm.tokenizer
+    target = tok.encode(" banana", add_special_tokens=False)[0]
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=4, logit_bias={target: 100}))[0]
+    assert out.token_ids == [target] * 4
+    allowed = tok.encode(" red green blue", add_special_tokens=False)
+    out = llm.generate(PROMPT, SamplingParams(temperature=1.0, seed=3, max_tokens=12, allowed_token_ids=allowed))[0]
+    assert set(out.token_ids) <= set(allowed) and len(out.token_ids) == 12
+    greedy = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8))[0].token_ids
+    unchanged = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8, logit_bias={target: 0.0}))[0].token_ids
+    assert unchanged == greedy  # a zero bias changes nothing

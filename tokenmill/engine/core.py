@@ -124,6 +124,7 @@ class EngineCore:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
         ids = list(prompt_ids)
         self._validate_prompt(ids)
+        params = self._with_model_facts(params)
         adapter = None
         if lora is not None:
             adapter = self.loras.get(lora)
@@ -155,6 +156,18 @@ class EngineCore:
             reqs.append(req)
         self._requests[request_id] = reqs
         return reqs
+
+    def _with_model_facts(self, params: SamplingParams) -> SamplingParams:
+        """The parameters checked against the vocabulary, with the model's end-of-sequence
+        ids for min_tokens to hold back."""
+        vocab = self.vocab_size
+        bad = next((t for t in (*(t for t, _ in params.logit_bias), *(params.allowed_token_ids or ())) if t >= vocab), None)
+        if bad is not None:
+            param = "allowed_token_ids" if bad in (params.allowed_token_ids or ()) else "logit_bias"
+            raise InvalidRequestError(f"token id {bad} in {param} is outside the vocabulary [0, {vocab})", param=param)
+        if params.min_tokens and not params.ignore_eos and not params.eos_token_ids:
+            params = replace(params, eos_token_ids=tuple(sorted(self.scheduler.eos_token_ids)))
+        return params
 
     def _validate_prompt(self, ids: list[int]) -> None:
         if not ids:

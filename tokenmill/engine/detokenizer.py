@@ -51,23 +51,26 @@ class IncrementalDetokenizer:
     def text_prefix(self, num_chars: int) -> str:
         return "".join(self._pieces)[:num_chars]
 
-    def add_token(self, token_id: int) -> str | None:
-        """Append one token; return the stop string it completed, if any."""
+    def add_token(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Append one token; return the stop string it completed, if any (none is looked
+        for while ``check_stop`` is false: min_tokens not reached)."""
         self._ids.append(token_id)
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
         full = self._decode(self._ids[self._prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return None  # an incomplete character (or nothing visible) so far
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        return self._append(full[len(prefix) :])
+        return self._append(full[len(prefix) :], check_stop)
 
-    def _append(self, new_text: str) -> str | None:
+    def _append(self, new_text: str, check_stop: bool = True) -> str | None:
         window = self._tail + new_text  # a stop string may begin in the tail
         window_start = self.num_chars - len(self._tail)
         self._pieces.append(new_text)
         self.num_chars += len(new_text)
         self._unemitted += new_text
         self._tail = window[-self._max_stop :] if self._max_stop else ""
+        if not check_stop:
+            return None
         best: tuple[int, str] | None = None
         for s in self.stop:
             idx = window.find(s)

@@ -36,6 +36,8 @@ class SeqOutputState:
     logprobs: list[float | None] | None = None
     top_logprobs: list[TopLogprobs] | None = None
     stop_string: str | None = None  # set when a stop string ended the sequence
+    stop_token_ids: tuple[int, ...] = ()  # the request's: a stop by one is its stop_reason (EOS: None)
+    min_tokens: int = 0  # stop strings are looked for from this many tokens on
 
     def text_prefix(self, num_chars: int) -> str:
         return self.detok.text_prefix(num_chars)
@@ -53,7 +55,8 @@ class OutputProcessor:
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, p.stop, p.include_stop_str_in_output, p.skip_special_tokens)
         wants = p.logprobs is not None
         self._seqs[seq_id] = SeqOutputState(request_id, index, prompt, prompt_ids, detok,
-                                            logprobs=[] if wants else None, top_logprobs=[] if wants else None)  # fmt: skip
+                                            logprobs=[] if wants else None, top_logprobs=[] if wants else None,
+                                            stop_token_ids=p.stop_token_ids, min_tokens=p.min_tokens)  # fmt: skip
 
     def has_sequence(self, seq_id: str) -> bool:
         return seq_id in self._seqs
@@ -87,7 +90,7 @@ class OutputProcessor:
                 state.top_logprobs.append(t.top_logprobs)
             if d.finish_reason is not None and d.stop_reason == t.token_id and t is d.new_tokens[-1]:
                 break  # a stop token id: not detokenised into the text
-            stop = state.detok.add_token(t.token_id)
+            stop = state.detok.add_token(t.token_id, check_stop=len(state.token_ids) >= state.min_tokens)
             if stop is not None:
                 state.stop_string = stop
                 break
@@ -102,7 +105,8 @@ class OutputProcessor:
         completion = CompletionOutput(
             index=state.index,
             finish_reason="stop" if state.stop_string is not None else d.finish_reason,
-            stop_reason=state.stop_string if state.stop_string is not None else d.stop_reason,
+            stop_reason=state.stop_string if state.stop_string is not None else
+            d.stop_reason if d.stop_reason in state.stop_token_ids else None,  # fmt: skip  (as vLLM: None for EOS)
             _source=state,
             _num_tokens=len(state.token_ids),
             _num_chars=state.detok.num_chars,

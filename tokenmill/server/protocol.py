@@ -78,7 +78,7 @@ class StreamOptions(_Body):
 
 
 # OpenAI fields this server does not implement: refused when set, not ignored.
-_UNSUPPORTED = ("logit_bias", "suffix", "functions", "function_call")
+_UNSUPPORTED = ("suffix", "functions", "function_call")
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # vLLM's older names
 
 
@@ -146,6 +146,9 @@ class _SamplingFields(StrictBody):
     stream_options: StreamOptions | None = None
     return_timings: bool = False  # tokenmill extra: per-request timings in the last response
     best_of: int | None = None  # accepted only as n (no server-side ranking of extra samples)
+    min_tokens: int = 0  # vLLM's: no end-of-sequence, stop id or stop string before this many
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a string) -> bias in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # vLLM's: sample only these
     # structured output: OpenAI's response_format, vLLM's structured_outputs and guided_* aliases
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -163,7 +166,6 @@ class _SamplingFields(StrictBody):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     suffix: str | None = None
-    logit_bias: dict[str, Any] | None = None
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
 
@@ -209,7 +211,18 @@ class _SamplingFields(StrictBody):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
             structured=structured,
+            min_tokens=self.min_tokens,
+            logit_bias=self._logit_bias(),
+            allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
         )
+
+    def _logit_bias(self) -> dict[int, float]:
+        out = {}
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit() or len(key) > 10:
+                raise InvalidRequestError(f"logit_bias keys must be token ids, not {key!r}", param="logit_bias")
+            out[int(key)] = bias
+        return out
 
     @property
     def include_usage(self) -> bool:

@@ -1,7 +1,8 @@
 """The batched sampler: one pipeline for sampling, verification and drafting.
 
-``sampling_distribution`` is the pipeline every consumer of logits shares: penalties,
-then the greedy choice, then temperature, top-k, top-p and min-p and the softmax, as
+``sampling_distribution`` is the pipeline every consumer of logits shares: the
+request's logit controls (allowed tokens, logit_bias, min_tokens), penalties, then
+the greedy choice, then temperature, top-k, top-p and min-p and the softmax, as
 tensor operations over ``[batch, vocab]`` with per-row parameters. ``sample`` draws
 from it; speculative verification compares drafts against it; a draft model drafts
 from it. Sampling draws ``argmax(p / E)`` with ``E ~ Exp(1)``, which picks token i
@@ -147,6 +148,31 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow], params: torch.T
     return logits - freq * counts - pres * (counts > 0).float()
 
 
+def apply_logit_controls(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Per row, as vLLM: ``allowed_token_ids`` (every other token -inf), ``logit_bias``
+    (added), and while the row has fewer than ``min_tokens`` outputs, its stop ids
+    (end-of-sequence and stop_token_ids) -inf. Only the rows that ask are touched."""
+    logits = logits.clone()
+    device = logits.device
+    for i, r in enumerate(rows):
+        p = r.params
+        if not p.uses_logit_controls:
+            continue
+        if p.allowed_token_ids is not None:
+            keep = torch.tensor(p.allowed_token_ids, device=device)
+            row = torch.full_like(logits[i], -math.inf)
+            row[keep] = logits[i, keep]
+            logits[i] = row
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias], device=device)
+            logits[i].index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], device=device, dtype=logits.dtype))
+        if len(r.output_ids) < p.min_tokens:
+            held = [t for t in {*p.eos_token_ids, *p.stop_token_ids} if t < logits.shape[1]]
+            if held:
+                logits[i, held] = -math.inf
+    return logits
+
+
 def filter_logits(logits: torch.Tensor, rows: list[SampleRow], params: torch.Tensor | None = None) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p masks (-inf outside the allowed set)."""
     device = logits.device
@@ -189,6 +215,8 @@ def sampling_distribution(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[
 def _distribution(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """``sampling_distribution`` plus the parameter matrix it stacked (None when it read none)."""
     penalised = any(r.params.uses_penalties for r in rows)
+    if any(r.params.uses_logit_controls for r in rows):
+        logits = apply_logit_controls(logits, rows)
     if not penalised and all(r.params.greedy for r in rows):  # the usual greedy batch: no parameter is read
         return None, greedy(logits), None
     params = param_matrix(rows, logits.device)
