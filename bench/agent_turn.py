@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import socket
 import subprocess
 import sys
@@ -31,6 +30,13 @@ import urllib.request
 
 HERE = Path(__file__).resolve().parent
 MODEL = "smollm2"
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
 
 
 def free_port() -> int:
@@ -104,7 +110,7 @@ def main() -> None:
         log.close()
     ok = all(r["tool_called_with"] and r["final_output"] and "ToolCallOutputItem" in r["items"] for r in runs
              if r["tool_use_behavior"] == "stop_on_first_tool")  # fmt: skip
-    result = {"command": " ".join(sys.argv), "openai_agents": agents.__version__, "machine": platform.processor(),
+    result = {"command": " ".join(sys.argv), "openai_agents": agents.__version__, "machine": cpu_name(),
               "ok": ok, "runs": runs}  # fmt: skip
     (HERE / "results" / "agent_turn.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
