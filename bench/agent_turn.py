@@ -23,10 +23,9 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
-
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 MODEL = "smollm2"
@@ -46,8 +45,15 @@ def free_port() -> int:
 
 
 async def one_turn(url: str, streamed: bool, behaviour: str) -> dict:
-    from agents import Agent, ModelSettings, Runner, function_tool, set_default_openai_api, set_default_openai_client
-    from agents import set_tracing_disabled
+    from agents import (
+        Agent,
+        ModelSettings,
+        Runner,
+        function_tool,
+        set_default_openai_api,
+        set_default_openai_client,
+        set_tracing_disabled,
+    )
     from agents.exceptions import MaxTurnsExceeded
     from openai import AsyncOpenAI
 
