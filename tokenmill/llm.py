@@ -162,4 +162,6 @@ def _merge(request_id: str, outs: list[RequestOutput]) -> RequestOutput:
         finished=True,
         timings=[t for o in outs for t in o.timings],
         num_cached_tokens=first.num_cached_tokens,
+        prompt_logprobs=next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None),
+        prompt_top_logprobs=next((o.prompt_top_logprobs for o in outs if o.prompt_top_logprobs is not None), None),
     )

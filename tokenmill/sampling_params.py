@@ -36,6 +36,10 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None: none; 0: the chosen token's; k: plus the top k
+    # The prompt tokens' logprobs (the first has none), computed during prefill: None:
+    # none; k: each token's, plus the top k. Such a request skips the prefix cache
+    # (a cached position has no logits): it computes its whole prompt.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # The output must match this JSON schema, regex, choice or grammar (a dict of the
     # same keys is accepted: {"json": schema}, {"regex": "..."}, ...).
@@ -96,6 +100,10 @@ class SamplingParams:
             raise bad("seed", "must be an integer in [-2**63, 2**64 - n]")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or not 0 <= t <= MAX_INT32 for t in self.stop_token_ids):

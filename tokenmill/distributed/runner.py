@@ -25,6 +25,8 @@ from tokenmill.worker.model_runner import ModelRunner
 
 
 class DistributedRunner(ModelRunner):
+    scores_prompts = False  # every rank runs the same forward: no per-request extra rows
+
     def __init__(self, *args, cluster: Cluster, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.cluster = cluster

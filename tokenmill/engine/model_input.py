@@ -104,6 +104,9 @@ class SampledToken:
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
 
 
+PromptLogprob = tuple[float, list[tuple[int, float]]]  # a prompt token's logprob and the top k alternatives
+
+
 @dataclass
 class ModelOutput:
     # request_id -> the tokens the step adds, for each request whose chunk reached its
@@ -111,3 +114,6 @@ class ModelOutput:
     sampled: dict[str, list[SampledToken]] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # to verify next step
     failed: dict[str, str] = field(default_factory=dict)  # request_id -> error: computed nothing
+    # request_id -> (index of the first prompt token scored, [(its logprob, top-k)] per
+    # token): the prompt tokens this step's chunk predicted (prompt_logprobs requests)
+    prompt_logprobs: dict[str, tuple[int, list[PromptLogprob]]] = field(default_factory=dict)

@@ -38,6 +38,10 @@ class SeqOutputState:
     stop_string: str | None = None  # set when a stop string ended the sequence
     stop_token_ids: tuple[int, ...] = ()  # the request's: a stop by one is its stop_reason (EOS: None)
     min_tokens: int = 0  # stop strings are looked for from this many tokens on
+    # prompt_logprobs (sequence 0 of a request only): per prompt token, its logprob and
+    # top-k alternatives; token 0 has none
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[TopLogprobs] | None = None
 
     def text_prefix(self, num_chars: int) -> str:
         return self.detok.text_prefix(num_chars)
@@ -57,6 +61,8 @@ class OutputProcessor:
         self._seqs[seq_id] = SeqOutputState(request_id, index, prompt, prompt_ids, detok,
                                             logprobs=[] if wants else None, top_logprobs=[] if wants else None,
                                             stop_token_ids=p.stop_token_ids, min_tokens=p.min_tokens)  # fmt: skip
+        if p.prompt_logprobs is not None and index == 0:
+            self._seqs[seq_id].prompt_logprobs, self._seqs[seq_id].prompt_top_logprobs = [None], [[]]
 
     def has_sequence(self, seq_id: str) -> bool:
         return seq_id in self._seqs
@@ -71,6 +77,9 @@ class OutputProcessor:
             if state is None:  # aborted, or already ended by a stop string
                 continue
             state.timings.first_scheduled = state.timings.first_scheduled or d.first_scheduled
+            if d.prompt_logprobs and state.prompt_logprobs is not None and state.prompt_top_logprobs is not None:
+                state.prompt_logprobs.extend(lp for lp, _ in d.prompt_logprobs)
+                state.prompt_top_logprobs.extend(top for _, top in d.prompt_logprobs)
             new_ids = self._append(d, state, now)
             if state.stop_string is not None and d.finish_reason is None:
                 stopped.append((d.seq_id, state.stop_string))
@@ -127,6 +136,8 @@ class OutputProcessor:
             delta_top_logprobs=None if state.top_logprobs is None else state.top_logprobs[len(state.top_logprobs) - n :],
             error=d.error,
             num_cached_tokens=d.num_cached_tokens,
+            prompt_logprobs=state.prompt_logprobs,
+            prompt_top_logprobs=state.prompt_top_logprobs,
         )
 
     def abort(self, seq_id: str) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from tokenmill.engine.model_input import SampledToken
 
@@ -57,6 +57,7 @@ class SeqDelta:
     error: str | None = None
     first_scheduled: float | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    prompt_logprobs: list[Any] | None = None  # more prompt tokens' (logprob, top-k), in order from token 1
 
 
 class CompletionSource(Protocol):
@@ -112,6 +113,10 @@ class RequestOutput:
     delta_top_logprobs: list[TopLogprobs] | None = None
     error: str | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # SamplingParams.prompt_logprobs: each prompt token's logprob (the first: None) and
+    # top-k alternatives, as far as computed (whole once the first token is out)
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[TopLogprobs] | None = None
 
     @property
     def text(self) -> str:

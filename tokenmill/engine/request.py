@@ -62,6 +62,9 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     first_scheduled: float | None = None  # when a step first gave it tokens (time.perf_counter)
+    # prompt_logprobs: prompt tokens 1.. scored so far, and how many of them were sent out
+    prompt_logprobs: list[Any] = field(default_factory=list)
+    num_prompt_logprobs_sent: int = 0
 
     def __post_init__(self) -> None:
         self.parent_id = self.parent_id or self.request_id
@@ -81,3 +84,21 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """It scores its prompt (and is not a fork, whose sibling does that)."""
+        return self.params.prompt_logprobs is not None and self.index == 0
+
+    def add_prompt_logprobs(self, first: int, entries: list[Any]) -> None:
+        """Scores of prompt tokens first, first + 1, ...; those it has (a recompute after
+        preemption scores them again) are skipped."""
+        have = 1 + len(self.prompt_logprobs)  # the next index wanted (token 0 has none)
+        if first <= have < first + len(entries):
+            self.prompt_logprobs.extend(entries[have - first :])
+
+    def take_prompt_logprobs(self) -> list[Any] | None:
+        """The scores not sent yet (None: none)."""
+        new = self.prompt_logprobs[self.num_prompt_logprobs_sent :]
+        self.num_prompt_logprobs_sent = len(self.prompt_logprobs)
+        return new or None

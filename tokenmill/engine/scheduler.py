@@ -167,7 +167,7 @@ class Scheduler:
             if forked is not None:  # computes only its last prompt token
                 num_new, lookahead = 1, forked
             else:
-                cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
+                cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 and not req.wants_prompt_logprobs else []
                 num_computed = req.num_computed_tokens + len(cached) * self.kv.block_size
                 num_new = min(req.num_tokens - num_computed, budget)
                 lookahead = self._num_lookahead(req, num_new, 0, num_computed)
@@ -223,7 +223,7 @@ class Scheduler:
                 continue
             if req.lora_name is not None:
                 adapters.add(req.lora_name)
-            if req.num_computed_tokens == 0:
+            if req.num_computed_tokens == 0 and not req.wants_prompt_logprobs:
                 cached = self.kv.find_cached_prefix(req)
                 if cached and self.kv.allocate_slots(req, 0, cached) is not None:
                     req.num_computed_tokens = len(cached) * self.kv.block_size
@@ -287,6 +287,8 @@ class Scheduler:
                 self.finish(req, "error")
                 updates.append(SeqUpdate(req, [], error=result.failed[rid]))
                 continue
+            if rid in result.prompt_logprobs:
+                req.add_prompt_logprobs(*result.prompt_logprobs[rid])
             sampled = result.sampled.get(rid, [])
             accepted = len(sampled) - 1 if s.spec_token_ids and sampled else 0
             if s.spec_token_ids:

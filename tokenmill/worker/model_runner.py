@@ -21,7 +21,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from tokenmill.engine.model_input import GrammarMasks, ModelInput, ModelOutput, SampledToken, ScheduledTokens
+from tokenmill.engine.model_input import (
+    GrammarMasks,
+    ModelInput,
+    ModelOutput,
+    PromptLogprob,
+    SampledToken,
+    ScheduledTokens,
+)
 from tokenmill.engine.request import token_slice
 from tokenmill.lora.adapter import LoRAAdapter
 from tokenmill.lora.layers import LoRAMapping
@@ -47,6 +54,13 @@ from tokenmill.worker.sampler import (
     sample,
     sampling_distribution,
 )
+
+PROMPT_SCORE_ROWS = 256  # prompt positions turned into logits at a time (256 x a 49k vocabulary: 48 MiB)
+
+
+def _scores_prompt(s: SeqInput) -> bool:
+    """This chunk predicts prompt tokens of a prompt_logprobs request."""
+    return s.params.prompt_logprobs is not None and s.num_computed_tokens + 1 < len(s.prompt_ids)
 
 
 @dataclass
@@ -119,7 +133,7 @@ class ModelRunner:
         rewind = [(g, g.get_state()) for s in batch.scheduled if (g := self.requests[s.request_id].generator) is not None]
         try:
             seqs = order_seqs([self._seq_input(s) for s in batch.scheduled])
-            logits = self.compute_logits(seqs)
+            logits, prompt_scores = self._forward(seqs)
             sampled = self._sample(seqs, logits, grammar.get() if grammar is not None else None)
             drafts: dict[str, Draft] = {}
             if self.proposer is not None:
@@ -129,7 +143,9 @@ class ModelRunner:
             for gen, state in rewind:
                 gen.set_state(state)
             raise
-        return self._commit(batch, sampled, drafts)
+        out = self._commit(batch, sampled, drafts)
+        out.prompt_logprobs = prompt_scores
+        return out
 
     @torch.inference_mode()
     def follow(self, batch: ModelInput, committed: Committed) -> None:
@@ -219,6 +235,44 @@ class ModelRunner:
         input_ids, positions, meta, logits_indices = self.prepare(seqs)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, lora=self._lora_mapping(seqs))
         return self.model.compute_logits(hidden[logits_indices])
+
+    # A split model's ranks all run the same forward; scoring prompts would need every
+    # row's logits on each of them (distributed.runner turns this off).
+    scores_prompts = True
+
+    def _forward(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, dict[str, tuple[int, list[PromptLogprob]]]]:
+        """``compute_logits``, and the scores of the prompt tokens the chunks of
+        prompt_logprobs requests predict (logits only for those rows, a slice at a time)."""
+        if self.stage is not None or not any(_scores_prompt(s) for s in seqs):
+            return self.compute_logits(seqs), {}
+        input_ids, positions, meta, logits_indices = self.prepare(seqs)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, lora=self._lora_mapping(seqs))
+        scores, offset = {}, 0
+        for s in seqs:
+            if _scores_prompt(s):
+                scores[s.request_id] = self._prompt_scores(s, hidden, offset)
+            offset += len(s.token_ids)
+        return self.model.compute_logits(hidden[logits_indices]), scores
+
+    def _prompt_scores(self, s: SeqInput, hidden: torch.Tensor, offset: int) -> tuple[int, list[PromptLogprob]]:
+        """(first, scores): the logprob (and top-k) of prompt tokens first..last, which
+        this chunk's positions predict (position q predicts token q + 1)."""
+        start, k = s.num_computed_tokens, s.params.prompt_logprobs or 0
+        first, last = start + 1, min(start + len(s.token_ids), len(s.prompt_ids) - 1)
+        entries: list[PromptLogprob] = []
+        for a in range(first, last + 1, PROMPT_SCORE_ROWS):
+            b = min(a + PROMPT_SCORE_ROWS, last + 1)
+            rows = hidden[offset + a - 1 - start : offset + b - 1 - start]
+            logprobs = self.model.compute_logits(rows).float().log_softmax(dim=-1)
+            targets = torch.tensor(s.prompt_ids[a:b], device=logprobs.device)
+            chosen = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
+            if k:
+                vals, ids = logprobs.topk(k, dim=-1)
+                tops = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
+            else:
+                tops = [[] for _ in chosen]
+            entries += list(zip(chosen, tops, strict=True))
+        return first, entries
 
     @torch.inference_mode()
     def all_logits(self, seqs: list[SeqInput]) -> torch.Tensor:
