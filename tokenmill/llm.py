@@ -97,6 +97,19 @@ class LLM:
             raise
         return [_merge(rid, [done[rid][i] for i in sorted(done[rid])]) for rid in rids]
 
+    def embed(
+        self,
+        texts: str | Sequence[str] | Sequence[Sequence[int]],
+        pooling: str = "last",
+        lora: str | Sequence[str | None] | None = None,
+    ) -> list[list[float]]:
+        """One L2-normalised embedding per text (or token-id list): the model's final
+        hidden state at the last token (``pooling="last"``, what decoder embedding
+        models use) or the mean over all tokens (``"mean"``). The texts run through
+        the same engine as generation, prefill only."""
+        outs = self.generate(texts, SamplingParams(max_tokens=1, pooling=pooling), lora)
+        return [o.embedding for o in outs]  # type: ignore[misc]
+
     def chat(
         self,
         messages: Messages | Sequence[Messages],
@@ -164,4 +177,6 @@ def _merge(request_id: str, outs: list[RequestOutput]) -> RequestOutput:
         num_cached_tokens=first.num_cached_tokens,
         prompt_logprobs=next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None),
         prompt_top_logprobs=next((o.prompt_top_logprobs for o in outs if o.prompt_top_logprobs is not None), None),
+        prompt_ranks=next((o.prompt_ranks for o in outs if o.prompt_ranks is not None), None),
+        embedding=first.embedding,
     )

@@ -165,9 +165,9 @@ class EngineCore:
         if bad is not None:
             param = "allowed_token_ids" if bad in (params.allowed_token_ids or ()) else "logit_bias"
             raise InvalidRequestError(f"token id {bad} in {param} is outside the vocabulary [0, {vocab})", param=param)
-        if params.prompt_logprobs is not None and not getattr(self.runner, "scores_prompts", True):
-            raise InvalidRequestError("prompt_logprobs is not supported with tensor or pipeline parallelism",
-                                      param="prompt_logprobs")  # fmt: skip
+        for name in ("prompt_logprobs", "pooling"):
+            if getattr(params, name) is not None and not getattr(self.runner, "scores_prompts", True):
+                raise InvalidRequestError(f"{name} is not supported with tensor or pipeline parallelism", param=name)
         if params.min_tokens and not params.ignore_eos and not params.eos_token_ids:
             params = replace(params, eos_token_ids=tuple(sorted(self.scheduler.eos_token_ids)))
         return params
@@ -430,4 +430,4 @@ class EngineCore:
 
 def _delta(req: Request, new_tokens: list[SampledToken], error: str | None) -> SeqDelta:
     return SeqDelta(req.request_id, new_tokens, req.finish_reason, req.stop_reason, error, req.first_scheduled,
-                    req.num_cached_prompt_tokens, req.take_prompt_logprobs())  # fmt: skip
+                    req.num_cached_prompt_tokens, req.take_prompt_logprobs(), req.embedding)  # fmt: skip

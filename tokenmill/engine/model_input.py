@@ -104,7 +104,8 @@ class SampledToken:
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
 
 
-PromptLogprob = tuple[float, list[tuple[int, float]]]  # a prompt token's logprob and the top k alternatives
+# a prompt token's logprob, its rank (1: the most likely) and the top k alternatives
+PromptLogprob = tuple[float, int, list[tuple[int, float]]]
 
 
 @dataclass
@@ -117,3 +118,4 @@ class ModelOutput:
     # request_id -> (index of the first prompt token scored, [(its logprob, top-k)] per
     # token): the prompt tokens this step's chunk predicted (prompt_logprobs requests)
     prompt_logprobs: dict[str, tuple[int, list[PromptLogprob]]] = field(default_factory=dict)
+    embeddings: dict[str, list[float]] = field(default_factory=dict)  # pooling requests whose prompt is done

@@ -42,6 +42,7 @@ class SeqOutputState:
     # top-k alternatives; token 0 has none
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[TopLogprobs] | None = None
+    prompt_ranks: list[int | None] | None = None
 
     def text_prefix(self, num_chars: int) -> str:
         return self.detok.text_prefix(num_chars)
@@ -62,7 +63,8 @@ class OutputProcessor:
                                             logprobs=[] if wants else None, top_logprobs=[] if wants else None,
                                             stop_token_ids=p.stop_token_ids, min_tokens=p.min_tokens)  # fmt: skip
         if p.prompt_logprobs is not None and index == 0:
-            self._seqs[seq_id].prompt_logprobs, self._seqs[seq_id].prompt_top_logprobs = [None], [[]]
+            state = self._seqs[seq_id]
+            state.prompt_logprobs, state.prompt_top_logprobs, state.prompt_ranks = [None], [[]], [None]
 
     def has_sequence(self, seq_id: str) -> bool:
         return seq_id in self._seqs
@@ -77,9 +79,11 @@ class OutputProcessor:
             if state is None:  # aborted, or already ended by a stop string
                 continue
             state.timings.first_scheduled = state.timings.first_scheduled or d.first_scheduled
-            if d.prompt_logprobs and state.prompt_logprobs is not None and state.prompt_top_logprobs is not None:
-                state.prompt_logprobs.extend(lp for lp, _ in d.prompt_logprobs)
-                state.prompt_top_logprobs.extend(top for _, top in d.prompt_logprobs)
+            if d.prompt_logprobs and state.prompt_logprobs is not None:
+                assert state.prompt_top_logprobs is not None and state.prompt_ranks is not None
+                state.prompt_logprobs.extend(lp for lp, _, _ in d.prompt_logprobs)
+                state.prompt_ranks.extend(rank for _, rank, _ in d.prompt_logprobs)
+                state.prompt_top_logprobs.extend(top for _, _, top in d.prompt_logprobs)
             new_ids = self._append(d, state, now)
             if state.stop_string is not None and d.finish_reason is None:
                 stopped.append((d.seq_id, state.stop_string))
@@ -138,6 +142,8 @@ class OutputProcessor:
             num_cached_tokens=d.num_cached_tokens,
             prompt_logprobs=state.prompt_logprobs,
             prompt_top_logprobs=state.prompt_top_logprobs,
+            prompt_ranks=state.prompt_ranks,
+            embedding=d.embedding,
         )
 
     def abort(self, seq_id: str) -> None:

@@ -57,7 +57,8 @@ class SeqDelta:
     error: str | None = None
     first_scheduled: float | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
-    prompt_logprobs: list[Any] | None = None  # more prompt tokens' (logprob, top-k), in order from token 1
+    prompt_logprobs: list[Any] | None = None  # more prompt tokens' (logprob, rank, top-k), in order from token 1
+    embedding: list[float] | None = None  # a pooling request's, with its finish
 
 
 class CompletionSource(Protocol):
@@ -117,6 +118,8 @@ class RequestOutput:
     # top-k alternatives, as far as computed (whole once the first token is out)
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[TopLogprobs] | None = None
+    prompt_ranks: list[int | None] | None = None  # each prompt token's rank in its distribution (1: the argmax)
+    embedding: list[float] | None = None  # SamplingParams.pooling: the pooled, normalised final hidden state
 
     @property
     def text(self) -> str:

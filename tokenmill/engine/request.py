@@ -62,6 +62,7 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     first_scheduled: float | None = None  # when a step first gave it tokens (time.perf_counter)
+    embedding: list[float] | None = None  # a pooling request's result
     # prompt_logprobs: prompt tokens 1.. scored so far, and how many of them were sent out
     prompt_logprobs: list[Any] = field(default_factory=list)
     num_prompt_logprobs_sent: int = 0
@@ -89,6 +90,12 @@ class Request:
     def wants_prompt_logprobs(self) -> bool:
         """It scores its prompt (and is not a fork, whose sibling does that)."""
         return self.params.prompt_logprobs is not None and self.index == 0
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """It needs every prompt position computed: no prefix-cache hit (prompt logprobs,
+        mean pooling)."""
+        return self.wants_prompt_logprobs or self.params.pooling == "mean"
 
     def add_prompt_logprobs(self, first: int, entries: list[Any]) -> None:
         """Scores of prompt tokens first, first + 1, ...; those it has (a recompute after

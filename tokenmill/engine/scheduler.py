@@ -167,7 +167,7 @@ class Scheduler:
             if forked is not None:  # computes only its last prompt token
                 num_new, lookahead = 1, forked
             else:
-                cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 and not req.wants_prompt_logprobs else []
+                cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 and not req.computes_whole_prompt else []
                 num_computed = req.num_computed_tokens + len(cached) * self.kv.block_size
                 num_new = min(req.num_tokens - num_computed, budget)
                 lookahead = self._num_lookahead(req, num_new, 0, num_computed)
@@ -198,7 +198,7 @@ class Scheduler:
         last token, speculation is on and not paused, and there is room to use them."""
         spec = self.speculative
         computed = req.num_computed_tokens if num_computed is None else num_computed
-        if spec is None or computed + num_real != req.num_tokens or len(self.running) > spec.disable_batch_size:
+        if spec is None or req.params.pooling is not None or computed + num_real != req.num_tokens or len(self.running) > spec.disable_batch_size:
             return 0
         room = min(
             req.params.max_tokens - len(req.output_token_ids) - 2,  # this step adds >= 1 token, the next <= k + 1
@@ -223,7 +223,7 @@ class Scheduler:
                 continue
             if req.lora_name is not None:
                 adapters.add(req.lora_name)
-            if req.num_computed_tokens == 0 and not req.wants_prompt_logprobs:
+            if req.num_computed_tokens == 0 and not req.computes_whole_prompt:
                 cached = self.kv.find_cached_prefix(req)
                 if cached and self.kv.allocate_slots(req, 0, cached) is not None:
                     req.num_computed_tokens = len(cached) * self.kv.block_size
@@ -303,6 +303,9 @@ class Scheduler:
                 req.spec_token_ids = draft[: self._max_drafts(req)]
                 if req.grammar is not None and req.spec_token_ids:  # cut at the first the grammar refuses
                     del req.spec_token_ids[req.grammar.num_valid(req.spec_token_ids) :]
+            if rid in result.embeddings:  # an embedding request: its prompt is done (its blocks cached), and so is it
+                req.embedding = result.embeddings[rid]
+                self.finish(req, "stop")
             if new_tokens or req.finished:  # a request ended by a refused token gains none
                 updates.append(SeqUpdate(req, new_tokens))
         return updates

@@ -65,18 +65,18 @@ def delta_to_wire(d: SeqDelta) -> list[Any]:
     logprobs = [t.logprob for t in toks] if toks and toks[0].logprob is not None else None
     tops = [t.top_logprobs for t in toks] if logprobs is not None else None
     return [d.seq_id, [t.token_id for t in toks], logprobs, tops, d.finish_reason, d.stop_reason, d.error,
-            d.first_scheduled, d.num_cached_tokens, d.prompt_logprobs]  # fmt: skip
+            d.first_scheduled, d.num_cached_tokens, d.prompt_logprobs, d.embedding]  # fmt: skip
 
 
 def delta_from_wire(w: list[Any]) -> SeqDelta:
-    seq_id, ids, logprobs, tops, finish_reason, stop_reason, error, first_scheduled, num_cached, prompt_lps = w
+    seq_id, ids, logprobs, tops, finish_reason, stop_reason, error, first_scheduled, num_cached, prompt_lps, emb = w
     if logprobs is None:
         toks = [SampledToken(t) for t in ids]
     else:
         toks = [SampledToken(t, lp, [(a, b) for a, b in top]) for t, lp, top in zip(ids, logprobs, tops, strict=True)]
     if prompt_lps is not None:
-        prompt_lps = [(lp, [(a, b) for a, b in top]) for lp, top in prompt_lps]
-    return SeqDelta(seq_id, toks, finish_reason, stop_reason, error, first_scheduled, num_cached, prompt_lps)
+        prompt_lps = [(lp, rank, [(a, b) for a, b in top]) for lp, rank, top in prompt_lps]
+    return SeqDelta(seq_id, toks, finish_reason, stop_reason, error, first_scheduled, num_cached, prompt_lps, emb)
 
 
 def snapshot_to_wire(s: EngineSnapshot) -> dict[str, Any]:

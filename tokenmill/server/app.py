@@ -2,6 +2,7 @@
 
     POST /v1/completions, /v1/chat/completions   (stream or not; n; logprobs; usage)
     POST /v1/responses; GET, DELETE /v1/responses/{id}   (OpenAI's Responses API)
+    POST /v1/embeddings                          (the served model's pooled final hidden state)
     GET  /v1/models, /v1/models/{id}, /health, /ping, /version, /metrics
     POST /tokenize, /detokenize
 
@@ -15,10 +16,12 @@ aborts its request at once, freeing its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import base64
 import functools
 import itertools
 import json
 import logging
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -41,6 +44,7 @@ from tokenmill.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     LoRAAdapterRequest,
     TokenizeRequest,
     error_body,
@@ -225,19 +229,56 @@ def build_app(engine: StreamingFront, tokenizer: Any, max_model_len: int, config
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         lora = _check_model(served, body.model)
-        prompts = [await _encode(served, p) for p in body.prompts()]
+        texts = body.prompts()
+        prompts = [await _encode(served, p) for p in texts]
         params = [body.sampling_params(_max_tokens(served, ids, body.max_tokens)) for ids in prompts]
+        echoes = None
+        if body.echo:  # the prompt as text: a token-id prompt decoded
+            echoes = [t if isinstance(t, str) else await asyncio.to_thread(tokenizer.decode, t, False) for t in texts]
         job = _Job(served, "cmpl", "text_completion", prompts, params, body.include_usage, body.return_timings, chat=False,
-                   lora=lora)  # fmt: skip
+                   lora=lora, echoes=echoes, prompt_logprobs_asked=body.prompt_logprobs is not None)  # fmt: skip
         return await job.respond(request, body.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         lora = _check_model(served, body.model)
         ids, params, tools = await _chat_prompt(served, body)
+        echo = body.echoed()
         job = _Job(served, "chatcmpl", "chat.completion", [ids], [params], body.include_usage, body.return_timings,
-                   chat=True, tools=tools, lora=lora)  # fmt: skip
+                   chat=True, tools=tools, lora=lora, echoes=[echo] if echo else None,
+                   prompt_logprobs_asked=body.prompt_logprobs is not None)  # fmt: skip
         return await job.respond(request, body.stream)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        lora = _check_model(served, body.model)
+        if body.dimensions is not None:
+            raise APIError(400, "dimensions is not supported: the embeddings have the model's hidden size (no "
+                                "shortening)", "dimensions")  # fmt: skip
+        prompts = [await _encode(served, p) for p in body.inputs()]
+        for i, ids in enumerate(prompts):
+            if not ids:
+                raise APIError(400, f"input[{i}] is empty", "input")
+            _max_tokens(served, ids, 1)  # fits the context
+        _check_queue(served, len(prompts))
+        rid = new_id("embd")
+        params = SamplingParams(max_tokens=1, pooling=body.pooling)
+        streams = [served.engine.generate(f"{rid}-{i}", ids, params, lora) for i, ids in enumerate(prompts)]
+
+        async def collect() -> Response:
+            vectors: dict[int, list[float]] = {}
+            async for i, out in _merge(streams):
+                if out.finished:
+                    served.metrics.observe_finished(out)
+                    vectors[i] = out.embedding or []
+            data = [{"object": "embedding", "index": i,
+                     "embedding": _base64(vectors[i]) if body.encoding_format == "base64" else vectors[i]}
+                    for i in range(len(prompts))]  # fmt: skip
+            tokens = sum(len(ids) for ids in prompts)
+            return JSONResponse({"object": "list", "data": data, "model": lora or config.served_model_name,
+                                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})  # fmt: skip
+
+        return await _until_disconnect(request, collect())
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
@@ -390,7 +431,8 @@ class _Job:
 
     def __init__(self, served: Served, prefix: str, obj: str, prompts: list[list[int]], params: list[SamplingParams],
                  include_usage: bool, return_timings: bool, chat: bool, tools: ToolRequest | None = None,
-                 lora: str | None = None) -> None:  # fmt: skip
+                 lora: str | None = None, echoes: list[str] | None = None,
+                 prompt_logprobs_asked: bool = False) -> None:  # fmt: skip
         _check_queue(served, sum(p.n for p in params))  # engine sequences: prompts x n
         self.served = served
         self.id = new_id(prefix)
@@ -404,6 +446,8 @@ class _Job:
         self.tools = tools  # chat with tools: answers are parsed into tool calls
         self.lora = lora
         self.model = lora or served.config.served_model_name
+        self.echoes = echoes  # per prompt: the text echo puts before each of its answers
+        self.prompt_logprobs_asked = prompt_logprobs_asked  # vLLM's field (echo alone scores the prompt too)
 
     async def respond(self, request: Request, stream: bool) -> Response:
         streams = [self.served.engine.generate(f"{self.id}-{i}", ids, p, self.lora)
@@ -440,27 +484,64 @@ class _Job:
                     finals[self._choice_index(i, out)] = out
         except RequestFailedError as e:
             return error_response(500, str(e))
-        choices = [self._final_choice(idx, finals[idx]) for idx in sorted(finals)]
+        choices = [self._final_choice(idx, finals[idx], self._scored(idx, finals)) for idx in sorted(finals)]
         body = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self._usage(finals.values())}  # fmt: skip
+        if self.chat and choices and "prompt_logprobs" in choices[0]:  # vLLM's chat has it once, at the top
+            body["prompt_logprobs"] = choices[0].pop("prompt_logprobs")
         if self.return_timings:
             body["timings"] = [self._timings(finals[idx]) for idx in sorted(finals)]
         return JSONResponse(body)
 
-    def _final_choice(self, index: int, out: RequestOutput) -> dict:
+    def _final_choice(self, index: int, out: RequestOutput, scored: RequestOutput | None = None) -> dict:
+        """``scored``: the output of the prompt's sequence 0, which carries the prompt's logprobs."""
         c = out.outputs[0]
         choice: dict[str, Any] = {"index": index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         lps = self._logprobs(c.token_ids, c.logprobs, c.top_logprobs, 0)
+        echo = self.echoes[index // self.params[0].n] if self.echoes else ""
         if self.chat:
             content, calls = self.tools.parse(c.text) if self.tools else (c.text, [])
-            choice["message"] = {"role": "assistant", "content": content}
+            choice["message"] = {"role": "assistant", "content": echo + content if content is not None else content}
             if calls:
                 choice["message"]["tool_calls"] = [call.as_openai() for call in calls]
                 choice["finish_reason"] = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
         else:
-            choice["text"] = c.text
+            choice["text"] = echo + c.text
+            if echo and lps is not None and scored is not None:
+                lps = _joined(self._prompt_logprobs_legacy(scored), lps)
         choice["logprobs"] = lps
+        if scored is not None and scored.prompt_logprobs is not None and self.prompt_logprobs_asked:
+            choice["prompt_logprobs"] = self._prompt_logprobs_vllm(scored)
         return choice
+
+    def _prompt_logprobs_legacy(self, out: RequestOutput) -> dict:
+        """The prompt's part of an echoed completion's logprobs: its tokens, their logprobs
+        and top alternatives, null for the first token (as OpenAI's legacy API)."""
+        assert out.prompt_logprobs is not None and out.prompt_top_logprobs is not None
+        tok = self.served.tokenizer
+        texts = [tok.decode([t], skip_special_tokens=False) for t in out.prompt_token_ids]
+        tops = [None] + [{tok.decode([t], skip_special_tokens=False): v for t, v in top} for top in out.prompt_top_logprobs[1:]]
+        return {"tokens": texts, "token_logprobs": list(out.prompt_logprobs), "top_logprobs": tops,
+                "text_offset": _offsets(texts)}  # fmt: skip
+
+    def _prompt_logprobs_vllm(self, out: RequestOutput) -> list[dict | None]:
+        """vLLM's prompt_logprobs: per prompt token, null for the first, then a map of token
+        id -> {logprob, rank, decoded_token} holding the token itself and the top k."""
+        assert out.prompt_logprobs is not None and out.prompt_top_logprobs is not None and out.prompt_ranks is not None
+        tok = self.served.tokenizer
+        result: list[dict | None] = [None]
+        for j in range(1, len(out.prompt_token_ids)):
+            t = out.prompt_token_ids[j]
+            entry = {str(t): {"logprob": out.prompt_logprobs[j], "rank": out.prompt_ranks[j],
+                              "decoded_token": tok.decode([t], skip_special_tokens=False)}}  # fmt: skip
+            for rank, (alt, v) in enumerate(out.prompt_top_logprobs[j], start=1):
+                entry.setdefault(str(alt), {"logprob": v, "rank": rank, "decoded_token": tok.decode([alt], skip_special_tokens=False)})
+            result.append(entry)
+        return result
+
+    def _scored(self, index: int, finals: dict[int, RequestOutput]) -> RequestOutput | None:
+        """The final output of sequence 0 of choice ``index``'s prompt (it has the prompt's logprobs)."""
+        return finals.get(index - index % self.params[0].n)
 
     def _usage(self, finals) -> dict:
         prompt = sum(len(ids) for ids in self.prompts)
@@ -505,10 +586,14 @@ class _Job:
                 self._observe(out)
                 idx = self._choice_index(i, out)
                 c = out.outputs[0]
-                if self.chat and idx not in started:
+                if idx not in started:
                     started.add(idx)
-                    yield self._chunk([{"index": idx, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}])  # fmt: skip
+                    if self.chat:
+                        yield self._chunk([{"index": idx, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}])  # fmt: skip
+                    head = self._stream_head(idx, out)
+                    if head is not None:
+                        yield self._chunk([head])
                 n_new = len(out.delta_token_ids)
                 lps = None
                 if out.delta_logprobs is not None and n_new:  # deltas: O(new tokens) per chunk
@@ -549,6 +634,25 @@ class _Job:
         finally:
             await merged.aclose()
         yield "data: [DONE]\n\n"
+
+    def _stream_head(self, index: int, out: RequestOutput) -> dict | None:
+        """A choice's first chunk when it has one: the echoed prompt (with its logprobs
+        when asked) and vLLM's prompt_logprobs. Sent with the choice's first output,
+        which for a sequence 0 carries the prompt's logprobs whole."""
+        echo = self.echoes[index // self.params[0].n] if self.echoes else ""
+        scored = out if out.prompt_logprobs is not None else None
+        if not echo and not (self.prompt_logprobs_asked and scored is not None):
+            return None
+        head: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": None}
+        if self.chat:
+            head["delta"] = {"content": echo}
+        else:
+            head["text"] = echo
+            if echo and self.params[0].logprobs is not None and scored is not None:
+                head["logprobs"] = self._prompt_logprobs_legacy(scored)
+        if self.prompt_logprobs_asked and scored is not None:
+            head["prompt_logprobs"] = self._prompt_logprobs_vllm(scored)
+        return head
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
@@ -628,6 +732,18 @@ class _ResponseJob:
         if self.shape.request.store:
             self.served.responses.put(self.owner, body, self.conversation + output_messages(output))
         return body
+
+
+def _base64(vector: list[float]) -> str:
+    """OpenAI's base64 encoding of an embedding: its float32s, little-endian."""
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+
+
+def _joined(first: dict, then: dict) -> dict:
+    """Two legacy logprobs blocks as one (the echoed prompt's, then the completion's)."""
+    tokens = first["tokens"] + then["tokens"]
+    return {"tokens": tokens, "token_logprobs": first["token_logprobs"] + then["token_logprobs"],
+            "top_logprobs": first["top_logprobs"] + then["top_logprobs"], "text_offset": _offsets(tokens)}  # fmt: skip
 
 
 def _offsets(texts: list[str]) -> list[int]:

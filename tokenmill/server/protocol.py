@@ -189,7 +189,8 @@ class _SamplingFields(StrictBody):
         guided = {name: getattr(self, name) for name in _GUIDED}
         return structured_outputs(self.response_format, self.structured_outputs, guided, self.guided_whitespace_pattern)
 
-    def _sampling(self, max_tokens: int, logprobs: int | None, structured: StructuredOutputs | None = None) -> SamplingParams:
+    def _sampling(self, max_tokens: int, logprobs: int | None, structured: StructuredOutputs | None = None,
+                  prompt_logprobs: int | None = None) -> SamplingParams:  # fmt: skip
         def pick(value, default):
             return default if value is None else value
 
@@ -210,6 +211,7 @@ class _SamplingFields(StrictBody):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             structured=structured,
             min_tokens=self.min_tokens,
             logit_bias=self._logit_bias(),
@@ -233,7 +235,8 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False  # the prompt before the completion (with logprobs: its tokens' logprobs, the first null)
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and top-k, in the choice
 
     @model_validator(mode="before")
     @classmethod
@@ -255,9 +258,11 @@ class CompletionRequest(_SamplingFields):
         return list(p)  # type: ignore[arg-type]
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
-        if self.echo:
-            raise InvalidRequestError("echo is not supported", param="echo")
-        return self._sampling(max_tokens, self.logprobs, self.structured())
+        if self.echo and self.logprobs is not None and self.stream and self.n > 1:
+            raise InvalidRequestError("echo with logprobs and n > 1 cannot be streamed (each prompt is scored "
+                                      "once, by its first sequence): stream false, or n 1", param="echo")  # fmt: skip
+        scored = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return self._sampling(max_tokens, self.logprobs, self.structured(), max(scored) if scored else None)
 
 
 class ChatMessage(_Body):
@@ -301,6 +306,8 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    echo: bool = False  # vLLM's: the last message's content before the answer, when both are the assistant's
+    prompt_logprobs: int | None = None  # vLLM's: the rendered prompt's tokens' logprobs, in the response
 
     @model_validator(mode="after")
     def _tool_results_answer_calls(self) -> ChatCompletionRequest:
@@ -315,7 +322,14 @@ class ChatCompletionRequest(_SamplingFields):
         if own is not None and structured is not None:
             raise InvalidRequestError("a constrained output (response_format, structured_outputs, guided_*) cannot be "
                                       "combined with tools unless tool_choice is none", param="tool_choice")  # fmt: skip
-        return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, own or structured)
+        return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, own or structured,
+                              self.prompt_logprobs)  # fmt: skip
+
+    def echoed(self) -> str:
+        """What echo puts before the answer: the last message, if it is the assistant's
+        (a reply being continued), else nothing (as vLLM's)."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -336,6 +350,25 @@ def check_tool_results(messages: list[ChatMessage]) -> None:
             if m.tool_call_id not in calls:
                 raise InvalidRequestError(f"messages[{i}]: a tool message must answer a tool call of an earlier "
                                           "assistant message (no such tool_call_id)", param="messages")  # fmt: skip
+
+
+class EmbeddingRequest(StrictBody):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    pooling: Literal["last", "mean"] = "last"  # tokenmill's: the last token's final hidden state, or the mean
+
+    def inputs(self) -> list[str | list[int]]:
+        p = self.input
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise InvalidRequestError("input is empty", param="input")
+        if all(isinstance(x, int) for x in p):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
 
 
 class TokenizeRequest(StrictBody):

@@ -75,6 +75,8 @@ class CachedRequestState:
     lora_name: str | None = None  # its LoRA adapter (None: the base model)
     penalties: PenaltyState | None = None  # its penalty counts, kept up to date (penalised requests only)
     param_row: torch.Tensor | None = None  # its sampling parameters as one tensor row (sampler.param_row)
+    pool_sum: torch.Tensor | None = None  # an embedding request: its pooled rows so far (float32)
+    pool_count: int = 0
 
     def __post_init__(self) -> None:
         if self.params.uses_penalties:
@@ -133,7 +135,7 @@ class ModelRunner:
         rewind = [(g, g.get_state()) for s in batch.scheduled if (g := self.requests[s.request_id].generator) is not None]
         try:
             seqs = order_seqs([self._seq_input(s) for s in batch.scheduled])
-            logits, prompt_scores = self._forward(seqs)
+            logits, prompt_scores, pooled = self._forward(seqs)
             sampled = self._sample(seqs, logits, grammar.get() if grammar is not None else None)
             drafts: dict[str, Draft] = {}
             if self.proposer is not None:
@@ -145,7 +147,20 @@ class ModelRunner:
             raise
         out = self._commit(batch, sampled, drafts)
         out.prompt_logprobs = prompt_scores
+        out.embeddings = self._commit_pooled(pooled)
         return out
+
+    def _commit_pooled(self, pooled: dict[str, tuple[torch.Tensor, int, bool]]) -> dict[str, list[float]]:
+        """Add the step's pooled rows to their requests; the finished ones' embeddings."""
+        done = {}
+        for rid, (total, count, final) in pooled.items():
+            state = self.requests[rid]
+            state.pool_sum = total if state.pool_sum is None else state.pool_sum + total
+            state.pool_count += count
+            if final:
+                mean = state.pool_sum / state.pool_count
+                done[rid] = torch.nn.functional.normalize(mean, dim=0).tolist()
+        return done
 
     @torch.inference_mode()
     def follow(self, batch: ModelInput, committed: Committed) -> None:
@@ -198,7 +213,7 @@ class ModelRunner:
             token_ids=state.token_slice(start, start + num_real) + s.spec_token_ids,
             num_computed_tokens=start,
             block_table=state.block_ids,
-            sample=start + num_real == state.num_tokens,
+            sample=start + num_real == state.num_tokens and state.params.pooling is None,  # embeddings sample nothing
             params=state.params,
             prompt_ids=state.prompt_ids,
             output_ids=state.output_ids,
@@ -240,22 +255,34 @@ class ModelRunner:
     # row's logits on each of them (distributed.runner turns this off).
     scores_prompts = True
 
-    def _forward(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, dict[str, tuple[int, list[PromptLogprob]]]]:
-        """``compute_logits``, and the scores of the prompt tokens the chunks of
-        prompt_logprobs requests predict (logits only for those rows, a slice at a time)."""
-        if self.stage is not None or not any(_scores_prompt(s) for s in seqs):
-            return self.compute_logits(seqs), {}
+    def _forward(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, dict[str, tuple[int, list[PromptLogprob]]],
+                                                      dict[str, tuple[torch.Tensor, int, bool]]]:  # fmt: skip
+        """``compute_logits``; the scores of the prompt tokens the chunks of
+        prompt_logprobs requests predict (logits only for those rows, a slice at a time);
+        and for embedding requests, their chunk's pooled final hidden state (the last
+        row, or the sum of rows for a mean), with its row count and whether the prompt
+        is done. Nothing is kept here: the step may be sent again."""
+        if self.stage is not None or not any(_scores_prompt(s) or s.params.pooling for s in seqs):
+            return self.compute_logits(seqs), {}, {}
         input_ids, positions, meta, logits_indices = self.prepare(seqs)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, lora=self._lora_mapping(seqs))
-        scores, offset = {}, 0
+        scores, pooled, offset = {}, {}, 0
         for s in seqs:
+            n = len(s.token_ids)
             if _scores_prompt(s):
                 scores[s.request_id] = self._prompt_scores(s, hidden, offset)
-            offset += len(s.token_ids)
-        return self.model.compute_logits(hidden[logits_indices]), scores
+            if s.params.pooling == "last":
+                final = s.num_computed_tokens + n == len(s.prompt_ids)
+                if final:
+                    pooled[s.request_id] = (hidden[offset + n - 1].float(), 1, True)
+            elif s.params.pooling == "mean":
+                total = hidden[offset : offset + n].float().sum(dim=0)
+                pooled[s.request_id] = (total, n, s.num_computed_tokens + n == len(s.prompt_ids))
+            offset += n
+        return self.model.compute_logits(hidden[logits_indices]), scores, pooled
 
     def _prompt_scores(self, s: SeqInput, hidden: torch.Tensor, offset: int) -> tuple[int, list[PromptLogprob]]:
-        """(first, scores): the logprob (and top-k) of prompt tokens first..last, which
+        """(first, scores): the logprob, rank and top-k of prompt tokens first..last, which
         this chunk's positions predict (position q predicts token q + 1)."""
         start, k = s.num_computed_tokens, s.params.prompt_logprobs or 0
         first, last = start + 1, min(start + len(s.token_ids), len(s.prompt_ids) - 1)
@@ -265,13 +292,15 @@ class ModelRunner:
             rows = hidden[offset + a - 1 - start : offset + b - 1 - start]
             logprobs = self.model.compute_logits(rows).float().log_softmax(dim=-1)
             targets = torch.tensor(s.prompt_ids[a:b], device=logprobs.device)
-            chosen = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
+            picked = logprobs.gather(1, targets[:, None])
+            chosen = picked.squeeze(1).tolist()
+            ranks = ((logprobs > picked).sum(dim=-1) + 1).tolist()  # 1: the most likely token
             if k:
                 vals, ids = logprobs.topk(k, dim=-1)
                 tops = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
             else:
                 tops = [[] for _ in chosen]
-            entries += list(zip(chosen, tops, strict=True))
+            entries += list(zip(chosen, ranks, tops, strict=True))
         return first, entries
 
     @torch.inference_mode()
