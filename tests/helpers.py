@@ -135,6 +135,8 @@ class ScriptedRunner:
                 "tokens": list(new.prompt_token_ids) + list(new.output_token_ids),
                 "blocks": list(new.block_ids),
                 "draft": [],
+                "params": new.params,
+                "prompt_len": len(new.prompt_token_ids),
             }
         for c in batch.cached_requests:
             table = self.requests[c.request_id]["blocks"]
@@ -149,6 +151,9 @@ class ScriptedRunner:
             end = s.num_computed_tokens + s.num_tokens - k
             assert end <= len(state["tokens"]), "scheduled past the known tokens"
             samples = end == len(state["tokens"])
+            self._prompt_work(s.request_id, state, s.num_computed_tokens, end, out)
+            if state["params"].pooling is not None:
+                samples = False  # an embedding request samples nothing
             need = s.num_computed_tokens + s.num_tokens + (self.lookahead and s.num_lookahead)
             assert len(state["blocks"]) * self.block_size >= need, "block table too short"
             assert len(set(state["blocks"])) == len(state["blocks"]), "a block twice in one table"
@@ -169,6 +174,22 @@ class ScriptedRunner:
                 self.requests[s.request_id]["tokens"].extend(t.token_id for t in out.sampled[s.request_id])
             self.requests[s.request_id]["draft"] = out.draft_token_ids.get(s.request_id, [])
         return out
+
+    @staticmethod
+    def _prompt_work(rid: str, state: dict, start: int, end: int, out) -> None:
+        """Prompt logprobs and embeddings, as the real runner reports them: the scripted
+        model gives its next token logprob 0 (rank 1) and any other -10 (rank 2); an
+        embedding is [1, 0] once the prompt is done."""
+        p, prompt = state["params"], state["tokens"][: state["prompt_len"]]
+        if p.prompt_logprobs is not None and start + 1 < len(prompt):
+            scores = []
+            for j in range(start + 1, min(end, len(prompt) - 1) + 1):
+                best = next_token(prompt[:j])
+                top = [(best, 0.0)] if p.prompt_logprobs else []
+                scores.append((0.0, 1, top) if prompt[j] == best else (-10.0, 2, top))
+            out.prompt_logprobs[rid] = (start + 1, scores)
+        if p.pooling is not None and end == len(prompt):
+            out.embeddings[rid] = [1.0, 0.0]
 
 
 def make_tiny_llama(path, **overrides):

@@ -41,7 +41,8 @@ def test_echo_without_logprobs_and_with_n(client):
     r = client.completions.create(model=MODEL, prompt=["Hello", "Bye"], max_tokens=2, n=2, echo=True, temperature=1.0,
                                   seed=3)  # fmt: skip
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
-    assert [c.text.startswith(p) and len(c.text) > len(p) for c, p in zip(r.choices, ["Hello", "Hello", "Bye", "Bye"])] == [True] * 4
+    prompts = ["Hello", "Hello", "Bye", "Bye"]
+    assert all(c.text.startswith(p) and len(c.text) > len(p) for c, p in zip(r.choices, prompts, strict=True))
     assert r.choices[0].logprobs is None
     with pytest.raises(openai.BadRequestError, match="cannot be streamed"):
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, n=2, echo=True, logprobs=1, stream=True)

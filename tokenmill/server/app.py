@@ -530,7 +530,7 @@ class _Job:
         assert out.prompt_logprobs is not None and out.prompt_top_logprobs is not None and out.prompt_ranks is not None
         tok = self.served.tokenizer
         result: list[dict | None] = [None]
-        for j in range(1, len(out.prompt_token_ids)):
+        for j in range(1, len(out.prompt_logprobs)):  # all of the prompt, unless the request failed
             t = out.prompt_token_ids[j]
             entry = {str(t): {"logprob": out.prompt_logprobs[j], "rank": out.prompt_ranks[j],
                               "decoded_token": tok.decode([t], skip_special_tokens=False)}}  # fmt: skip
