@@ -10,15 +10,16 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from tokenmill.beam_search import BeamSearchParams
     from tokenmill.config import EngineArgs
     from tokenmill.llm import LLM, RequestOutput
     from tokenmill.sampling_params import SamplingParams
 
-__all__ = ["LLM", "EngineArgs", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "BeamSearchParams", "EngineArgs", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
 
-_HOMES = {"LLM": "tokenmill.llm", "RequestOutput": "tokenmill.llm", "EngineArgs": "tokenmill.config",
-          "SamplingParams": "tokenmill.sampling_params"}  # fmt: skip
+_HOMES = {"LLM": "tokenmill.llm", "BeamSearchParams": "tokenmill.beam_search", "RequestOutput": "tokenmill.llm",
+          "EngineArgs": "tokenmill.config", "SamplingParams": "tokenmill.sampling_params"}  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:

@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tokenmill.args import engine_args
+from tokenmill.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from tokenmill.config import EngineArgs
 from tokenmill.engine.outputs import CompletionOutput, RequestOutput
 from tokenmill.errors import InvalidRequestError
@@ -109,6 +110,20 @@ class LLM:
         the same engine as generation, prefill only."""
         outs = self.generate(texts, SamplingParams(max_tokens=1, pooling=pooling), lora)
         return [o.embedding for o in outs]  # type: ignore[misc]
+
+    def beam_search(self, prompts: str | Sequence[str] | Sequence[Sequence[int]], params: BeamSearchParams,
+                    lora: str | None = None) -> list[BeamSearchOutput]:  # fmt: skip
+        """Beam search (``tokenmill.beam_search``): per prompt, ``params.beam_width``
+        beams, best first, each with its tokens, text and cumulative logprob."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        search = BeamSearch(ids, params, frozenset(self.engine.scheduler.eos_token_ids))
+        while not search.finished:
+            round_ = search.requests()
+            outs = self.generate([r[2] for r in round_], params.step_params(), lora)
+            search.advance({(p, b): out.outputs[0].top_logprobs[0] for (p, b, _), out in zip(round_, outs, strict=True)})
+        return search.results()
 
     def chat(
         self,
