@@ -34,6 +34,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill import __version__
+from tokenmill.beam_search import BeamSearch, BeamSearchParams
 from tokenmill.config import ServerConfig
 from tokenmill.engine.async_engine import RequestFailedError, StreamingFront
 from tokenmill.engine.outputs import RequestOutput
@@ -235,18 +236,26 @@ def build_app(engine: StreamingFront, tokenizer: Any, max_model_len: int, config
         echoes = None
         if body.echo:  # the prompt as text: a token-id prompt decoded
             echoes = [t if isinstance(t, str) else await asyncio.to_thread(tokenizer.decode, t, False) for t in texts]
+        if body.use_beam_search:
+            beams = [body.beam_params(p.max_tokens) for p in params]
+            return await _until_disconnect(request, _beam_response(served, "cmpl", prompts, beams, body, lora, chat=False))
         job = _Job(served, "cmpl", "text_completion", prompts, params, body.include_usage, body.return_timings, chat=False,
-                   lora=lora, echoes=echoes, prompt_logprobs_asked=body.prompt_logprobs is not None)  # fmt: skip
+                   lora=lora, echoes=echoes, prompt_logprobs_asked=body.prompt_logprobs is not None,
+                   best_of_keep=body.n if body.ranks_best_of else None, logprobs_asked=body.logprobs is not None)  # fmt: skip
         return await job.respond(request, body.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         lora = _check_model(served, body.model)
         ids, params, tools = await _chat_prompt(served, body)
+        if body.use_beam_search:
+            beams = [body.beam_params(params.max_tokens)]
+            return await _until_disconnect(request, _beam_response(served, "chatcmpl", [ids], beams, body, lora, chat=True))
         echo = body.echoed()
         job = _Job(served, "chatcmpl", "chat.completion", [ids], [params], body.include_usage, body.return_timings,
                    chat=True, tools=tools, lora=lora, echoes=[echo] if echo else None,
-                   prompt_logprobs_asked=body.prompt_logprobs is not None)  # fmt: skip
+                   prompt_logprobs_asked=body.prompt_logprobs is not None,
+                   best_of_keep=body.n if body.ranks_best_of else None, logprobs_asked=body.logprobs)  # fmt: skip
         return await job.respond(request, body.stream)
 
     @app.post("/v1/embeddings")
@@ -432,7 +441,8 @@ class _Job:
     def __init__(self, served: Served, prefix: str, obj: str, prompts: list[list[int]], params: list[SamplingParams],
                  include_usage: bool, return_timings: bool, chat: bool, tools: ToolRequest | None = None,
                  lora: str | None = None, echoes: list[str] | None = None,
-                 prompt_logprobs_asked: bool = False) -> None:  # fmt: skip
+                 prompt_logprobs_asked: bool = False, best_of_keep: int | None = None,
+                 logprobs_asked: bool = True) -> None:  # fmt: skip
         _check_queue(served, sum(p.n for p in params))  # engine sequences: prompts x n
         self.served = served
         self.id = new_id(prefix)
@@ -448,6 +458,8 @@ class _Job:
         self.model = lora or served.config.served_model_name
         self.echoes = echoes  # per prompt: the text echo puts before each of its answers
         self.prompt_logprobs_asked = prompt_logprobs_asked  # vLLM's field (echo alone scores the prompt too)
+        self.best_of_keep = best_of_keep  # best_of: the n kept per prompt, by cumulative logprob
+        self.logprobs_asked = logprobs_asked  # (best_of asks the engine for them to rank)
 
     async def respond(self, request: Request, stream: bool) -> Response:
         streams = [self.served.engine.generate(f"{self.id}-{i}", ids, p, self.lora)
@@ -485,6 +497,8 @@ class _Job:
         except RequestFailedError as e:
             return error_response(500, str(e))
         choices = [self._final_choice(idx, finals[idx], self._scored(idx, finals)) for idx in sorted(finals)]
+        if self.best_of_keep is not None:
+            choices = self._best_of(choices, finals)
         body = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self._usage(finals.values())}  # fmt: skip
         if self.chat and choices and "prompt_logprobs" in choices[0]:  # vLLM's chat has it once, at the top
@@ -538,6 +552,20 @@ class _Job:
                 entry.setdefault(str(alt), {"logprob": v, "rank": rank, "decoded_token": tok.decode([alt], skip_special_tokens=False)})
             result.append(entry)
         return result
+
+    def _best_of(self, choices: list[dict], finals: dict[int, RequestOutput]) -> list[dict]:
+        """Per prompt, the best_of_keep choices with the highest cumulative logprob, indexed
+        afresh (logprobs dropped unless asked: they were asked for the ranking)."""
+        per, keep = self.params[0].n, self.best_of_keep
+        assert keep is not None
+        kept = []
+        for i in range(len(self.prompts)):
+            group = [c for c in choices if c["index"] // per == i]
+            group.sort(key=lambda c: sum(lp for lp in finals[c["index"]].outputs[0].logprobs or [] if lp is not None),
+                       reverse=True)  # fmt: skip
+            for k, c in enumerate(group[:keep]):
+                kept.append({**c, "index": i * keep + k, "logprobs": c["logprobs"] if self.logprobs_asked else None})
+        return kept
 
     def _scored(self, index: int, finals: dict[int, RequestOutput]) -> RequestOutput | None:
         """The final output of sequence 0 of choice ``index``'s prompt (it has the prompt's logprobs)."""
@@ -660,6 +688,41 @@ class _Job:
         if self.include_usage:
             body["usage"] = usage
         return f"data: {json.dumps(body)}\n\n"
+
+
+async def _beam_response(served: Served, prefix: str, prompts: list[list[int]], beams: list[BeamSearchParams],
+                         body: Any, lora: str | None, chat: bool) -> Response:  # fmt: skip
+    """A beam-search request (vLLM's use_beam_search): per prompt, the n best of its
+    beams as choices. Each round's beams are one-token requests to the engine."""
+    rid = new_id(prefix)
+    search = BeamSearch(prompts, beams[0], frozenset(served.tokenizer.stop_token_ids))
+    while not search.finished:
+        round_ = search.requests()
+        streams = [served.engine.generate(f"{rid}-{search.rounds}-{i}", ids, beams[0].step_params(), lora)
+                   for i, (_, _, ids) in enumerate(round_)]  # fmt: skip
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in _merge(streams):
+            if out.finished:
+                finals[i] = out
+        search.advance({(p, b): finals[i].outputs[0].top_logprobs[0] for i, (p, b, _) in enumerate(round_)})
+    choices, completion = [], 0
+    for p, result in enumerate(search.results()):
+        for k, beam in enumerate(result.beams[: body.n]):
+            tokens = beam.tokens[:-1] if beam.finished else beam.tokens  # the end-of-sequence token is not text
+            text = await asyncio.to_thread(served.tokenizer.decode, tokens, body.skip_special_tokens)
+            choice: dict[str, Any] = {"index": p * body.n + k, "finish_reason": "stop" if beam.finished else "length",
+                                      "stop_reason": None, "logprobs": None}  # fmt: skip
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choices.append(choice)
+            completion += len(beam.tokens)
+    prompt_tokens = sum(len(ids) for ids in prompts)
+    return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": now(),
+                         "model": lora or served.config.served_model_name, "choices": choices,
+                         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                                   "total_tokens": prompt_tokens + completion}})  # fmt: skip
 
 
 class _ResponseJob:

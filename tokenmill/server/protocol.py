@@ -17,8 +17,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from tokenmill.beam_search import BeamSearchParams
 from tokenmill.errors import InvalidRequestError
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import MAX_N, SamplingParams
 from tokenmill.structured.spec import StructuredOutputs
 
 
@@ -145,7 +146,9 @@ class _SamplingFields(StrictBody):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_timings: bool = False  # tokenmill extra: per-request timings in the last response
-    best_of: int | None = None  # accepted only as n (no server-side ranking of extra samples)
+    best_of: int | None = None  # sample best_of, answer the n with the highest cumulative logprob (beams: the width)
+    use_beam_search: bool = False  # vLLM's: beam search, width best_of (or n), the n best beams answered
+    length_penalty: float = 1.0  # beam search: a finished beam scores cumulative logprob / length ** this
     min_tokens: int = 0  # vLLM's: no end-of-sequence, stop id or stop string before this many
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a string) -> bias in [-100, 100]
     allowed_token_ids: list[int] | None = None  # vLLM's: sample only these
@@ -178,12 +181,34 @@ class _SamplingFields(StrictBody):
                     raise ValueError(f"{name} is not supported by this server")
         return data
 
-    @field_validator("best_of", mode="after")
-    @classmethod
-    def _best_of(cls, value: int | None) -> int | None:
-        if value is not None and value != 1:
-            raise ValueError("best_of other than 1 is not supported (use n)")
-        return value
+    @model_validator(mode="after")
+    def _best_of_and_beams(self) -> _SamplingFields:
+        if self.best_of is not None and not self.n <= self.best_of <= MAX_N:
+            raise InvalidRequestError(f"best_of must be in [n, {MAX_N}] (n is {self.n})", param="best_of")
+        if self.best_of is not None and self.best_of > self.n and self.stream and not self.use_beam_search:
+            raise InvalidRequestError("best_of > n cannot be streamed (the best are known at the end)", param="best_of")
+        if self.length_penalty != 1.0 and not self.use_beam_search:
+            raise InvalidRequestError("length_penalty needs use_beam_search", param="length_penalty")
+        if self.use_beam_search:
+            given = [name for name in ("stream", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+                                       "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                                       "allowed_token_ids", "min_tokens", "response_format", "structured_outputs",
+                                       *_GUIDED, "logprobs", "prompt_logprobs", "echo", "tools")
+                     if getattr(self, name, None) not in (None, False, 0, [], {})]  # fmt: skip
+            if self.temperature not in (None, 0, 0.0):
+                given.insert(0, "temperature")
+            if given:
+                raise InvalidRequestError(f"use_beam_search cannot be combined with {given[0]}", param=given[0])
+        return self
+
+    @property
+    def ranks_best_of(self) -> bool:
+        """best_of sequences are sampled and the n best answered."""
+        return self.best_of is not None and self.best_of > self.n and not self.use_beam_search
+
+    def beam_params(self, max_tokens: int) -> BeamSearchParams:
+        return BeamSearchParams(beam_width=self.best_of or self.n, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+                                length_penalty=self.length_penalty)  # fmt: skip
 
     def structured(self) -> StructuredOutputs | None:
         guided = {name: getattr(self, name) for name in _GUIDED}
@@ -195,7 +220,7 @@ class _SamplingFields(StrictBody):
             return default if value is None else value
 
         return SamplingParams(
-            n=self.n,
+            n=self.best_of if self.ranks_best_of else self.n,
             temperature=pick(self.temperature, 1.0),
             top_p=pick(self.top_p, 1.0),
             top_k=pick(self.top_k, 0),
@@ -210,7 +235,7 @@ class _SamplingFields(StrictBody):
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            logprobs=logprobs,
+            logprobs=0 if logprobs is None and self.ranks_best_of else logprobs,  # ranked by cumulative logprob
             prompt_logprobs=prompt_logprobs,
             structured=structured,
             min_tokens=self.min_tokens,
