@@ -122,6 +122,9 @@ def test_models_by_id_version_ping_and_a_body_that_is_not_json(app_engine):
     assert_error(call(app, "GET", "/v1/models/other"), 404, "other")
     assert call(app, "GET", "/version", auth=None).json()["version"]
     assert call(app, "GET", "/ping", auth=None).status_code == 200 == call(app, "POST", "/ping", auth=None).status_code
+    info = call(app, "GET", "/tokenizer_info").json()
+    assert info["model_max_length"] == 64 and "eos_token" in info and info["vocab_size"] > 0
+    assert call(app, "GET", "/tokenizer_info", auth=None).status_code == 401  # behind the key, as /tokenize
     err = assert_error(call(app, "POST", "/v1/completions", raw=b'{"prompt": "hi", "max_tokens": '), 400, "not valid JSON")
     assert err["param"] is None
 

@@ -4,7 +4,7 @@
     POST /v1/responses; GET, DELETE /v1/responses/{id}   (OpenAI's Responses API)
     POST /v1/embeddings                          (the served model's pooled final hidden state)
     GET  /v1/models, /v1/models/{id}, /health, /ping, /version, /metrics
-    POST /tokenize, /detokenize
+    POST /tokenize, /detokenize; GET /tokenizer_info
 
 Every error a client can cause is a 4xx in OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}``: 400 for invalid parameters or a
@@ -218,6 +218,19 @@ def build_app(engine: StreamingFront, tokenizer: Any, max_model_len: int, config
         else:  # off the event loop: a long text must not stall /health or other requests
             ids = await asyncio.to_thread(tokenizer.encode, body.prompt, body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        """vLLM's: what a client needs to tokenise as the server does (lm-eval's remote
+        tokenizer reads it, then calls /tokenize)."""
+        def text(token_id: int | None) -> str | None:
+            return None if token_id is None else tokenizer.decode([token_id], skip_special_tokens=False)
+
+        eos = getattr(tokenizer, "eos_token_id", None)
+        return {"tokenizer_class": type(tokenizer).__name__, "eos_token": text(eos),
+                "bos_token": text(getattr(tokenizer, "bos_token_id", None)), "pad_token": text(eos),
+                "chat_template": getattr(tokenizer, "chat_template", None), "model_max_length": max_model_len,
+                "vocab_size": tokenizer.vocab_size}  # fmt: skip
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
