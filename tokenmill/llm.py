@@ -77,7 +77,7 @@ class LLM:
         prompt (None: the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        params = _per_prompt(sampling_params, len(prompts))
+        params = [p.with_bad_word_ids(self.tokenizer) for p in _per_prompt(sampling_params, len(prompts))]
         loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
         if len(loras) != len(prompts):
             raise InvalidRequestError(f"got {len(loras)} LoRA adapters for {len(prompts)} prompts")

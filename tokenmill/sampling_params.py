@@ -6,7 +6,8 @@ Free of torch so that the engine (which imports no torch) can hold and inspect i
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.structured.spec import StructuredOutputs
@@ -53,6 +54,11 @@ class SamplingParams:
     # accepted; kept as sorted (id, bias) pairs)
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled
+    # vLLM's bad_words: never generated (the last token of a word is banned where the
+    # output ends with the tokens before it); their token ids, with and without a
+    # leading space, are filled in by ``with_bad_word_ids`` where a tokenizer is.
+    bad_words: tuple[str, ...] = ()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     # The model's end-of-sequence ids, filled in by the engine (as vLLM's
     # all_stop_token_ids): what min_tokens holds back besides stop_token_ids.
     eos_token_ids: tuple[int, ...] = ()
@@ -77,6 +83,10 @@ class SamplingParams:
             raise InvalidRequestError("logit_bias must map token ids to numbers", param="logit_bias") from None
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if isinstance(self.bad_words, str):
+            raise InvalidRequestError("bad_words must be a list of strings", param="bad_words")
+        object.__setattr__(self, "bad_words", tuple(self.bad_words or ()))
+        object.__setattr__(self, "bad_words_token_ids", tuple(tuple(w) for w in self.bad_words_token_ids or ()))
         self._validate()
 
     def _validate(self) -> None:
@@ -108,6 +118,10 @@ class SamplingParams:
             not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
         ):
             raise bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise bad("bad_words", "must be non-empty strings")
+        if any(not w or any(not isinstance(t, int) or not 0 <= t <= MAX_INT32 for t in w) for w in self.bad_words_token_ids):
+            raise bad("bad_words_token_ids", "must be non-empty lists of token ids")
         if self.pooling not in (None, "last", "mean"):
             raise bad("pooling", 'must be "last" or "mean"')
         if self.pooling is not None and (self.n != 1 or self.structured is not None or self.prompt_logprobs is not None):
@@ -134,12 +148,26 @@ class SamplingParams:
 
     @property
     def uses_logit_controls(self) -> bool:
-        """min_tokens, logit_bias or allowed_token_ids: logits the sampler changes first."""
-        return self.min_tokens > 0 or bool(self.logit_bias) or self.allowed_token_ids is not None
+        """min_tokens, logit_bias, allowed_token_ids or bad words: logits the sampler changes first."""
+        return (self.min_tokens > 0 or bool(self.logit_bias) or self.allowed_token_ids is not None
+                or bool(self.bad_words_token_ids))  # fmt: skip
+
+    def with_bad_word_ids(self, tokenizer: Any) -> SamplingParams:
+        """These parameters with ``bad_words`` tokenised as vLLM does: each word alone and
+        after a space (when that is another token sequence of the same length)."""
+        if not self.bad_words or self.bad_words_token_ids:
+            return self
+        ids: list[tuple[int, ...]] = []
+        for word in self.bad_words:
+            plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            ids += [plain] + ([spaced] if spaced and spaced[0] != plain[0] and len(spaced) == len(plain) else [])
+        return replace(self, bad_words_token_ids=tuple(w for w in dict.fromkeys(ids) if w))
 
     def token_ids_named(self) -> list[int]:
         """Every token id these parameters name (checked against the vocabulary)."""
-        return [*self.stop_token_ids, *(t for t, _ in self.logit_bias), *(self.allowed_token_ids or ())]
+        return [*self.stop_token_ids, *(t for t, _ in self.logit_bias), *(self.allowed_token_ids or ()),
+                *(t for w in self.bad_words_token_ids for t in w)]  # fmt: skip
 
     @property
     def uses_penalties(self) -> bool:

@@ -112,3 +112,13 @@ def test_logit_bias_and_allowed_token_ids_steer_sampling(llm):
     greedy = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8))[0].token_ids
     unchanged = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8, logit_bias={target: 0.0}))[0].token_ids
     assert unchanged == greedy  # a zero bias changes nothing
+
+
+def test_bad_words_are_never_generated(llm):
+    prompt = "The capital of France is"
+    greedy = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0].text
+    assert "Paris" in greedy
+    banned = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, bad_words=["Paris"]))[0]
+    assert "Paris" not in banned.text and banned.text != greedy
+    ids = SamplingParams(bad_words=["Paris", " New York"]).with_bad_word_ids(llm.tokenizer).bad_words_token_ids
+    assert tuple(llm.tokenizer.encode(" Paris", add_special_tokens=False)) in ids and len(ids) >= 3

@@ -161,9 +161,10 @@ class EngineCore:
         """The parameters checked against the vocabulary, with the model's end-of-sequence
         ids for min_tokens to hold back."""
         vocab = self.vocab_size
-        bad = next((t for t in (*(t for t, _ in params.logit_bias), *(params.allowed_token_ids or ())) if t >= vocab), None)
+        bad = next((t for t in params.token_ids_named()[len(params.stop_token_ids) :] if t >= vocab), None)
         if bad is not None:
-            param = "allowed_token_ids" if bad in (params.allowed_token_ids or ()) else "logit_bias"
+            param = ("allowed_token_ids" if bad in (params.allowed_token_ids or ()) else
+                     "logit_bias" if bad in dict(params.logit_bias) else "bad_words")  # fmt: skip
             raise InvalidRequestError(f"token id {bad} in {param} is outside the vocabulary [0, {vocab})", param=param)
         for name in ("prompt_logprobs", "pooling"):
             if getattr(params, name) is not None and not getattr(self.runner, "scores_prompts", True):

@@ -51,6 +51,7 @@ from tokenmill.server.protocol import (
     error_body,
     new_id,
     now,
+    truncate_prompt,
 )
 from tokenmill.server.responses import (
     OutputBuilder,
@@ -217,7 +218,11 @@ def build_app(engine: StreamingFront, tokenizer: Any, max_model_len: int, config
             ids = await asyncio.to_thread(tokenizer.encode, text, False)
         else:  # off the event loop: a long text must not stall /health or other requests
             ids = await asyncio.to_thread(tokenizer.encode, body.prompt, body.add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
+        out: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
+        if body.return_token_strs:
+            out["token_strs"] = [tokenizer.token_to_str(t) if hasattr(tokenizer, "token_to_str") else
+                                 tokenizer.decode([t], skip_special_tokens=False) for t in ids]  # fmt: skip
+        return out
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> dict:
@@ -244,8 +249,9 @@ def build_app(engine: StreamingFront, tokenizer: Any, max_model_len: int, config
     async def completions(body: CompletionRequest, request: Request) -> Response:
         lora = _check_model(served, body.model)
         texts = body.prompts()
-        prompts = [await _encode(served, p) for p in texts]
-        params = [body.sampling_params(_max_tokens(served, ids, body.max_tokens)) for ids in prompts]
+        prompts = [truncate_prompt(await _encode(served, p), body.truncate_prompt_tokens, max_model_len) for p in texts]
+        params = [body.sampling_params(_max_tokens(served, ids, body.max_tokens)).with_bad_word_ids(tokenizer)
+                  for ids in prompts]  # fmt: skip
         echoes = None
         if body.echo:  # the prompt as text: a token-id prompt decoded
             echoes = [t if isinstance(t, str) else await asyncio.to_thread(tokenizer.decode, t, False) for t in texts]
@@ -277,7 +283,8 @@ def build_app(engine: StreamingFront, tokenizer: Any, max_model_len: int, config
         if body.dimensions is not None:
             raise APIError(400, "dimensions is not supported: the embeddings have the model's hidden size (no "
                                 "shortening)", "dimensions")  # fmt: skip
-        prompts = [await _encode(served, p) for p in body.inputs()]
+        prompts = [truncate_prompt(await _encode(served, p), body.truncate_prompt_tokens, max_model_len)
+                   for p in body.inputs()]  # fmt: skip
         for i, ids in enumerate(prompts):
             if not ids:
                 raise APIError(400, f"input[{i}] is empty", "input")
@@ -375,9 +382,10 @@ async def _chat_prompt(served: Served, body: ChatCompletionRequest) -> tuple[lis
     if tools and tools.hermes:  # the template describes the tools itself
         render = functools.partial(render, tools=[t.as_openai() for t in tools.offered])
     text = await asyncio.to_thread(render, messages, body.add_generation_prompt)
-    ids = await asyncio.to_thread(tokenizer.encode, text, False)
+    ids = truncate_prompt(await asyncio.to_thread(tokenizer.encode, text, False), body.truncate_prompt_tokens,
+                          served.max_model_len)  # fmt: skip
     params = body.sampling_params(_max_tokens(served, ids, body.requested_max_tokens), tools and tools.constraint())
-    return ids, params, tools
+    return ids, params.with_bad_word_ids(tokenizer), tools
 
 
 def _chat_body(body: dict[str, Any]) -> ChatCompletionRequest:

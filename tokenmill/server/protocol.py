@@ -152,6 +152,8 @@ class _SamplingFields(StrictBody):
     min_tokens: int = 0  # vLLM's: no end-of-sequence, stop id or stop string before this many
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a string) -> bias in [-100, 100]
     allowed_token_ids: list[int] | None = None  # vLLM's: sample only these
+    bad_words: list[str] | None = None  # vLLM's: words never generated
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: the context's worth)
     # structured output: OpenAI's response_format, vLLM's structured_outputs and guided_* aliases
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -192,7 +194,7 @@ class _SamplingFields(StrictBody):
         if self.use_beam_search:
             given = [name for name in ("stream", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                                        "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                                       "allowed_token_ids", "min_tokens", "response_format", "structured_outputs",
+                                       "allowed_token_ids", "bad_words", "min_tokens", "response_format", "structured_outputs",
                                        *_GUIDED, "logprobs", "prompt_logprobs", "echo", "tools")
                      if getattr(self, name, None) not in (None, False, 0, [], {})]  # fmt: skip
             if self.temperature not in (None, 0, 0.0):
@@ -241,6 +243,7 @@ class _SamplingFields(StrictBody):
             min_tokens=self.min_tokens,
             logit_bias=self._logit_bias(),
             allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
+            bad_words=tuple(self.bad_words or ()),
         )
 
     def _logit_bias(self) -> dict[int, float]:
@@ -377,9 +380,22 @@ def check_tool_results(messages: list[ChatMessage]) -> None:
                                           "assistant message (no such tool_call_id)", param="messages")  # fmt: skip
 
 
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last ``keep`` tokens (-1: as many as
+    the context holds); None: the prompt as it is."""
+    if keep is None:
+        return ids
+    if keep == -1:
+        keep = max_model_len
+    if not isinstance(keep, int) or keep < 1:
+        raise InvalidRequestError("truncate_prompt_tokens must be -1 or a positive integer", param="truncate_prompt_tokens")
+    return ids[-keep:]
+
+
 class EmbeddingRequest(StrictBody):
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep each input's last k tokens (-1: the context's worth)
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
@@ -401,6 +417,7 @@ class TokenizeRequest(StrictBody):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+    return_token_strs: bool = False  # vLLM's: each token's string too
 
 
 class LoRAAdapterRequest(StrictBody):

@@ -150,7 +150,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow], params: torch.T
 
 def apply_logit_controls(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """Per row, as vLLM: ``allowed_token_ids`` (every other token -inf), ``logit_bias``
-    (added), and while the row has fewer than ``min_tokens`` outputs, its stop ids
+    (added), bad words' next tokens -inf, and while the row has fewer than ``min_tokens`` outputs, its stop ids
     (end-of-sequence and stop_token_ids) -inf. Only the rows that ask are touched."""
     logits = logits.clone()
     device = logits.device
@@ -166,6 +166,9 @@ def apply_logit_controls(logits: torch.Tensor, rows: list[SampleRow]) -> torch.T
         if p.logit_bias:
             ids = torch.tensor([t for t, _ in p.logit_bias], device=device)
             logits[i].index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], device=device, dtype=logits.dtype))
+        for word in p.bad_words_token_ids:  # its last token, where the output ends with the ones before it
+            if word[-1] < logits.shape[1] and (len(word) == 1 or r.output_ids[-(len(word) - 1) :] == list(word[:-1])):
+                logits[i, word[-1]] = -math.inf
         if len(r.output_ids) < p.min_tokens:
             held = [t for t in {*p.eos_token_ids, *p.stop_token_ids} if t < logits.shape[1]]
             if held:

@@ -1,0 +1,43 @@
+"""vLLM's sampling and prompt extras over HTTP: each does what it says (none ignored)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.server.conftest import MODEL
+
+openai = pytest.importorskip("openai")
+PROMPT = "The capital of France is"
+
+
+def test_min_tokens_logit_bias_allowed_and_bad_words(client, llm):
+    base = dict(model=MODEL, prompt=PROMPT, temperature=0)
+    greedy = client.completions.create(**base, max_tokens=12).choices[0].text
+    assert "Paris" not in client.completions.create(**base, max_tokens=12, extra_body={"bad_words": ["Paris"]}).choices[0].text
+    assert "Paris" in greedy
+    yes = [{"role": "user", "content": "Say just the word 'yes'."}]
+    short = client.chat.completions.create(model=MODEL, messages=yes, temperature=0, max_tokens=40)
+    held = client.chat.completions.create(model=MODEL, messages=yes, temperature=0, max_tokens=40,
+                                          extra_body={"min_tokens": short.usage.completion_tokens + 5})  # fmt: skip
+    assert held.usage.completion_tokens >= short.usage.completion_tokens + 5
+    banana = llm.tokenizer.encode(" banana", add_special_tokens=False)[0]
+    r = client.completions.create(**base, max_tokens=3, logit_bias={str(banana): 100}, logprobs=0)
+    assert r.choices[0].text == " banana" * 3
+    allowed = llm.tokenizer.encode(" red green", add_special_tokens=False)
+    r = client.completions.create(**base, max_tokens=6, extra_body={"allowed_token_ids": allowed})
+    assert set(llm.tokenizer.encode(r.choices[0].text, add_special_tokens=False)) <= set(allowed)
+
+
+def test_truncate_prompt_tokens_and_token_strs(client, http, llm):
+    long = "one two three four five six seven eight nine ten " * 4 + PROMPT
+    ids = llm.tokenizer.encode(long)
+    r = client.completions.create(model=MODEL, prompt=long, max_tokens=4, temperature=0,
+                                  extra_body={"truncate_prompt_tokens": 6})  # fmt: skip
+    tail = client.completions.create(model=MODEL, prompt=ids[-6:], max_tokens=4, temperature=0)
+    assert r.usage.prompt_tokens == 6 and r.choices[0].text == tail.choices[0].text
+    e = client.embeddings.create(model=MODEL, input=long, extra_body={"truncate_prompt_tokens": 6})
+    assert e.usage.prompt_tokens == 6
+    got = http.post("/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
+    assert got["token_strs"] == [llm.tokenizer.token_to_str(t) for t in got["tokens"]] and len(got["token_strs"]) == 2
+    bad = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "truncate_prompt_tokens": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens"
