@@ -18,16 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from soak import free_port, wait_healthy  # noqa: E402 - a sibling script
+
 MODEL = "smollm2"
 CAPITALS = [("France", "Paris"), ("Italy", "Rome"), ("Spain", "Madrid"), ("Germany", "Berlin"), ("Japan", "Tokyo"),
             ("Egypt", "Cairo"), ("Canada", "Ottawa"), ("Kenya", "Nairobi"), ("Peru", "Lima"), ("Norway", "Oslo"),
@@ -46,12 +46,6 @@ metric_list:
   - metric: acc
   - metric: acc_norm
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_task(folder: Path) -> None:
@@ -103,12 +97,7 @@ def main() -> None:
     server = subprocess.Popen([sys.executable, "-m", "tokenmill", "serve", "--port", str(port), "--dtype", "float32",
                                "--served-model-name", MODEL], stdout=subprocess.DEVNULL, stderr=log)  # fmt: skip
     try:
-        for _ in range(240):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+        wait_healthy(url)
         cmd = [args.lm_eval, "--model", "local-completions", "--model_args",
                f"model={MODEL},base_url={url}/v1/completions,num_concurrent=1,max_retries=1,tokenized_requests=True",
                "--tasks", "tokenmill_capitals", "--include_path", str(work), "--output_path", str(work / "out"),

@@ -65,6 +65,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(url: str, seconds: float = 120) -> None:
+    """Until a server just started answers /health (it loads its model first)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} did not come up in {seconds:g} s")
+
+
 def rss_mib(pid: int) -> float:
     """RSS of the server: its API process and its children (the engine core)."""
     return sum(rss_mib_of(p) for p in [pid, *children(pid)])
@@ -494,12 +507,7 @@ def main() -> None:
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=server_log, text=True)
     phases: dict[str, dict] = {}
     try:
-        for _ in range(240):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+        wait_healthy(url)
         log(f"soak: {args.duration:.0f} s, {args.concurrency} clients against {url} ({' '.join(cmd[3:])})")
         if grammars:
             log("phase 1: the plain mix alone (baseline)")

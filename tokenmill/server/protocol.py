@@ -276,14 +276,7 @@ class CompletionRequest(_SamplingFields):
         return data
 
     def prompts(self) -> list[str | list[int]]:
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if not p:
-            raise InvalidRequestError("prompt is empty", param="prompt")
-        if all(isinstance(x, int) for x in p):
-            return [p]  # type: ignore[list-item]
-        return list(p)  # type: ignore[arg-type]
+        return prompt_list(self.prompt, "prompt")
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         if self.echo and self.logprobs is not None and self.stream and self.n > 1:
@@ -380,6 +373,17 @@ def check_tool_results(messages: list[ChatMessage]) -> None:
                                           "assistant message (no such tool_call_id)", param="messages")  # fmt: skip
 
 
+def prompt_list(value: str | list[int] | list[str] | list[list[int]], param: str) -> list[str | list[int]]:
+    """One text, one token-id list, or a list of either, as a list of prompts."""
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        raise InvalidRequestError(f"{param} is empty", param=param)
+    if all(isinstance(x, int) for x in value):
+        return [value]  # type: ignore[list-item]
+    return list(value)  # type: ignore[arg-type]
+
+
 def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
     """vLLM's truncate_prompt_tokens: the prompt's last ``keep`` tokens (-1: as many as
     the context holds); None: the prompt as it is."""
@@ -402,14 +406,7 @@ class EmbeddingRequest(StrictBody):
     pooling: Literal["last", "mean"] = "last"  # tokenmill's: the last token's final hidden state, or the mean
 
     def inputs(self) -> list[str | list[int]]:
-        p = self.input
-        if isinstance(p, str):
-            return [p]
-        if not p:
-            raise InvalidRequestError("input is empty", param="input")
-        if all(isinstance(x, int) for x in p):
-            return [p]  # type: ignore[list-item]
-        return list(p)  # type: ignore[arg-type]
+        return prompt_list(self.input, "input")
 
 
 class TokenizeRequest(StrictBody):
