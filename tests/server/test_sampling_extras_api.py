@@ -41,3 +41,12 @@ def test_truncate_prompt_tokens_and_token_strs(client, http, llm):
     assert got["token_strs"] == [llm.tokenizer.token_to_str(t) for t in got["tokens"]] and len(got["token_strs"]) == 2
     bad = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "truncate_prompt_tokens": 0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_models_retrieve_and_an_unknown_field_through_the_sdk(client):
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    with pytest.raises(openai.BadRequestError, match="Unrecognized request argument supplied: foo_unknown"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                       extra_body={"foo_unknown": 1})  # fmt: skip
