@@ -115,6 +115,14 @@ def test_a_field_we_do_not_know_is_refused_by_name_and_no_effect_fields_are_acce
         assert call(app_engine[0], "POST", path, {**body, **accepted}).status_code == 200
 
 
+def test_unknown_stream_options_are_refused_by_name(app_engine):
+    body = {"prompt": "hi", "max_tokens": 2, "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    err = assert_error(call(app_engine[0], "POST", "/v1/completions", body), 400, "continuous_usage_stats")
+    assert err["param"] == "continuous_usage_stats"
+    ok = {**body, "stream_options": {"include_usage": True, "include_obfuscation": False}}
+    assert call(app_engine[0], "POST", "/v1/completions", ok).status_code == 200
+
+
 def test_models_by_id_version_ping_and_a_body_that_is_not_json(app_engine):
     app = app_engine[0]
     card = call(app, "GET", f"/v1/models/{MODEL}").json()

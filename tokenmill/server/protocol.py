@@ -74,8 +74,9 @@ class StrictBody(_Body):
         return data
 
 
-class StreamOptions(_Body):
+class StreamOptions(StrictBody):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # OpenAI's padding against length side channels: none is sent here
 
 
 # OpenAI fields this server does not implement: refused when set, not ignored.
