@@ -49,3 +49,12 @@ def test_a_warm_prefix_cache_still_yields_prompt_logprobs(llm):
     assert scored.prompt_top_logprobs[5] == []  # k = 0: the token's own logprob only
     n2 = llm.generate(ids, SamplingParams(max_tokens=3, n=2, temperature=1.0, seed=1, prompt_logprobs=1))[0]
     assert n2.prompt_logprobs == cold and len(n2.outputs) == 2
+
+
+def test_a_one_token_request_leaves_its_prompt_in_the_prefix_cache(llm):
+    """A request that ends in its first step (max_tokens 1: lm-eval's scoring, a beam
+    search round) registers its prompt's blocks before they are freed."""
+    ids = llm.tokenizer.encode("A fresh prompt for the cache test. " * 12)
+    first = llm.generate(ids, SamplingParams(max_tokens=1))[0]
+    again = llm.generate(ids, SamplingParams(max_tokens=1))[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == (len(ids) - 1) // 16 * 16

@@ -294,6 +294,8 @@ class Scheduler:
             if s.spec_token_ids:
                 self.spec_stats.record(len(s.spec_token_ids), accepted)
             req.num_computed_tokens += s.num_new_tokens - (len(s.spec_token_ids) - accepted)
+            if not s.spec_token_ids:  # before a token can end it: a one-token request's prompt is cached too
+                self.kv.cache_computed_blocks(req)
             new_tokens = self._append(req, sampled)
             if req.status is RequestStatus.RUNNING:
                 self.kv.cache_computed_blocks(req)
