@@ -30,7 +30,11 @@ class KVBlock:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    """``record_events``: keep a log of the prefix cache's changes, ("stored", hash)
+    when a content enters it and ("removed", hash) when it leaves (evicted), for a
+    router that sends requests to where their prefix is cached (``take_events``)."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True, record_events: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -39,6 +43,7 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[bytes, int] = {}  # block hash -> block id
         self._num_cached_free = 0  # free blocks that still hold a hash (kept as we go: read every step)
+        self._events: list[tuple[str, bytes]] | None = [] if record_events else None
 
     @property
     def num_free(self) -> int:
@@ -76,6 +81,8 @@ class BlockPool:
                 self._num_cached_free -= 1
                 if self._cached.get(block.block_hash) == b:
                     del self._cached[block.block_hash]
+                    if self._events is not None:
+                        self._events.append(("removed", block.block_hash))
                 block.block_hash = None
             block.ref_cnt = 1
             ids.append(b)
@@ -101,7 +108,17 @@ class BlockPool:
         block = self.blocks[block_id]
         assert block.ref_cnt > 0 and block.block_hash is None
         block.block_hash = block_hash
-        self._cached.setdefault(block_hash, block_id)  # an identical block may exist already
+        if block_hash not in self._cached:  # else an identical block is cached already
+            self._cached[block_hash] = block_id
+            if self._events is not None:
+                self._events.append(("stored", block_hash))
+
+    def take_events(self) -> list[tuple[str, bytes]]:
+        """The prefix cache's changes since the last call, in order (empty unless recorded)."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
 
     def check_invariants(self, referenced: dict[int, int]) -> None:
         """Tests: ``referenced`` maps block id -> references held by live sequences."""

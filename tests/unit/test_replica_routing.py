@@ -1,0 +1,78 @@
+"""KV-aware routing from given KV events and loads, against the engine's own block
+pool and hashes (no Ray, no model)."""
+
+from __future__ import annotations
+
+from tokenmill.engine.block_pool import BlockPool
+from tokenmill.engine.kv_manager import KVCacheManager
+from tokenmill.engine.request import Request
+from tokenmill.replicas.routing import (
+    KVAwareRouter,
+    PowerOfTwoRouter,
+    ReplicaState,
+    RoundRobinRouter,
+    prompt_block_hashes,
+)
+from tokenmill.sampling_params import SamplingParams
+
+BS = 4
+SYSTEM = list(range(100, 116))  # a shared system prompt: 4 blocks
+
+
+def test_the_block_pool_reports_what_enters_and_leaves_its_prefix_cache_by_the_routers_hashes():
+    pool = BlockPool(6, record_events=True)
+    kv = KVCacheManager(pool, BS)
+    req = Request("a", SYSTEM + [1, 2], SamplingParams())
+    kv.allocate_slots(req, len(req.prompt_token_ids), [])
+    req.num_computed_tokens = len(req.prompt_token_ids)
+    kv.cache_computed_blocks(req)
+    stored = pool.take_events()
+    assert stored == [("stored", h) for h in prompt_block_hashes(SYSTEM + [1, 2], BS)]  # the same chain
+    assert pool.take_events() == []
+    kv.free(req)
+    pool.allocate(6)  # every block: the cached ones are evicted
+    assert sorted(pool.take_events()) == sorted(("removed", h) for _, h in stored)
+    replica = ReplicaState("r0")
+    replica.apply(stored)
+    assert replica.matched(prompt_block_hashes(SYSTEM + [7, 7, 7, 7], BS)) == 4
+    replica.apply([("removed", stored[1][1])])
+    assert replica.matched(prompt_block_hashes(SYSTEM, BS)) == 1  # a chain: the first miss ends it
+
+
+def replicas(loads: list[int], cached: dict[int, list[int]]) -> list[ReplicaState]:
+    out = []
+    for i, load in enumerate(loads):
+        r = ReplicaState(f"r{i}", num_running=load)
+        r.apply([("stored", h) for h in prompt_block_hashes(cached.get(i, []), BS)])
+        out.append(r)
+    return out
+
+
+def test_kv_routing_prefers_the_cached_prefix_unless_load_is_out_of_balance():
+    router = KVAwareRouter()
+    prompt = prompt_block_hashes(SYSTEM + list(range(8)), BS)  # 6 blocks, the first 4 shared
+    fleet = replicas([5, 0, 3], {0: SYSTEM})
+    assert router.choose(prompt, fleet) == router.choose(prompt, fleet)
+    choice = router.choose(prompt, fleet)
+    assert (choice.replica, choice.matched_blocks, choice.reason) == ("r0", 4, "prefix")  # 4/6 >= 0.3, though busier
+    short = prompt_block_hashes(SYSTEM[:4] + list(range(40, 60)), BS)  # 1 of 6 blocks cached: below 0.3
+    assert router.choose(short, fleet).replica == "r1" and router.choose(short, fleet).reason == "least_loaded"
+    hot = replicas([200, 10, 120], {0: SYSTEM})  # r0: 190 more than the idlest and 20x: balance wins
+    assert router.choose(prompt, hot).reason == "balance" and router.choose(prompt, hot).replica == "r1"
+    near = replicas([60, 10, 12], {0: SYSTEM})  # 50 more: within balance_abs, so the prefix still wins
+    assert router.choose(prompt, near).replica == "r0"
+    tie = replicas([2, 1, 1], {0: SYSTEM, 2: SYSTEM})  # equal matches: the less loaded, then the name
+    assert router.choose(prompt, tie).replica == "r2"
+    assert router.choose([], fleet).replica == "r1"  # a prompt shorter than a block: least loaded
+    assert router.decisions["prefix"] >= 3 and router.decisions["balance"] == 2
+
+
+def test_the_baselines_ignore_the_cache():
+    fleet = replicas([0, 0, 0], {0: SYSTEM})
+    prompt = prompt_block_hashes(SYSTEM, BS)
+    rr = RoundRobinRouter()
+    assert [rr.choose(prompt, fleet).replica for _ in range(4)] == ["r0", "r1", "r2", "r0"]
+    p2 = PowerOfTwoRouter(seed=0)
+    loaded = replicas([9, 0, 9], {})
+    picks = [p2.choose(prompt, loaded).replica for _ in range(30)]
+    assert picks.count("r1") >= 15  # the idle r1 wins every pair it is in (2 pairs in 3)

@@ -1,0 +1,1 @@
+"""Engine replicas behind one endpoint: which replica serves a request (routing)."""

@@ -1,0 +1,129 @@
+"""Which engine replica serves a request: KV-aware routing, and the baselines.
+
+Each replica reports what its prefix cache holds as events (``BlockPool.take_events``:
+a block hash stored, a block hash evicted) and its load (requests running and
+waiting). A request's prompt is hashed into the same chain of block hashes the
+engine computes (``prompt_block_hashes``), so the router knows exactly, not by
+guess, how many of its leading blocks each replica holds.
+
+``KVAwareRouter`` follows vllm-router's and sglang's ``cache_aware`` policy: the
+replica holding the longest run of the prompt's blocks wins when that run is at
+least ``min_match`` of the prompt's blocks; otherwise, or when the load is out of
+balance (the busiest replica has ``balance_abs`` more requests than the idlest and
+``balance_rel`` times as many), the least loaded one. ``PowerOfTwoRouter`` (Ray
+Serve's default) and ``RoundRobinRouter`` are the baselines it is measured against.
+No Ray here: the policies are plain objects, tested from given events and loads.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tokenmill.engine.kv_manager import hash_block
+
+
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int, root: bytes | None = None) -> list[bytes]:
+    """The hashes of the prompt's full blocks, chained as the engine's prefix cache
+    chains them (``root``: an adapter's, whose blocks are shared only among its requests)."""
+    hashes: list[bytes] = []
+    for i in range(len(token_ids) // block_size):
+        hashes.append(hash_block(hashes[-1] if hashes else root, list(token_ids[i * block_size : (i + 1) * block_size])))
+    return hashes
+
+
+@dataclass
+class ReplicaState:
+    """What the router knows of one replica: its cached block hashes and its load."""
+
+    name: str
+    cached: set[bytes] = field(default_factory=set)
+    num_running: int = 0
+    num_waiting: int = 0
+
+    @property
+    def load(self) -> int:
+        return self.num_running + self.num_waiting
+
+    def apply(self, events: Sequence[tuple[str, bytes]]) -> None:
+        """The replica's prefix-cache events, in the order they happened."""
+        for kind, block_hash in events:
+            if kind == "stored":
+                self.cached.add(block_hash)
+            elif kind == "removed":
+                self.cached.discard(block_hash)
+            else:
+                raise ValueError(f"unknown KV event {kind!r}")
+
+    def matched(self, hashes: Sequence[bytes]) -> int:
+        """Leading blocks of the prompt this replica holds (a chain: the first miss ends it)."""
+        n = 0
+        for h in hashes:
+            if h not in self.cached:
+                break
+            n += 1
+        return n
+
+
+@dataclass(frozen=True)
+class Choice:
+    replica: str
+    matched_blocks: int  # the prefix-cache hit the router expects there
+    reason: str  # "prefix", "least_loaded", "balance" (load out of balance overrode the prefix), "random", "round_robin"
+
+
+class KVAwareRouter:
+    def __init__(self, min_match: float = 0.3, balance_abs: int = 64, balance_rel: float = 1.5) -> None:
+        self.min_match, self.balance_abs, self.balance_rel = min_match, balance_abs, balance_rel
+        self.decisions: Counter[str] = Counter()
+
+    def choose(self, hashes: Sequence[bytes], replicas: Sequence[ReplicaState]) -> Choice:
+        if not replicas:
+            raise ValueError("no replica to route to")
+        least = min(replicas, key=lambda r: (r.load, r.name))
+        busiest = max(r.load for r in replicas)
+        matches = {r.name: r.matched(hashes) for r in replicas}
+        best = max(replicas, key=lambda r: (matches[r.name], -r.load, r.name))
+        if busiest - least.load > self.balance_abs and busiest > self.balance_rel * least.load:
+            choice = Choice(least.name, matches[least.name], "balance")
+        elif hashes and matches[best.name] >= self.min_match * len(hashes):
+            choice = Choice(best.name, matches[best.name], "prefix")
+        else:
+            choice = Choice(least.name, matches[least.name], "least_loaded")
+        self.decisions[choice.reason] += 1
+        return choice
+
+
+class PowerOfTwoRouter:
+    """Two replicas at random, the less loaded of them (Ray Serve's default)."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.rng = random.Random(seed)
+        self.decisions: Counter[str] = Counter()
+
+    def choose(self, hashes: Sequence[bytes], replicas: Sequence[ReplicaState]) -> Choice:
+        if not replicas:
+            raise ValueError("no replica to route to")
+        pair = self.rng.sample(list(replicas), min(2, len(replicas)))
+        pick = min(pair, key=lambda r: r.load)
+        self.decisions["random"] += 1
+        return Choice(pick.name, pick.matched(hashes), "random")
+
+
+class RoundRobinRouter:
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+        self.decisions: Counter[str] = Counter()
+
+    def choose(self, hashes: Sequence[bytes], replicas: Sequence[ReplicaState]) -> Choice:
+        if not replicas:
+            raise ValueError("no replica to route to")
+        pick = sorted(replicas, key=lambda r: r.name)[next(self._turn) % len(replicas)]
+        self.decisions["round_robin"] += 1
+        return Choice(pick.name, pick.matched(hashes), "round_robin")
+
+
+ROUTERS = {"kv": KVAwareRouter, "pow2": PowerOfTwoRouter, "round-robin": RoundRobinRouter}
