@@ -49,7 +49,7 @@ class SamplingParams:
     # The output must match this JSON schema, regex, choice or grammar (a dict of the
     # same keys is accepted: {"json": schema}, {"regex": "..."}, ...).
     structured: StructuredOutputs | None = None
-    min_tokens: int = 0  # end-of-sequence, stop_token_ids and stop strings held back until this many
+    min_tokens: int = 0  # end-of-sequence and stop_token_ids held back until this many; stop strings until after
     # OpenAI's logit_bias: token id -> a bias in [-100, 100] added to its logit (a dict is
     # accepted; kept as sorted (id, bias) pairs)
     logit_bias: tuple[tuple[int, float], ...] = ()

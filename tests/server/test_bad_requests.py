@@ -77,6 +77,8 @@ def test_a_lone_surrogate_is_a_400_not_a_500(app_engine, path, raw):
         ({"stop_token_ids": [2**40]}, "stop_token_ids"),
         ({"logit_bias": {"5": 101}}, "logit_bias"),
         ({"logit_bias": {"five": 1}}, "logit_bias"),
+        ({"logit_bias": {"\u00b2": 1}}, "logit_bias"),
+        ({"allowed_token_ids": [0], "min_tokens": 1, "stop_token_ids": [0]}, "allowed_token_ids"),
         ({"logit_bias": {"5": "x"}}, "logit_bias"),
         ({"logit_bias": {"99999": 1}}, "logit_bias"),
         ({"min_tokens": 5}, "min_tokens"),
@@ -121,6 +123,12 @@ def test_unknown_stream_options_are_refused_by_name(app_engine):
     assert err["param"] == "continuous_usage_stats"
     ok = {**body, "stream_options": {"include_usage": True, "include_obfuscation": False}}
     assert call(app_engine[0], "POST", "/v1/completions", ok).status_code == 200
+
+
+def test_echo_with_best_of_and_no_logprobs_answers(app_engine):
+    r = call(app_engine[0], "POST", "/v1/completions", {"prompt": "hi", "echo": True, "n": 1, "best_of": 2, "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith("hi")
+    assert r.json()["choices"][0]["logprobs"] is None and len(r.json()["choices"]) == 1
 
 
 def test_models_by_id_version_ping_and_a_body_that_is_not_json(app_engine):

@@ -27,6 +27,8 @@ def test_use_beam_search_answers_the_offline_beams(client, llm):
     ({"stream": True}, "stream"),
     ({"temperature": 0.7}, "temperature"),
     ({"logprobs": 1}, "logprobs"),
+    ({"logprobs": 0}, "logprobs"),
+    ({"return_timings": True}, "return_timings"),
     ({"n": 3, "best_of": 2}, "best_of must be in [n"),
     ({"n": 11}, "beam_width"),
     ({"stop": ["x"]}, "stop"),

@@ -37,6 +37,9 @@ def test_truncate_prompt_tokens_and_token_strs(client, http, llm):
     assert r.usage.prompt_tokens == 6 and r.choices[0].text == tail.choices[0].text
     e = client.embeddings.create(model=MODEL, input=long, extra_body={"truncate_prompt_tokens": 6})
     assert e.usage.prompt_tokens == 6
+    huge = "word " * 9000  # past the context: -1 keeps what fits
+    e = client.embeddings.create(model=MODEL, input=huge, extra_body={"truncate_prompt_tokens": -1})
+    assert 0 < e.usage.prompt_tokens < 9000
     got = http.post("/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
     assert got["token_strs"] == [llm.tokenizer.token_to_str(t) for t in got["tokens"]] and len(got["token_strs"]) == 2
     bad = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "truncate_prompt_tokens": 0})

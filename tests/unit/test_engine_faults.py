@@ -36,3 +36,36 @@ def test_failure_is_isolated_and_caches_nothing():
     outs = run(engine)
     assert outs["again"].num_cached_tokens == 0  # the failed prefill left no cached blocks
     assert outs["again"].finish_reason == "length"
+
+
+def test_a_retried_step_keeps_embeddings_and_prompt_logprobs():
+    """Re-run one request at a time after a failure, the step still delivers every
+    request's results: an embedding request finishes with its vector, a prompt-logprobs
+    request has all its scores (none silently lost, nothing left running)."""
+    engine = Engine(FailsFor(4, "bad"), ToyTokenizer(), EngineConfig(num_blocks=64, block_size=4, max_model_len=100))
+    engine.add_request("bad", list(range(12)), SamplingParams(max_tokens=3))
+    engine.add_request("emb", list(range(10)), SamplingParams(max_tokens=1, pooling="last"))
+    engine.add_request("plp", list(range(6)), SamplingParams(max_tokens=2, prompt_logprobs=0))
+    outs = run(engine)
+    assert outs["bad"].finish_reason == "error" and engine.num_step_retries >= 1
+    assert outs["emb"].finish_reason == "stop" and outs["emb"].embedding == [1.0, 0.0]
+    assert len(outs["plp"].prompt_logprobs) == 6 and None not in outs["plp"].prompt_logprobs[1:]
+    assert not engine.has_unfinished() and engine.block_pool.num_free == 64
+
+
+def test_a_lost_chunk_of_prompt_scores_fails_the_request_rather_than_answer_short():
+    from tokenmill.config import SchedulerConfig
+
+    class DropsScores(ScriptedRunner):
+        def execute(self, batch, grammar=None):
+            out = super().execute(batch, grammar)
+            if any(s.num_computed_tokens == 4 for s in batch.scheduled):  # the second chunk's scores go missing
+                out.prompt_logprobs.pop("plp", None)
+            return out
+
+    config = EngineConfig(num_blocks=64, block_size=4, max_model_len=100,
+                          scheduler=SchedulerConfig(max_num_batched_tokens=4))  # fmt: skip
+    engine = Engine(DropsScores(4), ToyTokenizer(), config)
+    engine.add_request("plp", list(range(12)), SamplingParams(max_tokens=2, prompt_logprobs=0))
+    out = run(engine)["plp"]
+    assert out.finish_reason == "error" and "lost" in out.error and engine.block_pool.num_free == 64

@@ -72,3 +72,25 @@ def test_a_stop_string_inside_a_multi_token_step_ends_the_request_there():
     assert last.text == text[: text.index(stop)]
     assert e2.block_pool.num_free == e2.block_pool.num_blocks
     assert not e2.runner.requests
+
+
+def test_a_stop_string_before_min_tokens_is_not_found_afterwards():
+    """As vLLM: stop strings are looked for once the output has more than min_tokens
+    tokens, in the text those tokens add; an earlier occurrence neither stops the
+    sequence nor cuts back text already streamed."""
+    from tests.helpers import ToyTokenizer
+    from tokenmill.engine.model_input import SampledToken
+    from tokenmill.engine.output_processor import OutputProcessor
+    from tokenmill.engine.outputs import SeqDelta
+
+    op = OutputProcessor(ToyTokenizer())
+    ids = [0, 1, 2, 1]  # the toy tokenizer's "A", "B", "C", "B"
+    op.add("r", "r", 0, None, [7], SamplingParams(max_tokens=10, min_tokens=2, stop=("B",)))
+    streamed, stopped = "", []
+    for t in ids:
+        outs, stops = op.process([SeqDelta("r", [SampledToken(t)])])
+        streamed += outs[0].delta_text
+        stopped += stops
+        if stops:
+            break
+    assert stopped == [("r", "B")] and streamed == "ABC" and outs[0].text == "ABC"  # the second B stopped it

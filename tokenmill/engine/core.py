@@ -171,6 +171,10 @@ class EngineCore:
                 raise InvalidRequestError(f"{name} is not supported with tensor or pipeline parallelism", param=name)
         if params.min_tokens and not params.ignore_eos and not params.eos_token_ids:
             params = replace(params, eos_token_ids=tuple(sorted(self.scheduler.eos_token_ids)))
+        held = set(params.eos_token_ids) | set(params.stop_token_ids) if params.min_tokens else set()
+        if params.allowed_token_ids is not None and set(params.allowed_token_ids) <= held:
+            raise InvalidRequestError("allowed_token_ids holds only end-of-sequence or stop ids, which min_tokens "
+                                      "holds back: nothing could be sampled", param="allowed_token_ids")  # fmt: skip
         return params
 
     def _validate_prompt(self, ids: list[int]) -> None:
@@ -326,8 +330,7 @@ class EngineCore:
                 logger.exception("model step failed for %s", s.request_id)
                 merged.failed[s.request_id] = f"{type(e).__name__}: {e}"
                 continue
-            merged.sampled.update(out.sampled)
-            merged.draft_token_ids.update(out.draft_token_ids)
+            merged.merge(out)
         return merged
 
     def _stats(self, sched: SchedulerOutput, t0: float) -> StepStats:

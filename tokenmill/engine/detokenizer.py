@@ -63,7 +63,8 @@ class IncrementalDetokenizer:
         return self._append(full[len(prefix) :], check_stop)
 
     def _append(self, new_text: str, check_stop: bool = True) -> str | None:
-        window = self._tail + new_text  # a stop string may begin in the tail
+        window = self._tail + new_text  # a stop string may begin in the tail, and must end in the new text
+        old_len = len(self._tail)
         window_start = self.num_chars - len(self._tail)
         self._pieces.append(new_text)
         self.num_chars += len(new_text)
@@ -73,7 +74,7 @@ class IncrementalDetokenizer:
             return None
         best: tuple[int, str] | None = None
         for s in self.stop:
-            idx = window.find(s)
+            idx = window.find(s, max(0, old_len - len(s) + 1))  # (one wholly in the tail was not looked for: min_tokens)
             if idx != -1 and (best is None or idx < best[0]):
                 best = (idx, s)
         if best is None:

@@ -119,3 +119,11 @@ class ModelOutput:
     # token): the prompt tokens this step's chunk predicted (prompt_logprobs requests)
     prompt_logprobs: dict[str, tuple[int, list[PromptLogprob]]] = field(default_factory=dict)
     embeddings: dict[str, list[float]] = field(default_factory=dict)  # pooling requests whose prompt is done
+
+    def merge(self, other: ModelOutput) -> None:
+        """Add another output's results (a step re-run one request at a time): every field."""
+        self.sampled.update(other.sampled)
+        self.draft_token_ids.update(other.draft_token_ids)
+        self.failed.update(other.failed)
+        self.prompt_logprobs.update(other.prompt_logprobs)
+        self.embeddings.update(other.embeddings)

@@ -103,7 +103,7 @@ class OutputProcessor:
                 state.top_logprobs.append(t.top_logprobs)
             if d.finish_reason is not None and d.stop_reason == t.token_id and t is d.new_tokens[-1]:
                 break  # a stop token id: not detokenised into the text
-            stop = state.detok.add_token(t.token_id, check_stop=len(state.token_ids) >= state.min_tokens)
+            stop = state.detok.add_token(t.token_id, check_stop=len(state.token_ids) > state.min_tokens)  # as vLLM
             if stop is not None:
                 state.stop_string = stop
                 break

@@ -97,12 +97,16 @@ class Request:
         mean pooling)."""
         return self.wants_prompt_logprobs or self.params.pooling == "mean"
 
-    def add_prompt_logprobs(self, first: int, entries: list[Any]) -> None:
+    def add_prompt_logprobs(self, first: int, entries: list[Any]) -> bool:
         """Scores of prompt tokens first, first + 1, ...; those it has (a recompute after
-        preemption scores them again) are skipped."""
+        preemption scores them again) are skipped. False: they leave a gap (scores of a
+        chunk were lost), which no later step fills."""
         have = 1 + len(self.prompt_logprobs)  # the next index wanted (token 0 has none)
-        if first <= have < first + len(entries):
+        if first > have:
+            return False
+        if have < first + len(entries):
             self.prompt_logprobs.extend(entries[have - first :])
+        return True
 
     def take_prompt_logprobs(self) -> list[Any] | None:
         """The scores not sent yet (None: none)."""

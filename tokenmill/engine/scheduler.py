@@ -287,8 +287,11 @@ class Scheduler:
                 self.finish(req, "error")
                 updates.append(SeqUpdate(req, [], error=result.failed[rid]))
                 continue
-            if rid in result.prompt_logprobs:
-                req.add_prompt_logprobs(*result.prompt_logprobs[rid])
+            lost = self._lost_prompt_work(req, s, result)
+            if lost is not None:  # never a silently short answer: the request fails, and says why
+                self.finish(req, "error")
+                updates.append(SeqUpdate(req, [], error=lost))
+                continue
             sampled = result.sampled.get(rid, [])
             accepted = len(sampled) - 1 if s.spec_token_ids and sampled else 0
             if s.spec_token_ids:
@@ -312,6 +315,18 @@ class Scheduler:
                 updates.append(SeqUpdate(req, new_tokens))
         return updates
 
+    @staticmethod
+    def _lost_prompt_work(req: Request, s: ScheduledSeq, result: ModelOutput) -> str | None:
+        """Take the step's prompt scores; what is missing that this chunk should have
+        produced (an embedding at the end of the prompt, contiguous prompt scores)."""
+        rid = req.request_id
+        if rid in result.prompt_logprobs and not req.add_prompt_logprobs(*result.prompt_logprobs[rid]):
+            return "prompt logprobs of a chunk were lost"
+        done = req.num_computed_tokens + s.num_new_tokens >= len(req.prompt_token_ids)
+        if req.params.pooling is not None and done and rid not in result.embeddings:
+            return "the embedding was not computed"
+        return None
+
     def _append(self, req: Request, sampled: list[SampledToken]) -> list[SampledToken]:
         """Append tokens one by one, up to the first that ends the request (a stop token,
         the end of its grammar, max_tokens or the context window).
@@ -329,8 +344,8 @@ class Scheduler:
                 self.finish(req, "length")
                 return sampled[:i]
             req.output_token_ids.append(t.token_id)
-            if stop_token:  # stop_reason: a stop_token_ids entry, None for end-of-sequence (as vLLM)
-                self.finish(req, "stop", t.token_id if t.token_id in p.stop_token_ids else None)
+            if stop_token:  # the token id (the output processor leaves it out of the text; the API says None for EOS)
+                self.finish(req, "stop", t.token_id)
             elif req.grammar is not None and req.grammar.is_terminated:
                 self.finish(req, "stop")  # the output is complete: nothing but end-of-sequence may follow
             elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:

@@ -255,9 +255,10 @@ def build_app(engine: StreamingFront, tokenizer: Any, max_model_len: int, config
         echoes = None
         if body.echo:  # the prompt as text: a token-id prompt decoded
             echoes = [t if isinstance(t, str) else await asyncio.to_thread(tokenizer.decode, t, False) for t in texts]
-        if body.use_beam_search:
-            beams = [body.beam_params(p.max_tokens) for p in params]
-            return await _until_disconnect(request, _beam_response(served, "cmpl", prompts, beams, body, lora, chat=False))
+        if body.use_beam_search:  # one search for all prompts: as many tokens as the tightest allows
+            beam = body.beam_params(min(p.max_tokens for p in params))
+            _check_queue(served, beam.beam_width * len(prompts))
+            return await _until_disconnect(request, _beam_response(served, "cmpl", prompts, beam, body, lora, chat=False))
         job = _Job(served, "cmpl", "text_completion", prompts, params, body.include_usage, body.return_timings, chat=False,
                    lora=lora, echoes=echoes, prompt_logprobs_asked=body.prompt_logprobs is not None,
                    best_of_keep=body.n if body.ranks_best_of else None, logprobs_asked=body.logprobs is not None)  # fmt: skip
@@ -268,8 +269,9 @@ def build_app(engine: StreamingFront, tokenizer: Any, max_model_len: int, config
         lora = _check_model(served, body.model)
         ids, params, tools = await _chat_prompt(served, body)
         if body.use_beam_search:
-            beams = [body.beam_params(params.max_tokens)]
-            return await _until_disconnect(request, _beam_response(served, "chatcmpl", [ids], beams, body, lora, chat=True))
+            beam = body.beam_params(params.max_tokens)
+            _check_queue(served, beam.beam_width)
+            return await _until_disconnect(request, _beam_response(served, "chatcmpl", [ids], beam, body, lora, chat=True))
         echo = body.echoed()
         job = _Job(served, "chatcmpl", "chat.completion", [ids], [params], body.include_usage, body.return_timings,
                    chat=True, tools=tools, lora=lora, echoes=[echo] if echo else None,
@@ -523,7 +525,9 @@ class _Job:
         body = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self._usage(finals.values())}  # fmt: skip
         if self.chat and choices and "prompt_logprobs" in choices[0]:  # vLLM's chat has it once, at the top
-            body["prompt_logprobs"] = choices[0].pop("prompt_logprobs")
+            body["prompt_logprobs"] = choices[0]["prompt_logprobs"]
+            for c in choices:
+                c.pop("prompt_logprobs", None)
         if self.return_timings:
             body["timings"] = [self._timings(finals[idx]) for idx in sorted(finals)]
         return JSONResponse(body)
@@ -542,7 +546,7 @@ class _Job:
                 choice["finish_reason"] = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
         else:
             choice["text"] = echo + c.text
-            if echo and lps is not None and scored is not None:
+            if echo and lps is not None and scored is not None and scored.prompt_logprobs is not None:
                 lps = _joined(self._prompt_logprobs_legacy(scored), lps)
         choice["logprobs"] = lps
         if scored is not None and scored.prompt_logprobs is not None and self.prompt_logprobs_asked:
@@ -711,15 +715,15 @@ class _Job:
         return f"data: {json.dumps(body)}\n\n"
 
 
-async def _beam_response(served: Served, prefix: str, prompts: list[list[int]], beams: list[BeamSearchParams],
+async def _beam_response(served: Served, prefix: str, prompts: list[list[int]], beam: BeamSearchParams,
                          body: Any, lora: str | None, chat: bool) -> Response:  # fmt: skip
     """A beam-search request (vLLM's use_beam_search): per prompt, the n best of its
     beams as choices. Each round's beams are one-token requests to the engine."""
     rid = new_id(prefix)
-    search = BeamSearch(prompts, beams[0], frozenset(served.tokenizer.stop_token_ids))
+    search = BeamSearch(prompts, beam, frozenset(served.tokenizer.stop_token_ids))
     while not search.finished:
         round_ = search.requests()
-        streams = [served.engine.generate(f"{rid}-{search.rounds}-{i}", ids, beams[0].step_params(), lora)
+        streams = [served.engine.generate(f"{rid}-{search.rounds}-{i}", ids, beam.step_params(), lora)
                    for i, (_, _, ids) in enumerate(round_)]  # fmt: skip
         finals: dict[int, RequestOutput] = {}
         async for i, out in _merge(streams):
@@ -728,17 +732,17 @@ async def _beam_response(served: Served, prefix: str, prompts: list[list[int]], 
         search.advance({(p, b): finals[i].outputs[0].top_logprobs[0] for i, (p, b, _) in enumerate(round_)})
     choices, completion = [], 0
     for p, result in enumerate(search.results()):
-        for k, beam in enumerate(result.beams[: body.n]):
-            tokens = beam.tokens[:-1] if beam.finished else beam.tokens  # the end-of-sequence token is not text
+        for k, found in enumerate(result.beams[: body.n]):
+            tokens = found.tokens[:-1] if found.finished else found.tokens  # the end-of-sequence token is not text
             text = await asyncio.to_thread(served.tokenizer.decode, tokens, body.skip_special_tokens)
-            choice: dict[str, Any] = {"index": p * body.n + k, "finish_reason": "stop" if beam.finished else "length",
+            choice: dict[str, Any] = {"index": p * body.n + k, "finish_reason": "stop" if found.finished else "length",
                                       "stop_reason": None, "logprobs": None}  # fmt: skip
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
             choices.append(choice)
-            completion += len(beam.tokens)
+            completion += len(found.tokens)
     prompt_tokens = sum(len(ids) for ids in prompts)
     return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": now(),
                          "model": lora or served.config.served_model_name, "choices": choices,

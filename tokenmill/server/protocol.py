@@ -154,7 +154,7 @@ class _SamplingFields(StrictBody):
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a string) -> bias in [-100, 100]
     allowed_token_ids: list[int] | None = None  # vLLM's: sample only these
     bad_words: list[str] | None = None  # vLLM's: words never generated
-    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: the context's worth)
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: all the context holds)
     # structured output: OpenAI's response_format, vLLM's structured_outputs and guided_* aliases
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -193,11 +193,20 @@ class _SamplingFields(StrictBody):
         if self.length_penalty != 1.0 and not self.use_beam_search:
             raise InvalidRequestError("length_penalty needs use_beam_search", param="length_penalty")
         if self.use_beam_search:
-            given = [name for name in ("stream", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-                                       "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                                       "allowed_token_ids", "bad_words", "min_tokens", "response_format", "structured_outputs",
-                                       *_GUIDED, "logprobs", "prompt_logprobs", "echo", "tools")
-                     if getattr(self, name, None) not in (None, False, 0, [], {})]  # fmt: skip
+            unset = {"min_tokens": 0, "stop": [], "stop_token_ids": [], "tools": [], "logit_bias": {}}
+
+            def is_set(name: str) -> bool:  # False is unset (a flag off, chat's logprobs), 0 may be set (logprobs 0)
+                value = getattr(self, name, None)
+                if value is None or value is False:
+                    return False
+                return not (name in unset and type(value) is type(unset[name]) and value == unset[name])
+
+            given = [name for name in ("stream", "echo", "return_timings", "include_stop_str_in_output", "top_p", "top_k",
+                                       "min_p", "seed", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty",
+                                       "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words", "min_tokens",
+                                       "response_format", "structured_outputs", *_GUIDED, "logprobs", "prompt_logprobs",
+                                       "tools", "top_logprobs")
+                     if is_set(name)]  # fmt: skip
             if self.temperature not in (None, 0, 0.0):
                 given.insert(0, "temperature")
             if given:
@@ -250,7 +259,7 @@ class _SamplingFields(StrictBody):
     def _logit_bias(self) -> dict[int, float]:
         out = {}
         for key, bias in (self.logit_bias or {}).items():
-            if not key.isdigit() or len(key) > 10:
+            if not (key.isascii() and key.isdigit()) or len(key) > 10:
                 raise InvalidRequestError(f"logit_bias keys must be token ids, not {key!r}", param="logit_bias")
             out[int(key)] = bias
         return out
@@ -391,7 +400,7 @@ def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> lis
     if keep is None:
         return ids
     if keep == -1:
-        keep = max_model_len
+        keep = max_model_len - 1  # the context's worth, with room for the first token
     if not isinstance(keep, int) or keep < 1:
         raise InvalidRequestError("truncate_prompt_tokens must be -1 or a positive integer", param="truncate_prompt_tokens")
     return ids[-keep:]
