@@ -118,6 +118,8 @@ class SamplingParams:
             not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
         ):
             raise bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.allowed_token_ids is not None and self.structured is not None:  # their intersection may be empty
+            raise bad("allowed_token_ids", "cannot be combined with structured output (the grammar says what may come)")
         if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             raise bad("bad_words", "must be non-empty strings")
         if any(not w or any(not isinstance(t, int) or not 0 <= t <= MAX_INT32 for t in w) for w in self.bad_words_token_ids):

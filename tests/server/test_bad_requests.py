@@ -79,6 +79,7 @@ def test_a_lone_surrogate_is_a_400_not_a_500(app_engine, path, raw):
         ({"logit_bias": {"five": 1}}, "logit_bias"),
         ({"logit_bias": {"\u00b2": 1}}, "logit_bias"),
         ({"allowed_token_ids": [0], "min_tokens": 1, "stop_token_ids": [0]}, "allowed_token_ids"),
+        ({"allowed_token_ids": [3], "guided_regex": "[a-z]+"}, "allowed_token_ids"),
         ({"logit_bias": {"5": "x"}}, "logit_bias"),
         ({"logit_bias": {"99999": 1}}, "logit_bias"),
         ({"min_tokens": 5}, "min_tokens"),
