@@ -64,6 +64,11 @@ def test_json_schema_text_format_is_enforced(client):
                                                  "strict": True}})  # fmt: skip
     assert r.status == "completed", r.output_text
     jsonschema.validate(json.loads(r.output_text), PERSON)
+    with client.responses.stream(model=MODEL, input="Describe a person as JSON.", max_output_tokens=60, temperature=0,
+                                 text={"format": {"type": "json_schema", "name": "person", "schema": PERSON,
+                                                  "strict": True}}) as stream:  # fmt: skip
+        streamed = stream.get_final_response()
+    assert streamed.output_text == r.output_text  # the same constrained answer, streamed
     r = client.responses.create(model=MODEL, input="Any JSON object.", max_output_tokens=40, temperature=0,
                                 text={"format": {"type": "json_object"}})  # fmt: skip
     if r.status == "completed":
