@@ -76,3 +76,24 @@ def test_the_baselines_ignore_the_cache():
     loaded = replicas([9, 0, 9], {})
     picks = [p2.choose(prompt, loaded).replica for _ in range(30)]
     assert picks.count("r1") >= 15  # the idle r1 wins every pair it is in (2 pairs in 3)
+
+
+def test_an_engine_reports_kv_events_a_router_can_match_prompts_against():
+    """An engine with record_kv_events: after serving a prompt, a router fed its
+    events finds the prompt's blocks there, and none on a replica that did not serve it."""
+    from tests.helpers import ScriptedRunner, ToyTokenizer
+    from tests.helpers import run_to_completion as run
+    from tokenmill.engine.engine import Engine, EngineConfig
+
+    engines = [Engine(ScriptedRunner(BS), ToyTokenizer(), EngineConfig(num_blocks=32, block_size=BS, max_model_len=64,
+                                                                       record_kv_events=True)) for _ in range(2)]  # fmt: skip
+    system = [t % 50 for t in SYSTEM]  # the toy vocabulary's ids
+    engines[0].add_request("a", system + [1, 2, 3], SamplingParams(max_tokens=2))
+    run(engines[0])
+    states = [ReplicaState(f"r{i}") for i in range(2)]
+    for engine, state in zip(engines, states, strict=True):
+        state.apply(engine.take_kv_events())
+    follow_up = prompt_block_hashes(system + [9, 9, 9, 9], BS)
+    choice = KVAwareRouter().choose(follow_up, states)
+    assert (choice.replica, choice.matched_blocks, choice.reason) == ("r0", 4, "prefix")
+    assert engines[0].take_kv_events() == [] and engines[0].lora_hash_root("none") is None

@@ -69,6 +69,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     max_loras: int | None = None  # None: LoRA adapters are off
     sliding_window: int | None = None  # the model's attention window: blocks before it are freed
+    record_kv_events: bool = False  # log the prefix cache's changes for a replica router (take_kv_events)
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ class EngineCore:
         self.runner = runner
         self.vocab_size = tokenizer.vocab_size
         self.config = config
-        self.block_pool = BlockPool(config.num_blocks, config.enable_prefix_caching)
+        self.block_pool = BlockPool(config.num_blocks, config.enable_prefix_caching, config.record_kv_events)
         self.kv = KVCacheManager(self.block_pool, config.block_size, config.sliding_window)
         self.scheduler = Scheduler(
             config.scheduler, self.kv, config.max_model_len, tokenizer.stop_token_ids, config.speculative,
@@ -149,7 +150,7 @@ class EngineCore:
                 fork_of=seq_ids[0] if i > 0 else None,
                 grammar=grammar.matcher() if grammar is not None else None,
                 lora_name=lora,
-                hash_root=None if adapter is None else b"lora:%d" % adapter.id,
+                hash_root=None if lora is None else self.lora_hash_root(lora),
             )
             self.scheduler.add(req)
             self._sequences[sid] = req
@@ -384,6 +385,17 @@ class EngineCore:
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return self.kv.stats
+
+    def take_kv_events(self) -> list[tuple[str, bytes]]:
+        """The prefix cache's changes since the last call ("stored" / "removed", block
+        hash): what a replica reports to ``replicas.routing`` (``record_kv_events``)."""
+        return self.block_pool.take_events()
+
+    def lora_hash_root(self, name: str) -> bytes | None:
+        """The root of an adapter's block-hash chain (None: the base model's), for a
+        router hashing prompts as this engine does (``routing.prompt_block_hashes``)."""
+        info = self.loras.get(name)
+        return None if info is None else b"lora:%d" % info.id
 
     @property
     def spec_decode_stats(self) -> SpecDecodeStats:
