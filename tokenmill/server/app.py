@@ -801,7 +801,7 @@ class _ResponseJob:
             kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
             yield sse_event(kind, next(sequence), response=body)
         except (InvalidRequestError, RequestFailedError, EngineDeadError, DrainExpired) as e:
-            status = {InvalidRequestError: 400, RequestFailedError: 500}.get(type(e), 503)
+            status = 400 if isinstance(e, InvalidRequestError) else 500 if isinstance(e, RequestFailedError) else 503
             message = str(e) or "the server is shutting down and its drain timeout has passed: request aborted"
             yield sse_event("error", next(sequence), code=status, message=message, param=getattr(e, "param", None))
         finally:
