@@ -21,6 +21,7 @@ from tokenmill.config import (
     LoadConfig,
     LoRAConfig,
     ParallelConfig,
+    ReplicaConfig,
     SchedulerConfig,
     ServerConfig,
     SpeculativeConfig,
@@ -83,6 +84,14 @@ def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
 def server_config_from_namespace(ns: argparse.Namespace, **overrides: Any) -> ServerConfig:
     values = {f.name: getattr(ns, f.name) for f in _fields(ServerConfig) if getattr(ns, f.name, None) is not None}
     return ServerConfig(**{**values, **overrides})
+
+
+def replica_config_from_namespace(ns: argparse.Namespace) -> ReplicaConfig:
+    values = {f.name: getattr(ns, f.name) for f in _fields(ReplicaConfig) if getattr(ns, f.name, None) is not None}
+    try:
+        return ReplicaConfig(**values)
+    except ValueError as e:
+        raise TokenmillError(str(e)) from None
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from tokenmill.args import add_config_arguments, add_engine_arguments, engine_args_from_namespace
-from tokenmill.config import ServerConfig
+from tokenmill.config import ReplicaConfig, ServerConfig
 from tokenmill.distributed.env import torchrun_rank
 from tokenmill.errors import TokenmillError
 
@@ -71,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat, max_tokens=256)
     serve = sub.add_parser("serve", help="serve the OpenAI API over HTTP")
     add_config_arguments(serve.add_argument_group("server"), ServerConfig)
+    add_config_arguments(serve.add_argument_group("replicas (Ray Serve; pip install 'tokenmill[ray]')"), ReplicaConfig)
     add_engine_arguments(serve)
     plan = sub.add_parser("plan", help="weights, KV per token, capacity and a decode bound for a configuration")
     from tokenmill.plan import add_arguments as add_plan_arguments

@@ -302,6 +302,53 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
+class ReplicaConfig:
+    """Engine replicas behind one server, on Ray Serve (``pip install tokenmill[ray]``):
+    data-parallel copies with a router, or prefill and decode pools. The Ray cluster is
+    the one ``RAY_ADDRESS`` names, else a local one started for the server."""
+
+    data_parallel_size: int = opt(1, "engine replicas behind this server, each with its own KV cache (Ray Serve)")
+    ray: bool = opt(False, "run the engine as a Ray Serve replica even when there is one (implied by more)")
+    routing: str = opt("kv", "which replica serves a request: kv (the one holding the longest run of its prompt's "
+                       "cached blocks, weighed against load), pow2 (less loaded of two at random), round-robin",
+                       choices=("kv", "pow2", "round-robin"))  # fmt: skip
+    max_replicas: int | None = opt(None, "autoscale between data_parallel_size and this many replicas on "
+                                         "requests in flight (Ray Serve's autoscaling)")  # fmt: skip
+    target_ongoing_requests: float = opt(8.0, "requests in flight per replica autoscaling aims at")
+    replica_cpus: float | None = opt(None, "Ray CPUs reserved per replica (default: the machine's cores shared out)")
+    replica_gpus: float = opt(0.0, "Ray GPUs per replica (use with --device cuda)")
+    replica_threads: int | None = opt(None, "torch threads per replica (default: cores / replicas, at least 1)")
+    prefill_replicas: int = opt(0, "disaggregated serving: replicas that only compute prompts' KV (with "
+                                   "--decode-replicas)")  # fmt: skip
+    decode_replicas: int = opt(0, "disaggregated serving: replicas that decode from the KV the prefill "
+                                  "replicas send them")  # fmt: skip
+
+    def __post_init__(self) -> None:
+        _check(self.data_parallel_size >= 1, f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        _check(self.max_replicas is None or self.max_replicas >= self.data_parallel_size,
+               f"max_replicas ({self.max_replicas}) must be >= data_parallel_size ({self.data_parallel_size})")  # fmt: skip
+        _check(self.target_ongoing_requests > 0, f"target_ongoing_requests must be > 0, got {self.target_ongoing_requests}")
+        _check(self.replica_cpus is None or self.replica_cpus >= 0, f"replica_cpus must be >= 0, got {self.replica_cpus}")
+        _check(self.replica_gpus >= 0, f"replica_gpus must be >= 0, got {self.replica_gpus}")
+        _check(self.replica_threads is None or self.replica_threads >= 1,
+               f"replica_threads must be >= 1, got {self.replica_threads}")  # fmt: skip
+        _check((self.prefill_replicas == 0) == (self.decode_replicas == 0),
+               "disaggregated serving needs both --prefill-replicas and --decode-replicas")  # fmt: skip
+        _check(self.prefill_replicas >= 0 and self.decode_replicas >= 0, "replica counts must be >= 0")
+        _check(not (self.disaggregated and (self.data_parallel_size > 1 or self.max_replicas)),
+               "--prefill-replicas/--decode-replicas replace --data-parallel-size and --max-replicas")  # fmt: skip
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill_replicas > 0
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the server runs its engines as Ray Serve replicas."""
+        return self.ray or self.data_parallel_size > 1 or self.max_replicas is not None or self.disaggregated
+
+
+@dataclass(frozen=True)
 class EngineArgs:
     """Everything that builds an engine: one frozen config per concern."""
 

@@ -97,3 +97,38 @@ def test_an_engine_reports_kv_events_a_router_can_match_prompts_against():
     choice = KVAwareRouter().choose(follow_up, states)
     assert (choice.replica, choice.matched_blocks, choice.reason) == ("r0", 4, "prefix")
     assert engines[0].take_kv_events() == [] and engines[0].lora_hash_root("none") is None
+
+
+def test_the_index_routes_follow_ups_to_the_replica_that_reported_their_prefix():
+    """The index the replicas report to: a follow-up goes where its prefix was stored,
+    a replica that reports a restart (reset) or is removed has nothing cached, and the
+    router's in-flight count overrides a stale reported load."""
+    from tokenmill.replicas.index import KVIndex
+
+    index = KVIndex("kv", block_size=BS)
+    hashes = prompt_block_hashes(SYSTEM + [1, 2, 3, 4], BS)
+    index.report("a", [("stored", h) for h in hashes], 0, 0)
+    index.report("b", [], 0, 0)
+    assert index.choose(hashes, [("a", 0), ("b", 0)]) == "a"
+    assert index.choose(hashes, [("a", 200), ("b", 0)]) == "b"  # 200 in flight vs 0: out of balance
+    index.report("a", [], 0, 0, reset=True)  # restarted: its cache is empty
+    assert index.choose(hashes, [("a", 0), ("b", 1)]) == "a"  # least loaded, no prefix anywhere
+    index.report("b", [("stored", h) for h in hashes[:3]], 0, 0, finished=[(20, 12)])
+    index.remove("a")
+    assert index.choose(hashes, [("a", None), ("b", None)]) == "b"
+    _, stats = index.view()
+    assert stats.decisions == {"prefix": 2, "balance": 1, "least_loaded": 1}
+    assert stats.predicted_hit_blocks == 5 + 0 + 0 + 3 and (stats.prompt_tokens, stats.realised_hit_tokens) == (20, 12)
+    assert stats.routed == {"a": 2, "b": 2}
+
+
+def test_replica_snapshots_merge_into_the_clusters_figures():
+    from tokenmill.engine.stats import EngineSnapshot
+    from tokenmill.replicas.index import merge_snapshots
+
+    a = EngineSnapshot(num_running=2, num_waiting=1, kv_usage=0.5, prefix_cache_queries=10, prefix_cache_hits=4,
+                       loras={"x": "/x"}, lora_requests={"x": 2})  # fmt: skip
+    b = EngineSnapshot(num_running=3, kv_usage=0.25, prefix_cache_queries=5, prefix_cache_hits=5, lora_requests={"x": 1})
+    m = merge_snapshots([a, b])
+    assert (m.num_running, m.num_waiting, m.prefix_cache_queries, m.prefix_cache_hits) == (5, 1, 15, 9)
+    assert m.kv_usage == 0.375 and m.loras == {"x": "/x"} and m.lora_requests == {"x": 3}

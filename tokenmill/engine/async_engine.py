@@ -18,8 +18,9 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.outputs import RequestOutput
@@ -28,6 +29,7 @@ from tokenmill.errors import EngineDeadError
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -186,18 +188,19 @@ class AsyncEngine(StreamingFront):
             raise EngineDeadError("the engine loop is not running")
         with self.engine.new_lora_name(name):  # a new name only: of concurrent loads, one goes on
             loaded = await asyncio.to_thread(self.engine.load_lora, name, path)
-            await self._on_loop(lambda: self.engine.add_lora(name, path, loaded))
+            await self.run_on_loop(lambda: self.engine.add_lora(name, path, loaded))
 
     async def remove_lora(self, name: str) -> None:
-        await self._on_loop(lambda: self.engine.remove_lora(name))
+        await self.run_on_loop(lambda: self.engine.remove_lora(name))
 
-    async def _on_loop(self, fn) -> None:
+    async def run_on_loop(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on the loop thread, between steps (that thread owns the engine); its result."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
         self._commands.put(("call", fn, loop, done))
         self._wake.set()
         self._unless_dead(done)
-        await done
+        return await done
 
     def _unless_dead(self, fut: asyncio.Future) -> None:
         """A command queued after the loop died is read by nobody: answer it here (one
@@ -277,8 +280,8 @@ class AsyncEngine(StreamingFront):
             elif cmd[0] == "call":  # a change to the engine, made between steps
                 _, fn, loop, done = cmd
                 try:
-                    fn()
-                    loop.call_soon_threadsafe(_resolve, done, None)
+                    result = fn()
+                    loop.call_soon_threadsafe(_resolve, done, None, result)
                 except Exception as e:  # noqa: BLE001 - handed to the caller
                     loop.call_soon_threadsafe(_resolve, done, e)
             else:
@@ -292,10 +295,10 @@ class AsyncEngine(StreamingFront):
         return True
 
 
-def _resolve(fut: asyncio.Future, error: BaseException | None) -> None:
+def _resolve(fut: asyncio.Future, error: BaseException | None, result: object = None) -> None:
     if fut.done():  # the caller went away meanwhile
         return
     if error is None:
-        fut.set_result(None)
+        fut.set_result(result)
     else:
         fut.set_exception(error)

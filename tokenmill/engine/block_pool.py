@@ -113,6 +113,12 @@ class BlockPool:
             if self._events is not None:
                 self._events.append(("stored", block_hash))
 
+    def start_events(self) -> None:
+        """Record from now on, starting with a "stored" event per block cached already
+        (a router that starts listening late learns the whole cache)."""
+        if self._events is None:
+            self._events = [("stored", h) for h in self._cached]
+
     def take_events(self) -> list[tuple[str, bytes]]:
         """The prefix cache's changes since the last call, in order (empty unless recorded)."""
         if not self._events:

@@ -23,7 +23,7 @@ from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from tokenmill.config import SchedulerConfig, SpeculativeConfig, check_adapter_name
 from tokenmill.engine.block_pool import BlockPool
@@ -390,6 +390,47 @@ class EngineCore:
         """The prefix cache's changes since the last call ("stored" / "removed", block
         hash): what a replica reports to ``replicas.routing`` (``record_kv_events``)."""
         return self.block_pool.take_events()
+
+    def start_kv_events(self) -> None:
+        """Turn on ``take_kv_events`` (an engine built without ``record_kv_events``)."""
+        self.block_pool.start_events()
+
+    def export_kv(self, hashes: Sequence[bytes]) -> tuple[int, Any]:
+        """The KV of the leading blocks of ``hashes`` this engine's prefix cache holds, as
+        (how many, the runner's raw rows): what a prefill replica ships to a decode one."""
+        ids = []
+        for h in hashes:
+            b = self.block_pool.lookup(h)
+            if b is None:
+                break
+            ids.append(b)
+        return len(ids), (self.runner.export_blocks(ids) if ids else None)
+
+    def import_kv(self, hashes: Sequence[bytes], data: Any) -> int:
+        """Put KV exported by ``export_kv`` (row i: the block of ``hashes[i]``) into this
+        engine's prefix cache, so that a request with that prompt starts as on a cache
+        hit. Blocks cached already are kept; the others take free blocks (evicting the
+        least recently used cached ones) while there are some. Returns the leading
+        blocks now cached."""
+        pool = self.block_pool
+        if not pool.enable_caching:
+            return 0
+        found: list[int] = []
+        for h in hashes:
+            b = pool.lookup(h)
+            if b is None:
+                break
+            found.append(b)
+        pool.touch(found)  # held while allocating, so that none of them is the block evicted
+        ids = pool.allocate(min(len(hashes) - len(found), pool.num_free))
+        try:
+            if ids:
+                self.runner.import_blocks(ids, data[len(found) : len(found) + len(ids)])
+                for b, h in zip(ids, hashes[len(found) :], strict=False):
+                    pool.cache(b, h)
+        finally:
+            pool.free((found + ids)[::-1])  # idle again: cached, evictable, the most recently used
+        return len(found) + len(ids)
 
     def lora_hash_root(self, name: str) -> bytes | None:
         """The root of an adapter's block-hash chain (None: the base model's), for a

@@ -107,7 +107,8 @@ class Served:
 def build_app(engine: StreamingFront, tokenizer: Any, max_model_len: int, config: ServerConfig) -> FastAPI:
     if config.served_model_name is None:  # `serve` names it after the model file; a bare app:
         config = replace(config, served_model_name="tokenmill")
-    metrics = ServerMetrics(engine.snapshot, config.served_model_name, alive=lambda: not engine.is_dead)
+    metrics = ServerMetrics(engine.snapshot, config.served_model_name, alive=lambda: not engine.is_dead,
+                            replicas=getattr(engine, "replica_view", None))  # fmt: skip
     store = ResponseStore(config.max_stored_responses, config.stored_response_ttl)
     served = Served(engine, tokenizer, max_model_len, config, metrics, store)
     app = FastAPI(title="tokenmill", version="0.1")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -27,40 +28,63 @@ TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 
 
 class EngineCollector:
-    """Gauges and counters read from the engine when /metrics is scraped."""
+    """Gauges and counters read from the engine when /metrics is scraped. With engine
+    replicas (``replicas``: each replica's snapshot and each pool's routing counters),
+    every engine series is one per replica, labelled ``replica``: their sum is the
+    cluster's figure."""
 
-    def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str, alive: Callable[[], bool] = lambda: True) -> None:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str, alive: Callable[[], bool] = lambda: True,
+                 replicas: Callable[[], tuple[dict[str, EngineSnapshot], dict, Any]] | None = None) -> None:  # fmt: skip
         self.snapshot = snapshot
         self.labels = {"model_name": model_name}
         self.alive = alive
+        self.replicas = replicas
 
     def collect(self) -> Iterator[Metric]:
-        e = self.snapshot()
         names = list(self.labels)
         values = list(self.labels.values())
+        routing: dict = {}
+        transfer = None
+        if self.replicas is None:
+            series = [(values, self.snapshot())]
+            label_names = names
+        else:
+            snaps, routing, transfer = self.replicas()
+            series = [([*values, name], snap) for name, snap in sorted(snaps.items())]
+            label_names = [*names, "replica"]
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(P + name, doc, labels=names)
-            g.add_metric(values, value)
-            return g
+        def family(kind, name: str, doc: str, value: Callable[[EngineSnapshot], float]):
+            f = kind(P + name, doc, labels=label_names)
+            for labels, snap in series:
+                f.add_metric(labels, value(snap))
+            return f
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(P + name, doc, labels=names)
-            c.add_metric(values, value)
-            return c
+        def gauge(name: str, doc: str, value: Callable[[EngineSnapshot], float]) -> GaugeMetricFamily:
+            return family(GaugeMetricFamily, name, doc, value)
 
-        yield gauge("engine_alive", "1 while the engine loop runs, 0 once it has died.", 1.0 if self.alive() else 0.0)
-        yield gauge("num_requests_running", "Requests in model execution batches.", e.num_running)
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", e.num_waiting)
-        yield gauge("kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", e.kv_usage)
-        yield counter("num_preemptions", "Cumulative preemptions.", e.num_preemptions)
+        def counter(name: str, doc: str, value: Callable[[EngineSnapshot], float]) -> CounterMetricFamily:
+            return family(CounterMetricFamily, name, doc, value)
+
+        alive = GaugeMetricFamily(P + "engine_alive", "1 while the engine loop runs, 0 once it has died.", labels=names)
+        alive.add_metric(values, 1.0 if self.alive() else 0.0)
+        yield alive
+        yield gauge("num_requests_running", "Requests in model execution batches.", lambda e: e.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", lambda e: e.num_waiting)
+        yield gauge("kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", lambda e: e.kv_usage)
+        yield counter("num_preemptions", "Cumulative preemptions.", lambda e: e.num_preemptions)
         yield counter("num_step_retries", "Steps that failed as a batch and were re-run one request at a time.",
-                      e.num_step_retries)  # fmt: skip
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", e.prefix_cache_queries)
-        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", e.prefix_cache_hits)
-        yield counter("spec_decode_num_drafts", "Speculative verification steps.", e.spec_num_drafts)
-        yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", e.spec_num_draft_tokens)
-        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", e.spec_num_accepted_tokens)
+                      lambda e: e.num_step_retries)  # fmt: skip
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", lambda e: e.prefix_cache_queries)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", lambda e: e.prefix_cache_hits)
+        yield counter("spec_decode_num_drafts", "Speculative verification steps.", lambda e: e.spec_num_drafts)
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
+                      lambda e: e.spec_num_draft_tokens)  # fmt: skip
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", lambda e: e.spec_num_accepted_tokens)
+        if routing:
+            yield from _routing_metrics(names, values, routing)
+        if transfer is not None:
+            yield from _transfer_metrics(names, values, transfer, routing.get("decode"))
+        e = self.snapshot()
         if e.max_loras is not None:
             running, waiting = e.running_loras, e.waiting_loras
             info = GaugeMetricFamily(P + "lora_requests_info", "Running stats on LoRA requests (as vLLM's).",
@@ -73,10 +97,52 @@ class EngineCollector:
             yield per
 
 
+def _routing_metrics(names: list[str], values: list[str], routing: dict) -> Iterator[Metric]:
+    """The replica routers' counters, per pool ("engine", or "prefill" and "decode")."""
+    labels = [*names, "pool"]
+    decisions = CounterMetricFamily(P + "router_decisions", "Requests routed, by the reason for the replica chosen "
+                                    "(prefix, least_loaded, balance, random, round_robin).", labels=[*labels, "reason"])  # fmt: skip
+    routed = CounterMetricFamily(P + "router_requests", "Requests routed to each replica.", labels=[*labels, "replica"])
+    predicted = CounterMetricFamily(P + "router_predicted_hit_blocks", "Prompt blocks the router expected cached "
+                                    "on the replica it chose.", labels=labels)  # fmt: skip
+    realised = CounterMetricFamily(P + "router_realised_hit_tokens", "Prompt tokens the chosen replicas found cached "
+                                   "(requests finished).", labels=labels)  # fmt: skip
+    prompts = CounterMetricFamily(P + "router_prompt_tokens", "Prompt tokens of the routed requests that finished.",
+                                  labels=labels)  # fmt: skip
+    for pool, stats in sorted(routing.items()):
+        for reason, n in sorted(stats.decisions.items()):
+            decisions.add_metric([*values, pool, reason], n)
+        for replica, n in sorted(stats.routed.items()):
+            routed.add_metric([*values, pool, replica], n)
+        predicted.add_metric([*values, pool], stats.predicted_hit_blocks)
+        realised.add_metric([*values, pool], stats.realised_hit_tokens)
+        prompts.add_metric([*values, pool], stats.prompt_tokens)
+    yield from (decisions, routed, predicted, realised, prompts)
+
+
+def _transfer_metrics(names: list[str], values: list[str], transfer: Any, decode: Any) -> Iterator[Metric]:
+    """Disaggregated serving: the KV that prefill replicas computed and decode replicas received."""
+    for name, doc, value in (
+        ("kv_transfer_requests", "Requests whose prompt KV a prefill replica computed.", transfer.requests),
+        ("kv_transfer_blocks", "KV blocks shipped from prefill to decode replicas.", transfer.blocks),
+        ("kv_transfer_bytes", "Bytes of KV shipped from prefill to decode replicas.", transfer.bytes),
+        ("kv_transfer_prefill_seconds", "Seconds prefill replicas spent on shipped prompts.", transfer.prefill_seconds),
+        ("kv_transfer_fallbacks", "Prefills that failed: the decode replica computed the prompt.", transfer.fallbacks),
+        ("kv_transfer_imported_blocks", "KV blocks decode replicas received and cached.",
+         decode.imported_blocks if decode else 0),
+        ("kv_transfer_import_seconds", "Seconds decode replicas spent fetching and caching KV blocks.",
+         decode.import_seconds if decode else 0.0),
+    ):  # fmt: skip
+        c = CounterMetricFamily(P + name, doc, labels=names)
+        c.add_metric(values, value)
+        yield c
+
+
 class ServerMetrics:
-    def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str, alive: Callable[[], bool] = lambda: True) -> None:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str, alive: Callable[[], bool] = lambda: True,
+                 replicas: Callable[[], tuple[dict[str, EngineSnapshot], dict, Any]] | None = None) -> None:  # fmt: skip
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(snapshot, model_name, alive))
+        self.registry.register(EngineCollector(snapshot, model_name, alive, replicas))
         labels = ["model_name"]
         self.model_name = model_name
 

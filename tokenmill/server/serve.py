@@ -28,10 +28,11 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from tokenmill.args import engine_args_from_namespace, server_config_from_namespace
+from tokenmill.args import engine_args_from_namespace, replica_config_from_namespace, server_config_from_namespace
 from tokenmill.config import ServerConfig
 from tokenmill.distributed.env import under_torchrun
 from tokenmill.engine.async_engine import AsyncEngine, StreamingFront
+from tokenmill.errors import TokenmillError
 from tokenmill.server.app import build_app
 
 
@@ -54,6 +55,14 @@ def _start_engine(args: argparse.Namespace, config: ServerConfig):
     """The engine front, the tokenizer, the context length, the model's path, and how to
     release what was started."""
     engine_args = engine_args_from_namespace(args)
+    replicas = replica_config_from_namespace(args)
+    if replicas.enabled:
+        if under_torchrun():
+            raise TokenmillError("engine replicas run on Ray Serve, not under torchrun")
+        from tokenmill.replicas.front import start_replicas
+
+        front, tokenizer, max_model_len, path = start_replicas(engine_args, replicas)
+        return front, tokenizer, max_model_len, path, lambda: None
     if config.engine_core == "process" and not under_torchrun():
         from tokenmill.core_process import run_engine_core
         from tokenmill.engine.core_client import AsyncCoreClient

@@ -33,7 +33,7 @@ from tokenmill.engine.request import token_slice
 from tokenmill.lora.adapter import LoRAAdapter
 from tokenmill.lora.layers import LoRAMapping
 from tokenmill.model.layers.attention import AttentionMetadata
-from tokenmill.model.layers.kv_cache import copy_blocks
+from tokenmill.model.layers.kv_cache import copy_blocks, read_blocks, write_blocks
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.inputs import InputBuffers, SeqInput, order_seqs, prepare_inputs
@@ -401,6 +401,20 @@ class ModelRunner:
         copy_blocks(self.kv_caches, copies)
         if self.proposer is not None:
             self.proposer.copy_blocks(copies)
+
+    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """The blocks' KV as raw bytes (``read_blocks``), for another engine's cache."""
+        self._check_no_draft_cache("exported")
+        return read_blocks(self.kv_caches, block_ids)
+
+    def import_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Write KV exported by an engine of the same model and KV dtype into the blocks."""
+        self._check_no_draft_cache("imported")
+        write_blocks(self.kv_caches, block_ids, data)
+
+    def _check_no_draft_cache(self, what: str) -> None:
+        if self.proposer is not None and getattr(self.proposer, "catch_up", False):  # a draft model with its own KV
+            raise NotImplementedError(f"KV cannot be {what} with a draft model (its own cache would not follow)")
 
     def close(self) -> None:
         """Release what outlives the object (a split model's worker processes)."""

@@ -66,6 +66,42 @@ def copy_blocks(layers: list[KVCacheLayer], copies: list[tuple[int, int]]) -> No
             layer.copy_block(src, dst)
 
 
+def _block_rows(t: torch.Tensor) -> torch.Tensor:
+    """A cache tensor as raw bytes, one row per block."""
+    return t.view(torch.uint8).reshape(t.shape[0], -1)
+
+
+def _tensors(layers: list[KVCacheLayer]) -> list[torch.Tensor]:
+    return [t for layer in layers for t in (layer.k, layer.v, layer.k_scale, layer.v_scale) if t is not None]
+
+
+def block_nbytes(layers: list[KVCacheLayer]) -> int:
+    """Bytes one block holds over every layer (K, V and any scales): a transfer's row."""
+    return sum(_block_rows(t).shape[1] for t in _tensors(layers))
+
+
+def read_blocks(layers: list[KVCacheLayer], block_ids: list[int]) -> torch.Tensor:
+    """The given blocks' K/V (and scales) of every layer as raw bytes, [len(block_ids),
+    block_nbytes]: what another engine of the same model and KV dtype writes back with
+    ``write_blocks`` (disaggregated prefill ships prompts' KV this way)."""
+    index = torch.tensor(block_ids, dtype=torch.long, device=layers[0].k.device)
+    return torch.cat([_block_rows(t).index_select(0, index) for t in _tensors(layers)], dim=1).cpu()
+
+
+def write_blocks(layers: list[KVCacheLayer], block_ids: list[int], data: torch.Tensor) -> None:
+    """Inverse of ``read_blocks``: row i of ``data`` into block ``block_ids[i]``."""
+    if data.dtype != torch.uint8 or data.shape != (len(block_ids), block_nbytes(layers)):
+        raise ValueError(f"KV rows of shape {tuple(data.shape)} ({data.dtype}) do not fit {len(block_ids)} blocks "
+                         f"of {block_nbytes(layers)} bytes")  # fmt: skip
+    index = torch.tensor(block_ids, dtype=torch.long, device=layers[0].k.device)
+    data = data.to(layers[0].k.device)
+    start = 0
+    for t in _tensors(layers):
+        rows = _block_rows(t)
+        rows.index_copy_(0, index, data[:, start : start + rows.shape[1]])
+        start += rows.shape[1]
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """float8 tensors as raw bytes: index_copy_ and index_select have no float8 kernels."""
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t

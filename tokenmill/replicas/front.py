@@ -1,0 +1,265 @@
+"""The server's engine front when the engines are Ray Serve replicas.
+
+``RayReplicaFront`` is what the HTTP app streams from (a ``StreamingFront``, like the
+threaded engine and the core-process client): it hashes each prompt into the block
+hashes the replicas' prefix caches use, and calls the deployment through a Ray Serve
+handle, whose ``KVRequestRouter`` picks the replica. With disaggregated serving a
+request first goes to a prefill replica (its prompt's KV computed and put in Ray's
+object store), then to a decode replica with a reference to those blocks.
+
+Failures: a replica that dies before a request's first output is retried on another
+one (twice at most); a stream it dies in ends with ``RequestFailedError`` (the app's
+error event). Ray Serve restarts the replica.
+
+Ray and Serve are started here (a local cluster, or the one ``RAY_ADDRESS`` names) and
+stopped by ``shutdown``; ``ray[serve]`` is an optional extra (``tokenmill[ray]``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tokenmill.config import EngineArgs, ReplicaConfig
+from tokenmill.engine.async_engine import RequestFailedError, StreamingFront
+from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.stats import EngineSnapshot
+from tokenmill.errors import InvalidRequestError, TokenmillError
+from tokenmill.replicas.index import RoutingStats, merge_snapshots
+from tokenmill.replicas.routing import prompt_block_hashes
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+APP = "tokenmill"
+RETRIES = 2  # a request whose replica died before its first output is sent again this many times
+
+
+def import_ray():
+    """ray and ray.serve, or an error that says how to install them."""
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise TokenmillError("engine replicas run on Ray Serve, which is not installed: "
+                             "pip install 'tokenmill[ray]' (or pip install 'ray[serve]')") from None  # fmt: skip
+    return ray, serve
+
+
+@dataclass
+class DisaggregationStats:
+    """KV moved from prefill to decode replicas."""
+
+    requests: int = 0
+    blocks: int = 0
+    bytes: int = 0
+    prefill_seconds: float = 0.0
+    fallbacks: int = 0  # prefills that failed: the decode replica computed the prompt
+
+
+class RayReplicaFront(StreamingFront):
+    def __init__(self, engine_args: EngineArgs, config: ReplicaConfig, tokenizer, start_timeout: float = 600.0) -> None:
+        super().__init__()
+        ray, serve = import_ray()
+        from tokenmill.replicas import ray_serve
+
+        if config.disaggregated and engine_args.parallel.world_size > 1:
+            raise TokenmillError("disaggregated serving runs one process per replica: drop --tensor/pipeline-parallel-size")
+        if config.disaggregated and engine_args.speculative is not None and engine_args.speculative.method == "draft":
+            raise TokenmillError("disaggregated serving cannot ship a draft model's KV: use another --speculative method")
+        self.tokenizer = tokenizer
+        self.config = config
+        self._ray, self._serve = ray, serve
+        self._started_ray = False
+        if not ray.is_initialized():
+            address = os.environ.get("RAY_ADDRESS")
+            cores = os.cpu_count() or 1
+            if address:
+                ray.init(address=address, namespace=ray_serve.NAMESPACE, log_to_driver=False)
+            else:
+                ray.init(address="local", num_cpus=cores, include_dashboard=False, namespace=ray_serve.NAMESPACE,
+                         object_store_memory=512 << 20, log_to_driver=False)  # fmt: skip
+            self._started_ray = True
+        serve.start(proxy_location="Disabled")
+        pools = [("decode", config.decode_replicas), ("prefill", config.prefill_replicas)] if config.disaggregated \
+            else [("engine", config.data_parallel_size)]  # fmt: skip
+        total = sum(n for _, n in pools)
+        cores = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
+        threads = config.replica_threads or max(1, cores // total)
+        cpus = config.replica_cpus if config.replica_cpus is not None else min(threads, cores / total)
+        self._indexes = {}
+        self._handles = {}
+        self.disaggregation = DisaggregationStats()
+        try:
+            for role, n in pools:
+                name = ray_serve.index_name(APP, role)
+                self._indexes[role] = ray_serve.KVIndexActor.options(name=name, namespace=ray_serve.NAMESPACE,
+                                                                     get_if_exists=True).remote(config.routing, engine_args.cache.block_size)  # fmt: skip
+                app = ray_serve.deployment(role, engine_args, name, n, threads, cpus, config.replica_gpus, role,
+                                           config.max_replicas if role == "engine" else None,
+                                           config.target_ongoing_requests)  # fmt: skip
+                start = time.perf_counter()
+                self._handles[role] = serve.run(app, name=f"{APP}-{role}", route_prefix=None)
+                logger.info("%d %s replica(s) running after %.1f s", n, role, time.perf_counter() - start)
+            main = self._handles["decode" if config.disaggregated else "engine"]
+            self.info = main.info.remote().result(timeout_s=start_timeout)
+        except BaseException:
+            self._stop_ray()
+            raise
+        self.block_size = self.info["block_size"]
+        self.lora_roots: dict[str, bytes | None] = self.info["lora_roots"]
+        self._view: tuple[dict[str, EngineSnapshot], dict[str, RoutingStats]] = ({}, {})
+        self._stopped = threading.Event()
+        self._poller = threading.Thread(target=self._poll, name="tokenmill-replica-view", daemon=True)
+        self._poller.start()
+
+    # ------------------------------------------------------------------ requests
+
+    async def generate(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
+                       lora: str | None = None) -> AsyncIterator[RequestOutput]:  # fmt: skip
+        ids = list(self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
+        if lora is not None and lora not in self.lora_roots:
+            from tokenmill.errors import UnknownModelError
+
+            raise UnknownModelError(f"the model {lora!r} does not exist", param="model")
+        hashes = prompt_block_hashes(ids, self.block_size, self.lora_roots.get(lora))
+        kv = None
+        if self.config.disaggregated and hashes and params.prompt_logprobs is None and params.pooling is None:
+            kv = await self._prefill(request_id, ids, params, lora, hashes)
+        handle = self._handles["decode" if self.config.disaggregated else "engine"]
+        remaining, attempt = params.n, 0
+        while True:
+            gen = handle.options(stream=True).generate.remote(request_id=request_id, prompt=ids, params=params, lora=lora,
+                                                             block_hashes=hashes, kv=kv)  # fmt: skip
+            sent = False
+            try:
+                async for out in gen:
+                    sent = True
+                    if out.error is not None:
+                        raise RequestFailedError(f"request {request_id} failed: {out.error}")
+                    yield out
+                    if out.finished:
+                        remaining -= 1
+                        if remaining == 0:
+                            return
+                raise RequestFailedError(f"request {request_id}: the replica's stream ended early")
+            except self._ray.exceptions.RayActorError as e:
+                if sent or attempt >= RETRIES:
+                    raise RequestFailedError(f"request {request_id}: its engine replica died ({type(e).__name__})") from e
+                attempt += 1
+                logger.warning("replica died before request %s started; retrying (%d)", request_id, attempt)
+            except self._ray.exceptions.RayTaskError as e:
+                cause = e.cause if isinstance(e.cause, Exception) else e
+                raise cause from None
+            finally:
+                if remaining:  # left early (or failed): the replica aborts the request
+                    gen.cancel()
+
+    async def _prefill(self, request_id: str, ids: list[int], params: SamplingParams, lora: str | None,
+                       hashes: list[bytes]) -> dict | None:  # fmt: skip
+        """The prompt's KV from a prefill replica (None: it failed; the decode replica
+        will compute the prompt itself)."""
+        try:
+            kv = await self._handles["prefill"].prefill.remote(request_id=f"{request_id}-prefill", prompt=ids,
+                                                               params=params, lora=lora, block_hashes=hashes)  # fmt: skip
+        except self._ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, InvalidRequestError):
+                raise e.cause from None
+            logger.warning("prefill of %s failed; decoding from scratch", request_id, exc_info=True)
+            self.disaggregation.fallbacks += 1
+            return None
+        except Exception:  # noqa: BLE001 - a dead prefill replica: the decode replica computes the prompt
+            logger.warning("prefill of %s failed; decoding from scratch", request_id, exc_info=True)
+            self.disaggregation.fallbacks += 1
+            return None
+        d = self.disaggregation
+        d.requests += 1
+        d.blocks += len(kv["hashes"])
+        d.bytes += kv["nbytes"]
+        d.prefill_seconds += kv["seconds"]
+        return kv
+
+    def abort(self, request_id: str) -> None:
+        """Requests are aborted by cancelling their stream (``generate``'s caller leaving)."""
+
+    async def add_lora(self, name: str, path: str) -> None:
+        raise InvalidRequestError("adapters are loaded at start with replicas (--lora-modules); runtime loading "
+                                  "is not supported with --data-parallel-size", param="lora_name")  # fmt: skip
+
+    async def remove_lora(self, name: str) -> None:
+        await self.add_lora(name, "")
+
+    # ------------------------------------------------------------------ gauges
+
+    def _poll(self) -> None:
+        """Every replica's snapshot and the routers' counters, from the indexes (so
+        that /metrics never waits on Ray)."""
+        while not self._stopped.wait(0.5):
+            try:
+                snaps, stats = {}, {}
+                for role, index in self._indexes.items():
+                    s, r = self._ray.get(index.view.remote(), timeout=5)
+                    snaps.update(s)
+                    stats[role] = r
+                self._view = (snaps, stats)
+            except Exception:  # noqa: BLE001 - shown as stale until the index answers again
+                logger.debug("replica view failed", exc_info=True)
+
+    def replica_view(self) -> tuple[dict[str, EngineSnapshot], dict[str, RoutingStats], DisaggregationStats | None]:
+        """Each live replica's last snapshot, each pool's routing counters, and (with
+        disaggregated serving) the KV moved from prefill to decode replicas."""
+        return (*self._view, self.disaggregation if self.config.disaggregated else None)
+
+    def snapshot(self) -> EngineSnapshot:
+        snaps = self._view[0]
+        if not snaps:
+            return EngineSnapshot(loras={name: "" for name in self.lora_roots})
+        return merge_snapshots(list(snaps.values()))
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(s.num_waiting for s in self._view[0].values())
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        self._stopped.set()
+        self._stop_ray()
+
+    def _stop_ray(self) -> None:
+        """Serve, the indexes and (if started here) Ray, each given a bounded time: a
+        cluster whose raylet has died would make ``serve.shutdown`` wait for ever."""
+
+        def stop() -> None:
+            try:
+                self._serve.shutdown()
+            except Exception:  # noqa: BLE001 - stopping anyway
+                logger.debug("serve.shutdown failed", exc_info=True)
+            for index in getattr(self, "_indexes", {}).values():
+                try:
+                    self._ray.kill(index)
+                except Exception:  # noqa: BLE001
+                    pass
+
+        stopper = threading.Thread(target=stop, name="tokenmill-serve-shutdown", daemon=True)
+        stopper.start()
+        stopper.join(30)
+        if stopper.is_alive():
+            logger.warning("Ray Serve did not shut down within 30 s; leaving it")
+        if self._started_ray:
+            self._ray.shutdown()
+
+
+def start_replicas(engine_args: EngineArgs, config: ReplicaConfig) -> tuple[RayReplicaFront, Any, int, Any]:
+    """The front, the tokenizer, the context length and the model's path (as ``serve`` needs)."""
+    from pathlib import Path
+
+    from tokenmill.model.paths import resolve_model_path
+    from tokenmill.model.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(resolve_model_path(engine_args.load.model))
+    front = RayReplicaFront(engine_args, config, tokenizer)
+    return front, tokenizer, front.info["max_model_len"], Path(front.info["model_path"])
+
