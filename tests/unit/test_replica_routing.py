@@ -122,6 +122,20 @@ def test_the_index_routes_follow_ups_to_the_replica_that_reported_their_prefix()
     assert stats.routed == {"a": 2, "b": 2}
 
 
+def test_a_burst_between_two_reports_is_spread_over_the_replicas():
+    """Four requests with no cached prefix arrive before either replica reports again:
+    the index counts what it sent since each report, so they go two and two."""
+    from tokenmill.replicas.index import KVIndex
+
+    index = KVIndex("kv", block_size=BS)
+    for name in ("a", "b"):
+        index.report(name, [], 0, 0)
+    picks = [index.choose(prompt_block_hashes([i] * 8, BS), [("a", None), ("b", None)]) for i in range(4)]
+    assert sorted(picks) == ["a", "a", "b", "b"]
+    index.report("a", [], 4, 0)  # a now reports all four as its own: b is the idle one
+    assert index.choose([], [("a", None), ("b", None)]) == "b"
+
+
 def test_replica_snapshots_merge_into_the_clusters_figures():
     from tokenmill.engine.stats import EngineSnapshot
     from tokenmill.replicas.index import merge_snapshots

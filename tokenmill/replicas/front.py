@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.config import EngineArgs, ReplicaConfig
@@ -48,6 +48,29 @@ def import_ray():
         raise TokenmillError("engine replicas run on Ray Serve, which is not installed: "
                              "pip install 'tokenmill[ray]' (or pip install 'ray[serve]')") from None  # fmt: skip
     return ray, serve
+
+
+@dataclass
+class OutputRecord:
+    """A sequence's output rebuilt from the deltas a replica streams (the replica keeps
+    the full record; sending it with every token would cost O(n) per token)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float | None] | None = None
+    top_logprobs: list | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.token_ids.extend(out.delta_token_ids)
+        self.text += out.delta_text
+        if out.delta_logprobs is not None:
+            if self.logprobs is None or self.top_logprobs is None:
+                self.logprobs, self.top_logprobs = [], []
+            self.logprobs.extend(out.delta_logprobs)
+            self.top_logprobs.extend(out.delta_top_logprobs or [[] for _ in out.delta_logprobs])
+
+    def text_prefix(self, num_chars: int) -> str:
+        return self.text[:num_chars]
 
 
 @dataclass
@@ -132,6 +155,7 @@ class RayReplicaFront(StreamingFront):
             kv = await self._prefill(request_id, ids, params, lora, hashes)
         handle = self._handles["decode" if self.config.disaggregated else "engine"]
         remaining, attempt = params.n, 0
+        records: dict[int, OutputRecord] = {}
         while True:
             gen = handle.options(stream=True).generate.remote(request_id=request_id, prompt=ids, params=params, lora=lora,
                                                              block_hashes=hashes, kv=kv)  # fmt: skip
@@ -141,6 +165,10 @@ class RayReplicaFront(StreamingFront):
                     sent = True
                     if out.error is not None:
                         raise RequestFailedError(f"request {request_id} failed: {out.error}")
+                    for c in out.outputs:
+                        record = records.setdefault(c.index, OutputRecord())
+                        record.add(out)
+                        c._source = record
                     yield out
                     if out.finished:
                         remaining -= 1

@@ -40,6 +40,7 @@ class KVIndex:
         self.routing, self.block_size = routing, block_size
         self.replicas: dict[str, ReplicaState] = {}
         self.snapshots: dict[str, EngineSnapshot] = {}
+        self.sent_since_report: Counter[str] = Counter()  # requests routed to a replica after its last report
         self.stats = RoutingStats()
 
     def report(self, replica: str, events: Sequence[tuple[str, bytes]], num_running: int, num_waiting: int,
@@ -54,6 +55,7 @@ class KVIndex:
             state = self.replicas[replica] = ReplicaState(replica)
         state.apply(events)
         state.num_running, state.num_waiting = num_running, num_waiting
+        self.sent_since_report.pop(replica, None)
         if snapshot is not None:
             self.snapshots[replica] = snapshot
         self.stats.imported_blocks += imported[0]
@@ -66,16 +68,20 @@ class KVIndex:
         """A replica died or was stopped: nothing is routed to what it held."""
         self.replicas.pop(replica, None)
         self.snapshots.pop(replica, None)
+        self.sent_since_report.pop(replica, None)
 
     def choose(self, hashes: Sequence[bytes], candidates: Sequence[tuple[str, int | None]]) -> str:
         """The replica for a prompt, among ``candidates`` (name, requests in flight there
-        as the caller counts them; None: use the replica's own last report)."""
+        as the caller counts them, None where it does not know). A replica's load is the
+        larger of that count and its last report plus the requests sent it since: a
+        burst of requests between two reports is spread, not sent to one replica."""
         states = []
         for name, in_flight in candidates:
             known = self.replicas.get(name) or ReplicaState(name)
-            load = known.load if in_flight is None else max(in_flight, known.num_running)
+            load = max(in_flight or 0, known.load + self.sent_since_report[name])
             states.append(ReplicaState(name, known.cached, num_running=load))  # shares the set: no copy
         choice = self.policy.choose(hashes, states)
+        self.sent_since_report[choice.replica] += 1
         self.stats.decisions[choice.reason] += 1
         self.stats.routed[choice.replica] += 1
         self.stats.predicted_hit_blocks += choice.matched_blocks

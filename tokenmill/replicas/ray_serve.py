@@ -139,7 +139,9 @@ class EngineReplica:
                 remaining -= 1
                 if remaining == 0:  # the index hears of this request's blocks before its caller does
                     await self._report(finished=[(len(out.prompt_token_ids), out.num_cached_tokens)])
-            yield out
+            # Deltas only: the sequence's whole record (and the tokenizer it holds) stays
+            # here; the front rebuilds it from the deltas (front.OutputRecord).
+            yield replace(out, outputs=[replace(c, _source=None) for c in out.outputs])
 
     async def prefill(self, request_id: str, prompt: Sequence[int], params: SamplingParams, lora: str | None = None,
                       block_hashes: Sequence[bytes] = ()) -> dict:  # fmt: skip
