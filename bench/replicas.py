@@ -65,7 +65,9 @@ def text(rng: random.Random, n: int) -> str:
 
 
 def ray_env() -> dict:
-    return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
+    """The nodes' environment: the replicas (started by the nodes' raylets) import this
+    checkout's tokenmill, as the server does."""
+    return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token", "PYTHONPATH": str(HERE.parent)}
 
 
 def ray_bin() -> str:
@@ -89,7 +91,7 @@ def stop_cluster() -> None:
 class Server:
     def __init__(self, flags: list[str], ray_address: str | None, port: int = 8190) -> None:
         self.url = f"http://127.0.0.1:{port}"
-        env = {**ray_env(), "PYTHONPATH": str(HERE.parent)}
+        env = ray_env()
         if ray_address:
             env["RAY_ADDRESS"] = ray_address
         cmd = [sys.executable, "-m", "tokenmill", "serve", "--port", str(port), "--served-model-name", "m", *flags]
