@@ -3,18 +3,21 @@
     python bench/replicas.py routing   [--chats 32 --turns 3 --concurrency 8]
     python bench/replicas.py overhead  [--requests 48]
     python bench/replicas.py disagg    [--decoders 6 --long-prompts 6]
+    python bench/replicas.py autoscale
 
 Every Ray run is on a local two-"node" cluster (``ray start --head`` plus a second
 ``ray start --address`` on loopback, one CPU each, token auth as Ray 2.6x sets it up),
 the server joining it through RAY_ADDRESS, one engine replica per node.
 
-routing: a private workload of a few long system prompts shared by many multi-turn
+routing: a private workload of several long system prompts shared by many multi-turn
 chats (each turn's prompt is the system prompt, the chat so far and a new question;
 the assistant's turns are the server's own answers, so every follow-up extends a
-prefix some replica computed). Sessions run ``--concurrency`` at a time. For one
-replica (plain ``tokenmill serve``, both cores) and for two replicas routed by ``kv``,
-``pow2`` and ``round-robin``: prefix-hit rate (from the replicas' /metrics), TTFT
-p50/p99, throughput.
+prefix some replica computed). Sessions run ``--concurrency`` at a time. Each replica's
+KV cache holds about half the system prompts (``--kv-cache-memory``): routing decides
+whether the pair's caches act as one cache of twice the size or as two copies. For one
+replica (plain ``tokenmill serve``, both cores, the pair's total KV memory) and for two
+replicas routed by ``kv``, ``pow2`` and ``round-robin``: prefix-hit rate (from the
+replicas' /metrics), TTFT p50/p99, throughput.
 
 overhead: one replica behind Ray (``--ray``, both cores) against plain ``tokenmill
 serve``: TTFT and throughput of the same streamed completions.
@@ -157,11 +160,11 @@ async def stream_chat(client: httpx.AsyncClient, url: str, messages: list[dict],
             "chunks": len(parts)}  # fmt: skip
 
 
-def chat_workload(seed: int, systems: int, chats: int, turns: int) -> list[tuple[str, list[str]]]:
+def chat_workload(seed: int, systems: int, chats: int, turns: int, system_words: int) -> list[tuple[str, list[str]]]:
     """(system prompt, the user's questions) per chat: a few long system prompts, each
     shared by many chats."""
     rng = random.Random(seed)
-    prompts = [f"You are assistant {i}. Rules: " + text(rng, 260) for i in range(systems)]
+    prompts = [f"You are assistant {i}. Rules: " + text(rng, system_words) for i in range(systems)]
     return [(prompts[c % systems], [f"Question {t} of chat {c}: " + text(rng, 40) for t in range(turns)])
             for c in range(chats)]  # fmt: skip
 
@@ -193,10 +196,10 @@ async def run_chats(url: str, workload, concurrency: int, max_tokens: int) -> tu
 
 
 def routing(args: argparse.Namespace) -> dict:
-    workload = chat_workload(0, args.systems, args.chats, args.turns)
-    warm = chat_workload(1, 1, 2, 1)
+    workload = chat_workload(0, args.systems, args.chats, args.turns, args.system_words)
+    warm = chat_workload(1, 1, 2, 1, 50)
     kv = ["--kv-cache-memory", args.kv_cache_memory]
-    modes = {"one replica": ([*kv], None)}
+    modes = {"one replica": (["--kv-cache-memory", args.single_kv_cache_memory], None)}
     for policy in ("kv", "pow2", "round-robin"):
         modes[f"2 replicas, {policy}"] = (["--data-parallel-size", "2", "--routing", policy, *kv], "cluster")
     address = start_cluster()
@@ -231,9 +234,10 @@ def routing(args: argparse.Namespace) -> dict:
                 f"p99 {r['ttft_s']['p99'] * 1000:.0f} ms  {r['requests_per_s']:.2f} req/s")  # fmt: skip
     finally:
         stop_cluster()
-    return {"workload": {"systems": args.systems, "chats": args.chats, "turns": args.turns,
-                         "concurrency": args.concurrency, "max_tokens": args.max_tokens,
-                         "kv_cache_memory": args.kv_cache_memory}, "runs": runs}  # fmt: skip
+    return {"workload": {"systems": args.systems, "system_words": args.system_words, "chats": args.chats,
+                         "turns": args.turns, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
+                         "kv_cache_memory": args.kv_cache_memory,
+                         "single_kv_cache_memory": args.single_kv_cache_memory}, "runs": runs}  # fmt: skip
 
 
 def plot_routing(result: dict, path: Path) -> None:
@@ -385,15 +389,66 @@ def plot_disagg(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+# ------------------------------------------------------------------ autoscaling
+
+
+def autoscale(args: argparse.Namespace) -> dict:
+    """One replica, --max-replicas 2, --target-ongoing-requests 2: eight streams start at
+    once; the time until the second replica serves (it appears in /metrics with a
+    request running), and until it is gone again once the load stops is not waited for
+    (downscale_delay_s 60)."""
+    address = start_cluster()
+    try:
+        server = Server(["--data-parallel-size", "1", "--max-replicas", "2", "--target-ongoing-requests", "2",
+                         "--replica-threads", "1"], address)  # fmt: skip
+        try:
+            rng = random.Random(3)
+            prompts = [f"Stream {i}: write about " + text(rng, 10) for i in range(8)]
+
+            def replicas() -> list[str]:
+                names = set()
+                for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines():
+                    if line.startswith("tokenmill:num_requests_running{") and 'replica="' in line:
+                        names.add(line.split('replica="', 1)[1].split('"', 1)[0])
+                return sorted(names)
+
+            async def load() -> dict:
+                async with httpx.AsyncClient(timeout=None) as client:
+                    start = time.perf_counter()
+                    tasks = [asyncio.create_task(stream_chat(client, server.url, [{"role": "user", "content": p}], 600))
+                             for p in prompts]  # fmt: skip
+                    seen, timeline = None, []
+                    while not all(t.done() for t in tasks):
+                        now = time.perf_counter() - start
+                        names = await asyncio.to_thread(replicas)
+                        timeline.append((round(now, 1), len(names)))
+                        if seen is None and len(names) >= 2:
+                            seen = now
+                        await asyncio.sleep(0.5)
+                    await asyncio.gather(*tasks)
+                    return {"second_replica_after_s": seen, "timeline": timeline,
+                            "load_duration_s": time.perf_counter() - start}  # fmt: skip
+
+            result = asyncio.run(load())
+        finally:
+            server.stop()
+    finally:
+        stop_cluster()
+    log(f"  second replica serving after {result['second_replica_after_s']} s")
+    return {"streams": 8, "max_tokens": 600, **result}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=("routing", "overhead", "disagg"))
-    p.add_argument("--systems", type=int, default=4)
+    p.add_argument("mode", choices=("routing", "overhead", "disagg", "autoscale"))
+    p.add_argument("--systems", type=int, default=8)
+    p.add_argument("--system-words", type=int, default=700)
     p.add_argument("--chats", type=int, default=32)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=24)
-    p.add_argument("--kv-cache-memory", default="256MiB")
+    p.add_argument("--kv-cache-memory", default="96MiB", help="per replica")
+    p.add_argument("--single-kv-cache-memory", default="192MiB", help="the one replica's: the pair's total")
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--decoders", type=int, default=6)
@@ -404,7 +459,8 @@ def main() -> int:
     args = p.parse_args()
     RESULTS.mkdir(exist_ok=True)
     cpu = cpu_info()
-    result = {"run": {"routing": routing, "overhead": overhead, "disagg": disagg}[args.mode](args)}
+    modes = {"routing": routing, "overhead": overhead, "disagg": disagg, "autoscale": autoscale}
+    result = {"run": modes[args.mode](args)}
     result = {"cpu": f"{cpu.model}, {cpu.cores} cores, {cpu.capability}", "command": " ".join(sys.argv),
               **result["run"]}  # fmt: skip
     out = RESULTS / f"replicas_{args.mode}.json"

@@ -9,7 +9,7 @@ import json
 import os
 import signal
 import threading
-import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -156,3 +156,54 @@ def test_a_killed_decode_replica_fails_only_its_streams_and_is_replaced(cluster)
     assert wait_until(lambda: len(replica_pids(cluster, "decode")) == 2 and len(_replicas(cluster, "decode")) == 2, 90)
     assert wait_until(lambda: cluster.metric("tokenmill:num_requests_running") == 0, 10)
     assert complete(cluster, "Hi", max_tokens=4)["choices"][0]["finish_reason"] == "length"
+
+
+def test_serve_run_of_the_deploy_config_serves_our_api_from_two_replicas(tmp_path):
+    """deploy/ray-serve.yaml's application under Ray Serve's own `serve run` (its HTTP
+    proxy, our app as the ingress deployment), two data-parallel replicas: a chat is
+    answered and /metrics shows both replicas. Stopped with Ctrl-C, as a user would."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from tests.server.conftest import free_port
+
+    config = yaml.safe_load(open(Path(__file__).parents[2] / "deploy" / "ray-serve.yaml"))
+    port = free_port()
+    config["http_options"] = {"host": "127.0.0.1", "port": port}
+    args = config["applications"][0]["args"]
+    args.pop("max_replicas"), args.pop("target_ongoing_requests")
+    args.update(served_model_name=MODEL, replica_cpus=0, replica_threads=1, kv_cache_memory="128MiB")
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ADDRESS": "local"}
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", str(path)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_until(lambda: _up(url) or proc.poll() is not None, 180) and proc.poll() is None, proc.stderr.read()
+        r = httpx.post(url + "/v1/chat/completions", timeout=60,
+                       json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8})  # fmt: skip
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+        assert wait_until(lambda: len(_replica_labels(url, "engine")) == 2, 10)
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _replica_labels(url: str, pool: str) -> list[str]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sorted({line.split('replica="', 1)[1].split('"', 1)[0] for line in text.splitlines()
+                   if line.startswith("tokenmill:num_requests_running{") and f'replica="{pool}/' in line})  # fmt: skip

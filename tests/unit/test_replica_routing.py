@@ -146,3 +146,25 @@ def test_replica_snapshots_merge_into_the_clusters_figures():
     m = merge_snapshots([a, b])
     assert (m.num_running, m.num_waiting, m.prefix_cache_queries, m.prefix_cache_hits) == (5, 1, 15, 9)
     assert m.kv_usage == 0.375 and m.loras == {"x": "/x"} and m.lora_requests == {"x": 3}
+
+
+def test_the_serve_deploy_application_takes_our_option_names_and_refuses_others():
+    """deploy/ray-serve.yaml's args are tokenmill's options; a typo is an error naming it
+    (building the application starts nothing)."""
+    import pytest
+    import yaml
+
+    pytest.importorskip("ray.serve")
+    from pathlib import Path
+
+    from tokenmill.errors import TokenmillError
+    from tokenmill.replicas.serve_app import build
+
+    config = yaml.safe_load((Path(__file__).parents[2] / "deploy" / "ray-serve.yaml").read_text())
+    (app,) = config["applications"]
+    assert app["import_path"] == "tokenmill.replicas.serve_app:build"
+    assert build(app["args"]) is not None
+    with pytest.raises(TokenmillError, match="data_paralel_size"):
+        build({"data_paralel_size": 2})
+    with pytest.raises(TokenmillError, match="both --prefill-replicas and --decode-replicas"):
+        build({"prefill_replicas": 1})

@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,56 +85,24 @@ class DisaggregationStats:
 
 
 class RayReplicaFront(StreamingFront):
-    def __init__(self, engine_args: EngineArgs, config: ReplicaConfig, tokenizer, start_timeout: float = 600.0) -> None:
-        super().__init__()
-        ray, serve = import_ray()
-        from tokenmill.replicas import ray_serve
+    """Streams requests from pools of engine replicas through their Ray Serve handles
+    (``handles``: "engine", or "prefill" and "decode"; ``indexes``: each pool's index
+    actor). ``on_shutdown`` stops what was started for it (Serve, Ray)."""
 
-        if config.disaggregated and engine_args.parallel.world_size > 1:
-            raise TokenmillError("disaggregated serving runs one process per replica: drop --tensor/pipeline-parallel-size")
-        if config.disaggregated and engine_args.speculative is not None and engine_args.speculative.method == "draft":
-            raise TokenmillError("disaggregated serving cannot ship a draft model's KV: use another --speculative method")
+    def __init__(self, handles: dict[str, Any], indexes: dict[str, Any], tokenizer, info: dict,
+                 on_shutdown: Callable[[], None] = lambda: None) -> None:  # fmt: skip
+        super().__init__()
+        import ray
+
+        self._ray = ray
+        self._handles, self._indexes = handles, indexes
+        self.disaggregated = "prefill" in handles
         self.tokenizer = tokenizer
-        self.config = config
-        self._ray, self._serve = ray, serve
-        self._started_ray = False
-        if not ray.is_initialized():
-            address = os.environ.get("RAY_ADDRESS")
-            cores = os.cpu_count() or 1
-            if address:
-                ray.init(address=address, namespace=ray_serve.NAMESPACE, log_to_driver=False)
-            else:
-                ray.init(address="local", num_cpus=cores, include_dashboard=False, namespace=ray_serve.NAMESPACE,
-                         object_store_memory=512 << 20, log_to_driver=False)  # fmt: skip
-            self._started_ray = True
-        serve.start(proxy_location="Disabled")
-        pools = [("decode", config.decode_replicas), ("prefill", config.prefill_replicas)] if config.disaggregated \
-            else [("engine", config.data_parallel_size)]  # fmt: skip
-        total = sum(n for _, n in pools)
-        cores = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
-        threads = config.replica_threads or max(1, cores // total)
-        cpus = config.replica_cpus if config.replica_cpus is not None else min(threads, cores / total)
-        self._indexes = {}
-        self._handles = {}
+        self.info = info
+        self.block_size = info["block_size"]
+        self.lora_roots: dict[str, bytes | None] = info["lora_roots"]
         self.disaggregation = DisaggregationStats()
-        try:
-            for role, n in pools:
-                name = ray_serve.index_name(APP, role)
-                self._indexes[role] = ray_serve.KVIndexActor.options(name=name, namespace=ray_serve.NAMESPACE,
-                                                                     get_if_exists=True).remote(config.routing, engine_args.cache.block_size)  # fmt: skip
-                app = ray_serve.deployment(role, engine_args, name, n, threads, cpus, config.replica_gpus, role,
-                                           config.max_replicas if role == "engine" else None,
-                                           config.target_ongoing_requests)  # fmt: skip
-                start = time.perf_counter()
-                self._handles[role] = serve.run(app, name=f"{APP}-{role}", route_prefix=None)
-                logger.info("%d %s replica(s) running after %.1f s", n, role, time.perf_counter() - start)
-            main = self._handles["decode" if config.disaggregated else "engine"]
-            self.info = main.info.remote().result(timeout_s=start_timeout)
-        except BaseException:
-            self._stop_ray()
-            raise
-        self.block_size = self.info["block_size"]
-        self.lora_roots: dict[str, bytes | None] = self.info["lora_roots"]
+        self._on_shutdown = on_shutdown
         self._view: tuple[dict[str, EngineSnapshot], dict[str, RoutingStats]] = ({}, {})
         self._stopped = threading.Event()
         self._poller = threading.Thread(target=self._poll, name="tokenmill-replica-view", daemon=True)
@@ -151,9 +119,9 @@ class RayReplicaFront(StreamingFront):
             raise UnknownModelError(f"the model {lora!r} does not exist", param="model")
         hashes = prompt_block_hashes(ids, self.block_size, self.lora_roots.get(lora))
         kv = None
-        if self.config.disaggregated and hashes and params.prompt_logprobs is None and params.pooling is None:
+        if self.disaggregated and hashes and params.prompt_logprobs is None and params.pooling is None:
             kv = await self._prefill(request_id, ids, params, lora, hashes)
-        handle = self._handles["decode" if self.config.disaggregated else "engine"]
+        handle = self._handles["decode" if self.disaggregated else "engine"]
         remaining, attempt = params.n, 0
         records: dict[int, OutputRecord] = {}
         while True:
@@ -240,7 +208,7 @@ class RayReplicaFront(StreamingFront):
     def replica_view(self) -> tuple[dict[str, EngineSnapshot], dict[str, RoutingStats], DisaggregationStats | None]:
         """Each live replica's last snapshot, each pool's routing counters, and (with
         disaggregated serving) the KV moved from prefill to decode replicas."""
-        return (*self._view, self.disaggregation if self.config.disaggregated else None)
+        return (*self._view, self.disaggregation if self.disaggregated else None)
 
     def snapshot(self) -> EngineSnapshot:
         snaps = self._view[0]
@@ -254,40 +222,90 @@ class RayReplicaFront(StreamingFront):
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
         self._stopped.set()
-        self._stop_ray()
-
-    def _stop_ray(self) -> None:
-        """Serve, the indexes and (if started here) Ray, each given a bounded time: a
-        cluster whose raylet has died would make ``serve.shutdown`` wait for ever."""
-
-        def stop() -> None:
-            try:
-                self._serve.shutdown()
-            except Exception:  # noqa: BLE001 - stopping anyway
-                logger.debug("serve.shutdown failed", exc_info=True)
-            for index in getattr(self, "_indexes", {}).values():
-                try:
-                    self._ray.kill(index)
-                except Exception:  # noqa: BLE001
-                    pass
-
-        stopper = threading.Thread(target=stop, name="tokenmill-serve-shutdown", daemon=True)
-        stopper.start()
-        stopper.join(30)
-        if stopper.is_alive():
-            logger.warning("Ray Serve did not shut down within 30 s; leaving it")
-        if self._started_ray:
-            self._ray.shutdown()
+        self._on_shutdown()
 
 
-def start_replicas(engine_args: EngineArgs, config: ReplicaConfig) -> tuple[RayReplicaFront, Any, int, Any]:
-    """The front, the tokenizer, the context length and the model's path (as ``serve`` needs)."""
+def start_replicas(engine_args: EngineArgs, config: ReplicaConfig, start_timeout: float = 600.0):
+    """Ray (the cluster RAY_ADDRESS names, else a local one), Serve without its HTTP
+    proxy (our app is the front), each pool's index and deployment: the front, the
+    tokenizer, the context length and the model's path, as ``serve`` needs them."""
     from pathlib import Path
 
     from tokenmill.model.paths import resolve_model_path
     from tokenmill.model.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(resolve_model_path(engine_args.load.model))
-    front = RayReplicaFront(engine_args, config, tokenizer)
-    return front, tokenizer, front.info["max_model_len"], Path(front.info["model_path"])
+    check_replica_options(engine_args, config)
+    ray, serve = import_ray()
+    from tokenmill.replicas import ray_serve
 
+    tokenizer = load_tokenizer(resolve_model_path(engine_args.load.model))
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        address = os.environ.get("RAY_ADDRESS")
+        if address:
+            ray.init(address=address, namespace=ray_serve.NAMESPACE, log_to_driver=False)
+        else:
+            ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False,
+                     namespace=ray_serve.NAMESPACE, object_store_memory=512 << 20, log_to_driver=False)  # fmt: skip
+    indexes: dict[str, Any] = {}
+
+    def stop() -> None:
+        """Serve, the indexes and (if started here) Ray, each given a bounded time: a
+        cluster whose raylet has died would make ``serve.shutdown`` wait for ever."""
+
+        def stop_serve() -> None:
+            try:
+                serve.shutdown()
+            except Exception:  # noqa: BLE001 - stopping anyway
+                logger.debug("serve.shutdown failed", exc_info=True)
+            for index in indexes.values():
+                try:
+                    ray.kill(index)
+                except Exception:  # noqa: BLE001
+                    pass
+
+        stopper = threading.Thread(target=stop_serve, name="tokenmill-serve-shutdown", daemon=True)
+        stopper.start()
+        stopper.join(30)
+        if stopper.is_alive():
+            logger.warning("Ray Serve did not shut down within 30 s; leaving it")
+        if started_ray:
+            ray.shutdown()
+
+    try:
+        serve.start(proxy_location="Disabled")
+        cores = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
+        pools = replica_pools(config)
+        total = sum(pools.values())
+        threads = config.replica_threads or max(1, cores // total)
+        cpus = config.replica_cpus if config.replica_cpus is not None else min(threads, cores / total)
+        handles = {}
+        for role, n in pools.items():
+            name = ray_serve.index_name(APP, role)
+            indexes[role] = ray_serve.get_index(name, config.routing, engine_args.cache.block_size)
+            app = ray_serve.deployment(role, engine_args, name, n, threads, cpus, config.replica_gpus, config.routing,
+                                       config.max_replicas if role == "engine" else None,
+                                       config.target_ongoing_requests)  # fmt: skip
+            start = time.perf_counter()
+            handles[role] = serve.run(app, name=f"{APP}-{role}", route_prefix=None)
+            logger.info("%d %s replica(s) running after %.1f s", n, role, time.perf_counter() - start)
+        info = handles["decode" if config.disaggregated else "engine"].info.remote().result(timeout_s=start_timeout)
+    except BaseException:
+        stop()
+        raise
+    front = RayReplicaFront(handles, indexes, tokenizer, info, on_shutdown=stop)
+    return front, tokenizer, info["max_model_len"], Path(info["model_path"])
+
+
+def replica_pools(config: ReplicaConfig) -> dict[str, int]:
+    """Pool -> replicas: decode and prefill (disaggregated), else one "engine" pool."""
+    if config.disaggregated:
+        return {"decode": config.decode_replicas, "prefill": config.prefill_replicas}
+    return {"engine": config.data_parallel_size}
+
+
+def check_replica_options(engine_args: EngineArgs, config: ReplicaConfig) -> None:
+    if config.disaggregated and engine_args.parallel.world_size > 1:
+        raise TokenmillError("disaggregated serving runs one process per replica: drop --tensor/pipeline-parallel-size")
+    if config.disaggregated and engine_args.speculative is not None and engine_args.speculative.method == "draft":
+        raise TokenmillError("disaggregated serving cannot ship a draft model's KV: use another --speculative method")

@@ -49,11 +49,17 @@ def replica_key(replica_id: ReplicaID) -> str:
     return f"{replica_id.deployment_id.name}/{replica_id.unique_id}"
 
 
-def index_name(app: str, deployment: str) -> str:
-    return f"{app}-{deployment}-kv-index"
+def index_name(app: str, pool: str) -> str:
+    return f"{app}-{pool}-kv-index"
 
 
 KVIndexActor = ray.remote(num_cpus=0)(KVIndex)
+
+
+def get_index(name: str, routing: str, block_size: int):
+    """The pool's index actor, created by whoever asks first (the front, or a replica
+    deployed by ``serve deploy``, where no front starts first)."""
+    return KVIndexActor.options(name=name, namespace=NAMESPACE, get_if_exists=True).remote(routing, block_size)
 
 
 class KVRequestRouter(RequestRouter):
@@ -95,7 +101,8 @@ class KVRequestRouter(RequestRouter):
 class EngineReplica:
     """One engine in a Ray Serve replica (``role``: "engine", "prefill" or "decode")."""
 
-    def __init__(self, engine_args: EngineArgs, index: str, threads: int, role: str = "engine") -> None:
+    def __init__(self, engine_args: EngineArgs, index: str, threads: int, role: str = "engine",
+                 routing: str = "kv") -> None:  # fmt: skip
         import torch
 
         from tokenmill.engine.async_engine import AsyncEngine
@@ -108,7 +115,7 @@ class EngineReplica:
         self.core.start_kv_events()
         self.engine = AsyncEngine(self.core)
         self.name = replica_key(serve.get_replica_context().replica_id)
-        self.index = ray.get_actor(index, namespace=NAMESPACE)
+        self.index = get_index(index, routing, self.core.config.block_size)
         self._report_lock = threading.Lock()  # events are taken and sent in order
         self._imported = (0, 0.0)  # blocks received and seconds taken, not reported yet
         ray.get(self._report(reset=True))
@@ -201,8 +208,8 @@ class EngineReplica:
 
 
 def deployment(name: str, engine_args: EngineArgs, index: str, replicas: int, threads: int, cpus: float,
-               gpus: float, role: str, max_replicas: int | None = None, target_ongoing_requests: float = 8.0):  # fmt: skip
-    """The Ray Serve application of one pool of engine replicas."""
+               gpus: float, routing: str, max_replicas: int | None = None, target_ongoing_requests: float = 8.0):  # fmt: skip
+    """One pool of engine replicas, bound (``name``: its role, "engine", "prefill" or "decode")."""
     from ray.serve.config import RequestRouterConfig
 
     scaling: dict[str, Any] = {"num_replicas": replicas}
@@ -221,4 +228,4 @@ def deployment(name: str, engine_args: EngineArgs, index: str, replicas: int, th
         health_check_period_s=2.0,
         graceful_shutdown_timeout_s=5.0,
         **scaling,
-    ).bind(replace(engine_args), index, threads, role)
+    ).bind(replace(engine_args), index, threads, name, routing)

@@ -78,10 +78,15 @@ def _start_engine(args: argparse.Namespace, config: ServerConfig):
     return AsyncEngine(llm.engine), llm.tokenizer, llm.max_model_len, llm.model_path, llm.close
 
 
+def model_id(path: Path) -> str:
+    """The model id clients send by default: a file's stem, a folder's name."""
+    return path.stem if path.is_file() else path.name
+
+
 def _run_server(engine: StreamingFront, tokenizer, max_model_len: int, path: Path, config: ServerConfig) -> None:
     import uvicorn
 
-    name = config.served_model_name or (path.stem if path.is_file() else path.name)
+    name = config.served_model_name or model_id(path)
     config = replace(config, served_model_name=name)
     app = build_app(engine, tokenizer, max_model_len, config)
     print(f"tokenmill: serving {name} on http://{config.host}:{config.port}/v1", file=sys.stderr, flush=True)
