@@ -17,7 +17,8 @@ KV cache holds about half the system prompts (``--kv-cache-memory``): routing de
 whether the pair's caches act as one cache of twice the size or as two copies. For one
 replica (plain ``tokenmill serve``, both cores, the pair's total KV memory) and for two
 replicas routed by ``kv``, ``pow2`` and ``round-robin``: prefix-hit rate (from the
-replicas' /metrics), TTFT p50/p99, throughput.
+replicas' /metrics), TTFT p50/p99, throughput. Each system prompt is sent once, one at a
+time, before the measured chats (a service that has been running; ``--cold``: not).
 
 overhead: one replica behind Ray (``--ray``, both cores) against plain ``tokenmill
 serve``: TTFT and throughput of the same streamed completions.
@@ -198,6 +199,8 @@ async def run_chats(url: str, workload, concurrency: int, max_tokens: int) -> tu
 def routing(args: argparse.Namespace) -> dict:
     workload = chat_workload(0, args.systems, args.chats, args.turns, args.system_words)
     warm = chat_workload(1, 1, 2, 1, 50)
+    if not args.cold:  # the service has been running: each system prompt was seen once before
+        warm += [(system, ["Hello."]) for system in dict.fromkeys(s for s, _ in workload)]
     kv = ["--kv-cache-memory", args.kv_cache_memory]
     modes = {"one replica": (["--kv-cache-memory", args.single_kv_cache_memory], None)}
     for policy in ("kv", "pow2", "round-robin"):
@@ -209,7 +212,7 @@ def routing(args: argparse.Namespace) -> dict:
             log(f"{name}")
             server = Server(flags, address if ray else None)
             try:
-                asyncio.run(run_chats(server.url, warm, 2, 8))
+                asyncio.run(run_chats(server.url, warm, 1, 8))
                 before = server.metrics()
                 results, elapsed = asyncio.run(run_chats(server.url, workload, args.concurrency, args.max_tokens))
                 time.sleep(1.0)  # the replicas' last reports
@@ -234,7 +237,7 @@ def routing(args: argparse.Namespace) -> dict:
                 f"p99 {r['ttft_s']['p99'] * 1000:.0f} ms  {r['requests_per_s']:.2f} req/s")  # fmt: skip
     finally:
         stop_cluster()
-    return {"workload": {"systems": args.systems, "system_words": args.system_words, "chats": args.chats,
+    return {"workload": {"cold": args.cold, "systems": args.systems, "system_words": args.system_words, "chats": args.chats,
                          "turns": args.turns, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
                          "kv_cache_memory": args.kv_cache_memory,
                          "single_kv_cache_memory": args.single_kv_cache_memory}, "runs": runs}  # fmt: skip
@@ -448,6 +451,7 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--kv-cache-memory", default="96MiB", help="per replica")
+    p.add_argument("--cold", action="store_true", help="no system prompt seen before the measured chats")
     p.add_argument("--single-kv-cache-memory", default="192MiB", help="the one replica's: the pair's total")
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--rounds", type=int, default=2)
@@ -463,10 +467,11 @@ def main() -> int:
     result = {"run": modes[args.mode](args)}
     result = {"cpu": f"{cpu.model}, {cpu.cores} cores, {cpu.capability}", "command": " ".join(sys.argv),
               **result["run"]}  # fmt: skip
-    out = RESULTS / f"replicas_{args.mode}.json"
+    suffix = "_cold" if args.mode == "routing" and args.cold else ""
+    out = RESULTS / f"replicas_{args.mode}{suffix}.json"
     out.write_text(json.dumps(result, indent=1))
     if args.mode == "routing":
-        plot_routing(result, RESULTS / "replicas_routing.png")
+        plot_routing(result, RESULTS / f"replicas_routing{suffix}.png")
     elif args.mode == "disagg":
         plot_disagg(result, RESULTS / "replicas_disagg.png")
     log(f"wrote {out}")
