@@ -143,8 +143,8 @@ def test_a_killed_decode_replica_fails_only_its_streams_and_is_replaced(cluster)
         t.start()
     assert wait_until(lambda: sum(cluster.metric("tokenmill:num_requests_running", replica=r)
                                   for r in _replicas(cluster, "decode")) == 4, 60)  # fmt: skip
-    running = [cluster.metric("tokenmill:num_requests_running", replica=r) for r in _replicas(cluster, "decode")]
-    assert running == [2, 2]  # no shared prefix: the least loaded replica each time
+    running = [int(cluster.metric("tokenmill:num_requests_running", replica=r)) for r in _replicas(cluster, "decode")]
+    assert min(running) >= 1, running  # no shared prefix: spread by load (2 and 2, or 3 and 1 if a report crossed)
     victim = replica_pids(cluster, "decode")[0]
     os.kill(victim, signal.SIGKILL)
     answer = complete(cluster, LONG + "Still there?", max_tokens=8)  # routed (or retried) to the live replica
@@ -152,7 +152,8 @@ def test_a_killed_decode_replica_fails_only_its_streams_and_is_replaced(cluster)
     for t in threads:
         t.join(120)
         assert not t.is_alive(), "a stream hung after its replica died"
-    assert sorted(results) == ["error", "error", "length", "length"], results
+    assert len(results) == 4 and set(results) == {"error", "length"}, results
+    assert results.count("error") in running, (results, running)  # exactly the victim's streams failed
     assert wait_until(lambda: len(replica_pids(cluster, "decode")) == 2 and len(_replicas(cluster, "decode")) == 2, 90)
     assert wait_until(lambda: cluster.metric("tokenmill:num_requests_running") == 0, 10)
     assert complete(cluster, "Hi", max_tokens=4)["choices"][0]["finish_reason"] == "length"

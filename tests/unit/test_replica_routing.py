@@ -48,23 +48,28 @@ def replicas(loads: list[int], cached: dict[int, list[int]]) -> list[ReplicaStat
     return out
 
 
-def test_kv_routing_prefers_the_cached_prefix_unless_load_is_out_of_balance():
-    router = KVAwareRouter()
+def test_kv_routing_weighs_the_cached_prefix_against_load():
+    """A replica's cost: the prompt tokens it would compute plus a price per request in
+    flight there (here one block's worth); a prefix below 30% of the prompt does not
+    count; load far out of balance overrides; equal loads spread distinct prefixes."""
+    router = KVAwareRouter(block_size=BS, load_cost=BS)
     prompt = prompt_block_hashes(SYSTEM + list(range(8)), BS)  # 6 blocks, the first 4 shared
-    fleet = replicas([5, 0, 3], {0: SYSTEM})
+    fleet = replicas([1, 0, 3], {0: SYSTEM})  # costs: r0 8 + 4, r1 24 + 0, r2 24 + 12
     assert router.choose(prompt, fleet) == router.choose(prompt, fleet)
     choice = router.choose(prompt, fleet)
-    assert (choice.replica, choice.matched_blocks, choice.reason) == ("r0", 4, "prefix")  # 4/6 >= 0.3, though busier
+    assert (choice.replica, choice.matched_blocks, choice.reason) == ("r0", 4, "prefix")  # though busier
+    busy = replicas([5, 0, 3], {0: SYSTEM})  # r0: 8 + 20 > r1's 24: the idle replica computes the prompt
+    assert (router.choose(prompt, busy).replica, router.choose(prompt, busy).reason) == ("r1", "least_loaded")
     short = prompt_block_hashes(SYSTEM[:4] + list(range(40, 60)), BS)  # 1 of 6 blocks cached: below 0.3
     assert router.choose(short, fleet).replica == "r1" and router.choose(short, fleet).reason == "least_loaded"
     hot = replicas([200, 10, 120], {0: SYSTEM})  # r0: 190 more than the idlest and 20x: balance wins
     assert router.choose(prompt, hot).reason == "balance" and router.choose(prompt, hot).replica == "r1"
-    near = replicas([60, 10, 12], {0: SYSTEM})  # 50 more: within balance_abs, so the prefix still wins
-    assert router.choose(prompt, near).replica == "r0"
-    tie = replicas([2, 1, 1], {0: SYSTEM, 2: SYSTEM})  # equal matches: the less loaded, then the name
+    tie = replicas([2, 1, 1], {0: SYSTEM, 2: SYSTEM})  # equal matches: the cheaper, less loaded one
     assert router.choose(prompt, tie).replica == "r2"
     assert router.choose([], fleet).replica == "r1"  # a prompt shorter than a block: least loaded
-    assert router.decisions["prefix"] >= 3 and router.decisions["balance"] == 2
+    idle = replicas([0, 0], {0: SYSTEM})  # a new prefix, both idle: the replica holding less gets it
+    assert router.choose(prompt_block_hashes(list(range(60, 84)), BS), idle).replica == "r1"
+    assert router.decisions["prefix"] == 4 and router.decisions["balance"] == 2
 
 
 def test_the_baselines_ignore_the_cache():

@@ -36,7 +36,10 @@ class KVIndex:
     def __init__(self, routing: str = "kv", block_size: int = 16, seed: int | None = None) -> None:
         if routing not in ROUTERS:
             raise ValueError(f"unknown routing {routing!r}; choose one of {', '.join(ROUTERS)}")
-        self.policy = ROUTERS[routing](seed=seed) if routing == "pow2" else ROUTERS[routing]()
+        if routing == "kv":
+            self.policy = ROUTERS[routing](block_size=block_size)
+        else:
+            self.policy = ROUTERS[routing](seed=seed) if routing == "pow2" else ROUTERS[routing]()
         self.routing, self.block_size = routing, block_size
         self.replicas: dict[str, ReplicaState] = {}
         self.snapshots: dict[str, EngineSnapshot] = {}

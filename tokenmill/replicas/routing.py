@@ -6,11 +6,14 @@ waiting). A request's prompt is hashed into the same chain of block hashes the
 engine computes (``prompt_block_hashes``), so the router knows exactly, not by
 guess, how many of its leading blocks each replica holds.
 
-``KVAwareRouter`` follows vllm-router's and sglang's ``cache_aware`` policy: the
-replica holding the longest run of the prompt's blocks wins when that run is at
-least ``min_match`` of the prompt's blocks; otherwise, or when the load is out of
-balance (the busiest replica has ``balance_abs`` more requests than the idlest and
-``balance_rel`` times as many), the least loaded one. ``PowerOfTwoRouter`` (Ray
+``KVAwareRouter`` starts from vllm-router's and sglang's ``cache_aware`` policy (a
+prefix must cover ``min_match`` of the prompt's blocks to count; load out of balance,
+the busiest replica with ``balance_abs`` more requests than the idlest and
+``balance_rel`` times as many, sends to the least loaded) and, as llm-d does, scores
+the prefix and the load together: a replica's cost is the prompt tokens it would
+compute plus a price per request already there. Their rule alone (the longest prefix
+wins until 64 requests of imbalance) put every chat of a benchmark on one replica of
+two, the other idle, at 8 concurrent sessions (bench/RESULTS.md). ``PowerOfTwoRouter`` (Ray
 Serve's default) and ``RoundRobinRouter`` are the baselines it is measured against.
 No Ray here: the policies are plain objects, tested from given events and loads.
 """
@@ -76,21 +79,35 @@ class Choice:
 
 
 class KVAwareRouter:
-    def __init__(self, min_match: float = 0.3, balance_abs: int = 64, balance_rel: float = 1.5) -> None:
+    """Cache hits weighed against load. Each replica's cost for a prompt is the tokens
+    it would have to compute (the prompt past its cached run) plus ``load_cost`` tokens
+    per request already there; the cheapest wins. Below ``min_match`` of the prompt
+    cached anywhere, or with load out of balance, the least loaded wins; between
+    equally loaded replicas, the one holding fewer blocks, so that distinct prefixes
+    (system prompts) spread over the replicas instead of piling onto the first."""
+
+    def __init__(self, min_match: float = 0.3, balance_abs: int = 64, balance_rel: float = 1.5,
+                 block_size: int = 16, load_cost: int = 128) -> None:  # fmt: skip
         self.min_match, self.balance_abs, self.balance_rel = min_match, balance_abs, balance_rel
+        self.block_size, self.load_cost = block_size, load_cost
         self.decisions: Counter[str] = Counter()
 
     def choose(self, hashes: Sequence[bytes], replicas: Sequence[ReplicaState]) -> Choice:
         if not replicas:
             raise ValueError("no replica to route to")
-        least = min(replicas, key=lambda r: (r.load, r.name))
+        least = min(replicas, key=lambda r: (r.load, len(r.cached), r.name))
         busiest = max(r.load for r in replicas)
         matches = {r.name: r.matched(hashes) for r in replicas}
-        best = max(replicas, key=lambda r: (matches[r.name], -r.load, r.name))
+        top = max(matches.values())
         if busiest - least.load > self.balance_abs and busiest > self.balance_rel * least.load:
             choice = Choice(least.name, matches[least.name], "balance")
-        elif hashes and matches[best.name] >= self.min_match * len(hashes):
-            choice = Choice(best.name, matches[best.name], "prefix")
+        elif hashes and top >= self.min_match * len(hashes):
+            def cost(r: ReplicaState) -> tuple:
+                return ((len(hashes) - matches[r.name]) * self.block_size + self.load_cost * r.load,
+                        -matches[r.name], len(r.cached), r.name)  # fmt: skip
+
+            pick = min(replicas, key=cost)
+            choice = Choice(pick.name, matches[pick.name], "prefix" if matches[pick.name] == top else "least_loaded")
         else:
             choice = Choice(least.name, matches[least.name], "least_loaded")
         self.decisions[choice.reason] += 1
