@@ -2,7 +2,7 @@
 
     python bench/replicas.py routing   [--chats 32 --turns 3 --concurrency 8]
     python bench/replicas.py overhead  [--requests 48]
-    python bench/replicas.py disagg    [--decoders 6 --long-prompts 6]
+    python bench/replicas.py disagg    [--decoders 6 --long-prompts 12]
     python bench/replicas.py autoscale
 
 Every Ray run is on a local two-"node" cluster (``ray start --head`` plus a second
@@ -135,8 +135,10 @@ class Server:
 # ------------------------------------------------------------------ requests
 
 
-async def stream_chat(client: httpx.AsyncClient, url: str, messages: list[dict], max_tokens: int) -> dict:
-    body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+async def stream_chat(client: httpx.AsyncClient, url: str, messages: list[dict], max_tokens: int,
+                      ignore_eos: bool = False) -> dict:  # fmt: skip
+    body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": ignore_eos}  # fmt: skip
     start = time.perf_counter()
     first, parts, gaps, last = None, [], [], start
     async with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=None) as r:
@@ -364,7 +366,7 @@ def disagg(args: argparse.Namespace) -> dict:
 
 async def _interference(url: str, decoders: list[str], longs: list[str], args) -> tuple[list[dict], list[dict]]:
     async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as client:
-        dec = [asyncio.create_task(stream_chat(client, url, [{"role": "user", "content": p}], args.decode_tokens))
+        dec = [asyncio.create_task(stream_chat(client, url, [{"role": "user", "content": p}], args.decode_tokens, True))
                for p in decoders]  # fmt: skip
         await asyncio.sleep(2.0)  # the decoders are decoding
         lng = []
@@ -456,10 +458,10 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--decoders", type=int, default=6)
-    p.add_argument("--decode-tokens", type=int, default=160)
-    p.add_argument("--long-prompts", type=int, default=6)
+    p.add_argument("--decode-tokens", type=int, default=400)
+    p.add_argument("--long-prompts", type=int, default=12)
     p.add_argument("--long-words", type=int, default=900)
-    p.add_argument("--long-interval", type=float, default=1.5)
+    p.add_argument("--long-interval", type=float, default=0.75)
     args = p.parse_args()
     RESULTS.mkdir(exist_ok=True)
     cpu = cpu_info()

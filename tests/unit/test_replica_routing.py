@@ -173,3 +173,34 @@ def test_the_serve_deploy_application_takes_our_option_names_and_refuses_others(
         build({"data_paralel_size": 2})
     with pytest.raises(TokenmillError, match="both --prefill-replicas and --decode-replicas"):
         build({"prefill_replicas": 1})
+
+
+def test_replicas_without_ray_say_how_to_install_it(monkeypatch):
+    import sys
+
+    import pytest
+
+    from tokenmill.errors import TokenmillError
+    from tokenmill.replicas.front import import_ray
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed
+    with pytest.raises(TokenmillError, match=r"pip install 'tokenmill\[ray\]'"):
+        import_ray()
+
+
+def test_replica_options_are_checked_before_anything_starts():
+    import pytest
+
+    from tokenmill.args import engine_args
+    from tokenmill.config import ReplicaConfig
+    from tokenmill.errors import TokenmillError
+    from tokenmill.replicas.front import check_replica_options
+
+    with pytest.raises(ValueError, match="both --prefill-replicas and --decode-replicas"):
+        ReplicaConfig(decode_replicas=2)
+    with pytest.raises(ValueError, match="replace --data-parallel-size"):
+        ReplicaConfig(data_parallel_size=2, prefill_replicas=1, decode_replicas=1)
+    assert not ReplicaConfig().enabled and ReplicaConfig(ray=True).enabled
+    with pytest.raises(TokenmillError, match="draft model"):
+        check_replica_options(engine_args(speculative="draft", draft_model="x"),
+                              ReplicaConfig(prefill_replicas=1, decode_replicas=1))  # fmt: skip
