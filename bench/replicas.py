@@ -331,7 +331,8 @@ def disagg(args: argparse.Namespace) -> dict:
     runs, texts = {}, {}
     try:
         for name, flags in modes.items():
-            server = Server([*flags, "--kv-cache-memory", "512MiB"], address)
+            # float32: batch-invariant, so that the two modes' greedy answers can be compared token for token
+            server = Server([*flags, "--kv-cache-memory", "512MiB", "--dtype", "float32"], address)
             try:
                 asyncio.run(run_completions(server.url, 2, 2, 98))
                 before = server.metrics()
