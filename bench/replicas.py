@@ -292,7 +292,7 @@ async def run_completions(url: str, n: int, concurrency: int, seed: int) -> tupl
 
 def overhead(args: argparse.Namespace) -> dict:
     modes = {"plain tokenmill serve": ([], None),
-             "one replica on Ray Serve": (["--ray", "--replica-threads", "2"], "cluster")}  # fmt: skip
+             "one replica on Ray Serve": (["--ray", "--replica-threads", "2", "--replica-cpus", "1"], "cluster")}  # fmt: skip
     address = start_cluster()
     runs = {}
     try:

@@ -275,10 +275,11 @@ def start_replicas(engine_args: EngineArgs, config: ReplicaConfig, start_timeout
     try:
         serve.start(proxy_location="Disabled")
         cores = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
+        node_cpus = max((n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["Alive"]), default=cores)
         pools = replica_pools(config)
         total = sum(pools.values())
         threads = config.replica_threads or max(1, cores // total)
-        cpus = config.replica_cpus if config.replica_cpus is not None else min(threads, cores / total)
+        cpus = config.replica_cpus if config.replica_cpus is not None else min(threads, cores / total, node_cpus)
         handles = {}
         for role, n in pools.items():
             name = ray_serve.index_name(APP, role)
@@ -287,7 +288,9 @@ def start_replicas(engine_args: EngineArgs, config: ReplicaConfig, start_timeout
                                        config.max_replicas if role == "engine" else None,
                                        config.target_ongoing_requests)  # fmt: skip
             start = time.perf_counter()
-            handles[role] = serve.run(app, name=f"{APP}-{role}", route_prefix=None)
+            (handles[role],) = serve.run_many([serve.RunTarget(app, name=f"{APP}-{role}", route_prefix=None)],
+                                              wait_for_applications_running=False)  # fmt: skip
+            wait_until_running(serve, f"{APP}-{role}", start_timeout, fail_unschedulable=not os.environ.get("RAY_ADDRESS"))
             logger.info("%d %s replica(s) running after %.1f s", n, role, time.perf_counter() - start)
         info = handles["decode" if config.disaggregated else "engine"].info.remote().result(timeout_s=start_timeout)
     except BaseException:
@@ -295,6 +298,30 @@ def start_replicas(engine_args: EngineArgs, config: ReplicaConfig, start_timeout
         raise
     front = RayReplicaFront(handles, indexes, tokenizer, info, on_shutdown=stop)
     return front, tokenizer, info["max_model_len"], Path(info["model_path"])
+
+
+def wait_until_running(serve, app: str, timeout: float, fail_unschedulable: bool) -> None:
+    """Until the application's replicas run (``serve.run`` would wait for ever when they
+    cannot be placed). On a cluster of our own (``fail_unschedulable``), replicas that
+    Ray cannot schedule are an error after a minute, with Ray's reason; a cluster that
+    may autoscale gets the whole ``timeout``."""
+    start = time.perf_counter()
+    said = ""
+    while True:
+        status = serve.status().applications.get(app)
+        if status is not None and status.status == "RUNNING":
+            return
+        messages = "; ".join(d.message for d in (status.deployments.values() if status else ()) if d.message)
+        if status is not None and status.status in ("DEPLOY_FAILED", "UNHEALTHY"):
+            raise TokenmillError(f"the engine replicas failed to start: {status.message or messages}")
+        waited = time.perf_counter() - start
+        if messages and messages != said:
+            logger.info("waiting for %s: %s", app, messages)
+            said = messages
+        if waited > timeout or (fail_unschedulable and waited > 60 and "to be scheduled" in messages):
+            raise TokenmillError(f"the engine replicas did not start within {waited:.0f} s: {messages or 'no reason given'}"
+                                 " (fewer replicas, or --replica-cpus / --replica-gpus the nodes have)")  # fmt: skip
+        time.sleep(0.5)
 
 
 def replica_pools(config: ReplicaConfig) -> dict[str, int]:
