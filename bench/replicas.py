@@ -71,7 +71,8 @@ def text(rng: random.Random, n: int) -> str:
 def ray_env() -> dict:
     """The nodes' environment: the replicas (started by the nodes' raylets) import this
     checkout's tokenmill, as the server does."""
-    return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token", "PYTHONPATH": str(HERE.parent)}
+    return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token", "PYTHONPATH": str(HERE.parent),
+            "RAY_worker_niceness": "0"}  # Ray's default, 15, lets its own processes preempt the engines
 
 
 def ray_bin() -> str:
@@ -300,7 +301,7 @@ def overhead(args: argparse.Namespace) -> dict:
             for name, (flags, ray) in modes.items():
                 server = Server(flags, address if ray else None)
                 try:
-                    asyncio.run(run_completions(server.url, 4, 2, 99))
+                    asyncio.run(run_completions(server.url, 16, args.concurrency, 99))  # warm: every batch shape
                     results, elapsed = asyncio.run(run_completions(server.url, args.requests, args.concurrency, rnd))
                 finally:
                     server.stop()

@@ -407,7 +407,8 @@ class EngineCore:
         return len(ids), (self.runner.export_blocks(ids) if ids else None)
 
     def import_kv(self, hashes: Sequence[bytes], data: Any) -> int:
-        """Put KV exported by ``export_kv`` (row i: the block of ``hashes[i]``) into this
+        """Put KV exported by ``export_kv`` (row i: the block of ``hashes[i]``; a tensor or
+        its raw bytes) into this
         engine's prefix cache, so that a request with that prompt starts as on a cache
         hit. Blocks cached already are kept; the others take free blocks (evicting the
         least recently used cached ones) while there are some. Returns the leading
@@ -425,7 +426,7 @@ class EngineCore:
         ids = pool.allocate(min(len(hashes) - len(found), pool.num_free))
         try:
             if ids:
-                self.runner.import_blocks(ids, data[len(found) : len(found) + len(ids)])
+                self.runner.import_blocks(ids, data, first_row=len(found))
                 for b, h in zip(ids, hashes[len(found) :], strict=False):
                     pool.cache(b, h)
         finally:

@@ -62,6 +62,7 @@ class AsyncCoreClient(StreamingFront):
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._call_ids = itertools.count()
         self._snapshot = EngineSnapshot()
+        self._kv_events: list[tuple[str, bytes]] = []  # the core's prefix-cache events, not taken yet
         self._stopping = False
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
@@ -141,7 +142,20 @@ class AsyncCoreClient(StreamingFront):
     async def remove_lora(self, name: str) -> None:
         await self._call("remove_lora", [name])
 
-    async def _call(self, method: str, args: list) -> None:
+    async def call(self, method: str, args: list | None = None) -> Any:
+        """A call the core makes between steps, and its result: ``start_kv_events``,
+        ``lora_hash_roots``, ``export_kv`` [hashes], ``import_kv`` [hashes, raw bytes]
+        (what an engine replica asks of its core: replicas/ray_serve.py)."""
+        return await self._call(method, args or [])
+
+    def take_kv_events(self) -> list[tuple[str, bytes]]:
+        """The core's prefix-cache events received since the last call (after
+        ``start_kv_events``), in order."""
+        with self._lock:
+            events, self._kv_events = self._kv_events, []
+        return events
+
+    async def _call(self, method: str, args: list) -> Any:
         if self.is_dead:
             raise EngineDeadError("the engine loop is not running")
         loop = asyncio.get_running_loop()
@@ -154,7 +168,7 @@ class AsyncCoreClient(StreamingFront):
             except EngineDeadError:
                 del self._calls[call_id]
                 raise
-        await done
+        return await done
 
     def snapshot(self) -> EngineSnapshot:
         """The core's gauges as of its latest message."""
@@ -204,6 +218,10 @@ class AsyncCoreClient(StreamingFront):
                 kind = msg[0]
                 if kind == "dead":
                     raise EngineDeadError(msg[1])
+                events = msg[-1].pop("kv_events", None)
+                if events:
+                    with self._lock:
+                        self._kv_events.extend((kind, bytes(h)) for kind, h in events)
                 self._snapshot = snapshot_from_wire(msg[-1])
                 if kind == "out":
                     self._on_outputs(msg[1])
@@ -214,7 +232,7 @@ class AsyncCoreClient(StreamingFront):
                     with self._lock:
                         self._forget(msg[1])
                 elif kind == "reply":
-                    self._settle(self._calls, msg[1], None if msg[2] is None else error_from_wire(msg[2]))
+                    self._settle(self._calls, msg[1], None if msg[2] is None else error_from_wire(msg[2]), msg[3])
         except (EOFError, OSError):
             if self._stopping:  # a clean stop: what still streams ends, nobody died
                 self._fail_all(EngineDeadError("the engine was shut down"), dead=False)
@@ -237,13 +255,13 @@ class AsyncCoreClient(StreamingFront):
                 elif out.finished and out.request_id not in self._streams:  # its last sequence ended
                     self._seq_ids.pop(out.request_id, None)
 
-    def _settle(self, waiting: dict, key: Any, error: BaseException | None) -> None:
+    def _settle(self, waiting: dict, key: Any, error: BaseException | None, result: Any = None) -> None:
         with self._lock:
             entry = waiting.pop(key, None)
         if entry is not None:
             loop, fut = entry
             try:
-                loop.call_soon_threadsafe(_resolve, fut, error)
+                loop.call_soon_threadsafe(_resolve, fut, error, result)
             except RuntimeError:  # its event loop has closed
                 pass
 

@@ -63,7 +63,13 @@ class CoreLoop:
         self.conn.send_bytes(pack(list(msg)))
 
     def snapshot(self) -> dict:
-        return snapshot_to_wire(self.core.snapshot())
+        """The gauges, and the prefix cache's events since the last message when they are
+        recorded (``start_kv_events``: a replica's router follows them)."""
+        wire = snapshot_to_wire(self.core.snapshot())
+        events = self.core.take_kv_events()
+        if events:
+            wire["kv_events"] = events
+        return wire
 
     def run(self) -> None:
         try:
@@ -155,8 +161,8 @@ class CoreLoop:
         self.pending.append(_Pending(future, add, fail, rid, deadline, lambda: structured.timeout_error(spec)))
 
     def _call(self, call_id: int, method: str, args: list) -> None:
-        def reply(error: BaseException | None = None) -> None:
-            self.send("reply", call_id, None if error is None else error_to_wire(error), self.snapshot())
+        def reply(error: BaseException | None = None, result: Any = None) -> None:
+            self.send("reply", call_id, None if error is None else error_to_wire(error), result, self.snapshot())
 
         try:
             if method == "add_lora":  # a new name only (the server's loads): concurrent ones, one wins
@@ -175,14 +181,24 @@ class CoreLoop:
 
                 self.pending.append(_Pending(self.pool.submit(self.core.load_lora, name, path), served, failed))
                 return
+            result = None
             if method == "remove_lora":
                 self.core.remove_lora(args[0])
+            elif method == "start_kv_events":
+                self.core.start_kv_events()
+            elif method == "lora_hash_roots":
+                result = {name: self.core.lora_hash_root(name) for name in self.core.loras}
+            elif method == "export_kv":  # -> [blocks, their raw bytes] (replicas/ray_serve.py)
+                n, data = self.core.export_kv(args[0])
+                result = [n, None if data is None else data.numpy().tobytes()]
+            elif method == "import_kv":  # [hashes, raw bytes] -> blocks now cached
+                result = self.core.import_kv(args[0], args[1])
             else:
                 raise ValueError(f"unknown engine-core call {method!r}")
         except Exception as e:  # noqa: BLE001 - handed to the caller
             reply(e)
             return
-        reply()
+        reply(None, result)
 
     def _apply_prepared(self) -> bool:
         now = time.monotonic()

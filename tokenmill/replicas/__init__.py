@@ -1,1 +1,2 @@
-"""Engine replicas behind one endpoint: which replica serves a request (routing)."""
+"""Engine replicas behind one endpoint, on Ray Serve: routing by what each replica's KV
+cache holds, and disaggregated prefill/decode (docs/ARCHITECTURE.md)."""

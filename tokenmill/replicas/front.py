@@ -244,7 +244,8 @@ def start_replicas(engine_args: EngineArgs, config: ReplicaConfig, start_timeout
         address = os.environ.get("RAY_ADDRESS")
         if address:
             ray.init(address=address, namespace=ray_serve.NAMESPACE, log_to_driver=False)
-        else:
+        else:  # Ray starts workers at nice 15 (its driver first): the replicas are the work here
+            os.environ.setdefault("RAY_worker_niceness", "0")
             ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False,
                      namespace=ray_serve.NAMESPACE, object_store_memory=512 << 20, log_to_driver=False)  # fmt: skip
     indexes: dict[str, Any] = {}

@@ -99,39 +99,40 @@ class KVRequestRouter(RequestRouter):
 
 
 class EngineReplica:
-    """One engine in a Ray Serve replica (``role``: "engine", "prefill" or "decode")."""
+    """One engine in a Ray Serve replica (``role``: "engine", "prefill" or "decode").
 
-    def __init__(self, engine_args: EngineArgs, index: str, threads: int, role: str = "engine",
-                 routing: str = "kv") -> None:  # fmt: skip
-        import torch
+    As ``tokenmill serve``, two processes: the replica's (the Ray worker: streaming,
+    detokenising, reporting) and the engine core's, spawned by it (core_loop.py), so
+    that Ray's threads never hold the GIL the model steps need."""
 
-        from tokenmill.engine.async_engine import AsyncEngine
-        from tokenmill.llm import LLM
+    async def __init__(self, engine_args: EngineArgs, index: str, threads: int, role: str = "engine",
+                       routing: str = "kv") -> None:  # fmt: skip
+        import functools
+        import os
 
-        torch.set_num_threads(threads)
+        from tokenmill.core_process import run_engine_core
+        from tokenmill.engine.core_client import AsyncCoreClient
+        from tokenmill.model.paths import resolve_model_path
+        from tokenmill.model.tokenizer import load_tokenizer
+
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # the core's torch threads (Ray set 1 for this actor)
         self.role = role
-        self.llm = LLM(args=engine_args)
-        self.core = self.llm.engine
-        self.core.start_kv_events()
-        self.engine = AsyncEngine(self.core)
+        tokenizer = load_tokenizer(resolve_model_path(engine_args.load.model))
+        self.engine = AsyncCoreClient(functools.partial(run_engine_core, engine_args), tokenizer)
+        await self.engine.call("start_kv_events")
+        self.lora_roots = await self.engine.call("lora_hash_roots")
         self.name = replica_key(serve.get_replica_context().replica_id)
-        self.index = get_index(index, routing, self.core.config.block_size)
+        self.index = get_index(index, routing, self.engine.info["block_size"])
         self._report_lock = threading.Lock()  # events are taken and sent in order
         self._imported = (0, 0.0)  # blocks received and seconds taken, not reported yet
-        ray.get(self._report(reset=True))
+        await self._report(reset=True)
         self._stop = threading.Event()
         self._reporter = threading.Thread(target=self._report_periodically, name="tokenmill-kv-report", daemon=True)
         self._reporter.start()
 
     def info(self) -> dict[str, Any]:
         """What the front needs: the context length, the block size, the adapters' hash roots."""
-        return {
-            "max_model_len": self.llm.max_model_len,
-            "model_path": str(self.llm.model_path),
-            "block_size": self.core.config.block_size,
-            "lora_roots": {name: self.core.lora_hash_root(name) for name in self.core.loras},
-            "replica": self.name,
-        }
+        return {**self.engine.info, "lora_roots": self.lora_roots, "replica": self.name}
 
     async def generate(self, request_id: str, prompt: Sequence[int], params: SamplingParams, lora: str | None = None,
                        block_hashes: Sequence[bytes] | None = None, kv: dict | None = None) -> AsyncIterator[RequestOutput]:  # fmt: skip
@@ -154,29 +155,28 @@ class EngineReplica:
                       block_hashes: Sequence[bytes] = ()) -> dict:  # fmt: skip
         """Compute the prompt's KV (one token generated, then dropped) and put its full
         blocks in the object store: ``{"hashes", "data": [ObjectRef], "nbytes", "seconds"}``."""
+        import numpy as np
+
         loop = asyncio.get_running_loop()
         start = loop.time()
         one = SamplingParams(max_tokens=1, temperature=0.0, seed=params.seed)
         async for _ in self.engine.generate(request_id, prompt, one, lora):
             pass
-        n, data = await self.engine.run_on_loop(lambda: self.core.export_kv(block_hashes))
+        n, data = await self.engine.call("export_kv", [list(block_hashes)])
         await self._report()
         if n == 0:
             return {"hashes": [], "data": [], "nbytes": 0, "seconds": loop.time() - start}
-        array = data.numpy()  # raw bytes: Ray keeps numpy arrays in shared memory, no copy on this node
+        array = np.frombuffer(data, dtype=np.uint8)  # Ray keeps numpy arrays in shared memory on a node
         return {"hashes": list(block_hashes[:n]), "data": [ray.put(array)], "nbytes": array.nbytes,
                 "seconds": loop.time() - start}  # fmt: skip
 
     async def _import(self, kv: dict) -> None:
-        import torch
-
         if not kv.get("hashes"):
             return
         start = time.perf_counter()
         try:
             array = await kv["data"][0]
-            data = torch.from_numpy(array)
-            n = await self.engine.run_on_loop(lambda: self.core.import_kv(kv["hashes"], data))
+            n = await self.engine.call("import_kv", [kv["hashes"], array.tobytes()])
             with self._report_lock:
                 self._imported = (self._imported[0] + n, self._imported[1] + time.perf_counter() - start)
             if n < len(kv["hashes"]):
@@ -186,8 +186,8 @@ class EngineReplica:
 
     def _report(self, finished: Sequence[tuple[int, int]] = (), reset: bool = False):
         with self._report_lock:
-            events = self.core.take_kv_events()
-            snap = self.core.snapshot()
+            events = self.engine.take_kv_events()
+            snap = self.engine.snapshot()
             imported, self._imported = self._imported, (0, 0.0)
             return self.index.report.remote(self.name, events, snap.num_running, snap.num_waiting, snap,
                                             list(finished), reset, imported)  # fmt: skip
@@ -204,7 +204,6 @@ class EngineReplica:
         if stop is not None:
             stop.set()
             self.engine.shutdown()
-            self.llm.close()
 
 
 def deployment(name: str, engine_args: EngineArgs, index: str, replicas: int, threads: int, cpus: float,

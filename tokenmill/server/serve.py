@@ -5,6 +5,9 @@ the API process (HTTP, JSON, tokenising, detokenising, SSE: core_client.py) and 
 engine core runs in its own (scheduler, KV blocks, model: core_loop.py), so neither
 waits on the other's GIL. ``--engine-core thread`` runs the engine loop on a thread
 here instead (and so does a server under torchrun, whose ranks are one process each).
+With replica options (``--data-parallel-size N``, ``--prefill-replicas`` and
+``--decode-replicas``, ``--ray``) the engines are Ray Serve replicas and this process
+streams from them (replicas/front.py).
 
 On SIGTERM (or Ctrl-C) uvicorn closes the listening socket at once, so nothing new
 is admitted, then waits up to ``--drain-timeout`` seconds for in-flight requests to

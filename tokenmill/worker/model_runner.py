@@ -33,7 +33,7 @@ from tokenmill.engine.request import token_slice
 from tokenmill.lora.adapter import LoRAAdapter
 from tokenmill.lora.layers import LoRAMapping
 from tokenmill.model.layers.attention import AttentionMetadata
-from tokenmill.model.layers.kv_cache import copy_blocks, read_blocks, write_blocks
+from tokenmill.model.layers.kv_cache import block_nbytes, copy_blocks, read_blocks, write_blocks
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.inputs import InputBuffers, SeqInput, order_seqs, prepare_inputs
@@ -407,10 +407,16 @@ class ModelRunner:
         self._check_no_draft_cache("exported")
         return read_blocks(self.kv_caches, block_ids)
 
-    def import_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """Write KV exported by an engine of the same model and KV dtype into the blocks."""
+    def import_blocks(self, block_ids: list[int], data: torch.Tensor | bytes, first_row: int = 0) -> None:
+        """Write KV exported by an engine of the same model and KV dtype into the blocks:
+        rows ``first_row`` on of ``data`` (``export_blocks``' tensor, or its raw bytes)."""
         self._check_no_draft_cache("imported")
-        write_blocks(self.kv_caches, block_ids, data)
+        if not isinstance(data, torch.Tensor):
+            row = block_nbytes(self.kv_caches)
+            if len(data) % row:
+                raise ValueError(f"{len(data)} bytes of KV are not whole blocks of {row} bytes")
+            data = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(-1, row)
+        write_blocks(self.kv_caches, block_ids, data[first_row : first_row + len(block_ids)])
 
     def _check_no_draft_cache(self, what: str) -> None:
         if self.proposer is not None and getattr(self.proposer, "catch_up", False):  # a draft model with its own KV
