@@ -291,6 +291,43 @@ async def run_completions(url: str, n: int, concurrency: int, seed: int) -> tupl
         return results, time.perf_counter() - start
 
 
+def cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) every process has used, by a short name: where the
+    cores went during a measurement (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        name = _process_name(cmd)
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _process_name(cmd: str) -> str:
+    if "spawn_main" in cmd:
+        return "engine core (spawned)"
+    if cmd.startswith("ray::"):
+        return cmd.split()[0].split(".")[0]
+    for key, name in (("tokenmill serve", "tokenmill serve (front / API)"), ("raylet", "raylet"),
+                      ("gcs_server", "gcs_server"), ("replicas.py", "benchmark client")):  # fmt: skip
+        if key in cmd:
+            return name
+    return "other"
+
+
+def cpu_used(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    used = {k: round(after.get(k, 0.0) - before.get(k, 0.0), 2) for k in after}
+    return dict(sorted(((k, v) for k, v in used.items() if v >= 0.05), key=lambda kv: -kv[1]))
+
+
 def overhead(args: argparse.Namespace) -> dict:
     modes = {"plain tokenmill serve": ([], None),
              "one replica on Ray Serve": (["--ray", "--replica-threads", "2", "--replica-cpus", "1"], "cluster")}  # fmt: skip
@@ -302,10 +339,13 @@ def overhead(args: argparse.Namespace) -> dict:
                 server = Server(flags, address if ray else None)
                 try:
                     asyncio.run(run_completions(server.url, 16, args.concurrency, 99))  # warm: every batch shape
+                    before = cpu_seconds()
                     results, elapsed = asyncio.run(run_completions(server.url, args.requests, args.concurrency, rnd))
+                    cpu = cpu_used(before, cpu_seconds())
                 finally:
                     server.stop()
-                run = runs.setdefault(name, {"ttft": [], "tok_s": [], "start_s": []})
+                run = runs.setdefault(name, {"ttft": [], "tok_s": [], "start_s": [], "cpu_s": []})
+                run["cpu_s"].append({"elapsed_s": round(elapsed, 2), **cpu})
                 run["ttft"] += [r["ttft"] for r in results]
                 run["tok_s"].append(sum(r["chunks"] for r in results) / elapsed)
                 run["start_s"].append(server.start_s)
@@ -315,7 +355,8 @@ def overhead(args: argparse.Namespace) -> dict:
         stop_cluster()
     return {"requests": args.requests, "concurrency": args.concurrency, "rounds": args.rounds,
             "runs": {n: {"ttft_s": percentiles(r["ttft"]), "output_tokens_per_s": r["tok_s"],
-                         "mean_output_tokens_per_s": sum(r["tok_s"]) / len(r["tok_s"]), "server_start_s": r["start_s"]}
+                         "mean_output_tokens_per_s": sum(r["tok_s"]) / len(r["tok_s"]), "server_start_s": r["start_s"],
+                         "cpu_seconds_by_process": r["cpu_s"]}
                      for n, r in runs.items()}}  # fmt: skip
 
 

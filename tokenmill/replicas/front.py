@@ -194,7 +194,7 @@ class RayReplicaFront(StreamingFront):
     def _poll(self) -> None:
         """Every replica's snapshot and the routers' counters, from the indexes (so
         that /metrics never waits on Ray)."""
-        while not self._stopped.wait(0.5):
+        while not self._stopped.wait(1.0):
             try:
                 snaps, stats = {}, {}
                 for role, index in self._indexes.items():

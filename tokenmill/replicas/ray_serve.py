@@ -4,7 +4,7 @@ Three pieces, each a Ray Serve (or Ray) object:
 
 - ``EngineReplica``: one engine per replica (the threaded ``AsyncEngine`` in the
   replica's process). ``generate`` streams a request's outputs; a replica reports its
-  prefix cache's events, its load and its snapshot to the index (every 0.2 s, and
+  prefix cache's events, its load and its snapshot to the index (every 0.5 s, and
   before the last output of a request leaves it, so that a follow-up turn is routed
   knowing what the previous one cached). In disaggregated serving a replica is a
   prefill one (``prefill``: compute the prompt's KV, put its blocks in Ray's object
@@ -41,7 +41,7 @@ from tokenmill.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 NAMESPACE = "tokenmill"
-REPORT_PERIOD_S = 0.2
+REPORT_PERIOD_S = 0.5  # load, gauges and the events of requests still running; a request's end reports at once
 
 
 def replica_key(replica_id: ReplicaID) -> str:
