@@ -20,8 +20,9 @@ replicas routed by ``kv``, ``pow2`` and ``round-robin``: prefix-hit rate (from t
 replicas' /metrics), TTFT p50/p99, throughput. Each system prompt is sent once, one at a
 time, before the measured chats (a service that has been running; ``--cold``: not).
 
-overhead: one replica behind Ray (``--ray``, both cores) against plain ``tokenmill
-serve``: TTFT and throughput of the same streamed completions.
+overhead: one replica behind Ray (``--ray``, two torch threads, and one) against plain
+``tokenmill serve``: TTFT and throughput of the same streamed completions, rounds
+alternating, and the CPU seconds every process used meanwhile.
 
 disagg: decoders stream long answers while long prompts arrive; colocated (two
 replicas, ``kv`` routing) against disaggregated (one prefill replica, one decode
@@ -330,7 +331,9 @@ def cpu_used(before: dict[str, float], after: dict[str, float]) -> dict[str, flo
 
 def overhead(args: argparse.Namespace) -> dict:
     modes = {"plain tokenmill serve": ([], None),
-             "one replica on Ray Serve": (["--ray", "--replica-threads", "2", "--replica-cpus", "1"], "cluster")}  # fmt: skip
+             "one replica on Ray Serve": (["--ray", "--replica-threads", "2", "--replica-cpus", "1"], "cluster"),
+             "one replica on Ray Serve, 1 thread": (["--ray", "--replica-threads", "1", "--replica-cpus", "1"],
+                                                    "cluster")}  # fmt: skip
     address = start_cluster()
     runs = {}
     try:
@@ -499,7 +502,7 @@ def main() -> int:
     p.add_argument("--cold", action="store_true", help="no system prompt seen before the measured chats")
     p.add_argument("--single-kv-cache-memory", default="192MiB", help="the one replica's: the pair's total")
     p.add_argument("--requests", type=int, default=48)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--decoders", type=int, default=6)
     p.add_argument("--decode-tokens", type=int, default=400)
     p.add_argument("--long-prompts", type=int, default=12)
