@@ -29,7 +29,7 @@ from tokenmill.config import EngineArgs, ReplicaConfig
 from tokenmill.engine.async_engine import RequestFailedError, StreamingFront
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.stats import EngineSnapshot
-from tokenmill.errors import InvalidRequestError, TokenmillError
+from tokenmill.errors import InvalidRequestError, TokenmillError, UnknownModelError
 from tokenmill.replicas.index import RoutingStats, merge_snapshots
 from tokenmill.replicas.routing import prompt_block_hashes
 from tokenmill.sampling_params import SamplingParams
@@ -114,8 +114,6 @@ class RayReplicaFront(StreamingFront):
                        lora: str | None = None) -> AsyncIterator[RequestOutput]:  # fmt: skip
         ids = list(self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
         if lora is not None and lora not in self.lora_roots:
-            from tokenmill.errors import UnknownModelError
-
             raise UnknownModelError(f"the model {lora!r} does not exist", param="model")
         hashes = prompt_block_hashes(ids, self.block_size, self.lora_roots.get(lora))
         kv = None
