@@ -156,11 +156,12 @@ def test_replica_snapshots_merge_into_the_clusters_figures():
 def test_the_serve_deploy_application_takes_our_option_names_and_refuses_others():
     """deploy/ray-serve.yaml's args are tokenmill's options; a typo is an error naming it
     (building the application starts nothing)."""
+    from pathlib import Path
+
     import pytest
-    import yaml
 
     pytest.importorskip("ray.serve")
-    from pathlib import Path
+    import yaml  # Ray's dependency
 
     from tokenmill.errors import TokenmillError
     from tokenmill.replicas.serve_app import build
