@@ -309,8 +309,8 @@ class ReplicaConfig:
 
     data_parallel_size: int = opt(1, "engine replicas behind this server, each with its own KV cache (Ray Serve)")
     ray: bool = opt(False, "run the engine as a Ray Serve replica even when there is one (implied by more)")
-    routing: str = opt("kv", "which replica serves a request: kv (the one holding the longest run of its prompt's "
-                       "cached blocks, weighed against load), pow2 (less loaded of two at random), round-robin",
+    routing: str = opt("kv", "which replica serves a request: kv (the one whose cache leaves the fewest prompt "
+                       "tokens to compute, weighed against its load), pow2 (less loaded of two at random), round-robin",
                        choices=("kv", "pow2", "round-robin"))  # fmt: skip
     max_replicas: int | None = opt(None, "autoscale between data_parallel_size and this many replicas on "
                                          "requests in flight (Ray Serve's autoscaling)")  # fmt: skip
