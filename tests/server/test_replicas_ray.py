@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -102,7 +103,7 @@ def _replicas(server: Server, pool: str) -> list[str]:
 def test_a_follow_up_turn_is_routed_to_the_replica_holding_its_conversation(cluster):
     """Multi-turn chat: the second turn extends the first's prompt; the router sends
     it to the decode replica that cached the first (a "prefix" decision)."""
-    before = _decisions(cluster, "prefix")
+    before = _settled(lambda: _decisions(cluster, "prefix"))  # the front's view of the index lags up to 1 s
     messages = [{"role": "system", "content": LONG}, {"role": "user", "content": "What is shared?"}]
     first = httpx.post(cluster.url + "/v1/chat/completions", timeout=120,
                        json={"model": MODEL, "messages": messages, "max_tokens": 16, "temperature": 0}).json()  # fmt: skip
@@ -110,8 +111,21 @@ def test_a_follow_up_turn_is_routed_to_the_replica_holding_its_conversation(clus
     r = httpx.post(cluster.url + "/v1/chat/completions", timeout=120,
                    json={"model": MODEL, "messages": messages, "max_tokens": 16, "temperature": 0})  # fmt: skip
     assert r.status_code == 200
-    assert _decisions(cluster, "prefix") == before + 1
+    assert wait_until(lambda: _decisions(cluster, "prefix") >= before + 1, 5)
+    assert _settled(lambda: _decisions(cluster, "prefix")) == before + 1
     assert len(_replicas(cluster, "decode")) == 2 and len(_replicas(cluster, "prefill")) == 1
+
+
+def _settled(read, period: float = 1.2):
+    """A metric the front polls from the replicas' index (every second), once it stops
+    changing."""
+    last = read()
+    while True:
+        time.sleep(period)
+        now = read()
+        if now == last:
+            return now
+        last = now
 
 
 def _decisions(server: Server, reason: str) -> float:
