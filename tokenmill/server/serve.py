@@ -27,6 +27,7 @@ import asyncio
 import functools
 import logging
 import signal
+import socket
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -86,7 +87,24 @@ def model_id(path: Path) -> str:
     return path.stem if path.is_file() else path.name
 
 
-def _run_server(engine: StreamingFront, tokenizer, max_model_len: int, path: Path, config: ServerConfig) -> None:
+def _bind(config: ServerConfig) -> socket.socket:
+    """The listening address, taken now: before Ray starts, whose processes open ports of
+    their own while the replicas load (one took a port chosen for the server)."""
+    family, kind, proto, _, addr = socket.getaddrinfo(config.host, config.port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]  # fmt: skip
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(2048)  # listening: no other socket can take the port meanwhile (connections wait)
+    except OSError as e:
+        sock.close()
+        raise TokenmillError(f"cannot listen on {config.host}:{config.port}: {e.strerror}") from None
+    return sock
+
+
+def _run_server(engine: StreamingFront, tokenizer, max_model_len: int, path: Path, config: ServerConfig,
+                sock: socket.socket | None = None) -> None:  # fmt: skip
     import uvicorn
 
     name = config.served_model_name or model_id(path)
@@ -107,7 +125,7 @@ def _run_server(engine: StreamingFront, tokenizer, max_model_len: int, path: Pat
         watchers = [asyncio.create_task(_expire_streams(server, app.state.served.drain_expired, config.drain_timeout)),
                     asyncio.create_task(_stop_when_dead(server, engine))]  # fmt: skip
         try:
-            await server.serve()
+            await server.serve(sockets=None if sock is None else [sock])
         finally:
             for w in watchers:
                 w.cancel()
@@ -118,9 +136,10 @@ def _run_server(engine: StreamingFront, tokenizer, max_model_len: int, path: Pat
 def serve(args: argparse.Namespace) -> int:
     config = server_config_from_namespace(args)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    sock = _bind(config) if replica_config_from_namespace(args).enabled else None
     engine, tokenizer, max_model_len, path, close = _start_engine(args, config)
     try:  # from here on the engine (perhaps a process) is stopped however this ends
-        _run_server(engine, tokenizer, max_model_len, path, config)
+        _run_server(engine, tokenizer, max_model_len, path, config, sock)
     finally:
         engine.shutdown()
         close()
