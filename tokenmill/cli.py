@@ -78,12 +78,56 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_plan_arguments(plan)
     add_engine_arguments(plan)
+    train = sub.add_parser("train-draft", help="train an EAGLE or Medusa head for the model on its own answers")
+    _add_train_draft_args(train)
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from tokenmill.benchmark.serve import add_arguments
 
     add_arguments(bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server"))
     return parser
+
+
+def _add_train_draft_args(p: argparse.ArgumentParser) -> None:
+    from tokenmill.speculative.train import TrainOptions
+
+    d = TrainOptions()
+    p.add_argument("--method", choices=("eagle", "medusa"), default="eagle", help="the head to train (default eagle)")
+    p.add_argument("--output", required=True, help="folder for the data, the head (OUTPUT/head) and its plots")
+    p.add_argument("--model", default=None, help="the target (.gguf or folder); default: SmolLM2-135M-Instruct")
+    p.add_argument("--device", default="auto", help="cpu, cuda, or auto (a GPU where there is one)")
+    p.add_argument("--prompts", default=None, help="a text file, one prompt per line (default: the bundled chat prompts)")
+    p.add_argument("--num-prompts", type=int, default=1024, help="prompts to answer (default 1024)")
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens per answer (default 256)")
+    p.add_argument("--epochs", type=float, default=d.epochs, help=f"passes over the answers (default {d.epochs})")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help=f"conversations per step (default {d.batch_size})")
+    p.add_argument("--lr", type=float, default=d.lr, help=f"peak learning rate (default {d.lr})")
+    p.add_argument("--unroll", type=int, default=d.unroll, help=f"EAGLE: drafting steps trained together (default {d.unroll})")
+    p.add_argument("--draft-vocab-size", type=int, default=d.draft_vocab_size,
+                   help=f"EAGLE: tokens its LM head drafts (default {d.draft_vocab_size})")  # fmt: skip
+    p.add_argument("--medusa-heads", type=int, default=d.medusa_heads, help=f"Medusa: heads (default {d.medusa_heads})")
+    p.add_argument("--eval-every", type=int, default=d.eval_every, help=f"steps between held-out evaluations (default {d.eval_every})")
+    p.add_argument("--seed", type=int, default=d.seed)
+
+
+def cmd_train_draft(args: argparse.Namespace) -> int:
+    from tokenmill.speculative.train import TrainOptions, train_draft
+
+    for name in ("num_prompts", "max_tokens", "batch_size", "unroll", "draft_vocab_size", "medusa_heads", "eval_every"):
+        if getattr(args, name) < 1:
+            raise TokenmillError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.epochs <= 0 or args.lr <= 0:
+        raise TokenmillError("--epochs and --lr must be > 0")
+    opts = TrainOptions(method=args.method, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, unroll=args.unroll,
+                        draft_vocab_size=args.draft_vocab_size, medusa_heads=args.medusa_heads,
+                        eval_every=args.eval_every, seed=args.seed)  # fmt: skip
+    try:
+        head = train_draft(args.method, args.output, args.model, args.device, args.prompts, args.num_prompts,
+                           args.max_tokens, opts)  # fmt: skip
+    except (OSError, ValueError) as e:
+        raise TokenmillError(str(e)) from None
+    print(f"head: {head}\nuse it: tokenmill chat --speculative {args.method} --draft-model {head}")
+    return 0
 
 
 def _llm(args: argparse.Namespace):
@@ -195,7 +239,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_torchrun_worker()
     try:
-        commands = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "plan": cmd_plan, "bench": cmd_bench}
+        commands = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "plan": cmd_plan, "bench": cmd_bench,
+                    "train-draft": cmd_train_draft}
         return commands[args.command](args)
     except TokenmillError as e:
         print(f"tokenmill: error: {e}", file=sys.stderr)

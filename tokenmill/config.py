@@ -92,7 +92,7 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
-SPECULATIVE_METHODS = ("ngram", "draft", "self")
+SPECULATIVE_METHODS = ("ngram", "draft", "self", "eagle", "medusa")
 WEIGHT_QUANTIZATIONS = ("auto", "none", "int8", "int4")
 KERNELS = ("auto", "native", "torch")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
@@ -167,18 +167,21 @@ class SpeculativeConfig:
     """Speculative decoding: who proposes, how many tokens, and when to stop bothering.
 
     ``method``: "ngram" (prompt lookup, no model), "draft" (a smaller model with the
-    same vocabulary) or "self" (the target's first ``draft_layers`` layers and its LM
-    head). Above ``disable_batch_size`` running requests decode is no longer
+    same vocabulary), "self" (the target's first ``draft_layers`` layers and its LM
+    head), "eagle" or "medusa" (a head over the target's hidden states, ``draft_model``
+    its folder; the default model's EAGLE head ships with the package). Above ``disable_batch_size`` running requests decode is no longer
     memory-bound enough for verification to pay, and speculation pauses (the default
     4 is measured: bench/speculative.py).
     """
 
     method: str = opt("ngram", "who drafts tokens for the target to verify: prompt lookup (ngram), a draft model, "
-                      "or the target's own first layers (self)", flag="speculative", choices=SPECULATIVE_METHODS)  # fmt: skip
+                      "the target's own first layers (self), or a head over its hidden states (eagle, medusa)",
+                      flag="speculative", choices=SPECULATIVE_METHODS)  # fmt: skip
     num_speculative_tokens: int = opt(4, "tokens drafted per step (k)")
     prompt_lookup_max: int = opt(4, "ngram: longest suffix to look up")
     prompt_lookup_min: int = opt(1, "ngram: shortest suffix to look up")
-    draft_model: str | None = opt(None, "draft model (.gguf or folder) with the target's vocabulary")
+    draft_model: str | None = opt(None, "draft model (.gguf or folder) with the target's vocabulary, or an EAGLE / "
+                                  "Medusa head's folder")
     draft_layers: int | None = opt(None, "self-speculation: layers the draft runs")
     disable_batch_size: int = opt(4, "pause speculation above this many running requests", flag="spec_disable_batch_size")
 
@@ -187,7 +190,8 @@ class SpeculativeConfig:
                f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")  # fmt: skip
         _check(self.num_speculative_tokens >= 1, f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         _check(1 <= self.prompt_lookup_min <= self.prompt_lookup_max, "need 1 <= prompt_lookup_min <= prompt_lookup_max")
-        _check(self.method != "draft" or bool(self.draft_model), "speculative method 'draft' needs a draft model (--draft-model)")
+        _check(self.method not in ("draft", "medusa") or bool(self.draft_model),
+               f"speculative method {self.method!r} needs a draft model (--draft-model)")  # fmt: skip
         _check(self.method != "self" or (self.draft_layers is not None and self.draft_layers >= 1),
                "speculative method 'self' needs draft_layers >= 1 (--draft-layers)")  # fmt: skip
         _check(self.disable_batch_size >= 1, "spec_disable_batch_size must be >= 1")
@@ -195,7 +199,7 @@ class SpeculativeConfig:
     @property
     def num_lookahead_slots(self) -> int:
         """KV slots a model-based proposer writes past the verified tokens while drafting."""
-        return 0 if self.method == "ngram" else self.num_speculative_tokens
+        return 0 if self.method in ("ngram", "medusa") else self.num_speculative_tokens
 
 
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")

@@ -27,10 +27,13 @@ from tokenmill.errors import ModelLoadError, TokenmillError
 from tokenmill.kernels.cpu import cpu_info
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import load_checkpoint, read_config
+from tokenmill.model.ops import NativeOps
 from tokenmill.model.shard import ModelShard, check_parallel_sizes
 from tokenmill.model.tokenizer import Tokenizer, load_tokenizer
 from tokenmill.model_setup import load_shard, native_kernels_run, prepare_model, resolve_device
 from tokenmill.speculative.draft import ModelProposer
+from tokenmill.speculative.head_proposer import EagleProposer, MedusaProposer
+from tokenmill.speculative.heads import HEADS, eagle_config, head_path, load_eagle, load_medusa, native_head_linears
 from tokenmill.speculative.ngram import NgramProposer
 from tokenmill.structured.grammar import GrammarCompiler
 from tokenmill.worker.kv_cache import allocate_kv_cache, block_bytes
@@ -146,7 +149,9 @@ def build_engine(args: EngineArgs, progress: bool = True, engine_class: type[Eng
         max_model_len = min(load.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         spec = args.speculative
         draft = _load_draft(spec.draft_model, config, tokenizer, args, dtype, device, progress) if spec and spec.method == "draft" else None
-        per_block, num_blocks = kv_cache_sizing(args, local, dtype, draft.config if draft is not None else None)
+        head = head_path(spec.method, spec.draft_model, args.load.model) if spec and spec.method in HEADS else None
+        head_layer = eagle_config(head, config)[0].layer if spec and spec.method == "eagle" and head else None
+        per_block, num_blocks = kv_cache_sizing(args, local, dtype, draft.config if draft is not None else head_layer)
         pool_tokens = num_blocks * args.cache.block_size
         if max_model_len > pool_tokens:  # a longer request could never finish: refuse it up front instead
             logger.warning("max_model_len %d is more than the KV cache holds (%d blocks of %d = %d tokens): "
@@ -155,7 +160,7 @@ def build_engine(args: EngineArgs, progress: bool = True, engine_class: type[Eng
             max_model_len = pool_tokens
         cache = args.cache
         kv_caches = allocate_kv_cache(local, num_blocks, cache.block_size, dtype, device, cache.kv_cache_dtype)
-        proposer = _proposer(spec, model, draft, kv_caches, num_blocks, args, dtype, device) if spec else None
+        proposer = _proposer(spec, model, draft, head, kv_caches, num_blocks, args, dtype, device) if spec else None
         if args.lora.enable_lora and config.num_experts:
             raise TokenmillError("LoRA adapters on a mixture-of-experts model are not supported yet")
         lora = LoRAManager(model, args.lora) if args.lora.enable_lora else None
@@ -216,6 +221,12 @@ def check_options(args: EngineArgs) -> None:
     if spec is not None and spec.method == "self" and spec.draft_layers is not None:
         if spec.draft_layers >= config.num_layers:
             raise TokenmillError(f"draft_layers={spec.draft_layers} must be below the model's {config.num_layers} layers")
+    if spec is not None and spec.method in HEADS:
+        head = head_path(spec.method, spec.draft_model, args.load.model)
+        if not head.is_dir():
+            raise TokenmillError(f"{spec.method} head {head} is not a folder (config.json and the head's weights)")
+        if spec.method == "eagle":
+            eagle_config(head, config)
     if spec is not None and spec.method == "draft":
         draft_path, draft = read_config(spec.draft_model)
         if draft.vocab_size != config.vocab_size:
@@ -243,12 +254,22 @@ def _load_draft(
 
 
 def _proposer(
-    spec: SpeculativeConfig, model: LlamaForCausalLM, draft: LlamaForCausalLM | None, kv_caches: list,
-    num_blocks: int, args: EngineArgs, dtype: torch.dtype, device: torch.device,
+    spec: SpeculativeConfig, model: LlamaForCausalLM, draft: LlamaForCausalLM | None, head: Path | None,
+    kv_caches: list, num_blocks: int, args: EngineArgs, dtype: torch.dtype, device: torch.device,
 ) -> Proposer:  # fmt: skip
     block_size = args.cache.block_size
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
+    if spec.method == "eagle":
+        assert head is not None
+        eagle = load_eagle(head, model)
+        if isinstance(model.ops, NativeOps):
+            native_head_linears(eagle)
+        cache = allocate_kv_cache(eagle.config.layer, num_blocks, block_size, dtype, device, args.cache.kv_cache_dtype)
+        return EagleProposer(model, eagle, cache[0], block_size, device)
+    if spec.method == "medusa":
+        assert head is not None
+        return MedusaProposer(model, load_medusa(head, model))
     if spec.method == "self":
         assert spec.draft_layers is not None  # below the model's layers: check_options
         return ModelProposer(model, kv_caches, block_size, device, spec.draft_layers, catch_up=False)

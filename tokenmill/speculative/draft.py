@@ -54,8 +54,9 @@ class ModelProposer:
 
     @torch.inference_mode()
     def propose(
-        self, seqs: list[SeqInput], new_tokens: dict[str, list[int]], generator_for: GeneratorFor
-    ) -> dict[str, Draft]:
+        self, seqs: list[SeqInput], new_tokens: dict[str, list[int]], generator_for: GeneratorFor,
+        hidden: torch.Tensor | None = None,
+    ) -> dict[str, Draft]:  # fmt: skip
         first = [f for f in (self._first_input(s, new_tokens) for s in seqs) if f is not None]
         drafts: dict[str, list[int]] = {}
         probs: dict[str, list[torch.Tensor | None]] = {}

@@ -9,9 +9,13 @@ The search is a C-speed ``bytes.rfind`` over the token ids packed 4 bytes each.
 from __future__ import annotations
 
 from array import array
+from typing import TYPE_CHECKING
 
 from tokenmill.worker.inputs import SeqInput
 from tokenmill.worker.proposer import Draft, GeneratorFor, wants_draft
+
+if TYPE_CHECKING:
+    import torch
 
 
 def lookup(history: list[int], k: int, max_n: int, min_n: int) -> list[int]:
@@ -36,8 +40,9 @@ class NgramProposer:
         self.max_n, self.min_n = max_n, min_n
 
     def propose(
-        self, seqs: list[SeqInput], new_tokens: dict[str, list[int]], generator_for: GeneratorFor
-    ) -> dict[str, Draft]:
+        self, seqs: list[SeqInput], new_tokens: dict[str, list[int]], generator_for: GeneratorFor,
+        hidden: torch.Tensor | None = None,
+    ) -> dict[str, Draft]:  # fmt: skip
         drafts = {}
         for s in seqs:
             if wants_draft(s, new_tokens):

@@ -135,12 +135,12 @@ class ModelRunner:
         rewind = [(g, g.get_state()) for s in batch.scheduled if (g := self.requests[s.request_id].generator) is not None]
         try:
             seqs = order_seqs([self._seq_input(s) for s in batch.scheduled])
-            logits, prompt_scores, pooled = self._forward(seqs)
+            logits, prompt_scores, pooled, hidden = self._forward(seqs)
             sampled = self._sample(seqs, logits, grammar.get() if grammar is not None else None)
             drafts: dict[str, Draft] = {}
             if self.proposer is not None:
                 new_tokens = {rid: [t.token_id for t in toks] for rid, toks in sampled.items()}
-                drafts = self.proposer.propose(seqs, new_tokens, self._generator_or_default)
+                drafts = self.proposer.propose(seqs, new_tokens, self._generator_or_default, hidden)
         except BaseException:
             for gen, state in rewind:
                 gen.set_state(state)
@@ -256,16 +256,19 @@ class ModelRunner:
     scores_prompts = True
 
     def _forward(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, dict[str, tuple[int, list[PromptLogprob]]],
-                                                      dict[str, tuple[torch.Tensor, int, bool]]]:  # fmt: skip
+                                                      dict[str, tuple[torch.Tensor, int, bool]], torch.Tensor | None]:  # fmt: skip
         """``compute_logits``; the scores of the prompt tokens the chunks of
         prompt_logprobs requests predict (logits only for those rows, a slice at a time);
-        and for embedding requests, their chunk's pooled final hidden state (the last
+        for embedding requests, their chunk's pooled final hidden state (the last
         row, or the sum of rows for a mean), with its row count and whether the prompt
-        is done. Nothing is kept here: the step may be sent again."""
-        if self.stage is not None or not any(_scores_prompt(s) or s.params.pooling for s in seqs):
-            return self.compute_logits(seqs), {}, {}
+        is done; and the final hidden states of every row (what a speculative head drafts
+        from; None on a split model). Nothing is kept here: the step may be sent again."""
+        if self.stage is not None:
+            return self.compute_logits(seqs), {}, {}, None
         input_ids, positions, meta, logits_indices = self.prepare(seqs)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, lora=self._lora_mapping(seqs))
+        if not any(_scores_prompt(s) or s.params.pooling for s in seqs):
+            return self.model.compute_logits(hidden[logits_indices]), {}, {}, hidden
         scores, pooled, offset = {}, {}, 0
         for s in seqs:
             n = len(s.token_ids)
@@ -279,7 +282,7 @@ class ModelRunner:
                 total = hidden[offset : offset + n].float().sum(dim=0)
                 pooled[s.request_id] = (total, n, s.num_computed_tokens + n == len(s.prompt_ids))
             offset += n
-        return self.model.compute_logits(hidden[logits_indices]), scores, pooled
+        return self.model.compute_logits(hidden[logits_indices]), scores, pooled, hidden
 
     def _prompt_scores(self, s: SeqInput, hidden: torch.Tensor, offset: int) -> tuple[int, list[PromptLogprob]]:
         """(first, scores): the logprob, rank and top-k of prompt tokens first..last, which

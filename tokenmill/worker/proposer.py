@@ -3,7 +3,8 @@
 After each target step the model runner hands the proposer the step's sequences and
 the tokens each one gained; the proposer returns, for each sequence that asked for
 ``num_lookahead`` tokens, up to that many draft tokens, with the probabilities they
-were drawn from when it has them (a model does; prompt lookup does not).
+were drawn from when it has them (a model does; prompt lookup does not). A head
+(EAGLE, Medusa) also gets the target's final hidden state of every row of the step.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ class Draft:
 
 class Proposer(Protocol):
     def propose(
-        self, seqs: list[SeqInput], new_tokens: dict[str, list[int]], generator_for: GeneratorFor
+        self, seqs: list[SeqInput], new_tokens: dict[str, list[int]], generator_for: GeneratorFor,
+        hidden: torch.Tensor | None = None,  # the target's final hidden state of every row of the step
     ) -> dict[str, Draft]: ...
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None: ...
