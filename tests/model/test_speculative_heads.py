@@ -116,10 +116,11 @@ def engine_with(target, proposer, method, k=3, num_blocks=64, caching=True, max_
     return Engine(runner, ToyTokenizer(target.config.vocab_size), config)
 
 
-def eagle_engine(target, path, num_blocks=64, **kw):
+def eagle_engine(target, path, num_blocks=64, min_confidence=0.0, **kw):
     head = load_eagle(path, target)
     cache = allocate_kv_cache(head.config.layer, num_blocks, BLOCK, torch.float32, CPU)[0]
-    return engine_with(target, EagleProposer(target, head, cache, BLOCK, CPU), "eagle", num_blocks=num_blocks, **kw)
+    proposer = EagleProposer(target, head, cache, BLOCK, CPU, min_confidence)
+    return engine_with(target, proposer, "eagle", num_blocks=num_blocks, **kw)
 
 
 def medusa_engine(target, path, num_blocks=64, **kw):
@@ -231,6 +232,18 @@ def test_greedy_output_is_identical_with_a_head(target, tmp_path, method):
     assert run(engine, prompts, params) == expected
     assert engine.scheduler.num_preemptions > 0
     assert engine.spec_stats.num_drafts > 0
+
+
+def test_a_confidence_floor_drafts_less_and_changes_no_output(target, tmp_path):
+    """With ``draft_confidence`` a sequence stops drafting once the head is unsure of its
+    drafts so far: fewer tokens to verify, the same output."""
+    prompts, params = workload(16)
+    write_eagle(tmp_path, target, std=0.05)  # small features: a head often unsure of its token
+    expected = run(eagle_engine(target, tmp_path), prompts, params)
+    always, picky = eagle_engine(target, tmp_path), eagle_engine(target, tmp_path, min_confidence=0.3)
+    assert run(always, prompts, params) == expected == run(picky, prompts, params)
+    per_draft = [e.spec_stats.num_draft_tokens / e.spec_stats.num_drafts for e in (always, picky)]
+    assert per_draft[0] > 2.5 and per_draft[1] < per_draft[0] - 0.5
 
 
 def exact_first_tokens(model, prompt, temperature):

@@ -49,17 +49,21 @@ def _kept_rows(s: SeqInput, gained: list[int]) -> int:
     return max(0, min(kept, known - 1 - s.num_computed_tokens))
 
 
-def _draw(rows: list[SampleRow], logits: torch.Tensor, sampling: list[SeqInput]) -> list[tuple[int, torch.Tensor | None]]:
+def _draw(rows: list[SampleRow], logits: torch.Tensor, sampling: list[SeqInput],
+          confidence: bool) -> list[tuple[int, torch.Tensor | None, float]]:  # fmt: skip
     """One draft token per row: the argmax for greedy requests, else drawn from the
-    request's own sampling distribution (kept as q)."""
+    request's own sampling distribution (kept as q); with ``confidence``, the head's
+    probability of the token (of the argmax under a plain softmax for greedy rows)."""
     dist, greedy = sampling_distribution(logits, rows)
-    out: list[tuple[int, torch.Tensor | None]] = []
+    top = logits.softmax(dim=-1).amax(dim=-1).tolist() if confidence else None
+    out: list[tuple[int, torch.Tensor | None, float]] = []
     for i, s in enumerate(sampling):
         if s.params.greedy:
-            out.append((int(greedy[i]), None))
+            out.append((int(greedy[i]), None, top[i] if top is not None else 1.0))
         else:
             assert dist is not None
-            out.append((race(dist[i], rows[i].generator), dist[i]))
+            token = race(dist[i], rows[i].generator)
+            out.append((token, dist[i], float(dist[i][token]) if confidence else 1.0))
     return out
 
 
@@ -73,9 +77,10 @@ class EagleProposer:
     catch_up = True  # its own K/V follows the target's (export/import of KV refuses it)
 
     def __init__(self, target: LlamaForCausalLM, head: EagleHead, kv_cache: KVCache, block_size: int,
-                 device: torch.device) -> None:  # fmt: skip
+                 device: torch.device, min_confidence: float = 0.0) -> None:  # fmt: skip
         self.target, self.head, self.kv_cache = target, head, kv_cache
         self.block_size, self.device = block_size, device
+        self.min_confidence = min_confidence  # draft while the product of the drafts' probabilities stays above
 
     @torch.inference_mode()
     def propose(
@@ -101,6 +106,7 @@ class EagleProposer:
         wanted = {s.request_id: s.num_lookahead for s in seqs if wants_draft(s, new_tokens)}
         drafts: dict[str, list[int]] = {}
         probs: dict[str, list[torch.Tensor | None]] = {}
+        sure = {rid: 1.0 for rid in wanted}  # the head's probability that all its drafts so far are right
         while batch:
             batch = order_seqs(batch)
             out = self._forward(batch, torch.cat([feats[s.request_id] for s in batch]))
@@ -110,8 +116,12 @@ class EagleProposer:
             rows = _sample_rows(sampling, generator_for, {})
             last = out[self._last_rows(batch)]
             nxt, next_feats = [], {}
-            for i, (token, q) in enumerate(_draw(rows, self.head.logits(self.target, last), sampling)):
+            drawn = _draw(rows, self.head.logits(self.target, last), sampling, self.min_confidence > 0)
+            for i, (token, q, p) in enumerate(drawn):
                 s = sampling[i]
+                sure[s.request_id] *= p
+                if sure[s.request_id] < self.min_confidence:
+                    continue  # not worth a verification slot: this sequence's draft ends here
                 drafts.setdefault(s.request_id, []).append(token)
                 probs.setdefault(s.request_id, []).append(q)
                 if len(drafts[s.request_id]) < wanted[s.request_id]:
@@ -142,8 +152,8 @@ class EagleProposer:
 class MedusaProposer:
     catch_up = False
 
-    def __init__(self, target: LlamaForCausalLM, heads: MedusaHeads) -> None:
-        self.target, self.heads = target, heads
+    def __init__(self, target: LlamaForCausalLM, heads: MedusaHeads, min_confidence: float = 0.0) -> None:
+        self.target, self.heads, self.min_confidence = target, heads, min_confidence
 
     @torch.inference_mode()
     def propose(
@@ -166,14 +176,20 @@ class MedusaProposer:
         k = min(max(s.num_lookahead for s in picked), self.heads.num_heads)
         drafts: dict[str, list[int]] = {s.request_id: [] for s in picked}
         probs: dict[str, list[torch.Tensor | None]] = {s.request_id: [] for s in picked}
+        sure = {s.request_id: 1.0 for s in picked}
         for depth in range(k):
-            active = [i for i, s in enumerate(picked) if s.num_lookahead > depth]
+            active = [i for i, s in enumerate(picked) if s.num_lookahead > depth and len(drafts[s.request_id]) == depth]
+            if not active:
+                break
             seqs_now = [picked[i] for i in active]
             sample_rows = _sample_rows(seqs_now, generator_for,
                                        {s.request_id: new_tokens[s.request_id] + drafts[s.request_id] for s in seqs_now})
-            for (token, q), s in zip(_draw(sample_rows, logits[depth, active], seqs_now), seqs_now, strict=True):
-                drafts[s.request_id].append(token)
-                probs[s.request_id].append(q)
+            drawn = _draw(sample_rows, logits[depth, active], seqs_now, self.min_confidence > 0)
+            for (token, q, p), s in zip(drawn, seqs_now, strict=True):
+                sure[s.request_id] *= p
+                if sure[s.request_id] >= self.min_confidence:
+                    drafts[s.request_id].append(token)
+                    probs[s.request_id].append(q)
         return {rid: Draft(tokens, _stack(probs[rid])) for rid, tokens in drafts.items() if tokens}
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
