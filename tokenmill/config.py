@@ -183,6 +183,8 @@ class SpeculativeConfig:
     draft_model: str | None = opt(None, "draft model (.gguf or folder) with the target's vocabulary, or an EAGLE / "
                                   "Medusa head's folder")
     draft_layers: int | None = opt(None, "self-speculation: layers the draft runs")
+    spec_tree_width: int = opt(1, "eagle / medusa: candidates per draft position for greedy requests, verified as "
+                               "one tree of num_speculative_tokens nodes (1: a chain)")  # fmt: skip
     draft_confidence: float = opt(0.0, "eagle / medusa: draft only while the head's probability of all its drafts so "
                                   "far stays at or above this (0: always k tokens)")  # fmt: skip
     disable_batch_size: int = opt(4, "pause speculation above this many running requests", flag="spec_disable_batch_size")
@@ -197,6 +199,9 @@ class SpeculativeConfig:
         _check(self.method != "self" or (self.draft_layers is not None and self.draft_layers >= 1),
                "speculative method 'self' needs draft_layers >= 1 (--draft-layers)")  # fmt: skip
         _check(self.disable_batch_size >= 1, "spec_disable_batch_size must be >= 1")
+        _check(self.spec_tree_width >= 1, f"spec_tree_width must be >= 1, got {self.spec_tree_width}")
+        _check(self.spec_tree_width == 1 or self.method in ("eagle", "medusa"),
+               "spec_tree_width > 1 (a draft tree) needs speculative 'eagle' or 'medusa'")  # fmt: skip
         _check(0.0 <= self.draft_confidence < 1.0, f"draft_confidence must be in [0, 1), got {self.draft_confidence}")
 
     @property

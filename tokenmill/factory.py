@@ -266,10 +266,10 @@ def _proposer(
         if isinstance(model.ops, NativeOps):
             native_head_linears(eagle)
         cache = allocate_kv_cache(eagle.config.layer, num_blocks, block_size, dtype, device, args.cache.kv_cache_dtype)
-        return EagleProposer(model, eagle, cache[0], block_size, device, spec.draft_confidence)
+        return EagleProposer(model, eagle, cache[0], block_size, device, spec.draft_confidence, spec.spec_tree_width)
     if spec.method == "medusa":
         assert head is not None
-        return MedusaProposer(model, load_medusa(head, model), spec.draft_confidence)
+        return MedusaProposer(model, load_medusa(head, model), spec.draft_confidence, spec.spec_tree_width)
     if spec.method == "self":
         assert spec.draft_layers is not None  # below the model's layers: check_options
         return ModelProposer(model, kv_caches, block_size, device, spec.draft_layers, catch_up=False)

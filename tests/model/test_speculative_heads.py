@@ -106,8 +106,8 @@ def reference_from(path, target) -> EagleReference:
     return ref.eval()
 
 
-def engine_with(target, proposer, method, k=3, num_blocks=64, caching=True, max_num_seqs=64, budget=64):
-    caches = allocate_kv_cache(target.config, num_blocks, BLOCK, torch.float32, CPU)
+def engine_with(target, proposer, method, k=3, num_blocks=64, caching=True, max_num_seqs=64, budget=64, kv="auto"):
+    caches = allocate_kv_cache(target.config, num_blocks, BLOCK, torch.float32, CPU, kv)
     spec = SpeculativeConfig(method, num_speculative_tokens=k, draft_model="tiny", disable_batch_size=10_000)
     runner = ModelRunner(target, caches, BLOCK, CPU, proposer)
     config = EngineConfig(num_blocks=num_blocks, block_size=BLOCK, max_model_len=200, enable_prefix_caching=caching,
@@ -116,15 +116,16 @@ def engine_with(target, proposer, method, k=3, num_blocks=64, caching=True, max_
     return Engine(runner, ToyTokenizer(target.config.vocab_size), config)
 
 
-def eagle_engine(target, path, num_blocks=64, min_confidence=0.0, **kw):
+def eagle_engine(target, path, num_blocks=64, min_confidence=0.0, width=1, **kw):
     head = load_eagle(path, target)
-    cache = allocate_kv_cache(head.config.layer, num_blocks, BLOCK, torch.float32, CPU)[0]
-    proposer = EagleProposer(target, head, cache, BLOCK, CPU, min_confidence)
+    cache = allocate_kv_cache(head.config.layer, num_blocks, BLOCK, torch.float32, CPU, kw.get("kv", "auto"))[0]
+    proposer = EagleProposer(target, head, cache, BLOCK, CPU, min_confidence, width)
     return engine_with(target, proposer, "eagle", num_blocks=num_blocks, **kw)
 
 
-def medusa_engine(target, path, num_blocks=64, **kw):
-    return engine_with(target, MedusaProposer(target, load_medusa(path, target)), "medusa", num_blocks=num_blocks, **kw)
+def medusa_engine(target, path, num_blocks=64, width=1, **kw):
+    proposer = MedusaProposer(target, load_medusa(path, target), tree_width=width)
+    return engine_with(target, proposer, "medusa", num_blocks=num_blocks, **kw)
 
 
 def run(engine, prompts, params):
@@ -330,3 +331,77 @@ def test_heads_that_do_not_fit_the_target_are_refused_with_the_reason(target, tm
     (tmp_path / "m" / "config.json").write_text("{}")
     with pytest.raises(ModelLoadError, match="medusa_num_heads"):
         load_medusa(tmp_path / "m", target)
+
+
+# ------------------------------------------------------------------------ trees
+
+
+@pytest.mark.parametrize("ops", ["torch", "native"])
+def test_a_tree_forward_gives_each_node_the_logits_of_its_own_path(ops):
+    """One forward over a root and a draft tree (tree mask, positions by depth, slots in
+    order) gives every node the logits the target gives the chain from the root to it."""
+    from tokenmill.kernels.native import load_native
+    from tokenmill.model.ops import NativeOps, TorchOps
+    from tokenmill.speculative.tree import verification_layout
+
+    if ops == "native" and not load_native():
+        pytest.skip("the native kernels did not build")
+    model = tiny_model(5, vocab=16)
+    model.ops = NativeOps() if ops == "native" else TorchOps()
+    runner = ModelRunner(model, allocate_kv_cache(model.config, 32, BLOCK, torch.float32, CPU), BLOCK, CPU)
+    prompt = [3, 1, 4, 1, 5, 9, 2]
+    parents, tokens = [-1, -1, 0, 0, 1, 2, 4], [6, 7, 8, 9, 10, 11, 12]
+    all_logits(runner, [seq(prompt[:-1], list(range(8)))])  # the context, cached
+    positions, mask = verification_layout(parents, 1, len(prompt) - 1)
+    tree = seq(prompt[-1:] + tokens, list(range(8)), num_computed=len(prompt) - 1)
+    tree.positions, tree.tree_mask = positions, mask
+    got = all_logits(runner, [tree])
+    fresh = ModelRunner(model, allocate_kv_cache(model.config, 32, BLOCK, torch.float32, CPU), BLOCK, CPU)
+    for i in range(len(tokens)):
+        path, a = [], i
+        while a >= 0:
+            path.insert(0, tokens[a])
+            a = parents[a]
+        want = all_logits(fresh, [seq(prompt + path, list(range(8)))])[-1]
+        torch.testing.assert_close(got[1 + i], want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[0], all_logits(fresh, [seq(prompt, list(range(8)))])[-1], rtol=1e-4, atol=1e-4)
+
+
+def tree_workload(vocab):
+    """Greedy requests (trees), some with penalties and min_tokens (judged along each node's
+    path), and sampled ones (chains) in the same batches."""
+    prompts, params = workload(vocab)
+    for i in (2, 5, 8):
+        params[i] = SamplingParams(temperature=0.8, seed=i, max_tokens=params[i].max_tokens)
+    params[4] = SamplingParams(temperature=0, max_tokens=30, min_tokens=20, stop_token_ids=(3,), frequency_penalty=0.5)
+    return prompts, params
+
+
+@pytest.mark.parametrize("method,width,kv", [("eagle", 2, "auto"), ("eagle-draft-vocab", 3, "auto"), ("eagle", 2, "int8"),
+                                             ("medusa", 2, "auto"), ("medusa", 3, "int8")])  # fmt: skip
+def test_tree_verification_is_greedy_identical_through_chunks_sharing_and_preemption(target, tmp_path, method, width, kv):
+    prompts, params = tree_workload(16)
+    chain = engine_with(target, None, "ngram", kv=kv)
+    expected = run(chain, prompts, params)
+    if method == "medusa":
+        write_medusa(tmp_path, target, heads=4)
+        engine = medusa_engine(target, tmp_path, num_blocks=30, width=width, k=5, budget=16, kv=kv)
+    else:
+        write_eagle(tmp_path, target, draft_ids=[1, 2, 4, 8, 9, 15, 3, 0] if method == "eagle-draft-vocab" else None)
+        engine = eagle_engine(target, tmp_path, num_blocks=30, width=width, k=5, budget=16, kv=kv)
+    proposer, shapes = engine.runner.proposer, Counter()
+    propose = proposer.propose
+
+    def counting(*a, **kw):
+        drafts = propose(*a, **kw)
+        shapes.update("tree" if d.parents is not None and len(set(d.parents)) < len(d.parents) else "chain"
+                      for d in drafts.values())  # fmt: skip
+        return drafts
+
+    proposer.propose = counting
+    got = run(engine, prompts, params)
+    assert shapes["tree"] > 20 and shapes["chain"] > 5  # greedy requests drafted trees, sampled ones chains
+    greedy = [str(i) for i, p in enumerate(params) if p.temperature == 0]
+    assert {r: got[r] for r in greedy} == {r: expected[r] for r in greedy}
+    assert engine.scheduler.num_preemptions > 0 and engine.kv.stats.hits > 0
+    assert engine.spec_stats.num_drafts > 0 and engine.spec_stats.num_accepted_tokens > 0

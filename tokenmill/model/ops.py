@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels.linear import FLOAT_ROWS
-from tokenmill.model.layers.attention import AttentionMetadata, fresh_prefill_attention, paged_attention
+from tokenmill.model.layers.attention import AttentionMetadata, fresh_prefill_attention, paged_attention, tree_attention
 from tokenmill.model.layers.kv_cache import KVCacheLayer
 from tokenmill.model.layers.norm import rms_norm
 from tokenmill.model.layers.rotary import RotaryEmbedding
@@ -116,6 +116,9 @@ class NativeOps(TorchOps):
         for i in index.fresh_seqs:  # long fresh prefills: their own K/V, causal, flash SDPA
             start, end = qsl[i], qsl[i + 1]
             out[start:end] = fresh_prefill_attention(q[start:end], k[start:end], v[start:end], scale, window, softcap)
+        for i in meta.tree_masks:  # token trees: the reference's masked attention
+            start, end = qsl[i], qsl[i + 1]
+            out[start:end] = tree_attention(q[start:end], cache, meta, i, scale, softcap)
         return out
 
     def decoder_layers(self, x, h, plan, positions, rotary, kv_caches, meta):
@@ -123,7 +126,7 @@ class NativeOps(TorchOps):
         if x.shape[0] > FUSED_MAX_TOKENS or not self._native(x) or first.quant is not None or first.k.dtype not in NATIVE_DTYPES:
             return None
         index = meta.kernel_index(FRESH_PREFILL_SDPA_MIN)
-        if index.fresh_seqs:  # a long fresh prefill takes SDPA: the Python loop
+        if index.fresh_seqs or meta.tree_masks:  # a long fresh prefill takes SDPA, a tree its mask: the Python loop
             return None
         return torch.ops.tokenmill.decode_layers(
             x, h, plan.weights, plan.kinds, positions, rotary.cos, rotary.sin, [c.k for c in kv_caches],

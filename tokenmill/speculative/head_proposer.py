@@ -30,9 +30,11 @@ from __future__ import annotations
 import torch
 
 from tokenmill.engine.request import token_slice
+from tokenmill.model.layers.kv_cache import copy_blocks
 from tokenmill.model.llama import KVCache, LlamaForCausalLM
 from tokenmill.speculative.draft import _seq, _stack
 from tokenmill.speculative.heads import EagleHead, MedusaHeads
+from tokenmill.speculative.tree import best_first
 from tokenmill.worker.inputs import SeqInput, order_seqs, prepare_inputs
 from tokenmill.worker.proposer import Draft, GeneratorFor, wants_draft
 from tokenmill.worker.rejection import race
@@ -73,14 +75,27 @@ def _sample_rows(seqs: list[SeqInput], generator_for: GeneratorFor, after: dict[
                       generator_for(s.request_id, s.params.seed), s.penalties, s.param_row) for s in seqs]  # fmt: skip
 
 
+def _tree_ok(s: SeqInput) -> bool:
+    """Trees are verified greedily, and a grammar checks drafts as a chain: greedy,
+    unconstrained requests only (the others draft chains)."""
+    return s.params.greedy and s.params.structured is None
+
+
+def _top(logits: torch.Tensor, width: int) -> list[list[tuple[int, float]]]:
+    """Per row, the ``width`` most probable tokens with their probabilities."""
+    probs, ids = logits.softmax(dim=-1).topk(width, dim=-1)
+    return [list(zip(i, p, strict=True)) for i, p in zip(ids.tolist(), probs.tolist(), strict=True)]
+
+
 class EagleProposer:
     catch_up = True  # its own K/V follows the target's (export/import of KV refuses it)
 
     def __init__(self, target: LlamaForCausalLM, head: EagleHead, kv_cache: KVCache, block_size: int,
-                 device: torch.device, min_confidence: float = 0.0) -> None:  # fmt: skip
+                 device: torch.device, min_confidence: float = 0.0, tree_width: int = 1) -> None:  # fmt: skip
         self.target, self.head, self.kv_cache = target, head, kv_cache
         self.block_size, self.device = block_size, device
         self.min_confidence = min_confidence  # draft while the product of the drafts' probabilities stays above
+        self.tree_width = tree_width  # > 1: greedy requests draft a tree (EAGLE-2's dynamic tree)
 
     @torch.inference_mode()
     def propose(
@@ -103,32 +118,112 @@ class EagleProposer:
                 batch.append(_seq(s, tokens, start, s.output_ids + gained, sample=drafting))
                 feats[s.request_id] = hidden[offset : offset + n]
             offset += len(s.token_ids)
-        wanted = {s.request_id: s.num_lookahead for s in seqs if wants_draft(s, new_tokens)}
+        if not batch:
+            return {}
+        batch = order_seqs(batch)
+        out = self._forward(batch, torch.cat([feats[s.request_id] for s in batch]))  # catch up, and the first draft
+        sampling = [s for s in batch if s.sample]
+        if not sampling:
+            return {}
+        last = out[self._last_rows(batch)]
+        trees = [i for i, s in enumerate(sampling) if self.tree_width > 1 and _tree_ok(s)]
+        chains = [i for i in range(len(sampling)) if i not in set(trees)]
+        result = {}
+        if trees:
+            result |= self._trees([sampling[i] for i in trees], last[trees])
+        if chains:
+            result |= self._chains([sampling[i] for i in chains], last[chains], generator_for)
+        return result
+
+    def _chains(self, seqs: list[SeqInput], last: torch.Tensor, generator_for: GeneratorFor) -> dict[str, Draft]:
+        """Chains of up to ``num_lookahead`` drafts, one head forward per draft token."""
         drafts: dict[str, list[int]] = {}
         probs: dict[str, list[torch.Tensor | None]] = {}
-        sure = {rid: 1.0 for rid in wanted}  # the head's probability that all its drafts so far are right
-        while batch:
-            batch = order_seqs(batch)
-            out = self._forward(batch, torch.cat([feats[s.request_id] for s in batch]))
-            sampling = [s for s in batch if s.sample]
-            if not sampling:
-                break
-            rows = _sample_rows(sampling, generator_for, {})
-            last = out[self._last_rows(batch)]
-            nxt, next_feats = [], {}
-            drawn = _draw(rows, self.head.logits(self.target, last), sampling, self.min_confidence > 0)
+        sure = {s.request_id: 1.0 for s in seqs}  # the head's probability that all its drafts so far are right
+        while seqs:
+            rows = _sample_rows(seqs, generator_for, {})
+            drawn = _draw(rows, self.head.logits(self.target, last), seqs, self.min_confidence > 0)
+            nxt, nxt_feats = [], {}
             for i, (token, q, p) in enumerate(drawn):
-                s = sampling[i]
+                s = seqs[i]
                 sure[s.request_id] *= p
                 if sure[s.request_id] < self.min_confidence:
                     continue  # not worth a verification slot: this sequence's draft ends here
                 drafts.setdefault(s.request_id, []).append(token)
                 probs.setdefault(s.request_id, []).append(q)
-                if len(drafts[s.request_id]) < wanted[s.request_id]:
+                if len(drafts[s.request_id]) < s.num_lookahead:
                     nxt.append(_seq(s, [token], s.num_computed_tokens + len(s.token_ids), s.output_ids + [token]))
-                    next_feats[s.request_id] = last[i : i + 1]
-            batch, feats = nxt, next_feats
+                    nxt_feats[s.request_id] = last[i : i + 1]
+            if not nxt:
+                break
+            seqs = order_seqs(nxt)
+            last = self._forward(seqs, torch.cat([nxt_feats[s.request_id] for s in seqs]))  # one row each
         return {rid: Draft(tokens, _stack(probs[rid])) for rid, tokens in drafts.items()}
+
+    def _trees(self, seqs: list[SeqInput], last: torch.Tensor) -> dict[str, Draft]:
+        """EAGLE-2's dynamic tree: at each depth the ``tree_width`` most probable nodes (by
+        the product of the head's probabilities along their path) are expanded, each into
+        its ``tree_width`` most probable children, all of a depth in one head forward with a
+        tree mask; the tree verified is the ``num_lookahead`` most probable nodes found."""
+        w = self.tree_width
+        nodes = {s.request_id: [] for s in seqs}  # per node: [token, parent, score, depth, feature, slot]
+        frontier: dict[str, list[int]] = {}
+        for s, top in zip(seqs, _top(self.head.logits(self.target, last), w), strict=True):
+            rid = s.request_id
+            for t, p in top:
+                nodes[rid].append([t, -1, p, 1, None, None])
+            frontier[rid] = [j for j, n in enumerate(nodes[rid]) if n[2] >= self.min_confidence]
+        root_feat = {s.request_id: last[i] for i, s in enumerate(seqs)}
+        depth = 1
+        slots = {s.request_id: 0 for s in seqs}  # head slots the tree has used past the root
+        by_id = {s.request_id: s for s in seqs}
+        while True:
+            grow = [rid for rid, f in frontier.items() if f and slots[rid] + len(f) <= by_id[rid].num_lookahead - 1]
+            if not grow:
+                break
+            batch, feats = [], []
+            for rid in grow:
+                s, tree = by_id[rid], nodes[rid]
+                front = frontier[rid]
+                base = s.num_computed_tokens + len(s.token_ids)  # the head position after its catch-up
+                for j in front:
+                    tree[j][5] = slots[rid] + front.index(j)
+                mask = torch.zeros(len(front), slots[rid] + len(front), dtype=torch.bool)
+                for row, j in enumerate(front):
+                    a = j
+                    while a >= 0:
+                        if tree[a][5] is not None:
+                            mask[row, tree[a][5]] = True
+                        a = tree[a][1]
+                feats += [(root_feat[rid] if tree[j][1] < 0 else tree[tree[j][1]][4])[None] for j in front]
+                seq = _seq(s, [tree[j][0] for j in front], base + slots[rid], s.output_ids)
+                seq.positions = [base + depth - 1] * len(front)
+                seq.tree_mask = mask
+                batch.append(seq)
+                slots[rid] += len(front)
+            out = self._forward(batch, torch.cat(feats))  # no reordering: every sequence here has a tree mask
+            tops = _top(self.head.logits(self.target, out), w)
+            row = 0
+            for rid in grow:
+                tree, children = nodes[rid], []
+                for j in frontier[rid]:
+                    for t, p in tops[row]:
+                        tree.append([t, j, tree[j][2] * p, depth + 1, None, None])
+                        children.append(len(tree) - 1)
+                    tree[j][4] = out[row]  # the feature this node's children are fed
+                    row += 1
+                best = sorted(children, key=lambda c: -tree[c][2])[:w]
+                frontier[rid] = [c for c in best if tree[c][2] >= self.min_confidence]
+            depth += 1
+        result = {}
+        for rid, tree in nodes.items():
+            k = by_id[rid].num_lookahead
+            keep = sorted((j for j, n in enumerate(tree) if n[2] >= self.min_confidence), key=lambda j: (-tree[j][2], tree[j][3]))[:k]
+            keep.sort(key=lambda j: (tree[j][3], j))  # parents first
+            index = {j: i for i, j in enumerate(keep)}
+            if keep:
+                result[rid] = Draft([tree[j][0] for j in keep], None, [index.get(tree[j][1], -1) for j in keep])
+        return result
 
     @staticmethod
     def _last_rows(batch: list[SeqInput]) -> list[int]:
@@ -144,16 +239,16 @@ class EagleProposer:
         return self.head(self.target, features, input_ids, positions, self.kv_cache, meta)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        from tokenmill.model.layers.kv_cache import copy_blocks
-
         copy_blocks([self.kv_cache], copies)
 
 
 class MedusaProposer:
     catch_up = False
 
-    def __init__(self, target: LlamaForCausalLM, heads: MedusaHeads, min_confidence: float = 0.0) -> None:
+    def __init__(self, target: LlamaForCausalLM, heads: MedusaHeads, min_confidence: float = 0.0,
+                 tree_width: int = 1) -> None:  # fmt: skip
         self.target, self.heads, self.min_confidence = target, heads, min_confidence
+        self.tree_width = tree_width  # > 1: greedy requests draft a tree from each head's top candidates
 
     @torch.inference_mode()
     def propose(
@@ -173,6 +268,24 @@ class MedusaProposer:
         if not picked:
             return {}
         logits = self.heads(hidden[torch.tensor(rows, device=hidden.device)])  # [K, n, vocab]
+        result: dict[str, Draft] = {}
+        if self.tree_width > 1:
+            grow = [i for i, s in enumerate(picked) if _tree_ok(s)]
+            if grow:
+                tops = [_top(logits[h, grow], self.tree_width) for h in range(self.heads.num_heads)]
+                for j, i in enumerate(grow):
+                    s = picked[i]
+
+                    def expand(path: list[int], depth: int, j: int = j) -> list[tuple[int, float]]:
+                        return tops[depth][j] if depth < self.heads.num_heads else []
+
+                    tokens, parents, _ = best_first(tops[0][j], expand, s.num_lookahead, self.min_confidence)
+                    if tokens:
+                        result[s.request_id] = Draft(tokens, None, parents)
+                picked = [s for i, s in enumerate(picked) if i not in set(grow)]
+                logits = logits[:, [i for i in range(logits.shape[1]) if i not in set(grow)]]
+            if not picked:
+                return result
         k = min(max(s.num_lookahead for s in picked), self.heads.num_heads)
         drafts: dict[str, list[int]] = {s.request_id: [] for s in picked}
         probs: dict[str, list[torch.Tensor | None]] = {s.request_id: [] for s in picked}
@@ -190,7 +303,7 @@ class MedusaProposer:
                 if sure[s.request_id] >= self.min_confidence:
                     drafts[s.request_id].append(token)
                     probs[s.request_id].append(q)
-        return {rid: Draft(tokens, _stack(probs[rid])) for rid, tokens in drafts.items() if tokens}
+        return result | {rid: Draft(tokens, _stack(probs[rid])) for rid, tokens in drafts.items() if tokens}
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         pass  # no K/V of its own

@@ -55,7 +55,7 @@ TOPICS = [
 
 
 def bundled_chat_prompts(count: int | None = None, seed: int = 0) -> list[str]:
-    """Every template x topic pair (2,000), shuffled reproducibly; the first ``count``."""
+    """Every template x topic pair (2,060), shuffled reproducibly; the first ``count``."""
     prompts = [t.format(t=topic) for t in TEMPLATES for topic in TOPICS]
     random.Random(seed).shuffle(prompts)
     return prompts if count is None else prompts[:count]

@@ -42,6 +42,11 @@ class SeqInput:
     param_row: torch.Tensor | None = None  # the request's sampling parameters as a tensor row
     spec_token_ids: list[int] = field(default_factory=list)  # drafts at the end of token_ids
     num_lookahead: int = 0  # after sampling, propose up to this many draft tokens
+    # A token tree (``tree.py``): the tokens' positions (a node sits at its parent's + 1,
+    # while its K/V take the next slot in order) and what each sees of the last T slots.
+    positions: list[int] | None = None
+    tree_mask: torch.Tensor | None = None  # [len(token_ids), T] bool
+    spec_parents: list[int] | None = None  # the drafts' parents (-1: the real token before them)
 
 
 class InputBuffers:
@@ -63,8 +68,13 @@ class InputBuffers:
 
 def order_seqs(seqs: list[SeqInput]) -> list[SeqInput]:
     """Single-token sequences first, by context length (attention groups them), then the rest."""
-    decodes = sorted((s for s in seqs if len(s.token_ids) == 1), key=lambda s: s.num_computed_tokens)
-    return decodes + [s for s in seqs if len(s.token_ids) != 1]
+    decodes = sorted((s for s in seqs if _is_decode(s)), key=lambda s: s.num_computed_tokens)
+    return decodes + [s for s in seqs if not _is_decode(s)]
+
+
+def _is_decode(s: SeqInput) -> bool:
+    """One token over a plain causal context (a tree node, alone or not, takes its mask)."""
+    return len(s.token_ids) == 1 and s.tree_mask is None
 
 
 def prepare_inputs(
@@ -87,7 +97,13 @@ def prepare_inputs(
         start = s.num_computed_tokens
         assert len(s.block_table) * bs >= start + n, "block table too short for the scheduled tokens"
         at = query_start_loc[-1]
-        if n == 1:  # a decode: no ranges to build
+        if s.positions is not None:  # a tree: positions by depth, slots in order
+            slot_pos = np.arange(start, start + n)
+            buf.input_ids[at : at + n] = s.token_ids
+            buf.positions[at : at + n] = s.positions
+            table = np.asarray(s.block_table[start // bs : (start + n - 1) // bs + 1], dtype=np.int64)
+            buf.slots[at : at + n] = table[slot_pos // bs - start // bs] * bs + slot_pos % bs
+        elif n == 1:  # one token: no ranges to build
             buf.input_ids[at] = s.token_ids[0]
             buf.positions[at] = start
             buf.slots[at] = s.block_table[start // bs] * bs + start % bs
@@ -105,7 +121,9 @@ def prepare_inputs(
     num_decodes = len(_leading_decodes(seqs))
     max_blocks = max(len(s.block_table) for s in seqs)
     tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]
+    trees = {i: s.tree_mask.to(device) for i, s in enumerate(seqs) if s.tree_mask is not None}
     meta = AttentionMetadata(
+        tree_masks=trees,
         slot_mapping=_to_device(buf.slots[:num_tokens], device),
         block_tables=torch.tensor(tables, dtype=torch.long, device=device),
         query_start_loc=query_start_loc,
@@ -133,7 +151,7 @@ def _leading_decodes(seqs: list[SeqInput]) -> list[SeqInput]:
     """The leading run of single-token sequences (order_seqs puts them first)."""
     out = []
     for s in seqs:
-        if len(s.token_ids) != 1:
+        if not _is_decode(s):
             break
         out.append(s)
     return out

@@ -33,9 +33,10 @@ from tokenmill.engine.request import token_slice
 from tokenmill.lora.adapter import LoRAAdapter
 from tokenmill.lora.layers import LoRAMapping
 from tokenmill.model.layers.attention import AttentionMetadata
-from tokenmill.model.layers.kv_cache import block_nbytes, copy_blocks, read_blocks, write_blocks
+from tokenmill.model.layers.kv_cache import block_nbytes, copy_blocks, move_slots, read_blocks, write_blocks
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.speculative.tree import greedy_path, verification_layout
 from tokenmill.worker.inputs import InputBuffers, SeqInput, order_seqs, prepare_inputs
 from tokenmill.worker.kv_cache import KVCache
 from tokenmill.worker.lora import LoRAManager
@@ -117,6 +118,7 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self._parked_generators: dict[str, torch.Generator] = {}  # of preempted seeded requests
         self._buffers = InputBuffers()
+        self._tree_paths: dict[str, list[int]] = {}  # this step's accepted node of each verified tree
         self._default_generator = torch.Generator(device=device)
         self._default_generator.seed()
 
@@ -137,6 +139,7 @@ class ModelRunner:
             seqs = order_seqs([self._seq_input(s) for s in batch.scheduled])
             logits, prompt_scores, pooled, hidden = self._forward(seqs)
             sampled = self._sample(seqs, logits, grammar.get() if grammar is not None else None)
+            hidden = self._keep_tree_paths(seqs, hidden)
             drafts: dict[str, Draft] = {}
             if self.proposer is not None:
                 new_tokens = {rid: [t.token_id for t in toks] for rid, toks in sampled.items()}
@@ -149,6 +152,35 @@ class ModelRunner:
         out.prompt_logprobs = prompt_scores
         out.embeddings = self._commit_pooled(pooled)
         return out
+
+    def _keep_tree_paths(self, seqs: list[SeqInput], hidden: torch.Tensor | None) -> torch.Tensor | None:
+        """After a tree was verified: its accepted path's K/V moved to the slots of the
+        positions they now hold, and the hidden rows put in chain order (real tokens, then
+        the path), as a proposer reads them."""
+        perm, src, dst, offset, moved = [], [], [], 0, False
+        bs = self.block_size
+        for s in seqs:
+            n = len(s.token_ids)
+            if s.spec_parents is None:
+                perm.extend(range(offset, offset + n))
+                offset += n
+                continue
+            num_real = n - len(s.spec_token_ids)
+            path = self._tree_paths[s.request_id]
+            first = s.num_computed_tokens + num_real  # the slot index of the tree's first node
+            for d, node in enumerate(path):
+                a, b = first + node, first + d
+                src.append(s.block_table[a // bs] * bs + a % bs)
+                dst.append(s.block_table[b // bs] * bs + b % bs)
+            rows = list(range(offset, offset + num_real)) + [offset + num_real + i for i in path]
+            rows += [r for r in range(offset, offset + n) if r not in set(rows)]
+            perm.extend(rows)
+            moved = True
+            offset += n
+        if not moved:
+            return hidden
+        move_slots(self.kv_caches, src, dst)
+        return None if hidden is None else hidden.index_select(0, torch.tensor(perm, device=hidden.device))
 
     def _commit_pooled(self, pooled: dict[str, tuple[torch.Tensor, int, bool]]) -> dict[str, list[float]]:
         """Add the step's pooled rows to their requests; the finished ones' embeddings."""
@@ -208,6 +240,10 @@ class ModelRunner:
                 raise RuntimeError(f"{s.request_id}: the scheduled drafts are not the ones this runner proposed")
         start, num_real = s.num_computed_tokens, s.num_tokens - k
         assert start + num_real <= state.num_tokens, f"{s.request_id}: scheduled past its known tokens"
+        positions = tree_mask = parents = None
+        if k and state.draft is not None and state.draft.parents is not None:
+            parents = state.draft.parents[:k]  # parents first: any prefix of the list is a tree
+            positions, tree_mask = verification_layout(parents, num_real, start)
         return SeqInput(
             request_id=s.request_id,
             token_ids=state.token_slice(start, start + num_real) + s.spec_token_ids,
@@ -221,6 +257,9 @@ class ModelRunner:
             param_row=state.param_row,
             spec_token_ids=s.spec_token_ids,
             num_lookahead=s.num_lookahead,
+            positions=positions,
+            tree_mask=tree_mask,
+            spec_parents=parents,
         )
 
     def _commit(self, batch: ModelInput, sampled: dict[str, list[SampledToken]], drafts: dict[str, Draft]) -> ModelOutput:
@@ -370,18 +409,32 @@ class ModelRunner:
         """logits: k_i + 1 rows per sequence. Row i is judged with the penalties the
         sequence would have after accepting its first i drafts."""
         rows = [
-            SampleRow(s.params, s.prompt_ids, s.output_ids + s.spec_token_ids[:i], self._generator_or_default(s.request_id),
+            SampleRow(s.params, s.prompt_ids, s.output_ids + drafted, self._generator_or_default(s.request_id),
                       s.penalties, s.param_row)
             for s in seqs
-            for i in range(len(s.spec_token_ids) + 1)
+            for drafted in _judged_after(s)
         ]  # fmt: skip
         dist, greedy = sampling_distribution(logits, rows)
         greedy_list = greedy.tolist()
         raw = logits.log_softmax(dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
         result = {}
         start = 0
+        self._tree_paths = {}
         for s in seqs:
             k = len(s.spec_token_ids)
+            if s.spec_parents is not None:  # a tree: greedy only (proposers draft chains for sampled requests)
+                assert s.params.greedy, "a draft tree for a sampled request"
+                argmax = greedy_list[start : start + k + 1]
+                path = self._tree_paths[s.request_id] = greedy_path(s.spec_parents, s.spec_token_ids, argmax)
+                tokens = [s.spec_token_ids[i] for i in path] + [argmax[path[-1] + 1 if path else 0]]
+                taken = [start] + [start + 1 + i for i in path]
+                if raw is not None and s.params.logprobs is not None:
+                    lps, tops = chosen_logprobs(raw[taken], tokens, [rows[i] for i in taken])
+                else:
+                    lps, tops = [None] * len(tokens), [[] for _ in tokens]
+                result[s.request_id] = [SampledToken(t, lp, top) for t, lp, top in zip(tokens, lps, tops, strict=True)]
+                start += k + 1
+                continue
             if s.params.greedy:
                 tokens = verify_greedy(greedy_list[start : start + k + 1], s.spec_token_ids)
             else:
@@ -439,6 +492,18 @@ class ModelRunner:
         state = self.requests.get(request_id)
         gen = state.generator if state is not None else None
         return gen or self._default_generator
+
+
+def _judged_after(s: SeqInput) -> list[list[int]]:
+    """The drafts each verification row of ``s`` is judged after (its penalties, min_tokens):
+    row i of a chain after the first i drafts; a tree's node after the path down to it."""
+    drafts = s.spec_token_ids
+    if s.spec_parents is None:
+        return [drafts[:i] for i in range(len(drafts) + 1)]
+    paths: list[list[int]] = [[]]
+    for i, p in enumerate(s.spec_parents):
+        paths.append(paths[p + 1] + [drafts[i]])
+    return paths
 
 
 def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:

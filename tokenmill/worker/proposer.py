@@ -26,10 +26,16 @@ class Draft:
 
     token_ids: list[int]
     probs: torch.Tensor | None = None  # [len(token_ids), vocab]: q of each token; None: certain
+    parents: list[int] | None = None  # a tree (speculative/tree.py): each token's parent, -1 the root; None: a chain
 
     def __post_init__(self) -> None:
         if self.probs is not None and self.probs.shape[0] != len(self.token_ids):
             raise ValueError(f"a draft of {len(self.token_ids)} tokens with {self.probs.shape[0]} rows of probabilities")
+        if self.parents is not None:
+            if len(self.parents) != len(self.token_ids) or any(not -1 <= p < i for i, p in enumerate(self.parents)):
+                raise ValueError("a draft tree's parents must come before their children")
+            if self.probs is not None:
+                raise ValueError("draft trees are verified greedily: they carry no probabilities")
 
 
 class Proposer(Protocol):

@@ -101,6 +101,9 @@ class AttentionMetadata:
     num_decodes: int  # the first num_decodes sequences contribute exactly one token
     block_size: int
     block_tables_host: list[list[int]]  # the sequences' own tables (read, not copied)
+    # Sequences verifying (or a head drafting) a token tree: seq index -> [num_new, T] bool,
+    # which of the last T keys (the tree's slots) each new token sees; every key before them is seen.
+    tree_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     _kernel_indexes: dict[int, KernelIndex] = field(default_factory=dict, repr=False)  # by fresh_sdpa_min
 
     @property
@@ -121,8 +124,8 @@ class AttentionMetadata:
             return self._kernel_indexes[fresh_sdpa_min]
         qsl, lens = self.query_start_loc, self.seq_lens_host
         fresh = [i for i in range(self.num_decodes, self.num_seqs)
-                 if lens[i] == qsl[i + 1] - qsl[i] and lens[i] >= fresh_sdpa_min]  # fmt: skip
-        skip = set(fresh)
+                 if lens[i] == qsl[i + 1] - qsl[i] and lens[i] >= fresh_sdpa_min and i not in self.tree_masks]  # fmt: skip
+        skip = set(fresh) | set(self.tree_masks)  # trees: tree_attention
         index = KernelIndex(
             torch.tensor(qsl, dtype=torch.long),
             torch.tensor(lens, dtype=torch.long),
@@ -158,6 +161,9 @@ def paged_attention(
     qsl = meta.query_start_loc
     for i in range(nd, meta.num_seqs):
         start, end = qsl[i], qsl[i + 1]
+        if i in meta.tree_masks:
+            out[start:end] = tree_attention(q[start:end], cache, meta, i, scale, softcap)
+            continue
         out[start:end] = _prefill_attention(q[start:end], k[start:end], v[start:end], cache, meta, i, scale, window,
                                             softcap)  # fmt: skip
     return out
@@ -220,6 +226,19 @@ def _prefill_attention(q, k, v, cache: KVCacheLayer, meta: AttentionMetadata, i:
     # query j sits at absolute position (length - num_new + j) and sees keys <= that.
     q_pos = torch.arange(length - num_new, length, device=q.device)
     return _attend_chunk(q, keys, values, _causal_mask(q_pos, length, window), False, scale, softcap)
+
+
+def tree_attention(q, cache: KVCacheLayer, meta: AttentionMetadata, i: int, scale: float, softcap=None) -> torch.Tensor:
+    """Sequence i's new tokens over its cached context, the last T keys (a token tree's
+    slots: siblings side by side, not one after the other) seen as ``meta.tree_masks[i]``
+    says. Shared with the native path, which leaves tree sequences to this function.
+    (No sliding windows: trees are not drafted for windowed models.)"""
+    length = meta.seq_lens_host[i]
+    keys, values = _gather(cache, meta.block_tables[i], length)
+    tree = meta.tree_masks[i]
+    mask = torch.ones(q.shape[0], length, dtype=torch.bool, device=q.device)
+    mask[:, length - tree.shape[1] :] = tree
+    return _attend_chunk(q, keys, values, mask, False, scale, softcap)
 
 
 def _attend_chunk(q, keys, values, mask: torch.Tensor | None, causal: bool, scale: float, softcap=None) -> torch.Tensor:

@@ -59,6 +59,20 @@ class KVCacheLayer:
                 _bytes(t)[dst] = _bytes(t)[src]
 
 
+def move_slots(layers: list[KVCacheLayer], src: list[int], dst: list[int]) -> None:
+    """Slot dst[i] gets slot src[i]'s K/V (and scales) in every layer, in list order: the
+    accepted path of a verified draft tree moved to the positions it now holds."""
+    if not src:
+        return
+    for layer in layers:
+        for t in (layer.k, layer.v, layer.k_scale, layer.v_scale):
+            if t is not None:
+                flat = _bytes(t).view(t.shape[0] * t.shape[1], -1)
+                for a, b in zip(src, dst, strict=True):
+                    if a != b:
+                        flat[b] = flat[a]
+
+
 def copy_blocks(layers: list[KVCacheLayer], copies: list[tuple[int, int]]) -> None:
     """Copy-on-write: block dst gets block src's K/V in every layer, in list order."""
     for src, dst in copies:
