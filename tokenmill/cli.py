@@ -105,6 +105,8 @@ def _add_train_draft_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--unroll", type=int, default=d.unroll, help=f"EAGLE: drafting steps trained together (default {d.unroll})")
     p.add_argument("--draft-vocab-size", type=int, default=d.draft_vocab_size,
                    help=f"EAGLE: tokens its LM head drafts (default {d.draft_vocab_size})")  # fmt: skip
+    p.add_argument("--token-loss-weight", type=float, default=d.token_loss_weight,
+                   help=f"EAGLE: weight of the token cross-entropy next to the feature loss (default {d.token_loss_weight})")  # fmt: skip
     p.add_argument("--medusa-heads", type=int, default=d.medusa_heads, help=f"Medusa: heads (default {d.medusa_heads})")
     p.add_argument("--eval-every", type=int, default=d.eval_every, help=f"steps between held-out evaluations (default {d.eval_every})")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -116,10 +118,11 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     for name in ("num_prompts", "max_tokens", "batch_size", "unroll", "draft_vocab_size", "medusa_heads", "eval_every"):
         if getattr(args, name) < 1:
             raise TokenmillError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.epochs <= 0 or args.lr <= 0:
-        raise TokenmillError("--epochs and --lr must be > 0")
+    if args.epochs <= 0 or args.lr <= 0 or args.token_loss_weight < 0:
+        raise TokenmillError("--epochs and --lr must be > 0, --token-loss-weight >= 0")
     opts = TrainOptions(method=args.method, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, unroll=args.unroll,
                         draft_vocab_size=args.draft_vocab_size, medusa_heads=args.medusa_heads,
+                        token_loss_weight=args.token_loss_weight,
                         eval_every=args.eval_every, seed=args.seed)  # fmt: skip
     try:
         head = train_draft(args.method, args.output, args.model, args.device, args.prompts, args.num_prompts,

@@ -260,6 +260,8 @@ def _proposer(
     block_size = args.cache.block_size
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
+    if spec.spec_tree_width > 1 and any(model.config.window_of(i) for i in range(model.config.num_layers)):
+        raise TokenmillError("draft trees (spec_tree_width > 1) are not supported on sliding-window models yet")
     if spec.method == "eagle":
         assert head is not None
         eagle = load_eagle(head, model)

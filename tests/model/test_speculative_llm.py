@@ -80,8 +80,12 @@ def test_speculative_options_are_checked_before_any_weights_load(tmp_path):
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        ({"speculative": "medusa"}, "speculative method must be one of ngram, draft, self"),
+        ({"speculative": "lookahead"}, "speculative method must be one of ngram, draft, self, eagle, medusa"),
         ({"speculative": "draft"}, "needs a draft model"),
+        ({"speculative": "medusa"}, "'medusa' needs a draft model"),
+        ({"speculative": "eagle", "spec_tree_width": 0}, "spec_tree_width must be >= 1"),
+        ({"speculative": "ngram", "spec_tree_width": 2}, "needs speculative 'eagle' or 'medusa'"),
+        ({"speculative": "eagle", "draft_confidence": 1.0}, r"draft_confidence must be in \[0, 1\)"),
         ({"speculative": "self"}, "needs draft_layers >= 1"),
         ({"speculative": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be >= 1"),
         ({"speculative": "self", "draft_layers": 30}, "draft_layers=30 must be below the model's 30 layers"),
@@ -90,3 +94,29 @@ def test_speculative_options_are_checked_before_any_weights_load(tmp_path):
 def test_bad_speculative_settings_are_clear_errors(kwargs, message):
     with pytest.raises(TokenmillError, match=message):
         LLM(progress=False, kv_cache_memory="16MiB", **kwargs)
+
+
+def test_an_eagle_head_is_needed_for_a_model_without_a_bundled_one(tmp_path):
+    make_tiny_llama(tmp_path)
+    with pytest.raises(TokenmillError, match="only the default model has a bundled EAGLE head"):
+        LLM(str(tmp_path), progress=False, kv_cache_memory="16MiB", speculative="eagle")
+    (tmp_path / "head.bin").write_bytes(b"")
+    with pytest.raises(TokenmillError, match="is not a folder"):
+        LLM(progress=False, kv_cache_memory="16MiB", speculative="eagle", draft_model=str(tmp_path / "head.bin"))
+
+
+HELD_OUT = [[{"role": "user", "content": "How do airplanes stay up in the air?"}],
+            [{"role": "user", "content": "Suggest a simple dinner I can cook with rice, eggs and spinach."}]]  # fmt: skip
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_the_default_model_speculates_with_its_bundled_eagle_head(llm, tree):
+    """No --draft-model: the head train-draft made for SmolLM2 ships with the package; on
+    chats it was not trained on, greedy output is unchanged and many drafts are accepted."""
+    extra = {"spec_tree_width": 2, "num_speculative_tokens": 6} if tree else {}
+    spec = LLM(dtype="float32", progress=False, speculative="eagle", kv_cache_memory="64MiB", **extra)
+    params = SamplingParams(temperature=0, max_tokens=64)
+    expected = [o.outputs[0].token_ids for o in llm.chat(HELD_OUT, params)]
+    assert [o.outputs[0].token_ids for o in spec.chat(HELD_OUT, params)] == expected
+    stats = spec.spec_decode_stats
+    assert stats.num_drafts > 10 and stats.mean_accepted_length > 1.5

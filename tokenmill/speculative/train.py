@@ -9,7 +9,8 @@ models and on a GPU where there is one (``--device``).
 true next token, attending to the true features before its origin and to its own
 earlier steps (exactly the K/V it sees when drafting), so it learns to draft from its
 own predictions, not only from the target's. Loss per step: smooth L1 to the target's
-feature plus cross-entropy to the target's token (EAGLE-1's pair), weighted 0.8^step.
+feature plus ``--token-loss-weight`` x cross-entropy to the target's token (EAGLE-1's
+pair, 0.1 there), weighted 0.8^step.
 The LM head is over a *draft vocabulary* (the ``--draft-vocab-size`` tokens the target
 says most often), initialised from the target's rows.
 
@@ -42,7 +43,6 @@ from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.speculative.heads import MedusaHeads
 
 DEPTH_DECAY = 0.8  # loss weight of unrolled step j: DEPTH_DECAY ** j (EAGLE-3)
-CE_WEIGHT = 0.1  # EAGLE-1: feature loss + 0.1 x token loss
 
 
 # ------------------------------------------------------------------ the reference
@@ -213,7 +213,7 @@ def _pad(batch: list[Conversation], steps: int, device: torch.device) -> tuple[t
 
 def eagle_losses(
     head: EagleReference, target: LlamaForCausalLM, batch: list[Conversation], steps: int, device: torch.device,
-    target_to_draft: torch.Tensor,
+    target_to_draft: torch.Tensor, token_weight: float = 0.1,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(loss, accepted [steps] counts of leading correct drafts summed over answer origins, and
     the origin count last): step j at origin p predicts f_(p+j) and t_(p+j+1)."""
@@ -241,7 +241,7 @@ def eagle_losses(
         assert head.lm_head is not None, "train-draft trains a draft vocabulary"
         logits = head.lm_head(out[ce_ok])
         ploss = F.cross_entropy(logits, draft_ids[ce_ok]) if ce_ok.any() else loss
-        loss = loss + DEPTH_DECAY**j * (vloss + CE_WEIGHT * ploss)
+        loss = loss + DEPTH_DECAY**j * (vloss + token_weight * ploss)
         with torch.no_grad():
             full = torch.zeros(B, n, dtype=torch.bool, device=device)
             if ce_ok.any():
@@ -284,6 +284,7 @@ class TrainOptions:
     lr: float = 1e-3
     unroll: int = 3
     draft_vocab_size: int = 8192
+    token_loss_weight: float = 0.1  # EAGLE: feature loss + this x token cross-entropy (EAGLE-1: 0.1)
     medusa_heads: int = 3
     eval_every: int = 50
     seed: int = 0
@@ -411,7 +412,7 @@ def train(
     def losses(batch: list[Conversation]) -> tuple[torch.Tensor, torch.Tensor]:
         if method == "eagle":
             assert target_to_draft is not None
-            return eagle_losses(head, target, batch, opts.unroll, device, target_to_draft)
+            return eagle_losses(head, target, batch, opts.unroll, device, target_to_draft, opts.token_loss_weight)
         return medusa_losses(head, batch, device)
 
     def evaluate() -> list[float]:

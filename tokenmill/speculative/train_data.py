@@ -4,12 +4,13 @@ the features it computed for them.
 The target answers chat prompts (greedy, through the engine, batched); then one
 forward over each whole conversation (prompt + answer) gives the final hidden state
 at every position, the features an EAGLE head learns to continue and a Medusa head
-reads. Written in shards of ``chunk`` conversations, so an interrupted run resumes at
-the first missing shard.
+reads. Written in shards of ``chunk`` conversations (each with a note of the prompts and
+length it answers), so an interrupted run resumes at the first missing shard.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -74,18 +75,28 @@ def collect(
     for n, start in enumerate(range(0, len(prompts), chunk)):
         path = out_dir / f"shard_{n:05d}.pt"
         paths.append(path)
-        if path.exists():
-            if on_shard is not None:
-                on_shard(min(start + chunk, len(prompts)), len(prompts), 0)
-            continue
         part = prompts[start : start + chunk]
+        if _made_for(path, part, max_tokens):
+            if on_shard is not None:
+                on_shard(start + len(part), len(prompts), 0)
+            continue
         outs = llm.chat([[{"role": "user", "content": p}] for p in part], params)
         tokens = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
         starts = [len(o.prompt_token_ids) for o in outs]
         feats = target_features(llm.model, tokens)
         tmp = path.with_suffix(".tmp")
         torch.save({"tokens": tokens, "answer_start": starts, "features": feats}, tmp)
+        path.with_suffix(".json").write_text(json.dumps({"prompts": part, "max_tokens": max_tokens}))
         tmp.rename(path)
         if on_shard is not None:
             on_shard(start + len(part), len(prompts), sum(len(t) - s for t, s in zip(tokens, starts, strict=True)))
     return paths
+
+
+def _made_for(path: Path, prompts: list[str], max_tokens: int) -> bool:
+    """The shard exists and answers exactly these prompts at this length (other prompts
+    or another --max-tokens make it again rather than train on the wrong data)."""
+    meta = path.with_suffix(".json")
+    if not path.exists() or not meta.exists():
+        return False
+    return json.loads(meta.read_text()) == {"prompts": prompts, "max_tokens": max_tokens}
