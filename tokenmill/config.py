@@ -185,6 +185,8 @@ class SpeculativeConfig:
     draft_layers: int | None = opt(None, "self-speculation: layers the draft runs")
     spec_tree_width: int = opt(1, "eagle / medusa: candidates per draft position for greedy requests, verified as "
                                "one tree of num_speculative_tokens nodes (1: a chain)")  # fmt: skip
+    spec_auto_pause: bool = opt(True, "keep drafting only while it measurably speeds decoding up on this machine",
+                                negative="no-spec-auto-pause")  # fmt: skip
     draft_confidence: float = opt(0.0, "eagle / medusa: draft only while the head's probability of all its drafts so "
                                   "far stays at or above this (0: always k tokens)")  # fmt: skip
     disable_batch_size: int = opt(4, "pause speculation above this many running requests", flag="spec_disable_batch_size")

@@ -40,6 +40,7 @@ from tokenmill.worker.kv_cache import allocate_kv_cache, block_bytes
 from tokenmill.worker.lora import LoRAManager
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.proposer import Proposer
+from tokenmill.worker.spec_pause import PayOrPause
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +166,8 @@ def build_engine(args: EngineArgs, progress: bool = True, engine_class: type[Eng
             raise TokenmillError("LoRA adapters on a mixture-of-experts model are not supported yet")
         lora = LoRAManager(model, args.lora) if args.lora.enable_lora else None
         if cluster is None:
-            runner = ModelRunner(model, kv_caches, cache.block_size, device, proposer, lora)
+            pause = PayOrPause() if spec is not None and spec.spec_auto_pause else None
+            runner = ModelRunner(model, kv_caches, cache.block_size, device, proposer, lora, pause=pause)
         else:
             cluster.broadcast(Setup(num_blocks))
             stage = parallel_stage(cluster.groups(shard, device), model, kv_caches, cache.block_size, device, config)

@@ -185,17 +185,34 @@ class Recording(EagleProposer):
         return drafts
 
 
-@pytest.mark.parametrize("draft_vocab", [None, [0, 2, 3, 5, 7, 8, 11, 13, 14]], ids=["target-head", "draft-vocab"])
-def test_eagle_drafts_follow_the_whole_history_through_chunks_sharing_and_preemption(target, tmp_path, draft_vocab):
+class Alternating:
+    """A pay-or-pause policy that turns drafting off and on every few decode steps."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.drafting = True
+
+    def record(self, tokens: int, seconds: float) -> None:
+        self.steps += 1
+        self.drafting = self.steps % 6 < 3
+
+
+@pytest.mark.parametrize("draft_vocab,paused", [(None, False), ([0, 2, 3, 5, 7, 8, 11, 13, 14], False), (None, True)],
+                         ids=["target-head", "draft-vocab", "paused-now-and-then"])  # fmt: skip
+def test_eagle_drafts_follow_the_whole_history_through_chunks_sharing_and_preemption(target, tmp_path, draft_vocab,
+                                                                                     paused):  # fmt: skip
     """Every draft equals the reference head's greedy drafts run over the sequence's whole
     history with the target's features computed afresh: the head's cache caught up on
-    every kept position (prompt chunks, accepted drafts), whatever the schedule."""
+    every kept position (prompt chunks, accepted drafts, steps it did not draft in and
+    caught up on later), whatever the schedule."""
     write_eagle(tmp_path, target, draft_ids=draft_vocab)
     head, ref = load_eagle(tmp_path, target), reference_from(tmp_path, target)
     cache = allocate_kv_cache(head.config.layer, 24, BLOCK, torch.float32, CPU)[0]
     proposer = Recording(target, head, cache, BLOCK, CPU)
     proposer.log = []
     engine = engine_with(target, proposer, "eagle", num_blocks=24, budget=16)  # too few blocks: preemption
+    if paused:
+        engine.runner.pause = Alternating()
     prompts, params = workload(16)
     run(engine, prompts, [SamplingParams(temperature=0, max_tokens=p.max_tokens) for p in params])
     assert engine.scheduler.num_preemptions > 0 and engine.kv.stats.hits > 0

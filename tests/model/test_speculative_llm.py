@@ -114,7 +114,7 @@ def test_the_default_model_speculates_with_its_bundled_eagle_head(llm, tree):
     """No --draft-model: the head train-draft made for SmolLM2 ships with the package; on
     chats it was not trained on, greedy output is unchanged and many drafts are accepted."""
     extra = {"spec_tree_width": 2, "num_speculative_tokens": 6} if tree else {}
-    spec = LLM(dtype="float32", progress=False, speculative="eagle", kv_cache_memory="64MiB", **extra)
+    spec = LLM(dtype="float32", progress=False, speculative="eagle", kv_cache_memory="64MiB", spec_auto_pause=False, **extra)
     params = SamplingParams(temperature=0, max_tokens=64)
     expected = [o.outputs[0].token_ids for o in llm.chat(HELD_OUT, params)]
     assert [o.outputs[0].token_ids for o in spec.chat(HELD_OUT, params)] == expected

@@ -45,7 +45,8 @@ def test_an_eagle_head_is_trained_saved_resumed_and_served(tmp_path, plain, caps
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "data").glob("shard_*.pt")} == shards
     assert again["step"] == [1, 2, 3, 4] and again["loss"][:2] == first["loss"]
 
-    spec = LLM(dtype="float32", progress=False, speculative="eagle", draft_model=str(head), kv_cache_memory="64MiB")
+    spec = LLM(dtype="float32", progress=False, speculative="eagle", draft_model=str(head), kv_cache_memory="64MiB",
+               spec_auto_pause=False)  # fmt: skip
     assert greedy(spec) == plain
     assert spec.spec_decode_stats.num_drafts > 0
 
@@ -55,7 +56,7 @@ def test_a_medusa_head_is_trained_and_served(tmp_path, plain):
     head = tmp_path / "head"
     assert json.loads((head / "config.json").read_text())["medusa_num_heads"] == 2
     spec = LLM(dtype="float32", progress=False, speculative="medusa", draft_model=str(head), kv_cache_memory="64MiB",
-               num_speculative_tokens=2, spec_tree_width=2)  # fmt: skip
+               num_speculative_tokens=2, spec_tree_width=2, spec_auto_pause=False)  # fmt: skip
     assert greedy(spec) == plain
     assert spec.spec_decode_stats.num_drafts > 0
 

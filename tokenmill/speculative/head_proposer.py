@@ -5,9 +5,13 @@ computed, so a head never costs a second target forward.
 
 **EAGLE** keeps a one-layer paged K/V cache addressed by the target's block tables
 (as a draft model does, ``draft.py``). Head position p pairs the target's feature
-f_p with the next token t_(p+1), so after each target step the head catches up on
-every position the target computed and kept whose next token is known (prompt
-chunks, the verified token, accepted drafts), then drafts from the last one:
+f_p with the next token t_(p+1), so the head catches up on every position the target
+computed and kept whose next token is known (prompt chunks, the verified token,
+accepted drafts), then drafts from the last one. A request that is not drafting keeps
+those features and the head catches up on them in one forward (its weights read once
+for all the rows) when it next drafts or completes a block: a full block, which the
+prefix cache may hand to another request or back to this one after preemption, always
+holds the head's K/V:
 
     target kept:  ... p-1  p | bonus t_(p+1)         (f_p from this step's forward)
     head fwd 1:   [catch-up .. (f_p, t_(p+1))] -> f'_(p+1) -> d1
@@ -96,6 +100,12 @@ class EagleProposer:
         self.block_size, self.device = block_size, device
         self.min_confidence = min_confidence  # draft while the product of the drafts' probabilities stays above
         self.tree_width = tree_width  # > 1: greedy requests draft a tree (EAGLE-2's dynamic tree)
+        # Per request not drafting now: (first position, features) the head has yet to catch up on.
+        self._pending: dict[str, tuple[int, torch.Tensor]] = {}
+
+    def forget(self, request_id: str) -> None:
+        """The request finished or was preempted: its pending features are of no use."""
+        self._pending.pop(request_id, None)
 
     @torch.inference_mode()
     def propose(
@@ -109,15 +119,24 @@ class EagleProposer:
         for s in seqs:
             gained = new_tokens.get(s.request_id, [])
             n = _kept_rows(s, gained)
+            rid, start, drafting = s.request_id, s.num_computed_tokens, wants_draft(s, new_tokens)
+            rows = hidden[offset : offset + n]
+            offset += len(s.token_ids)
+            pending = self._pending.pop(rid, None)
+            if pending is not None and pending[0] + pending[1].shape[0] == start:  # contiguous: catch up on both
+                start, rows = pending[0], torch.cat([pending[1], rows])
+            bs = self.block_size
+            if not drafting and (start + rows.shape[0]) // bs == start // bs:  # no block completed: may wait
+                if rows.shape[0]:
+                    self._pending[rid] = (start, rows.clone())  # caught up on when it drafts or fills a block
+                continue
+            n = rows.shape[0]
             if n:
-                start = s.num_computed_tokens
                 tokens = token_slice(s.prompt_ids, s.output_ids + gained, start + 1, start + 1 + n)
-                drafting = wants_draft(s, new_tokens)
                 assert len(s.block_table) * self.block_size > start + n - 1 + (s.num_lookahead - 1 if drafting else 0), \
                     "no lookahead slots for the head"  # fmt: skip
                 batch.append(_seq(s, tokens, start, s.output_ids + gained, sample=drafting))
-                feats[s.request_id] = hidden[offset : offset + n]
-            offset += len(s.token_ids)
+                feats[rid] = rows
         if not batch:
             return {}
         batch = order_seqs(batch)

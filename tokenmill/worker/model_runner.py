@@ -15,7 +15,8 @@ the same step one request at a time to find one that fails) and the step's resul
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -41,6 +42,7 @@ from tokenmill.worker.inputs import InputBuffers, SeqInput, order_seqs, prepare_
 from tokenmill.worker.kv_cache import KVCache
 from tokenmill.worker.lora import LoRAManager
 from tokenmill.worker.proposer import Draft, Proposer
+from tokenmill.worker.spec_pause import PayOrPause
 
 if TYPE_CHECKING:
     from tokenmill.distributed.messages import Committed
@@ -107,8 +109,10 @@ class ModelRunner:
         proposer: Proposer | None = None,
         lora: LoRAManager | None = None,
         stage: PipelineStage | None = None,
+        pause: PayOrPause | None = None,
     ) -> None:
         self.model = model
+        self.pause = pause  # drafting only while it measurably pays (worker/spec_pause.py)
         self.stage = stage  # a split model: this rank's part of each forward (distributed/stage.py)
         self.lora = lora  # multi-LoRA: adapters in memory and in slots
         self.kv_caches = kv_caches
@@ -128,6 +132,7 @@ class ModelRunner:
     def execute(self, batch: ModelInput, grammar: GrammarMasks | None = None) -> ModelOutput:
         """One step: apply the deltas, compute, sample (rows of constrained sequences
         biased by ``grammar``'s masks), propose drafts, commit."""
+        started = time.perf_counter()
         self._update_states(batch)
         self.copy_blocks(batch.block_copies)
         if not batch.scheduled:
@@ -143,12 +148,16 @@ class ModelRunner:
             drafts: dict[str, Draft] = {}
             if self.proposer is not None:
                 new_tokens = {rid: [t.token_id for t in toks] for rid, toks in sampled.items()}
-                drafts = self.proposer.propose(seqs, new_tokens, self._generator_or_default, hidden)
+                asked = seqs if self.pause is None or self.pause.drafting else [replace(s, num_lookahead=0) for s in seqs]
+                drafts = self.proposer.propose(asked, new_tokens, self._generator_or_default, hidden)
         except BaseException:
             for gen, state in rewind:
                 gen.set_state(state)
             raise
         out = self._commit(batch, sampled, drafts)
+        if self.pause is not None and all(len(s.token_ids) == 1 + len(s.spec_token_ids) for s in seqs):
+            if any(s.num_lookahead or s.spec_token_ids for s in seqs):  # a decode step speculation could serve
+                self.pause.record(sum(len(t) for t in sampled.values()), time.perf_counter() - started)
         out.prompt_logprobs = prompt_scores
         out.embeddings = self._commit_pooled(pooled)
         return out
@@ -210,10 +219,15 @@ class ModelRunner:
             self.compute_logits(order_seqs([self._seq_input(s) for s in batch.scheduled]))
 
     def _update_states(self, batch: ModelInput) -> None:
+        forget = getattr(self.proposer, "forget", None)  # a proposer holding per-request state (EAGLE)
         for rid in batch.finished_request_ids:
             self.requests.pop(rid, None)
             self._parked_generators.pop(rid, None)
+            if forget is not None:
+                forget(rid)
         for rid in batch.preempted_request_ids:
+            if forget is not None:
+                forget(rid)
             state = self.requests.pop(rid, None)
             if state is not None and state.generator is not None:
                 self._parked_generators[rid] = state.generator
