@@ -79,7 +79,7 @@ def main() -> None:
     ap.add_argument("--medusa", default=None, help="a Medusa head folder to measure too")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--eagle", default="3:0:1:off,6:0.5:1:off,6:0.3:2:off,6:0.5:1:auto",
+    ap.add_argument("--eagle", default="3:0:1:off,6:0.5:1:off,6:0.3:2:off,4:0.5:1:auto,6:0.5:1:auto",
                     help="EAGLE configurations, k:draft_confidence:tree_width:auto-pause (auto|off),...")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--out", default="eagle")

@@ -187,8 +187,9 @@ class SpeculativeConfig:
                                "one tree of num_speculative_tokens nodes (1: a chain)")  # fmt: skip
     spec_auto_pause: bool = opt(True, "keep drafting only while it measurably speeds decoding up on this machine",
                                 negative="no-spec-auto-pause")  # fmt: skip
-    draft_confidence: float = opt(0.0, "eagle / medusa: draft only while the head's probability of all its drafts so "
-                                  "far stays at or above this (0: always k tokens)")  # fmt: skip
+    draft_confidence: float = opt(0.5, "eagle / medusa: draft only while the head's probability of all its drafts so "
+                                  "far stays at or above this (0: always k tokens; 0.5 measured best on CPUs, "
+                                  "bench/RESULTS.md)")  # fmt: skip
     disable_batch_size: int = opt(4, "pause speculation above this many running requests", flag="spec_disable_batch_size")
 
     def __post_init__(self) -> None:

@@ -46,7 +46,7 @@ def test_an_eagle_head_is_trained_saved_resumed_and_served(tmp_path, plain, caps
     assert again["step"] == [1, 2, 3, 4] and again["loss"][:2] == first["loss"]
 
     spec = LLM(dtype="float32", progress=False, speculative="eagle", draft_model=str(head), kv_cache_memory="64MiB",
-               spec_auto_pause=False)  # fmt: skip
+               spec_auto_pause=False, draft_confidence=0.0)  # fmt: skip
     assert greedy(spec) == plain
     assert spec.spec_decode_stats.num_drafts > 0
 
@@ -56,7 +56,7 @@ def test_a_medusa_head_is_trained_and_served(tmp_path, plain):
     head = tmp_path / "head"
     assert json.loads((head / "config.json").read_text())["medusa_num_heads"] == 2
     spec = LLM(dtype="float32", progress=False, speculative="medusa", draft_model=str(head), kv_cache_memory="64MiB",
-               num_speculative_tokens=2, spec_tree_width=2, spec_auto_pause=False)  # fmt: skip
+               num_speculative_tokens=2, spec_tree_width=2, spec_auto_pause=False, draft_confidence=0.0)  # fmt: skip
     assert greedy(spec) == plain
     assert spec.spec_decode_stats.num_drafts > 0
 

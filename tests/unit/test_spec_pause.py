@@ -22,6 +22,8 @@ def test_speculation_that_does_not_pay_is_paused_and_retried_now_and_then():
     assert arms[:2] == [True, False]  # both measured first
     assert arms.count(True) <= 2 + 30 // 5 and arms.count(False) >= 20
     assert any(arms[10:])  # and drafting is tried again later
+    later = run_windows(policy, {True: 60.0, False: 80.0}, 200)
+    assert 1 <= later.count(True) <= 6  # ever less often while it keeps losing (every 64 windows at most)
 
 
 def test_speculation_that_pays_stays_on_and_a_change_of_workload_is_followed():

@@ -5,11 +5,15 @@ proposer: on a GPU verifying five tokens costs about what one does, on two CPU c
 several times as much. Instead of a fixed rule, the runner measures: decoding runs in
 windows of a few steps with drafting on or off, each window's output tokens per second
 go into a moving average for its arm, and the next window takes the better arm, trying
-the other one now and then (the workload and the load change). Steps with a prompt
-chunk are not counted: their cost says nothing about speculation.
+the other one now and then (the workload and the load change), less and less often
+while it keeps losing (every ``explore_every`` windows, doubling up to 64). Steps with a
+prompt chunk are not counted: their cost says nothing about speculation.
 """
 
 from __future__ import annotations
+
+
+MAX_INTERVAL = 64
 
 
 class PayOrPause:
@@ -18,6 +22,9 @@ class PayOrPause:
         self.rate: dict[bool, float | None] = {True: None, False: None}  # tokens/s with drafting on / off
         self.drafting = True
         self.windows = 0
+        self._interval = explore_every  # windows between tries of the slower arm
+        self._since_try = 0
+        self._best: bool | None = None
         self._steps, self._tokens, self._seconds = 0, 0, 0.0
 
     def record(self, tokens: int, seconds: float) -> None:
@@ -37,4 +44,13 @@ class PayOrPause:
             self.drafting = on is None  # each arm measured once first
             return
         best = on >= off
-        self.drafting = (not best) if self.windows % self.explore_every == 0 else best
+        if best != self._best:  # the other arm won (or this is the first comparison): try often again
+            self._best, self._interval = best, self.explore_every
+        elif self.drafting != best:  # a try of the slower arm confirmed it: wait longer before the next
+            self._interval = min(2 * self._interval, MAX_INTERVAL)
+        self._since_try += 1
+        if self._since_try >= self._interval:
+            self._since_try = 0
+            self.drafting = not best
+        else:
+            self.drafting = best
