@@ -12,7 +12,6 @@ prompt chunk are not counted: their cost says nothing about speculation.
 
 from __future__ import annotations
 
-
 MAX_INTERVAL = 64
 
 
