@@ -477,3 +477,50 @@ def tiny_adapter(path, conf=None, a=None, b=None):
     conf = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]} if conf is None else conf
     (path / "adapter_config.json").write_text(conf if isinstance(conf, str) else json.dumps(conf))
     return path
+
+
+# ------------------------------------------------------- speculative sampling
+
+
+def exact_first_tokens(model, prompt, temperature, top_k=0, block=4):
+    """P(t1) and P(t2, t3) of the target's own sampling, by enumeration."""
+    vocab = model.config.vocab_size
+    from tokenmill.worker.kv_cache import allocate_kv_cache
+    from tokenmill.worker.model_runner import ModelRunner
+
+    cpu = torch.device("cpu")
+    runner = ModelRunner(model, allocate_kv_cache(model.config, 16, block, torch.float32, cpu), block, cpu)
+
+    def probs(tokens):
+        logits = all_logits(runner, [seq(tokens, list(range(16)))])[-1].double() / temperature
+        if top_k:
+            logits[logits < logits.topk(top_k).values[-1]] = -torch.inf
+        return logits.softmax(-1)
+
+    p1 = probs(prompt)
+    p23 = torch.zeros(vocab, vocab, dtype=torch.float64)
+    for t1 in range(vocab):
+        p2 = probs(prompt + [t1])
+        for t2 in range(vocab):
+            p23[t2] += p1[t1] * p2[t2] * probs(prompt + [t1, t2])
+    return p1, p23.flatten()
+
+
+def chi_square_pvalue(counts, expected: torch.Tensor) -> float:
+    """Chi-square p-value of observed token counts against exact probabilities (cells
+    expected under 5 pooled)."""
+    import pytest
+
+    stats = pytest.importorskip("scipy.stats")
+    n = sum(counts.values())
+    exp = (expected / expected.sum() * n).tolist()
+    obs = [counts[i] for i in range(len(exp))]
+    assert all(o == 0 for o, e in zip(obs, exp, strict=True) if e == 0), "a token the target never samples"
+    big = [i for i, e in enumerate(exp) if e >= 5]
+    rare = [i for i, e in enumerate(exp) if 0 < e < 5]  # pooled into one cell
+    f_obs, f_exp = [obs[i] for i in big], [exp[i] for i in big]
+    if rare:
+        f_obs.append(sum(obs[i] for i in rare))
+        f_exp.append(sum(exp[i] for i in rare))
+    f_exp[-1] += n - sum(f_exp)  # exact totals, as chisquare demands
+    return stats.chisquare(f_obs, f_exp).pvalue

@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_train_draft_args(p: argparse.ArgumentParser) -> None:
-    from tokenmill.speculative.train import TrainOptions
+    from tokenmill.speculative.train_options import TrainOptions
 
     d = TrainOptions()
     p.add_argument("--method", choices=("eagle", "medusa"), default="eagle", help="the head to train (default eagle)")
@@ -113,7 +113,8 @@ def _add_train_draft_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_train_draft(args: argparse.Namespace) -> int:
-    from tokenmill.speculative.train import TrainOptions, train_draft
+    from tokenmill.speculative.train import train_draft
+    from tokenmill.speculative.train_options import TrainOptions
 
     for name in ("num_prompts", "max_tokens", "batch_size", "unroll", "draft_vocab_size", "medusa_heads", "eval_every"):
         if getattr(args, name) < 1:

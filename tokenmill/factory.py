@@ -165,13 +165,14 @@ def build_engine(args: EngineArgs, progress: bool = True, engine_class: type[Eng
         if args.lora.enable_lora and config.num_experts:
             raise TokenmillError("LoRA adapters on a mixture-of-experts model are not supported yet")
         lora = LoRAManager(model, args.lora) if args.lora.enable_lora else None
+        pause = PayOrPause() if spec is not None and spec.spec_auto_pause else None
         if cluster is None:
-            pause = PayOrPause() if spec is not None and spec.spec_auto_pause else None
             runner = ModelRunner(model, kv_caches, cache.block_size, device, proposer, lora, pause=pause)
         else:
             cluster.broadcast(Setup(num_blocks))
             stage = parallel_stage(cluster.groups(shard, device), model, kv_caches, cache.block_size, device, config)
-            runner = DistributedRunner(model, kv_caches, cache.block_size, device, proposer, stage=stage, cluster=cluster)
+            runner = DistributedRunner(model, kv_caches, cache.block_size, device, proposer, stage=stage, cluster=cluster,
+                                       pause=pause)  # fmt: skip
     except BaseException:
         if cluster is not None:
             cluster.shutdown()

@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 import torch
 
-from tests.helpers import all_logits, run_to_completion, seq, tiny_model
+from tests.helpers import chi_square_pvalue, exact_first_tokens, run_to_completion, tiny_model
 from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.engine import Engine, EngineConfig
 from tokenmill.engine.scheduler import SchedulerConfig
@@ -115,42 +115,6 @@ def test_a_draft_identical_to_the_target_is_always_accepted(target, method):
     stats = engine.spec_stats
     assert stats.num_drafts > 20 and stats.acceptance_rate == 1.0
     assert engine.scheduler.num_preemptions > 0 and engine.kv.stats.hits > 0
-
-
-def exact_first_tokens(model, prompt, temperature, top_k):
-    """P(t1) and P(t2, t3) of the target's own sampling, by enumeration."""
-    vocab = model.config.vocab_size
-    runner = ModelRunner(model, allocate_kv_cache(model.config, 16, BLOCK, torch.float32, CPU), BLOCK, CPU)
-
-    def probs(tokens):
-        logits = all_logits(runner, [seq(tokens, list(range(16)))])[-1].double() / temperature
-        if top_k:
-            logits[logits < logits.topk(top_k).values[-1]] = -torch.inf
-        return logits.softmax(-1)
-
-    p1 = probs(prompt)
-    p23 = torch.zeros(vocab, vocab, dtype=torch.float64)
-    for t1 in range(vocab):
-        p2 = probs(prompt + [t1])
-        for t2 in range(vocab):
-            p23[t2] += p1[t1] * p2[t2] * probs(prompt + [t1, t2])
-    return p1, p23.flatten()
-
-
-def chi_square_pvalue(counts: Counter, expected: torch.Tensor) -> float:
-    stats = pytest.importorskip("scipy.stats")
-    n = sum(counts.values())
-    exp = (expected / expected.sum() * n).tolist()
-    obs = [counts[i] for i in range(len(exp))]
-    assert all(o == 0 for o, e in zip(obs, exp, strict=True) if e == 0), "a token the target never samples"
-    big = [i for i, e in enumerate(exp) if e >= 5]
-    rare = [i for i, e in enumerate(exp) if 0 < e < 5]  # pooled into one cell
-    f_obs, f_exp = [obs[i] for i in big], [exp[i] for i in big]
-    if rare:
-        f_obs.append(sum(obs[i] for i in rare))
-        f_exp.append(sum(exp[i] for i in rare))
-    f_exp[-1] += n - sum(f_exp)  # exact totals, as chisquare demands
-    return stats.chisquare(f_obs, f_exp).pvalue
 
 
 @pytest.mark.parametrize(

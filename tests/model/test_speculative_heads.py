@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.helpers import all_logits, run_to_completion, seq, tiny_model
+from tests.helpers import all_logits, chi_square_pvalue, exact_first_tokens, run_to_completion, seq, tiny_model
 from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.engine import Engine, EngineConfig
 from tokenmill.engine.scheduler import SchedulerConfig
@@ -264,39 +264,6 @@ def test_a_confidence_floor_drafts_less_and_changes_no_output(target, tmp_path):
     assert per_draft[0] > 2.5 and per_draft[1] < per_draft[0] - 0.5
 
 
-def exact_first_tokens(model, prompt, temperature):
-    """P(t1) and P(t2, t3) of the target's own sampling, by enumeration."""
-    vocab = model.config.vocab_size
-    runner = ModelRunner(model, allocate_kv_cache(model.config, 16, BLOCK, torch.float32, CPU), BLOCK, CPU)
-
-    def probs(tokens):
-        return (all_logits(runner, [seq(tokens, list(range(16)))])[-1].double() / temperature).softmax(-1)
-
-    p1 = probs(prompt)
-    p23 = torch.zeros(vocab, vocab, dtype=torch.float64)
-    for t1 in range(vocab):
-        p2 = probs(prompt + [t1])
-        for t2 in range(vocab):
-            p23[t2] += p1[t1] * p2[t2] * probs(prompt + [t1, t2])
-    return p1, p23.flatten()
-
-
-def chi_square_pvalue(counts: Counter, expected: torch.Tensor) -> float:
-    stats = pytest.importorskip("scipy.stats")
-    n = sum(counts.values())
-    exp = (expected / expected.sum() * n).tolist()
-    obs = [counts[i] for i in range(len(exp))]
-    assert all(o == 0 for o, e in zip(obs, exp, strict=True) if e == 0), "a token the target never samples"
-    big = [i for i, e in enumerate(exp) if e >= 5]
-    rare = [i for i, e in enumerate(exp) if 0 < e < 5]
-    f_obs, f_exp = [obs[i] for i in big], [exp[i] for i in big]
-    if rare:
-        f_obs.append(sum(obs[i] for i in rare))
-        f_exp.append(sum(exp[i] for i in rare))
-    f_exp[-1] += n - sum(f_exp)
-    return stats.chisquare(f_obs, f_exp).pvalue
-
-
 @pytest.mark.parametrize("method", ["eagle-draft-vocab", "medusa"])
 def test_sampling_with_a_head_reproduces_the_targets_distribution(tmp_path, method):
     vocab, draws = 8, 3000
@@ -359,7 +326,7 @@ def test_a_tree_forward_gives_each_node_the_logits_of_its_own_path(ops):
     order) gives every node the logits the target gives the chain from the root to it."""
     from tokenmill.kernels.native import load_native
     from tokenmill.model.ops import NativeOps, TorchOps
-    from tokenmill.speculative.tree import verification_layout
+    from tokenmill.worker.tree import verification_layout
 
     if ops == "native" and not load_native():
         pytest.skip("the native kernels did not build")

@@ -38,11 +38,11 @@ from tokenmill.model.layers.kv_cache import copy_blocks
 from tokenmill.model.llama import KVCache, LlamaForCausalLM
 from tokenmill.speculative.draft import _seq, _stack
 from tokenmill.speculative.heads import EagleHead, MedusaHeads
-from tokenmill.speculative.tree import best_first
 from tokenmill.worker.inputs import SeqInput, order_seqs, prepare_inputs
 from tokenmill.worker.proposer import Draft, GeneratorFor, wants_draft
 from tokenmill.worker.rejection import race
 from tokenmill.worker.sampler import SampleRow, sampling_distribution
+from tokenmill.worker.tree import best_first
 
 
 def _kept_rows(s: SeqInput, gained: list[int]) -> int:

@@ -41,6 +41,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.model.layers.rotary import RotaryEmbedding
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.speculative.heads import MedusaHeads
+from tokenmill.speculative.train_options import TrainOptions
 
 DEPTH_DECAY = 0.8  # loss weight of unrolled step j: DEPTH_DECAY ** j (EAGLE-3)
 
@@ -276,20 +277,6 @@ def medusa_losses(heads: MedusaHeads, batch: list[Conversation], device: torch.d
 # ----------------------------------------------------------------- the training
 
 
-@dataclass
-class TrainOptions:
-    method: str = "eagle"
-    epochs: float = 2.0
-    batch_size: int = 8
-    lr: float = 1e-3
-    unroll: int = 3
-    draft_vocab_size: int = 8192
-    token_loss_weight: float = 0.1  # EAGLE: feature loss + this x token cross-entropy (EAGLE-1: 0.1)
-    medusa_heads: int = 3
-    eval_every: int = 50
-    seed: int = 0
-
-
 class Progress:
     """One line on stderr, redrawn: step, epoch, loss, rate, ETA."""
 
@@ -352,14 +339,14 @@ def save_head(head: nn.Module, method: str, target: ModelConfig, out: Path, dtyp
     out.mkdir(parents=True, exist_ok=True)
     if method == "medusa":
         assert isinstance(head, MedusaHeads)
-        state = {k: v.detach().to(dtype).contiguous() for k, v in head.published_state().items()}
+        state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in head.published_state().items()}
         save_file(state, str(out / "medusa_lm_head.safetensors"))
         config = {"medusa_num_heads": head.num_heads, "medusa_num_layers": head.num_layers,
                   "hidden_size": target.hidden_size, "vocab_size": target.vocab_size}  # fmt: skip
     else:
         assert isinstance(head, EagleReference)
         state = head.published_state()
-        state = {k: (v if k == "d2t" else v.to(dtype)).contiguous() for k, v in state.items()}
+        state = {k: (v.cpu() if k == "d2t" else v.to("cpu", dtype)).contiguous() for k, v in state.items()}
         save_file(state, str(out / "model.safetensors"))
         config = {
             "architectures": ["LlamaForCausalLMEagle"], "model_type": "llama", "bias": head.fc.bias is not None,

@@ -42,7 +42,7 @@ class SeqInput:
     param_row: torch.Tensor | None = None  # the request's sampling parameters as a tensor row
     spec_token_ids: list[int] = field(default_factory=list)  # drafts at the end of token_ids
     num_lookahead: int = 0  # after sampling, propose up to this many draft tokens
-    # A token tree (``tree.py``): the tokens' positions (a node sits at its parent's + 1,
+    # A token tree (``worker/tree.py``): the tokens' positions (a node sits at its parent's + 1,
     # while its K/V take the next slot in order) and what each sees of the last T slots.
     positions: list[int] | None = None
     tree_mask: torch.Tensor | None = None  # [len(token_ids), T] bool

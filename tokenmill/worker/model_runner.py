@@ -37,12 +37,12 @@ from tokenmill.model.layers.attention import AttentionMetadata
 from tokenmill.model.layers.kv_cache import block_nbytes, copy_blocks, move_slots, read_blocks, write_blocks
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.speculative.tree import greedy_path, verification_layout
 from tokenmill.worker.inputs import InputBuffers, SeqInput, order_seqs, prepare_inputs
 from tokenmill.worker.kv_cache import KVCache
 from tokenmill.worker.lora import LoRAManager
 from tokenmill.worker.proposer import Draft, Proposer
 from tokenmill.worker.spec_pause import PayOrPause
+from tokenmill.worker.tree import greedy_path, verification_layout
 
 if TYPE_CHECKING:
     from tokenmill.distributed.messages import Committed
@@ -441,23 +441,17 @@ class ModelRunner:
                 argmax = greedy_list[start : start + k + 1]
                 path = self._tree_paths[s.request_id] = greedy_path(s.spec_parents, s.spec_token_ids, argmax)
                 tokens = [s.spec_token_ids[i] for i in path] + [argmax[path[-1] + 1 if path else 0]]
-                taken = [start] + [start + 1 + i for i in path]
-                if raw is not None and s.params.logprobs is not None:
-                    lps, tops = chosen_logprobs(raw[taken], tokens, [rows[i] for i in taken])
-                else:
-                    lps, tops = [None] * len(tokens), [[] for _ in tokens]
-                result[s.request_id] = [SampledToken(t, lp, top) for t, lp, top in zip(tokens, lps, tops, strict=True)]
-                start += k + 1
-                continue
-            if s.params.greedy:
-                tokens = verify_greedy(greedy_list[start : start + k + 1], s.spec_token_ids)
+                taken = [start] + [start + 1 + i for i in path]  # the rows that judged them
             else:
-                assert dist is not None
-                draft = self.requests[s.request_id].draft
-                assert draft is not None  # checked in _seq_input
-                q = None if draft.probs is None else draft.probs[:k]
-                tokens = verify_sampled(dist[start : start + k + 1], s.spec_token_ids, q, rows[start].generator)
-            taken = list(range(start, start + len(tokens)))
+                if s.params.greedy:
+                    tokens = verify_greedy(greedy_list[start : start + k + 1], s.spec_token_ids)
+                else:
+                    assert dist is not None
+                    draft = self.requests[s.request_id].draft
+                    assert draft is not None  # checked in _seq_input
+                    q = None if draft.probs is None else draft.probs[:k]
+                    tokens = verify_sampled(dist[start : start + k + 1], s.spec_token_ids, q, rows[start].generator)
+                taken = list(range(start, start + len(tokens)))
             if raw is not None and s.params.logprobs is not None:
                 lps, tops = chosen_logprobs(raw[taken], tokens, [rows[i] for i in taken])
             else:

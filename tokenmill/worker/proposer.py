@@ -26,7 +26,7 @@ class Draft:
 
     token_ids: list[int]
     probs: torch.Tensor | None = None  # [len(token_ids), vocab]: q of each token; None: certain
-    parents: list[int] | None = None  # a tree (speculative/tree.py): each token's parent, -1 the root; None: a chain
+    parents: list[int] | None = None  # a tree (worker/tree.py): each token's parent, -1 the root; None: a chain
 
     def __post_init__(self) -> None:
         if self.probs is not None and self.probs.shape[0] != len(self.token_ids):
