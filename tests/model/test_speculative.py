@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 import torch
 
-from tests.helpers import chi_square_pvalue, exact_first_tokens, run_to_completion, tiny_model
+from tests.helpers import ToyTokenizer, chi_square_pvalue, exact_first_tokens, run_to_completion, tiny_model
 from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.engine import Engine, EngineConfig
 from tokenmill.engine.scheduler import SchedulerConfig
@@ -26,19 +26,6 @@ from tokenmill.worker.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
 BLOCK = 4
-
-
-class ToyTokenizer:
-    stop_token_ids = frozenset()
-
-    def __init__(self, vocab: int) -> None:
-        self.vocab_size = vocab
-
-    def encode(self, text, add_special_tokens=True):
-        return [ord(c) % self.vocab_size for c in text]
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(65 + i % 26) for i in ids)
 
 
 def tiny_engine(

@@ -12,7 +12,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.helpers import all_logits, chi_square_pvalue, exact_first_tokens, run_to_completion, seq, tiny_model
+from tests.helpers import (
+    ToyTokenizer,
+    all_logits,
+    chi_square_pvalue,
+    exact_first_tokens,
+    run_to_completion,
+    seq,
+    tiny_model,
+)
 from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.engine import Engine, EngineConfig
 from tokenmill.engine.scheduler import SchedulerConfig
@@ -27,19 +35,6 @@ from tokenmill.worker.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
 BLOCK = 4
-
-
-class ToyTokenizer:
-    stop_token_ids = frozenset()
-
-    def __init__(self, vocab: int) -> None:
-        self.vocab_size = vocab
-
-    def encode(self, text, add_special_tokens=True):
-        return [ord(c) % self.vocab_size for c in text]
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(65 + i % 26) for i in ids)
 
 
 def write_eagle(path, target, seed=0, draft_ids=None, std=0.3):
