@@ -259,16 +259,19 @@ def test_a_confidence_floor_drafts_less_and_changes_no_output(target, tmp_path):
     assert per_draft[0] > 2.5 and per_draft[1] < per_draft[0] - 0.5
 
 
-@pytest.mark.parametrize("method", ["eagle-draft-vocab", "medusa"])
-def test_sampling_with_a_head_reproduces_the_targets_distribution(tmp_path, method):
+@pytest.mark.parametrize("method,width", [("eagle-draft-vocab", 1), ("medusa", 1), ("eagle-draft-vocab", 2), ("medusa", 2)],
+                         ids=["eagle", "medusa", "eagle-tree-engine", "medusa-tree-engine"])  # fmt: skip
+def test_sampling_with_a_head_reproduces_the_targets_distribution(tmp_path, method, width):
+    """Sampled requests draft chains (trees are verified greedily, so an engine drafting
+    trees gives sampled requests chains): speculative sampling reproduces the target."""
     vocab, draws = 8, 3000
     target = tiny_model(2, vocab=vocab)
     if method == "medusa":
         write_medusa(tmp_path, target, heads=2, seed=4)
-        engine = medusa_engine(target, tmp_path, num_blocks=2000, k=2, max_num_seqs=256)
+        engine = medusa_engine(target, tmp_path, num_blocks=2000, k=2, max_num_seqs=256, width=width)
     else:  # a draft vocabulary without token 6: its q is zero there, the residual must restore it
         write_eagle(tmp_path, target, seed=4, draft_ids=[0, 1, 2, 3, 4, 5, 7], std=0.5)
-        engine = eagle_engine(target, tmp_path, num_blocks=2000, k=2, max_num_seqs=256)
+        engine = eagle_engine(target, tmp_path, num_blocks=2000, k=2, max_num_seqs=256, width=width)
     prompt = list(range(vocab)) * 2
     params = [SamplingParams(temperature=1.0, max_tokens=4, seed=s, ignore_eos=True) for s in range(draws)]
     outputs = run(engine, [prompt] * draws, params).values()
