@@ -84,9 +84,9 @@ class ModelProposer:
                 probs.setdefault(rid, []).append(q)
                 if len(drafts[rid]) < wanted[rid]:
                     start = s.num_computed_tokens + len(s.token_ids)
-                    nxt.append(_seq(s, [token], start, s.output_ids + [token]))
+                    nxt.append(continuation(s, [token], start, s.output_ids + [token]))
             batch = nxt
-        return {rid: Draft(tokens, _stack(probs[rid])) for rid, tokens in drafts.items()}
+        return {rid: Draft(tokens, stack_probs(probs[rid])) for rid, tokens in drafts.items()}
 
     def _first_input(self, s: SeqInput, new_tokens: dict[str, list[int]]) -> SeqInput | None:
         """The draft's first forward for one sequence: the tokens the target kept this
@@ -106,7 +106,7 @@ class ModelProposer:
             return None
         max_pos = start + len(tokens) - 1 + (s.num_lookahead - 1 if drafting else 0)
         assert len(s.block_table) * self.block_size > max_pos, "no lookahead slots for the draft"
-        return _seq(s, tokens, start, s.output_ids + gained, sample=drafting)
+        return continuation(s, tokens, start, s.output_ids + gained, sample=drafting)
 
     def _forward(self, batch: list[SeqInput]) -> torch.Tensor:
         input_ids, positions, meta, logits_indices = prepare_inputs(batch, self.block_size, self.device)
@@ -119,7 +119,7 @@ class ModelProposer:
         copy_blocks(self.kv_caches, copies)
 
 
-def _seq(s: SeqInput, tokens: list[int], start: int, output_ids: list[int], sample: bool = True) -> SeqInput:
+def continuation(s: SeqInput, tokens: list[int], start: int, output_ids: list[int], sample: bool = True) -> SeqInput:
     return SeqInput(
         request_id=s.request_id,
         token_ids=tokens,
@@ -135,5 +135,5 @@ def _seq(s: SeqInput, tokens: list[int], start: int, output_ids: list[int], samp
     )
 
 
-def _stack(qs: list[torch.Tensor | None]) -> torch.Tensor | None:
+def stack_probs(qs: list[torch.Tensor | None]) -> torch.Tensor | None:
     return None if any(q is None for q in qs) else torch.stack(qs)  # type: ignore[arg-type]

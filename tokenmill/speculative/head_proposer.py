@@ -31,12 +31,14 @@ distributions q kept, so verification stays lossless (``worker/rejection.py``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from tokenmill.engine.request import token_slice
 from tokenmill.model.layers.kv_cache import copy_blocks
 from tokenmill.model.llama import KVCache, LlamaForCausalLM
-from tokenmill.speculative.draft import _seq, _stack
+from tokenmill.speculative.draft import continuation, stack_probs
 from tokenmill.speculative.heads import EagleHead, MedusaHeads
 from tokenmill.worker.inputs import SeqInput, order_seqs, prepare_inputs
 from tokenmill.worker.proposer import Draft, GeneratorFor, wants_draft
@@ -91,6 +93,18 @@ def _top(logits: torch.Tensor, width: int) -> list[list[tuple[int, float]]]:
     return [list(zip(i, p, strict=True)) for i, p in zip(ids.tolist(), probs.tolist(), strict=True)]
 
 
+@dataclass
+class _Node:
+    """A node of an EAGLE draft tree."""
+
+    token: int
+    parent: int  # index in the tree's node list, -1: the root
+    score: float  # the head's probability of the path down to it
+    depth: int
+    feed: torch.Tensor  # the head's feature this node is drafted with (its parent's output)
+    slot: int = -1  # where among the tree's head slots its K/V were written (-1: not expanded)
+
+
 class EagleProposer:
     catch_up = True  # its own K/V follows the target's (export/import of KV refuses it)
 
@@ -135,7 +149,7 @@ class EagleProposer:
                 tokens = token_slice(s.prompt_ids, s.output_ids + gained, start + 1, start + 1 + n)
                 assert len(s.block_table) * self.block_size > start + n - 1 + (s.num_lookahead - 1 if drafting else 0), \
                     "no lookahead slots for the head"  # fmt: skip
-                batch.append(_seq(s, tokens, start, s.output_ids + gained, sample=drafting))
+                batch.append(continuation(s, tokens, start, s.output_ids + gained, sample=drafting))
                 feats[rid] = rows
         if not batch:
             return {}
@@ -171,55 +185,45 @@ class EagleProposer:
                 drafts.setdefault(s.request_id, []).append(token)
                 probs.setdefault(s.request_id, []).append(q)
                 if len(drafts[s.request_id]) < s.num_lookahead:
-                    nxt.append(_seq(s, [token], s.num_computed_tokens + len(s.token_ids), s.output_ids + [token]))
+                    nxt.append(continuation(s, [token], s.num_computed_tokens + len(s.token_ids), s.output_ids + [token]))
                     nxt_feats[s.request_id] = last[i : i + 1]
             if not nxt:
                 break
             seqs = order_seqs(nxt)
             last = self._forward(seqs, torch.cat([nxt_feats[s.request_id] for s in seqs]))  # one row each
-        return {rid: Draft(tokens, _stack(probs[rid])) for rid, tokens in drafts.items()}
+        return {rid: Draft(tokens, stack_probs(probs[rid])) for rid, tokens in drafts.items()}
 
     def _trees(self, seqs: list[SeqInput], last: torch.Tensor) -> dict[str, Draft]:
         """EAGLE-2's dynamic tree: at each depth the ``tree_width`` most probable nodes (by
         the product of the head's probabilities along their path) are expanded, each into
         its ``tree_width`` most probable children, all of a depth in one head forward with a
         tree mask; the tree verified is the ``num_lookahead`` most probable nodes found."""
-        w = self.tree_width
-        nodes = {s.request_id: [] for s in seqs}  # per node: [token, parent, score, depth, feature, slot]
-        frontier: dict[str, list[int]] = {}
-        for s, top in zip(seqs, _top(self.head.logits(self.target, last), w), strict=True):
-            rid = s.request_id
-            for t, p in top:
-                nodes[rid].append([t, -1, p, 1, None, None])
-            frontier[rid] = [j for j, n in enumerate(nodes[rid]) if n[2] >= self.min_confidence]
-        root_feat = {s.request_id: last[i] for i, s in enumerate(seqs)}
-        depth = 1
-        slots = {s.request_id: 0 for s in seqs}  # head slots the tree has used past the root
+        w, floor = self.tree_width, self.min_confidence
         by_id = {s.request_id: s for s in seqs}
-        while True:
-            grow = [rid for rid, f in frontier.items() if f and slots[rid] + len(f) <= by_id[rid].num_lookahead - 1]
-            if not grow:
-                break
+        nodes: dict[str, list[_Node]] = {}
+        frontier: dict[str, list[int]] = {}
+        for i, (s, top) in enumerate(zip(seqs, _top(self.head.logits(self.target, last), w), strict=True)):
+            nodes[s.request_id] = [_Node(t, -1, p, 1, feed=last[i]) for t, p in top]
+            frontier[s.request_id] = [j for j, n in enumerate(nodes[s.request_id]) if n.score >= floor]
+        used = {s.request_id: 0 for s in seqs}  # head slots the tree has written past the root
+        depth = 1
+        while grow := [rid for rid, f in frontier.items() if f and used[rid] + len(f) <= by_id[rid].num_lookahead - 1]:
             batch, feats = [], []
             for rid in grow:
-                s, tree = by_id[rid], nodes[rid]
-                front = frontier[rid]
+                s, tree, front = by_id[rid], nodes[rid], frontier[rid]
                 base = s.num_computed_tokens + len(s.token_ids)  # the head position after its catch-up
-                for j in front:
-                    tree[j][5] = slots[rid] + front.index(j)
-                mask = torch.zeros(len(front), slots[rid] + len(front), dtype=torch.bool)
                 for row, j in enumerate(front):
-                    a = j
-                    while a >= 0:
-                        if tree[a][5] is not None:
-                            mask[row, tree[a][5]] = True
-                        a = tree[a][1]
-                feats += [(root_feat[rid] if tree[j][1] < 0 else tree[tree[j][1]][4])[None] for j in front]
-                seq = _seq(s, [tree[j][0] for j in front], base + slots[rid], s.output_ids)
-                seq.positions = [base + depth - 1] * len(front)
-                seq.tree_mask = mask
+                    tree[j].slot = used[rid] + row
+                mask = torch.zeros(len(front), used[rid] + len(front), dtype=torch.bool)
+                for row, j in enumerate(front):
+                    while j >= 0:  # the node and its ancestors, each where the head wrote it
+                        mask[row, tree[j].slot] = True
+                        j = tree[j].parent
+                feats += [tree[j].feed[None] for j in front]
+                seq = continuation(s, [tree[j].token for j in front], base + used[rid], s.output_ids)
+                seq.positions, seq.tree_mask = [base + depth - 1] * len(front), mask
                 batch.append(seq)
-                slots[rid] += len(front)
+                used[rid] += len(front)
             out = self._forward(batch, torch.cat(feats))  # no reordering: every sequence here has a tree mask
             tops = _top(self.head.logits(self.target, out), w)
             row = 0
@@ -227,21 +231,19 @@ class EagleProposer:
                 tree, children = nodes[rid], []
                 for j in frontier[rid]:
                     for t, p in tops[row]:
-                        tree.append([t, j, tree[j][2] * p, depth + 1, None, None])
+                        tree.append(_Node(t, j, tree[j].score * p, depth + 1, feed=out[row]))
                         children.append(len(tree) - 1)
-                    tree[j][4] = out[row]  # the feature this node's children are fed
                     row += 1
-                best = sorted(children, key=lambda c: -tree[c][2])[:w]
-                frontier[rid] = [c for c in best if tree[c][2] >= self.min_confidence]
+                frontier[rid] = [c for c in sorted(children, key=lambda c: -tree[c].score)[:w] if tree[c].score >= floor]
             depth += 1
         result = {}
         for rid, tree in nodes.items():
-            k = by_id[rid].num_lookahead
-            keep = sorted((j for j, n in enumerate(tree) if n[2] >= self.min_confidence), key=lambda j: (-tree[j][2], tree[j][3]))[:k]
-            keep.sort(key=lambda j: (tree[j][3], j))  # parents first
+            # a child's score is at most its parent's (ties: the shallower first), so the best are a tree
+            keep = sorted((j for j, n in enumerate(tree) if n.score >= floor), key=lambda j: (-tree[j].score, tree[j].depth))
+            keep = sorted(keep[: by_id[rid].num_lookahead], key=lambda j: (tree[j].depth, j))  # parents first
             index = {j: i for i, j in enumerate(keep)}
             if keep:
-                result[rid] = Draft([tree[j][0] for j in keep], None, [index.get(tree[j][1], -1) for j in keep])
+                result[rid] = Draft([tree[j].token for j in keep], None, [index.get(tree[j].parent, -1) for j in keep])
         return result
 
     @staticmethod
@@ -322,7 +324,7 @@ class MedusaProposer:
                 if sure[s.request_id] >= self.min_confidence:
                     drafts[s.request_id].append(token)
                     probs[s.request_id].append(q)
-        return result | {rid: Draft(tokens, _stack(probs[rid])) for rid, tokens in drafts.items() if tokens}
+        return result | {rid: Draft(tokens, stack_probs(probs[rid])) for rid, tokens in drafts.items() if tokens}
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         pass  # no K/V of its own

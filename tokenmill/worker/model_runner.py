@@ -42,7 +42,7 @@ from tokenmill.worker.kv_cache import KVCache
 from tokenmill.worker.lora import LoRAManager
 from tokenmill.worker.proposer import Draft, Proposer
 from tokenmill.worker.spec_pause import PayOrPause
-from tokenmill.worker.tree import greedy_path, verification_layout
+from tokenmill.worker.tree import follow, greedy_path, verification_layout
 
 if TYPE_CHECKING:
     from tokenmill.distributed.messages import Committed
@@ -122,7 +122,6 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self._parked_generators: dict[str, torch.Generator] = {}  # of preempted seeded requests
         self._buffers = InputBuffers()
-        self._tree_paths: dict[str, list[int]] = {}  # this step's accepted node of each verified tree
         self._default_generator = torch.Generator(device=device)
         self._default_generator.seed()
 
@@ -144,7 +143,8 @@ class ModelRunner:
             seqs = order_seqs([self._seq_input(s) for s in batch.scheduled])
             logits, prompt_scores, pooled, hidden = self._forward(seqs)
             sampled = self._sample(seqs, logits, grammar.get() if grammar is not None else None)
-            hidden = self._keep_tree_paths(seqs, hidden)
+            if any(s.spec_parents is not None for s in seqs):
+                hidden = self._keep_tree_paths(seqs, sampled, hidden)
             drafts: dict[str, Draft] = {}
             if self.proposer is not None:
                 new_tokens = {rid: [t.token_id for t in toks] for rid, toks in sampled.items()}
@@ -162,11 +162,12 @@ class ModelRunner:
         out.embeddings = self._commit_pooled(pooled)
         return out
 
-    def _keep_tree_paths(self, seqs: list[SeqInput], hidden: torch.Tensor | None) -> torch.Tensor | None:
+    def _keep_tree_paths(self, seqs: list[SeqInput], sampled: dict[str, list[SampledToken]],
+                         hidden: torch.Tensor | None) -> torch.Tensor | None:  # fmt: skip
         """After a tree was verified: its accepted path's K/V moved to the slots of the
         positions they now hold, and the hidden rows put in chain order (real tokens, then
         the path), as a proposer reads them."""
-        perm, src, dst, offset, moved = [], [], [], 0, False
+        perm, src, dst, offset = [], [], [], 0
         bs = self.block_size
         for s in seqs:
             n = len(s.token_ids)
@@ -175,7 +176,8 @@ class ModelRunner:
                 offset += n
                 continue
             num_real = n - len(s.spec_token_ids)
-            path = self._tree_paths[s.request_id]
+            accepted = [t.token_id for t in sampled[s.request_id][:-1]]  # siblings differ: the path is theirs
+            path = follow(s.spec_parents, s.spec_token_ids, accepted)
             first = s.num_computed_tokens + num_real  # the slot index of the tree's first node
             for d, node in enumerate(path):
                 a, b = first + node, first + d
@@ -184,10 +186,7 @@ class ModelRunner:
             rows = list(range(offset, offset + num_real)) + [offset + num_real + i for i in path]
             rows += [r for r in range(offset, offset + n) if r not in set(rows)]
             perm.extend(rows)
-            moved = True
             offset += n
-        if not moved:
-            return hidden
         move_slots(self.kv_caches, src, dst)
         return None if hidden is None else hidden.index_select(0, torch.tensor(perm, device=hidden.device))
 
@@ -433,13 +432,12 @@ class ModelRunner:
         raw = logits.log_softmax(dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
         result = {}
         start = 0
-        self._tree_paths = {}
         for s in seqs:
             k = len(s.spec_token_ids)
             if s.spec_parents is not None:  # a tree: greedy only (proposers draft chains for sampled requests)
                 assert s.params.greedy, "a draft tree for a sampled request"
                 argmax = greedy_list[start : start + k + 1]
-                path = self._tree_paths[s.request_id] = greedy_path(s.spec_parents, s.spec_token_ids, argmax)
+                path = greedy_path(s.spec_parents, s.spec_token_ids, argmax)
                 tokens = [s.spec_token_ids[i] for i in path] + [argmax[path[-1] + 1 if path else 0]]
                 taken = [start] + [start + 1 + i for i in path]  # the rows that judged them
             else:

@@ -65,6 +65,15 @@ def greedy_path(parents: list[int], tokens: list[int], argmax: list[int]) -> lis
         node = nxt
 
 
+def follow(parents: list[int], tokens: list[int], accepted: list[int]) -> list[int]:
+    """The nodes of the path whose tokens are ``accepted`` (siblings hold different tokens)."""
+    path, node = [], -1
+    for want in accepted:
+        node = next(i for i, p in enumerate(parents) if p == node and tokens[i] == want)
+        path.append(node)
+    return path
+
+
 def best_first(
     roots: list[tuple[int, float]], expand: Callable[[list[int], int], list[tuple[int, float]]], size: int,
     min_score: float = 0.0,
