@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.evaluate import perplexity
-from tokenmill.factory import parse_memory
+from tokenmill.memory import parse_memory
 from tokenmill.quant.weights import weight_bytes
 from tokenmill.worker.kv_cache import kv_bytes_per_token
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import types
 import typing
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.config import (
@@ -83,7 +85,11 @@ def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
 
 def server_config_from_namespace(ns: argparse.Namespace, **overrides: Any) -> ServerConfig:
     values = {f.name: getattr(ns, f.name) for f in _fields(ServerConfig) if getattr(ns, f.name, None) is not None}
-    return ServerConfig(**{**values, **overrides})
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+    try:
+        return ServerConfig(**{**values, **overrides})
+    except ValueError as e:
+        raise TokenmillError(str(e)) from None
 
 
 def replica_config_from_namespace(ns: argparse.Namespace) -> ReplicaConfig:
@@ -94,12 +100,13 @@ def replica_config_from_namespace(ns: argparse.Namespace) -> ReplicaConfig:
         raise TokenmillError(str(e)) from None
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+def add_engine_arguments(parser: argparse.ArgumentParser, several_models: bool = False) -> None:
+    """``several_models``: ``--model`` may be given once per model (`tokenmill serve`)."""
     for section, cls in ENGINE_SECTIONS.items():
-        add_config_arguments(parser.add_argument_group(_TITLES[section]), cls)
+        add_config_arguments(parser.add_argument_group(_TITLES[section]), cls, several_models)
 
 
-def add_config_arguments(group: Any, cls: type) -> None:
+def add_config_arguments(group: Any, cls: type, several_models: bool = False) -> None:
     """One flag per field of ``cls``. Flags default to None ("not given"), so that the
     dataclass's own default applies: defaults live only in the dataclass."""
     hints = typing.get_type_hints(cls)
@@ -107,6 +114,11 @@ def add_config_arguments(group: Any, cls: type) -> None:
         kw = keyword(f)
         flag = "--" + kw.replace("_", "-")
         meta: Mapping[str, Any] = f.metadata
+        if several_models and cls is LoadConfig and f.name == "model":
+            group.add_argument(flag, dest=kw, action="append", default=None, metavar="[NAME=]PATH[,OPTION=VALUE...]",
+                               help=meta["help"] + "; several models: NAME=PATH once per model, each its own engine, "
+                               "with engine options of its own after commas (NAME=PATH,dtype=float32)")  # fmt: skip
+            continue
         base = _base_type(hints[f.name])
         default = None if f.default is dataclasses.MISSING else f.default
         shown = f" (default: {default})" if default not in (None, "") and base is not bool else ""
@@ -116,8 +128,11 @@ def add_config_arguments(group: Any, cls: type) -> None:
             else:
                 group.add_argument(flag, dest=kw, action="store_const", const=True, help=meta["help"])
             continue
-        if typing.get_origin(hints[f.name]) is tuple:  # a list of values: --flag a b c
-            group.add_argument(flag, dest=kw, nargs="+", default=None, help=meta["help"])
+        if typing.get_origin(hints[f.name]) is tuple:  # a list of values: --flag a --flag b, or --flag a b c
+            if meta.get("repeat"):
+                group.add_argument(flag, dest=kw, action="append", default=None, help=meta["help"])
+            else:
+                group.add_argument(flag, dest=kw, nargs="+", default=None, help=meta["help"])
             continue
         choices = meta.get("choices")
         if cls is SpeculativeConfig and f.name == "method":
@@ -131,3 +146,78 @@ def _base_type(hint: Any) -> type:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         return args[0] if len(args) == 1 else str
     return hint
+
+
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One ``--model`` of `tokenmill serve`: the name clients send (None: the single-model
+    form, named by --served-model-name or the file), its path (None: the default model)
+    and the engine options it sets for itself."""
+
+    name: str | None
+    path: str | None
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def model_specs(values: list[str] | None) -> list[ModelSpec]:
+    """``--model`` values: one PATH as ever, or NAME=PATH[,OPTION=VALUE...] once per model."""
+    if not values:
+        return [ModelSpec(None, None)]
+    if len(values) == 1 and not _named(values[0]):
+        return [ModelSpec(None, values[0])]
+    specs = []
+    for value in values:
+        if not _named(value):
+            raise TokenmillError(f"--model {value!r}: with several models, each is NAME=PATH (PATH may be 'default')")
+        name, _, rest = value.partition("=")
+        path, *options = rest.split(",")
+        specs.append(ModelSpec(name, None if path in ("", "default") else path, _model_options(name, options)))
+    names = [s.name for s in specs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise TokenmillError(f"--model: the name {twice[0]!r} is given twice")
+    return specs
+
+
+def _named(value: str) -> bool:
+    name, eq, _ = value.partition("=")
+    return bool(eq) and MODEL_NAME.fullmatch(name) is not None
+
+
+def _model_options(name: str, options: list[str]) -> dict[str, Any]:
+    """OPTION=VALUE pairs as engine keywords with typed values."""
+    known = engine_keywords()
+    out: dict[str, Any] = {}
+    for item in options:
+        key, eq, text = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not eq or key not in known or key == "model":
+            raise TokenmillError(f"--model {name}=...: {item!r} is not OPTION=VALUE with an engine option "
+                                 f"(such as dtype=float32, kv_cache_memory=512MiB)")  # fmt: skip
+        section, field_name = known[key]
+        hint = typing.get_type_hints(ENGINE_SECTIONS[section])[field_name]
+        out[key] = _typed(_base_type(hint), text.strip(), f"--model {name}=...,{key}")
+    return out
+
+
+def _typed(kind: type, text: str, where: str) -> Any:
+    if kind is bool:
+        if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+            raise TokenmillError(f"{where}: {text!r} is not true or false")
+        return text.lower() in ("true", "1", "yes")
+    try:
+        return kind(text)
+    except ValueError:
+        raise TokenmillError(f"{where}: {text!r} is not a {kind.__name__}") from None
+
+
+def engine_args_for(ns: argparse.Namespace, spec: ModelSpec, kv_cache_memory: Any = None) -> EngineArgs:
+    """One served model's EngineArgs: the command line's engine flags, then its own options;
+    ``kv_cache_memory``: its share of the KV budget, unless it sets its own."""
+    given = {kw: getattr(ns, kw) for kw in engine_keywords() if getattr(ns, kw, None) is not None and kw != "model"}
+    if kv_cache_memory is not None:
+        given["kv_cache_memory"] = kv_cache_memory
+    return engine_args(**{**given, **spec.options, "model": spec.path})

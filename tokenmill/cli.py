@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve the OpenAI API over HTTP")
     add_config_arguments(serve.add_argument_group("server"), ServerConfig)
     add_config_arguments(serve.add_argument_group("replicas (Ray Serve; pip install 'tokenmill[ray]')"), ReplicaConfig)
-    add_engine_arguments(serve)
+    add_engine_arguments(serve, several_models=True)
     plan = sub.add_parser("plan", help="weights, KV per token, capacity and a decode bound for a configuration")
     from tokenmill.plan import add_arguments as add_plan_arguments
 

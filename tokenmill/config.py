@@ -21,11 +21,12 @@ from tokenmill.errors import InvalidRequestError
 
 
 def opt(default: Any, help: str, *, flag: str | None = None, choices: tuple[str, ...] | None = None,
-        negative: str | None = None) -> Any:  # fmt: skip
+        negative: str | None = None, repeat: bool = False) -> Any:  # fmt: skip
     """A config field: its default, help text, and (optionally) the keyword/flag name
-    when it differs from the field's, its choices, and for a boolean that defaults to
-    True the name of the flag that turns it off."""
-    meta = {"help": help, "flag": flag, "choices": choices, "negative": negative}
+    when it differs from the field's, its choices, for a boolean that defaults to True
+    the name of the flag that turns it off, and for a tuple whether its flag is given
+    once per value (``--api-key A --api-key B``) rather than once with several."""
+    meta = {"help": help, "flag": flag, "choices": choices, "negative": negative, "repeat": repeat}
     return field(default=default, metadata=meta)
 
 
@@ -293,13 +294,20 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
+RESPONSE_CACHES = ("off", "exact", "semantic")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """The OpenAI-compatible HTTP server."""
 
     host: str = opt("127.0.0.1", "address to listen on")
     port: int = opt(8000, "port to listen on")
-    api_key: str | None = opt(None, "require 'Authorization: Bearer KEY' on /v1 routes")
+    api_key: tuple[str, ...] = opt((), "require 'Authorization: Bearer KEY' on /v1 routes; give it once per key: "
+                                       "each key is a tenant of its own (the response cache never crosses them)",
+                                   repeat=True)  # fmt: skip
+    api_key_file: str | None = opt(None, "a file of API keys, one per line (blank lines and # comments skipped), "
+                                         "added to --api-key's")  # fmt: skip
     max_queue: int | None = opt(None, "answer 429 while this many requests wait")
     drain_timeout: float = opt(30.0, "seconds SIGTERM waits for in-flight requests")
     served_model_name: str | None = opt(None, "the model id clients send (default: the model's file name)")
@@ -314,6 +322,38 @@ class ServerConfig:
     engine_core: str = opt("process", "where the engine loop runs: process (its own, beside the API process that "
                            "tokenises, detokenises and streams) or thread (a thread of the API process)",
                            choices=("process", "thread"))  # fmt: skip
+    response_cache: str = opt("off", "answer repeated requests from memory, per API key: off; exact (the same "
+                              "request, whose answer is reproducible: temperature 0 or a seed); semantic (exact, "
+                              "and a greedy chat whose last user message is close enough to a cached one's)",
+                              choices=RESPONSE_CACHES)  # fmt: skip
+    response_cache_memory: str = opt("256MiB", "the response cache's size; the least recently used answers go first")
+    response_cache_ttl: float = opt(3600.0, "seconds a cached answer is served")
+    semantic_cache_threshold: float = opt(0.97, "--response-cache semantic: the cosine similarity of the last user "
+                                                "messages' embeddings above which a cached answer is served "
+                                                "(bench/RESULTS.md: how the default was chosen)")  # fmt: skip
+    router: tuple[str, ...] = opt((), "NAME=SMALL,LARGE: a virtual model that sends each request to the small or "
+                                      "the large of two served models (give it once per router)", repeat=True)  # fmt: skip
+    router_threshold: float = opt(0.5, "routers: the small model's answer is kept when its confidence (the geometric "
+                                        "mean of its tokens' probabilities) is at least this; else the large answers")  # fmt: skip
+    router_max_prompt_tokens: int | None = opt(None, "routers: prompts longer than this go straight to the large model")
+    router_large_for: tuple[str, ...] = opt(("tools", "response_format"), "routers: requests with these go straight "
+                                            "to the large model (of tools, response_format, logprobs; none: no such rule)")  # fmt: skip
+    router_classifier: str | None = opt(None, "routers: MODULE:FUNCTION called with each request's body (a dict); it "
+                                              "returns 'small', 'large' or None (no opinion: the other rules decide)")  # fmt: skip
+
+    def __post_init__(self) -> None:
+        if isinstance(self.api_key, str):  # one key, as a keyword
+            object.__setattr__(self, "api_key", (self.api_key,))
+        _check(self.response_cache in RESPONSE_CACHES,
+               f"response_cache must be one of {', '.join(RESPONSE_CACHES)}, got {self.response_cache!r}")  # fmt: skip
+        _check(self.response_cache_ttl > 0, f"response_cache_ttl must be > 0, got {self.response_cache_ttl}")
+        _check(0 < self.semantic_cache_threshold <= 1,
+               f"semantic_cache_threshold must be in (0, 1], got {self.semantic_cache_threshold}")  # fmt: skip
+        _check(0 <= self.router_threshold <= 1, f"router_threshold must be in [0, 1], got {self.router_threshold}")
+        _check(self.router_max_prompt_tokens is None or self.router_max_prompt_tokens >= 1,
+               "router_max_prompt_tokens must be >= 1")  # fmt: skip
+        unknown = sorted(set(self.router_large_for) - {"tools", "response_format", "logprobs", "none"})
+        _check(not unknown, f"router_large_for takes tools, response_format, logprobs or none, not {', '.join(unknown)}")
 
 
 @dataclass(frozen=True)

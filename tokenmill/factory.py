@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from tokenmill.engine.core import EngineConfig, EngineCore
 from tokenmill.engine.engine import Engine
 from tokenmill.errors import ModelLoadError, TokenmillError
 from tokenmill.kernels.cpu import cpu_info
+from tokenmill.memory import parse_memory
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import load_checkpoint, read_config
 from tokenmill.model.ops import NativeOps
@@ -77,32 +77,6 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype not in DTYPES:
         raise TokenmillError(f"unsupported dtype {dtype!r}; choose one of auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
-
-
-def default_kv_cache_memory() -> int:
-    """A tenth of the memory available now, between 256 MiB and 2 GiB."""
-    try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        available = 8 << 30
-    return min(max(available // 10, 256 << 20), 2 << 30)
-
-
-def parse_memory(value: int | float | str | None) -> int:
-    """Bytes from 1073741824, '1GiB', '512MiB', '2GB' or a float of GiB such as 1.5."""
-    if value is None:
-        return default_kv_cache_memory()
-    if isinstance(value, (int, float)):
-        return int(value) if isinstance(value, int) and value >= 1 << 20 else int(value * (1 << 30))
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
-    text = value.strip().lower()
-    for unit, scale in units.items():
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * scale)
-    try:
-        return parse_memory(float(text) if "." in text else int(text))
-    except ValueError:
-        raise TokenmillError(f"cannot read memory size {value!r}; use e.g. 1GiB, 512MiB or bytes") from None
 
 
 def kv_cache_sizing(

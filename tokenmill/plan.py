@@ -103,7 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, llm) -> int:
-    from tokenmill.factory import parse_memory
+    from tokenmill.memory import parse_memory
 
     bw = args.bandwidth * 1e9 if args.bandwidth else measure_bandwidth()
     plan = make_plan(llm, parse_memory(args.kv_cache_memory), args.context_len, bw)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import functools
 import itertools
 import json
@@ -24,6 +25,7 @@ import logging
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -39,8 +41,11 @@ from tokenmill.config import ServerConfig
 from tokenmill.engine.async_engine import RequestFailedError, StreamingFront
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.errors import EngineDeadError, InvalidRequestError, TokenmillError, UnknownModelError
+from tokenmill.memory import parse_memory
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server.metrics import ServerMetrics
+from tokenmill.server.metrics import EngineSource, ServerMetrics
+from tokenmill.server.model_router import ModelRouter, Route, parse_routers
+from tokenmill.server.models import ServedModel, Target
 from tokenmill.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -52,6 +57,16 @@ from tokenmill.server.protocol import (
     new_id,
     now,
     truncate_prompt,
+)
+from tokenmill.server.response_cache import (
+    CachedAnswer,
+    ResponseCache,
+    bucket_key,
+    detach,
+    replayed,
+    reproducible,
+    request_key,
+    semantic_text,
 )
 from tokenmill.server.responses import (
     OutputBuilder,
@@ -91,26 +106,51 @@ def error_response(status: int, message: str, param: str | None = None, retry_af
 
 @dataclass
 class Served:
-    """What the routes need: the engine front, tokenizer, limits, metrics."""
+    """What the routes need: the served models (each its own engine), the routers
+    between them, the config, metrics and the stores."""
 
-    engine: StreamingFront  # the engine loop: a thread here, or a process of its own
-    tokenizer: Any
-    max_model_len: int
+    models: dict[str, ServedModel]  # by name; the first answers requests that name none
     config: ServerConfig
     metrics: ServerMetrics
     responses: ResponseStore  # /v1/responses stored with store: true
+    routers: dict[str, ModelRouter] = field(default_factory=dict)
+    cache: ResponseCache | None = None  # --response-cache exact|semantic
     # Set by `serve` when a shutdown's drain timeout has passed: open streams end with
     # an error event and [DONE] rather than being cut mid-body.
     drain_expired: asyncio.Event = field(default_factory=asyncio.Event)
 
+    @property
+    def default(self) -> ServedModel:
+        return next(iter(self.models.values()))
+
+    @property
+    def is_dead(self) -> bool:
+        return any(m.engine.is_dead for m in self.models.values())
+
 
 def build_app(engine: StreamingFront, tokenizer: Any, max_model_len: int, config: ServerConfig) -> FastAPI:
+    """The app for one model, named ``config.served_model_name``."""
     if config.served_model_name is None:  # `serve` names it after the model file; a bare app:
         config = replace(config, served_model_name="tokenmill")
-    metrics = ServerMetrics(engine.snapshot, config.served_model_name, alive=lambda: not engine.is_dead,
-                            replicas=getattr(engine, "replica_view", None))  # fmt: skip
+    return build_models_app([ServedModel(config.served_model_name, engine, tokenizer, max_model_len)], config)
+
+
+def build_models_app(models: list[ServedModel], config: ServerConfig) -> FastAPI:
+    """The app for several models, each its own engine; ``config.router`` names the routers
+    between them. Requests that name no model go to the first."""
+    by_name = {m.name: m for m in models}
+    routers = parse_routers(config.router, list(by_name), config.router_threshold, config.router_max_prompt_tokens,
+                            config.router_large_for, config.router_classifier)  # fmt: skip
+    cache = None
+    if config.response_cache != "off":
+        cache = ResponseCache(config.response_cache == "semantic", parse_memory(config.response_cache_memory),
+                              config.response_cache_ttl, config.semantic_cache_threshold)  # fmt: skip
+    sources = {m.name: EngineSource(m.engine.snapshot, (lambda e=m.engine: not e.is_dead),
+                                    getattr(m.engine, "replica_view", None)) for m in models}  # fmt: skip
+    metrics = ServerMetrics(sources, routers=list(routers), cache=cache)
     store = ResponseStore(config.max_stored_responses, config.stored_response_ttl)
-    served = Served(engine, tokenizer, max_model_len, config, metrics, store)
+    served = Served(by_name, config, metrics, store, routers, cache)
+    keys = api_keys(config)
     app = FastAPI(title="tokenmill", version="0.1")
     app.state.served = served
 
@@ -147,15 +187,16 @@ def build_app(engine: StreamingFront, tokenizer: Any, max_model_len: int, config
         detail = e.detail if isinstance(e.detail, str) else "error"
         return error_response(e.status_code, f"{detail}: {request.method} {request.url.path}")
 
-    if config.api_key is not None:
-        app.add_middleware(APIKeyMiddleware, key=config.api_key)
+    if keys:
+        app.add_middleware(APIKeyMiddleware, keys=keys)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes, timeout=config.request_body_timeout)
     app.add_middleware(OpenRequestLimitMiddleware, limit=config.max_open_requests)  # outermost: counts everything
 
     @app.get("/health")
     async def health() -> Response:
-        if served.engine.is_dead:
-            return error_response(503, "the engine loop has stopped")
+        if served.is_dead:
+            dead = [m.name for m in served.models.values() if m.engine.is_dead]
+            return error_response(503, f"the engine loop of {', '.join(dead)} has stopped")
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -164,12 +205,20 @@ def build_app(engine: StreamingFront, tokenizer: Any, max_model_len: int, config
 
     @app.get("/v1/models")
     async def models() -> dict:
-        card = {"id": config.served_model_name, "object": "model", "created": now(), "owned_by": "tokenmill",
-                "root": config.served_model_name, "parent": None, "max_model_len": max_model_len}  # fmt: skip
-        adapters = [{"id": name, "object": "model", "created": now(), "owned_by": "tokenmill", "root": path,
-                     "parent": config.served_model_name, "max_model_len": max_model_len}
-                    for name, path in sorted(engine.snapshot().loras.items())]  # fmt: skip
-        return {"object": "list", "data": [card, *adapters]}
+        cards = []
+        for m in served.models.values():
+            cards.append({"id": m.name, "object": "model", "created": now(), "owned_by": "tokenmill", "root": m.name,
+                          "parent": None, "max_model_len": m.max_model_len})  # fmt: skip
+            cards += [{"id": name, "object": "model", "created": now(), "owned_by": "tokenmill", "root": path,
+                       "parent": m.name, "max_model_len": m.max_model_len}
+                      for name, path in sorted(m.engine.snapshot().loras.items())]  # fmt: skip
+        for r in routers.values():
+            cards.append({"id": r.name, "object": "model", "created": now(), "owned_by": "tokenmill", "root": r.name,
+                          "parent": None, "max_model_len": min(by_name[r.small].max_model_len, by_name[r.large].max_model_len),
+                          "router": {"small": r.small, "large": r.large, "threshold": r.threshold,
+                                     "max_prompt_tokens": r.max_prompt_tokens, "large_for": sorted(r.large_for),
+                                     "classifier": config.router_classifier}})  # fmt: skip
+        return {"object": "list", "data": cards}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict:
@@ -191,26 +240,31 @@ def build_app(engine: StreamingFront, tokenizer: Any, max_model_len: int, config
 
         @app.post("/v1/load_lora_adapter")
         async def load_lora_adapter(body: LoRAAdapterRequest) -> Response:
+            base = _base_model(served, body.model)
             if body.lora_path is None:
                 raise APIError(400, "lora_path is required", "lora_path")
-            if body.lora_name == config.served_model_name or body.lora_name in engine.snapshot().loras:
+            if body.lora_name in _all_names(served):
                 raise APIError(400, f"a model named {body.lora_name!r} is already served", "lora_name")
             try:
-                await engine.add_lora(body.lora_name, body.lora_path)
+                await base.engine.add_lora(body.lora_name, body.lora_path)
             except TokenmillError as e:
                 raise APIError(400, str(e), getattr(e, "param", None) or "lora_path") from None
+            base.generation += 1
             return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", status_code=200)
 
         @app.post("/v1/unload_lora_adapter")
         async def unload_lora_adapter(body: LoRAAdapterRequest) -> Response:
-            if body.lora_name not in engine.snapshot().loras:
+            base = next((m for m in served.models.values() if body.lora_name in m.engine.snapshot().loras), None)
+            if base is None:
                 raise APIError(404, f"the LoRA adapter {body.lora_name!r} is not served", "lora_name")
-            await engine.remove_lora(body.lora_name)
+            await base.engine.remove_lora(body.lora_name)
+            base.generation += 1
             return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", status_code=200)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
-        _check_model(served, body.model)
+        target = _target(served, body.model, "/tokenize")
+        tokenizer, max_model_len = target.tokenizer, target.max_model_len
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
         if body.messages is not None:
@@ -226,9 +280,12 @@ def build_app(engine: StreamingFront, tokenizer: Any, max_model_len: int, config
         return out
 
     @app.get("/tokenizer_info")
-    async def tokenizer_info() -> dict:
+    async def tokenizer_info(model: str | None = None) -> dict:
         """vLLM's: what a client needs to tokenise as the server does (lm-eval's remote
-        tokenizer reads it, then calls /tokenize)."""
+        tokenizer reads it, then calls /tokenize). ``?model=``: which served model's."""
+        target = _target(served, model, "/tokenizer_info")
+        tokenizer, max_model_len = target.tokenizer, target.max_model_len
+
         def text(token_id: int | None) -> str | None:
             return None if token_id is None else tokenizer.decode([token_id], skip_special_tokens=False)
 
@@ -240,7 +297,7 @@ def build_app(engine: StreamingFront, tokenizer: Any, max_model_len: int, config
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
-        _check_model(served, body.model)
+        tokenizer = _target(served, body.model, "/detokenize").tokenizer
         bad = next((t for t in body.tokens if not 0 <= t < tokenizer.vocab_size), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is outside the vocabulary [0, {tokenizer.vocab_size})", "tokens")
@@ -248,82 +305,93 @@ def build_app(engine: StreamingFront, tokenizer: Any, max_model_len: int, config
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        lora = _check_model(served, body.model)
-        texts = body.prompts()
-        prompts = [truncate_prompt(await _encode(served, p), body.truncate_prompt_tokens, max_model_len) for p in texts]
-        params = [body.sampling_params(_max_tokens(served, ids, body.max_tokens)).with_bad_word_ids(tokenizer)
-                  for ids in prompts]  # fmt: skip
-        echoes = None
-        if body.echo:  # the prompt as text: a token-id prompt decoded
-            echoes = [t if isinstance(t, str) else await asyncio.to_thread(tokenizer.decode, t, False) for t in texts]
+        async def prepare(target: Target, logprobs: bool = False) -> tuple[list[list[int]], list[SamplingParams]]:
+            prompts = [truncate_prompt(await _encode(target, p), body.truncate_prompt_tokens, target.max_model_len)
+                       for p in body.prompts()]  # fmt: skip
+            params = [_with_logprobs(body.sampling_params(_max_tokens(target, ids, body.max_tokens)), logprobs)
+                      .with_bad_word_ids(target.tokenizer) for ids in prompts]  # fmt: skip
+            return prompts, params
+
+        async def job(target: Target, logprobs: bool = False) -> _Job:
+            prompts, params = await prepare(target, logprobs)
+            echoes = None
+            if body.echo:  # the prompt as text: a token-id prompt decoded
+                echoes = [t if isinstance(t, str) else await asyncio.to_thread(target.tokenizer.decode, t, False)
+                          for t in body.prompts()]  # fmt: skip
+            return _Job(served, target, "cmpl", "text_completion", prompts, params, body.include_usage,
+                        body.return_timings, chat=False, echoes=echoes, prompt_logprobs_asked=body.prompt_logprobs is not None,
+                        best_of_keep=body.n if body.ranks_best_of else None, logprobs_asked=body.logprobs is not None)  # fmt: skip
+
         if body.use_beam_search:  # one search for all prompts: as many tokens as the tightest allows
+            target = _target(served, body.model, "beam search")
+            prompts, params = await prepare(target)
             beam = body.beam_params(min(p.max_tokens for p in params))
-            _check_queue(served, beam.beam_width * len(prompts))
-            return await _until_disconnect(request, _beam_response(served, "cmpl", prompts, beam, body, lora, chat=False))
-        job = _Job(served, "cmpl", "text_completion", prompts, params, body.include_usage, body.return_timings, chat=False,
-                   lora=lora, echoes=echoes, prompt_logprobs_asked=body.prompt_logprobs is not None,
-                   best_of_keep=body.n if body.ranks_best_of else None, logprobs_asked=body.logprobs is not None)  # fmt: skip
-        return await job.respond(request, body.stream)
+            _check_queue(served, target, beam.beam_width * len(prompts))
+            return await _until_disconnect(request, _beam_response(served, target, "cmpl", prompts, beam, body, chat=False))
+        return await _generate(served, request, body, "/v1/completions", job)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        lora = _check_model(served, body.model)
-        ids, params, tools = await _chat_prompt(served, body)
+        async def job(target: Target, logprobs: bool = False) -> _Job:
+            ids, params, tools = await _chat_prompt(target, body)
+            echo = body.echoed()
+            return _Job(served, target, "chatcmpl", "chat.completion", [ids], [_with_logprobs(params, logprobs)],
+                        body.include_usage, body.return_timings, chat=True, tools=tools, echoes=[echo] if echo else None,
+                        prompt_logprobs_asked=body.prompt_logprobs is not None,
+                        best_of_keep=body.n if body.ranks_best_of else None, logprobs_asked=body.logprobs)  # fmt: skip
+
         if body.use_beam_search:
+            target = _target(served, body.model, "beam search")
+            ids, params, _ = await _chat_prompt(target, body)
             beam = body.beam_params(params.max_tokens)
-            _check_queue(served, beam.beam_width)
-            return await _until_disconnect(request, _beam_response(served, "chatcmpl", [ids], beam, body, lora, chat=True))
-        echo = body.echoed()
-        job = _Job(served, "chatcmpl", "chat.completion", [ids], [params], body.include_usage, body.return_timings,
-                   chat=True, tools=tools, lora=lora, echoes=[echo] if echo else None,
-                   prompt_logprobs_asked=body.prompt_logprobs is not None,
-                   best_of_keep=body.n if body.ranks_best_of else None, logprobs_asked=body.logprobs)  # fmt: skip
-        return await job.respond(request, body.stream)
+            _check_queue(served, target, beam.beam_width)
+            return await _until_disconnect(request, _beam_response(served, target, "chatcmpl", [ids], beam, body, chat=True))
+        return await _generate(served, request, body, "/v1/chat/completions", job)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
-        lora = _check_model(served, body.model)
+        target = _target(served, body.model, "/v1/embeddings")
         if body.dimensions is not None:
             raise APIError(400, "dimensions is not supported: the embeddings have the model's hidden size (no "
                                 "shortening)", "dimensions")  # fmt: skip
-        prompts = [truncate_prompt(await _encode(served, p), body.truncate_prompt_tokens, max_model_len)
+        prompts = [truncate_prompt(await _encode(target, p), body.truncate_prompt_tokens, target.max_model_len)
                    for p in body.inputs()]  # fmt: skip
         for i, ids in enumerate(prompts):
             if not ids:
                 raise APIError(400, f"input[{i}] is empty", "input")
-            _max_tokens(served, ids, 1)  # fits the context
-        _check_queue(served, len(prompts))
+            _max_tokens(target, ids, 1)  # fits the context
+        _check_queue(served, target, len(prompts))
         rid = new_id("embd")
         params = SamplingParams(max_tokens=1, pooling=body.pooling)
-        streams = [served.engine.generate(f"{rid}-{i}", ids, params, lora) for i, ids in enumerate(prompts)]
+        streams = [target.engine.generate(f"{rid}-{i}", ids, params, target.lora) for i, ids in enumerate(prompts)]
 
         async def collect() -> Response:
             vectors: dict[int, list[float]] = {}
             async for i, out in _merge(streams):
                 if out.finished:
-                    served.metrics.observe_finished(out)
+                    served.metrics.observe_finished(out, target.model.name)
                     vectors[i] = out.embedding or []
             data = [{"object": "embedding", "index": i,
                      "embedding": _base64(vectors[i]) if body.encoding_format == "base64" else vectors[i]}
                     for i in range(len(prompts))]  # fmt: skip
             tokens = sum(len(ids) for ids in prompts)
-            return JSONResponse({"object": "list", "data": data, "model": lora or config.served_model_name,
+            return JSONResponse({"object": "list", "data": data, "model": target.name,
                                  "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})  # fmt: skip
 
         return await _until_disconnect(request, collect())
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
-        lora = _check_model(served, body.model)
+        target = _target(served, body.model, "/v1/responses")
         owner = owner_of(request.headers.get("authorization"))
         history: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
             history = _stored(served, owner, body.previous_response_id, "previous_response_id").messages
         chat = _chat_body(body.chat_body(history))
-        ids, params, tools = await _chat_prompt(served, chat)
-        _check_queue(served, params.n)
-        shape = ResponseShape(body, lora or served.config.served_model_name)
-        job = _ResponseJob(served, shape, ids, params, tools, lora, owner, history + body.input_messages())
+        ids, params, tools = await _chat_prompt(target, chat)
+        _check_queue(served, target, params.n)
+        shape = ResponseShape(body, target.name)
+        job = _ResponseJob(served, target, shape, ids, params, tools, owner, history + body.input_messages())
         return await job.respond(request)
 
     @app.get("/v1/responses/{response_id}")
@@ -373,10 +441,10 @@ def _openapi(app: FastAPI) -> dict:
     return schema
 
 
-async def _chat_prompt(served: Served, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams, ToolRequest | None]:
+async def _chat_prompt(target: Target, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams, ToolRequest | None]:
     """A chat request's prompt ids (through the chat template, tools rendered), its
     sampling parameters and its tools."""
-    tokenizer = served.tokenizer
+    tokenizer = target.tokenizer
     template = getattr(tokenizer, "chat_template", None)
     tools = parse_tool_request(body.tools, body.tool_choice, body.parallel_tool_calls, template)
     messages = [m.as_dict() for m in body.messages]
@@ -386,9 +454,148 @@ async def _chat_prompt(served: Served, body: ChatCompletionRequest) -> tuple[lis
         render = functools.partial(render, tools=[t.as_openai() for t in tools.offered])
     text = await asyncio.to_thread(render, messages, body.add_generation_prompt)
     ids = truncate_prompt(await asyncio.to_thread(tokenizer.encode, text, False), body.truncate_prompt_tokens,
-                          served.max_model_len)  # fmt: skip
-    params = body.sampling_params(_max_tokens(served, ids, body.requested_max_tokens), tools and tools.constraint())
+                          target.max_model_len)  # fmt: skip
+    params = body.sampling_params(_max_tokens(target, ids, body.requested_max_tokens), tools and tools.constraint())
     return ids, params.with_bad_word_ids(tokenizer), tools
+
+
+JobMaker = Callable[..., Awaitable["_Job"]]  # (target, logprobs=False) -> the request's job on that model
+
+
+async def _generate(served: Served, request: Request, body: Any, endpoint: str, make_job: JobMaker) -> Response:
+    """A chat or completions request: answered from the response cache, through a
+    router, or by the model it names; the cache and route headers say which."""
+    found = _resolve(served, body.model)
+    data = body.model_dump(mode="json")
+    data.pop("model")  # the identity below says which model, whatever name reached it
+    cache, headers = served.cache, {}
+    if body.cache and cache is None:
+        raise APIError(400, "cache: true, but this server keeps no response cache (--response-cache exact|semantic)",
+                       "cache")  # fmt: skip
+    remember = None
+    if cache is not None:
+        private = any(m.get("private") for m in data.get("messages") or [])
+        cacheable = body.cache is not False and reproducible(data) and not private
+        headers["x-tokenmill-cache"] = "miss" if cacheable else "bypass"
+        if cacheable:
+            hit, remember = await _cached(served, cache, request, endpoint, found, data, headers)
+            if hit is not None:
+                job = await make_job(Target(served.models[hit.model], hit.lora))
+                job.cached = True
+                if hit.route is not None:
+                    _route_headers(headers, hit.route)
+                return _with_headers(await job.replay(request, body.stream, hit.outputs), headers)
+    if isinstance(found, ModelRouter):
+        return await _routed(served, request, body, found, make_job, headers, remember)
+    job = await make_job(found)
+    if remember is not None:
+        job.on_answered = functools.partial(remember, found, None)
+    return _with_headers(await job.respond(request, body.stream), headers)
+
+
+async def _cached(served: Served, cache: ResponseCache, request: Request, endpoint: str, found: Target | ModelRouter,
+                  data: dict[str, Any], headers: dict[str, str]) -> tuple[CachedAnswer | None, Callable]:  # fmt: skip
+    """The cached answer for this request (exact, else semantic where allowed), and how to
+    keep the answer it gets if there is none."""
+    tenant = owner_of(request.headers.get("authorization"))
+    if isinstance(found, ModelRouter):
+        identity = "|".join([found.describe(), Target(served.models[found.small]).identity(),
+                             Target(served.models[found.large]).identity()])  # fmt: skip
+    else:
+        identity = found.identity()
+    key = request_key(tenant, endpoint, identity, data)
+    hit, bucket, embedding = cache.get(key), None, None
+    if hit is not None:
+        headers.update({"x-tokenmill-cache": "hit", "x-tokenmill-cache-kind": "exact"})
+        cache.hit("exact")
+        return hit, lambda *_: None
+    text = semantic_text(data) if cache.semantic else None
+    if text is not None:
+        bucket = bucket_key(tenant, endpoint, identity, data)
+        embedder = Target(served.models[found.small]) if isinstance(found, ModelRouter) else Target(found.model)
+        embedding = await _embed(served, embedder, text)
+        near = cache.nearest(bucket, embedding)
+        if near is not None:
+            hit, similarity = near
+            headers.update({"x-tokenmill-cache": "hit", "x-tokenmill-cache-kind": "semantic",
+                            "x-tokenmill-cache-similarity": f"{similarity:.4f}"})  # fmt: skip
+            cache.hit("semantic")
+            return hit, lambda *_: None
+    cache.miss()
+
+    def remember(target: Target, route: Route | None, finals: list[tuple[int, RequestOutput]]) -> None:
+        cache.put(key, CachedAnswer([(i, detach(o)) for i, o in finals], target.model.name, target.lora, route,
+                                    embedding, bucket=bucket))  # fmt: skip
+
+    return None, remember
+
+
+async def _embed(served: Served, target: Target, text: str) -> list[float]:
+    """The model's mean-pooled embedding of ``text`` (the semantic cache compares these)."""
+    ids = (await _encode(target, text))[-(target.max_model_len - 1):]
+    stream = target.engine.generate(new_id("cache-embd"), ids, SamplingParams(max_tokens=1, pooling="mean"), None)
+    embedding: list[float] = []
+    async with contextlib.aclosing(stream):
+        async for out in stream:
+            if out.finished:
+                embedding = out.embedding or []
+    return embedding
+
+
+async def _routed(served: Served, request: Request, body: Any, router: ModelRouter, make_job: JobMaker,
+                  headers: dict[str, str], remember: Callable | None) -> Response:  # fmt: skip
+    """A router's request: the rules' model, or the cascade's (the small model answers;
+    kept when confident, else the large model answers afresh, streamed live)."""
+    small = Target(served.models[router.small])
+    job = await make_job(small, logprobs=True)
+    try:
+        route = router.pre_route(body.model_dump(mode="json", exclude_unset=True), max(len(p) for p in job.prompts))
+    except Exception as e:  # noqa: BLE001 - the user's classifier: its failure is the server's 500, named
+        raise APIError(500, f"router {router.name}: the classifier failed: {e}") from None
+    finals = None
+    if route is None:
+        finals = await _until_disconnect(request, job.run())
+        if isinstance(finals, Response):  # the client went away
+            return finals
+        route = router.judge([out.outputs[0].logprobs or [] for _, out in finals])
+    served.metrics.observe_route(router.name, route)
+    _route_headers(headers, route)
+    if route.model != router.small:
+        job = await make_job(Target(served.models[route.model]))
+    if remember is not None:
+        job.on_answered = functools.partial(remember, job.target, route)
+    if finals is not None and route.model == router.small:
+        return _with_headers(await job.replay(request, body.stream, finals), headers)
+    return _with_headers(await job.respond(request, body.stream), headers)
+
+
+def _route_headers(headers: dict[str, str], route: Route) -> None:
+    headers["x-tokenmill-route"] = route.model
+    headers["x-tokenmill-route-reason"] = route.reason
+    if route.confidence is not None:
+        headers["x-tokenmill-route-confidence"] = f"{route.confidence:.4f}"
+
+
+def _with_headers(response: Response, headers: dict[str, str]) -> Response:
+    response.headers.update(headers)
+    return response
+
+
+def api_keys(config: ServerConfig) -> tuple[str, ...]:
+    """--api-key's keys and --api-key-file's, each a tenant of its own."""
+    keys = list(config.api_key)
+    if config.api_key_file is not None:
+        try:
+            lines = Path(config.api_key_file).read_text().splitlines()
+        except OSError as e:
+            raise TokenmillError(f"--api-key-file {config.api_key_file}: {e.strerror}") from None
+        keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+        if not keys:
+            raise TokenmillError(f"--api-key-file {config.api_key_file} holds no key")
+    bad = [k for k in keys if not k or any(c.isspace() for c in k)]
+    if bad:
+        raise TokenmillError("an API key must be non-empty and hold no spaces")
+    return tuple(keys)
 
 
 def _chat_body(body: dict[str, Any]) -> ChatCompletionRequest:
@@ -414,33 +621,68 @@ def _stored(served: Served, owner: str, response_id: str, param: str) -> Stored:
     return found
 
 
-def _check_queue(served: Served, adding: int) -> None:
-    """429 while ``max_queue`` engine sequences already wait."""
-    queue, waiting = served.config.max_queue, served.engine.num_waiting
+def _check_queue(served: Served, target: Target, adding: int) -> None:
+    """429 while ``max_queue`` engine sequences already wait for the model."""
+    queue, waiting = served.config.max_queue, target.engine.num_waiting
     if queue is not None and waiting + adding > queue:
         raise APIError(429, f"server busy: {waiting} sequences are already waiting and this request adds "
                             f"{adding} (max_queue={queue}); retry later")  # fmt: skip
 
 
-def _check_model(served: Served, model: str | None) -> str | None:
-    """The request's LoRA adapter (None: the base model); 404 for a model not served."""
-    if model is None or model == served.config.served_model_name:
-        return None
-    if model in served.engine.snapshot().loras:
-        return model
-    names = ", ".join([served.config.served_model_name, *sorted(served.engine.snapshot().loras)])
-    raise APIError(404, f"the model `{model}` does not exist; this server serves {names}", "model")
+def _all_names(served: Served) -> list[str]:
+    names = []
+    for m in served.models.values():
+        names += [m.name, *sorted(m.engine.snapshot().loras)]
+    return names + list(served.routers)
 
 
-async def _encode(served: Served, prompt: str | list[int]) -> list[int]:
+def _resolve(served: Served, model: str | None) -> Target | ModelRouter:
+    """The request's model: a served model, one of its LoRA adapters, or a router; 404
+    for a name not served. No name: the first model."""
+    if model is None:
+        return Target(served.default)
+    if model in served.models:
+        return Target(served.models[model])
+    if model in served.routers:
+        return served.routers[model]
+    for m in served.models.values():
+        if model in m.engine.snapshot().loras:
+            return Target(m, model)
+    raise APIError(404, f"the model `{model}` does not exist; this server serves {', '.join(_all_names(served))}", "model")
+
+
+def _target(served: Served, model: str | None, what: str) -> Target:
+    """The request's model, for a route that does not route: a router is a 400 there."""
+    found = _resolve(served, model)
+    if isinstance(found, ModelRouter):
+        raise APIError(400, f"`{model}` is a router: it routes /v1/chat/completions and /v1/completions; for {what} "
+                            f"name one of its models ({found.small}, {found.large})", "model")  # fmt: skip
+    return found
+
+
+def _base_model(served: Served, model: str | None) -> ServedModel:
+    """The served model an adapter is loaded into (default: the first)."""
+    if model is None:
+        return served.default
+    if model not in served.models:
+        raise APIError(404, f"no served model `{model}` to load the adapter into ({', '.join(served.models)})", "model")
+    return served.models[model]
+
+
+def _with_logprobs(params: SamplingParams, wanted: bool) -> SamplingParams:
+    """``params`` asking for each token's logprob (a router's cascade judges by them)."""
+    return replace(params, logprobs=0) if wanted and params.logprobs is None else params
+
+
+async def _encode(target: Target, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, str):
-        return await asyncio.to_thread(served.tokenizer.encode, prompt)
+        return await asyncio.to_thread(target.tokenizer.encode, prompt)
     return list(prompt)
 
 
-def _max_tokens(served: Served, prompt_ids: list[int], requested: int | None) -> int:
+def _max_tokens(target: Target, prompt_ids: list[int], requested: int | None) -> int:
     """The request's max_tokens, or all the room left; 400 when it does not fit."""
-    limit = served.max_model_len
+    limit = target.max_model_len
     if requested is None:
         if len(prompt_ids) >= limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your prompt is "
@@ -462,13 +704,13 @@ class _Job:
     run as one engine request with n sequences; choice i*n + j is sequence j of
     prompt i."""
 
-    def __init__(self, served: Served, prefix: str, obj: str, prompts: list[list[int]], params: list[SamplingParams],
-                 include_usage: bool, return_timings: bool, chat: bool, tools: ToolRequest | None = None,
-                 lora: str | None = None, echoes: list[str] | None = None,
+    def __init__(self, served: Served, target: Target, prefix: str, obj: str, prompts: list[list[int]],
+                 params: list[SamplingParams], include_usage: bool, return_timings: bool, chat: bool,
+                 tools: ToolRequest | None = None, echoes: list[str] | None = None,
                  prompt_logprobs_asked: bool = False, best_of_keep: int | None = None,
                  logprobs_asked: bool = True) -> None:  # fmt: skip
-        _check_queue(served, sum(p.n for p in params))  # engine sequences: prompts x n
         self.served = served
+        self.target = target
         self.id = new_id(prefix)
         self.object = obj
         self.created = now()
@@ -478,17 +720,25 @@ class _Job:
         self.return_timings = return_timings
         self.chat = chat
         self.tools = tools  # chat with tools: answers are parsed into tool calls
-        self.lora = lora
-        self.model = lora or served.config.served_model_name
+        self.model = target.name
         self.echoes = echoes  # per prompt: the text echo puts before each of its answers
         self.prompt_logprobs_asked = prompt_logprobs_asked  # vLLM's field (echo alone scores the prompt too)
         self.best_of_keep = best_of_keep  # best_of: the n kept per prompt, by cumulative logprob
-        self.logprobs_asked = logprobs_asked  # (best_of asks the engine for them to rank)
+        self.logprobs_asked = logprobs_asked  # (best_of and a router's cascade ask the engine for them)
+        self.cached = False  # answered from the response cache
+        self.observed = False  # its outputs are in the metrics already (a replay)
+        # Called with the finished sequences (prompt index, output) of an answer that ended
+        # well (every sequence stopped or reached its length): the response cache keeps it.
+        self.on_answered: Callable[[list[tuple[int, RequestOutput]]], None] | None = None
+
+    def _start(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        _check_queue(self.served, self.target, sum(p.n for p in self.params))  # engine sequences: prompts x n
+        streams = [self.target.engine.generate(f"{self.id}-{i}", ids, p, self.target.lora)
+                   for i, (ids, p) in enumerate(zip(self.prompts, self.params, strict=True))]  # fmt: skip
+        return _merge(streams)
 
     async def respond(self, request: Request, stream: bool) -> Response:
-        streams = [self.served.engine.generate(f"{self.id}-{i}", ids, p, self.lora)
-                   for i, (ids, p) in enumerate(zip(self.prompts, self.params, strict=True))]  # fmt: skip
-        merged = _merge(streams)
+        merged = self._start()
         try:
             first = await anext(merged)  # surfaces an invalid request as a 400 before any byte is sent
         except StopAsyncIteration:
@@ -500,17 +750,45 @@ class _Job:
             return StreamingResponse(self._sse(first, merged), media_type="text/event-stream")
         return await _until_disconnect(request, self._collect(first, merged))
 
+    async def run(self) -> list[tuple[int, RequestOutput]]:
+        """Every sequence's final output, without answering (a router's cascade judges them
+        first); RequestFailedError if one failed."""
+        finals = []
+        async with contextlib.aclosing(self._start()) as merged:
+            async for i, out in merged:
+                self._observe(out)
+                if out.finished:
+                    finals.append((i, out))
+        return finals
+
+    async def replay(self, request: Request, stream: bool, finals: list[tuple[int, RequestOutput]]) -> Response:
+        """Answer with finished outputs (cached, or judged by a router), streamed or not."""
+        self.observed = True  # in metrics already, or not engine work at all
+
+        async def outputs() -> AsyncIterator[tuple[int, RequestOutput]]:
+            for i, out in finals:
+                yield i, replayed(out) if self.cached else out
+
+        if stream:
+            return StreamingResponse(self._sse(None, outputs()), media_type="text/event-stream")
+        return await _until_disconnect(request, self._collect(None, outputs()))
+
+    def _answered(self, finals: list[tuple[int, RequestOutput]]) -> None:
+        if self.on_answered is not None and finals and all(o.finish_reason in ("stop", "length") for _, o in finals):
+            self.on_answered(finals)
+
     # ------------------------------------------------------------------ results
 
     def _choice_index(self, prompt_index: int, out: RequestOutput) -> int:
         return prompt_index * self.params[prompt_index].n + out.outputs[0].index
 
     def _observe(self, out: RequestOutput) -> None:
-        if out.finished:
-            self.served.metrics.observe_finished(out)
+        if out.finished and not self.observed:
+            self.served.metrics.observe_finished(out, self.target.model.name)
 
     async def _collect(self, first, merged) -> JSONResponse:
         finals: dict[int, RequestOutput] = {}
+        ended: list[tuple[int, RequestOutput]] = []
         items = [first] if first is not None else []
         try:
             async for item in _chain(items, merged):
@@ -518,8 +796,10 @@ class _Job:
                 self._observe(out)
                 if out.finished:
                     finals[self._choice_index(i, out)] = out
+                    ended.append((i, out))
         except RequestFailedError as e:
             return error_response(500, str(e))
+        self._answered(ended)
         choices = [self._final_choice(idx, finals[idx], self._scored(idx, finals)) for idx in sorted(finals)]
         if self.best_of_keep is not None:
             choices = self._best_of(choices, finals)
@@ -537,7 +817,7 @@ class _Job:
         """``scored``: the output of the prompt's sequence 0, which carries the prompt's logprobs."""
         c = out.outputs[0]
         choice: dict[str, Any] = {"index": index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-        lps = self._logprobs(c.token_ids, c.logprobs, c.top_logprobs, 0)
+        lps = self._logprobs(c.token_ids, c.logprobs, c.top_logprobs, 0) if self.logprobs_asked else None
         echo = self.echoes[index // self.params[0].n] if self.echoes else ""
         if self.chat:
             content, calls = self.tools.parse(c.text) if self.tools else (c.text, [])
@@ -558,7 +838,7 @@ class _Job:
         """The prompt's part of an echoed completion's logprobs: its tokens, their logprobs
         and top alternatives, null for the first token (as OpenAI's legacy API)."""
         assert out.prompt_logprobs is not None and out.prompt_top_logprobs is not None
-        tok = self.served.tokenizer
+        tok = self.target.tokenizer
         texts = [tok.decode([t], skip_special_tokens=False) for t in out.prompt_token_ids]
         tops = [None] + [{tok.decode([t], skip_special_tokens=False): v for t, v in top} for top in out.prompt_top_logprobs[1:]]
         return {"tokens": texts, "token_logprobs": list(out.prompt_logprobs), "top_logprobs": tops,
@@ -568,7 +848,7 @@ class _Job:
         """vLLM's prompt_logprobs: per prompt token, null for the first, then a map of token
         id -> {logprob, rank, decoded_token} holding the token itself and the top k."""
         assert out.prompt_logprobs is not None and out.prompt_top_logprobs is not None and out.prompt_ranks is not None
-        tok = self.served.tokenizer
+        tok = self.target.tokenizer
         result: list[dict | None] = [None]
         for j in range(1, len(out.prompt_logprobs)):  # all of the prompt, unless the request failed
             t = out.prompt_token_ids[j]
@@ -600,7 +880,11 @@ class _Job:
     def _usage(self, finals) -> dict:
         prompt = sum(len(ids) for ids in self.prompts)
         completion = sum(len(o.outputs[0].token_ids) for o in finals)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        if self.cached:  # nothing was computed: every token came from the response cache
+            usage["prompt_tokens_details"] = {"cached_tokens": prompt}
+            usage["completion_tokens_details"] = {"cached_tokens": completion}
+        return usage
 
     def _timings(self, out: RequestOutput) -> dict:
         t = out.timings[0]
@@ -611,7 +895,7 @@ class _Job:
         """Logprobs of token_ids[start:] in the completions or the chat shape."""
         if logprobs is None:
             return None
-        tok = self.served.tokenizer
+        tok = self.target.tokenizer
         ids, lps, tops = token_ids[start:], logprobs[start:], top_logprobs[start:]
         texts = [tok.decode([t], skip_special_tokens=False) for t in ids]
         if self.chat:
@@ -632,6 +916,7 @@ class _Job:
 
     async def _sse(self, first, merged) -> AsyncIterator[str]:
         finals: list[RequestOutput] = []
+        ended: list[tuple[int, RequestOutput]] = []
         started: set[int] = set()
         tool_streams: dict[int, ToolStream] = {}  # with tools: each choice's answer, as deltas
         items = [first] if first is not None else []
@@ -650,7 +935,7 @@ class _Job:
                         yield self._chunk([head])
                 n_new = len(out.delta_token_ids)
                 lps = None
-                if out.delta_logprobs is not None and n_new:  # deltas: O(new tokens) per chunk
+                if out.delta_logprobs is not None and n_new and self.logprobs_asked:  # deltas: O(new tokens) per chunk
                     lps = self._logprobs(out.delta_token_ids, out.delta_logprobs, out.delta_top_logprobs, 0)
                 if self.tools is not None:
                     stream = tool_streams.setdefault(idx, ToolStream(self.tools))
@@ -672,6 +957,8 @@ class _Job:
                     yield self._chunk([choice])
                 if out.finished:
                     finals.append(out)
+                    ended.append((i, out))
+            self._answered(ended)
             if self.include_usage:
                 yield self._chunk([], usage=self._usage(finals))
             if self.return_timings:
@@ -716,15 +1003,15 @@ class _Job:
         return f"data: {json.dumps(body)}\n\n"
 
 
-async def _beam_response(served: Served, prefix: str, prompts: list[list[int]], beam: BeamSearchParams,
-                         body: Any, lora: str | None, chat: bool) -> Response:  # fmt: skip
+async def _beam_response(served: Served, target: Target, prefix: str, prompts: list[list[int]], beam: BeamSearchParams,
+                         body: Any, chat: bool) -> Response:  # fmt: skip
     """A beam-search request (vLLM's use_beam_search): per prompt, the n best of its
     beams as choices. Each round's beams are one-token requests to the engine."""
     rid = new_id(prefix)
-    search = BeamSearch(prompts, beam, frozenset(served.tokenizer.stop_token_ids))
+    search = BeamSearch(prompts, beam, frozenset(target.tokenizer.stop_token_ids))
     while not search.finished:
         round_ = search.requests()
-        streams = [served.engine.generate(f"{rid}-{search.rounds}-{i}", ids, beam.step_params(), lora)
+        streams = [target.engine.generate(f"{rid}-{search.rounds}-{i}", ids, beam.step_params(), target.lora)
                    for i, (_, _, ids) in enumerate(round_)]  # fmt: skip
         finals: dict[int, RequestOutput] = {}
         async for i, out in _merge(streams):
@@ -735,7 +1022,7 @@ async def _beam_response(served: Served, prefix: str, prompts: list[list[int]], 
     for p, result in enumerate(search.results()):
         for k, found in enumerate(result.beams[: body.n]):
             tokens = found.tokens[:-1] if found.finished else found.tokens  # the end-of-sequence token is not text
-            text = await asyncio.to_thread(served.tokenizer.decode, tokens, body.skip_special_tokens)
+            text = await asyncio.to_thread(target.tokenizer.decode, tokens, body.skip_special_tokens)
             choice: dict[str, Any] = {"index": p * body.n + k, "finish_reason": "stop" if found.finished else "length",
                                       "stop_reason": None, "logprobs": None}  # fmt: skip
             if chat:
@@ -746,7 +1033,7 @@ async def _beam_response(served: Served, prefix: str, prompts: list[list[int]], 
             completion += len(found.tokens)
     prompt_tokens = sum(len(ids) for ids in prompts)
     return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": now(),
-                         "model": lora or served.config.served_model_name, "choices": choices,
+                         "model": target.name, "choices": choices,
                          "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                                    "total_tokens": prompt_tokens + completion}})  # fmt: skip
 
@@ -755,13 +1042,13 @@ class _ResponseJob:
     """One /v1/responses request: one engine request, its answer as output items
     (``OutputBuilder``), whole or as OpenAI's typed events; stored when asked."""
 
-    def __init__(self, served: Served, shape: ResponseShape, ids: list[int], params: SamplingParams,
-                 tools: ToolRequest | None, lora: str | None, owner: str, conversation: list[dict[str, Any]]) -> None:  # fmt: skip
-        self.served, self.shape, self.ids, self.params, self.tools = served, shape, ids, params, tools
-        self.lora, self.owner, self.conversation = lora, owner, conversation
+    def __init__(self, served: Served, target: Target, shape: ResponseShape, ids: list[int], params: SamplingParams,
+                 tools: ToolRequest | None, owner: str, conversation: list[dict[str, Any]]) -> None:  # fmt: skip
+        self.served, self.target, self.shape, self.ids, self.params, self.tools = served, target, shape, ids, params, tools
+        self.owner, self.conversation = owner, conversation
 
     async def respond(self, request: Request) -> Response:
-        stream = self.served.engine.generate(self.shape.id, self.ids, self.params, self.lora)
+        stream = self.target.engine.generate(self.shape.id, self.ids, self.params, self.target.lora)
         try:
             first = [await anext(stream)]  # surfaces an invalid request as a 400 before any byte is sent
         except StopAsyncIteration:
@@ -811,7 +1098,7 @@ class _ResponseJob:
     def _finish(self, output: list[dict[str, Any]], final: RequestOutput | None) -> dict[str, Any]:
         """The finished response (stored when asked); ``final``: the engine's last output."""
         if final is not None:
-            self.served.metrics.observe_finished(final)
+            self.served.metrics.observe_finished(final, self.target.model.name)
         reason = final.finish_reason if final is not None else "abort"
         incomplete = None if reason in ("stop", "tool_calls") else "max_output_tokens" if reason == "length" else reason
         tokens = len(final.token_ids) if final is not None else 0
@@ -924,14 +1211,14 @@ class APIKeyMiddleware:
     BaseHTTPMiddleware, which wraps ``receive`` so that a handler never sees its client
     disconnect, and a non-streamed request would run on unwatched."""
 
-    def __init__(self, app: Any, key: str) -> None:
-        self.app, self.key = app, key.encode()
+    def __init__(self, app: Any, keys: tuple[str, ...]) -> None:
+        self.app, self.keys = app, frozenset(k.encode() for k in keys)
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "http" and scope["path"].startswith(PROTECTED):
             auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             scheme, _, token = auth.partition(b" ")
-            if scheme.lower() != b"bearer" or token.strip() != self.key:
+            if scheme.lower() != b"bearer" or token.strip() not in self.keys:
                 response = error_response(401, "invalid or missing API key (send Authorization: Bearer <key>)")
                 await response(scope, receive, send)
                 return

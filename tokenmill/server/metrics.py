@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -27,29 +28,38 @@ TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 
 
-class EngineCollector:
-    """Gauges and counters read from the engine when /metrics is scraped. With engine
-    replicas (``replicas``: each replica's snapshot and each pool's routing counters),
-    every engine series is one per replica, labelled ``replica``: their sum is the
-    cluster's figure."""
+@dataclass(frozen=True)
+class EngineSource:
+    """Where one served model's engine figures come from."""
 
-    def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str, alive: Callable[[], bool] = lambda: True,
-                 replicas: Callable[[], tuple[dict[str, EngineSnapshot], dict, Any]] | None = None) -> None:  # fmt: skip
-        self.snapshot = snapshot
-        self.labels = {"model_name": model_name}
-        self.alive = alive
-        self.replicas = replicas
+    snapshot: Callable[[], EngineSnapshot]
+    alive: Callable[[], bool] = lambda: True
+    # engine replicas: each replica's snapshot, each pool's routing counters, KV transfer
+    replicas: Callable[[], tuple[dict[str, EngineSnapshot], dict, Any]] | None = None
+
+
+class EngineCollector:
+    """Gauges and counters read from the engines when /metrics is scraped, one series per
+    served model (``model_name``). With engine replicas, every engine series is one per
+    replica, labelled ``replica``: their sum is the cluster's figure."""
+
+    def __init__(self, engines: dict[str, EngineSource]) -> None:
+        self.engines = engines
 
     def collect(self) -> Iterator[Metric]:
-        names = list(self.labels)
-        values = list(self.labels.values())
+        for model_name, source in self.engines.items():
+            yield from self._collect(model_name, source)
+
+    def _collect(self, model_name: str, source: EngineSource) -> Iterator[Metric]:
+        names = ["model_name"]
+        values = [model_name]
         routing: dict = {}
         transfer = None
-        if self.replicas is None:
-            series = [(values, self.snapshot())]
+        if source.replicas is None:
+            series = [(values, source.snapshot())]
             label_names = names
         else:
-            snaps, routing, transfer = self.replicas()
+            snaps, routing, transfer = source.replicas()
             series = [([*values, name], snap) for name, snap in sorted(snaps.items())]
             label_names = [*names, "replica"]
 
@@ -66,7 +76,7 @@ class EngineCollector:
             return family(CounterMetricFamily, name, doc, value)
 
         alive = GaugeMetricFamily(P + "engine_alive", "1 while the engine loop runs, 0 once it has died.", labels=names)
-        alive.add_metric(values, 1.0 if self.alive() else 0.0)
+        alive.add_metric(values, 1.0 if source.alive() else 0.0)
         yield alive
         yield gauge("num_requests_running", "Requests in model execution batches.", lambda e: e.num_running)
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", lambda e: e.num_waiting)
@@ -84,12 +94,12 @@ class EngineCollector:
             yield from _routing_metrics(names, values, routing)
         if transfer is not None:
             yield from _transfer_metrics(names, values, transfer, routing.get("decode"))
-        e = self.snapshot()
+        e = source.snapshot()
         if e.max_loras is not None:
             running, waiting = e.running_loras, e.waiting_loras
             info = GaugeMetricFamily(P + "lora_requests_info", "Running stats on LoRA requests (as vLLM's).",
-                                     labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])  # fmt: skip
-            info.add_metric([",".join(running), ",".join(waiting), str(e.max_loras)], time.time())
+                                     labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora", *names])  # fmt: skip
+            info.add_metric([",".join(running), ",".join(waiting), str(e.max_loras), *values], time.time())
             yield info
             per = CounterMetricFamily(P + "lora_requests", "Requests per LoRA adapter.", labels=[*names, "lora_name"])
             for name, count in sorted(e.lora_requests.items()):
@@ -138,13 +148,42 @@ def _transfer_metrics(names: list[str], values: list[str], transfer: Any, decode
         yield c
 
 
+class CacheCollector:
+    """The response cache's counters and size, read at scrape time."""
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.cache.stats
+        hits = CounterMetricFamily(P + "response_cache_hits", "Requests answered from the response cache, by kind "
+                                   "(exact, semantic).", labels=["kind"])  # fmt: skip
+        for kind, n in sorted(stats.hits.items()):
+            hits.add_metric([kind], n)
+        yield hits
+        for name, doc, value in (
+            ("response_cache_misses", "Cacheable requests the response cache did not hold.", stats.misses),
+            ("response_cache_evictions", "Answers dropped to stay within --response-cache-memory.", stats.evictions),
+            ("response_cache_expirations", "Answers dropped when their TTL passed.", stats.expirations),
+        ):
+            c = CounterMetricFamily(P + name, doc)
+            c.add_metric([], value)
+            yield c
+        size = GaugeMetricFamily(P + "response_cache_bytes", "Bytes the response cache holds.")
+        size.add_metric([], self.cache.bytes)
+        yield size
+        entries = GaugeMetricFamily(P + "response_cache_entries", "Answers the response cache holds.")
+        entries.add_metric([], len(self.cache.entries))
+        yield entries
+
+
 class ServerMetrics:
-    def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str, alive: Callable[[], bool] = lambda: True,
-                 replicas: Callable[[], tuple[dict[str, EngineSnapshot], dict, Any]] | None = None) -> None:  # fmt: skip
+    def __init__(self, engines: dict[str, EngineSource], routers: list[str] | None = None, cache: Any = None) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(snapshot, model_name, alive, replicas))
+        self.registry.register(EngineCollector(engines))
+        if cache is not None:
+            self.registry.register(CacheCollector(cache))
         labels = ["model_name"]
-        self.model_name = model_name
 
         def hist(name: str, doc: str, buckets) -> Histogram:
             return Histogram(P + name, doc, labels, buckets=buckets, registry=self.registry)
@@ -160,10 +199,19 @@ class ServerMetrics:
         self.success = Counter(
             P + "request_success", "Finished requests by finish reason.", labels + ["finished_reason"], registry=self.registry
         )
+        self.routes = None
+        if routers:
+            self.routes = Counter(P + "model_router_requests", "Requests a model router sent to each model, by reason "
+                                  "(classifier, tools, response_format, logprobs, long_prompt, confident, low_confidence).",
+                                  ["router", "model_name", "reason"], registry=self.registry)  # fmt: skip
 
-    def observe_finished(self, out: RequestOutput) -> None:
-        """One sequence ended (a request with n > 1 reports each of its n)."""
-        m = self.model_name
+    def observe_route(self, router: str, route: Any) -> None:
+        if self.routes is not None:
+            self.routes.labels(router, route.model, route.reason).inc()
+
+    def observe_finished(self, out: RequestOutput, model_name: str) -> None:
+        """One sequence of the model ``model_name`` ended (a request with n > 1 reports each of its n)."""
+        m = model_name
         c = out.outputs[0]
         t = out.timings[0]
         self.success.labels(m, c.finish_reason or "abort").inc()

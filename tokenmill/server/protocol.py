@@ -147,6 +147,7 @@ class _SamplingFields(StrictBody):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_timings: bool = False  # tokenmill extra: per-request timings in the last response
+    cache: bool | None = None  # tokenmill's: false keeps the request out of the response cache (--response-cache)
     best_of: int | None = None  # sample best_of, answer the n with the highest cumulative logprob (beams: the width)
     use_beam_search: bool = False  # vLLM's: beam search, width best_of (or n), the n best beams answered
     length_penalty: float = 1.0  # beam search: a finished beam scores cumulative logprob / length ** this
@@ -302,6 +303,7 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool result's call
+    private: bool = False  # tokenmill's: a request with a private message is never cached (--response-cache)
 
     def as_dict(self) -> dict[str, Any]:
         """The message for the chat template (tool fields kept for the tools renderer)."""
@@ -430,6 +432,7 @@ class TokenizeRequest(StrictBody):
 class LoRAAdapterRequest(StrictBody):
     lora_name: str = Field(min_length=1, max_length=256)
     lora_path: str | None = None
+    model: str | None = None  # tokenmill's: the served model the adapter is for (several models; default: the first)
 
 
 class DetokenizeRequest(StrictBody):

@@ -32,12 +32,21 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from tokenmill.args import engine_args_from_namespace, replica_config_from_namespace, server_config_from_namespace
-from tokenmill.config import ServerConfig
+from tokenmill.args import (
+    ModelSpec,
+    engine_args_for,
+    model_specs,
+    replica_config_from_namespace,
+    server_config_from_namespace,
+)
+from tokenmill.config import EngineArgs, ServerConfig
 from tokenmill.distributed.env import under_torchrun
 from tokenmill.engine.async_engine import AsyncEngine, StreamingFront
 from tokenmill.errors import TokenmillError
-from tokenmill.server.app import build_app
+from tokenmill.memory import available_memory, parse_memory
+from tokenmill.server.app import api_keys, build_models_app
+from tokenmill.server.model_router import parse_routers
+from tokenmill.server.models import ServedModel
 
 
 async def _stop_when_dead(server, engine: StreamingFront, grace: float = 0.5) -> None:
@@ -55,10 +64,9 @@ async def _expire_streams(server, drain_expired: asyncio.Event, drain_timeout: f
     drain_expired.set()
 
 
-def _start_engine(args: argparse.Namespace, config: ServerConfig):
+def _start_engine(args: argparse.Namespace, config: ServerConfig, engine_args: EngineArgs):
     """The engine front, the tokenizer, the context length, the model's path, and how to
     release what was started."""
-    engine_args = engine_args_from_namespace(args)
     replicas = replica_config_from_namespace(args)
     if replicas.enabled:
         if under_torchrun():
@@ -103,14 +111,52 @@ def _bind(config: ServerConfig) -> socket.socket:
     return sock
 
 
-def _run_server(engine: StreamingFront, tokenizer, max_model_len: int, path: Path, config: ServerConfig,
-                sock: socket.socket | None = None) -> None:  # fmt: skip
+def _plan_models(args: argparse.Namespace, config: ServerConfig) -> list[tuple[ModelSpec, EngineArgs]]:
+    """Each served model's engine options. Several models share the KV budget
+    (--kv-cache-memory, or its default) equally, unless one sets its own; the budgets
+    and the weights' files must fit in the memory free now."""
+    specs = model_specs(args.model)
+    if len(specs) > 1:
+        if config.served_model_name is not None:
+            raise TokenmillError("--served-model-name names the one model; with several, NAME=PATH names each")
+        if replica_config_from_namespace(args).enabled or under_torchrun():
+            raise TokenmillError("several models are served by one process: not with engine replicas or torchrun")
+    parse_routers(config.router, [s.name or "" for s in specs], config.router_threshold, config.router_max_prompt_tokens,
+                  config.router_large_for, config.router_classifier)  # fmt: skip  (fails before any model loads)
+    if config.router and len(specs) == 1:
+        raise TokenmillError("--router routes between served models: give two with --model NAME=PATH")
+    sharing = [s for s in specs if "kv_cache_memory" not in s.options]
+    share = parse_memory(args.kv_cache_memory) // max(len(sharing), 1) if len(specs) > 1 else None
+    planned = [(s, engine_args_for(args, s, share if s in sharing else None)) for s in specs]
+    if len(specs) > 1:
+        _check_memory(planned)
+    return planned
+
+
+def _check_memory(planned: list[tuple[ModelSpec, EngineArgs]]) -> None:
+    from tokenmill.model.paths import resolve_model_path
+
+    need, parts = 0, []
+    for spec, engine_args in planned:
+        path = resolve_model_path(engine_args.load.model)
+        weights = path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        kv = parse_memory(engine_args.cache.kv_cache_memory)
+        need += weights + kv
+        parts.append(f"{spec.name}: weights ~{weights / 2**30:.2f} GiB + KV {kv / 2**30:.2f} GiB")
+    free = available_memory()
+    if need > free:
+        raise TokenmillError(f"the models need ~{need / 2**30:.2f} GiB and {free / 2**30:.2f} GiB is free "
+                             f"({'; '.join(parts)}): lower --kv-cache-memory, or a model's kv_cache_memory=")  # fmt: skip
+    print(f"tokenmill: memory: {'; '.join(parts)} (~{need / 2**30:.2f} of {free / 2**30:.2f} GiB free; weights "
+          "dequantised at load take more than their files)", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def _run_server(models: list[ServedModel], config: ServerConfig, sock: socket.socket | None = None) -> None:
     import uvicorn
 
-    name = config.served_model_name or model_id(path)
-    config = replace(config, served_model_name=name)
-    app = build_app(engine, tokenizer, max_model_len, config)
-    print(f"tokenmill: serving {name} on http://{config.host}:{config.port}/v1", file=sys.stderr, flush=True)
+    app = build_models_app(models, config)
+    names = ", ".join(m.name for m in models) + "".join(f", {r} (router)" for r in app.state.served.routers)
+    print(f"tokenmill: serving {names} on http://{config.host}:{config.port}/v1", file=sys.stderr, flush=True)
     # uvicorn waits a little longer than the drain timeout, so that at the timeout our
     # open streams can still send their error event and [DONE] before it closes them.
     server = uvicorn.Server(
@@ -123,7 +169,7 @@ def _run_server(engine: StreamingFront, tokenizer, max_model_len: int, path: Pat
 
     async def run() -> None:
         watchers = [asyncio.create_task(_expire_streams(server, app.state.served.drain_expired, config.drain_timeout)),
-                    asyncio.create_task(_stop_when_dead(server, engine))]  # fmt: skip
+                    *[asyncio.create_task(_stop_when_dead(server, m.engine)) for m in models]]  # fmt: skip
         try:
             await server.serve(sockets=None if sock is None else [sock])
         finally:
@@ -135,16 +181,30 @@ def _run_server(engine: StreamingFront, tokenizer, max_model_len: int, path: Pat
 
 def serve(args: argparse.Namespace) -> int:
     config = server_config_from_namespace(args)
+    api_keys(config)  # a bad keys file fails now, before any model loads
+    planned = _plan_models(args, config)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     sock = _bind(config) if replica_config_from_namespace(args).enabled else None
-    engine, tokenizer, max_model_len, path, close = _start_engine(args, config)
-    try:  # from here on the engine (perhaps a process) is stopped however this ends
-        _run_server(engine, tokenizer, max_model_len, path, config, sock)
+    models: list[ServedModel] = []
+    closers: list = []
+    try:  # from here on every engine started (perhaps a process) is stopped however this ends
+        for spec, engine_args in planned:
+            engine, tokenizer, max_model_len, path, close = _start_engine(args, config, engine_args)
+            models.append(ServedModel(spec.name or config.served_model_name or model_id(path), engine, tokenizer,
+                                      max_model_len))  # fmt: skip
+            closers.append(close)
+        if planned[0][0].name is None:  # the single-model form: the name in the config, as before
+            config = replace(config, served_model_name=models[0].name)
+        _run_server(models, config, sock)
     finally:
-        engine.shutdown()
-        close()
-    if engine.death is not None:
-        print(f"tokenmill: the engine died ({engine.death}); server stopped", file=sys.stderr, flush=True)
+        for m in models:
+            m.engine.shutdown()
+        for close in closers:
+            close()
+    dead = [m for m in models if m.engine.death is not None]
+    if dead:
+        print(f"tokenmill: the engine of {dead[0].name} died ({dead[0].engine.death}); server stopped", file=sys.stderr,
+              flush=True)  # fmt: skip
         return 1
     print("tokenmill: server stopped", file=sys.stderr, flush=True)
     return 0
