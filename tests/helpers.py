@@ -112,9 +112,10 @@ class ScriptedRunner:
     be known, the block table long enough (lookahead included), the drafts the ones it
     proposed. It 'samples' ``next_token`` and verifies drafts greedily against it."""
 
-    def __init__(self, block_size: int, lookahead: int = 0) -> None:
+    def __init__(self, block_size: int, lookahead: int = 0, logprob: float | None = None) -> None:
         self.block_size = block_size
         self.lookahead = lookahead  # slots a model proposer would write past the tokens
+        self.logprob = logprob  # what a request asking for logprobs is told of each token it samples
         self.batches: list = []
         self.requests: dict[str, dict] = {}
         self.parked: set[str] = set()
@@ -166,7 +167,8 @@ class ScriptedRunner:
                     break
                 kept.append(d)
             kept.append(next_token(history + kept))
-            out.sampled[s.request_id] = [SampledToken(t) for t in kept]
+            logprob = self.logprob if state["params"].logprobs is not None else None
+            out.sampled[s.request_id] = [SampledToken(t, logprob) for t in kept]
             if s.num_lookahead:
                 out.draft_token_ids[s.request_id] = propose(history + kept, s.num_lookahead)
         for s in batch.scheduled:  # commit

@@ -751,14 +751,14 @@ class _Job:
         return await _until_disconnect(request, self._collect(first, merged))
 
     async def run(self) -> list[tuple[int, RequestOutput]]:
-        """Every sequence's final output, without answering (a router's cascade judges them
-        first); RequestFailedError if one failed."""
+        """Every sequence's final output, whole (``detach``), without answering (a router's
+        cascade judges them first); RequestFailedError if one failed."""
         finals = []
         async with contextlib.aclosing(self._start()) as merged:
             async for i, out in merged:
                 self._observe(out)
                 if out.finished:
-                    finals.append((i, out))
+                    finals.append((i, detach(out)))
         return finals
 
     async def replay(self, request: Request, stream: bool, finals: list[tuple[int, RequestOutput]]) -> Response:

@@ -91,7 +91,7 @@ def detach(out: RequestOutput) -> RequestOutput:
     c = out.outputs[0]
     frozen = _Frozen(list(c.token_ids), c.logprobs and list(c.logprobs), c.top_logprobs and list(c.top_logprobs), c.text)
     completion = CompletionOutput(c.index, c.finish_reason, c.stop_reason, frozen, len(frozen.token_ids), len(frozen.text))
-    return replace(out, outputs=[completion], timings=[], delta_text=frozen.text, delta_token_ids=frozen.token_ids,
+    return replace(out, outputs=[completion], timings=list(out.timings), delta_text=frozen.text, delta_token_ids=frozen.token_ids,
                    delta_logprobs=frozen.logprobs, delta_top_logprobs=frozen.top_logprobs, embedding=None)  # fmt: skip
 
 
