@@ -23,11 +23,12 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, *flags: str) -> None:
+    def __init__(self, *flags: str, one_model: bool = True) -> None:
+        """``one_model``: the default model, named MODEL, in float32; else ``flags`` say what to serve."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "tokenmill", "serve", "--port", str(self.port), "--served-model-name", MODEL,
-               "--kv-cache-memory", "384MiB", "--dtype", "float32", *flags]  # fmt: skip  (8,192-token context; float32: batch-invariant)
+        base = ["--served-model-name", MODEL, "--kv-cache-memory", "384MiB", "--dtype", "float32"] if one_model else []
+        cmd = [sys.executable, "-m", "tokenmill", "serve", "--port", str(self.port), *base, *flags]  # fmt: skip  (8,192-token context; float32: batch-invariant)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
         deadline = time.time() + 120
