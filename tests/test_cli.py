@@ -80,6 +80,23 @@ def test_plan_sizes_the_kv_cache_as_the_engine_does():
     assert [ln.split()[-1] for ln in r.stdout.splitlines() if "max sequences of 512 tokens" in ln] == ["2"]
 
 
+def test_plan_of_several_models_splits_the_kv_budget_as_serve_does():
+    """128 MiB shared by the one model that sets none (a: 182 blocks of float32 KV), b its
+    own 32 MiB (45 blocks); then what both need together."""
+    r = run("plan", "--model", "a=default", "--model", "b=default,kv_cache_memory=32MiB", "--dtype", "float32",
+            "--kv-cache-memory", "128MiB", "--context-len", "512", "--bandwidth", "20")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "model a:" in r.stdout and "model b:" in r.stdout
+    assert "= 182 blocks of 16" in r.stdout and "= 45 blocks of 16" in r.stdout
+    assert "all 2 models: weights + KV" in r.stdout and "fits" in r.stdout
+    r = run("serve", "--model", "a=default", "--model", "/x.gguf")
+    assert r.returncode == 2 and "NAME=PATH" in r.stderr
+    r = run("serve", "--model", "a=default", "--model", "b=default", "--router", "auto=a,c")
+    assert r.returncode == 2 and "'c' is not a served model" in r.stderr
+    r = run("serve", "--model", "a=default,kv_cache_memory=100000GiB", "--model", "b=default")  # checked before loading
+    assert r.returncode == 2 and "GiB is free" in r.stderr and "a: weights" in r.stderr
+
+
 def test_generate_held_to_a_json_schema_or_a_regex(tmp_path):
     import json
 

@@ -221,3 +221,16 @@ def engine_args_for(ns: argparse.Namespace, spec: ModelSpec, kv_cache_memory: An
     if kv_cache_memory is not None:
         given["kv_cache_memory"] = kv_cache_memory
     return engine_args(**{**given, **spec.options, "model": spec.path})
+
+
+def served_models(ns: argparse.Namespace) -> list[tuple[ModelSpec, EngineArgs]]:
+    """Each ``--model``'s EngineArgs. Several models share the KV budget (--kv-cache-memory,
+    or its default) equally, but for those that set their own kv_cache_memory."""
+    from tokenmill.memory import parse_memory
+
+    specs = model_specs(ns.model if isinstance(ns.model, list) or ns.model is None else [ns.model])
+    if len(specs) == 1:
+        return [(specs[0], engine_args_for(ns, specs[0]))]
+    sharing = [s for s in specs if "kv_cache_memory" not in s.options]
+    share = parse_memory(ns.kv_cache_memory) // max(len(sharing), 1)
+    return [(s, engine_args_for(ns, s, share if s in sharing else None)) for s in specs]

@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenmill.plan import add_arguments as add_plan_arguments
 
     add_plan_arguments(plan)
-    add_engine_arguments(plan)
+    add_engine_arguments(plan, several_models=True)
     train = sub.add_parser("train-draft", help="train an EAGLE or Medusa head for the model on its own answers")
     _add_train_draft_args(train)
     bench = sub.add_parser("bench", help="benchmarks")
@@ -218,14 +218,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from tokenmill.plan import run
+    from tokenmill.args import served_models
+    from tokenmill.plan import run, run_several
 
     if args.kv_cache_memory is None:
         args.kv_cache_memory = "1GiB"
     if args.measure:  # admit as many as the KV cache holds in one step
         args.max_num_batched_tokens = max(args.max_num_batched_tokens or 0, 1 << 17)
         args.max_num_seqs = max(args.max_num_seqs or 0, 4096)
-    return run(args, _llm(args))
+    planned = served_models(args)  # several --model NAME=PATH: as `tokenmill serve` would split the KV budget
+    if len(planned) > 1:
+        return run_several(args, planned)
+    from tokenmill.llm import LLM
+
+    return run(args, LLM(args=planned[0][1]))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -328,9 +328,17 @@ class ServerConfig:
                               choices=RESPONSE_CACHES)  # fmt: skip
     response_cache_memory: str = opt("256MiB", "the response cache's size; the least recently used answers go first")
     response_cache_ttl: float = opt(3600.0, "seconds a cached answer is served")
-    semantic_cache_threshold: float = opt(0.97, "--response-cache semantic: the cosine similarity of the last user "
-                                                "messages' embeddings above which a cached answer is served "
-                                                "(bench/RESULTS.md: how the default was chosen)")  # fmt: skip
+    semantic_cache_threshold: float = opt(0.9995, "--response-cache semantic: the cosine similarity of the last user "
+                                                  "messages' embeddings from which a cached answer is served (the "
+                                                  "default admits no false hit on bench/semantic_pairs.json with the "
+                                                  "default model's own embeddings: see bench/RESULTS.md)")  # fmt: skip
+    semantic_cache_model: str | None = opt(None, "--response-cache semantic: the served model whose embeddings compare "
+                                                 "last user messages (an embedding model served beside the others, "
+                                                 "NAME=PATH); default: the model the request names (a router's: its "
+                                                 "small model)")  # fmt: skip
+    semantic_cache_pooling: str = opt("last", "--response-cache semantic: the embedding of a message: the final hidden "
+                                              "state at its last token (as decoder embedding models), or the mean",
+                                      choices=("last", "mean"))  # fmt: skip
     router: tuple[str, ...] = opt((), "NAME=SMALL,LARGE: a virtual model that sends each request to the small or "
                                       "the large of two served models (give it once per router)", repeat=True)  # fmt: skip
     router_threshold: float = opt(0.5, "routers: the small model's answer is kept when its confidence (the geometric "

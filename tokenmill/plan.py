@@ -102,11 +102,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--measure", action="store_true", help="run the engine and print measured beside predicted")
 
 
-def run(args: argparse.Namespace, llm) -> int:
-    from tokenmill.memory import parse_memory
+def run_several(args: argparse.Namespace, planned: list) -> int:
+    """`tokenmill plan --model A=... --model B=...`: each model's plan, as `tokenmill serve`
+    would load it (its share of the KV budget), then what they need together against the
+    memory free now."""
+    from tokenmill.llm import LLM
+    from tokenmill.memory import available_memory
 
     bw = args.bandwidth * 1e9 if args.bandwidth else measure_bandwidth()
-    plan = make_plan(llm, parse_memory(args.kv_cache_memory), args.context_len, bw)
+    total = 0
+    for spec, engine_args in planned:
+        print(f"model {spec.name}:")
+        llm = LLM(args=engine_args, progress=False)
+        try:
+            plan = report(args, llm, bw)
+        finally:
+            llm.close()
+        total += plan.weight_bytes + plan.kv_budget_bytes
+    free, gib = available_memory(), 1 << 30
+    verdict = "fits" if total <= free else "does NOT fit: lower --kv-cache-memory or a model's kv_cache_memory="
+    print(f"all {len(planned)} models: weights + KV {total / gib:.3f} GiB; {free / gib:.2f} GiB free now: {verdict}")
+    return 0 if total <= free else 1
+
+
+def run(args: argparse.Namespace, llm) -> int:
+    report(args, llm, args.bandwidth * 1e9 if args.bandwidth else measure_bandwidth())
+    return 0
+
+
+def report(args: argparse.Namespace, llm, bw: float) -> Plan:
+    """Print one model's plan (and, with --measure, the measured figures beside it)."""
+    from tokenmill.memory import parse_memory
+
+    plan = make_plan(llm, parse_memory(llm.args.cache.kv_cache_memory), args.context_len, bw)
     gib = 1 << 30
     rows = [
         ("weights in memory", f"{plan.weight_bytes / gib:.3f} GiB"),
@@ -133,4 +161,4 @@ def run(args: argparse.Namespace, llm) -> int:
         print(f"  {'single-stream decode tok/s':45s} {predicted:12.1f} {m['decode_tok_s']:12.1f}"
               f"   ({m['decode_tok_s'] / predicted:.0%} of the bound)")  # fmt: skip
         print(f"  {f'max sequences of {plan.context_len} tokens':45s} {plan.max_seqs:12d} {m['max_seqs']:12d}")
-    return 0
+    return plan

@@ -141,6 +141,9 @@ def build_models_app(models: list[ServedModel], config: ServerConfig) -> FastAPI
     by_name = {m.name: m for m in models}
     routers = parse_routers(config.router, list(by_name), config.router_threshold, config.router_max_prompt_tokens,
                             config.router_large_for, config.router_classifier)  # fmt: skip
+    if config.semantic_cache_model is not None and config.semantic_cache_model not in by_name:
+        raise TokenmillError(f"--semantic-cache-model {config.semantic_cache_model!r} is not a served model "
+                             f"({', '.join(by_name)})")  # fmt: skip
     cache = None
     if config.response_cache != "off":
         cache = ResponseCache(config.response_cache == "semantic", parse_memory(config.response_cache_memory),
@@ -512,8 +515,11 @@ async def _cached(served: Served, cache: ResponseCache, request: Request, endpoi
     text = semantic_text(data) if cache.semantic else None
     if text is not None:
         bucket = bucket_key(tenant, endpoint, identity, data)
-        embedder = Target(served.models[found.small]) if isinstance(found, ModelRouter) else Target(found.model)
-        embedding = await _embed(served, embedder, text)
+        if served.config.semantic_cache_model is not None:
+            embedder = Target(served.models[served.config.semantic_cache_model])
+        else:
+            embedder = Target(served.models[found.small]) if isinstance(found, ModelRouter) else Target(found.model)
+        embedding = await _embed(embedder, text, served.config.semantic_cache_pooling)
         near = cache.nearest(bucket, embedding)
         if near is not None:
             hit, similarity = near
@@ -530,10 +536,10 @@ async def _cached(served: Served, cache: ResponseCache, request: Request, endpoi
     return None, remember
 
 
-async def _embed(served: Served, target: Target, text: str) -> list[float]:
-    """The model's mean-pooled embedding of ``text`` (the semantic cache compares these)."""
-    ids = (await _encode(target, text))[-(target.max_model_len - 1):]
-    stream = target.engine.generate(new_id("cache-embd"), ids, SamplingParams(max_tokens=1, pooling="mean"), None)
+async def _embed(target: Target, text: str, pooling: str) -> list[float]:
+    """The model's embedding of ``text`` (the semantic cache compares these)."""
+    ids = (await _encode(target, text))[-(target.max_model_len - 1) :]
+    stream = target.engine.generate(new_id("cache-embd"), ids, SamplingParams(max_tokens=1, pooling=pooling), None)
     embedding: list[float] = []
     async with contextlib.aclosing(stream):
         async for out in stream:

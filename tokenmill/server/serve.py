@@ -34,9 +34,8 @@ from pathlib import Path
 
 from tokenmill.args import (
     ModelSpec,
-    engine_args_for,
-    model_specs,
     replica_config_from_namespace,
+    served_models,
     server_config_from_namespace,
 )
 from tokenmill.config import EngineArgs, ServerConfig
@@ -115,7 +114,8 @@ def _plan_models(args: argparse.Namespace, config: ServerConfig) -> list[tuple[M
     """Each served model's engine options. Several models share the KV budget
     (--kv-cache-memory, or its default) equally, unless one sets its own; the budgets
     and the weights' files must fit in the memory free now."""
-    specs = model_specs(args.model)
+    planned = served_models(args)
+    specs = [spec for spec, _ in planned]
     if len(specs) > 1:
         if config.served_model_name is not None:
             raise TokenmillError("--served-model-name names the one model; with several, NAME=PATH names each")
@@ -125,9 +125,6 @@ def _plan_models(args: argparse.Namespace, config: ServerConfig) -> list[tuple[M
                   config.router_large_for, config.router_classifier)  # fmt: skip  (fails before any model loads)
     if config.router and len(specs) == 1:
         raise TokenmillError("--router routes between served models: give two with --model NAME=PATH")
-    sharing = [s for s in specs if "kv_cache_memory" not in s.options]
-    share = parse_memory(args.kv_cache_memory) // max(len(sharing), 1) if len(specs) > 1 else None
-    planned = [(s, engine_args_for(args, s, share if s in sharing else None)) for s in specs]
     if len(specs) > 1:
         _check_memory(planned)
     return planned
