@@ -55,11 +55,44 @@ def main() -> int:
         for t in (0.9, 0.95, 0.97, 0.98, 0.99, 0.9995):
             c = next(c for c in curve if abs(c["threshold"] - t) < 1e-9)
             print(f"   t={t:g}: true hits {c['true_hit']:.0%}, false hits {c['false_hit']:.0%}")
+    result["variants"] = variants(llm, pairs, texts)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=1))
     plot(result, RESULTS / f"{args.out}.png")
     print(f"wrote {RESULTS / args.out}.json/.png", file=sys.stderr)
     return 0
+
+
+def variants(llm: LLM, pairs: dict, texts: list[str]) -> dict[str, float]:
+    """Could another use of the same model separate the two kinds? The ROC AUC (the chance
+    that a near-duplicate pair is more alike than a look-alike pair; 0.5 is a coin) of
+    lower-cased text, mean-centred vectors, a PromptEOL template and the chat template."""
+    import torch
+
+    def auc(vectors: list[list[float]], centred: bool) -> float:
+        v = {t: torch.tensor(x) for t, x in zip(texts, vectors, strict=True)}
+        mean = torch.stack(list(v.values())).mean(0) if centred else 0.0
+
+        def cos(a: str, b: str) -> float:
+            x, y = v[a] - mean, v[b] - mean
+            return float(x @ y / (x.norm() * y.norm()))
+
+        same = [cos(a, b) for a, b in pairs["same"]]
+        diff = [cos(a, b) for a, b in pairs["different"]]
+        return sum(s > d for s in same for d in diff) / (len(same) * len(diff))
+
+    eol = 'This sentence : "{}" means in one word:"'
+    inputs = {"last": (texts, "last"), "mean": (texts, "mean"), "lower-cased, last": ([t.lower() for t in texts], "last"),
+              "PromptEOL template, last": ([eol.format(t) for t in texts], "last"),
+              "chat template, last": ([llm.tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts], "last")}  # fmt: skip
+    out = {}
+    for name, (inp, pooling) in inputs.items():
+        vectors = llm.embed(inp, pooling=pooling)
+        for centred in (False, True):
+            label = name + (", mean-centred" if centred else "")
+            out[label] = auc(vectors, centred)
+            print(f"   AUC {out[label]:.3f}  {label}")
+    return out
 
 
 def plot(result: dict, path: Path) -> None:

@@ -4,6 +4,7 @@ scripted engines (no weights): what a client is answered, by which model, from w
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import sys
 import time
@@ -177,6 +178,36 @@ def test_a_repeat_is_a_hit_identical_to_the_fresh_answer_streamed_or_not(make_ap
     assert metric(app, "tokenmill:generation_tokens_total", model_name="small") == 6  # computed once
     assert metric(app, "tokenmill:response_cache_hits_total", kind="exact") == 3
     assert metric(app, "tokenmill:response_cache_misses_total") == 1
+
+
+def test_twins_in_flight_wait_for_one_answer_instead_of_computing_it_again(make_app):
+    app = make_app()
+
+    async def go():
+        body = {"model": "small", "messages": [{"role": "user", "content": "popular"}], "temperature": 0, "max_tokens": 6}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=30) as c:
+            return await asyncio.gather(*[c.post("/v1/chat/completions", json={**body, "stream": i % 2 == 1},
+                                                 headers={"authorization": f"Bearer {KEYS[0]}"}) for i in range(4)])  # fmt: skip
+
+    replies = asyncio.run(go())
+    assert sorted(r.headers["x-tokenmill-cache"] for r in replies) == ["hit", "hit", "hit", "miss"]
+    assert {streamed(r) if i % 2 else answer(r) for i, r in enumerate(replies)} == {scripted_answer("popular")}
+    assert metric(app, "tokenmill:generation_tokens_total", model_name="small") == 6  # answered once
+    assert app.state.served.cache.pending == {}
+
+
+def test_a_twin_that_fails_lets_the_waiting_one_compute_its_own(make_app):
+    app = make_app()
+    served = app.state.served
+    body = {"model": "small", "messages": [{"role": "user", "content": "x"}], "temperature": 0, "max_tokens": 1000}
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=30) as c:
+            post = functools.partial(c.post, "/v1/chat/completions", headers={"authorization": f"Bearer {KEYS[0]}"})
+            return await asyncio.gather(post(json=body), post(json=body))
+
+    bad, worse = asyncio.run(go())  # max_tokens beyond the context: a 400 for both, nobody waits for ever
+    assert bad.status_code == worse.status_code == 400 and served.cache.pending == {}
 
 
 def test_a_routed_answer_is_cached_with_its_route(make_app):

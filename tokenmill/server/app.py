@@ -23,6 +23,7 @@ import itertools
 import json
 import logging
 import struct
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -33,6 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill import __version__
@@ -258,8 +260,9 @@ def build_models_app(models: list[ServedModel], config: ServerConfig) -> FastAPI
         @app.post("/v1/unload_lora_adapter")
         async def unload_lora_adapter(body: LoRAAdapterRequest) -> Response:
             base = next((m for m in served.models.values() if body.lora_name in m.engine.snapshot().loras), None)
-            if base is None:
-                raise APIError(404, f"the LoRA adapter {body.lora_name!r} is not served", "lora_name")
+            if base is None or (body.model is not None and body.model != base.name):
+                where = "" if body.model is None else f" on the model {body.model!r}"
+                raise APIError(404, f"the LoRA adapter {body.lora_name!r} is not served{where}", "lora_name")
             await base.engine.remove_lora(body.lora_name)
             base.generation += 1
             return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", status_code=200)
@@ -308,15 +311,15 @@ def build_models_app(models: list[ServedModel], config: ServerConfig) -> FastAPI
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        async def prepare(target: Target, logprobs: bool = False) -> tuple[list[list[int]], list[SamplingParams]]:
+        async def prepare(target: Target) -> tuple[list[list[int]], list[SamplingParams]]:
             prompts = [truncate_prompt(await _encode(target, p), body.truncate_prompt_tokens, target.max_model_len)
                        for p in body.prompts()]  # fmt: skip
-            params = [_with_logprobs(body.sampling_params(_max_tokens(target, ids, body.max_tokens)), logprobs)
-                      .with_bad_word_ids(target.tokenizer) for ids in prompts]  # fmt: skip
+            params = [body.sampling_params(_max_tokens(target, ids, body.max_tokens)).with_bad_word_ids(target.tokenizer)
+                      for ids in prompts]  # fmt: skip
             return prompts, params
 
-        async def job(target: Target, logprobs: bool = False) -> _Job:
-            prompts, params = await prepare(target, logprobs)
+        async def job(target: Target) -> _Job:
+            prompts, params = await prepare(target)
             echoes = None
             if body.echo:  # the prompt as text: a token-id prompt decoded
                 echoes = [t if isinstance(t, str) else await asyncio.to_thread(target.tokenizer.decode, t, False)
@@ -335,10 +338,10 @@ def build_models_app(models: list[ServedModel], config: ServerConfig) -> FastAPI
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        async def job(target: Target, logprobs: bool = False) -> _Job:
+        async def job(target: Target) -> _Job:
             ids, params, tools = await _chat_prompt(target, body)
             echo = body.echoed()
-            return _Job(served, target, "chatcmpl", "chat.completion", [ids], [_with_logprobs(params, logprobs)],
+            return _Job(served, target, "chatcmpl", "chat.completion", [ids], [params],
                         body.include_usage, body.return_timings, chat=True, tools=tools, echoes=[echo] if echo else None,
                         prompt_logprobs_asked=body.prompt_logprobs is not None,
                         best_of_keep=body.n if body.ranks_best_of else None, logprobs_asked=body.logprobs)  # fmt: skip
@@ -462,7 +465,7 @@ async def _chat_prompt(target: Target, body: ChatCompletionRequest) -> tuple[lis
     return ids, params.with_bad_word_ids(tokenizer), tools
 
 
-JobMaker = Callable[..., Awaitable["_Job"]]  # (target, logprobs=False) -> the request's job on that model
+JobMaker = Callable[[Target], Awaitable["_Job"]]  # the request's job on a model
 
 
 async def _generate(served: Served, request: Request, body: Any, endpoint: str, make_job: JobMaker) -> Response:
@@ -475,31 +478,47 @@ async def _generate(served: Served, request: Request, body: Any, endpoint: str, 
     if body.cache and cache is None:
         raise APIError(400, "cache: true, but this server keeps no response cache (--response-cache exact|semantic)",
                        "cache")  # fmt: skip
-    remember = None
+    remember, release = None, None
     if cache is not None:
         private = any(m.get("private") for m in data.get("messages") or [])
         cacheable = body.cache is not False and reproducible(data) and not private
         headers["x-tokenmill-cache"] = "miss" if cacheable else "bypass"
         if cacheable:
-            hit, remember = await _cached(served, cache, request, endpoint, found, data, headers)
+            hit, remember, release = await _cached(served, cache, request, endpoint, found, data, headers)
+            if isinstance(hit, Response):  # the client left while its twin was answered
+                return hit
             if hit is not None:
                 job = await make_job(Target(served.models[hit.model], hit.lora))
                 job.cached = True
                 if hit.route is not None:
                     _route_headers(headers, hit.route)
                 return _with_headers(await job.replay(request, body.stream, hit.outputs), headers)
-    if isinstance(found, ModelRouter):
-        return await _routed(served, request, body, found, make_job, headers, remember)
-    job = await make_job(found)
-    if remember is not None:
-        job.on_answered = functools.partial(remember, found, None)
-    return _with_headers(await job.respond(request, body.stream), headers)
+    try:
+        if isinstance(found, ModelRouter):
+            response = await _routed(served, request, body, found, make_job, headers, remember)
+        else:
+            job = await make_job(found)
+            if remember is not None:
+                job.on_answered = functools.partial(remember, found, None)
+            response = _with_headers(await job.respond(request, body.stream), headers)
+    except BaseException:
+        if release is not None:
+            release()
+        raise
+    if release is not None:  # once the answer is sent (or the client has gone): the twins waiting look again
+        response.background = BackgroundTask(release)
+        weakref.finalize(response, release)  # (a stream cut before it began runs no background task)
+    return response
 
 
 async def _cached(served: Served, cache: ResponseCache, request: Request, endpoint: str, found: Target | ModelRouter,
-                  data: dict[str, Any], headers: dict[str, str]) -> tuple[CachedAnswer | None, Callable]:  # fmt: skip
-    """The cached answer for this request (exact, else semantic where allowed), and how to
-    keep the answer it gets if there is none."""
+                  data: dict[str, Any], headers: dict[str, str]) -> tuple[Any, Callable | None, Callable | None]:  # fmt: skip
+    """The cached answer for this request (exact, else semantic where allowed); on a miss,
+    how to keep the answer it gets and how to release the requests that wait for it.
+
+    A request whose exact twin is being answered right now waits for that answer rather
+    than computing it again (as a gateway coalesces requests in flight), and is then a
+    hit; if the twin ends without an answer to keep, it computes its own."""
     tenant = owner_of(request.headers.get("authorization"))
     if isinstance(found, ModelRouter):
         identity = "|".join([found.describe(), Target(served.models[found.small]).identity(),
@@ -507,11 +526,15 @@ async def _cached(served: Served, cache: ResponseCache, request: Request, endpoi
     else:
         identity = found.identity()
     key = request_key(tenant, endpoint, identity, data)
+    while key in cache.pending:  # its twin is being answered: wait for that answer
+        waited = await _until_disconnect(request, asyncio.shield(cache.pending[key]))
+        if isinstance(waited, Response):
+            return waited, None, None
     hit, bucket, embedding = cache.get(key), None, None
     if hit is not None:
         headers.update({"x-tokenmill-cache": "hit", "x-tokenmill-cache-kind": "exact"})
         cache.hit("exact")
-        return hit, lambda *_: None
+        return hit, None, None
     text = semantic_text(data) if cache.semantic else None
     if text is not None:
         bucket = bucket_key(tenant, endpoint, identity, data)
@@ -526,14 +549,23 @@ async def _cached(served: Served, cache: ResponseCache, request: Request, endpoi
             headers.update({"x-tokenmill-cache": "hit", "x-tokenmill-cache-kind": "semantic",
                             "x-tokenmill-cache-similarity": f"{similarity:.4f}"})  # fmt: skip
             cache.hit("semantic")
-            return hit, lambda *_: None
+            return hit, None, None
+        if key in cache.pending:  # a twin arrived while this one was embedded: wait after all
+            return await _cached(served, cache, request, endpoint, found, data, headers)
     cache.miss()
+    pending = cache.pending[key] = asyncio.get_running_loop().create_future()
 
     def remember(target: Target, route: Route | None, finals: list[tuple[int, RequestOutput]]) -> None:
         cache.put(key, CachedAnswer([(i, detach(o)) for i, o in finals], target.model.name, target.lora, route,
                                     embedding, bucket=bucket))  # fmt: skip
 
-    return None, remember
+    def release() -> None:
+        if cache.pending.get(key) is pending:
+            del cache.pending[key]
+            with contextlib.suppress(RuntimeError):  # (a loop already closed: nobody waits)
+                pending.set_result(None)
+
+    return None, remember, release
 
 
 async def _embed(target: Target, text: str, pooling: str) -> list[float]:
@@ -552,14 +584,14 @@ async def _routed(served: Served, request: Request, body: Any, router: ModelRout
                   headers: dict[str, str], remember: Callable | None) -> Response:  # fmt: skip
     """A router's request: the rules' model, or the cascade's (the small model answers;
     kept when confident, else the large model answers afresh, streamed live)."""
-    small = Target(served.models[router.small])
-    job = await make_job(small, logprobs=True)
+    job = await make_job(Target(served.models[router.small]))
     try:
         route = router.pre_route(body.model_dump(mode="json", exclude_unset=True), max(len(p) for p in job.prompts))
     except Exception as e:  # noqa: BLE001 - the user's classifier: its failure is the server's 500, named
         raise APIError(500, f"router {router.name}: the classifier failed: {e}") from None
     finals = None
     if route is None:
+        job.params = [_with_logprobs(p) for p in job.params]  # the cascade judges by them (not answered unless asked)
         finals = await _until_disconnect(request, job.run())
         if isinstance(finals, Response):  # the client went away
             return finals
@@ -675,9 +707,9 @@ def _base_model(served: Served, model: str | None) -> ServedModel:
     return served.models[model]
 
 
-def _with_logprobs(params: SamplingParams, wanted: bool) -> SamplingParams:
+def _with_logprobs(params: SamplingParams) -> SamplingParams:
     """``params`` asking for each token's logprob (a router's cascade judges by them)."""
-    return replace(params, logprobs=0) if wanted and params.logprobs is None else params
+    return replace(params, logprobs=0) if params.logprobs is None else params
 
 
 async def _encode(target: Target, prompt: str | list[int]) -> list[int]:

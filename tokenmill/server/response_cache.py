@@ -126,6 +126,7 @@ class ResponseCache:
                  clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         self.semantic, self.max_bytes, self.ttl, self.threshold, self.clock = semantic, max_bytes, ttl, threshold, clock
         self.entries: OrderedDict[str, CachedAnswer] = OrderedDict()  # least recently used first
+        self.pending: dict[str, Any] = {}  # key -> an asyncio.Future, done once the request answering it has ended
         self.buckets: dict[str, dict[str, None]] = {}  # bucket -> its entries' keys (semantic), in order
         self.bytes = 0
         self.stats = CacheStats()

@@ -399,8 +399,11 @@ class ResponseStore:
 
 
 def owner_of(authorization: str | None) -> str:
-    """Who a stored response belongs to: a digest of the credentials presented."""
-    return hashlib.sha256((authorization or "").encode()).hexdigest()
+    """Who a stored response (or a cached answer) belongs to: a digest of the bearer token
+    presented (the scheme's case and the spaces around the token do not matter)."""
+    scheme, _, token = (authorization or "").strip().partition(" ")
+    credential = token.strip() if scheme.lower() == "bearer" else (authorization or "")
+    return hashlib.sha256(credential.encode()).hexdigest()
 
 
 def sse_event(kind: str, sequence: int, **payload: Any) -> str:

@@ -200,8 +200,8 @@ def serve(args: argparse.Namespace) -> int:
             close()
     dead = [m for m in models if m.engine.death is not None]
     if dead:
-        print(f"tokenmill: the engine of {dead[0].name} died ({dead[0].engine.death}); server stopped", file=sys.stderr,
-              flush=True)  # fmt: skip
+        which = f" (model {dead[0].name})" if len(models) > 1 else ""
+        print(f"tokenmill: the engine died ({dead[0].engine.death}){which}; server stopped", file=sys.stderr, flush=True)
         return 1
     print("tokenmill: server stopped", file=sys.stderr, flush=True)
     return 0
