@@ -6,7 +6,7 @@ with the cache against without, on one `tokenmill serve`.
 The workload: ``--requests`` greedy chat requests, each one of the 40 questions of
 ``bench/faq_questions.json`` drawn with Zipf-like popularity (a few questions asked
 often, most rarely; seeded, the same draw every round), streamed, ``--concurrency`` at
-a time. Each round runs it twice, without the cache (every request ``cache: false``)
+a time (``--no-stream``: whole answers; TTFT is then the latency). Each round runs it twice, without the cache (every request ``cache: false``)
 and with it, starting cold: each round's cached run uses an API key (a tenant) of its
 own, so no answer of an earlier round is found. Rounds alternate which goes first.
 """
@@ -45,11 +45,18 @@ def workload(n: int, seed: int = 0) -> list[str]:
     return random.Random(seed).choices(questions, weights, k=n)
 
 
-async def one(client: httpx.AsyncClient, key: str, question: str, cached: bool, max_tokens: int) -> dict:
+async def one(client: httpx.AsyncClient, key: str, question: str, cached: bool, max_tokens: int, stream: bool) -> dict:
     body = {"messages": [{"role": "user", "content": question}], "temperature": 0, "max_tokens": max_tokens,
-            "stream": True, "stream_options": {"include_usage": True}, "cache": cached}  # fmt: skip
+            "stream": stream, "cache": cached}  # fmt: skip
+    if stream:
+        body["stream_options"] = {"include_usage": True}
     t = time.perf_counter()
     ttft, tokens, status = None, 0, None
+    if not stream:  # the first token comes with the whole answer
+        r = await client.post("/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"})
+        e2e = time.perf_counter() - t
+        return {"ttft": e2e, "tokens": r.json()["usage"]["completion_tokens"], "cache": r.headers.get("x-tokenmill-cache"),
+                "e2e": e2e}  # fmt: skip
     async with client.stream("POST", "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}) as r:
         status = r.headers.get("x-tokenmill-cache")
         async for line in r.aiter_lines():
@@ -64,7 +71,8 @@ async def one(client: httpx.AsyncClient, key: str, question: str, cached: bool, 
             "e2e": time.perf_counter() - t}  # fmt: skip
 
 
-async def run(url: str, key: str, questions: list[str], cached: bool, concurrency: int, max_tokens: int) -> dict:
+async def run(url: str, key: str, questions: list[str], cached: bool, concurrency: int, max_tokens: int,
+              stream: bool = True) -> dict:  # fmt: skip
     queue = list(enumerate(questions))
     results: list[dict] = []
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
@@ -72,7 +80,7 @@ async def run(url: str, key: str, questions: list[str], cached: bool, concurrenc
         async def worker() -> None:
             while queue:
                 _, q = queue.pop(0)
-                results.append(await one(client, key, q, cached, max_tokens))
+                results.append(await one(client, key, q, cached, max_tokens, stream))
 
         t = time.perf_counter()
         await asyncio.gather(*[worker() for _ in range(concurrency)])
@@ -90,7 +98,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--out", default="response_cache")
+    ap.add_argument("--no-stream", action="store_true", help="whole answers (TTFT = latency; twins in flight wait)")
+    ap.add_argument("--out", default=None)
     args = ap.parse_args()
     keys = [f"tenant-{i}" for i in range(args.rounds + 1)]
     port = free_port()
@@ -112,7 +121,8 @@ def main() -> int:
         for r in range(args.rounds):
             order = ("off", "exact") if r % 2 == 0 else ("exact", "off")
             for mode in order:
-                res = asyncio.run(run(url, keys[r], questions, mode == "exact", args.concurrency, args.max_tokens))
+                res = asyncio.run(run(url, keys[r], questions, mode == "exact", args.concurrency, args.max_tokens,
+                                      not args.no_stream))  # fmt: skip
                 runs[mode].append(res)
                 print(f"round {r + 1} {mode:5s}: {res['requests_per_s']:.2f} req/s, {res['output_tok_per_s']:.0f} tok/s, "
                       f"TTFT p50 {res['ttft_p50_ms']:.0f} ms p99 {res['ttft_p99_ms']:.0f} ms, hits {res['hit_rate']:.0%}",
@@ -127,7 +137,7 @@ def main() -> int:
     distinct = len(set(questions))
     summary = {mode: {f: mean(mode, f) for f in ("requests_per_s", "output_tok_per_s", "ttft_p50_ms", "ttft_p99_ms", "hit_rate")}
                for mode in runs}  # fmt: skip
-    result = {"cpu": cpu_info().describe(), "requests": args.requests, "distinct_questions": distinct,
+    result = {"cpu": cpu_info().describe(), "stream": not args.no_stream, "requests": args.requests, "distinct_questions": distinct,
               "concurrency": args.concurrency, "max_tokens": args.max_tokens, "summary": summary, "runs": runs}  # fmt: skip
     print(f"CPU: {result['cpu']}; {args.requests} requests, {distinct} distinct questions, concurrency {args.concurrency}")
     print(f"{'':7s} {'req/s':>7s} {'tok/s':>7s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'hits':>5s}")
@@ -136,7 +146,8 @@ def main() -> int:
               f"{s['ttft_p99_ms']:7.0f}ms {s['hit_rate']:5.0%}")  # fmt: skip
     print(f"with the cache: {summary['exact']['requests_per_s'] / summary['off']['requests_per_s']:.2f}x the requests/s")
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=1))
+    out = args.out or ("response_cache_whole" if args.no_stream else "response_cache")
+    (RESULTS / f"{out}.json").write_text(json.dumps(result, indent=1))
     return 0
 
 

@@ -516,9 +516,11 @@ async def _cached(served: Served, cache: ResponseCache, request: Request, endpoi
     """The cached answer for this request (exact, else semantic where allowed); on a miss,
     how to keep the answer it gets and how to release the requests that wait for it.
 
-    A request whose exact twin is being answered right now waits for that answer rather
-    than computing it again (as a gateway coalesces requests in flight), and is then a
-    hit; if the twin ends without an answer to keep, it computes its own."""
+    A non-streamed request whose exact twin is being answered right now waits for that
+    answer rather than computing it again (as a gateway coalesces requests in flight),
+    and is then a hit; if the twin ends without an answer to keep, it computes its own.
+    A streamed one does not wait: it would see its first token only once the twin's
+    whole answer is done (measured: p99 TTFT 139 ms -> 1.2 s on an FAQ workload)."""
     tenant = owner_of(request.headers.get("authorization"))
     if isinstance(found, ModelRouter):
         identity = "|".join([found.describe(), Target(served.models[found.small]).identity(),
@@ -526,7 +528,8 @@ async def _cached(served: Served, cache: ResponseCache, request: Request, endpoi
     else:
         identity = found.identity()
     key = request_key(tenant, endpoint, identity, data)
-    while key in cache.pending:  # its twin is being answered: wait for that answer
+    waits = not data.get("stream")
+    while waits and key in cache.pending:  # its twin is being answered: wait for that answer
         waited = await _until_disconnect(request, asyncio.shield(cache.pending[key]))
         if isinstance(waited, Response):
             return waited, None, None
@@ -550,14 +553,17 @@ async def _cached(served: Served, cache: ResponseCache, request: Request, endpoi
                             "x-tokenmill-cache-similarity": f"{similarity:.4f}"})  # fmt: skip
             cache.hit("semantic")
             return hit, None, None
-        if key in cache.pending:  # a twin arrived while this one was embedded: wait after all
+        if waits and key in cache.pending:  # a twin arrived while this one was embedded: wait after all
             return await _cached(served, cache, request, endpoint, found, data, headers)
     cache.miss()
-    pending = cache.pending[key] = asyncio.get_running_loop().create_future()
 
     def remember(target: Target, route: Route | None, finals: list[tuple[int, RequestOutput]]) -> None:
         cache.put(key, CachedAnswer([(i, detach(o)) for i, o in finals], target.model.name, target.lora, route,
                                     embedding, bucket=bucket))  # fmt: skip
+
+    if key in cache.pending:  # a streamed twin of a request in flight: computed alongside, waited for by none
+        return None, remember, None
+    pending = cache.pending[key] = asyncio.get_running_loop().create_future()
 
     def release() -> None:
         if cache.pending.get(key) is pending:
