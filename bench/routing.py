@@ -1,7 +1,7 @@
 """Model routing's cascade on a private set of easy and hard questions: the share the small
 model answers, agreement with the large model, and cost per 1M tokens against always-large.
 
-    python bench/routing.py [--pair quant|layers] [--max-tokens 24] [--out routing_quant]
+    python bench/routing.py [--pair quant|layers] [--max-tokens 24] [--out routing_quant] [--live 0.4]
 
 Only one real model ships here (SmolLM2-135M-Instruct), so the two models are two
 settings of it:
@@ -21,6 +21,12 @@ agreement is the share of questions whose delivered answer equals the large mode
 (normalised: case, spaces, trailing punctuation), and its cost the small model's
 seconds on every question plus the large model's on the escalated ones, per 1M tokens
 delivered, against always-large's.
+
+``--live T`` then checks the server against that arithmetic: `tokenmill serve` with the
+pair as two models and ``--router auto=small,large --router-threshold T`` is sent every
+question (greedy, one at a time, model ``auto``); the share it routed small and the
+agreement of what it answered are printed beside what the offline curve predicts at T,
+with the decisions that differ.
 """
 
 from __future__ import annotations
@@ -97,6 +103,7 @@ def main() -> int:
     ap.add_argument("--keep-layers", type=int, default=20, help="layers: how many the small model keeps (of 30)")
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--live", type=float, default=None, metavar="T", help="then check a real server's router at T")
     args = ap.parse_args()
     out_name = args.out or f"routing_{args.pair}"
     if args.pair == "quant":
@@ -133,11 +140,67 @@ def main() -> int:
     for c in curve:
         print(f"{c['threshold']:9.2f} {c['small_share']:6.0%} {c['easy_small']:5.0%} {c['hard_small']:5.0%} "
               f"{c['agreement']:6.0%} {c['cost_per_1m']:10.0f} s {c['cost_vs_large']:8.2f}x")  # fmt: skip
+    if args.live is not None:
+        small.close()
+        large.close()
+        if args.pair != "quant":
+            raise SystemExit("--live checks the quant pair (the server loads it from the default model)")
+        result["live"] = live(rows, args.live, args.max_tokens)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{out_name}.json").write_text(json.dumps(result, indent=1))
     plot(result, RESULTS / f"{out_name}.png")
     log(f"wrote {RESULTS / out_name}.json/.png")
     return 0
+
+
+def live(rows: list[dict], threshold: float, max_tokens: int) -> dict:
+    """The server's router at ``threshold`` on the same questions, against the offline prediction."""
+    import os
+    import signal
+    import socket
+    import subprocess
+
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "tokenmill", "serve", "--port", str(port), "--model", "small=default",
+           "--model", "large=default,quantization=none,dtype=float32", "--router", "auto=small,large",
+           "--router-threshold", str(threshold)]  # fmt: skip
+    server = subprocess.Popen(cmd, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    routed, agree, differ = [], 0, []
+    try:
+        for _ in range(240):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        for r in rows:
+            body = {"model": "auto", "messages": [{"role": "user", "content": r["question"]}], "temperature": 0,
+                    "max_tokens": max_tokens}  # fmt: skip
+            reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+            model = reply.headers["x-tokenmill-route"]
+            routed.append(model)
+            agree += normalised(reply.json()["choices"][0]["message"]["content"]) == normalised(r["large"]["text"])
+            predicted = "small" if r["small"]["confidence"] >= threshold else "large"
+            if model != predicted:
+                differ.append({"question": r["question"], "predicted": predicted, "routed": model,
+                               "offline_confidence": r["small"]["confidence"],
+                               "live_confidence": float(reply.headers["x-tokenmill-route-confidence"])})  # fmt: skip
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(60)
+    offline = cascade(rows, threshold)
+    out = {"threshold": threshold, "small_share": routed.count("small") / len(rows), "agreement": agree / len(rows),
+           "predicted_small_share": offline["small_share"], "predicted_agreement": offline["agreement"],
+           "decisions_differing": differ}  # fmt: skip
+    print(f"live server at threshold {threshold}: routed small {out['small_share']:.0%} (offline: "
+          f"{offline['small_share']:.0%}), agreement {out['agreement']:.0%} (offline: {offline['agreement']:.0%}); "
+          f"{len(differ)} of {len(rows)} decisions differ from the offline ones")  # fmt: skip
+    return out
 
 
 def share(rows: list[dict], kind: str) -> float:

@@ -23,19 +23,19 @@ from tokenmill.server.models import ServedModel
 KEYS = ("key-a", "key-b")
 
 
-def scripted(name: str, logprob: float) -> ServedModel:
+def scripted(name: str, logprob: float, context: int = 512) -> ServedModel:
     """A model whose every sampled token has probability exp(logprob)."""
     engine = AsyncEngine(Engine(ScriptedRunner(4, logprob=logprob), ToyTokenizer(),
-                                EngineConfig(num_blocks=512, block_size=4, max_model_len=512)))  # fmt: skip
-    return ServedModel(name, engine, ToyTokenizer(), 512)
+                                EngineConfig(num_blocks=512, block_size=4, max_model_len=context)))  # fmt: skip
+    return ServedModel(name, engine, ToyTokenizer(), context)
 
 
 @pytest.fixture
 def make_app():
     started: list[ServedModel] = []
 
-    def make(small_logprob: float = -0.1, **config):
-        models = [scripted("small", small_logprob), scripted("large", -0.01)]
+    def make(small_logprob: float = -0.1, small_context: int = 512, **config):
+        models = [scripted("small", small_logprob, small_context), scripted("large", -0.01)]
         started.extend(models)
         base = {"api_key": KEYS, "router": ("auto=small,large",), "response_cache": "exact"}
         return build_models_app(models, ServerConfig(**{**base, **config}))
@@ -98,6 +98,8 @@ def test_every_model_and_router_is_listed_and_chosen_by_name(make_app):
     assert metric(app, "tokenmill:generation_tokens_total", model_name="small") == 6
     assert metric(app, "tokenmill:generation_tokens_total", model_name="large") == 6
     assert metric(app, "tokenmill:num_requests_running", model_name="large") == 0
+    types = [line for line in call(app, "/metrics", method="GET").text.splitlines() if line.startswith("# TYPE")]
+    assert len(types) == len(set(types))  # each metric once, with a sample per model (the format allows no repeat)
 
 
 def test_a_router_is_refused_where_nothing_is_routed_and_unknown_models_are_404(make_app):
@@ -151,6 +153,41 @@ def test_rules_route_before_the_small_model_runs(make_app, monkeypatch):
         assert r.status_code == 200, r.text
         assert (r.headers["x-tokenmill-route"], r.headers["x-tokenmill-route-reason"]) == (model, reason), fields
     assert metric(app, "tokenmill:generation_tokens_total", model_name="small") == 6 + 6  # classifier, cascade
+
+
+def test_a_prompt_the_small_model_has_no_room_for_goes_to_the_large(make_app):
+    app = make_app(small_context=64, response_cache="off")
+    r = chat(app, "x" * 100)
+    assert (r.headers["x-tokenmill-route"], r.headers["x-tokenmill-route-reason"]) == ("large", "long_prompt")
+    assert answer(r) == scripted_answer("x" * 100)
+    assert chat(app, "x" * 600).status_code == 400  # nor the large: the large model's own 400
+
+
+def test_a_streamed_cascade_shows_no_logprobs_the_client_did_not_ask_for(make_app):
+    app = make_app(response_cache="off")
+    body = {"model": "auto", "prompt": "abc", "max_tokens": 3, "temperature": 0, "echo": True, "prompt_logprobs": 0,
+            "stream": True}  # fmt: skip
+    r = call(app, "/v1/completions", body)
+    assert r.headers["x-tokenmill-route"] == "small"
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert chunks and all(c["choices"][0]["logprobs"] is None for c in chunks if c["choices"])
+    assert "prompt_logprobs" in chunks[0]["choices"][0]  # what was asked is there
+
+
+def test_twins_of_an_answer_too_large_to_keep_compute_alongside_instead_of_queueing(make_app):
+    app = make_app(response_cache_memory="100B")  # no answer fits
+
+    async def go():
+        body = {"model": "small", "messages": [{"role": "user", "content": "big"}], "temperature": 0, "max_tokens": 6}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=30) as c:
+            return await asyncio.gather(*[c.post("/v1/chat/completions", json=body,
+                                                 headers={"authorization": f"Bearer {KEYS[0]}"}) for _ in range(3)])  # fmt: skip
+
+    replies = asyncio.run(go())
+    assert {answer(r) for r in replies} == {scripted_answer("big")}
+    assert [r.headers["x-tokenmill-cache"] for r in replies] == ["miss"] * 3
+    assert metric(app, "tokenmill:generation_tokens_total", model_name="small") == 18
+    assert app.state.served.cache.pending == {} and app.state.served.cache.entries == {}
 
 
 def test_a_classifier_that_answers_nonsense_is_a_500_naming_it(make_app, monkeypatch):
@@ -248,8 +285,11 @@ def test_only_reproducible_requests_are_cached_and_cache_false_or_private_opt_ou
         for _ in range(2):
             assert chat(app, model="small", **opt_out).headers["x-tokenmill-cache"] == "bypass"
     off = make_app(response_cache="off")
-    r = chat(off, model="small", cache=True)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "cache"
+    for beams in (False, True):
+        r = chat(off, model="small", cache=True, use_beam_search=beams)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache"
+    r = chat(app, model="small", cache=True, use_beam_search=True)
+    assert r.status_code == 400 and "beam search" in r.json()["error"]["message"]
     assert "x-tokenmill-cache" not in chat(off, model="small").headers
 
 

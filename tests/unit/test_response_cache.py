@@ -7,8 +7,10 @@ import pytest
 from tokenmill.args import model_specs
 from tokenmill.errors import TokenmillError
 from tokenmill.server.response_cache import (
+    BUCKET_LIMIT,
     CachedAnswer,
     ResponseCache,
+    best_match,
     bucket_key,
     reproducible,
     request_key,
@@ -77,16 +79,21 @@ def test_the_byte_cap_drops_the_least_recently_used():
     assert cache.get("huge") is None and cache.stats.evictions == 1
 
 
-def test_nearest_serves_the_most_similar_at_or_above_the_threshold_in_its_bucket():
+def test_the_best_match_is_the_most_similar_at_or_above_the_threshold_in_its_bucket():
     cache = ResponseCache(True, 1 << 20, ttl=100, threshold=0.9)
     cache.put("x", entry(embedding=[1.0, 0.0], bucket="b"))
     cache.put("y", entry(embedding=[0.8, 0.6], bucket="b"))
-    found, sim = cache.nearest("b", [0.95, 0.31])
-    assert found is cache.entries["x"] and sim == pytest.approx(0.95 / (0.95**2 + 0.31**2) ** 0.5)
-    assert cache.nearest("b", [0.0, 1.0]) is None  # below the threshold
-    assert cache.nearest("other", [1.0, 0.0]) is None  # another bucket
-    cache._drop("x")
-    cache._drop("y")
+    key, sim = best_match(cache.candidates("b"), [0.95, 0.31], cache.threshold)
+    assert key == "x" and sim == pytest.approx(0.95 / (0.95**2 + 0.31**2) ** 0.5)
+    assert best_match(cache.candidates("b"), [0.0, 1.0], cache.threshold) is None  # below the threshold
+    assert cache.candidates("other") == []  # another bucket
+    assert best_match([("z", [1.0, 0.0, 0.0])], [1.0, 0.0], 0.5) is None  # another model's width: never compared
+    for k in [f"k{i}" for i in range(BUCKET_LIMIT + 10)]:
+        cache.put(k, entry(embedding=[0.0, 1.0], bucket="b"))
+    assert len(cache.candidates("b")) == BUCKET_LIMIT  # the oldest leave the index...
+    assert cache.get("x") is not None  # ...but still answer their exact twins
+    for k in list(cache.entries):
+        cache._drop(k)
     assert cache.buckets == {}
 
 

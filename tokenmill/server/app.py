@@ -6,6 +6,10 @@
     GET  /v1/models, /v1/models/{id}, /health, /ping, /version, /metrics
     POST /tokenize, /detokenize; GET /tokenizer_info
 
+A server may serve several models (each its own engine, ``ServedModel``), routers
+between two of them (model_router.py) and a response cache (response_cache.py):
+``_generate`` is the one path of a chat or completions request through them.
+
 Every error a client can cause is a 4xx in OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}``: 400 for invalid parameters or a
 prompt that does not fit the context, 401 for a missing or wrong API key, 404 for an
@@ -63,6 +67,7 @@ from tokenmill.server.protocol import (
 from tokenmill.server.response_cache import (
     CachedAnswer,
     ResponseCache,
+    best_match,
     bucket_key,
     detach,
     replayed,
@@ -95,6 +100,11 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
+
+
+class ContextLengthError(APIError):
+    """A prompt (and max_tokens) that does not fit the model's context: a 400, and for a
+    router a reason to ask the large model."""
 
 
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
@@ -328,6 +338,7 @@ def build_models_app(models: list[ServedModel], config: ServerConfig) -> FastAPI
                         body.return_timings, chat=False, echoes=echoes, prompt_logprobs_asked=body.prompt_logprobs is not None,
                         best_of_keep=body.n if body.ranks_best_of else None, logprobs_asked=body.logprobs is not None)  # fmt: skip
 
+        _check_cache_field(served, body)
         if body.use_beam_search:  # one search for all prompts: as many tokens as the tightest allows
             target = _target(served, body.model, "beam search")
             prompts, params = await prepare(target)
@@ -346,6 +357,7 @@ def build_models_app(models: list[ServedModel], config: ServerConfig) -> FastAPI
                         prompt_logprobs_asked=body.prompt_logprobs is not None,
                         best_of_keep=body.n if body.ranks_best_of else None, logprobs_asked=body.logprobs)  # fmt: skip
 
+        _check_cache_field(served, body)
         if body.use_beam_search:
             target = _target(served, body.model, "beam search")
             ids, params, _ = await _chat_prompt(target, body)
@@ -475,9 +487,6 @@ async def _generate(served: Served, request: Request, body: Any, endpoint: str, 
     data = body.model_dump(mode="json")
     data.pop("model")  # the identity below says which model, whatever name reached it
     cache, headers = served.cache, {}
-    if body.cache and cache is None:
-        raise APIError(400, "cache: true, but this server keeps no response cache (--response-cache exact|semantic)",
-                       "cache")  # fmt: skip
     remember, release = None, None
     if cache is not None:
         private = any(m.get("private") for m in data.get("messages") or [])
@@ -528,11 +537,13 @@ async def _cached(served: Served, cache: ResponseCache, request: Request, endpoi
     else:
         identity = found.identity()
     key = request_key(tenant, endpoint, identity, data)
-    waits = not data.get("stream")
+    waits, alongside = not data.get("stream"), False
     while waits and key in cache.pending:  # its twin is being answered: wait for that answer
         waited = await _until_disconnect(request, asyncio.shield(cache.pending[key]))
         if isinstance(waited, Response):
             return waited, None, None
+        if waited is False:  # the twin kept no answer: compute alongside the other waiters rather than queue
+            waits, alongside = False, True
     hit, bucket, embedding = cache.get(key), None, None
     if hit is not None:
         headers.update({"x-tokenmill-cache": "hit", "x-tokenmill-cache-kind": "exact"})
@@ -545,10 +556,16 @@ async def _cached(served: Served, cache: ResponseCache, request: Request, endpoi
             embedder = Target(served.models[served.config.semantic_cache_model])
         else:
             embedder = Target(served.models[found.small]) if isinstance(found, ModelRouter) else Target(found.model)
-        embedding = await _embed(embedder, text, served.config.semantic_cache_pooling)
-        near = cache.nearest(bucket, embedding)
-        if near is not None:
-            hit, similarity = near
+        _check_queue(served, embedder, 1)
+        try:
+            embedding = await _embed(embedder, text, served.config.semantic_cache_pooling)
+        except RequestFailedError as e:
+            raise APIError(500, f"the semantic cache could not embed the message: {e}") from None
+        candidates = cache.candidates(bucket) if embedding else []
+        match = await asyncio.to_thread(best_match, candidates, embedding, cache.threshold) if candidates else None
+        hit = cache.get(match[0]) if match is not None else None  # (gone meanwhile: a miss)
+        if hit is not None:
+            similarity = match[1]
             headers.update({"x-tokenmill-cache": "hit", "x-tokenmill-cache-kind": "semantic",
                             "x-tokenmill-cache-similarity": f"{similarity:.4f}"})  # fmt: skip
             cache.hit("semantic")
@@ -557,19 +574,21 @@ async def _cached(served: Served, cache: ResponseCache, request: Request, endpoi
             return await _cached(served, cache, request, endpoint, found, data, headers)
     cache.miss()
 
-    def remember(target: Target, route: Route | None, finals: list[tuple[int, RequestOutput]]) -> None:
-        cache.put(key, CachedAnswer([(i, detach(o)) for i, o in finals], target.model.name, target.lora, route,
-                                    embedding, bucket=bucket))  # fmt: skip
+    kept = [False]
 
-    if key in cache.pending:  # a streamed twin of a request in flight: computed alongside, waited for by none
-        return None, remember, None
+    def remember(target: Target, route: Route | None, finals: list[tuple[int, RequestOutput]]) -> None:
+        kept[0] = cache.put(key, CachedAnswer([(i, detach(o)) for i, o in finals], target.model.name, target.lora, route,
+                                              embedding, bucket=bucket))  # fmt: skip
+
+    if key in cache.pending or alongside:  # a streamed twin of a request in flight, or a waiter let go: computed
+        return None, remember, None  # alongside, waited for by none
     pending = cache.pending[key] = asyncio.get_running_loop().create_future()
 
     def release() -> None:
         if cache.pending.get(key) is pending:
             del cache.pending[key]
             with contextlib.suppress(RuntimeError):  # (a loop already closed: nobody waits)
-                pending.set_result(None)
+                pending.set_result(kept[0])
 
     return None, remember, release
 
@@ -590,27 +609,44 @@ async def _routed(served: Served, request: Request, body: Any, router: ModelRout
                   headers: dict[str, str], remember: Callable | None) -> Response:  # fmt: skip
     """A router's request: the rules' model, or the cascade's (the small model answers;
     kept when confident, else the large model answers afresh, streamed live)."""
-    job = await make_job(Target(served.models[router.small]))
     try:
-        route = router.pre_route(body.model_dump(mode="json", exclude_unset=True), max(len(p) for p in job.prompts))
-    except Exception as e:  # noqa: BLE001 - the user's classifier: its failure is the server's 500, named
-        raise APIError(500, f"router {router.name}: the classifier failed: {e}") from None
+        job = await make_job(Target(served.models[router.small]))
+    except ContextLengthError:  # the small model has no room for it: the large may
+        job, route = None, Route(router.large, "long_prompt")
+    else:
+        try:
+            route = router.pre_route(body.model_dump(mode="json", exclude_unset=True), max(len(p) for p in job.prompts))
+        except Exception as e:  # noqa: BLE001 - the user's classifier: its failure is the server's 500, named
+            raise APIError(500, f"router {router.name}: the classifier failed: {e}") from None
     finals = None
     if route is None:
         job.params = [_with_logprobs(p) for p in job.params]  # the cascade judges by them (not answered unless asked)
-        finals = await _until_disconnect(request, job.run())
+        try:
+            finals = await _until_disconnect(request, job.run())
+        except RequestFailedError as e:
+            return error_response(500, str(e))
         if isinstance(finals, Response):  # the client went away
             return finals
         route = router.judge([out.outputs[0].logprobs or [] for _, out in finals])
+    if job is None or route.model != router.small:
+        job = await make_job(Target(served.models[route.model]))
     served.metrics.observe_route(router.name, route)
     _route_headers(headers, route)
-    if route.model != router.small:
-        job = await make_job(Target(served.models[route.model]))
     if remember is not None:
         job.on_answered = functools.partial(remember, job.target, route)
     if finals is not None and route.model == router.small:
         return _with_headers(await job.replay(request, body.stream, finals), headers)
     return _with_headers(await job.respond(request, body.stream), headers)
+
+
+def _check_cache_field(served: Served, body: Any) -> None:
+    """``cache: true`` asks for what the server may not have; beam search is never cached."""
+    if body.cache and served.cache is None:
+        raise APIError(400, "cache: true, but this server keeps no response cache (--response-cache exact|semantic)",
+                       "cache")  # fmt: skip
+    if body.cache and body.use_beam_search:
+        raise APIError(400, "beam search answers are not cached: leave cache unset (or false) with use_beam_search",
+                       "cache")  # fmt: skip
 
 
 def _route_headers(headers: dict[str, str], route: Route) -> None:
@@ -729,11 +765,12 @@ def _max_tokens(target: Target, prompt_ids: list[int], requested: int | None) ->
     limit = target.max_model_len
     if requested is None:
         if len(prompt_ids) >= limit:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your prompt is "
-                                f"{len(prompt_ids)} tokens, leaving no room for the completion.", "messages")  # fmt: skip
+            raise ContextLengthError(400, f"This model's maximum context length is {limit} tokens. However, your "
+                                          f"prompt is {len(prompt_ids)} tokens, leaving no room for the completion.",
+                                     "messages")  # fmt: skip
         return limit - len(prompt_ids)
     if isinstance(requested, int) and requested >= 1 and len(prompt_ids) + requested > limit:
-        raise APIError(
+        raise ContextLengthError(
             400,
             f"This model's maximum context length is {limit} tokens. However, you requested "
             f"{len(prompt_ids) + requested} tokens ({len(prompt_ids)} in the prompt, {requested} for the completion). "
@@ -1033,7 +1070,7 @@ class _Job:
             head["delta"] = {"content": echo}
         else:
             head["text"] = echo
-            if echo and self.params[0].logprobs is not None and scored is not None:
+            if echo and self.logprobs_asked and scored is not None:
                 head["logprobs"] = self._prompt_logprobs_legacy(scored)
         if self.prompt_logprobs_asked and scored is not None:
             head["prompt_logprobs"] = self._prompt_logprobs_vllm(scored)

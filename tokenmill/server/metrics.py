@@ -47,21 +47,19 @@ class EngineCollector:
         self.engines = engines
 
     def collect(self) -> Iterator[Metric]:
+        """Each family once, with one sample per model (and replica): the exposition format
+        allows a metric's name once."""
+        with_replicas = any(source.replicas is not None for source in self.engines.values())
+        label_names = ["model_name", "replica"] if with_replicas else ["model_name"]
+        series: list[tuple[list[str], EngineSnapshot]] = []
+        pools: list[tuple[str, dict, Any]] = []  # replicas: (model, routing counters, KV transfer)
         for model_name, source in self.engines.items():
-            yield from self._collect(model_name, source)
-
-    def _collect(self, model_name: str, source: EngineSource) -> Iterator[Metric]:
-        names = ["model_name"]
-        values = [model_name]
-        routing: dict = {}
-        transfer = None
-        if source.replicas is None:
-            series = [(values, source.snapshot())]
-            label_names = names
-        else:
-            snaps, routing, transfer = source.replicas()
-            series = [([*values, name], snap) for name, snap in sorted(snaps.items())]
-            label_names = [*names, "replica"]
+            if source.replicas is None:
+                series.append(([model_name, ""] if with_replicas else [model_name], source.snapshot()))
+            else:
+                snaps, routing, transfer = source.replicas()
+                series += [([model_name, name], snap) for name, snap in sorted(snaps.items())]
+                pools.append((model_name, routing, transfer))
 
         def family(kind, name: str, doc: str, value: Callable[[EngineSnapshot], float]):
             f = kind(P + name, doc, labels=label_names)
@@ -75,8 +73,10 @@ class EngineCollector:
         def counter(name: str, doc: str, value: Callable[[EngineSnapshot], float]) -> CounterMetricFamily:
             return family(CounterMetricFamily, name, doc, value)
 
-        alive = GaugeMetricFamily(P + "engine_alive", "1 while the engine loop runs, 0 once it has died.", labels=names)
-        alive.add_metric(values, 1.0 if source.alive() else 0.0)
+        alive = GaugeMetricFamily(P + "engine_alive", "1 while the engine loop runs, 0 once it has died.",
+                                  labels=["model_name"])  # fmt: skip
+        for model_name, source in self.engines.items():
+            alive.add_metric([model_name], 1.0 if source.alive() else 0.0)
         yield alive
         yield gauge("num_requests_running", "Requests in model execution batches.", lambda e: e.num_running)
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", lambda e: e.num_waiting)
@@ -90,20 +90,33 @@ class EngineCollector:
         yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
                       lambda e: e.spec_num_draft_tokens)  # fmt: skip
         yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", lambda e: e.spec_num_accepted_tokens)
-        if routing:
-            yield from _routing_metrics(names, values, routing)
-        if transfer is not None:
-            yield from _transfer_metrics(names, values, transfer, routing.get("decode"))
-        e = source.snapshot()
-        if e.max_loras is not None:
-            running, waiting = e.running_loras, e.waiting_loras
-            info = GaugeMetricFamily(P + "lora_requests_info", "Running stats on LoRA requests (as vLLM's).",
-                                     labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora", *names])  # fmt: skip
-            info.add_metric([",".join(running), ",".join(waiting), str(e.max_loras), *values], time.time())
-            yield info
-            per = CounterMetricFamily(P + "lora_requests", "Requests per LoRA adapter.", labels=[*names, "lora_name"])
+        for model_name, routing, transfer in pools:  # (replicas serve one model: a server refuses several with them)
+            if routing:
+                yield from _routing_metrics(["model_name"], [model_name], routing)
+            if transfer is not None:
+                yield from _transfer_metrics(["model_name"], [model_name], transfer, routing.get("decode"))
+        yield from self._lora_metrics()
+
+    def _lora_metrics(self) -> Iterator[Metric]:
+        """vLLM's lora_requests_info (labelled by model too when several are served) and
+        requests per adapter."""
+        several = len(self.engines) > 1
+        info = GaugeMetricFamily(P + "lora_requests_info", "Running stats on LoRA requests (as vLLM's).",
+                                 labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora",
+                                         *(["model_name"] if several else [])])  # fmt: skip
+        per = CounterMetricFamily(P + "lora_requests", "Requests per LoRA adapter.", labels=["model_name", "lora_name"])
+        found = False
+        for model_name, source in self.engines.items():
+            e = source.snapshot()
+            if e.max_loras is None:
+                continue
+            found = True
+            info.add_metric([",".join(e.running_loras), ",".join(e.waiting_loras), str(e.max_loras),
+                             *([model_name] if several else [])], time.time())  # fmt: skip
             for name, count in sorted(e.lora_requests.items()):
-                per.add_metric([*values, name], count)
+                per.add_metric([model_name, name], count)
+        if found:
+            yield info
             yield per
 
 

@@ -37,6 +37,11 @@ def digest(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest()
 
 
+# Look-alikes compared per semantic lookup, at most: the bucket's most recent entries (a
+# lookup is this many cosines, off the event loop; a chat app with one system prompt
+# would otherwise put every answer it ever cached in one bucket).
+BUCKET_LIMIT = 256
+
 KEY_EXCLUDES = frozenset({"stream", "stream_options", "cache"})  # how an answer is sent, not what it is
 
 
@@ -141,17 +146,15 @@ class ResponseCache:
             self.entries.move_to_end(key)
         return entry
 
-    def nearest(self, bucket: str, embedding: list[float]) -> tuple[CachedAnswer, float] | None:
-        """The bucket's most similar entry at or above the threshold, with its similarity."""
-        best, best_sim = None, self.threshold
+    def candidates(self, bucket: str) -> list[tuple[str, list[float]]]:
+        """The bucket's live entries' keys and embeddings (compared off the event loop:
+        ``best_match``; the entry is then fetched with ``get``, which may find it gone)."""
+        out = []
         for key in list(self.buckets.get(bucket, ())):
             entry = self.get(key)
-            if entry is None or entry.embedding is None:
-                continue
-            sim = cosine(entry.embedding, embedding)
-            if sim >= best_sim:
-                best, best_sim = entry, sim
-        return None if best is None else (best, best_sim)
+            if entry is not None and entry.embedding is not None:
+                out.append((key, entry.embedding))
+        return out
 
     def hit(self, kind: str) -> None:
         self.stats.hits[kind] += 1
@@ -159,20 +162,25 @@ class ResponseCache:
     def miss(self) -> None:
         self.stats.misses += 1
 
-    def put(self, key: str, entry: CachedAnswer) -> None:
+    def put(self, key: str, entry: CachedAnswer) -> bool:
+        """Keep an answer (False: larger than the whole cache, not kept)."""
         entry.nbytes = len(pickle.dumps((key, entry.outputs, entry.embedding), protocol=pickle.HIGHEST_PROTOCOL))
         if entry.nbytes > self.max_bytes:
-            return  # larger than the whole cache: not kept
+            return False
         if key in self.entries:
             self._drop(key)
         entry.expires = self.clock() + self.ttl
         self.entries[key] = entry
         self.bytes += entry.nbytes
         if entry.bucket is not None:
-            self.buckets.setdefault(entry.bucket, {})[key] = None
+            bucket = self.buckets.setdefault(entry.bucket, {})
+            bucket[key] = None
+            if len(bucket) > BUCKET_LIMIT:  # the oldest leave the semantic index (they still answer exact twins)
+                bucket.pop(next(iter(bucket)))
         while self.bytes > self.max_bytes:
             self._drop(next(iter(self.entries)))
             self.stats.evictions += 1
+        return True
 
     def _drop(self, key: str) -> None:
         entry = self.entries.pop(key)
@@ -182,6 +190,19 @@ class ResponseCache:
             keys.pop(key, None)
             if not keys:
                 self.buckets.pop(entry.bucket, None)
+
+
+def best_match(candidates: list[tuple[str, list[float]]], embedding: list[float],
+               threshold: float) -> tuple[str, float] | None:  # fmt: skip
+    """The most similar candidate at or above ``threshold`` (cosine), with its similarity."""
+    best = None
+    for key, other in candidates:
+        if len(other) != len(embedding):
+            continue
+        sim = cosine(other, embedding)
+        if sim >= threshold and (best is None or sim > best[1]):
+            best = (key, sim)
+    return best
 
 
 def cosine(a: list[float], b: list[float]) -> float:

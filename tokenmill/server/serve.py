@@ -116,9 +116,9 @@ def _plan_models(args: argparse.Namespace, config: ServerConfig) -> list[tuple[M
     and the weights' files must fit in the memory free now."""
     planned = served_models(args)
     specs = [spec for spec, _ in planned]
+    if specs[0].name is not None and config.served_model_name is not None:
+        raise TokenmillError("--served-model-name names a model given as a PATH; --model NAME=PATH names its own")
     if len(specs) > 1:
-        if config.served_model_name is not None:
-            raise TokenmillError("--served-model-name names the one model; with several, NAME=PATH names each")
         if replica_config_from_namespace(args).enabled or under_torchrun():
             raise TokenmillError("several models are served by one process: not with engine replicas or torchrun")
     parse_routers(config.router, [s.name or "" for s in specs], config.router_threshold, config.router_max_prompt_tokens,
@@ -135,6 +135,9 @@ def _check_memory(planned: list[tuple[ModelSpec, EngineArgs]]) -> None:
 
     need, parts = 0, []
     for spec, engine_args in planned:
+        if engine_args.load.device != "cpu":  # its weights and KV live in the accelerator's memory
+            parts.append(f"{spec.name}: on {engine_args.load.device}, not counted")
+            continue
         path = resolve_model_path(engine_args.load.model)
         weights = path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         kv = parse_memory(engine_args.cache.kv_cache_memory)
