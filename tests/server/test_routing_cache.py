@@ -137,6 +137,26 @@ def test_the_cascade_keeps_a_confident_small_answer_and_escalates_an_unsure_one(
     assert large == (12 if routed == "large" else 0)
 
 
+@pytest.mark.parametrize("small_logprob,routed", [(-0.1, "small"), (-2.0, "large")])
+def test_the_responses_api_is_routed_too(make_app, small_logprob, routed):
+    app = make_app(small_logprob)
+    for stream in (False, True):
+        r = call(app, "/v1/responses", {"model": "auto", "input": "hello", "temperature": 0, "max_output_tokens": 6,
+                                        "stream": stream})  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert r.headers["x-tokenmill-route"] == routed and "x-tokenmill-cache" not in r.headers  # (not cached)
+        if stream:
+            done = [json.loads(line[6:]) for line in r.text.splitlines()
+                    if line.startswith("data: ") and '"type": "response.incomplete"' in line]  # (max_output_tokens reached)
+            body = done[-1]["response"]
+        else:
+            body = r.json()
+        assert body["model"] == routed and body["output"][0]["content"][0]["text"] == scripted_answer("hello")
+    assert metric(app, "tokenmill:generation_tokens_total", model_name="small") == 12  # each answer counted once
+    if routed == "large":
+        assert metric(app, "tokenmill:generation_tokens_total", model_name="large") == 12
+
+
 def test_rules_route_before_the_small_model_runs(make_app, monkeypatch):
     module = types.ModuleType("tm_test_classifier")
     module.classify = lambda body: "small" if "easy" in body["messages"][-1]["content"] else None

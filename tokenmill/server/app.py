@@ -400,17 +400,22 @@ def build_models_app(models: list[ServedModel], config: ServerConfig) -> FastAPI
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
-        target = _target(served, body.model, "/v1/responses")
+        found = _resolve(served, body.model)
         owner = owner_of(request.headers.get("authorization"))
         history: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
             history = _stored(served, owner, body.previous_response_id, "previous_response_id").messages
         chat = _chat_body(body.chat_body(history))
-        ids, params, tools = await _chat_prompt(target, chat)
-        _check_queue(served, target, params.n)
-        shape = ResponseShape(body, target.name)
-        job = _ResponseJob(served, target, shape, ids, params, tools, owner, history + body.input_messages())
-        return await job.respond(request)
+
+        async def job(target: Target) -> _ResponseJob:
+            ids, params, tools = await _chat_prompt(target, chat)
+            shape = ResponseShape(body, target.name)
+            return _ResponseJob(served, target, shape, ids, params, tools, owner, history + body.input_messages())
+
+        if isinstance(found, ModelRouter):  # (not cached: a stored conversation is not a request's to key)
+            headers: dict[str, str] = {}
+            return await _routed(served, request, chat, found, job, headers, None)
+        return await (await job(found)).respond(request)
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str, request: Request) -> dict:
@@ -477,7 +482,7 @@ async def _chat_prompt(target: Target, body: ChatCompletionRequest) -> tuple[lis
     return ids, params.with_bad_word_ids(tokenizer), tools
 
 
-JobMaker = Callable[[Target], Awaitable["_Job"]]  # the request's job on a model
+JobMaker = Callable[[Target], Awaitable[Any]]  # the request's job on a model (a _Job, or a _ResponseJob)
 
 
 async def _generate(served: Served, request: Request, body: Any, endpoint: str, make_job: JobMaker) -> Response:
@@ -615,12 +620,12 @@ async def _routed(served: Served, request: Request, body: Any, router: ModelRout
         job, route = None, Route(router.large, "long_prompt")
     else:
         try:
-            route = router.pre_route(body.model_dump(mode="json", exclude_unset=True), max(len(p) for p in job.prompts))
+            route = router.pre_route(body.model_dump(mode="json", exclude_unset=True), job.longest_prompt)
         except Exception as e:  # noqa: BLE001 - the user's classifier: its failure is the server's 500, named
             raise APIError(500, f"router {router.name}: the classifier failed: {e}") from None
     finals = None
     if route is None:
-        job.params = [_with_logprobs(p) for p in job.params]  # the cascade judges by them (not answered unless asked)
+        job.ask_logprobs()  # the cascade judges by them (not answered unless asked)
         try:
             finals = await _until_disconnect(request, job.run())
         except RequestFailedError as e:
@@ -635,8 +640,8 @@ async def _routed(served: Served, request: Request, body: Any, router: ModelRout
     if remember is not None:
         job.on_answered = functools.partial(remember, job.target, route)
     if finals is not None and route.model == router.small:
-        return _with_headers(await job.replay(request, body.stream, finals), headers)
-    return _with_headers(await job.respond(request, body.stream), headers)
+        return _with_headers(await job.replay(request, bool(body.stream), finals), headers)
+    return _with_headers(await job.respond(request, bool(body.stream)), headers)
 
 
 def _check_cache_field(served: Served, body: Any) -> None:
@@ -735,7 +740,7 @@ def _target(served: Served, model: str | None, what: str) -> Target:
     """The request's model, for a route that does not route: a router is a 400 there."""
     found = _resolve(served, model)
     if isinstance(found, ModelRouter):
-        raise APIError(400, f"`{model}` is a router: it routes /v1/chat/completions and /v1/completions; for {what} "
+        raise APIError(400, f"`{model}` is a router: it routes chat, completions and responses; for {what} "
                             f"name one of its models ({found.small}, {found.large})", "model")  # fmt: skip
     return found
 
@@ -830,6 +835,15 @@ class _Job:
         if stream:
             return StreamingResponse(self._sse(first, merged), media_type="text/event-stream")
         return await _until_disconnect(request, self._collect(first, merged))
+
+    @property
+    def longest_prompt(self) -> int:
+        return max(len(p) for p in self.prompts)
+
+    def ask_logprobs(self) -> None:
+        """Have the engine report each token's logprob (a router's cascade judges by them);
+        the answer shows them only if the client asked."""
+        self.params = [_with_logprobs(p) for p in self.params]
 
     async def run(self) -> list[tuple[int, RequestOutput]]:
         """Every sequence's final output, whole (``detach``), without answering (a router's
@@ -1127,8 +1141,43 @@ class _ResponseJob:
                  tools: ToolRequest | None, owner: str, conversation: list[dict[str, Any]]) -> None:  # fmt: skip
         self.served, self.target, self.shape, self.ids, self.params, self.tools = served, target, shape, ids, params, tools
         self.owner, self.conversation = owner, conversation
+        self.observed = False  # its output is in the metrics already (a replay)
+        self.on_answered = None  # (a router's: responses are not cached)
 
-    async def respond(self, request: Request) -> Response:
+    # a router drives this job as it drives a chat one (_routed)
+    @property
+    def longest_prompt(self) -> int:
+        return len(self.ids)
+
+    def ask_logprobs(self) -> None:
+        self.params = _with_logprobs(self.params)  # (a response never shows them: top_logprobs is refused)
+
+    async def run(self) -> list[tuple[int, RequestOutput]]:
+        _check_queue(self.served, self.target, self.params.n)
+        final = None
+        async with contextlib.aclosing(self.target.engine.generate(self.shape.id, self.ids, self.params,
+                                                                   self.target.lora)) as stream:  # fmt: skip
+            async for out in stream:
+                if out.finished:
+                    self.served.metrics.observe_finished(out, self.target.model.name)
+                    final = detach(out)
+        return [] if final is None else [(0, final)]
+
+    async def replay(self, request: Request, _: bool, finals: list[tuple[int, RequestOutput]]) -> Response:
+        self.observed = True
+
+        async def nothing() -> AsyncIterator[RequestOutput]:
+            return
+            yield
+
+        first = [out for _, out in finals]
+        if self.shape.request.stream:
+            return StreamingResponse(self._events(first, nothing()), media_type="text/event-stream")
+        return await _until_disconnect(request, self._whole(first, nothing()))
+
+    async def respond(self, request: Request, _: bool = False) -> Response:
+        """(The request's own ``stream`` decides; the flag is the chat job's.)"""
+        _check_queue(self.served, self.target, self.params.n)
         stream = self.target.engine.generate(self.shape.id, self.ids, self.params, self.target.lora)
         try:
             first = [await anext(stream)]  # surfaces an invalid request as a 400 before any byte is sent
@@ -1178,7 +1227,7 @@ class _ResponseJob:
 
     def _finish(self, output: list[dict[str, Any]], final: RequestOutput | None) -> dict[str, Any]:
         """The finished response (stored when asked); ``final``: the engine's last output."""
-        if final is not None:
+        if final is not None and not self.observed:
             self.served.metrics.observe_finished(final, self.target.model.name)
         reason = final.finish_reason if final is not None else "abort"
         incomplete = None if reason in ("stop", "tool_calls") else "max_output_tokens" if reason == "length" else reason
