@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import sys
 import time
@@ -42,6 +41,7 @@ from pathlib import Path
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels.cpu import cpu_info
 from tokenmill.model.paths import resolve_model_path
+from tokenmill.server.model_router import confidence
 
 RESULTS = Path(__file__).parent / "results"
 CACHE = Path.home() / ".cache" / "tokenmill" / "bench"
@@ -80,11 +80,6 @@ def fewer_layers(keep: int) -> Path:
 def normalised(text: str) -> str:
     line = text.strip().splitlines()[0] if text.strip() else ""
     return re.sub(r"\s+", " ", line.lower()).strip(" .!?,;:'\"")
-
-
-def confidence(logprobs: list) -> float:
-    known = [lp for lp in logprobs if lp is not None]
-    return math.exp(sum(known) / len(known)) if known else 0.0
 
 
 def answer(llm: LLM, messages: list[dict], max_tokens: int) -> dict:

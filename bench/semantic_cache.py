@@ -22,12 +22,9 @@ from pathlib import Path
 
 from tokenmill import LLM
 from tokenmill.kernels.cpu import cpu_info
+from tokenmill.server.response_cache import cosine
 
 RESULTS = Path(__file__).parent / "results"
-
-
-def cosine(a: list[float], b: list[float]) -> float:
-    return sum(x * y for x, y in zip(a, b, strict=True)) / (sum(x * x for x in a) * sum(y * y for y in b)) ** 0.5
 
 
 def main() -> int:

@@ -543,16 +543,24 @@ async def _cached(served: Served, cache: ResponseCache, request: Request, endpoi
         identity = found.identity()
     key = request_key(tenant, endpoint, identity, data)
     waits, alongside = not data.get("stream"), False
-    while waits and key in cache.pending:  # its twin is being answered: wait for that answer
-        waited = await _until_disconnect(request, asyncio.shield(cache.pending[key]))
-        if isinstance(waited, Response):
-            return waited, None, None
-        if waited is False:  # the twin kept no answer: compute alongside the other waiters rather than queue
-            waits, alongside = False, True
-    hit, bucket, embedding = cache.get(key), None, None
+
+    async def exact() -> Any:
+        """The exact hit (after waiting out a twin in flight), a 499 if the client left, or None."""
+        nonlocal waits, alongside
+        while waits and key in cache.pending:  # its twin is being answered: wait for that answer
+            waited = await _until_disconnect(request, asyncio.shield(cache.pending[key]))
+            if isinstance(waited, Response):
+                return waited
+            if waited is False:  # the twin kept no answer: compute alongside the other waiters rather than queue
+                waits, alongside = False, True
+        found_hit = cache.get(key)
+        if found_hit is not None:
+            headers.update({"x-tokenmill-cache": "hit", "x-tokenmill-cache-kind": "exact"})
+            cache.hit("exact")
+        return found_hit
+
+    hit, bucket, embedding = await exact(), None, None
     if hit is not None:
-        headers.update({"x-tokenmill-cache": "hit", "x-tokenmill-cache-kind": "exact"})
-        cache.hit("exact")
         return hit, None, None
     text = semantic_text(data) if cache.semantic else None
     if text is not None:
@@ -575,8 +583,9 @@ async def _cached(served: Served, cache: ResponseCache, request: Request, endpoi
                             "x-tokenmill-cache-similarity": f"{similarity:.4f}"})  # fmt: skip
             cache.hit("semantic")
             return hit, None, None
-        if waits and key in cache.pending:  # a twin arrived while this one was embedded: wait after all
-            return await _cached(served, cache, request, endpoint, found, data, headers)
+        hit = await exact()  # a twin may have arrived while this one was embedded: wait for it after all
+        if hit is not None:
+            return hit, None, None
     cache.miss()
 
     kept = [False]
@@ -1142,7 +1151,6 @@ class _ResponseJob:
         self.served, self.target, self.shape, self.ids, self.params, self.tools = served, target, shape, ids, params, tools
         self.owner, self.conversation = owner, conversation
         self.observed = False  # its output is in the metrics already (a replay)
-        self.on_answered = None  # (a router's: responses are not cached)
 
     # a router drives this job as it drives a chat one (_routed)
     @property
