@@ -348,6 +348,8 @@ class ServerConfig:
                                             "to the large model (of tools, response_format, logprobs; none: no such rule)")  # fmt: skip
     router_classifier: str | None = opt(None, "routers: MODULE:FUNCTION called with each request's body (a dict); it "
                                               "returns 'small', 'large' or None (no opinion: the other rules decide)")  # fmt: skip
+    web: bool = opt(True, "serve the web page at GET / (chat playground and live engine view; behind --api-key "
+                          "like the API)", negative="no-web")  # fmt: skip
 
     def __post_init__(self) -> None:
         if isinstance(self.api_key, str):  # one key, as a keyword

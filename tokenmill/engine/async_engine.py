@@ -109,6 +109,19 @@ class StreamingFront:
         """The engine's gauges and counters (metrics, served adapters)."""
         raise NotImplementedError
 
+    async def start_step_trace(self) -> bool:
+        """Have the engine record each step's batch (EngineCore.start_step_trace) for a
+        live view; False where this front cannot (engine replicas)."""
+        return False
+
+    def take_step_trace(self) -> list[dict]:
+        """The steps recorded since the last call, oldest first."""
+        return []
+
+    async def block_states(self) -> bytes | None:
+        """One byte per KV block (block_pool.block_states); None where this front cannot."""
+        return None
+
     @property
     def num_waiting(self) -> int:
         raise NotImplementedError
@@ -216,6 +229,16 @@ class AsyncEngine(StreamingFront):
         """The engine's gauges now (read from another thread: each value is current, the
         set is not one instant's)."""
         return self.engine.snapshot()
+
+    async def start_step_trace(self) -> bool:
+        await self.run_on_loop(self.engine.start_step_trace)
+        return True
+
+    def take_step_trace(self) -> list[dict]:
+        return self.engine.take_step_trace()  # pops whole steps: safe beside the loop thread
+
+    async def block_states(self) -> bytes | None:
+        return await self.run_on_loop(self.engine.block_states)
 
     @property
     def num_waiting(self) -> int:

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+FREE, CACHED, USED, SHARED, HIT = 0, 1, 2, 3, 4  # block_states(): a state, HIT or'ed in
+
 
 class OutOfBlocksError(RuntimeError):
     """Raised when a caller asks for more blocks than are free."""
@@ -44,6 +46,7 @@ class BlockPool:
         self._cached: dict[bytes, int] = {}  # block hash -> block id
         self._num_cached_free = 0  # free blocks that still hold a hash (kept as we go: read every step)
         self._events: list[tuple[str, bytes]] | None = [] if record_events else None
+        self._hits: set[int] | None = None  # blocks taken from the prefix cache since block_states() (start_hit_log)
 
     @property
     def num_free(self) -> int:
@@ -69,6 +72,11 @@ class BlockPool:
                 del self._free[b]
                 self._num_cached_free -= block.block_hash is not None
             block.ref_cnt += 1
+
+    def log_hits(self, block_ids: list[int]) -> None:
+        """A prefix-cache hit took these blocks (shown by ``block_states`` once ``start_hit_log``)."""
+        if self._hits is not None:
+            self._hits.update(block_ids)
 
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
@@ -125,6 +133,27 @@ class BlockPool:
             return []
         events, self._events = self._events, []
         return events
+
+    def start_hit_log(self) -> None:
+        """Remember the blocks prefix-cache hits take, for ``block_states`` (a live view)."""
+        if self._hits is None:
+            self._hits = set()
+
+    def block_states(self) -> bytes:
+        """A picture of the pool, one byte per block: FREE, CACHED (free, content kept),
+        USED (one reference) or SHARED (several), plus HIT when a prefix-cache hit took the
+        block since the last call (``start_hit_log``; bounded: a set of block ids)."""
+        states = bytearray(self.num_blocks)
+        for block in self.blocks:
+            if block.ref_cnt:
+                states[block.block_id] = USED if block.ref_cnt == 1 else SHARED
+            elif block.block_hash is not None:
+                states[block.block_id] = CACHED
+        if self._hits:
+            for b in self._hits:
+                states[b] |= HIT
+            self._hits.clear()
+        return bytes(states)
 
     def check_invariants(self, referenced: dict[int, int]) -> None:
         """Tests: ``referenced`` maps block id -> references held by live sequences."""

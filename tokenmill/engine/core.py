@@ -40,6 +40,7 @@ from tokenmill.structured.grammar import CompiledGrammar, GrammarCompiler
 
 logger = logging.getLogger(__name__)
 STEP_STATS_KEPT = 100_000
+STEP_TRACE_KEPT = 1024  # traced steps not taken yet: a live view that stops reading loses the oldest
 
 
 class Runner(Protocol):
@@ -105,6 +106,8 @@ class EngineCore:
         self.num_step_retries = 0  # steps that failed as a batch and were re-run request by request
         # The most recent steps' stats (bounded: a server runs for days).
         self._step_stats: deque[StepStats] = deque(maxlen=STEP_STATS_KEPT)
+        self._trace: deque[dict] | None = None  # each step's batch, for a live view (start_step_trace)
+        self._num_traced = 0
 
     # ------------------------------------------------------------------ requests
 
@@ -279,6 +282,7 @@ class EngineCore:
         sched = self.scheduler.schedule()
         for s in sched.seqs:
             s.request.first_scheduled = s.request.first_scheduled or t0
+        kinds = _step_kinds(sched) if self._trace is not None else None  # before the update moves the counts
         masks = self.structured.start_masks(sched)  # beside the step's record, not in it
         try:
             result = self._execute(sched.model_input, masks)
@@ -292,8 +296,48 @@ class EngineCore:
                 self._forget(u.request.parent_id)
         if sched.seqs:
             self._step_stats.append(self._stats(sched, t0))
+            if kinds is not None:
+                self._trace_step(sched, kinds, updates, t0)
         self._drop_if_idle()
         return deltas
+
+    def start_step_trace(self) -> None:
+        """Record each step's batch from now on (``take_step_trace``), and which blocks
+        prefix-cache hits take (``block_states``): what a live view of the engine draws."""
+        if self._trace is None:
+            self._trace = deque(maxlen=STEP_TRACE_KEPT)
+            self.block_pool.start_hit_log()
+
+    def take_step_trace(self) -> list[dict]:
+        """The steps traced since the last call, oldest first (safe from another thread:
+        each step is popped whole)."""
+        trace = self._trace
+        if not trace:
+            return []
+        return [trace.popleft() for _ in range(len(trace))]
+
+    def block_states(self) -> bytes:
+        """One byte per KV block (block_pool.block_states): free, cached, used, shared, hit."""
+        return self.block_pool.block_states()
+
+    def _trace_step(self, sched: SchedulerOutput, kinds: list[tuple[str, int]], updates: list, t0: float) -> None:
+        """One step as plain data (msgpack-able): who got how many tokens, of which kind,
+        drafts kept and rejected, prompt tokens found in the prefix cache, who ended."""
+        sampled = {u.request.request_id: len(u.new_tokens) for u in updates}
+        seqs = []
+        for s, (kind, cached) in zip(sched.seqs, kinds, strict=True):
+            req = s.request
+            drafts = len(s.spec_token_ids)
+            accepted = max(0, min(drafts, sampled.get(req.request_id, 0) - 1)) if drafts else 0
+            seqs.append([req.request_id, kind, s.num_new_tokens - drafts + accepted, drafts, accepted, cached,
+                         req.lora_name, req.finish_reason])  # fmt: skip
+        self._num_traced += 1
+        self._trace.append({
+            "step": self._num_traced, "time": t0, "duration": time.perf_counter() - t0, "seqs": seqs,
+            "preempted": [r.request_id for r in sched.preempted], "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting), "blocks_used": self.block_pool.num_used,
+            "blocks_cached": self.block_pool.num_cached_free,
+        })  # fmt: skip
 
     def _drop_if_idle(self) -> None:
         """Idle now: let the runner drop what finished (no later step would tell it)."""
@@ -484,6 +528,24 @@ class EngineCore:
     @property
     def num_unfinished_requests(self) -> int:
         return len(self._requests)
+
+
+def _step_kinds(sched: SchedulerOutput) -> list[tuple[str, int]]:
+    """Each scheduled sequence's kind of work (prefill: prompt or recomputed tokens;
+    decode; verify: drafts checked) and, on its first chunk, the prompt tokens the
+    prefix cache gave it."""
+    kinds = []
+    for s in sched.seqs:
+        req = s.request
+        if s.spec_token_ids:
+            kind = "verify"
+        elif req.num_computed_tokens >= req.num_tokens - 1:
+            kind = "decode"
+        else:
+            kind = "prefill"
+        first = req.num_computed_tokens == req.num_cached_prompt_tokens and not req.output_token_ids
+        kinds.append((kind, req.num_cached_prompt_tokens if first and kind == "prefill" else 0))
+    return kinds
 
 
 def _delta(req: Request, new_tokens: list[SampledToken], error: str | None) -> SeqDelta:

@@ -22,6 +22,7 @@ import itertools
 import logging
 import multiprocessing
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -42,6 +43,7 @@ from tokenmill.errors import EngineDeadError, InvalidRequestError, TokenmillErro
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+STEPS_KEPT = 2048  # traced steps nobody has taken: the oldest go first
 
 
 class Tokenizer(Decoder, Protocol):
@@ -63,6 +65,7 @@ class AsyncCoreClient(StreamingFront):
         self._call_ids = itertools.count()
         self._snapshot = EngineSnapshot()
         self._kv_events: list[tuple[str, bytes]] = []  # the core's prefix-cache events, not taken yet
+        self._steps: deque[dict] = deque(maxlen=STEPS_KEPT)  # steps the core traced, not taken yet
         self._stopping = False
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
@@ -155,6 +158,17 @@ class AsyncCoreClient(StreamingFront):
             events, self._kv_events = self._kv_events, []
         return events
 
+    async def start_step_trace(self) -> bool:
+        await self._call("start_step_trace", [])
+        return True
+
+    def take_step_trace(self) -> list[dict]:
+        steps = self._steps
+        return [steps.popleft() for _ in range(len(steps))]
+
+    async def block_states(self) -> bytes | None:
+        return bytes(await self._call("block_states", []))
+
     async def _call(self, method: str, args: list) -> Any:
         if self.is_dead:
             raise EngineDeadError("the engine loop is not running")
@@ -222,6 +236,9 @@ class AsyncCoreClient(StreamingFront):
                 if events:
                     with self._lock:
                         self._kv_events.extend((kind, bytes(h)) for kind, h in events)
+                steps = msg[-1].pop("steps", None)
+                if steps:
+                    self._steps.extend(steps)
                 self._snapshot = snapshot_from_wire(msg[-1])
                 if kind == "out":
                     self._on_outputs(msg[1])

@@ -63,12 +63,16 @@ class CoreLoop:
         self.conn.send_bytes(pack(list(msg)))
 
     def snapshot(self) -> dict:
-        """The gauges, and the prefix cache's events since the last message when they are
-        recorded (``start_kv_events``: a replica's router follows them)."""
+        """The gauges, and when they are recorded, the prefix cache's events since the last
+        message (``start_kv_events``: a replica's router follows them) and the steps
+        traced (``start_step_trace``: the server's live view draws them)."""
         wire = snapshot_to_wire(self.core.snapshot())
         events = self.core.take_kv_events()
         if events:
             wire["kv_events"] = events
+        steps = self.core.take_step_trace()
+        if steps:
+            wire["steps"] = steps
         return wire
 
     def run(self) -> None:
@@ -186,6 +190,10 @@ class CoreLoop:
                 self.core.remove_lora(args[0])
             elif method == "start_kv_events":
                 self.core.start_kv_events()
+            elif method == "start_step_trace":
+                self.core.start_step_trace()
+            elif method == "block_states":
+                result = self.core.block_states()
             elif method == "lora_hash_roots":
                 result = {name: self.core.lora_hash_root(name) for name in self.core.loras}
             elif method == "export_kv":  # -> [blocks, their raw bytes] (replicas/ray_serve.py)

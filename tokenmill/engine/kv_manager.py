@@ -100,6 +100,7 @@ class KVCacheManager:
             self.stats.hits += len(cached_prefix) * bs
         if cached_prefix:
             self.pool.touch(cached_prefix)
+            self.pool.log_hits(cached_prefix)
             req.block_ids.extend(cached_prefix)
             req.num_cached_blocks = len(cached_prefix)
         copies = []

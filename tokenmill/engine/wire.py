@@ -7,7 +7,7 @@ one cannot run code. Each message is a list whose first item names it:
     API -> core   ["add", request_id, prompt_ids, params, lora]
                   ["abort", request_id]
                   ["stop", seq_id, stop_string]          (the API found a stop string)
-                  ["call", call_id, method, args]        (add_lora / remove_lora)
+                  ["call", call_id, method, args]        (add_lora, remove_lora, block_states, ...)
                   ["shutdown"]
     core -> API   ["ready", info, snapshot] | ["failed", message, error]  (once, at start)
                   ["accepted", request_id, snapshot] | ["rejected", request_id, error, snapshot]
@@ -15,6 +15,9 @@ one cannot run code. Each message is a list whose first item names it:
                   ["reply", call_id, error | None, snapshot]
                   ["stats", snapshot]                    (after commands that changed it)
                   ["dead", message]                      (the loop failed: nothing more follows)
+
+A snapshot may carry, once recording is on, "kv_events" (prefix-cache changes) and
+"steps" (each step's batch, for the live view), each since the previous message.
 """
 
 from __future__ import annotations

@@ -49,6 +49,7 @@ from tokenmill.engine.outputs import RequestOutput
 from tokenmill.errors import EngineDeadError, InvalidRequestError, TokenmillError, UnknownModelError
 from tokenmill.memory import parse_memory
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.live import LiveView
 from tokenmill.server.metrics import EngineSource, ServerMetrics
 from tokenmill.server.model_router import ModelRouter, Route, parse_routers
 from tokenmill.server.models import ServedModel, Target
@@ -87,6 +88,7 @@ from tokenmill.server.responses import (
 )
 from tokenmill.server.responses import usage as responses_usage
 from tokenmill.server.tools import ToolRequest, ToolStream, parse_tool_request, render_messages
+from tokenmill.server.web import add_web_routes, authorised, login_page
 
 logger = logging.getLogger(__name__)
 
@@ -127,9 +129,11 @@ class Served:
     responses: ResponseStore  # /v1/responses stored with store: true
     routers: dict[str, ModelRouter] = field(default_factory=dict)
     cache: ResponseCache | None = None  # --response-cache exact|semantic
+    live: LiveView | None = None  # the live view's recent past (GET /tokenmill/live)
     # Set by `serve` when a shutdown's drain timeout has passed: open streams end with
     # an error event and [DONE] rather than being cut mid-body.
     drain_expired: asyncio.Event = field(default_factory=asyncio.Event)
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)  # a shutdown has begun
 
     @property
     def default(self) -> ServedModel:
@@ -164,7 +168,7 @@ def build_models_app(models: list[ServedModel], config: ServerConfig) -> FastAPI
                                     getattr(m.engine, "replica_view", None)) for m in models}  # fmt: skip
     metrics = ServerMetrics(sources, routers=list(routers), cache=cache)
     store = ResponseStore(config.max_stored_responses, config.stored_response_ttl)
-    served = Served(by_name, config, metrics, store, routers, cache)
+    served = Served(by_name, config, metrics, store, routers, cache, LiveView(by_name))
     keys = api_keys(config)
     app = FastAPI(title="tokenmill", version="0.1")
     app.state.served = served
@@ -203,7 +207,7 @@ def build_models_app(models: list[ServedModel], config: ServerConfig) -> FastAPI
         return error_response(e.status_code, f"{detail}: {request.method} {request.url.path}")
 
     if keys:
-        app.add_middleware(APIKeyMiddleware, keys=keys)
+        app.add_middleware(APIKeyMiddleware, keys=keys, login_page=config.web)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes, timeout=config.request_body_timeout)
     app.add_middleware(OpenRequestLimitMiddleware, limit=config.max_open_requests)  # outermost: counts everything
 
@@ -241,6 +245,8 @@ def build_models_app(models: list[ServedModel], config: ServerConfig) -> FastAPI
         if found is None:
             raise APIError(404, f"the model `{model_id}` does not exist", "model")
         return found
+
+    add_web_routes(app, served, keys)
 
     @app.get("/version")
     async def version() -> dict:
@@ -889,6 +895,7 @@ class _Job:
     def _observe(self, out: RequestOutput) -> None:
         if out.finished and not self.observed:
             self.served.metrics.observe_finished(out, self.target.model.name)
+            self.served.live.observe(out, self.target.model.name)
 
     async def _collect(self, first, merged) -> JSONResponse:
         finals: dict[int, RequestOutput] = {}
@@ -1340,26 +1347,34 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-PROTECTED = ("/v1/", "/tokenize", "/detokenize")  # /health and /metrics stay open, as vLLM's
+PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/tokenmill/", "/web/")  # /health and /metrics stay open, as vLLM's
 
 
 class APIKeyMiddleware:
-    """401 for the API routes without ``Authorization: Bearer KEY`` (the scheme is
-    case-insensitive, RFC 7235). A plain ASGI middleware, not Starlette's
+    """401 for the API routes, the web page and the live view without
+    ``Authorization: Bearer KEY`` (the scheme is case-insensitive, RFC 7235) or the
+    key in the page's cookie (web.py: a browser cannot send the header when it opens
+    the page or an event stream); a request that shows the cookie goes on as if it had
+    sent the header, so that it is the same tenant. ``GET /`` without a key is the
+    page's login form (``login_page``). A plain ASGI middleware, not Starlette's
     BaseHTTPMiddleware, which wraps ``receive`` so that a handler never sees its client
     disconnect, and a non-streamed request would run on unwatched."""
 
-    def __init__(self, app: Any, keys: tuple[str, ...]) -> None:
-        self.app, self.keys = app, frozenset(k.encode() for k in keys)
+    def __init__(self, app: Any, keys: tuple[str, ...], login_page: bool = True) -> None:
+        self.app, self.keys, self.login_page = app, frozenset(k.encode() for k in keys), login_page
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(PROTECTED):
-            auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            scheme, _, token = auth.partition(b" ")
-            if scheme.lower() != b"bearer" or token.strip() not in self.keys:
+        path = scope["path"] if scope["type"] == "http" else ""
+        if path == "/" or path.startswith(PROTECTED):
+            auth = authorised(scope["headers"], self.keys)
+            if auth is None:
+                if path == "/" and self.login_page:
+                    await login_page(401)(scope, receive, send)
+                    return
                 response = error_response(401, "invalid or missing API key (send Authorization: Bearer <key>)")
                 await response(scope, receive, send)
                 return
+            scope = {**scope, "headers": auth}
         await self.app(scope, receive, send)
 
 

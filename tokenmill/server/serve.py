@@ -55,10 +55,12 @@ async def _stop_when_dead(server, engine: StreamingFront, grace: float = 0.5) ->
     server.should_exit = True
 
 
-async def _expire_streams(server, drain_expired: asyncio.Event, drain_timeout: float) -> None:
-    """Once a shutdown has begun, wait out the drain timeout, then end open streams."""
+async def _expire_streams(server, stopping: asyncio.Event, drain_expired: asyncio.Event, drain_timeout: float) -> None:
+    """Once a shutdown has begun, say so (the live view's streams end at once), wait out
+    the drain timeout, then end open streams."""
     while not server.should_exit:
         await asyncio.sleep(0.1)
+    stopping.set()
     await asyncio.sleep(drain_timeout)
     drain_expired.set()
 
@@ -157,6 +159,11 @@ def _run_server(models: list[ServedModel], config: ServerConfig, sock: socket.so
     app = build_models_app(models, config)
     names = ", ".join(m.name for m in models) + "".join(f", {r} (router)" for r in app.state.served.routers)
     print(f"tokenmill: serving {names} on http://{config.host}:{config.port}/v1", file=sys.stderr, flush=True)
+    if config.web:
+        host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
+        key = " (it asks for the API key)" if config.api_key or config.api_key_file else ""
+        print(f"tokenmill: chat and watch the engine: open http://{host}:{config.port}/ in a browser{key}",
+              file=sys.stderr, flush=True)  # fmt: skip
     # uvicorn waits a little longer than the drain timeout, so that at the timeout our
     # open streams can still send their error event and [DONE] before it closes them.
     server = uvicorn.Server(
@@ -168,7 +175,8 @@ def _run_server(models: list[ServedModel], config: ServerConfig, sock: socket.so
     signal.signal(signal.SIGTERM, lambda *_: None)
 
     async def run() -> None:
-        watchers = [asyncio.create_task(_expire_streams(server, app.state.served.drain_expired, config.drain_timeout)),
+        watchers = [asyncio.create_task(_expire_streams(server, app.state.served.stopping, app.state.served.drain_expired,
+                                                   config.drain_timeout)),
                     *[asyncio.create_task(_stop_when_dead(server, m.engine)) for m in models]]  # fmt: skip
         try:
             await server.serve(sockets=None if sock is None else [sock])

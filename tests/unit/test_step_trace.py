@@ -1,0 +1,123 @@
+"""The engine's step trace and block states: what the live view draws must be what the
+engine did (scripted runner, no weights)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import ScriptedRunner, ToyTokenizer
+from tokenmill.config import SchedulerConfig, SpeculativeConfig
+from tokenmill.engine.block_pool import CACHED, FREE, HIT, SHARED, USED
+from tokenmill.engine.engine import Engine, EngineConfig
+from tokenmill.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.unit
+
+
+def engine(num_blocks: int = 64, **kw) -> Engine:
+    config = EngineConfig(num_blocks=num_blocks, block_size=4, max_model_len=2000, **kw)
+    return Engine(ScriptedRunner(4), ToyTokenizer(), config)
+
+
+def run(e: Engine) -> None:
+    while e.has_unfinished():
+        e.step()
+
+
+def test_no_trace_is_kept_until_asked():
+    e = engine()
+    e.add_request("a", list(range(1, 10)), SamplingParams(max_tokens=4))
+    run(e)
+    assert e.take_step_trace() == []
+
+
+def test_the_trace_gives_each_sequence_its_prefill_chunks_decodes_and_end():
+    """A 21-token prompt in chunks of 8 (budget 8), then one token per decode; the tokens
+    traced add up to what was computed; the last step says why it ended."""
+    e = engine(scheduler=SchedulerConfig(max_num_batched_tokens=8))
+    e.start_step_trace()
+    e.add_request("a", list(range(1, 22)), SamplingParams(max_tokens=5))
+    run(e)
+    steps = e.take_step_trace()
+    seqs = [s["seqs"][0] for s in steps]
+    assert [(q[1], q[2]) for q in seqs] == [("prefill", 8), ("prefill", 8), ("prefill", 5)] + [("decode", 1)] * 4
+    assert [q[0] for q in seqs] == ["a"] * 7 and [q[7] for q in seqs] == [None] * 6 + ["length"]
+    assert [s["step"] for s in steps] == list(range(1, 8)) and all(s["duration"] >= 0 for s in steps)
+    assert steps[0]["running"] == 1 and steps[-1]["running"] == 0 and steps[-1]["blocks_used"] == 0
+    assert e.take_step_trace() == []  # taken: each step is handed out once
+
+
+def test_a_prefix_hit_shows_in_the_trace_and_in_the_block_states():
+    e = engine()
+    e.start_step_trace()
+    prompt = list(range(1, 14))  # 13 tokens: three full blocks of 4
+    e.add_request("a", prompt, SamplingParams(max_tokens=2))
+    run(e)
+    after_a = e.block_states()
+    assert after_a.count(CACHED) == 3 and after_a.count(USED) == 0  # the full blocks of 14 computed tokens
+    e.take_step_trace()
+    e.add_request("b", prompt + [20], SamplingParams(max_tokens=2))
+    e.step()
+    first = e.take_step_trace()[0]["seqs"][0]
+    assert first[:3] == ["b", "prefill", 2] and first[5] == 12  # 12 tokens from the cache, 2 computed
+    states = e.block_states()
+    hits = [i for i, s in enumerate(states) if s & HIT]
+    assert len(hits) == 3 and all(states[i] & 3 == USED for i in hits)
+    assert not any(s & HIT for s in e.block_states())  # a hit is shown once
+    run(e)
+
+
+def test_block_states_follow_the_pool():
+    """Free, cached, in use and shared (n = 2 sequences share their prompt's blocks)."""
+    e = engine()
+    e.add_request("a", list(range(1, 10)), SamplingParams(max_tokens=20, n=2, temperature=1.0, seed=1))
+    e.step()
+    e.step()  # the second sequence forks from the first once its prompt is computed
+    states = e.block_states()
+    pool = e.block_pool
+    assert len(states) == pool.num_blocks
+    assert states.count(SHARED) >= 2 and states.count(FREE) + states.count(CACHED) == pool.num_free
+    assert states.count(USED) + states.count(SHARED) == pool.num_used
+    run(e)
+    assert e.block_states().count(FREE) + e.block_states().count(CACHED) == pool.num_blocks
+
+
+def test_verification_steps_trace_drafts_kept_and_rejected():
+    e = engine(speculative=SpeculativeConfig("ngram", num_speculative_tokens=3))
+    e.start_step_trace()
+    e.add_request("a", [1, 2, 3], SamplingParams(max_tokens=40))
+    outputs = []
+    while e.has_unfinished():
+        outputs += e.step()
+    verify = [q for s in e.take_step_trace() for q in s["seqs"] if q[1] == "verify"]
+    assert verify
+    assert all(0 <= q[4] <= q[3] and q[2] == 1 + q[4] for q in verify)  # kept = the target's token + accepted drafts
+    assert sum(q[4] for q in verify) == e.spec_decode_stats.num_accepted_tokens > 0
+    assert sum(q[3] for q in verify) == e.spec_decode_stats.num_draft_tokens
+
+
+def test_the_trace_is_bounded_when_nobody_reads_it():
+    from tokenmill.engine.core import STEP_TRACE_KEPT
+
+    e = engine(num_blocks=400)
+    e.start_step_trace()
+    e.add_request("a", [1, 2, 3], SamplingParams(max_tokens=STEP_TRACE_KEPT + 50, ignore_eos=True))
+    run(e)
+    steps = e.take_step_trace()
+    assert len(steps) == STEP_TRACE_KEPT and steps[-1]["seqs"][0][7] == "length"
+
+
+def test_tracing_changes_no_token():
+    def tokens(trace: bool) -> list[list[int]]:
+        e = engine(num_blocks=200, speculative=SpeculativeConfig("ngram", num_speculative_tokens=3))
+        if trace:
+            e.start_step_trace()
+        for i in range(4):
+            e.add_request(f"q{i}", list(range(1 + i, 30)), SamplingParams(max_tokens=30, temperature=1.0, seed=i))
+        outs: dict[str, list[int]] = {}
+        while e.has_unfinished():
+            for out in e.step():
+                outs.setdefault(out.request_id, []).extend(out.delta_token_ids)
+        return [outs[k] for k in sorted(outs)]
+
+    assert tokens(True) == tokens(False)

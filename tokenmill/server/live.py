@@ -1,0 +1,211 @@
+"""The live view of the served engines: what the web page draws, as JSON of our own.
+
+    GET /tokenmill/live?since=N          one state (steps after N only)
+    GET /tokenmill/live/events           the same as server-sent events, every LIVE_EVERY_S
+
+Each engine records its steps once someone first asks (``start_step_trace``): which
+sequence got how many tokens of which kind (prefill chunk, decode, drafts verified
+and kept), who was preempted, and the KV pool as one state per block. This module
+keeps what a viewer needs of that, bounded whatever the traffic: the last
+STEPS_KEPT steps, SERIES_KEPT half-second buckets of the queue and of throughput,
+the latest LATENCIES_KEPT time-to-first-token and inter-token latencies.
+
+Nothing private leaves: no text, no token, no request id (a sequence is "r17", a
+number this view gives it), only counts, timings and the names of served models
+and adapters, which /v1/models lists anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Any
+
+from tokenmill.engine.outputs import RequestOutput
+from tokenmill.server.models import ServedModel
+
+STEPS_KEPT = 240  # the Gantt's steps
+SERIES_BUCKET_S = 0.5
+SERIES_KEPT = 240  # two minutes of buckets
+LATENCIES_KEPT = 512  # per kind (TTFT, inter-token)
+LABELS_KEPT = 4096  # sequences named at once (the oldest names are forgotten first)
+BLOCKS_FRESH_S = 0.4  # viewers within this share one read of the block states
+THROUGHPUT_WINDOW_S = 10.0
+LIVE_EVERY_S = 0.5  # the events stream's period
+
+
+@dataclass
+class _Bucket:
+    """Half a second of steps."""
+
+    start: float
+    running: int = 0  # most at once
+    waiting: int = 0
+    preempted: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0  # decodes and drafts kept
+    steps: int = 0
+
+    def wire(self, now: float) -> list:
+        return [round(self.start - now, 2), self.running, self.waiting, self.preempted, self.prefill_tokens,
+                self.decode_tokens, self.steps]  # fmt: skip
+
+
+class ModelLive:
+    """One served model's recent past, fed from its engine's step trace."""
+
+    def __init__(self, model: ServedModel) -> None:
+        self.model = model
+        self.started: bool | None = None  # None: not asked yet; False: this engine cannot trace
+        self.steps: deque[dict] = deque(maxlen=STEPS_KEPT)
+        self.series: deque[_Bucket] = deque(maxlen=SERIES_KEPT)
+        self.ttft: deque[float] = deque(maxlen=LATENCIES_KEPT)
+        self.itl: deque[float] = deque(maxlen=LATENCIES_KEPT)
+        self.finished: dict[str, int] = {}  # finish reason -> sequences, since the view started
+        self._labels: OrderedDict[str, str] = OrderedDict()
+        self._next_label = 0
+        self._blocks: tuple[float, str] | None = None  # (when read, states as digits)
+        self._blocks_lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        if self.started is None:
+            self.started = False  # concurrent viewers ask once
+            try:
+                self.started = await self.model.engine.start_step_trace()
+            except Exception:  # noqa: BLE001 - a dead engine: the view shows what it can
+                self.started = None
+
+    def label(self, seq_id: str) -> str:
+        name = self._labels.get(seq_id)
+        if name is None:
+            self._next_label += 1
+            name = self._labels[seq_id] = f"r{self._next_label}"
+            if len(self._labels) > LABELS_KEPT:
+                self._labels.popitem(last=False)
+        return name
+
+    def take_steps(self) -> None:
+        for step in self.model.engine.take_step_trace():
+            seqs = [[self.label(sid), kind, tokens, drafts, accepted, cached, lora, finish]
+                    for sid, kind, tokens, drafts, accepted, cached, lora, finish in step["seqs"]]  # fmt: skip
+            for s in seqs:
+                if s[7] is not None:
+                    self.finished[s[7]] = self.finished.get(s[7], 0) + 1
+            preempted = [self.label(sid) for sid in step["preempted"]]
+            self.steps.append({**step, "seqs": seqs, "preempted": preempted})
+            self._bucket(step, seqs, len(preempted))
+
+    def _bucket(self, step: dict, seqs: list, preempted: int) -> None:
+        """Count the step in the buckets it spans (a long step keeps its requests running
+        through all of them); its tokens and preemptions in the last."""
+        first = math.floor(step["time"] / SERIES_BUCKET_S)
+        last = math.floor((step["time"] + step["duration"]) / SERIES_BUCKET_S)
+        for i in range(max(first, last - SERIES_KEPT + 1), last + 1):
+            if not self.series or self.series[-1].start < i * SERIES_BUCKET_S - 1e-9:
+                self.series.append(_Bucket(i * SERIES_BUCKET_S))
+            b = self.series[-1]
+            b.running = max(b.running, step["running"])
+            b.waiting = max(b.waiting, step["waiting"])
+        b.preempted += preempted
+        b.steps += 1
+        for _, kind, tokens, *_ in seqs:
+            if kind == "prefill":
+                b.prefill_tokens += tokens
+            else:
+                b.decode_tokens += tokens
+
+    def observe(self, out: RequestOutput) -> None:
+        """A sequence ended: its time to first token and gaps between tokens."""
+        t = out.timings[0] if out.timings else None
+        if t is None:
+            return
+        if t.ttft is not None:
+            self.ttft.append(t.ttft)
+        times = t.token_times[-LATENCIES_KEPT - 1 :]
+        self.itl.extend(b - a for a, b in zip(times, times[1:], strict=False))
+
+    async def blocks(self) -> str | None:
+        """The KV pool, one digit per block (block_pool: 0 free, 1 cached, 2 used, 3 shared,
+        +4 a prefix-cache hit took it since the last read); read at most every
+        BLOCKS_FRESH_S whatever the number of viewers."""
+        async with self._blocks_lock:
+            now = time.monotonic()
+            if self._blocks is None or now - self._blocks[0] > BLOCKS_FRESH_S:
+                try:
+                    states = await self.model.engine.block_states()
+                except Exception:  # noqa: BLE001 - a dead engine has no blocks to show
+                    states = None
+                if states is None:
+                    return None
+                self._blocks = (now, "".join(map(str, states)))  # digits: compact in JSON, easy in JS
+            return self._blocks[1]
+
+    async def state(self, since: int, now: float) -> dict[str, Any]:
+        self.take_steps()
+        snap = self.model.engine.snapshot()
+        recent = [s for s in self.steps if now - s["time"] <= THROUGHPUT_WINDOW_S]
+        span = THROUGHPUT_WINDOW_S if recent else 1.0
+        decode = sum(t for s in recent for _, kind, t, *_ in s["seqs"] if kind != "prefill")
+        prefill = sum(t for s in recent for _, kind, t, *_ in s["seqs"] if kind == "prefill")
+        steps = [{**s, "time": round(s["time"] - now, 4), "duration": round(s["duration"], 5)}
+                 for s in self.steps if s["step"] > since]  # fmt: skip
+        return {
+            "name": self.model.name,
+            "alive": not self.model.engine.is_dead,
+            "traced": bool(self.started),
+            "max_model_len": self.model.max_model_len,
+            "gauges": {
+                "running": snap.num_running, "waiting": snap.num_waiting, "kv_usage": round(snap.kv_usage, 4),
+                "preemptions": snap.num_preemptions,
+                "prefix_cache_hit_rate": round(snap.prefix_cache_hits / snap.prefix_cache_queries, 4)
+                if snap.prefix_cache_queries else None,
+                "spec_acceptance": round(snap.spec_num_accepted_tokens / snap.spec_num_draft_tokens, 4)
+                if snap.spec_num_draft_tokens else None,
+                "generation_tokens_per_s": round(decode / span, 1),
+                "prompt_tokens_per_s": round(prefill / span, 1),
+            },  # fmt: skip
+            "latency_ms": {"ttft": _percentiles(self.ttft), "itl": _percentiles(self.itl)},
+            "finished": dict(self.finished),
+            "adapters": [{"name": name, "running": name in snap.running_loras, "waiting": name in snap.waiting_loras,
+                          "requests": snap.lora_requests.get(name, 0)} for name in sorted(snap.loras)]
+            if snap.max_loras is not None else None,  # fmt: skip
+            "series": [b.wire(now) for b in self.series if now - b.start <= SERIES_KEPT * SERIES_BUCKET_S],
+            "last_step": self.steps[-1]["step"] if self.steps else 0,
+            "steps": steps,
+            "blocks": await self.blocks(),
+        }
+
+
+class LiveView:
+    """Every served model's ``ModelLive``; ``epoch`` changes with each server start, so
+    that a page left open learns that step numbers start afresh."""
+
+    def __init__(self, models: dict[str, ServedModel]) -> None:
+        self.models = {name: ModelLive(m) for name, m in models.items()}
+        self.epoch = uuid.uuid4().hex[:12]
+
+    def observe(self, out: RequestOutput, model_name: str) -> None:
+        live = self.models.get(model_name)
+        if live is not None:
+            live.observe(out)
+
+    async def state(self, since: dict[str, int] | None = None) -> dict[str, Any]:
+        """Every model's state; ``since`` (model -> step): only the steps after it."""
+        for live in self.models.values():
+            await live.start()
+        now = time.perf_counter()  # the clock the engines stamp steps with (monotonic, shared by processes)
+        since = since or {}
+        models = [await live.state(since.get(name, 0), now) for name, live in self.models.items()]
+        return {"epoch": self.epoch, "series_bucket_s": SERIES_BUCKET_S, "models": models}
+
+
+def _percentiles(values: deque[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    pick = lambda q: round(1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2)  # noqa: E731
+    return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "count": len(ordered)}

@@ -1,0 +1,161 @@
+"""The web page and what it reads: a chat playground and a live view of the engines.
+
+    GET  /                         the page (static/index.html; off with --no-web)
+    GET  /web/{file}               its script and style (static/, no build step, no CDN)
+    POST /login, /logout           with --api-key: the key into (or out of) a cookie
+    GET  /tokenmill/live           the live view's state as JSON (live.py)
+    GET  /tokenmill/live/events    the same, as server-sent events every LIVE_EVERY_S
+
+The page is behind ``--api-key`` like the API. A browser cannot send an
+``Authorization`` header when it opens a page or an ``EventSource``, so the key
+typed into the login form is kept in an HttpOnly, SameSite=Strict cookie, and a
+request that shows it is treated as one that sent the header (APIKeyMiddleware in
+app.py): the same tenant, the same checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import json
+import logging
+from http.cookies import CookieError, SimpleCookie
+from importlib import resources
+from typing import Any
+from urllib.parse import parse_qs, quote, unquote
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
+
+from tokenmill.errors import InvalidRequestError
+from tokenmill.server.live import LIVE_EVERY_S
+
+logger = logging.getLogger(__name__)
+COOKIE = "tokenmill_key"
+STATIC = {"app.js": "text/javascript", "style.css": "text/css", "favicon.svg": "image/svg+xml"}
+NO_STORE = {"Cache-Control": "no-store"}
+
+
+def _static(name: str) -> bytes:
+    return resources.files("tokenmill.server").joinpath("static", name).read_bytes()
+
+
+def authorised(headers: list[tuple[bytes, bytes]], keys: frozenset[bytes]) -> list[tuple[bytes, bytes]] | None:
+    """The request's headers if it shows a key (``Authorization: Bearer KEY``, or the
+    page's cookie, which becomes that header), else None."""
+    auth = next((v for k, v in headers if k == b"authorization"), b"")
+    scheme, _, token = auth.partition(b" ")
+    if scheme.lower() == b"bearer" and token.strip() in keys:
+        return headers
+    key = _cookie_key(headers)
+    if key is not None and key in keys:
+        return [(k, v) for k, v in headers if k != b"authorization"] + [(b"authorization", b"Bearer " + key)]
+    return None
+
+
+def _cookie_key(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    for k, v in headers:
+        if k == b"cookie":
+            try:
+                morsel = SimpleCookie(v.decode("latin-1")).get(COOKIE)
+            except CookieError:
+                return None
+            if morsel is not None:
+                return unquote(morsel.value).encode()
+    return None
+
+
+def login_page(status: int, error: str | None = None) -> HTMLResponse:
+    """The form that asks for the API key (nothing of the server shows before it)."""
+    message = f'<p class="error" role="alert">{html.escape(error)}</p>' if error else ""
+    body = f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
+<title>tokenmill: sign in</title>
+<style>body{{font:16px system-ui,sans-serif;max-width:24rem;margin:10vh auto;padding:0 1rem;color:#1d2430}}
+input,button{{font:inherit;padding:.5rem;width:100%;box-sizing:border-box;margin:.25rem 0}}
+button{{background:#1f5fbf;color:#fff;border:0;border-radius:4px}}.error{{color:#a4161a}}</style></head>
+<body><main><h1>tokenmill</h1><p>This server needs an API key.</p>{message}
+<form method="post" action="/login"><label for="key">API key</label>
+<input id="key" name="key" type="password" autocomplete="current-password" required autofocus>
+<button type="submit">Open</button></form></main></body></html>"""
+    return HTMLResponse(body, status_code=status, headers=NO_STORE)
+
+
+def add_web_routes(app: FastAPI, served: Any, keys: tuple[str, ...]) -> None:
+    """The page's routes and the live view's on ``app`` (``served``: app.Served)."""
+    config, live = served.config, served.live
+
+    if config.web:
+
+        @app.get("/", include_in_schema=False)
+        async def page() -> Response:
+            return Response(_static("index.html"), media_type="text/html; charset=utf-8", headers=NO_STORE)
+
+        @app.get("/web/{name}", include_in_schema=False)
+        async def static(name: str) -> Response:
+            if name not in STATIC:
+                return JSONResponse({"error": {"message": f"no such file: /web/{name}", "type": "NotFoundError",
+                                               "param": None, "code": 404}}, status_code=404)  # fmt: skip
+            return Response(_static(name), media_type=STATIC[name], headers={"Cache-Control": "no-cache"})
+
+        if keys:
+
+            @app.post("/login", include_in_schema=False)
+            async def login(request: Request) -> Response:
+                form = parse_qs((await request.body()).decode("utf-8", "replace"))
+                key = (form.get("key") or [""])[0].strip()
+                if key not in keys:
+                    return login_page(401, "That key is not one of this server's.")
+                response = RedirectResponse("/", status_code=303)
+                response.set_cookie(COOKIE, quote(key, safe=""), httponly=True, samesite="strict", path="/")
+                return response
+
+            @app.post("/logout", include_in_schema=False)
+            async def logout() -> Response:
+                response = RedirectResponse("/", status_code=303)
+                response.delete_cookie(COOKIE, path="/", httponly=True, samesite="strict")
+                return response
+
+    @app.get("/tokenmill/live")
+    async def live_state(since: str | None = None) -> dict[str, Any]:
+        """The live view's state; ``since`` (N, or NAME:N,NAME:N): only later steps."""
+        return await live.state(_since(since, list(served.models)))
+
+    @app.get("/tokenmill/live/events")
+    async def live_events(request: Request, since: str | None = None) -> StreamingResponse:
+        """The state every LIVE_EVERY_S, each event with the steps since the last one; it
+        ends when the client leaves or the server stops (an EventSource reconnects)."""
+        after = _since(since, list(served.models))
+
+        async def events():
+            yield f"retry: {int(LIVE_EVERY_S * 2000)}\n\n"
+            while not served.stopping.is_set() and not await request.is_disconnected():
+                state = await live.state(after)
+                for m in state["models"]:
+                    after[m["name"]] = max(after.get(m["name"], 0), m["last_step"])
+                yield f"event: state\ndata: {json.dumps(state, separators=(',', ':'))}\n\n"
+                try:
+                    await asyncio.wait_for(served.stopping.wait(), LIVE_EVERY_S)
+                except TimeoutError:
+                    pass
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})  # fmt: skip
+
+
+def _since(text: str | None, names: list[str]) -> dict[str, int]:
+    """``N`` (every model) or ``NAME:N,NAME:N``; anything else is a 400 naming it."""
+    if not text:
+        return {}
+    try:
+        if ":" not in text:
+            return dict.fromkeys(names, int(text))
+        pairs = [part.rsplit(":", 1) for part in text.split(",")]
+        since = {name: int(n) for name, n in pairs}
+    except ValueError:
+        raise InvalidRequestError(f"since must be a step number or NAME:N,NAME:N, got {text!r}", param="since") from None
+    unknown = sorted(set(since) - set(names))
+    if unknown:
+        raise InvalidRequestError(f"since names a model this server does not serve: {', '.join(unknown)}",
+                                  param="since")
+    return since
