@@ -17,8 +17,28 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m tokenmill.kernels  # compile the native CPU kernels for this machine (cached; torch path if no compiler)
 	touch $@
 
+# The browser tests (tests/server/test_web_page.py) drive the system Chromium and its chromedriver:
+# installed here with apt where we may (root, or sudo without a password), else they skip.
+# This step never fails the make; apt's output goes to $(VENV)/apt-chromium.log.
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m pip install -q -e '.[test]'
+	@if { command -v chromium || command -v chromium-browser || command -v google-chrome; } >/dev/null 2>&1 \
+		&& command -v chromedriver >/dev/null 2>&1; then :; \
+	else \
+		if [ "$$(id -u)" = 0 ]; then sudo=""; \
+		elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then sudo="sudo -n"; \
+		else sudo=no; fi; \
+		if command -v apt-get >/dev/null 2>&1 && [ "$$sudo" != no ]; then \
+			printf 'installing Chromium for the browser tests (apt-get, log in $(VENV)/apt-chromium.log)... '; \
+			if { $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver \
+				|| { $$sudo apt-get update -q \
+					&& $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; }; \
+				} >$(VENV)/apt-chromium.log 2>&1; then echo done; \
+			else echo "failed: the browser tests will skip"; fi; \
+		else \
+			echo "no Chromium: the browser tests will skip (install: apt-get install chromium chromium-driver)"; \
+		fi; \
+	fi
 	touch $@
 
 install: $(VENV)/.installed

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from contextlib import contextmanager
 
 import torch
 
@@ -526,3 +528,56 @@ def chi_square_pvalue(counts, expected: torch.Tensor) -> float:
         f_exp.append(sum(exp[i] for i in rare))
     f_exp[-1] += n - sum(f_exp)  # exact totals, as chisquare demands
     return stats.chisquare(f_obs, f_exp).pvalue
+
+
+# ----------------------------------------------------------------- a real browser (the web page's tests)
+
+BROWSERS = ("chromium", "chromium-browser", "google-chrome")
+
+
+def chromium_paths() -> tuple[str, str] | None:
+    """(browser, chromedriver) of the system Chromium, or None: $TOKENMILL_CHROMIUM and
+    $TOKENMILL_CHROMEDRIVER first, else the PATH (apt-get install chromium chromium-driver)."""
+    browser = os.environ.get("TOKENMILL_CHROMIUM") or next(filter(None, map(shutil.which, BROWSERS)), None)
+    driver = os.environ.get("TOKENMILL_CHROMEDRIVER") or shutil.which("chromedriver")
+    if browser and driver and os.access(browser, os.X_OK) and os.access(driver, os.X_OK):
+        return browser, driver
+    return None
+
+
+@contextmanager
+def browser(width: int = 1280, height: int = 860):
+    """A headless Chromium (selenium's webdriver.Chrome) with a width x height window, quit
+    at the end. The driver is given its path, so Selenium Manager never downloads one;
+    the console is kept (``console_errors``)."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    paths = chromium_paths()
+    if paths is None:
+        raise RuntimeError("no Chromium: apt-get install chromium chromium-driver (or set TOKENMILL_CHROMIUM)")
+    options = webdriver.ChromeOptions()
+    options.binary_location = paths[0]
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                "--disable-extensions", "--no-first-run", f"--window-size={width},{height}"):  # fmt: skip
+        options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(executable_path=paths[1]), options=options)
+    try:
+        set_viewport(driver, width, height)
+        yield driver
+    finally:
+        driver.quit()
+
+
+def set_viewport(driver, width: int, height: int, mobile: bool = False) -> None:
+    """Make the page's viewport exactly width x height CSS pixels (a headless window has a
+    500-pixel minimum width, and its toolbar takes some of its height). ``mobile``: as a
+    phone would (the page's meta viewport honoured, overlay scrollbars)."""
+    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                           {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": mobile})  # fmt: skip
+
+
+def console_errors(driver) -> list[str]:
+    """The console's errors (level SEVERE) since the last call (reading the log empties it)."""
+    return [entry["message"] for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]

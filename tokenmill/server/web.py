@@ -70,7 +70,7 @@ def login_page(status: int, error: str | None = None) -> HTMLResponse:
     message = f'<p class="error" role="alert">{html.escape(error)}</p>' if error else ""
     body = f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
-<title>tokenmill: sign in</title>
+<title>tokenmill: sign in</title><link rel="icon" href="data:,">
 <style>body{{font:16px system-ui,sans-serif;max-width:24rem;margin:10vh auto;padding:0 1rem;color:#1d2430}}
 input,button{{font:inherit;padding:.5rem;width:100%;box-sizing:border-box;margin:.25rem 0}}
 button{{background:#1f5fbf;color:#fff;border:0;border-radius:4px}}.error{{color:#a4161a}}</style></head>

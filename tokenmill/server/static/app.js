@@ -7,6 +7,7 @@
 (() => {
   const $ = (id) => document.getElementById(id);
   const STORE = "tokenmill.chat.v1";
+  const SETTINGS = ["system", "temperature", "top-p", "max-tokens", "seed", "json-schema", "tools"];
   const STEPS_KEPT = 240;          // steps the Gantt can show
   const REQUESTS_KEPT = 200;       // requests followed (the oldest are forgotten first)
   const REQUESTS_SHOWN = 12;
@@ -76,7 +77,11 @@
   function load() {
     try { conversation = JSON.parse(localStorage.getItem(STORE) || "[]"); } catch (e) { conversation = []; }
     for (const m of conversation) if (m.state === "streaming") m.state = "stopped";
-    $("system").value = localStorage.getItem(STORE + ".system") || "";
+    let kept = {};
+    try { kept = JSON.parse(localStorage.getItem(STORE + ".settings") || "{}"); } catch (e) { kept = {}; }
+    for (const id of SETTINGS) if (typeof kept[id] === "string") $(id).value = kept[id];
+    $("structured-details").open = $("json-schema").value.trim() !== "";  // a constraint in force is in sight
+    $("tools-details").open = $("tools").value.trim() !== "";
   }
 
   function save() {
@@ -103,6 +108,7 @@
 
   function updateItem(li, m) {
     li.dataset.state = m.state || "done";
+    li.setAttribute("aria-busy", String(li.dataset.state === "streaming"));  // read out once whole
     li.querySelector(".content").textContent = m.error ? `${m.content ? m.content + "\n" : ""}Error: ${m.error}` : m.content;
     let calls = li.querySelector(".tool-calls");
     if (m.tool_calls && m.tool_calls.length) {
@@ -264,7 +270,11 @@
   document.addEventListener("keydown", (e) => { if (e.key === "Escape" && controller) { e.preventDefault(); stop(); } });
   $("stop").addEventListener("click", stop);
   $("clear").addEventListener("click", () => { stop(); conversation = []; save(); renderAll(); $("prompt").focus(); });
-  $("system").addEventListener("change", () => localStorage.setItem(STORE + ".system", $("system").value));
+  for (const id of SETTINGS) {  // kept in this browser, as the conversation is
+    $(id).addEventListener("change", () => {
+      localStorage.setItem(STORE + ".settings", JSON.stringify(Object.fromEntries(SETTINGS.map((k) => [k, $(k).value]))));
+    });
+  }
 
   // -------------------------------------------------------------- live view
 
@@ -301,6 +311,8 @@
 
   function scheduleReconnect() {
     if (reconnectTimer) return;
+    fetch("/tokenmill/live?since=999999999", { credentials: "same-origin" })  // signed out: the page asks for the key
+      .then((r) => { if (r.status === 401) location.reload(); }, () => {});
     setStatus("closed", `offline: retrying in ${Math.round(retryMs / 1000)} s`);
     reconnectTimer = setTimeout(connect, retryMs);
     retryMs = Math.min(retryMs * 2, 10000);
@@ -327,6 +339,7 @@
 
   function onState(state) {
     if (state.epoch !== live.epoch) {  // a server started afresh: its steps start again at 1
+      if (live.epoch !== null) loadModels();  // and it may serve other models
       live.epoch = state.epoch;
       live.models.clear();
     }
