@@ -85,9 +85,9 @@ def chat(llm: LLM, text: str) -> list[int]:
 
 
 @pytest.mark.slow
-def test_200_sampled_requests_all_validate(llm):
+def test_120_sampled_requests_all_validate(llm):
     prompts, params, schemas = [], [], []
-    for i in range(200):
+    for i in range(120):
         name = list(SCHEMAS)[i % len(SCHEMAS)]
         prompts.append(chat(llm, PROMPTS[name]))
         params.append(SamplingParams(temperature=1.0, seed=i, max_tokens=160, structured=StructuredOutputs(json=SCHEMAS[name])))
@@ -97,7 +97,7 @@ def test_200_sampled_requests_all_validate(llm):
         c = out.outputs[0]
         assert c.finish_reason == "stop", c.text
         jsonschema.validate(json.loads(c.text), schema)
-    assert len({o.outputs[0].text for o in outs}) > 150  # sampled, not one answer repeated
+    assert len({o.outputs[0].text for o in outs}) > 90  # sampled, not one answer repeated
 
 
 def test_regex_choice_and_an_arithmetic_grammar(llm):
@@ -242,7 +242,7 @@ def test_sampling_under_a_grammar_is_distribution_identical_with_speculation(llm
     must still sample each position from the masked p."""
     scipy_stats = pytest.importorskip("scipy.stats")
     prompt = chat(llm, "Type six random letters from a to e, separated by commas.")
-    n, regex = 300, "[a-e](, [a-e]){5}"  # the separators are what the draft gets right
+    n, regex = 200, "[a-e](, [a-e]){5}"  # the separators are what the draft gets right (200: CI's time budget)
 
     def fourth_letters(engine: LLM) -> list[int]:
         outs = engine.generate([prompt] * n, [SamplingParams(temperature=1.0, seed=10_000 + i, max_tokens=24,

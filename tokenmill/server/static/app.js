@@ -246,8 +246,8 @@
     } finally {
       const end = performance.now();
       const tokens = usage ? usage.completion_tokens : chunks;
-      const parts = [`${usage ? "" : "~"}${tokens} tok${tokens === 1 ? "" : "s"}`];
-      if (usage) parts.push(`prompt ${usage.prompt_tokens} tok`);
+      const parts = [`${usage ? "" : "~"}${tokens} token${tokens === 1 ? "" : "s"}`];
+      if (usage) parts.push(`prompt ${usage.prompt_tokens}`);
       if (first !== null) parts.push(`TTFT ${Math.round(first - t0)} ms`);
       if (first !== null && tokens > 1 && end > first) parts.push(`${((tokens - 1) / ((end - first) / 1000)).toFixed(1)} tok/s`);
       if (finish) parts.push(`finish: ${finish}`);
