@@ -30,9 +30,9 @@ $(VENV)/.installed-test: $(VENV)/.installed
 		else sudo=no; fi; \
 		if command -v apt-get >/dev/null 2>&1 && [ "$$sudo" != no ]; then \
 			printf 'installing Chromium for the browser tests (apt-get, log in $(VENV)/apt-chromium.log)... '; \
-			if { $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver \
+			if { $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium chromium-driver fonts-liberation \
 				|| { $$sudo apt-get update -q \
-					&& $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; }; \
+					&& $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium chromium-driver fonts-liberation; }; \
 				} >$(VENV)/apt-chromium.log 2>&1; then echo done; \
 			else echo "failed: the browser tests will skip"; fi; \
 		else \
