@@ -92,8 +92,19 @@ def test_with_an_api_key_the_page_asks_for_it_and_keeps_it_in_a_cookie(make_app)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=30) as c:
             r = await c.post("/login", data={"key": KEY})
             assert r.status_code == 303 and r.headers["location"] == "/"
-            cookie = r.headers["set-cookie"].lower()
+            session = next(c for c in r.headers.get_list("set-cookie") if c.startswith("tokenmill_session="))
+            assert KEY not in session  # a digest under the server's secret, never the key itself
+            cookie = session.lower()
             assert "httponly" in cookie and "samesite=strict" in cookie and "path=/" in cookie
+            # another service's malformed cookie before ours does not sign us out
+            token = c.cookies["tokenmill_session"]
+            odd = {"cookie": f'foo={{"a":1}}; sess=a"b; tokenmill_session={token}'}
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as bare:
+                assert (await bare.get("/tokenmill/live", headers=odd)).status_code == 200
+                forged = {"cookie": "tokenmill_session=" + "0" * 64}
+                assert (await bare.get("/tokenmill/live", headers=forged)).status_code == 401
+                cross = await bare.post("/login", data={"key": KEY}, headers={"origin": "http://evil.example"})
+                assert cross.status_code == 403 and "set-cookie" not in cross.headers  # no login from another site
             assert (await c.get("/")).status_code == 200 and (await c.get("/tokenmill/live")).status_code == 200
             # The cookie's requests are the key's tenant: an answer cached for the bearer key is a hit.
             body = {"messages": [{"role": "user", "content": "same"}], "max_tokens": 4, "temperature": 0}
@@ -183,3 +194,19 @@ def test_what_the_view_keeps_is_bounded(make_app, monkeypatch):
     assert len(m["steps"]) == 8 and m["last_step"] == 60 and len(view._labels) == 5
     assert m["latency_ms"]["ttft"]["count"] == 6 and m["latency_ms"]["itl"]["count"] == 6
     assert m["finished"] == {"length": 12}
+
+
+def test_the_engines_stop_tracing_when_nobody_looks(make_app, monkeypatch):
+    monkeypatch.setattr(live, "UNWATCHED_S", 0.3)
+    app = make_app()
+    engine = app.state.served.models["toy"].engine.engine
+
+    async def go() -> None:
+        await request(app, "GET", "/tokenmill/live")
+        assert engine._trace is not None
+        await asyncio.sleep(0.8)
+        assert engine._trace is None and app.state.served.live.models["toy"].started is None
+        await request(app, "GET", "/tokenmill/live")  # a new look starts it again
+        assert engine._trace is not None
+
+    asyncio.run(go())

@@ -182,6 +182,11 @@ def test_the_page_asks_for_the_key(page, server):
 
     sign_in(page, API_KEY)
     assert wait_until(lambda: bool(css(page, "#tab-chat")), timeout=10), "the right key does not open the page"
+    assert page.find_element(By.ID, "sign-out").is_displayed()
+    page.find_element(By.CSS_SELECTOR, "#sign-out button").click()  # and out again: the form is back
+    assert wait_until(lambda: bool(css(page, "form[action='/login'] input[name=key]")), timeout=10)
+    sign_in(page, API_KEY)
+    assert wait_until(lambda: bool(css(page, "#tab-chat")), timeout=10)
     # the browser reports both 401 answers (the first visit, the wrong key); nothing else
     errors = [e for e in console_errors(page) if "status of 401" not in e]
     assert not errors, f"console errors: {errors}"

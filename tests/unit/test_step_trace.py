@@ -121,3 +121,36 @@ def test_tracing_changes_no_token():
         return [outs[k] for k in sorted(outs)]
 
     assert tokens(True) == tokens(False)
+
+
+def test_a_prompt_all_but_its_last_token_from_the_cache_is_a_one_token_prefill():
+    e = engine()
+    e.start_step_trace()
+    prompt = list(range(1, 14))  # 13 tokens: 12 in full blocks, found in the cache the second time
+    e.add_request("a", prompt, SamplingParams(max_tokens=2))
+    run(e)
+    e.take_step_trace()
+    e.add_request("b", prompt, SamplingParams(max_tokens=2))
+    e.step()
+    assert e.take_step_trace()[0]["seqs"][0][:6] == ["b", "prefill", 1, 0, 0, 12]
+    run(e)
+
+
+def test_sequences_ended_between_steps_are_traced():
+    """An abort and a stop string end sequences outside any step: a record without a batch says so."""
+    e = engine()
+    e.start_step_trace()
+    e.add_request("a", [1, 2, 3], SamplingParams(max_tokens=50))
+    e.add_request("b", [4, 5, 6], SamplingParams(max_tokens=50))
+    e.step()
+    e.abort("a")
+    last = e.take_step_trace()[-1]
+    assert last["seqs"] == [] and last["ended"] == [["a", "abort"]] and last["duration"] == 0
+    e.abort("a")  # gone already: nothing more
+    assert e.take_step_trace() == []
+    e.finish_stopped("b", "x")
+    assert e.take_step_trace()[-1]["ended"] == [["b", "stop"]]
+    e.stop_step_trace()
+    e.add_request("c", [7, 8], SamplingParams(max_tokens=3))
+    run(e)
+    assert e.take_step_trace() == []  # stopped: nothing recorded

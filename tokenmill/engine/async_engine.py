@@ -114,6 +114,9 @@ class StreamingFront:
         live view; False where this front cannot (engine replicas)."""
         return False
 
+    async def stop_step_trace(self) -> None:
+        """Stop recording steps (nobody watches)."""
+
     def take_step_trace(self) -> list[dict]:
         """The steps recorded since the last call, oldest first."""
         return []
@@ -233,6 +236,9 @@ class AsyncEngine(StreamingFront):
     async def start_step_trace(self) -> bool:
         await self.run_on_loop(self.engine.start_step_trace)
         return True
+
+    async def stop_step_trace(self) -> None:
+        await self.run_on_loop(self.engine.stop_step_trace)
 
     def take_step_trace(self) -> list[dict]:
         return self.engine.take_step_trace()  # pops whole steps: safe beside the loop thread

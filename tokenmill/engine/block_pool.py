@@ -139,6 +139,9 @@ class BlockPool:
         if self._hits is None:
             self._hits = set()
 
+    def stop_hit_log(self) -> None:
+        self._hits = None
+
     def block_states(self) -> bytes:
         """A picture of the pool, one byte per block: FREE, CACHED (free, content kept),
         USED (one reference) or SHARED (several), plus HIT when a prefix-cache hit took the

@@ -251,8 +251,10 @@ class EngineCore:
         """End a request (all its n sequences) now and free everything it holds; returns
         the ids of the sequences it ended."""
         reqs = self._forget(request_id)
+        ending = [(r.request_id, "abort") for r in reqs if not r.finished]
         for req in reqs:
             self.scheduler.finish(req, "abort")
+        self._trace_ended(ending)
         return [r.request_id for r in reqs]
 
     def _forget(self, request_id: str) -> list[Request]:
@@ -267,6 +269,7 @@ class EngineCore:
         if req is None:  # ended meanwhile (aborted, or by a token of the step that found the string)
             return
         self.scheduler.finish(req, "stop", stop_string)
+        self._trace_ended([(seq_id, "stop")])
         if all(r.finished for r in self._requests.get(req.parent_id, ())):
             self._forget(req.parent_id)
         self._drop_if_idle()
@@ -308,6 +311,17 @@ class EngineCore:
             self._trace = deque(maxlen=STEP_TRACE_KEPT)
             self.block_pool.start_hit_log()
 
+    def stop_step_trace(self) -> None:
+        """Stop recording (nobody watches any more); step numbers go on from where they were."""
+        self._trace = None
+        self.block_pool.stop_hit_log()
+
+    def _trace_ended(self, ended: list[tuple[str, str]]) -> None:
+        """Sequences ended between steps (aborted, a stop string): a record of their own,
+        with no batch, so that a live view does not show them running on."""
+        if self._trace is not None and ended:
+            self._trace_record(time.perf_counter(), 0.0, [], [], [list(e) for e in ended])
+
     def take_step_trace(self) -> list[dict]:
         """The steps traced since the last call, oldest first (safe from another thread:
         each step is popped whole)."""
@@ -324,19 +338,26 @@ class EngineCore:
         """One step as plain data (msgpack-able): who got how many tokens, of which kind,
         drafts kept and rejected, prompt tokens found in the prefix cache, who ended."""
         sampled = {u.request.request_id: len(u.new_tokens) for u in updates}
+        failed = {u.request.request_id for u in updates if u.error is not None}
         seqs = []
         for s, (kind, cached) in zip(sched.seqs, kinds, strict=True):
             req = s.request
             drafts = len(s.spec_token_ids)
+            if req.request_id in failed:  # the step failed for it: nothing computed
+                seqs.append([req.request_id, kind, 0, 0, 0, 0, req.lora_name, req.finish_reason])
+                continue
             accepted = max(0, min(drafts, sampled.get(req.request_id, 0) - 1)) if drafts else 0
             seqs.append([req.request_id, kind, s.num_new_tokens - drafts + accepted, drafts, accepted, cached,
                          req.lora_name, req.finish_reason])  # fmt: skip
+        ended = [[r.request_id, r.finish_reason] for r in sched.unschedulable]  # ended in schedule(), never run
+        self._trace_record(t0, time.perf_counter() - t0, seqs, [r.request_id for r in sched.preempted], ended)
+
+    def _trace_record(self, t0: float, duration: float, seqs: list, preempted: list, ended: list) -> None:
         self._num_traced += 1
         self._trace.append({
-            "step": self._num_traced, "time": t0, "duration": time.perf_counter() - t0, "seqs": seqs,
-            "preempted": [r.request_id for r in sched.preempted], "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting), "blocks_used": self.block_pool.num_used,
-            "blocks_cached": self.block_pool.num_cached_free,
+            "step": self._num_traced, "time": t0, "duration": duration, "seqs": seqs, "preempted": preempted,
+            "ended": ended, "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+            "blocks_used": self.block_pool.num_used, "blocks_cached": self.block_pool.num_cached_free,
         })  # fmt: skip
 
     def _drop_if_idle(self) -> None:
@@ -539,12 +560,12 @@ def _step_kinds(sched: SchedulerOutput) -> list[tuple[str, int]]:
         req = s.request
         if s.spec_token_ids:
             kind = "verify"
-        elif req.num_computed_tokens >= req.num_tokens - 1:
+        elif req.output_token_ids and req.num_computed_tokens >= req.num_tokens - 1:
             kind = "decode"
-        else:
+        else:  # the prompt (its last token too, after a whole-prefix cache hit), or recomputing after preemption
             kind = "prefill"
         first = req.num_computed_tokens == req.num_cached_prompt_tokens and not req.output_token_ids
-        kinds.append((kind, req.num_cached_prompt_tokens if first and kind == "prefill" else 0))
+        kinds.append((kind, req.num_cached_prompt_tokens if first else 0))
     return kinds
 
 

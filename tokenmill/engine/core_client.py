@@ -162,6 +162,10 @@ class AsyncCoreClient(StreamingFront):
         await self._call("start_step_trace", [])
         return True
 
+    async def stop_step_trace(self) -> None:
+        await self._call("stop_step_trace", [])
+        self._steps.clear()
+
     def take_step_trace(self) -> list[dict]:
         steps = self._steps
         return [steps.popleft() for _ in range(len(steps))]

@@ -192,6 +192,8 @@ class CoreLoop:
                 self.core.start_kv_events()
             elif method == "start_step_trace":
                 self.core.start_step_trace()
+            elif method == "stop_step_trace":
+                self.core.stop_step_trace()
             elif method == "block_states":
                 result = self.core.block_states()
             elif method == "lora_hash_roots":

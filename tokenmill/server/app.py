@@ -88,7 +88,7 @@ from tokenmill.server.responses import (
 )
 from tokenmill.server.responses import usage as responses_usage
 from tokenmill.server.tools import ToolRequest, ToolStream, parse_tool_request, render_messages
-from tokenmill.server.web import add_web_routes, authorised, login_page
+from tokenmill.server.web import WebSessions, add_web_routes, authorised, login_page
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +139,12 @@ class Served:
     def default(self) -> ServedModel:
         return next(iter(self.models.values()))
 
+    def observe_finished(self, out: RequestOutput, model_name: str) -> None:
+        """A sequence ended: the metrics' histograms and the live view's latencies."""
+        self.metrics.observe_finished(out, model_name)
+        if self.live is not None:
+            self.live.observe(out, model_name)
+
     @property
     def is_dead(self) -> bool:
         return any(m.engine.is_dead for m in self.models.values())
@@ -170,6 +176,7 @@ def build_models_app(models: list[ServedModel], config: ServerConfig) -> FastAPI
     store = ResponseStore(config.max_stored_responses, config.stored_response_ttl)
     served = Served(by_name, config, metrics, store, routers, cache, LiveView(by_name))
     keys = api_keys(config)
+    sessions = WebSessions(keys)
     app = FastAPI(title="tokenmill", version="0.1")
     app.state.served = served
 
@@ -207,7 +214,7 @@ def build_models_app(models: list[ServedModel], config: ServerConfig) -> FastAPI
         return error_response(e.status_code, f"{detail}: {request.method} {request.url.path}")
 
     if keys:
-        app.add_middleware(APIKeyMiddleware, keys=keys, login_page=config.web)
+        app.add_middleware(APIKeyMiddleware, keys=keys, sessions=sessions, login_page=config.web)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes, timeout=config.request_body_timeout)
     app.add_middleware(OpenRequestLimitMiddleware, limit=config.max_open_requests)  # outermost: counts everything
 
@@ -246,7 +253,7 @@ def build_models_app(models: list[ServedModel], config: ServerConfig) -> FastAPI
             raise APIError(404, f"the model `{model_id}` does not exist", "model")
         return found
 
-    add_web_routes(app, served, keys)
+    add_web_routes(app, served, keys, sessions)
 
     @app.get("/version")
     async def version() -> dict:
@@ -393,7 +400,7 @@ def build_models_app(models: list[ServedModel], config: ServerConfig) -> FastAPI
             vectors: dict[int, list[float]] = {}
             async for i, out in _merge(streams):
                 if out.finished:
-                    served.metrics.observe_finished(out, target.model.name)
+                    served.observe_finished(out, target.model.name)
                     vectors[i] = out.embedding or []
             data = [{"object": "embedding", "index": i,
                      "embedding": _base64(vectors[i]) if body.encoding_format == "base64" else vectors[i]}
@@ -894,8 +901,7 @@ class _Job:
 
     def _observe(self, out: RequestOutput) -> None:
         if out.finished and not self.observed:
-            self.served.metrics.observe_finished(out, self.target.model.name)
-            self.served.live.observe(out, self.target.model.name)
+            self.served.observe_finished(out, self.target.model.name)
 
     async def _collect(self, first, merged) -> JSONResponse:
         finals: dict[int, RequestOutput] = {}
@@ -1174,7 +1180,7 @@ class _ResponseJob:
                                                                    self.target.lora)) as stream:  # fmt: skip
             async for out in stream:
                 if out.finished:
-                    self.served.metrics.observe_finished(out, self.target.model.name)
+                    self.served.observe_finished(out, self.target.model.name)
                     final = detach(out)
         return [] if final is None else [(0, final)]
 
@@ -1243,7 +1249,7 @@ class _ResponseJob:
     def _finish(self, output: list[dict[str, Any]], final: RequestOutput | None) -> dict[str, Any]:
         """The finished response (stored when asked); ``final``: the engine's last output."""
         if final is not None and not self.observed:
-            self.served.metrics.observe_finished(final, self.target.model.name)
+            self.served.observe_finished(final, self.target.model.name)
         reason = final.finish_reason if final is not None else "abort"
         incomplete = None if reason in ("stop", "tool_calls") else "max_output_tokens" if reason == "length" else reason
         tokens = len(final.token_ids) if final is not None else 0
@@ -1353,20 +1359,20 @@ PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/tokenmill/", "/web/")  # /hea
 class APIKeyMiddleware:
     """401 for the API routes, the web page and the live view without
     ``Authorization: Bearer KEY`` (the scheme is case-insensitive, RFC 7235) or the
-    key in the page's cookie (web.py: a browser cannot send the header when it opens
-    the page or an event stream); a request that shows the cookie goes on as if it had
-    sent the header, so that it is the same tenant. ``GET /`` without a key is the
+    page's sign-in cookie (web.py: a browser cannot send the header when it opens the
+    page or an event stream); a request that shows the cookie goes on as if it had sent
+    its key's header, so that it is the same tenant. ``GET /`` without a key is the
     page's login form (``login_page``). A plain ASGI middleware, not Starlette's
     BaseHTTPMiddleware, which wraps ``receive`` so that a handler never sees its client
     disconnect, and a non-streamed request would run on unwatched."""
 
-    def __init__(self, app: Any, keys: tuple[str, ...], login_page: bool = True) -> None:
-        self.app, self.keys, self.login_page = app, frozenset(k.encode() for k in keys), login_page
+    def __init__(self, app: Any, keys: tuple[str, ...], sessions: WebSessions, login_page: bool = True) -> None:
+        self.app, self.keys, self.sessions, self.login_page = app, frozenset(k.encode() for k in keys), sessions, login_page
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         path = scope["path"] if scope["type"] == "http" else ""
         if path == "/" or path.startswith(PROTECTED):
-            auth = authorised(scope["headers"], self.keys)
+            auth = authorised(scope["headers"], self.keys, self.sessions)
             if auth is None:
                 if path == "/" and self.login_page:
                     await login_page(401)(scope, receive, send)

@@ -36,6 +36,8 @@ LABELS_KEPT = 4096  # sequences named at once (the oldest names are forgotten fi
 BLOCKS_FRESH_S = 0.4  # viewers within this share one read of the block states
 THROUGHPUT_WINDOW_S = 10.0
 LIVE_EVERY_S = 0.5  # the events stream's period
+BLOCKS_TIMEOUT_S = 1.0  # an engine inside a long step answers between steps: show the last picture meanwhile
+UNWATCHED_S = 30.0  # nobody has asked for this long: the engines stop recording steps
 
 
 @dataclass
@@ -79,9 +81,19 @@ class ModelLive:
             except Exception:  # noqa: BLE001 - a dead engine: the view shows what it can
                 self.started = None
 
+    async def stop(self) -> None:
+        if self.started:
+            self.started = None
+            try:
+                await self.model.engine.stop_step_trace()
+            except Exception:  # noqa: BLE001 - a dead engine records nothing anyway
+                pass
+
     def label(self, seq_id: str) -> str:
         name = self._labels.get(seq_id)
-        if name is None:
+        if name is not None:
+            self._labels.move_to_end(seq_id)  # the least recently seen are forgotten first
+        else:
             self._next_label += 1
             name = self._labels[seq_id] = f"r{self._next_label}"
             if len(self._labels) > LABELS_KEPT:
@@ -92,11 +104,12 @@ class ModelLive:
         for step in self.model.engine.take_step_trace():
             seqs = [[self.label(sid), kind, tokens, drafts, accepted, cached, lora, finish]
                     for sid, kind, tokens, drafts, accepted, cached, lora, finish in step["seqs"]]  # fmt: skip
-            for s in seqs:
-                if s[7] is not None:
-                    self.finished[s[7]] = self.finished.get(s[7], 0) + 1
+            ended = [[self.label(sid), reason] for sid, reason in step.get("ended", ())]
+            for reason in [s[7] for s in seqs] + [reason for _, reason in ended]:
+                if reason is not None:
+                    self.finished[reason] = self.finished.get(reason, 0) + 1
             preempted = [self.label(sid) for sid in step["preempted"]]
-            self.steps.append({**step, "seqs": seqs, "preempted": preempted})
+            self.steps.append({**step, "seqs": seqs, "preempted": preempted, "ended": ended})
             self._bucket(step, seqs, len(preempted))
 
     def _bucket(self, step: dict, seqs: list, preempted: int) -> None:
@@ -136,7 +149,9 @@ class ModelLive:
             now = time.monotonic()
             if self._blocks is None or now - self._blocks[0] > BLOCKS_FRESH_S:
                 try:
-                    states = await self.model.engine.block_states()
+                    states = await asyncio.wait_for(self.model.engine.block_states(), BLOCKS_TIMEOUT_S)
+                except TimeoutError:  # in a long step: the last picture, asked again next time
+                    return None if self._blocks is None else self._blocks[1]
                 except Exception:  # noqa: BLE001 - a dead engine has no blocks to show
                     states = None
                 if states is None:
@@ -147,10 +162,9 @@ class ModelLive:
     async def state(self, since: int, now: float) -> dict[str, Any]:
         self.take_steps()
         snap = self.model.engine.snapshot()
-        recent = [s for s in self.steps if now - s["time"] <= THROUGHPUT_WINDOW_S]
-        span = THROUGHPUT_WINDOW_S if recent else 1.0
-        decode = sum(t for s in recent for _, kind, t, *_ in s["seqs"] if kind != "prefill")
-        prefill = sum(t for s in recent for _, kind, t, *_ in s["seqs"] if kind == "prefill")
+        recent = [b for b in self.series if now - b.start <= THROUGHPUT_WINDOW_S]  # buckets: any step rate
+        decode = sum(b.decode_tokens for b in recent) / THROUGHPUT_WINDOW_S
+        prefill = sum(b.prefill_tokens for b in recent) / THROUGHPUT_WINDOW_S
         steps = [{**s, "time": round(s["time"] - now, 4), "duration": round(s["duration"], 5)}
                  for s in self.steps if s["step"] > since]  # fmt: skip
         return {
@@ -165,8 +179,8 @@ class ModelLive:
                 if snap.prefix_cache_queries else None,
                 "spec_acceptance": round(snap.spec_num_accepted_tokens / snap.spec_num_draft_tokens, 4)
                 if snap.spec_num_draft_tokens else None,
-                "generation_tokens_per_s": round(decode / span, 1),
-                "prompt_tokens_per_s": round(prefill / span, 1),
+                "generation_tokens_per_s": round(decode, 1),
+                "prompt_tokens_per_s": round(prefill, 1),
             },  # fmt: skip
             "latency_ms": {"ttft": _percentiles(self.ttft), "itl": _percentiles(self.itl)},
             "finished": dict(self.finished),
@@ -187,6 +201,8 @@ class LiveView:
     def __init__(self, models: dict[str, ServedModel]) -> None:
         self.models = {name: ModelLive(m) for name, m in models.items()}
         self.epoch = uuid.uuid4().hex[:12]
+        self.last_read = 0.0  # time.monotonic() of the latest state asked for
+        self._watch: asyncio.Task | None = None
 
     def observe(self, out: RequestOutput, model_name: str) -> None:
         live = self.models.get(model_name)
@@ -195,12 +211,22 @@ class LiveView:
 
     async def state(self, since: dict[str, int] | None = None) -> dict[str, Any]:
         """Every model's state; ``since`` (model -> step): only the steps after it."""
-        for live in self.models.values():
-            await live.start()
+        self.last_read = time.monotonic()
+        if self._watch is None or self._watch.done():
+            self._watch = asyncio.get_running_loop().create_task(self._stop_when_unwatched())
+        await asyncio.gather(*(live.start() for live in self.models.values()))
         now = time.perf_counter()  # the clock the engines stamp steps with (monotonic, shared by processes)
         since = since or {}
-        models = [await live.state(since.get(name, 0), now) for name, live in self.models.items()]
-        return {"epoch": self.epoch, "series_bucket_s": SERIES_BUCKET_S, "models": models}
+        models = await asyncio.gather(*(live.state(since.get(name, 0), now) for name, live in self.models.items()))
+        return {"epoch": self.epoch, "series_bucket_s": SERIES_BUCKET_S, "models": list(models)}
+
+    async def _stop_when_unwatched(self) -> None:
+        """Tracing costs the engines a little every step: once nobody has looked for
+        UNWATCHED_S, they stop (the next look starts them again)."""
+        while time.monotonic() - self.last_read < UNWATCHED_S:
+            await asyncio.sleep(max(0.05, UNWATCHED_S - (time.monotonic() - self.last_read)))
+        for live in self.models.values():
+            await live.stop()
 
 
 def _percentiles(values: deque[float]) -> dict[str, float] | None:

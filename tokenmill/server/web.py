@@ -7,62 +7,83 @@
     GET  /tokenmill/live/events    the same, as server-sent events every LIVE_EVERY_S
 
 The page is behind ``--api-key`` like the API. A browser cannot send an
-``Authorization`` header when it opens a page or an ``EventSource``, so the key
-typed into the login form is kept in an HttpOnly, SameSite=Strict cookie, and a
-request that shows it is treated as one that sent the header (APIKeyMiddleware in
-app.py): the same tenant, the same checks.
+``Authorization`` header when it opens a page or an ``EventSource``, so signing in
+with a key sets an HttpOnly, SameSite=Strict cookie, and a request that shows it is
+treated as one that sent that key's header (APIKeyMiddleware in app.py): the same
+tenant, the same checks. The cookie holds no key: a digest of it under a secret of
+this server process (``WebSessions``), so other services on the host never see the
+key, and a restart signs everyone out. Sign-in is refused from another site's page.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import html
 import json
 import logging
-from http.cookies import CookieError, SimpleCookie
+import os
 from importlib import resources
 from typing import Any
-from urllib.parse import parse_qs, quote, unquote
+from urllib.parse import parse_qs, urlsplit
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
+from starlette.requests import cookie_parser
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.server.live import LIVE_EVERY_S
 
 logger = logging.getLogger(__name__)
-COOKIE = "tokenmill_key"
+COOKIE = "tokenmill_session"
+SIGNED_IN = "tokenmill_signed_in"  # readable by the page: it shows "Sign out"
 STATIC = {"app.js": "text/javascript", "style.css": "text/css", "favicon.svg": "image/svg+xml"}
 NO_STORE = {"Cache-Control": "no-store"}
+PAGE_HEADERS = {**NO_STORE, "X-Frame-Options": "DENY", "Content-Security-Policy": "frame-ancestors 'none'",
+                "X-Content-Type-Options": "nosniff"}  # fmt: skip
+
+
+class WebSessions:
+    """Sign-in cookies: each key's session token is an HMAC of the key under a secret
+    made at start-up, so the cookie can be checked without holding the key."""
+
+    def __init__(self, keys: tuple[str, ...]) -> None:
+        self._secret = os.urandom(32)
+        self._keys = {self.token(k): k.encode() for k in keys}
+
+    def token(self, key: str) -> str:
+        return hmac.new(self._secret, key.encode(), hashlib.sha256).hexdigest()
+
+    def key_of(self, token: str) -> bytes | None:
+        return self._keys.get(token)
 
 
 def _static(name: str) -> bytes:
     return resources.files("tokenmill.server").joinpath("static", name).read_bytes()
 
 
-def authorised(headers: list[tuple[bytes, bytes]], keys: frozenset[bytes]) -> list[tuple[bytes, bytes]] | None:
-    """The request's headers if it shows a key (``Authorization: Bearer KEY``, or the
-    page's cookie, which becomes that header), else None."""
+def authorised(headers: list[tuple[bytes, bytes]], keys: frozenset[bytes],
+               sessions: WebSessions) -> list[tuple[bytes, bytes]] | None:  # fmt: skip
+    """The request's headers if it shows a key (``Authorization: Bearer KEY``, or a
+    sign-in cookie, which becomes that key's header), else None."""
     auth = next((v for k, v in headers if k == b"authorization"), b"")
     scheme, _, token = auth.partition(b" ")
     if scheme.lower() == b"bearer" and token.strip() in keys:
         return headers
-    key = _cookie_key(headers)
-    if key is not None and key in keys:
+    cookies = b"; ".join(v for k, v in headers if k == b"cookie").decode("latin-1")
+    key = sessions.key_of(cookie_parser(cookies).get(COOKIE, "")) if cookies else None  # parsed as browsers do
+    if key is not None:
         return [(k, v) for k, v in headers if k != b"authorization"] + [(b"authorization", b"Bearer " + key)]
     return None
 
 
-def _cookie_key(headers: list[tuple[bytes, bytes]]) -> bytes | None:
-    for k, v in headers:
-        if k == b"cookie":
-            try:
-                morsel = SimpleCookie(v.decode("latin-1")).get(COOKIE)
-            except CookieError:
-                return None
-            if morsel is not None:
-                return unquote(morsel.value).encode()
-    return None
+def _same_site(request: Request) -> bool:
+    """A form posted from this server's own page, not from another site's (login CSRF)."""
+    if request.headers.get("sec-fetch-site") in ("cross-site", "same-site"):
+        return False
+    origin = request.headers.get("origin")
+    return origin is None or urlsplit(origin).netloc == request.headers.get("host")  # "null": another's
 
 
 def login_page(status: int, error: str | None = None) -> HTMLResponse:
@@ -78,10 +99,10 @@ button{{background:#1f5fbf;color:#fff;border:0;border-radius:4px}}.error{{color:
 <form method="post" action="/login"><label for="key">API key</label>
 <input id="key" name="key" type="password" autocomplete="current-password" required autofocus>
 <button type="submit">Open</button></form></main></body></html>"""
-    return HTMLResponse(body, status_code=status, headers=NO_STORE)
+    return HTMLResponse(body, status_code=status, headers=PAGE_HEADERS)
 
 
-def add_web_routes(app: FastAPI, served: Any, keys: tuple[str, ...]) -> None:
+def add_web_routes(app: FastAPI, served: Any, keys: tuple[str, ...], sessions: WebSessions) -> None:
     """The page's routes and the live view's on ``app`` (``served``: app.Served)."""
     config, live = served.config, served.live
 
@@ -89,7 +110,7 @@ def add_web_routes(app: FastAPI, served: Any, keys: tuple[str, ...]) -> None:
 
         @app.get("/", include_in_schema=False)
         async def page() -> Response:
-            return Response(_static("index.html"), media_type="text/html; charset=utf-8", headers=NO_STORE)
+            return Response(_static("index.html"), media_type="text/html; charset=utf-8", headers=PAGE_HEADERS)
 
         @app.get("/web/{name}", include_in_schema=False)
         async def static(name: str) -> Response:
@@ -102,18 +123,26 @@ def add_web_routes(app: FastAPI, served: Any, keys: tuple[str, ...]) -> None:
 
             @app.post("/login", include_in_schema=False)
             async def login(request: Request) -> Response:
+                if not _same_site(request):
+                    return login_page(403, "Sign in from this server's own page.")
                 form = parse_qs((await request.body()).decode("utf-8", "replace"))
                 key = (form.get("key") or [""])[0].strip()
                 if key not in keys:
                     return login_page(401, "That key is not one of this server's.")
+                secure = request.url.scheme == "https" or request.headers.get("x-forwarded-proto") == "https"
                 response = RedirectResponse("/", status_code=303)
-                response.set_cookie(COOKIE, quote(key, safe=""), httponly=True, samesite="strict", path="/")
+                response.set_cookie(COOKIE, sessions.token(key), httponly=True, samesite="strict", path="/",
+                                    secure=secure)  # fmt: skip
+                response.set_cookie(SIGNED_IN, "1", samesite="strict", path="/", secure=secure)
                 return response
 
             @app.post("/logout", include_in_schema=False)
-            async def logout() -> Response:
+            async def logout(request: Request) -> Response:
+                if not _same_site(request):
+                    return login_page(403, "Sign out from this server's own page.")
                 response = RedirectResponse("/", status_code=303)
                 response.delete_cookie(COOKIE, path="/", httponly=True, samesite="strict")
+                response.delete_cookie(SIGNED_IN, path="/", samesite="strict")
                 return response
 
     @app.get("/tokenmill/live")

@@ -28,6 +28,7 @@
     }
     if (focus) $(TABS[name][0]).focus();
     if (location.hash !== "#" + name) history.replaceState(null, "", "#" + name);
+    watchOrNot();
     if (name === "live") scheduleDraw();
   }
 
@@ -291,6 +292,7 @@
   }
 
   function connect() {
+    if ($("view-live").hidden || document.hidden) { reconnectTimer = null; watchOrNot(); return; }
     clearTimeout(reconnectTimer);
     reconnectTimer = null;
     if (source) source.close();
@@ -325,6 +327,20 @@
       scheduleReconnect();
     }
   }, 1000);
+
+  function watchOrNot() {
+    // The stream is open only while the engine view is in sight: an unwatched tab costs the server nothing.
+    const watching = !$("view-live").hidden && !document.hidden;
+    if (watching && !source && !reconnectTimer) connect();
+    if (!watching && (source || reconnectTimer)) {
+      clearTimeout(reconnectTimer);
+      reconnectTimer = null;
+      if (source) source.close();
+      source = null;
+      setStatus("closed", "paused");
+    }
+  }
+  document.addEventListener("visibilitychange", watchOrNot);
 
   window.tokenmill = { get liveSource() { return source; }, reconnect: connect };
 
@@ -384,6 +400,11 @@
       r.finish = finish;
     }
     for (const label of step.preempted) touch(label).state = "preempted";
+    for (const [label, reason] of step.ended || []) {  // ended between steps: aborted, a stop string
+      const r = touch(label);
+      r.state = "finished";
+      r.finish = reason;
+    }
     while (d.requests.size > REQUESTS_KEPT) d.requests.delete(d.requests.keys().next().value);
   }
 
@@ -573,8 +594,9 @@
     const canvas = $("gantt");
     const { ctx, w, h } = fit(canvas);
     const left = 44, top = 4, bottom = 16;
-    const colW = Math.max(3, Math.min(14, (w - left) / Math.max(1, d.steps.length)));
-    const steps = d.steps.slice(-Math.floor((w - left) / colW));
+    const batches = d.steps.filter((s) => s.seqs.length || s.preempted.length);  // (not the records of ends between steps)
+    const colW = Math.max(3, Math.min(14, (w - left) / Math.max(1, batches.length)));
+    const steps = batches.slice(-Math.floor((w - left) / colW));
     const order = new Map();  // request -> row, in order of first appearance
     for (const s of steps) for (const seq of s.seqs) if (!order.has(seq[0])) order.set(seq[0], order.size);
     for (const s of steps) for (const label of s.preempted) if (!order.has(label)) order.set(label, order.size);
@@ -667,9 +689,9 @@
 
   // ------------------------------------------------------------------ start
 
+  if (document.cookie.split("; ").includes("tokenmill_signed_in=1")) $("sign-out").hidden = false;
   load();
   renderAll();
   loadModels();
-  connect();
   showTab(location.hash === "#live" ? "live" : "chat", false);
 })();
