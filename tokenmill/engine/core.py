@@ -299,8 +299,8 @@ class EngineCore:
                 self._forget(u.request.parent_id)
         if sched.seqs:
             self._step_stats.append(self._stats(sched, t0))
-            if kinds is not None:
-                self._trace_step(sched, kinds, updates, t0)
+        if kinds is not None and (sched.seqs or sched.unschedulable):
+            self._trace_step(sched, kinds, updates, t0)
         self._drop_if_idle()
         return deltas
 
