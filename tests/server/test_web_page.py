@@ -361,3 +361,33 @@ def test_a_json_schema_constrains_the_answer(page, server):
     assert wait_until(error.is_displayed, timeout=5) and "JSON schema" in error.text
     assert len(assistant_messages(page)) == 1  # nothing was sent
     set_field(page, "json-schema", "")
+
+
+def test_thousands_of_steps_keep_the_page_bounded(page, server):
+    """5,000 steps of 4,000 requests, fed as the live stream's states: the page keeps 240
+    steps and 200 requests, and still draws."""
+    open_page(page, server, "live")
+    assert wait_until(lambda: conn_state(page) == "open", timeout=10)
+    page.execute_script("window.tokenmill.liveSource.close()")  # only the fed states from here on
+    kept = page.execute_script("""
+        const model = (steps) => ({name: "fed", alive: true, traced: true, max_model_len: 512, blocks: "0123".repeat(64),
+          gauges: {running: 2, waiting: 1, kv_usage: 0.5, preemptions: 0, prefix_cache_hit_rate: null,
+                   spec_acceptance: null, generation_tokens_per_s: 1, prompt_tokens_per_s: 1},
+          latency_ms: {ttft: null, itl: null}, finished: {}, adapters: null, series: [], last_step: 0, steps});
+        let n = 0;
+        for (let batch = 0; batch < 50; batch++) {
+          const steps = [];
+          for (let i = 0; i < 100; i++) {
+            n += 1;
+            steps.push({step: n, time: -0.1, duration: 0.01, running: 2, waiting: 1, blocks_used: 1, blocks_cached: 0,
+                        preempted: [], ended: [], seqs: [["r" + Math.floor(n * 0.8), "decode", 1, 0, 0, 0, null, null]]});
+          }
+          window.tokenmill.onState({epoch: "fed-epoch", series_bucket_s: 0.5, models: [model(steps)]});
+        }
+        return window.tokenmill.kept();
+    """)
+    assert kept == [{"name": "fed", "steps": 240, "requests": 200}], kept
+    time.sleep(0.3)  # a drawing frame
+    assert int(page.find_element(By.ID, "gantt").get_attribute("data-steps")) > 0
+    page.execute_script("window.tokenmill.reconnect()")  # back to the server's own stream
+    assert wait_until(lambda: conn_state(page) == "open", timeout=10)

@@ -342,7 +342,10 @@
   }
   document.addEventListener("visibilitychange", watchOrNot);
 
-  window.tokenmill = { get liveSource() { return source; }, reconnect: connect };
+  window.tokenmill = {  // for the browser tests and the curious: the stream, and what the view keeps
+    get liveSource() { return source; }, reconnect: connect, onState,
+    kept: () => [...live.models.values()].map((d) => ({ name: d.name, steps: d.steps.length, requests: d.requests.size })),
+  };
 
   function modelData(name) {
     let d = live.models.get(name);
