@@ -25,6 +25,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.benchmark.serve import percentiles
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.server.models import ServedModel
 
@@ -104,7 +105,7 @@ class ModelLive:
         for step in self.model.engine.take_step_trace():
             seqs = [[self.label(sid), kind, tokens, drafts, accepted, cached, lora, finish]
                     for sid, kind, tokens, drafts, accepted, cached, lora, finish in step["seqs"]]  # fmt: skip
-            ended = [[self.label(sid), reason] for sid, reason in step.get("ended", ())]
+            ended = [[self.label(sid), reason] for sid, reason in step["ended"]]
             for reason in [s[7] for s in seqs] + [reason for _, reason in ended]:
                 if reason is not None:
                     self.finished[reason] = self.finished.get(reason, 0) + 1
@@ -124,7 +125,7 @@ class ModelLive:
             b.running = max(b.running, step["running"])
             b.waiting = max(b.waiting, step["waiting"])
         b.preempted += preempted
-        b.steps += 1
+        b.steps += bool(seqs)  # (a record of ends between steps is no step)
         for _, kind, tokens, *_ in seqs:
             if kind == "prefill":
                 b.prefill_tokens += tokens
@@ -230,8 +231,7 @@ class LiveView:
 
 
 def _percentiles(values: deque[float]) -> dict[str, float] | None:
+    """Milliseconds, as `tokenmill bench serve` computes them, and how many there were."""
     if not values:
         return None
-    ordered = sorted(values)
-    pick = lambda q: round(1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2)  # noqa: E731
-    return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "count": len(ordered)}
+    return {**{k: round(1000 * v, 2) for k, v in percentiles(list(values)).items()}, "count": len(values)}

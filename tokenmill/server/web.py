@@ -22,7 +22,6 @@ import hashlib
 import hmac
 import html
 import json
-import logging
 import os
 from importlib import resources
 from typing import Any
@@ -34,8 +33,8 @@ from starlette.requests import cookie_parser
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.server.live import LIVE_EVERY_S
+from tokenmill.server.protocol import error_body
 
-logger = logging.getLogger(__name__)
 COOKIE = "tokenmill_session"
 SIGNED_IN = "tokenmill_signed_in"  # readable by the page: it shows "Sign out"
 STATIC = {"app.js": "text/javascript", "style.css": "text/css", "favicon.svg": "image/svg+xml"}
@@ -115,8 +114,7 @@ def add_web_routes(app: FastAPI, served: Any, keys: tuple[str, ...], sessions: W
         @app.get("/web/{name}", include_in_schema=False)
         async def static(name: str) -> Response:
             if name not in STATIC:
-                return JSONResponse({"error": {"message": f"no such file: /web/{name}", "type": "NotFoundError",
-                                               "param": None, "code": 404}}, status_code=404)  # fmt: skip
+                return JSONResponse(error_body(f"no such file: /web/{name}", "NotFoundError", 404), status_code=404)
             return Response(_static(name), media_type=STATIC[name], headers={"Cache-Control": "no-cache"})
 
         if keys:

@@ -350,7 +350,7 @@
   function modelData(name) {
     let d = live.models.get(name);
     if (!d) {
-      d = { name, info: null, steps: [], requests: new Map(), lastStep: 0, receivedAt: 0 };
+      d = { name, info: null, steps: [], requests: new Map(), lastStep: 0 };
       live.models.set(name, d);
     }
     return d;
@@ -368,7 +368,6 @@
       const d = modelData(m.name);
       d.info = m;
       d.bucket = state.series_bucket_s;
-      d.receivedAt = performance.now() / 1000;
       for (const step of m.steps) {
         if (step.step <= d.lastStep) continue;
         d.lastStep = step.step;
@@ -651,7 +650,7 @@
     canvas.dataset.steps = steps.length;
     canvas.dataset.requests = labels.length;
     canvas.setAttribute("aria-label", `The last ${steps.length} steps of ${labels.length} requests`);
-    ganttLayout = { left, top, colW, rowH, steps, labels };
+    ganttLayout = { left, colW, steps };
   }
 
   function describeStep(s) {
