@@ -2,6 +2,7 @@
 
     python bench/soak.py [--duration 600] [--concurrency 16]
     python bench/soak.py --mix grammars --duration 600   # + structured output, tools, LoRA
+    python bench/soak.py --mix abuse --baseline-duration 300 --duration 600   # + abusers, a core killed
 
 
 For `--duration` seconds, `--concurrency` clients keep requests in flight against a
@@ -22,6 +23,14 @@ unloaded at run time meanwhile), and now and then a burst of big distinct schema
 compile. It reports the plain requests' time to first token in both phases (the
 constrained and adapter traffic must not slow plain traffic down by more than 1.5x at
 p99) and writes results/soak_grammars.json and .png.
+
+``--mix abuse`` (issue 40, bench/soak_abuse.py) runs the plain mix's well-behaved
+clients alone for ``--baseline-duration`` seconds, then beside abusers for
+``--duration``: huge and dropped embeddings, 2,000-prompt completions, a deeply nested
+schema, partial-body floods, special-token text, and the engine core killed and the
+server restarted. It checks that every well-behaved request is answered, their TTFT p99
+stays within 2x of the baseline's, /health within 0.2 s, nothing is left at the end,
+prints PASS/FAIL lines (exit code 1 on any FAIL) and writes results/soak_abuse.json and .png.
 """
 
 from __future__ import annotations
@@ -169,8 +178,12 @@ def write_adapter(path: Path, cfg, rank: int, seed: int) -> Path:
     for i in range(cfg.num_layers):
         for t in ("q_proj", "v_proj"):
             out, inp = shapes[t]
-            tensors[f"base_model.model.model.layers.{i}.self_attn.{t}.lora_A.weight"] = torch.randn(rank, inp, generator=g) * 0.02
-            tensors[f"base_model.model.model.layers.{i}.self_attn.{t}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.02
+            tensors[f"base_model.model.model.layers.{i}.self_attn.{t}.lora_A.weight"] = (
+                torch.randn(rank, inp, generator=g) * 0.02
+            )
+            tensors[f"base_model.model.model.layers.{i}.self_attn.{t}.lora_B.weight"] = (
+                torch.randn(out, rank, generator=g) * 0.02
+            )
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "adapter_model.safetensors"))
     conf = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": ["q_proj", "v_proj"]}
@@ -196,12 +209,20 @@ class Soak:
                   "stream": r.random() < 0.6}  # fmt: skip
         if r.random() < 0.5:
             return "/v1/completions", {"prompt": f"Story {r.randint(0, 10**6)}: once upon a time", **common}
-        return "/v1/chat/completions", {"messages": [{"role": "user", "content": f"Say something about {r.random()}"}], **common}
+        return "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": f"Say something about {r.random()}"}],
+            **common,
+        }
 
     def constrained_body(self) -> tuple[str, str, dict]:
         r = self.rng
         kind = r.choice(["json", "regex", "choice", "tool"])
-        common = {"max_tokens": 64, "temperature": r.choice([0, 0.7]), "seed": r.randint(0, 99), "stream": r.random() < 0.5}
+        common = {
+            "max_tokens": 64,
+            "temperature": r.choice([0, 0.7]),
+            "seed": r.randint(0, 99),
+            "stream": r.random() < 0.5,
+        }
         ask = {"json": "Describe a person as JSON.", "regex": "Give a phone number.", "choice": "Pick a colour.",
                "tool": "What is the weather in Paris?"}[kind]  # fmt: skip
         body = {"messages": [{"role": "user", "content": f"{ask} ({r.randint(0, 10**6)})"}], **common}
@@ -243,8 +264,11 @@ class Soak:
                         row["status"] = resp.status_code
                         async for ln in resp.aiter_lines():
                             if ln.startswith("data: "):
-                                if "ttft" not in row and ('"text": "' in ln or '"content": "' in ln) \
-                                        and '"content": ""' not in ln:
+                                if (
+                                    "ttft" not in row
+                                    and ('"text": "' in ln or '"content": "' in ln)
+                                    and '"content": ""' not in ln
+                                ):
                                     row["ttft"] = time.perf_counter() - start
                                 lines.append(ln)
                     row["complete"] = bool(lines) and lines[-1] == "data: [DONE]"
@@ -326,7 +350,11 @@ class Soak:
             if resp.status_code == 200:
                 c = resp.json()["choices"][0]
                 msg = c.get("message") or {}
-                text, calls, finish = msg.get("content") or c.get("text") or "", msg.get("tool_calls") or [], c["finish_reason"]
+                text, calls, finish = (
+                    msg.get("content") or c.get("text") or "",
+                    msg.get("tool_calls") or [],
+                    c["finish_reason"],
+                )
         row["latency"] = time.perf_counter() - start
         return text, calls, finish
 
@@ -394,7 +422,11 @@ def summarise(res: dict, duration: float) -> dict:
     for m in range(int(duration // 60) + 1):
         lat = sorted(r["latency"] for r in ok if m * 60 <= r["t"] < (m + 1) * 60 and r.get("complete"))
         if lat:
-            per_minute[m] = {"n": len(lat), "p50_s": statistics.median(lat), "p99_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))]}
+            per_minute[m] = {
+                "n": len(lat),
+                "p50_s": statistics.median(lat),
+                "p99_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+            }
     rss = [s["rss_mib"] for s in res["samples"]]
     ttft = sorted(r["ttft"] for r in ok if "ttft" in r)
     extra = {}
@@ -438,8 +470,11 @@ def summarise(res: dict, duration: float) -> dict:
         "rss_mib_first_min": min(rss[: max(1, len(rss) // 10)]) if rss else None,
         "rss_mib_last": rss[-1] if rss else None,
         "rss_mib_max": max(rss) if rss else None,
-        **{f"{k}_first_last": (res["samples"][0].get(k), res["samples"][-1].get(k)) for k in
-           ("api_anon_mib", "api_file_mib", "core_anon_mib", "core_file_mib") if res["samples"]},  # fmt: skip
+        **{
+            f"{k}_first_last": (res["samples"][0].get(k), res["samples"][-1].get(k))
+            for k in ("api_anon_mib", "api_file_mib", "core_anon_mib", "core_file_mib")
+            if res["samples"]
+        },  # fmt: skip
         "latency_per_minute": per_minute,
     }
 
@@ -477,13 +512,26 @@ def plot(res: dict, summary: dict, path: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--duration", type=float, default=600, help="seconds (of each phase, with --mix grammars)")
+    p.add_argument("--duration", type=float, default=600,
+                   help="seconds (of each phase, with --mix grammars; of the abuse phase, with --mix abuse)")  # fmt: skip
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--mix", choices=("plain", "grammars"), default="plain")
-    p.add_argument("--kv-cache-memory", default=None, help="default: 512MiB (plain), 32MiB (grammars: to preempt)")
-    p.add_argument("--name", default=None, help="results/NAME.json and .png (default: soak or soak_grammars)")
+    p.add_argument("--mix", choices=("plain", "grammars", "abuse"), default="plain")
+    p.add_argument(
+        "--kv-cache-memory", default=None, help="default: 512MiB (plain, abuse), 32MiB (grammars: to preempt)"
+    )
+    p.add_argument("--name", default=None, help="results/NAME.json and .png (default: soak, soak_grammars, soak_abuse)")
+    p.add_argument(
+        "--baseline-duration", type=float, default=300, help="--mix abuse: seconds of well-behaved traffic alone"
+    )
+    p.add_argument("--abuses", default="all", help="--mix abuse: which, comma separated (default all: emb_10k, "
+                                                   "emb_drop, prompts_2k, deep_schema, flood, special_tokens, kill)")  # fmt: skip
     args = p.parse_args()
+    if args.mix == "abuse":
+        sys.path.insert(0, str(HERE))
+        from soak_abuse import run_abuse
+
+        sys.exit(run_abuse(args, free_port()))
     grammars = args.mix == "grammars"
     port = free_port()
     url = f"http://127.0.0.1:{port}"

@@ -84,6 +84,9 @@ class ToyTokenizer:
     def apply_chat_template(self, messages, add_generation_prompt=True):
         return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant: " if add_generation_prompt else "")
 
+    def encode_chat(self, messages, add_generation_prompt=True, tools=None, allow_special_tokens=False):
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), False)  # (no special tokens)
+
 
 def next_token(history: list[int]) -> int:
     """The scripted model: the next token is a function of all tokens so far."""

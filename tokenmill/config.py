@@ -308,14 +308,32 @@ class ServerConfig:
                                    repeat=True)  # fmt: skip
     api_key_file: str | None = opt(None, "a file of API keys, one per line (blank lines and # comments skipped), "
                                          "added to --api-key's")  # fmt: skip
-    max_queue: int | None = opt(None, "answer 429 while this many requests wait")
+    max_queue: int | None = opt(1024, "answer 429 (with Retry-After) while this many engine sequences wait for a "
+                                      "place in the batch; 0: no limit")  # fmt: skip
+    max_prompts_per_request: int = opt(2048, "most prompts in one completions request; more get 400")
+    max_embedding_inputs: int = opt(2048, "most inputs in one embeddings request; more get 400")
+    max_request_tokens: int = opt(262144, "most prompt tokens in one request, all its prompts or inputs together; "
+                                          "more get 400")  # fmt: skip
+    max_inflight_prompts_per_client: int = opt(32, "fairness: the prompts of a request that has several enter the "
+                                                   "engine at most this many at a time per client (API key, else "
+                                                   "address), so that other clients' requests share the steps")  # fmt: skip
     drain_timeout: float = opt(30.0, "seconds SIGTERM waits for in-flight requests")
     served_model_name: str | None = opt(None, "the model id clients send (default: the model's file name)")
     max_request_bytes: int = opt(2 << 20, "largest request body accepted; larger ones get 413")
     request_body_timeout: float = opt(30.0, "seconds a client has to send a request's whole body; then 408")
     max_open_requests: int = opt(1024, "most HTTP requests open at once (bodies still arriving and streams "
                                        "included); more get 503 until some finish (/health and /metrics exempt)")  # fmt: skip
+    max_connections_per_client: int = opt(256, "most connections open at once from one client address (an IPv6 "
+                                               "address: its /64); more are answered 429 and closed")  # fmt: skip
+    max_unfinished_bodies_per_client: int = opt(32, "most requests from one client address whose bodies are still "
+                                                    "arriving; more get 429")  # fmt: skip
+    request_header_timeout: float = opt(5.0, "seconds a connection has to send a whole request head, from its "
+                                             "start or its last response; then it is closed")  # fmt: skip
     allow_runtime_lora_updating: bool = opt(False, "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    allow_special_tokens_in_messages: bool = opt(False, "tokenise special-token text in chat messages (and tools) as "
+                                                        "special tokens, as the rendered prompt reads: a client can then "
+                                                        "end its turn and forge a system one (default: as plain text; "
+                                                        "the template's own markers stay special)")  # fmt: skip
     max_stored_responses: int = opt(1000, "responses kept for previous_response_id and GET /v1/responses/{id} "
                                           "(store: true; the oldest go first)")  # fmt: skip
     stored_response_ttl: float = opt(3600.0, "seconds a stored response is kept")
@@ -350,6 +368,8 @@ class ServerConfig:
                                               "returns 'small', 'large' or None (no opinion: the other rules decide)")  # fmt: skip
     web: bool = opt(True, "serve the web page at GET / (chat playground and live engine view; behind --api-key "
                           "like the API)", negative="no-web")  # fmt: skip
+    web_session_ttl: float = opt(43200.0, "with --api-key: seconds a sign-in to the web page lasts (then it asks "
+                                          "for the key again)")  # fmt: skip
 
     def __post_init__(self) -> None:
         if isinstance(self.api_key, str):  # one key, as a keyword
@@ -357,6 +377,10 @@ class ServerConfig:
         _check(self.response_cache in RESPONSE_CACHES,
                f"response_cache must be one of {', '.join(RESPONSE_CACHES)}, got {self.response_cache!r}")  # fmt: skip
         _check(self.response_cache_ttl > 0, f"response_cache_ttl must be > 0, got {self.response_cache_ttl}")
+        for name in ("max_prompts_per_request", "max_embedding_inputs", "max_request_tokens",
+                     "max_inflight_prompts_per_client"):  # fmt: skip
+            _check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        _check(self.max_queue is None or self.max_queue >= 0, f"max_queue must be >= 0, got {self.max_queue}")
         _check(0 < self.semantic_cache_threshold <= 1,
                f"semantic_cache_threshold must be in (0, 1], got {self.semantic_cache_threshold}")  # fmt: skip
         _check(0 <= self.router_threshold <= 1, f"router_threshold must be in [0, 1], got {self.router_threshold}")
@@ -364,6 +388,10 @@ class ServerConfig:
                "router_max_prompt_tokens must be >= 1")  # fmt: skip
         unknown = sorted(set(self.router_large_for) - {"tools", "response_format", "logprobs", "none"})
         _check(not unknown, f"router_large_for takes tools, response_format, logprobs or none, not {', '.join(unknown)}")
+        for name in ("max_connections_per_client", "max_unfinished_bodies_per_client"):
+            _check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("request_header_timeout", "web_session_ttl"):
+            _check(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)

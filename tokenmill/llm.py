@@ -130,10 +130,13 @@ class LLM:
         messages: Messages | Sequence[Messages],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         lora: str | Sequence[str | None] | None = None,
+        allow_special_tokens: bool = False,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply the model's chat template to each conversation, then generate. Special-token
+        text in the messages is tokenised as text (``allow_special_tokens``: as special
+        tokens, as the rendered prompt reads)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c), add_special_tokens=False) for c in conversations]
+        prompts = [self.tokenizer.encode_chat(c, allow_special_tokens=allow_special_tokens) for c in conversations]
         return self.generate(prompts, sampling_params, lora)  # type: ignore[arg-type]
 
     def load_lora(self, name: str, path: str) -> None:

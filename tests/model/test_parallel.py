@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -187,6 +190,95 @@ def test_failing_worker_is_named(tiny):
         with pytest.raises(EngineDeadError, match=r"worker rank 1 failed: RuntimeError: unexpected message str"):
             llm.generate(PROMPTS[:2], GREEDY)
         assert not any(process_alive(p.pid) for p in llm.parts.runner.cluster.procs)
+
+
+# ------------------------------------------------------- a parent killed (lifetime.py)
+
+# `tokenmill serve`'s layout with tensor parallelism: this API process, an engine core it
+# spawned, and the worker that core started
+API_PROCESS = (
+    "import functools, sys, time\n"
+    "from pathlib import Path\n"
+    "from tokenmill.args import engine_args\n"
+    "from tokenmill.core_process import run_engine_core\n"
+    "from tokenmill.engine.core_client import AsyncCoreClient\n"
+    "from tokenmill.model.tokenizer import load_tokenizer\n"
+    "args = engine_args(model=sys.argv[1], dtype='float32', kv_cache_memory='32MiB', tensor_parallel_size=2)\n"
+    "client = AsyncCoreClient(functools.partial(run_engine_core, args), load_tokenizer(Path(sys.argv[1])))\n"
+    "print(client.process.pid, flush=True)\n"
+    "time.sleep(600)\n"
+)
+# a driver that is killed the moment it has started its worker (still importing torch)
+DRIVER = (
+    "import time\n"
+    "from tokenmill.distributed.cluster import Cluster\n"
+    "print(Cluster.launch(2).procs[0].pid, flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process below ``pid``: the children of each of its threads, and theirs."""
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = {int(p) for p in (task / "children").read_text().split()}
+        except OSError:  # the thread ended meanwhile
+            continue
+        for child in children - found:
+            found |= {child} | _descendants(child)
+    return found
+
+
+def _assert_all_gone(pids: set[int], timeout: float, log: Path) -> None:
+    """Every one of ``pids`` ends within ``timeout`` s (those that do not are killed, so
+    that a failure leaves no process behind either)."""
+    deadline = time.monotonic() + timeout
+    while (alive := {p for p in pids if process_alive(p)}) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for p in alive:
+        os.kill(p, signal.SIGKILL)
+    assert not alive, f"processes {sorted(alive)} outlived their killed parent by {timeout} s\n{log.read_text()}"
+
+
+def _start(code: str, arg: str, log: Path) -> tuple[subprocess.Popen, int]:
+    """Run ``code`` in a fresh interpreter; the pid it prints."""
+    with log.open("w") as err:
+        proc = subprocess.Popen([sys.executable, "-c", code, arg], stdout=subprocess.PIPE, stderr=err, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        proc.wait()
+        raise AssertionError(f"the parent process exited with {proc.returncode}:\n{log.read_text()}")
+    return proc, int(line)
+
+
+def test_killed_api_process_takes_its_core_and_workers_along(tiny, tmp_path):
+    """SIGKILL the API process of a split model's server while its engine core is busy
+    (stopped here, as stuck as a process gets: it reads no pipe, runs no thread): the
+    core ends at once (the kernel's parent-death signal), then its worker (its own)."""
+    log = tmp_path / "stderr"
+    api, core = _start(API_PROCESS, tiny["even"], log)
+    try:
+        family = _descendants(api.pid)
+        assert core in family and _descendants(core), "the engine core has no worker process"
+        os.kill(core, signal.SIGSTOP)
+    finally:
+        api.kill()
+        api.wait()
+    _assert_all_gone(family, 5.0, log)
+
+
+def test_worker_whose_driver_died_as_it_started_exits(tmp_path):
+    """The driver is killed while its worker still imports torch: the worker, once up,
+    finds its parent gone (the pid the driver wrote, not its parent now: init's) and
+    exits instead of waiting minutes for a store that is gone."""
+    log = tmp_path / "stderr"
+    driver, worker = _start(DRIVER, "", log)
+    driver.kill()
+    driver.wait()
+    _assert_all_gone({worker}, 60.0, log)
+    assert f"parent process {driver.pid} is gone" in log.read_text()
 
 
 def test_torchrun_two_nodes(llm, tmp_path):

@@ -25,12 +25,13 @@ from tokenmill.errors import EngineDeadError, InvalidRequestError, TokenmillErro
 PROMPTS = ["The sun is", "Water boils at", "My favourite book is", "Cats and dogs", "List three colours:"]
 
 
-def start_client(**options) -> AsyncCoreClient:
+def start_client(heartbeat_timeout: float = 30.0, **options) -> AsyncCoreClient:
     from tokenmill.model.paths import resolve_model_path
     from tokenmill.model.tokenizer import load_tokenizer
 
     args = engine_args(dtype="float32", kv_cache_memory="256MiB", **options)
-    return AsyncCoreClient(functools.partial(run_engine_core, args), load_tokenizer(resolve_model_path(None)))
+    return AsyncCoreClient(functools.partial(run_engine_core, args), load_tokenizer(resolve_model_path(None)),
+                           heartbeat_timeout=heartbeat_timeout)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -222,4 +223,73 @@ def test_a_grammar_slower_than_its_compile_timeout_is_refused_and_plain_requests
                 time.sleep(0.5)
         assert outs[-1].finished
     finally:
+        c.shutdown()
+
+
+def _within(seconds: float, scenario) -> None:
+    """Run ``scenario`` (a coroutine function) on a thread's event loop; fail if it has not
+    ended in ``seconds`` (a locked pipe never ends: the thread is left behind)."""
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(scenario())
+        except BaseException as e:  # noqa: BLE001 - reported below
+            error.append(e)
+
+    import threading
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s: the pipe to the core is locked"
+    if error:
+        raise error[0]
+
+
+def test_thousands_of_requests_put_in_at_once_and_dropped_never_lock_the_pipe():
+    """Issue 40: 10,000 embeddings put in at once filled the pipe both ways (the event loop
+    sending adds, the core sending their answers) and locked the server for good."""
+    c = start_client()
+    try:
+        async def flood() -> None:
+            params = SamplingParams(max_tokens=1, pooling="last")
+            ids = c.tokenizer.encode("word after word " * 20)
+
+            async def one(i: int) -> None:
+                async for _ in c.generate(f"flood-{i}", ids, params):
+                    pass
+
+            tasks = [asyncio.create_task(one(i)) for i in range(10_000)]
+            await asyncio.sleep(3)  # answers flowing back while adds still go in
+            for t in tasks:  # the client drops: every request is aborted
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            outs = await collect(c, "after-flood", "Hello", SamplingParams(max_tokens=4, temperature=0))
+            assert outs[-1].finished and len(outs[-1].token_ids) == 4
+
+        try:
+            _within(120, flood)
+        except AssertionError:
+            c.process.kill()  # a locked client cannot be shut down: its lock is held for good
+            raise
+        wait_for(lambda: c.snapshot().num_running == 0 and c.snapshot().num_waiting == 0, 30)
+    finally:
+        c.shutdown()
+
+
+def test_a_core_that_stops_answering_is_counted_dead_within_the_heartbeat_timeout():
+    c = start_client(heartbeat_timeout=3.0)
+    try:
+        os.kill(c.process.pid, signal.SIGSTOP)  # frozen: the pipe stays open, nothing comes
+        started = time.monotonic()
+        wait_for(lambda: c.is_dead, 15)
+        assert time.monotonic() - started < 10 and "not answered" in str(c.death)
+        with pytest.raises(EngineDeadError):
+            asyncio.run(collect(c, "after", "x", SamplingParams(max_tokens=2)))
+        c.process.join(5)
+        assert not c.process.is_alive()  # killed, not left frozen
+    finally:
+        if c.process.is_alive():
+            os.kill(c.process.pid, signal.SIGCONT)
         c.shutdown()

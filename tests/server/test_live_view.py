@@ -93,7 +93,7 @@ def test_with_an_api_key_the_page_asks_for_it_and_keeps_it_in_a_cookie(make_app)
             r = await c.post("/login", data={"key": KEY})
             assert r.status_code == 303 and r.headers["location"] == "/"
             session = next(c for c in r.headers.get_list("set-cookie") if c.startswith("tokenmill_session="))
-            assert KEY not in session  # a digest under the server's secret, never the key itself
+            assert KEY not in session  # a random session id, never the key itself
             cookie = session.lower()
             assert "httponly" in cookie and "samesite=strict" in cookie and "path=/" in cookie
             # another service's malformed cookie before ours does not sign us out

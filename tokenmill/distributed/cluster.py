@@ -14,7 +14,7 @@ A worker that raises stores its traceback in the store and exits; one that is
 killed simply disappears. Either way the driver's next collective fails at once (the
 peer's sockets close), and ``failure`` turns that into an ``EngineDeadError`` naming
 the rank and why, after stopping every other worker. A worker whose parent dies exits
-too (``worker.py``), so no process is left behind.
+too, however the parent died (``lifetime.py``), so no process is left behind.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ class WorkerSpec:
     rank: int
     world_size: int
     local_world_size: int
+    parent_pid: int  # the driver's: the worker ends when it does (lifetime.py)
 
 
 def threads_per_rank(local_world_size: int) -> int:
@@ -93,7 +94,7 @@ class Cluster:
         procs = []
         try:
             for rank in range(1, world_size):
-                spec = WorkerSpec("127.0.0.1", store.port, rank, world_size, world_size)
+                spec = WorkerSpec("127.0.0.1", store.port, rank, world_size, world_size, os.getpid())
                 proc = subprocess.Popen([sys.executable, "-m", "tokenmill.distributed.worker"], stdin=subprocess.PIPE)
                 assert proc.stdin is not None
                 proc.stdin.write(pickle.dumps(spec))
@@ -152,7 +153,7 @@ class Cluster:
             if not any(f"rank {rank} " in r for r in reasons):
                 reasons.append(f"worker rank {rank} exited with code {code}")
         if not reasons:
-            reasons.append(f"{type(cause).__name__}: {cause}" if cause is not None else "a worker did not start in time")
+            reasons.append(f"{type(cause).__name__}: {cause}" if cause is not None else "a worker did not start in time")  # fmt: skip
         message = "; ".join(reasons) + (f" ({when})" if when else "")
         logger.error("tensor/pipeline-parallel engine stopped: %s", message)
         self.shutdown(timeout=1.0)

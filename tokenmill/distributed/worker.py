@@ -7,18 +7,14 @@ tokenizer and no sampler: a ``ModelRunner`` whose forward is its ``PipelineStage
 kept in step with the driver's by the records it receives.
 
 A failure is written to the store (the driver names it in its error) and ends the
-process with status 1; a worker whose parent process dies exits at once.
+process with status 1; a worker whose parent process dies exits at once (lifetime.py).
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import pickle
-import signal
 import sys
-import threading
-import time
 import traceback
 
 import torch
@@ -28,6 +24,7 @@ from tokenmill.distributed.cluster import STORE_TIMEOUT, WorkerSpec, rank_device
 from tokenmill.distributed.groups import CommStats, ControlChannel, ParallelGroups
 from tokenmill.distributed.messages import Forward, Load, Setup, Shutdown, Step
 from tokenmill.distributed.stage import parallel_stage
+from tokenmill.lifetime import exit_with_parent
 from tokenmill.model.loader import load_checkpoint
 from tokenmill.model.shard import ModelShard
 from tokenmill.model_setup import load_shard, resolve_device
@@ -96,26 +93,12 @@ def run_torchrun_worker() -> int:
     return serve_rank(store, rank, world_size, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
 
 
-def _exit_with_parent() -> None:
-    """Die with the driver: the kernel's parent-death signal where there is one, and a
-    watchdog thread everywhere (the parent's pid changes when it is gone)."""
-    parent = os.getppid()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
-
-
 def main() -> int:
-    spec: WorkerSpec = pickle.load(sys.stdin.buffer)
-    _exit_with_parent()
+    try:
+        spec: WorkerSpec = pickle.load(sys.stdin.buffer)
+    except EOFError:  # the driver died before it said who we are
+        return 1
+    exit_with_parent(spec.parent_pid)  # the driver's pid as it recorded it: it may be gone already
     store = TCPStore(spec.host, spec.port, spec.world_size, False, timeout=STORE_TIMEOUT)
     return serve_rank(store, spec.rank, spec.world_size, spec.rank, spec.local_world_size)
 

@@ -13,6 +13,13 @@ never waits on the core.
 
 If the core process dies (or fails at start), every stream ends with EngineDeadError
 and ``death`` says why; ``shutdown()`` stops it cleanly.
+
+The pipe is a ``Channel`` (engine/channel.py): ``_send`` only queues a message for its
+writer thread, so neither the event loop nor the reader thread ever waits on the core
+reading, and the reader always drains what the core writes (issue 40: both sides in
+``sendmsg`` at once locked the server for good). The core sends a heartbeat when it
+has nothing else to say; a core silent for ``heartbeat_timeout`` seconds (stopped,
+frozen) is killed and counted dead, so its requests get 503 and the server exits.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from tokenmill.engine.async_engine import StreamingFront, _resolve, _Stream
+from tokenmill.engine.channel import Channel, ChannelClosed, ChannelTimeout
 from tokenmill.engine.detokenizer import Decoder
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request import sequence_ids
@@ -34,16 +42,15 @@ from tokenmill.engine.stats import EngineSnapshot
 from tokenmill.engine.wire import (
     delta_from_wire,
     error_from_wire,
-    pack,
     params_to_wire,
     snapshot_from_wire,
-    unpack,
 )
 from tokenmill.errors import EngineDeadError, InvalidRequestError, TokenmillError
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 STEPS_KEPT = 2048  # traced steps nobody has taken: the oldest go first
+HEARTBEAT_TIMEOUT_S = 30.0  # a core that sends nothing, not even its heartbeat, for this long is dead
 
 
 class Tokenizer(Decoder, Protocol):
@@ -51,11 +58,13 @@ class Tokenizer(Decoder, Protocol):
 
 
 class AsyncCoreClient(StreamingFront):
-    def __init__(self, target: Callable[[Any], None], tokenizer: Tokenizer, start_timeout: float | None = None) -> None:
+    def __init__(self, target: Callable[[Any], None], tokenizer: Tokenizer, start_timeout: float | None = None,
+                 heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S) -> None:  # fmt: skip
         """Start the core process: ``target(conn)`` runs in it (spawned: a fresh
         interpreter, so no thread or lock of this process is inherited), and this waits
         until it says ready; a core that fails to start raises its error here."""
         super().__init__()
+        self.heartbeat_timeout = heartbeat_timeout
         self.tokenizer = tokenizer
         self.outputs = OutputProcessor(tokenizer)
         self._lock = threading.Lock()  # outputs, streams and the pipe's sending end: asyncio and reader threads
@@ -72,22 +81,23 @@ class AsyncCoreClient(StreamingFront):
         self.process = ctx.Process(target=target, args=(child,), name="tokenmill-engine-core")
         self.process.start()
         child.close()
+        self._channel = Channel(self._conn, "tokenmill-api")
         try:
             self.info = self._wait_ready(start_timeout)
         except BaseException:  # a failed start, or Ctrl-C meanwhile: leave no process behind
             if self.process.is_alive():
                 self.process.kill()
             self.process.join(5)
-            self._conn.close()
+            self._channel.close(0)
             raise
         self._reader = threading.Thread(target=self._read, name="tokenmill-core-reader", daemon=True)
         self._reader.start()
 
     def _wait_ready(self, timeout: float | None) -> dict:
-        if not self._conn.poll(timeout):
+        if not self._conn.poll(timeout):  # the core's channel (and its heartbeat) starts once it is built
             raise TokenmillError(f"the engine core did not start within {timeout} s")
         try:
-            msg = unpack(self._conn.recv_bytes())
+            msg = self._channel.recv()
         except (EOFError, OSError):
             self.process.join(5)
             raise TokenmillError(f"the engine core process exited at start (exit code {self.process.exitcode})") from None
@@ -218,21 +228,22 @@ class AsyncCoreClient(StreamingFront):
             self.process.kill()
             self.process.join(5)
         self._reader.join(timeout)
-        self._conn.close()
+        self._channel.close(0)
 
     def _send(self, msg: list) -> None:
-        """Send to the core (the caller holds the lock); a core gone meanwhile is EngineDeadError."""
+        """Queue a message for the core (never waits for it to read); a core gone
+        meanwhile is EngineDeadError."""
         try:
-            self._conn.send_bytes(pack(msg))
-        except OSError as e:
-            raise EngineDeadError(f"the engine core process is gone ({type(e).__name__})") from None
+            self._channel.send(msg)
+        except ChannelClosed as e:
+            raise EngineDeadError(f"the engine core process is gone ({e})") from None
 
     # ------------------------------------------------------------- reader thread
 
     def _read(self) -> None:
         try:
             while True:
-                msg = unpack(self._conn.recv_bytes())
+                msg = self._channel.recv(self.heartbeat_timeout)
                 kind = msg[0]
                 if kind == "dead":
                     raise EngineDeadError(msg[1])
@@ -254,6 +265,12 @@ class AsyncCoreClient(StreamingFront):
                         self._forget(msg[1])
                 elif kind == "reply":
                     self._settle(self._calls, msg[1], None if msg[2] is None else error_from_wire(msg[2]), msg[3])
+        except ChannelTimeout:
+            silent = f"the engine core has not answered for {self.heartbeat_timeout:g} s (not even its heartbeat)"
+            logger.error("%s; killing it", silent)
+            self.process.kill()
+            self.process.join(5)
+            self._fail_all(EngineDeadError(silent))
         except (EOFError, OSError):
             if self._stopping:  # a clean stop: what still streams ends, nobody died
                 self._fail_all(EngineDeadError("the engine was shut down"), dead=False)

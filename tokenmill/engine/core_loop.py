@@ -8,13 +8,17 @@ pipe (no polling). Grammars are compiled on the engine's compile thread and LoRA
 adapters read on a worker thread, so a big schema or a slow disk never stalls the
 steps of other requests; a grammar not compiled within its timeout is refused.
 
-The pipe carries msgpack (engine/wire.py). It closing means the API process is gone:
+The pipe carries msgpack (engine/wire.py) through a ``Channel`` (engine/channel.py): a
+reader thread drains the commands into a queue as they arrive and a writer thread
+sends, so this loop never waits on the API process reading, nor the API process on
+this loop (the deadlock of issue 40). The pipe closing means the API process is gone:
 the loop ends, and so does the process.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,20 +26,20 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from tokenmill.engine.channel import Channel
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.wire import (
     delta_to_wire,
     error_to_wire,
-    pack,
     params_from_wire,
     snapshot_to_wire,
-    unpack,
 )
 from tokenmill.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_S = 0.01  # how often an idle loop looks at work prepared by its thread
 SNAPSHOT_EVERY_S = 0.5  # steps that yield no token (prompt chunks) send the gauges at most this often
+MAX_QUEUED_BYTES = 64 << 20  # a core this far ahead of the API process's reading waits for it
 
 
 @dataclass
@@ -51,16 +55,18 @@ class _Pending:
 
 
 class CoreLoop:
-    def __init__(self, core: EngineCore, conn: Connection) -> None:
+    def __init__(self, core: EngineCore, channel: Channel) -> None:
         self.core = core
-        self.conn = conn
+        self.channel = channel
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # commands, drained from the pipe as they arrive
+        channel.start_reader(self.inbox)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-prepare")
         self.pending: list[_Pending] = []
         self.running = True
         self.last_snapshot = 0.0  # time.monotonic() of the last gauges sent
 
     def send(self, *msg: Any) -> None:
-        self.conn.send_bytes(pack(list(msg)))
+        self.channel.send(list(msg))
 
     def snapshot(self) -> dict:
         """The gauges, and when they are recorded, the prefix cache's events since the last
@@ -110,8 +116,14 @@ class CoreLoop:
         IDLE_POLL_S while work is being prepared on the thread."""
         timeout = (IDLE_POLL_S if self.pending else None) if block else 0.0
         changed = False
-        while self.running and self.conn.poll(timeout):
-            self._command(unpack(self.conn.recv_bytes()))
+        while self.running:
+            try:
+                msg = self.inbox.get(timeout=timeout) if timeout != 0.0 else self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if msg is None:
+                raise EOFError("the API process closed the pipe")
+            self._command(msg)
             changed = True
             timeout = 0.0
         return changed
@@ -244,15 +256,20 @@ def serve_core(build: Callable[[], tuple[EngineCore, dict, Callable[[], None]]],
     try:
         core, info, close = build()
     except BaseException as e:  # noqa: BLE001 - the API process reports it and exits
-        conn.send_bytes(pack(["failed", str(e) or type(e).__name__, error_to_wire(e)]))
+        channel = Channel(conn, "tokenmill-core")
+        try:
+            channel.send(["failed", str(e) or type(e).__name__, error_to_wire(e)])
+        finally:
+            channel.close()
         return 1
+    channel = Channel(conn, "tokenmill-core", max_queued_bytes=MAX_QUEUED_BYTES)
     try:
-        conn.send_bytes(pack(["ready", info, snapshot_to_wire(core.snapshot())]))
-        CoreLoop(core, conn).run()
+        channel.send(["ready", info, snapshot_to_wire(core.snapshot())])
+        CoreLoop(core, channel).run()
         return 0
     except BaseException:  # noqa: BLE001 - logged and sent by the loop
         return 1
     finally:
         close()
-        conn.close()
+        channel.close()
 

@@ -12,10 +12,12 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from tokenmill.errors import InvalidRequestError, ModelLoadError
+from tokenmill.model.chat_guard import SpecialTextGuard
 from tokenmill.model.families import GGUF_FAMILIES
 
 # Tokens that end a turn in common chat formats; generation stops on any present
@@ -70,6 +72,29 @@ class Tokenizer:
             eos_token=self._token_text(self.eos_token_id),
             **({"tools": tools} if tools else {}),
         )
+
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        allow_special_tokens: bool = False,
+    ) -> list[int]:
+        """The prompt ids of a conversation. Special-token text in the messages or tools is
+        client text and tokenised as such (a user's ``<|im_end|>`` cannot end its turn and
+        forge a system one; model/chat_guard.py); the template's markers stay special.
+        ``allow_special_tokens``: the rendered text tokenised as it reads (for clients that
+        are trusted to write special tokens)."""
+        if allow_special_tokens or not self.special_token_ids:
+            text = self.apply_chat_template(messages, add_generation_prompt, tools)
+            return self.encode(text, add_special_tokens=False)
+        (messages, tools), nonce, found = self._guard.mark(messages, tools)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
+        return self._guard.encode(text, nonce) if found else self.encode(text, add_special_tokens=False)
+
+    @cached_property
+    def _guard(self) -> SpecialTextGuard:
+        return SpecialTextGuard(self.backend, self.special_token_ids)
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else self.token_to_str(token_id)

@@ -29,6 +29,7 @@ import logging
 import struct
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,8 @@ from tokenmill.engine.outputs import RequestOutput
 from tokenmill.errors import EngineDeadError, InvalidRequestError, TokenmillError, UnknownModelError
 from tokenmill.memory import parse_memory
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.admission import ClientWindows, check_count, check_tokens, client_of
+from tokenmill.server.clients import ClientBodyLimitMiddleware
 from tokenmill.server.live import LiveView
 from tokenmill.server.metrics import EngineSource, ServerMetrics
 from tokenmill.server.model_router import ModelRouter, Route, parse_routers
@@ -88,7 +91,7 @@ from tokenmill.server.responses import (
 )
 from tokenmill.server.responses import usage as responses_usage
 from tokenmill.server.tools import ToolRequest, ToolStream, parse_tool_request, render_messages
-from tokenmill.server.web import WebSessions, add_web_routes, authorised, login_page
+from tokenmill.server.web import WebSessions, add_web_routes, authorised, cross_site, cross_site_refusal, login_page
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +137,10 @@ class Served:
     # an error event and [DONE] rather than being cut mid-body.
     drain_expired: asyncio.Event = field(default_factory=asyncio.Event)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)  # a shutdown has begun
+    windows: ClientWindows = field(init=False)  # each client's place in the engine for many-prompt requests
+
+    def __post_init__(self) -> None:
+        self.windows = ClientWindows(self.config.max_inflight_prompts_per_client)
 
     @property
     def default(self) -> ServedModel:
@@ -176,7 +183,7 @@ def build_models_app(models: list[ServedModel], config: ServerConfig) -> FastAPI
     store = ResponseStore(config.max_stored_responses, config.stored_response_ttl)
     served = Served(by_name, config, metrics, store, routers, cache, LiveView(by_name))
     keys = api_keys(config)
-    sessions = WebSessions(keys)
+    sessions = WebSessions(keys, config.web_session_ttl)
     app = FastAPI(title="tokenmill", version="0.1")
     app.state.served = served
 
@@ -216,6 +223,7 @@ def build_models_app(models: list[ServedModel], config: ServerConfig) -> FastAPI
     if keys:
         app.add_middleware(APIKeyMiddleware, keys=keys, sessions=sessions, login_page=config.web)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes, timeout=config.request_body_timeout)
+    app.add_middleware(ClientBodyLimitMiddleware, limit=config.max_unfinished_bodies_per_client)  # clients.py
     app.add_middleware(OpenRequestLimitMiddleware, limit=config.max_open_requests)  # outermost: counts everything
 
     @app.get("/health")
@@ -298,8 +306,8 @@ def build_models_app(models: list[ServedModel], config: ServerConfig) -> FastAPI
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
         if body.messages is not None:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            text = await asyncio.to_thread(tokenizer.apply_chat_template, messages)
-            ids = await asyncio.to_thread(tokenizer.encode, text, False)
+            ids = await asyncio.to_thread(tokenizer.encode_chat, messages, True, None,
+                                          served.config.allow_special_tokens_in_messages)  # fmt: skip
         else:  # off the event loop: a long text must not stall /health or other requests
             ids = await asyncio.to_thread(tokenizer.encode, body.prompt, body.add_special_tokens)
         out: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
@@ -335,8 +343,10 @@ def build_models_app(models: list[ServedModel], config: ServerConfig) -> FastAPI
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         async def prepare(target: Target) -> tuple[list[list[int]], list[SamplingParams]]:
+            check_count(served.config, len(body.prompts()), "prompts", "prompt")  # before tokenising them all
             prompts = [truncate_prompt(await _encode(target, p), body.truncate_prompt_tokens, target.max_model_len)
                        for p in body.prompts()]  # fmt: skip
+            check_tokens(served.config, prompts, "prompts", "prompt")
             params = [body.sampling_params(_max_tokens(target, ids, body.max_tokens)).with_bad_word_ids(target.tokenizer)
                       for ids in prompts]  # fmt: skip
             return prompts, params
@@ -347,9 +357,12 @@ def build_models_app(models: list[ServedModel], config: ServerConfig) -> FastAPI
             if body.echo:  # the prompt as text: a token-id prompt decoded
                 echoes = [t if isinstance(t, str) else await asyncio.to_thread(target.tokenizer.decode, t, False)
                           for t in body.prompts()]  # fmt: skip
-            return _Job(served, target, "cmpl", "text_completion", prompts, params, body.include_usage,
+            made = _Job(served, target, "cmpl", "text_completion", prompts, params, body.include_usage,
                         body.return_timings, chat=False, echoes=echoes, prompt_logprobs_asked=body.prompt_logprobs is not None,
                         best_of_keep=body.n if body.ranks_best_of else None, logprobs_asked=body.logprobs is not None)  # fmt: skip
+            if len(prompts) > 1:  # its prompts enter the engine through the client's window (admission.py)
+                made.place = functools.partial(served.windows.place, client_of(request))
+            return made
 
         _check_cache_field(served, body)
         if body.use_beam_search:  # one search for all prompts: as many tokens as the tightest allows
@@ -363,7 +376,7 @@ def build_models_app(models: list[ServedModel], config: ServerConfig) -> FastAPI
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         async def job(target: Target) -> _Job:
-            ids, params, tools = await _chat_prompt(target, body)
+            ids, params, tools = await _chat_prompt(target, body, served.config.allow_special_tokens_in_messages)
             echo = body.echoed()
             return _Job(served, target, "chatcmpl", "chat.completion", [ids], [params],
                         body.include_usage, body.return_timings, chat=True, tools=tools, echoes=[echo] if echo else None,
@@ -373,7 +386,7 @@ def build_models_app(models: list[ServedModel], config: ServerConfig) -> FastAPI
         _check_cache_field(served, body)
         if body.use_beam_search:
             target = _target(served, body.model, "beam search")
-            ids, params, _ = await _chat_prompt(target, body)
+            ids, params, _ = await _chat_prompt(target, body, served.config.allow_special_tokens_in_messages)
             beam = body.beam_params(params.max_tokens)
             _check_queue(served, target, beam.beam_width)
             return await _until_disconnect(request, _beam_response(served, target, "chatcmpl", [ids], beam, body, chat=True))
@@ -385,20 +398,23 @@ def build_models_app(models: list[ServedModel], config: ServerConfig) -> FastAPI
         if body.dimensions is not None:
             raise APIError(400, "dimensions is not supported: the embeddings have the model's hidden size (no "
                                 "shortening)", "dimensions")  # fmt: skip
+        check_count(served.config, len(body.inputs()), "inputs", "input")  # before tokenising them all
         prompts = [truncate_prompt(await _encode(target, p), body.truncate_prompt_tokens, target.max_model_len)
                    for p in body.inputs()]  # fmt: skip
+        check_tokens(served.config, prompts, "inputs", "input")
         for i, ids in enumerate(prompts):
             if not ids:
                 raise APIError(400, f"input[{i}] is empty", "input")
             _max_tokens(target, ids, 1)  # fits the context
-        _check_queue(served, target, len(prompts))
+        place = functools.partial(served.windows.place, client_of(request)) if len(prompts) > 1 else None
+        _check_queue(served, target, len(prompts) if place is None else min(len(prompts), served.windows.size))
         rid = new_id("embd")
         params = SamplingParams(max_tokens=1, pooling=body.pooling)
         streams = [target.engine.generate(f"{rid}-{i}", ids, params, target.lora) for i, ids in enumerate(prompts)]
 
         async def collect() -> Response:
             vectors: dict[int, list[float]] = {}
-            async for i, out in _merge(streams):
+            async for i, out in _merge(streams, place):
                 if out.finished:
                     served.observe_finished(out, target.model.name)
                     vectors[i] = out.embedding or []
@@ -421,7 +437,7 @@ def build_models_app(models: list[ServedModel], config: ServerConfig) -> FastAPI
         chat = _chat_body(body.chat_body(history))
 
         async def job(target: Target) -> _ResponseJob:
-            ids, params, tools = await _chat_prompt(target, chat)
+            ids, params, tools = await _chat_prompt(target, chat, served.config.allow_special_tokens_in_messages)
             shape = ResponseShape(body, target.name)
             return _ResponseJob(served, target, shape, ids, params, tools, owner, history + body.input_messages())
 
@@ -477,20 +493,22 @@ def _openapi(app: FastAPI) -> dict:
     return schema
 
 
-async def _chat_prompt(target: Target, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams, ToolRequest | None]:
-    """A chat request's prompt ids (through the chat template, tools rendered), its
-    sampling parameters and its tools."""
+async def _chat_prompt(target: Target, body: ChatCompletionRequest,
+                       allow_special_tokens: bool = False) -> tuple[list[int], SamplingParams, ToolRequest | None]:  # fmt: skip
+    """A chat request's prompt ids (through the chat template, tools rendered; special-token
+    text in the messages tokenised as text unless ``allow_special_tokens``), its sampling
+    parameters and its tools."""
     tokenizer = target.tokenizer
     template = getattr(tokenizer, "chat_template", None)
     tools = parse_tool_request(body.tools, body.tool_choice, body.parallel_tool_calls, template)
     messages = [m.as_dict() for m in body.messages]
     messages = tools.render_messages(messages) if tools else render_messages(messages)
-    render = tokenizer.apply_chat_template
+    described = None
     if tools and tools.hermes:  # the template describes the tools itself
-        render = functools.partial(render, tools=[t.as_openai() for t in tools.offered])
-    text = await asyncio.to_thread(render, messages, body.add_generation_prompt)
-    ids = truncate_prompt(await asyncio.to_thread(tokenizer.encode, text, False), body.truncate_prompt_tokens,
-                          target.max_model_len)  # fmt: skip
+        described = [t.as_openai() for t in tools.offered]
+    ids = await asyncio.to_thread(tokenizer.encode_chat, messages, body.add_generation_prompt, described,
+                                  allow_special_tokens)  # fmt: skip
+    ids = truncate_prompt(ids, body.truncate_prompt_tokens, target.max_model_len)
     params = body.sampling_params(_max_tokens(target, ids, body.requested_max_tokens), tools and tools.constraint())
     return ids, params.with_bad_word_ids(tokenizer), tools
 
@@ -729,11 +747,11 @@ def _stored(served: Served, owner: str, response_id: str, param: str) -> Stored:
 
 
 def _check_queue(served: Served, target: Target, adding: int) -> None:
-    """429 while ``max_queue`` engine sequences already wait for the model."""
+    """429 (with Retry-After) while ``max_queue`` engine sequences already wait for the model."""
     queue, waiting = served.config.max_queue, target.engine.num_waiting
-    if queue is not None and waiting + adding > queue:
+    if queue and waiting + adding > queue:
         raise APIError(429, f"server busy: {waiting} sequences are already waiting and this request adds "
-                            f"{adding} (max_queue={queue}); retry later")  # fmt: skip
+                            f"{adding} (max_queue={queue}, --max-queue); retry later")  # fmt: skip
 
 
 def _all_names(served: Served) -> list[str]:
@@ -838,12 +856,14 @@ class _Job:
         # Called with the finished sequences (prompt index, output) of an answer that ended
         # well (every sequence stopped or reached its length): the response cache keeps it.
         self.on_answered: Callable[[list[tuple[int, RequestOutput]]], None] | None = None
+        self.place: Callable[[], AbstractAsyncContextManager] | None = None  # the client's window (several prompts)
 
     def _start(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        _check_queue(self.served, self.target, sum(p.n for p in self.params))  # engine sequences: prompts x n
+        first = self.params if self.place is None else self.params[: self.served.windows.size]  # in at once
+        _check_queue(self.served, self.target, sum(p.n for p in first))  # engine sequences: prompts x n
         streams = [self.target.engine.generate(f"{self.id}-{i}", ids, p, self.target.lora)
                    for i, (ids, p) in enumerate(zip(self.prompts, self.params, strict=True))]  # fmt: skip
-        return _merge(streams)
+        return _merge(streams, self.place)
 
     async def respond(self, request: Request, stream: bool) -> Response:
         merged = self._start()
@@ -1318,9 +1338,12 @@ async def _chain(first: list, rest: AsyncIterator) -> AsyncIterator:
         yield item
 
 
-async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merge(streams: list[AsyncIterator[RequestOutput]], place: Callable[[], AbstractAsyncContextManager] | None = None,
+                 ) -> AsyncIterator[tuple[int, RequestOutput]]:  # fmt: skip
     """Interleave several engine streams as (stream index, output). Closing the merged
-    stream (or cancelling its reader) cancels every pump, which aborts its request."""
+    stream (or cancelling its reader) cancels every pump, which aborts its request.
+    With ``place`` (the client's window: admission.py), each stream starts only once it
+    holds a place, and keeps it until it ends."""
     if len(streams) == 1:
         async for out in streams[0]:
             yield 0, out
@@ -1330,8 +1353,9 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
 
     async def pump(i: int, s: AsyncIterator[RequestOutput]) -> None:
         try:
-            async for out in s:
-                await queue.put((i, out))
+            async with place() if place is not None else contextlib.nullcontext():
+                async for out in s:
+                    await queue.put((i, out))
             await queue.put(done)
         except BaseException as e:  # noqa: BLE001 - handed to the reader
             await queue.put(e)
@@ -1361,10 +1385,12 @@ class APIKeyMiddleware:
     ``Authorization: Bearer KEY`` (the scheme is case-insensitive, RFC 7235) or the
     page's sign-in cookie (web.py: a browser cannot send the header when it opens the
     page or an event stream); a request that shows the cookie goes on as if it had sent
-    its key's header, so that it is the same tenant. ``GET /`` without a key is the
-    page's login form (``login_page``). A plain ASGI middleware, not Starlette's
-    BaseHTTPMiddleware, which wraps ``receive`` so that a handler never sees its client
-    disconnect, and a non-streamed request would run on unwatched."""
+    its key's header, so that it is the same tenant (but a request other than GET or
+    HEAD that another site's page sent with the cookie is a 403: ``web.cross_site``).
+    ``GET /`` without a key is the page's login form (``login_page``). A plain ASGI
+    middleware, not Starlette's BaseHTTPMiddleware, which wraps ``receive`` so that a
+    handler never sees its client disconnect, and a non-streamed request would run on
+    unwatched."""
 
     def __init__(self, app: Any, keys: tuple[str, ...], sessions: WebSessions, login_page: bool = True) -> None:
         self.app, self.keys, self.sessions, self.login_page = app, frozenset(k.encode() for k in keys), sessions, login_page
@@ -1372,13 +1398,16 @@ class APIKeyMiddleware:
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         path = scope["path"] if scope["type"] == "http" else ""
         if path == "/" or path.startswith(PROTECTED):
-            auth = authorised(scope["headers"], self.keys, self.sessions)
+            auth, by_cookie = authorised(scope["headers"], self.keys, self.sessions)
             if auth is None:
                 if path == "/" and self.login_page:
                     await login_page(401)(scope, receive, send)
                     return
                 response = error_response(401, "invalid or missing API key (send Authorization: Bearer <key>)")
                 await response(scope, receive, send)
+                return
+            if by_cookie and scope["method"] not in ("GET", "HEAD") and cross_site(scope["headers"]):
+                await cross_site_refusal()(scope, receive, send)  # 403: another site's page, riding the cookie
                 return
             scope = {**scope, "headers": auth}
         await self.app(scope, receive, send)

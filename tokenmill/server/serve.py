@@ -13,7 +13,9 @@ On SIGTERM (or Ctrl-C) uvicorn closes the listening socket at once, so nothing n
 is admitted, then waits up to ``--drain-timeout`` seconds for in-flight requests to
 finish. Streams still open then end with an error event and ``[DONE]``; what is left
 is cancelled (which aborts those requests); the engine loop stops last and the
-process exits 0.
+process exits 0. Whatever happens meanwhile, the first SIGTERM or Ctrl-C also arms a
+deadline (``--drain-timeout`` + ``EXIT_GRACE_S``) past which the process exits 1 at
+once: a stop is never left waiting on something stuck.
 
 If the engine dies (its loop fails, or a worker process of a split model dies), the
 requests in flight get 503, the server stops accepting, and the process exits 1, so
@@ -26,9 +28,12 @@ import argparse
 import asyncio
 import functools
 import logging
+import os
 import signal
 import socket
 import sys
+import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -44,8 +49,23 @@ from tokenmill.engine.async_engine import AsyncEngine, StreamingFront
 from tokenmill.errors import TokenmillError
 from tokenmill.memory import available_memory, parse_memory
 from tokenmill.server.app import api_keys, build_models_app
+from tokenmill.server.clients import uvicorn_options
 from tokenmill.server.model_router import parse_routers
 from tokenmill.server.models import ServedModel
+
+EXIT_GRACE_S = 15.0  # after the drain timeout, what stopping the engines may take before the process just exits
+
+
+def _exit_by(seconds: float) -> None:
+    """Exit the process ``seconds`` from now unless it has exited by then (a thread of its
+    own: it fires even while the main thread is stuck)."""
+
+    def expire() -> None:
+        time.sleep(seconds)
+        print(f"tokenmill: not stopped {seconds:g} s after the signal to stop; exiting now", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=expire, name="tokenmill-exit-deadline", daemon=True).start()
 
 
 async def _stop_when_dead(server, engine: StreamingFront, grace: float = 0.5) -> None:
@@ -166,9 +186,19 @@ def _run_server(models: list[ServedModel], config: ServerConfig, sock: socket.so
               file=sys.stderr, flush=True)  # fmt: skip
     # uvicorn waits a little longer than the drain timeout, so that at the timeout our
     # open streams can still send their error event and [DONE] before it closes them.
-    server = uvicorn.Server(
+
+    class Server(uvicorn.Server):
+        armed = False
+
+        def handle_exit(self, sig, frame) -> None:  # runs between the main thread's bytecodes, even mid-syscall
+            super().handle_exit(sig, frame)
+            if not self.armed:
+                self.armed = True
+                _exit_by(config.drain_timeout + EXIT_GRACE_S)
+
+    server = Server(
         uvicorn.Config(app, host=config.host, port=config.port, timeout_graceful_shutdown=config.drain_timeout + 2,
-                       log_level="warning", lifespan="off")  # fmt: skip
+                       log_level="warning", lifespan="off", **uvicorn_options(config))  # fmt: skip
     )
     # uvicorn drains on SIGTERM and then re-raises it to the handler installed before
     # it started: make that one a no-op, so that a drained server exits 0.

@@ -10,19 +10,24 @@ The page is behind ``--api-key`` like the API. A browser cannot send an
 ``Authorization`` header when it opens a page or an ``EventSource``, so signing in
 with a key sets an HttpOnly, SameSite=Strict cookie, and a request that shows it is
 treated as one that sent that key's header (APIKeyMiddleware in app.py): the same
-tenant, the same checks. The cookie holds no key: a digest of it under a secret of
-this server process (``WebSessions``), so other services on the host never see the
-key, and a restart signs everyone out. Sign-in is refused from another site's page.
+tenant, the same checks. The cookie holds no key: a random session id that this
+process maps to the key (``WebSessions``), so other services on the host never see
+the key, and a copied cookie is worth nothing once its session ends: at sign-out,
+after ``--web-session-ttl``, when the key's newer sessions push it out, or at a
+restart. Sign-in is refused from another site's page, and so is any request other
+than GET or HEAD that only the cookie authenticates (``cross_site``): SameSite=Strict
+still sends the cookie from a sibling subdomain, which is the same site.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import html
 import json
-import os
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 from importlib import resources
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -39,23 +44,54 @@ COOKIE = "tokenmill_session"
 SIGNED_IN = "tokenmill_signed_in"  # readable by the page: it shows "Sign out"
 STATIC = {"app.js": "text/javascript", "style.css": "text/css", "favicon.svg": "image/svg+xml"}
 NO_STORE = {"Cache-Control": "no-store"}
+SESSIONS_PER_KEY = 64  # live sign-ins per key; a new one ends the key's oldest
 PAGE_HEADERS = {**NO_STORE, "X-Frame-Options": "DENY", "Content-Security-Policy": "frame-ancestors 'none'",
                 "X-Content-Type-Options": "nosniff"}  # fmt: skip
 
 
 class WebSessions:
-    """Sign-in cookies: each key's session token is an HMAC of the key under a secret
-    made at start-up, so the cookie can be checked without holding the key."""
+    """Signed-in browsers: a random id per sign-in (the cookie's value), the key it stands
+    for and when it ends. Sign-out ends it at once; it ends by itself ``ttl`` seconds
+    after sign-in; a key has at most ``per_key`` (its oldest end first), so the table is
+    bounded by the keys and one key's holder cannot sign out another's browsers."""
 
-    def __init__(self, keys: tuple[str, ...]) -> None:
-        self._secret = os.urandom(32)
-        self._keys = {self.token(k): k.encode() for k in keys}
+    def __init__(self, keys: tuple[str, ...], ttl: float, per_key: int = SESSIONS_PER_KEY,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        self._keys, self.ttl, self.per_key, self._clock = frozenset(keys), ttl, per_key, clock
+        self._live: OrderedDict[str, tuple[str, float]] = OrderedDict()  # id -> (key, ends at), oldest first
 
-    def token(self, key: str) -> str:
-        return hmac.new(self._secret, key.encode(), hashlib.sha256).hexdigest()
+    def open(self, key: str) -> str:
+        """A new session for ``key`` (one of the server's): its id."""
+        assert key in self._keys
+        self._expire()
+        mine = [sid for sid, (k, _) in self._live.items() if k == key]
+        for sid in mine[: max(0, len(mine) + 1 - self.per_key)]:
+            del self._live[sid]
+        sid = secrets.token_urlsafe(32)
+        self._live[sid] = (key, self._clock() + self.ttl)
+        return sid
 
-    def key_of(self, token: str) -> bytes | None:
-        return self._keys.get(token)
+    def key_of(self, sid: str) -> bytes | None:
+        """The key of a live session, else None."""
+        found = self._live.get(sid)
+        if found is None:
+            return None
+        if found[1] <= self._clock():
+            del self._live[sid]
+            return None
+        return found[0].encode()
+
+    def close(self, sid: str) -> None:
+        self._live.pop(sid, None)
+
+    def __len__(self) -> int:
+        self._expire()
+        return len(self._live)
+
+    def _expire(self) -> None:
+        now = self._clock()
+        while self._live and next(iter(self._live.values()))[1] <= now:  # one ttl: oldest first is soonest first
+            self._live.popitem(last=False)
 
 
 def _static(name: str) -> bytes:
@@ -63,26 +99,41 @@ def _static(name: str) -> bytes:
 
 
 def authorised(headers: list[tuple[bytes, bytes]], keys: frozenset[bytes],
-               sessions: WebSessions) -> list[tuple[bytes, bytes]] | None:  # fmt: skip
+               sessions: WebSessions) -> tuple[list[tuple[bytes, bytes]] | None, bool]:  # fmt: skip
     """The request's headers if it shows a key (``Authorization: Bearer KEY``, or a
-    sign-in cookie, which becomes that key's header), else None."""
+    sign-in cookie, which becomes that key's header), else None; and whether the cookie
+    was the credential."""
     auth = next((v for k, v in headers if k == b"authorization"), b"")
     scheme, _, token = auth.partition(b" ")
     if scheme.lower() == b"bearer" and token.strip() in keys:
-        return headers
-    cookies = b"; ".join(v for k, v in headers if k == b"cookie").decode("latin-1")
-    key = sessions.key_of(cookie_parser(cookies).get(COOKIE, "")) if cookies else None  # parsed as browsers do
+        return headers, False
+    key = sessions.key_of(_session_id(headers))
     if key is not None:
-        return [(k, v) for k, v in headers if k != b"authorization"] + [(b"authorization", b"Bearer " + key)]
-    return None
+        return [(k, v) for k, v in headers if k != b"authorization"] + [(b"authorization", b"Bearer " + key)], True
+    return None, False
 
 
-def _same_site(request: Request) -> bool:
-    """A form posted from this server's own page, not from another site's (login CSRF)."""
-    if request.headers.get("sec-fetch-site") in ("cross-site", "same-site"):
-        return False
-    origin = request.headers.get("origin")
-    return origin is None or urlsplit(origin).netloc == request.headers.get("host")  # "null": another's
+def _session_id(headers: list[tuple[bytes, bytes]]) -> str:
+    cookies = b"; ".join(v for k, v in headers if k == b"cookie").decode("latin-1")
+    return cookie_parser(cookies).get(COOKIE, "") if cookies else ""  # parsed as browsers do
+
+
+def cross_site(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Sent from another site's page (or another subdomain's): ``Sec-Fetch-Site`` says so,
+    or ``Origin`` names another host than ``Host`` ("null" included). A request with
+    neither (not from a browser, or an old one) is not."""
+    found = {k: v.decode("latin-1") for k, v in headers if k in (b"sec-fetch-site", b"origin", b"host")}
+    if found.get(b"sec-fetch-site") in ("cross-site", "same-site"):
+        return True
+    origin = found.get(b"origin")
+    return origin is not None and urlsplit(origin).netloc.lower() != found.get(b"host", "").lower()
+
+
+def cross_site_refusal() -> JSONResponse:
+    """403 in OpenAI's shape for a request that only the cookie authenticates, sent from another site."""
+    message = ("a request from another site's page cannot use this server's sign-in cookie; "
+               "send Authorization: Bearer <key>")  # fmt: skip
+    return JSONResponse(error_body(message, "PermissionDeniedError", 403), status_code=403)
 
 
 def login_page(status: int, error: str | None = None) -> HTMLResponse:
@@ -121,7 +172,7 @@ def add_web_routes(app: FastAPI, served: Any, keys: tuple[str, ...], sessions: W
 
             @app.post("/login", include_in_schema=False)
             async def login(request: Request) -> Response:
-                if not _same_site(request):
+                if cross_site(request.headers.raw):
                     return login_page(403, "Sign in from this server's own page.")
                 form = parse_qs((await request.body()).decode("utf-8", "replace"))
                 key = (form.get("key") or [""])[0].strip()
@@ -129,15 +180,16 @@ def add_web_routes(app: FastAPI, served: Any, keys: tuple[str, ...], sessions: W
                     return login_page(401, "That key is not one of this server's.")
                 secure = request.url.scheme == "https" or request.headers.get("x-forwarded-proto") == "https"
                 response = RedirectResponse("/", status_code=303)
-                response.set_cookie(COOKIE, sessions.token(key), httponly=True, samesite="strict", path="/",
+                response.set_cookie(COOKIE, sessions.open(key), httponly=True, samesite="strict", path="/",
                                     secure=secure)  # fmt: skip
                 response.set_cookie(SIGNED_IN, "1", samesite="strict", path="/", secure=secure)
                 return response
 
             @app.post("/logout", include_in_schema=False)
             async def logout(request: Request) -> Response:
-                if not _same_site(request):
+                if cross_site(request.headers.raw):
                     return login_page(403, "Sign out from this server's own page.")
+                sessions.close(_session_id(request.headers.raw))  # a copy of the cookie is worth nothing now
                 response = RedirectResponse("/", status_code=303)
                 response.delete_cookie(COOKIE, path="/", httponly=True, samesite="strict")
                 response.delete_cookie(SIGNED_IN, path="/", samesite="strict")

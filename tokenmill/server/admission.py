@@ -1,0 +1,104 @@
+"""What one request or one client may put into the engine at once.
+
+The per-request limits (prompts, embedding inputs, prompt tokens) are checked by the
+routes with ``check_count`` and ``check_tokens``; a request over one is a 400 that names the limit
+and its flag. The queue limit (``max_queue``: 429 with Retry-After) is app.py's
+``_check_queue``.
+
+``ClientWindows`` is the fairness rule (issue 40): the engine serves its waiting queue
+first come, first served, so a completions request with 2,000 prompts, put in whole,
+would run ahead of every request that comes after it (other clients' time to first
+token went from 0.9 s to over 60 s). Instead, the prompts of a request that has
+several enter the engine through a window per client (its API key, else its address):
+at most ``size`` of them are in the engine at once, the next one entering as one
+ends. Other clients' requests then queue behind at most a window of that client's
+prompts, and share the steps with it. A request with one prompt does not wait for a
+window: what it can hold is bounded by the queue limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from tokenmill.config import ServerConfig
+from tokenmill.errors import InvalidRequestError
+
+
+def client_of(request: Request) -> str:
+    """Who is asking, for fairness: the API key (a digest of it: never the key itself),
+    else the peer's address."""
+    auth = request.headers.get("authorization")
+    if auth:
+        return "key:" + hashlib.sha256(auth.encode()).hexdigest()[:16]
+    return "addr:" + (request.client.host if request.client is not None else "?")
+
+
+def _limit(config: ServerConfig, what: str) -> tuple[int, str]:
+    if what == "inputs":
+        return config.max_embedding_inputs, "--max-embedding-inputs"
+    return config.max_prompts_per_request, "--max-prompts-per-request"
+
+
+def check_count(config: ServerConfig, count: int, what: str, param: str) -> None:
+    """400 when a request carries more prompts (``what``: "prompts", or an embeddings
+    request's "inputs") than the server takes in one request."""
+    limit, flag = _limit(config, what)
+    if count > limit:
+        raise InvalidRequestError(f"this request has {count} {what}; the server takes at most {limit} in one request "
+                                  f"({flag}): split it", param=param)  # fmt: skip
+
+
+def check_tokens(config: ServerConfig, prompts: Sequence[Sequence[int]], what: str, param: str) -> None:
+    """400 when a request's prompts hold more tokens in all than the server takes in one."""
+    tokens = sum(len(p) for p in prompts)
+    if tokens > config.max_request_tokens:
+        raise InvalidRequestError(f"this request's {what} have {tokens} tokens in all; the server takes at most "
+                                  f"{config.max_request_tokens} in one request (--max-request-tokens): split it",
+                                  param=param)  # fmt: skip
+
+
+class ClientWindows:
+    """A window of ``size`` engine requests per client, for the prompts of requests that
+    carry several (see the module's docstring). One event loop's; entries live while a
+    request of that client holds or waits for a place."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._open: dict[str, _Window] = {}
+
+    @contextlib.asynccontextmanager
+    async def place(self, client: str) -> AsyncIterator[None]:
+        """Hold one of the client's places while the block runs (waiting for one first)."""
+        window = self._open.get(client)
+        if window is None:
+            window = self._open[client] = _Window(asyncio.Semaphore(self.size))
+        window.users += 1
+        try:
+            async with window.places:
+                window.held += 1
+                try:
+                    yield
+                finally:
+                    window.held -= 1
+        finally:
+            window.users -= 1
+            if window.users == 0:
+                del self._open[client]
+
+    def in_use(self, client: str) -> int:
+        """The client's places held now (0 for a client with no request here)."""
+        window = self._open.get(client)
+        return 0 if window is None else window.held
+
+
+@dataclass
+class _Window:
+    places: asyncio.Semaphore
+    users: int = 0  # holding a place or waiting for one
+    held: int = 0
