@@ -338,3 +338,12 @@ def test_requests_past_the_open_request_cap_get_503_and_probes_still_answer():
     assert status == 503 and err["code"] == 503 and "--max-open-requests" in err["message"] and headers["retry-after"]
     assert health[0] == 200
     assert after[0] == 200 and json.loads(after[2])["choices"][0]["text"]
+
+
+def test_a_schema_nested_deeper_than_the_limit_is_a_400_naming_it(app_engine):
+    schema: dict = {"type": "string"}
+    for _ in range(70):
+        schema = {"properties": {"a": schema}}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}}  # fmt: skip
+    assert_error(call(app_engine[0], "POST", "/v1/chat/completions", body), 400, "nested more than")

@@ -23,7 +23,12 @@ from tokenmill.sampling_params import MAX_N, SamplingParams
 from tokenmill.structured.spec import StructuredOutputs
 
 
-def _check_unicode(value: Any) -> None:
+MAX_DEPTH = 64  # JSON nested deeper than this in a field is refused (a schema 129 deep was a 500: issue 40)
+
+
+def _check_unicode(value: Any, depth: int = 0) -> None:
+    if depth > MAX_DEPTH:
+        raise ValueError(f"is nested more than {MAX_DEPTH} levels deep")
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -31,11 +36,11 @@ def _check_unicode(value: Any) -> None:
             raise ValueError("contains a lone surrogate: not valid Unicode text") from None
     elif isinstance(value, list):
         for v in value:
-            _check_unicode(v)
+            _check_unicode(v, depth + 1)
     elif isinstance(value, dict):
         for k, v in value.items():
-            _check_unicode(k)
-            _check_unicode(v)
+            _check_unicode(k, depth + 1)
+            _check_unicode(v, depth + 1)
 
 
 class _Body(BaseModel):
