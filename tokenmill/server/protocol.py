@@ -22,7 +22,6 @@ from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import MAX_N, SamplingParams
 from tokenmill.structured.spec import StructuredOutputs
 
-
 MAX_DEPTH = 64  # JSON nested deeper than this in a field is refused (a schema 129 deep was a 500: issue 40)
 
 
