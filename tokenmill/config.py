@@ -325,7 +325,7 @@ class ServerConfig:
                                        "included); more get 503 until some finish (/health and /metrics exempt)")  # fmt: skip
     max_connections_per_client: int = opt(256, "most connections open at once from one client address (an IPv6 "
                                                "address: its /64); more are answered 429 and closed")  # fmt: skip
-    max_unfinished_bodies_per_client: int = opt(32, "most requests from one client address whose bodies are still "
+    max_unfinished_bodies_per_client: int = opt(128, "most requests from one client address whose bodies are still "
                                                     "arriving; more get 429")  # fmt: skip
     request_header_timeout: float = opt(5.0, "seconds a connection has to send a whole request head, from its "
                                              "start or its last response; then it is closed")  # fmt: skip
