@@ -64,6 +64,19 @@ BAD_BODIES = [
 ]
 
 
+async def read_stream(client, path: str, body: dict, row: dict, start: float) -> list[str]:
+    """POST a streamed request; its status and time to first text go in ``row``; its data lines back."""
+    lines = []
+    async with client.stream("POST", path, json=body) as resp:
+        row["status"] = resp.status_code
+        async for ln in resp.aiter_lines():
+            if ln.startswith("data: "):
+                if "ttft" not in row and ('"text": "' in ln or '"content": "' in ln) and '"content": ""' not in ln:
+                    row["ttft"] = time.perf_counter() - start
+                lines.append(ln)
+    return lines
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -259,18 +272,7 @@ class Soak:
             else:
                 path, body = self.body()
                 if body["stream"]:
-                    lines = []
-                    async with client.stream("POST", path, json=body) as resp:
-                        row["status"] = resp.status_code
-                        async for ln in resp.aiter_lines():
-                            if ln.startswith("data: "):
-                                if (
-                                    "ttft" not in row
-                                    and ('"text": "' in ln or '"content": "' in ln)
-                                    and '"content": ""' not in ln
-                                ):
-                                    row["ttft"] = time.perf_counter() - start
-                                lines.append(ln)
+                    lines = await read_stream(client, path, body, row, start)
                     row["complete"] = bool(lines) and lines[-1] == "data: [DONE]"
                 else:
                     resp = await client.post(path, json=body)

@@ -45,7 +45,7 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
-from soak import RESULTS, Soak, gauges, log
+from soak import RESULTS, Soak, gauges, log, read_stream
 
 # Bearer tokens: no --api-key is set (the harness does not test auth), but each kind of
 # client presents its own, so that a server can tell them apart (a tenant is its token).
@@ -307,18 +307,7 @@ class AbuseSoak:
             row = {"t": start - self.t0, "stream": body["stream"]}
             try:
                 if body["stream"]:
-                    lines = []
-                    async with client.stream("POST", path, json=body) as resp:
-                        row["status"] = resp.status_code
-                        async for ln in resp.aiter_lines():
-                            if ln.startswith("data: "):
-                                if (
-                                    "ttft" not in row
-                                    and ('"text": "' in ln or '"content": "' in ln)
-                                    and '"content": ""' not in ln
-                                ):
-                                    row["ttft"] = time.perf_counter() - start
-                                lines.append(ln)
+                    lines = await read_stream(client, path, body, row, start)
                     row["stream_error"] = any(ln.startswith('data: {"error"') for ln in lines)
                     row["complete"] = resp.status_code == 200 and bool(lines) and lines[-1] == "data: [DONE]" \
                         and not row["stream_error"]  # fmt: skip
