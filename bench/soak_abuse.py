@@ -309,7 +309,7 @@ class AbuseSoak:
                 if body["stream"]:
                     lines = await read_stream(client, path, body, row, start)
                     row["stream_error"] = any(ln.startswith('data: {"error"') for ln in lines)
-                    row["complete"] = resp.status_code == 200 and bool(lines) and lines[-1] == "data: [DONE]" \
+                    row["complete"] = row["status"] == 200 and bool(lines) and lines[-1] == "data: [DONE]" \
                         and not row["stream_error"]  # fmt: skip
                 else:
                     resp = await client.post(path, json=body)
