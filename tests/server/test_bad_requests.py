@@ -347,3 +347,81 @@ def test_a_schema_nested_deeper_than_the_limit_is_a_400_naming_it(app_engine):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
             "response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}}  # fmt: skip
     assert_error(call(app_engine[0], "POST", "/v1/chat/completions", body), 400, "nested more than")
+
+
+def test_an_unknown_field_inside_a_message_is_refused_by_name(app_engine):
+    """Issue 40 item 7: the fields of a message are as strict as the request's. The
+    fields of an assistant message clients send back as they got it are accepted when
+    empty and refused, by name, with content (nothing would render them)."""
+    app = app_engine[0]
+
+    def chat(*messages):
+        return call(app, "POST", "/v1/chat/completions", {"messages": list(messages), "max_tokens": 2})
+
+    err = assert_error(chat({"role": "user", "content": "hi", "foo": 1}), 400, "Unrecognized request argument supplied: foo")
+    assert err["param"] == "foo"
+    echoed = {"role": "assistant", "content": "yes", "refusal": None, "annotations": [], "audio": None,
+              "function_call": None, "reasoning_content": None}  # fmt: skip
+    assert chat({"role": "user", "content": "hi"}, echoed, {"role": "user", "content": "and?"}).status_code == 200
+    err = assert_error(chat({"role": "user", "content": "hi"}, {**echoed, "refusal": "no"}), 400, "refusal")
+    assert err["param"] == "messages"
+
+
+def test_a_nul_byte_in_a_lora_path_is_a_400_naming_it():
+    engine = AsyncEngine(Engine(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=16, block_size=4, max_model_len=64)))
+    app = build_app(engine, ToyTokenizer(), 64, ServerConfig(served_model_name=MODEL, allow_runtime_lora_updating=True))
+    try:
+        for field, body in (("lora_path", {"lora_name": "a", "lora_path": "/tmp/x\x00y"}),
+                            ("lora_name", {"lora_name": "a\x00", "lora_path": "/tmp/x"})):  # fmt: skip
+            err = assert_error(call(app, "POST", "/v1/load_lora_adapter", body, auth=None), 400, "NUL byte")
+            assert err["param"] == field
+    finally:
+        engine.shutdown()
+
+
+class _FailingTokenizer(ToyTokenizer):
+    """A tokenizer with a bug: text with "boom" in it raises what no handler expects."""
+
+    def encode(self, text, add_special_tokens=True):
+        if "boom" in text:
+            raise RuntimeError("a bug")
+        return super().encode(text, add_special_tokens)
+
+
+def test_an_unexpected_error_is_a_json_500_and_the_connection_serves_the_next_request():
+    """Issue 40 item 3: before, Starlette answered plain text and re-raised, and uvicorn
+    dropped the keep-alive connection. On one real uvicorn, one HTTP/1.1 connection: the
+    failing request gets OpenAI's error shape, and the next request on it is answered."""
+    import http.client
+    import socket
+    import threading
+
+    import uvicorn
+
+    from tests.helpers import wait_until
+
+    engine = AsyncEngine(Engine(ScriptedRunner(4), _FailingTokenizer(), EngineConfig(num_blocks=16, block_size=4, max_model_len=64)))
+    app = build_app(engine, _FailingTokenizer(), 64, ServerConfig(served_model_name=MODEL))
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="critical", lifespan="off"))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[listener])), daemon=True)
+    thread.start()
+    try:
+        assert wait_until(lambda: server.started, timeout=10)
+        conn = http.client.HTTPConnection("127.0.0.1", listener.getsockname()[1], timeout=10)
+        conn.request("POST", "/tokenize", json.dumps({"prompt": "boom"}), {"content-type": "application/json"})
+        r = conn.getresponse()
+        err = json.loads(r.read())["error"]
+        assert r.status == 500 and err["code"] == 500 and err["type"] == "InternalServerError", err
+        sock = conn.sock
+        conn.request("POST", "/tokenize", json.dumps({"prompt": "fine"}), {"content-type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 200 and json.loads(r.read())["count"] == 4
+        assert conn.sock is sock  # the same connection, not a reconnect
+        conn.close()
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        engine.shutdown()

@@ -224,7 +224,8 @@ def build_models_app(models: list[ServedModel], config: ServerConfig) -> FastAPI
         app.add_middleware(APIKeyMiddleware, keys=keys, sessions=sessions, login_page=config.web)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes, timeout=config.request_body_timeout)
     app.add_middleware(ClientBodyLimitMiddleware, limit=config.max_unfinished_bodies_per_client)  # clients.py
-    app.add_middleware(OpenRequestLimitMiddleware, limit=config.max_open_requests)  # outermost: counts everything
+    app.add_middleware(OpenRequestLimitMiddleware, limit=config.max_open_requests)  # counts everything
+    app.add_middleware(UnexpectedErrorMiddleware)  # outermost of ours: anything unforeseen is a JSON 500
 
     @app.get("/health")
     async def health() -> Response:
@@ -1411,6 +1412,40 @@ class APIKeyMiddleware:
                 return
             scope = {**scope, "headers": auth}
         await self.app(scope, receive, send)
+
+
+class UnexpectedErrorMiddleware:
+    """An exception no handler foresaw is logged and answered with a JSON 500 in
+    OpenAI's shape, and not raised on: Starlette's own last resort answers plain text
+    and re-raises, and uvicorn then drops the keep-alive connection, so the client's
+    next request on it fails too. If the response had already started (a stream), the
+    exception goes on up (the connection cannot be kept: its response is cut), unless
+    the response was already whole."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = finished = False
+
+        async def watched(message: dict) -> None:
+            nonlocal started, finished
+            started = started or message["type"] == "http.response.start"
+            finished = finished or (message["type"] == "http.response.body" and not message.get("more_body"))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception:
+            logger.exception("unexpected error in %s %s", scope.get("method"), scope.get("path"))
+            if finished:
+                return  # the client has its whole answer: the connection stays
+            if started:
+                raise
+            await error_response(500, "internal error: the server failed on this request (see its log)")(scope, receive, send)
 
 
 UNCAPPED = ("/health", "/ping", "/metrics")  # a saturated server still answers its probes

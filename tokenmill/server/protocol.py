@@ -301,13 +301,29 @@ class CompletionRequest(_SamplingFields):
         return self._sampling(max_tokens, self.logprobs, self.structured(), max(scored) if scored else None)
 
 
-class ChatMessage(_Body):
+class ChatMessage(StrictBody):
+    """One message; a field it does not know is refused, like the request's own."""
+
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # OpenAI's, nothing else
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool result's call
     private: bool = False  # tokenmill's: a request with a private message is never cached (--response-cache)
+    # Fields of an assistant message that clients send back as they got it (from OpenAI or vLLM): accepted
+    # empty, refused with content, since nothing here would render them into the prompt.
+    refusal: Any = None
+    audio: Any = None
+    function_call: Any = None
+    annotations: Any = None
+    reasoning_content: Any = None
+
+    @model_validator(mode="after")
+    def _echoed_fields_empty(self) -> "ChatMessage":
+        for name in ("refusal", "audio", "function_call", "annotations", "reasoning_content"):
+            if getattr(self, name) not in (None, [], ""):
+                raise InvalidRequestError(f"messages with {name} are not supported", param="messages")
+        return self
 
     def as_dict(self) -> dict[str, Any]:
         """The message for the chat template (tool fields kept for the tools renderer)."""
@@ -437,6 +453,13 @@ class LoRAAdapterRequest(StrictBody):
     lora_name: str = Field(min_length=1, max_length=256)
     lora_path: str | None = None
     model: str | None = None  # tokenmill's: the served model the adapter is for (several models; default: the first)
+
+    @field_validator("lora_name", "lora_path")
+    @classmethod
+    def _no_nul(cls, value: str | None, info: Any) -> str | None:
+        if value is not None and "\x00" in value:
+            raise InvalidRequestError(f"{info.field_name} contains a NUL byte", param=info.field_name)
+        return value
 
 
 class DetokenizeRequest(StrictBody):
