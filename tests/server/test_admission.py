@@ -1,0 +1,141 @@
+"""Issue 40 item 2: what one request or client may put into the engine, limited by
+default. In process, on a scripted engine (no model): each limit is a 4xx naming its
+flag, and the prompts of a many-prompt request share the engine with other clients'
+requests instead of going first in full."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from tests.helpers import ScriptedRunner, ToyTokenizer
+from tokenmill.config import ServerConfig
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.engine import Engine, EngineConfig
+from tokenmill.engine.scheduler import SchedulerConfig
+from tokenmill.server.app import build_app
+
+MODEL = "toy"
+
+
+class SlowRunner(ScriptedRunner):
+    """A scripted runner whose steps take 2 ms, as a model's would take some time."""
+
+    def execute(self, batch, grammar=None):
+        time.sleep(0.002)
+        return super().execute(batch, grammar)
+
+
+def _scope(client: str, path: str) -> dict:
+    return {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(), "query_string": b"",
+            "headers": [(b"content-type", b"application/json")], "http_version": "1.1", "scheme": "http",
+            "server": ("t", 80), "client": (client, 1), "root_path": ""}  # fmt: skip
+
+
+async def _post(app, client: str, path: str, body: dict, events: list | None = None) -> tuple[int, dict, bytes]:
+    """POST ``body`` from ``client``; each body part sent is appended to ``events`` with
+    the time it was sent. The client never disconnects."""
+    first = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        if first:
+            return first.pop()
+        await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+        if events is not None and message["type"] == "http.response.body":
+            events.append((time.monotonic(), message.get("body", b"")))
+
+    await app(_scope(client, path), receive, send)
+    headers = {k.decode(): v.decode() for k, v in sent[0].get("headers", [])}
+    return sent[0]["status"], headers, b"".join(m.get("body", b"") for m in sent[1:])
+
+
+def test_the_limits_are_on_by_default():
+    config = ServerConfig()
+    assert config.max_queue == 1024 and config.max_prompts_per_request == 2048
+    assert config.max_embedding_inputs == 2048 and config.max_request_tokens == 262144
+    assert config.max_inflight_prompts_per_client == 32
+
+
+@pytest.mark.parametrize("path,body,flag", [
+    ("/v1/completions", {"prompt": ["a"] * 4, "max_tokens": 1}, "--max-prompts-per-request"),
+    ("/v1/completions", {"prompt": [[1, 2]] * 4, "max_tokens": 1}, "--max-prompts-per-request"),
+    ("/v1/embeddings", {"input": ["a"] * 4}, "--max-embedding-inputs"),
+    ("/v1/completions", {"prompt": ["abcdef", "abcdef"], "max_tokens": 1}, "--max-request-tokens"),
+    ("/v1/embeddings", {"input": ["abcdef", "abcdef"]}, "--max-request-tokens"),
+])  # fmt: skip
+def test_a_request_over_a_limit_is_a_400_naming_its_flag_and_leaves_nothing_behind(path, body, flag):
+    engine = AsyncEngine(Engine(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=64, block_size=4, max_model_len=64)))
+    config = ServerConfig(served_model_name=MODEL, max_prompts_per_request=3, max_embedding_inputs=3,
+                          max_request_tokens=10)  # fmt: skip
+    app = build_app(engine, ToyTokenizer(), 64, config)
+    try:
+        status, _, raw = asyncio.run(_post(app, "10.0.0.1", path, {"model": MODEL, **body}))
+        err = json.loads(raw)["error"]
+        assert status == 400 and err["code"] == 400 and flag in err["message"], err
+        assert err["param"] in ("prompt", "input")
+        assert engine.engine.num_unfinished_requests == 0
+        ok = {"prompt": ["abc", "abc"], "max_tokens": 1} if path == "/v1/completions" else {"input": ["abc", "abc"]}
+        status, _, raw = asyncio.run(_post(app, "10.0.0.1", path, {"model": MODEL, **ok}))
+        assert status == 200, raw
+    finally:
+        engine.shutdown()
+
+
+def test_a_many_prompt_request_shares_the_engine_with_another_clients_request():
+    """One client's 12 prompts, streamed, against an engine that runs 2 sequences at a
+    time; another client's one prompt arrives once they run. Before, the 12 went in
+    first in full and the other request waited for all of them; with a window of 2
+    places per client, the other request is answered while most of the 12 still wait,
+    and the first client never holds more than its 2 places."""
+    scheduler = SchedulerConfig(max_num_seqs=2)
+    engine = AsyncEngine(Engine(SlowRunner(4), ToyTokenizer(), EngineConfig(num_blocks=64, block_size=4, max_model_len=64,
+                                                                           scheduler=scheduler)))  # fmt: skip
+    app = build_app(engine, ToyTokenizer(), 64, ServerConfig(served_model_name=MODEL, max_inflight_prompts_per_client=2))
+    windows = app.state.served.windows
+    many = {"model": MODEL, "prompt": [f"p{i}" for i in range(12)], "max_tokens": 12, "stream": True}
+
+    async def main():
+        events: list = []
+        held: list[int] = []
+        big = asyncio.create_task(_post(app, "10.0.0.1", "/v1/completions", many, events))
+
+        async def watch():
+            while not big.done():
+                held.append(windows.in_use("addr:10.0.0.1"))
+                await asyncio.sleep(0.001)
+
+        watcher = asyncio.create_task(watch())
+        while engine.engine.num_unfinished_requests == 0:
+            await asyncio.sleep(0.001)
+        small = await _post(app, "10.0.0.2", "/v1/completions", {"model": MODEL, "prompt": "q", "max_tokens": 4})
+        answered_at = time.monotonic()
+        await big
+        await watcher
+        return events, held, small, answered_at
+
+    try:
+        events, held, small, answered_at = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert small[0] == 200 and json.loads(small[2])["choices"][0]["text"]
+    finished_before = set()
+    finished = set()
+    for t, body in events:
+        for line in body.decode().splitlines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    if choice.get("finish_reason"):
+                        finished.add(choice["index"])
+                        if t < answered_at:
+                            finished_before.add(choice["index"])
+    assert finished == set(range(12))  # the many-prompt request was answered in full
+    assert len(finished_before) <= 4, f"{len(finished_before)} of the 12 prompts went before the other client's one"
+    assert max(held) == 2
