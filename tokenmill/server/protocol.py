@@ -319,7 +319,7 @@ class ChatMessage(StrictBody):
     reasoning_content: Any = None
 
     @model_validator(mode="after")
-    def _echoed_fields_empty(self) -> "ChatMessage":
+    def _echoed_fields_empty(self) -> ChatMessage:
         for name in ("refusal", "audio", "function_call", "annotations", "reasoning_content"):
             if getattr(self, name) not in (None, [], ""):
                 raise InvalidRequestError(f"messages with {name} are not supported", param="messages")
