@@ -96,6 +96,7 @@ class ModelConfig:
 SPECULATIVE_METHODS = ("ngram", "draft", "self", "eagle", "medusa")
 WEIGHT_QUANTIZATIONS = ("auto", "none", "int8", "int4")
 KERNELS = ("auto", "native", "torch")
+QUANT_ARITHMETICS = ("float", "int8")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 
 
@@ -118,6 +119,12 @@ class LoadConfig:
                                     "(quantised at load)",
                             choices=WEIGHT_QUANTIZATIONS)  # fmt: skip
     quantization_group_size: int = opt(32, "int4: input channels per scale and zero point (GGUF Q4 blocks are 32)")
+    quant_arithmetic: str = opt("float", "a GGUF's quantised weights, kept by quantization auto: float (widened at "
+                                         "load to float-scaled groups, multiplied in float: the dequantised "
+                                         "weights' numbers) or int8 (Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K kept at the "
+                                         "file's own bytes, activations quantised to 8-bit blocks per step and "
+                                         "integer dot products: llama.cpp's arithmetic)",
+                                 choices=QUANT_ARITHMETICS)  # fmt: skip
     kernels: str = opt("auto", "per-layer ops: native (C++ CPU kernels, built on first use), torch (the pure-torch "
                                "reference) or auto (native on the CPU where they build)", choices=KERNELS)
 
@@ -126,6 +133,8 @@ class LoadConfig:
                f"quantization must be one of {', '.join(WEIGHT_QUANTIZATIONS)}, got {self.quantization!r}")  # fmt: skip
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
         _check(self.quantization_group_size >= 1, "quantization_group_size must be >= 1")
+        _check(self.quant_arithmetic in QUANT_ARITHMETICS,
+               f"quant_arithmetic must be one of {', '.join(QUANT_ARITHMETICS)}, got {self.quant_arithmetic!r}")
         _check(self.kernels in KERNELS, f"kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
 
 

@@ -101,7 +101,7 @@ def build_engine(args: EngineArgs, progress: bool = True, engine_class: type[Eng
     device = resolve_device(load.device)
     dtype = resolve_dtype(load.dtype, device)
     check_options(args)  # before any weights load: a bad option costs no loading time
-    ckpt = load_checkpoint(load.model, dtype, progress=progress, keep_quantized=keeps_quantized_blocks(args, device))
+    ckpt = load_checkpoint(load.model, dtype, progress=progress, **quantised_blocks(args, device))
     tokenizer = load_tokenizer(ckpt.path, ckpt.metadata)
     config, path = ckpt.config, ckpt.path
     cluster = None
@@ -171,6 +171,12 @@ def build_engine(args: EngineArgs, progress: bool = True, engine_class: type[Eng
     return EngineParts(args, engine, runner, model, tokenizer, config, path, device, dtype, max_model_len, num_blocks, per_block)
 
 
+def quantised_blocks(args: EngineArgs, device: torch.device) -> dict[str, bool]:
+    """load_checkpoint's options: which quantised GGUF weights stay in blocks, and which blocks."""
+    keep = keeps_quantized_blocks(args, device)
+    return {"keep_quantized": keep, "int8_blocks": keep and args.load.quant_arithmetic == "int8"}
+
+
 def keeps_quantized_blocks(args: EngineArgs, device: torch.device) -> bool:
     """``quantization="auto"``: a GGUF's quantised weights stay in their blocks where the native
     kernels run them (one process on the CPU); elsewhere they are dequantised at load."""
@@ -226,7 +232,7 @@ def _load_draft(
     device: torch.device, progress: bool,
 ) -> LlamaForCausalLM:  # fmt: skip
     """Load the draft model (checked against the target by ``check_options``)."""
-    ckpt = load_checkpoint(path, dtype, progress=progress, keep_quantized=keeps_quantized_blocks(args, device))
+    ckpt = load_checkpoint(path, dtype, progress=progress, **quantised_blocks(args, device))
     return prepare_model(LlamaForCausalLM.from_weights(ckpt.config, ckpt.weights, device), device, args.load)
 
 

@@ -28,6 +28,7 @@ from tokenmill.errors import ModelLoadError
 from tokenmill.model.families import Family, family_named, gguf_family, hf_family, window_if_shorter
 from tokenmill.model.gguf_file import read_gguf
 from tokenmill.model.paths import resolve_model_path
+from tokenmill.quant.blocks import BLOCK_TYPES, BlockWeight
 from tokenmill.quant.packed import NATIVE_GGUF_TYPES, PackedWeight
 
 # GGML tensor types we dequantise at load (gguf.quants implements each).
@@ -97,14 +98,17 @@ def _read_config_json(path: Path) -> dict[str, Any]:
 
 
 def load_checkpoint(
-    model: str | Path | None, dtype: torch.dtype = torch.float32, progress: bool = True, keep_quantized: bool = False
-) -> Checkpoint:
+    model: str | Path | None, dtype: torch.dtype = torch.float32, progress: bool = True, keep_quantized: bool = False,
+    int8_blocks: bool = False,
+) -> Checkpoint:  # fmt: skip
     """Load a .gguf file or a Hugging Face folder (config.json + *.safetensors).
-    ``keep_quantized``: a GGUF's quantised linear weights and embedding stay quantised."""
+    ``keep_quantized``: a GGUF's quantised linear weights and embedding stay quantised;
+    ``int8_blocks``: those of the types quant/blocks.py serves stay in the file's blocks
+    (``BlockWeight``, int8 arithmetic), the others are widened (``PackedWeight``)."""
     path = resolve_model_path(model)
     if path.is_dir():
         return _load_hf_folder(path, dtype, progress)
-    return _load_gguf(path, dtype, progress, keep_quantized)
+    return _load_gguf(path, dtype, progress, keep_quantized, int8_blocks)
 
 
 # ----------------------------------------------------------------------------- GGUF
@@ -171,7 +175,8 @@ _PACKABLE = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
 _SIXTEEN_BITS = {"F16": torch.float16, "BF16": torch.bfloat16}
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, progress: bool, keep_quantized: bool = False) -> Checkpoint:
+def _load_gguf(path: Path, dtype: torch.dtype, progress: bool, keep_quantized: bool = False,
+               int8_blocks: bool = False) -> Checkpoint:  # fmt: skip
     from gguf import GGMLQuantizationType, dequantize
 
     metadata, tensors = read_gguf(path)
@@ -193,7 +198,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: bool, keep_quantized: b
                                      "load the Hugging Face folder instead")  # fmt: skip
             raise ModelLoadError(f"unexpected tensor {t.name} in {path}")
         if keep_quantized and t.type_name in NATIVE_GGUF_TYPES and len(t.shape) == 2 and name.endswith(_PACKABLE):
-            weights[name] = _packed(t.type_name, t.data, t.shape, name, config, family)
+            weights[name] = _packed(t.type_name, t.data, t.shape, name, config, family, int8_blocks)
             reporter.step()
             continue
         arr = dequantize(t.data, GGMLQuantizationType[t.type_name]).reshape(t.shape)
@@ -210,9 +215,11 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: bool, keep_quantized: b
 
 
 def _packed(type_name: str, data: np.ndarray, shape: tuple[int, ...], name: str, config: ModelConfig,
-            family: Family) -> PackedWeight:  # fmt: skip
-    """A quantised GGUF weight repacked for the kernels, with llama.cpp's Q/K row order undone."""
-    packed = PackedWeight.from_gguf(type_name, data, (shape[0], shape[1]))
+            family: Family, int8_blocks: bool = False) -> PackedWeight:  # fmt: skip
+    """A quantised GGUF weight for the kernels (its own blocks, or repacked), with llama.cpp's
+    Q/K row order undone."""
+    kind = BlockWeight if int8_blocks and type_name in BLOCK_TYPES else PackedWeight
+    packed = kind.from_gguf(type_name, data, (shape[0], shape[1]))
     if family.permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
         heads = config.num_heads if name.endswith("q_proj.weight") else config.num_kv_heads
         packed = packed.rows(torch.from_numpy(unpermute_qk(np.arange(shape[0]), heads)))

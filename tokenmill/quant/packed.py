@@ -228,7 +228,7 @@ class QuantLinear(nn.Module):
         merged: list[PackedWeight] = []
         for p in parts:  # neighbours of one layout become one weight (one kernel call)
             if merged and merged[-1].layout == p.layout:
-                merged[-1] = PackedWeight.cat([merged[-1], p])
+                merged[-1] = type(p).cat([merged[-1], p])
             else:
                 merged.append(p)
         self.parts = nn.ModuleList(merged)

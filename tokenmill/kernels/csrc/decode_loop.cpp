@@ -11,7 +11,8 @@
 // Per layer, `weights` holds 14 tensors: the post-attention norm, the next norm (the next
 // layer's input norm, or the final norm), then 3 per linear (qkv, o, gate_up, down): a
 // packed weight's (qs, scale, min or an empty tensor), or a float weight and two empty
-// tensors. `kinds` holds (bits, group) per linear: bits 0 for a float weight.
+// tensors. `kinds` holds (bits, group) per linear: bits 0 for a float weight, minus the GGML type
+// for a weight in its GGUF blocks (ggml_ops.cpp).
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -28,6 +29,7 @@ constexpr int64_t PER_LAYER = 14;
 
 Tensor run_linear(const Tensor& x, const std::vector<Tensor>& w, int64_t at, int64_t bits, int64_t group) {
   if (bits == 0) return tokenmill::small_linear(x, w[at], c10::nullopt);
+  if (bits < 0) return tokenmill::block_linear(x, w[at], -bits);  // a GGUF block weight: -bits is its type
   const Tensor& minv = w[at + 2];
   return tokenmill::quant_linear(x, w[at], w[at + 1], minv.numel() ? c10::optional<Tensor>(minv) : c10::nullopt,
                                  bits, group, false);  // (steps here are within EXACT_BF16_ROWS)

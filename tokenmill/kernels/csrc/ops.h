@@ -44,5 +44,6 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
 at::Tensor small_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> scale);
 at::Tensor quant_linear(at::Tensor x, at::Tensor qs, at::Tensor scale, c10::optional<at::Tensor> minv, int64_t bits,
                         int64_t group, bool bf16);
+at::Tensor block_linear(at::Tensor x, at::Tensor blocks, int64_t type);
 
 }  // namespace tokenmill

@@ -1,0 +1,548 @@
+// GGUF's quantised weights in their own blocks, with llama.cpp's integer arithmetic ("int8" mode).
+//
+// quant_ops.cpp widens every block type at load into one of two float-scaled layouts and multiplies
+// in float (exact mode): a Q4_K weight (0.5625 bytes in the file) is read as 0.75 bytes a weight,
+// a Q6_K one (0.82) as 1.25. Here a weight stays the bytes of its file, row after row of blocks
+// (block_linear's `blocks`: [n, bytes per row] uint8), and a step's activations are quantised once
+// per call to signed 8-bit blocks, so each dot product is integer multiply-adds (AVX2 maddubs/madd)
+// with one float multiply per block:
+//   - Q4_0, Q4_1, Q8_0 (blocks of 32): activations in blocks of 32 with a float scale d (and, for
+//     Q4_1's min, d times the block's sum);
+//   - Q4_K, Q5_K, Q6_K (super-blocks of 256): activations in blocks of 256 with a float scale and
+//     the int16 sums of each 16 (for the K-quants' mins).
+// An activation block's scale is its largest magnitude / 127 and its values are x / scale rounded
+// half to even (quant/blocks.py's reference rounds the same way, in torch). The products of the
+// integers are exact; only the float scaling is rounded, so the kernel and the reference agree to
+// float32 rounding.
+//
+// Decode-sized calls (up to INT8_MAX_ROWS rows) run the integer dots, threads splitting the output
+// rows; larger ones (prefill) dequantise the weight, a slab of rows at a time, into PyTorch's GEMM.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "ops.h"
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define TM_AVX2 1
+#endif
+
+namespace {
+
+using at::Tensor;
+
+// GGML's type codes.
+constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14;
+constexpr int64_t QK = 32, QK_K = 256;
+constexpr int64_t INT8_MAX_ROWS = 32;  // more rows than this: dequantise + GEMM (see block_linear)
+
+struct Format {
+  int64_t elems;  // weights per block
+  int64_t bytes;  // bytes per block
+};
+
+Format format_of(int64_t type) {
+  switch (type) {
+    case Q4_0: return {QK, 18};
+    case Q4_1: return {QK, 20};
+    case Q8_0: return {QK, 34};
+    case Q4_K: return {QK_K, 144};
+    case Q5_K: return {QK_K, 176};
+    case Q6_K: return {QK_K, 210};
+    default: TORCH_CHECK(false, "block_linear: GGML type ", type, " is not served in its own blocks");
+  }
+}
+
+inline float f16(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
+
+// ------------------------------------------------------------------ activations
+
+// Rows of activations quantised for one weight type: q [rows, k] int8; d [rows, k / block];
+// s [rows, k / 32] (d times the block's sum: Q4_1's min); bsums [rows, k / 16] (K-quants' mins).
+struct Act {
+  int64_t k = 0, block = 0;
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  std::vector<int16_t> bsums;
+  const int8_t* qrow(int64_t m) const { return q.data() + m * k; }
+  const float* drow(int64_t m) const { return d.data() + m * (k / block); }
+  const float* srow(int64_t m) const { return s.data() + m * (k / QK); }
+  const int16_t* bsrow(int64_t m) const { return bsums.data() + m * (k / 16); }
+};
+
+Act quantise(const float* x, int64_t rows, int64_t k, int64_t block, bool sums) {
+  Act a;
+  a.k = k;
+  a.block = block;
+  a.q.resize(rows * k);
+  a.d.resize(rows * (k / block));
+  if (sums) a.s.resize(rows * (k / QK));
+  if (block == QK_K) a.bsums.resize(rows * (k / 16));
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* xr = x + m * k;
+    int8_t* qr = a.q.data() + m * k;
+    for (int64_t b = 0; b < k / block; ++b) {
+      const float* xb = xr + b * block;
+      float amax = 0.f;
+      for (int64_t i = 0; i < block; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const float d = amax / 127.f;
+      const float id = d != 0.f ? 1.f / d : 0.f;
+      int8_t* qb = qr + b * block;
+      for (int64_t i = 0; i < block; ++i) {
+        const float v = std::nearbyint(xb[i] * id);  // half to even (the default rounding mode)
+        qb[i] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, v)));
+      }
+      a.d[m * (k / block) + b] = d;
+    }
+    if (sums)
+      for (int64_t b = 0; b < k / QK; ++b) {
+        int sum = 0;
+        for (int64_t i = 0; i < QK; ++i) sum += qr[b * QK + i];
+        a.s[m * (k / QK) + b] = a.d[m * (k / block) + b] * static_cast<float>(sum);
+      }
+    if (block == QK_K)
+      for (int64_t b = 0; b < k / 16; ++b) {
+        int sum = 0;
+        for (int64_t i = 0; i < 16; ++i) sum += qr[b * 16 + i];
+        a.bsums[m * (k / 16) + b] = static_cast<int16_t>(sum);
+      }
+  }
+  return a;
+}
+
+// The K-quants' 6-bit scales and mins of sub-block j (0..7), as llama.cpp packs them in 12 bytes.
+inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& mn) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    mn = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// ------------------------------------------------------------------ dot products
+
+// Each kernel multiplies one weight row by MR (1..4) activation rows from m0, writing out[0..MR):
+// the weight's blocks are unpacked once for all of them.
+
+#if defined(TM_AVX2)
+inline __m256i nibbles32(const uint8_t* p) {  // 16 bytes -> 32 values: low nibbles, then high nibbles
+  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0F));
+}
+
+inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// Pairwise products of unsigned a (< 128) and signed b, summed to 8 int32.
+inline __m256i dot_us(__m256i a, __m256i b) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+}
+// The same for signed a (> -128 or = -128) and signed b (> -128): |a| times b with a's sign on b.
+inline __m256i dot_ss(__m256i a, __m256i b) { return dot_us(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a)); }
+
+inline int hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// Blocks of 32 (Q4_0, Q4_1, Q8_0): the block's 32 weights as bytes (signed unless Q4_1's).
+template <int64_t TYPE>
+inline __m256i weights32(const uint8_t* blk) {
+  if constexpr (TYPE == Q4_0) return _mm256_sub_epi8(nibbles32(blk + 2), _mm256_set1_epi8(8));
+  if constexpr (TYPE == Q4_1) return nibbles32(blk + 4);
+  return load32(blk + 2);
+}
+
+template <int64_t TYPE, int MR>
+void dot_32(const uint8_t* w, const Act& a, int64_t m0, float* out) {
+  constexpr int64_t bytes = TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : 34;
+  const int64_t nb = a.k / QK;
+  __m256 acc[MR];
+  float mins[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps(), mins[m] = 0.f;
+  for (int64_t b = 0; b < nb; ++b, w += bytes) {
+    const __m256i qw = weights32<TYPE>(w);
+    const float dw = f16(w);
+    for (int m = 0; m < MR; ++m) {
+      const __m256i qx = load32(a.qrow(m0 + m) + b * QK);
+      const __m256i p = TYPE == Q4_1 ? dot_us(qw, qx) : dot_ss(qw, qx);
+      acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(dw * a.drow(m0 + m)[b]), _mm256_cvtepi32_ps(p), acc[m]);
+      if constexpr (TYPE == Q4_1) mins[m] += f16(w + 2) * a.srow(m0 + m)[b];
+    }
+  }
+  for (int m = 0; m < MR; ++m) out[m] = tokenmill::hsum8(acc[m]) + mins[m];
+}
+
+// The K-quants' 8 scales and 8 mins of a super-block, unpacked from their 12 bytes into
+// bytes 0..7 (scales) and 8..15 (mins) of `u` (llama.cpp's bit shuffle).
+inline void scales_mins_k4(const uint8_t* packed, uint32_t u[4]) {
+  constexpr uint32_t m1 = 0x3f3f3f3f, m2 = 0x0f0f0f0f, m3 = 0x03030303;
+  std::memcpy(u, packed, 12);
+  u[3] = ((u[2] >> 4) & m2) | (((u[1] >> 6) & m3) << 4);
+  const uint32_t mins_lo = u[1] & m1;
+  u[1] = (u[2] & m2) | (((u[0] >> 6) & m3) << 4);
+  u[2] = mins_lo;
+  u[0] &= m1;
+}
+
+// Q4_K and Q5_K: super-blocks of 8 sub-blocks of 32, each with a 6-bit scale and min;
+// w = d * sc * q - dmin * mn. `FIVE`: Q5_K's fifth bits (qh) come before the nibbles.
+template <bool FIVE, int MR>
+void dot_q45_k(const uint8_t* w, const Act& a, int64_t m0, float* out) {
+  constexpr int64_t bytes = FIVE ? 176 : 144;
+  const int64_t nb = a.k / QK_K;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+  __m256 acc[MR];
+  __m128 accm[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps(), accm[m] = _mm_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, w += bytes) {
+    uint32_t u[4];
+    scales_mins_k4(w + 4, u);
+    const uint8_t* sc = reinterpret_cast<const uint8_t*>(u);
+    const __m128i mins = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, static_cast<int>(u[3]), static_cast<int>(u[2])));
+    const float d = f16(w), dmin = f16(w + 2);
+    const uint8_t* qs = w + (FIVE ? 48 : 16);
+    const __m256i hbits = FIVE ? load32(w + 16) : _mm256_setzero_si256();
+    __m256i sumi[MR];
+    for (int m = 0; m < MR; ++m) sumi[m] = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      const __m256i bits = load32(qs + 32 * j);
+      __m256i lo = _mm256_and_si256(bits, low4), hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), low4);
+      if constexpr (FIVE) {
+        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j), one), 4));
+        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j + 1), one), 4));
+      }
+      const __m256i slo = _mm256_set1_epi16(sc[2 * j]), shi = _mm256_set1_epi16(sc[2 * j + 1]);
+      for (int m = 0; m < MR; ++m) {
+        const int8_t* q = a.qrow(m0 + m) + b * QK_K + 64 * j;
+        const __m256i plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load32(q)), slo);
+        const __m256i phi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load32(q + 32)), shi);
+        sumi[m] = _mm256_add_epi32(sumi[m], _mm256_add_epi32(plo, phi));
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      const float dx = a.drow(m0 + m)[b];
+      acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(sumi[m]), acc[m]);
+      const __m128i bs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.bsrow(m0 + m) + 16 * b));
+      const __m128i bs2 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.bsrow(m0 + m) + 16 * b + 8));
+      const __m128i prod = _mm_madd_epi16(mins, _mm_hadd_epi16(bs, bs2));  // sums of 32, times the mins
+      accm[m] = _mm_fmadd_ps(_mm_set1_ps(dmin * dx), _mm_cvtepi32_ps(prod), accm[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    __m128 s = accm[m];
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    out[m] = tokenmill::hsum8(acc[m]) - _mm_cvtss_f32(s);
+  }
+}
+
+// Q6_K: super-blocks of 16 sub-blocks of 16, signed 8-bit scales; w = d * sc * (q - 32).
+template <int MR>
+void dot_q6_k(const uint8_t* w, const Act& a, int64_t m0, float* out) {
+  const int64_t nb = a.k / QK_K;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3), m32 = _mm256_set1_epi8(32);
+  __m256 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, w += 210) {
+    const uint8_t *ql = w, *qh = w + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(w + 192);
+    const float d = f16(w + 208);
+    __m256i sumi[MR];
+    for (int m = 0; m < MR; ++m) sumi[m] = _mm256_setzero_si256();
+    for (int h = 0; h < 2; ++h) {  // two halves of 128
+      const __m256i l0 = load32(ql + 64 * h), l1 = load32(ql + 64 * h + 32), hb = load32(qh + 32 * h);
+      const __m256i v[4] = {
+          _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_slli_epi16(_mm256_and_si256(hb, two), 4)),
+          _mm256_or_si256(_mm256_and_si256(l1, low4),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), two), 4)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), two), 4)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), two), 4)),
+      };
+      for (int g = 0; g < 4; ++g) {  // 32 values: sub-blocks 8h + 2g and 8h + 2g + 1
+        const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[8 * h + 2 * g + 1]), _mm_set1_epi16(sc[8 * h + 2 * g]));
+        for (int m = 0; m < MR; ++m) {
+          const __m256i x = load32(a.qrow(m0 + m) + b * QK_K + 128 * h + 32 * g);
+          const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(v[g], x), _mm256_maddubs_epi16(m32, x));
+          sumi[m] = _mm256_add_epi32(sumi[m], _mm256_madd_epi16(p, s));
+        }
+      }
+    }
+    for (int m = 0; m < MR; ++m)
+      acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.drow(m0 + m)[b]), _mm256_cvtepi32_ps(sumi[m]), acc[m]);
+  }
+  for (int m = 0; m < MR; ++m) out[m] = tokenmill::hsum8(acc[m]);
+}
+
+#else  // no AVX2: the same integer sums, one activation row at a time
+
+template <int64_t TYPE, int MR>
+void dot_32(const uint8_t* w0, const Act& a, int64_t m0, float* out) {
+  constexpr int64_t bytes = TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : 34;
+  for (int m = 0; m < MR; ++m) {
+    const int8_t* q = a.qrow(m0 + m);
+    const float* d = a.drow(m0 + m);
+    float sum = 0.f;
+    const uint8_t* w = w0;
+    for (int64_t b = 0; b < a.k / QK; ++b, w += bytes) {
+      int t = 0;
+      for (int i = 0; i < 16; ++i) {
+        int lo, hi;
+        if constexpr (TYPE == Q8_0) lo = static_cast<int8_t>(w[2 + i]), hi = static_cast<int8_t>(w[18 + i]);
+        else if constexpr (TYPE == Q4_0) lo = (w[2 + i] & 0xF) - 8, hi = (w[2 + i] >> 4) - 8;
+        else lo = w[4 + i] & 0xF, hi = w[4 + i] >> 4;
+        t += lo * q[b * QK + i] + hi * q[b * QK + 16 + i];
+      }
+      sum += f16(w) * d[b] * static_cast<float>(t);
+      if constexpr (TYPE == Q4_1) sum += f16(w + 2) * a.srow(m0 + m)[b];
+    }
+    out[m] = sum;
+  }
+}
+
+template <bool FIVE, int MR>
+void dot_q45_k(const uint8_t* w0, const Act& a, int64_t m0, float* out) {
+  constexpr int64_t bytes = FIVE ? 176 : 144;
+  for (int m = 0; m < MR; ++m) {
+    const int8_t* q = a.qrow(m0 + m);
+    const float* d = a.drow(m0 + m);
+    const int16_t* bs = a.bsrow(m0 + m);
+    float sum = 0.f;
+    const uint8_t* w = w0;
+    for (int64_t b = 0; b < a.k / QK_K; ++b, w += bytes, q += QK_K, bs += 16) {
+      int sc[8], mn[8], t = 0, summ = 0;
+      for (int j = 0; j < 8; ++j) scale_min_k4(j, w + 4, sc[j], mn[j]);
+      for (int j = 0; j < 8; ++j) summ += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
+      const uint8_t* qs = w + (FIVE ? 48 : 16);
+      for (int j = 0; j < 4; ++j)
+        for (int l = 0; l < 32; ++l) {
+          int lo = qs[32 * j + l] & 0xF, hi = qs[32 * j + l] >> 4;
+          if constexpr (FIVE) {
+            lo |= ((w[16 + l] >> (2 * j)) & 1) << 4;
+            hi |= ((w[16 + l] >> (2 * j + 1)) & 1) << 4;
+          }
+          t += sc[2 * j] * lo * q[64 * j + l] + sc[2 * j + 1] * hi * q[64 * j + 32 + l];
+        }
+      sum += f16(w) * d[b] * static_cast<float>(t) - f16(w + 2) * d[b] * static_cast<float>(summ);
+    }
+    out[m] = sum;
+  }
+}
+
+template <int MR>
+void dot_q6_k(const uint8_t* w0, const Act& a, int64_t m0, float* out) {
+  for (int m = 0; m < MR; ++m) {
+    const int8_t* q = a.qrow(m0 + m);
+    const float* d = a.drow(m0 + m);
+    float sum = 0.f;
+    const uint8_t* w = w0;
+    for (int64_t b = 0; b < a.k / QK_K; ++b, w += 210, q += QK_K) {
+      const uint8_t *ql = w, *qh = w + 128;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(w + 192);
+      int t = 0;
+      for (int h = 0; h < 2; ++h)
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t L0 = ql[64 * h + l], L1 = ql[64 * h + 32 + l], H = qh[32 * h + l];
+          const int v0 = ((L0 & 0xF) | ((H & 3) << 4)) - 32, v1 = ((L1 & 0xF) | (((H >> 2) & 3) << 4)) - 32;
+          const int v2 = ((L0 >> 4) | (((H >> 4) & 3) << 4)) - 32, v3 = ((L1 >> 4) | (((H >> 6) & 3) << 4)) - 32;
+          const int is = 8 * h + l / 16;
+          t += sc[is] * v0 * q[128 * h + l] + sc[is + 2] * v1 * q[128 * h + 32 + l] +
+               sc[is + 4] * v2 * q[128 * h + 64 + l] + sc[is + 6] * v3 * q[128 * h + 96 + l];
+        }
+      sum += f16(w + 208) * d[b] * static_cast<float>(t);
+    }
+    out[m] = sum;
+  }
+}
+#endif
+
+using DotFn = void (*)(const uint8_t*, const Act&, int64_t, float*);
+
+template <int MR>
+DotFn dot_of(int64_t type) {
+  switch (type) {
+    case Q4_0: return dot_32<Q4_0, MR>;
+    case Q4_1: return dot_32<Q4_1, MR>;
+    case Q8_0: return dot_32<Q8_0, MR>;
+    case Q4_K: return dot_q45_k<false, MR>;
+    case Q5_K: return dot_q45_k<true, MR>;
+    default: return dot_q6_k<MR>;
+  }
+}
+
+
+// ------------------------------------------------------------------ dequantisation, one row
+
+template <typename Out>
+void dequantize_row(const uint8_t* w, int64_t type, int64_t k, Out* y) {
+  const int64_t nb = k / format_of(type).elems;
+  for (int64_t b = 0; b < nb; ++b) {
+    if (type == Q4_0 || type == Q4_1) {
+      const bool one = type == Q4_1;
+      const uint8_t* blk = w + b * (one ? 20 : 18);
+      const float d = f16(blk), mn = one ? f16(blk + 2) : -8.f * d;
+      const uint8_t* qs = blk + (one ? 4 : 2);
+      for (int i = 0; i < 16; ++i) {
+        y[b * QK + i] = static_cast<Out>(d * (qs[i] & 0xF) + mn);
+        y[b * QK + 16 + i] = static_cast<Out>(d * (qs[i] >> 4) + mn);
+      }
+    } else if (type == Q8_0) {
+      const uint8_t* blk = w + b * 34;
+      const float d = f16(blk);
+      for (int i = 0; i < QK; ++i) y[b * QK + i] = static_cast<Out>(d * static_cast<int8_t>(blk[2 + i]));
+    } else if (type == Q4_K || type == Q5_K) {
+      const bool five = type == Q5_K;
+      const uint8_t* blk = w + b * (five ? 176 : 144);
+      const float d = f16(blk), dmin = f16(blk + 2);
+      const uint8_t* qs = blk + (five ? 48 : 16);
+      Out* yb = y + b * QK_K;
+      for (int j = 0; j < 4; ++j) {
+        int sc0, mn0, sc1, mn1;
+        scale_min_k4(2 * j, blk + 4, sc0, mn0);
+        scale_min_k4(2 * j + 1, blk + 4, sc1, mn1);
+        const float d0 = d * sc0, m0 = dmin * mn0, d1 = d * sc1, m1 = dmin * mn1;
+        for (int l = 0; l < 32; ++l) {
+          int lo = qs[32 * j + l] & 0xF, hi = qs[32 * j + l] >> 4;
+          if (five) {
+            lo |= ((blk[16 + l] >> (2 * j)) & 1) << 4;
+            hi |= ((blk[16 + l] >> (2 * j + 1)) & 1) << 4;
+          }
+          yb[64 * j + l] = static_cast<Out>(d0 * lo - m0);
+          yb[64 * j + 32 + l] = static_cast<Out>(d1 * hi - m1);
+        }
+      }
+    } else {  // Q6_K
+      const uint8_t* blk = w + b * 210;
+      const uint8_t *ql = blk, *qh = blk + 128;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+      const float d = f16(blk + 208);
+      Out* yb = y + b * QK_K;
+      for (int h = 0; h < 2; ++h)
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t L0 = ql[64 * h + l], L1 = ql[64 * h + 32 + l], H = qh[32 * h + l];
+          const int is = 8 * h + l / 16;
+          yb[128 * h + l] = static_cast<Out>(d * sc[is] * (((L0 & 0xF) | ((H & 3) << 4)) - 32));
+          yb[128 * h + 32 + l] = static_cast<Out>(d * sc[is + 2] * (((L1 & 0xF) | (((H >> 2) & 3) << 4)) - 32));
+          yb[128 * h + 64 + l] = static_cast<Out>(d * sc[is + 4] * (((L0 >> 4) | (((H >> 4) & 3) << 4)) - 32));
+          yb[128 * h + 96 + l] = static_cast<Out>(d * sc[is + 6] * (((L1 >> 4) | (((H >> 6) & 3) << 4)) - 32));
+        }
+    }
+  }
+}
+
+int64_t check_blocks(const Tensor& blocks, int64_t type, int64_t k) {
+  const Format f = format_of(type);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
+              "block_linear: blocks must be contiguous uint8 [n, bytes per row]");
+  TORCH_CHECK(k % f.elems == 0 && blocks.size(1) == k / f.elems * f.bytes, "block_linear: a row of ", k,
+              " weights of GGML type ", type, " is ", k / f.elems * f.bytes, " bytes, not ", blocks.size(1));
+  return blocks.size(0);
+}
+
+// Rows `ids` (all when absent) of a block weight [n, k] as float32, or bfloat16 when `bf16`.
+Tensor block_dequantize(Tensor blocks, int64_t type, int64_t k, c10::optional<Tensor> ids, bool bf16) {
+  const int64_t n = check_blocks(blocks, type, k);
+  Tensor idc;
+  const int64_t* id = nullptr;
+  int64_t rows = n;
+  if (ids.has_value()) {
+    TORCH_CHECK(ids->scalar_type() == at::kLong && ids->dim() == 1, "block_dequantize: ids must be int64 [rows]");
+    idc = ids->contiguous();
+    id = idc.data_ptr<int64_t>();
+    rows = idc.numel();
+    for (int64_t i = 0; i < rows; ++i)
+      TORCH_CHECK(id[i] >= 0 && id[i] < n, "block_dequantize: row ", id[i], " out of range [0, ", n, ")");
+  }
+  Tensor out = at::empty({rows, k}, blocks.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  const int64_t row_bytes = blocks.size(1);
+  at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const uint8_t* src = w + (id ? id[i] : i) * row_bytes;
+      if (bf16) dequantize_row(src, type, k, out.data_ptr<c10::BFloat16>() + i * k);
+      else dequantize_row(src, type, k, out.data_ptr<float>() + i * k);
+    }
+  });
+  return out;
+}
+
+// x [rows, k] (float32 or bfloat16) @ W^T for a block weight W [n, k] -> [rows, n] in x's dtype.
+Tensor block_linear(Tensor x, Tensor blocks, int64_t type) {
+  TORCH_CHECK(x.dim() == 2, "block_linear: x must be [rows, k]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "block_linear: x must be float32 or bfloat16");
+  const int64_t rows = x.size(0), k = x.size(1);
+  const int64_t n = check_blocks(blocks, type, k);
+  if (rows == 0 || n == 0) return at::empty({rows, n}, x.options());
+  const Tensor xf = x.contiguous().to(at::kFloat);
+  if (rows > INT8_MAX_ROWS) {  // prefill: slabs of weight rows dequantised into PyTorch's GEMM
+    constexpr int64_t SLAB = 256;
+    Tensor y = at::empty({rows, n}, xf.options());
+    for (int64_t r0 = 0; r0 < n; r0 += SLAB) {
+      const int64_t r1 = std::min(n, r0 + SLAB);
+      const Tensor w = block_dequantize(blocks.narrow(0, r0, r1 - r0), type, k, c10::nullopt, false);
+      y.narrow(1, r0, r1 - r0).copy_(at::mm(xf, w.t()));
+    }
+    return y.to(x.scalar_type());
+  }
+  const Format f = format_of(type);
+  const Act a = quantise(xf.data_ptr<float>(), rows, k, f.elems, type == Q4_1);
+  Tensor y = at::empty({rows, n}, xf.options());
+  float* out = y.data_ptr<float>();
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  const int64_t row_bytes = blocks.size(1);
+  const DotFn dots[4] = {dot_of<1>(type), dot_of<2>(type), dot_of<3>(type), dot_of<4>(type)};
+  at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) {
+    float part[4];
+    for (int64_t r = b; r < e; ++r) {
+      const uint8_t* wr = w + r * row_bytes;
+      for (int64_t m = 0; m < rows; m += 4) {
+        const int mr = static_cast<int>(std::min<int64_t>(4, rows - m));
+        dots[mr - 1](wr, a, m, part);
+        for (int i = 0; i < mr; ++i) out[(m + i) * n + r] = part[i];
+      }
+    }
+  });
+  return y.to(x.scalar_type());
+}
+
+}  // namespace
+
+at::Tensor tokenmill::block_linear(at::Tensor x, at::Tensor blocks, int64_t type) {
+  return ::block_linear(x, blocks, type);
+}
+
+TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
+  m.def("block_linear(Tensor x, Tensor blocks, int type) -> Tensor");
+  m.def("block_dequantize(Tensor blocks, int type, int k, Tensor? ids, bool bf16=False) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
+  m.impl("block_linear", &block_linear);
+  m.impl("block_dequantize", &block_dequantize);
+}

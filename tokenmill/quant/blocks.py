@@ -1,0 +1,105 @@
+"""GGUF weights kept in their file's own blocks, multiplied with llama.cpp's integer arithmetic.
+
+``PackedWeight`` (packed.py) widens every GGUF type at load into float-scaled groups and
+multiplies in float ("float" arithmetic: the dequantised weights' numbers). A ``BlockWeight``
+keeps a tensor's bytes as the file has them, [rows, bytes per row] uint8: Q4_K is read at 0.5625
+bytes a weight instead of 0.75, Q6_K at 0.82 instead of 1.25, Q4_1 at 0.625 instead of 0.75. A
+step's activations are quantised once per call to 8-bit blocks (``quantise_activations``) and
+the dot products are integer (``csrc/ggml_ops.cpp``), as llama.cpp computes them: "int8"
+arithmetic (``--quant-arithmetic``). Its outputs differ from the float path's by the activations'
+rounding, as llama.cpp's do; ``int8_reference`` computes them in pure torch, the reference the
+kernel is tested against.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+
+from tokenmill.quant.packed import QK_K, PackedWeight, decompose
+
+# GGML type codes, and each type's (weights, bytes) per block.
+BLOCK_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+_FORMATS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (QK_K, 144), "Q5_K": (QK_K, 176),
+            "Q6_K": (QK_K, 210)}  # fmt: skip
+INT8_MAX_ROWS = 32  # csrc/ggml_ops.cpp: calls with more rows dequantise the weight into a GEMM
+
+
+class BlockWeight(PackedWeight):
+    """One weight [out_features, in_features] as its GGUF blocks (buffer ``qs``; ``scale`` is
+    empty). ``bits`` is minus the GGML type code, the form decode_layers reads it in."""
+
+    def __init__(self, blocks: torch.Tensor, type_name: str, in_features: int) -> None:
+        elems, size = _FORMATS[type_name]
+        assert blocks.dtype == torch.uint8 and blocks.shape[1] == in_features // elems * size, (blocks.shape, type_name)
+        super().__init__(blocks, torch.empty(0), None, -BLOCK_TYPES[type_name], elems, in_features, type_name)
+
+    @classmethod
+    def from_gguf(cls, type_name: str, data: np.ndarray, shape: tuple[int, int]) -> BlockWeight:
+        """The tensor's rows as they are: a view of the memory-mapped file (read-only; never
+        written), so that loading reads nothing until a step does."""
+        n, k = shape
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            return cls(torch.from_numpy(np.ascontiguousarray(data).reshape(n, -1)), type_name, k)
+
+    @property
+    def type_code(self) -> int:
+        return -self.bits
+
+    def rows(self, index: torch.Tensor) -> BlockWeight:
+        return BlockWeight(self.qs[index].contiguous(), self.source, self.in_features)
+
+    @staticmethod
+    def cat(parts: list[PackedWeight]) -> BlockWeight:
+        first = parts[0]
+        assert all(isinstance(p, BlockWeight) and p.layout == first.layout for p in parts)
+        return BlockWeight(torch.cat([p.qs for p in parts]), first.source, first.in_features)
+
+    def dequantize(self, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 weight (or rows ``ids``): the file's numbers (packed.decompose)."""
+        qs = self.qs if ids is None else self.qs[ids]
+        d = decompose(self.source, qs.cpu().numpy(), (qs.shape[0], self.in_features))
+        q = torch.from_numpy(d.q.astype(np.float32)).reshape(qs.shape[0], -1, d.group)
+        w = q * torch.from_numpy(d.scale)[..., None]
+        if d.minv is not None:
+            w = w + torch.from_numpy(d.minv)[..., None]
+        return w.reshape(qs.shape[0], self.in_features).to(self.qs.device)
+
+    def dequantize_rows(self, ids: torch.Tensor | None = None, bf16: bool = False) -> torch.Tensor:
+        if self.qs.device.type == "cpu" and hasattr(torch.ops.tokenmill, "block_dequantize"):
+            return torch.ops.tokenmill.block_dequantize(self.qs, self.type_code, self.in_features, ids, bf16)
+        w = self.dequantize(ids)
+        return w.bfloat16() if bf16 else w
+
+    def matmul(self, x: torch.Tensor, native: bool, bf16_gemm: bool = False) -> torch.Tensor:
+        """x [rows, in] @ W^T in x's dtype: the integer kernel (native), else int8_reference."""
+        if native and x.dtype in (torch.float32, torch.bfloat16):
+            return torch.ops.tokenmill.block_linear(x, self.qs, self.type_code)
+        return int8_reference(x, self).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.source} blocks: {self.out_features}x{self.in_features}"
+
+
+def quantise_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, k] float -> (q [rows, k / block, block] int8 values as float32, d [rows, k / block]):
+    per block, d = max |x| / 127 and q = x / d rounded half to even (csrc/ggml_ops.cpp's rule)."""
+    xb = x.float().reshape(x.shape[0], -1, block)
+    d = xb.abs().amax(-1) / 127
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    return torch.round(xb * inv[..., None]).clamp(-127, 127), d
+
+
+def int8_reference(x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
+    """What the integer kernel computes, in pure torch: up to ``INT8_MAX_ROWS`` rows, the
+    dequantised weight times the activations quantised to 8-bit blocks (the integer products
+    summed exactly, in float64); more rows, the float product (the kernel's GEMM path)."""
+    w = weight.dequantize().to(x.device)
+    if x.shape[0] > INT8_MAX_ROWS:
+        return x.float() @ w.T
+    q, d = quantise_activations(x, weight.group)
+    xq = (q.double() * d.double()[..., None]).reshape(x.shape[0], -1)
+    return (xq @ w.double().T).float()
