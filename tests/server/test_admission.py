@@ -139,3 +139,36 @@ def test_a_many_prompt_request_shares_the_engine_with_another_clients_request():
     assert finished == set(range(12))  # the many-prompt request was answered in full
     assert len(finished_before) <= 4, f"{len(finished_before)} of the 12 prompts went before the other client's one"
     assert max(held) == 2
+
+
+def test_a_window_shrinks_to_a_few_places_while_others_wait():
+    """While busy() (other requests wait for the engine), a client's prompts past BUSY_PLACES
+    wait even though its window has room; once nobody waits, they enter."""
+    from tokenmill.server.admission import BUSY_PLACES, ClientWindows
+
+    windows = ClientWindows(32)
+    others_waiting = True
+
+    async def main():
+        entered = asyncio.Event()
+        release = asyncio.Event()
+
+        async def prompt():
+            async with windows.place("addr:a", lambda: others_waiting):
+                entered.set()
+                await release.wait()
+
+        tasks = [asyncio.create_task(prompt()) for _ in range(10)]
+        await asyncio.sleep(0.1)
+        held_while_busy = windows.in_use("addr:a")
+        nonlocal others_waiting
+        others_waiting = False
+        await asyncio.sleep(0.1)
+        held_when_idle = windows.in_use("addr:a")
+        release.set()
+        await asyncio.gather(*tasks)
+        return held_while_busy, held_when_idle
+
+    busy, idle = asyncio.run(main())
+    assert busy == BUSY_PLACES and idle == 10
+    assert windows.in_use("addr:a") == 0

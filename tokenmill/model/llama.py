@@ -34,6 +34,7 @@ from tokenmill.model.layers.norm import RMSNorm
 from tokenmill.model.layers.rotary import RotaryEmbedding, rotary_for
 from tokenmill.model.ops import TorchOps
 from tokenmill.model.shard import ModelShard
+from tokenmill.quant.blocks import BlockWeight
 from tokenmill.quant.packed import PackedWeight, QuantEmbedding, QuantLinear
 
 KVCache = KVCacheLayer
@@ -156,7 +157,8 @@ class LlamaDecoderLayer(nn.Module):
 class FusedPlan:
     """A plain decoder's tensors in the order ``decode_layers`` (kernels/csrc/decode_loop.cpp)
     reads them: per layer the post-attention norm, the next norm, and 3 tensors per linear
-    (qkv, o, gate_up, down); ``kinds``: (bits, group) per linear, bits 0 for a float weight."""
+    (qkv, o, gate_up, down); ``kinds``: (bits, group) per linear, bits 0 for a float weight,
+    negative for GGUF blocks (csrc/decode_loop.cpp says how)."""
 
     weights: list[torch.Tensor]
     kinds: list[int]
@@ -175,7 +177,13 @@ def _fused_linear(linear: nn.Module, dtype: torch.dtype) -> tuple[list[torch.Ten
     empty = torch.empty(0)
     if isinstance(linear, QuantLinear) and len(linear.parts) == 1 and linear.bias is None and linear.native:
         p = linear.parts[0]
+        if isinstance(p, BlockWeight):
+            return [p.qs, empty, empty], [p.bits, 0]
         return [p.qs, p.scale, empty if p.minv is None else p.minv], [p.bits, p.group]
+    if (isinstance(linear, QuantLinear) and len(linear.parts) == 2 and linear.bias is None and linear.native
+            and all(isinstance(p, BlockWeight) for p in linear.parts)):  # fmt: skip
+        a, b = linear.parts  # two block types (Q4_K_M's qkv): the second part's blocks and type in the scale's place
+        return [a.qs, b.qs, empty], [a.bits, b.type_code]
     sixteen = (torch.float16, torch.bfloat16)
     if type(linear) is NativeLinear and linear.bias is None and (linear.weight.dtype == dtype or linear.weight.dtype in sixteen):
         return [linear.weight, empty, empty], [0, 0]

@@ -362,7 +362,7 @@ def build_models_app(models: list[ServedModel], config: ServerConfig) -> FastAPI
                         body.return_timings, chat=False, echoes=echoes, prompt_logprobs_asked=body.prompt_logprobs is not None,
                         best_of_keep=body.n if body.ranks_best_of else None, logprobs_asked=body.logprobs is not None)  # fmt: skip
             if len(prompts) > 1:  # its prompts enter the engine through the client's window (admission.py)
-                made.place = functools.partial(served.windows.place, client_of(request))
+                made.place = functools.partial(served.windows.place, client_of(request), lambda: target.engine.num_waiting > 0)
             return made
 
         _check_cache_field(served, body)
@@ -407,7 +407,8 @@ def build_models_app(models: list[ServedModel], config: ServerConfig) -> FastAPI
             if not ids:
                 raise APIError(400, f"input[{i}] is empty", "input")
             _max_tokens(target, ids, 1)  # fits the context
-        place = functools.partial(served.windows.place, client_of(request)) if len(prompts) > 1 else None
+        place = (functools.partial(served.windows.place, client_of(request), lambda: target.engine.num_waiting > 0)
+                 if len(prompts) > 1 else None)  # fmt: skip
         _check_queue(served, target, len(prompts) if place is None else min(len(prompts), served.windows.size))
         rid = new_id("embd")
         params = SamplingParams(max_tokens=1, pooling=body.pooling)

@@ -11,8 +11,10 @@
 // Per layer, `weights` holds 14 tensors: the post-attention norm, the next norm (the next
 // layer's input norm, or the final norm), then 3 per linear (qkv, o, gate_up, down): a
 // packed weight's (qs, scale, min or an empty tensor), or a float weight and two empty
-// tensors. `kinds` holds (bits, group) per linear: bits 0 for a float weight, minus the GGML type
-// for a weight in its GGUF blocks (ggml_ops.cpp).
+// tensors. `kinds` holds (bits, group) per linear: bits 0 for a float weight; for a weight in its
+// GGUF blocks (ggml_ops.cpp) minus its GGML type, and in group 0 or the type of a second part whose
+// outputs follow the first's (a Q4_K_M file's qkv: q and k in Q4_K, v in Q6_K), its blocks in the
+// scale's place.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -29,7 +31,10 @@ constexpr int64_t PER_LAYER = 14;
 
 Tensor run_linear(const Tensor& x, const std::vector<Tensor>& w, int64_t at, int64_t bits, int64_t group) {
   if (bits == 0) return tokenmill::small_linear(x, w[at], c10::nullopt);
-  if (bits < 0) return tokenmill::block_linear(x, w[at], -bits);  // a GGUF block weight: -bits is its type
+  if (bits < 0) {  // GGUF blocks: -bits is the type; group, when not 0, a second part's type (its blocks at at + 1)
+    const Tensor first = tokenmill::block_linear(x, w[at], -bits);
+    return group == 0 ? first : at::cat({first, tokenmill::block_linear(x, w[at + 1], group)}, 1);
+  }
   const Tensor& minv = w[at + 2];
   return tokenmill::quant_linear(x, w[at], w[at + 1], minv.numel() ? c10::optional<Tensor>(minv) : c10::nullopt,
                                  bits, group, false);  // (steps here are within EXACT_BF16_ROWS)
