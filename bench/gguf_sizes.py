@@ -171,6 +171,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dir", type=Path, default=Path("/tmp/gguf_sizes"))
     ap.add_argument("--name", default="gguf_sizes")
+    ap.add_argument("--files", default="", help="more GGUF files to measure as they are (e.g. 'bundled': the default model)")
     args = ap.parse_args()
     if args.measure:
         print(json.dumps(measure(args.measure, args.arithmetic)))
@@ -179,28 +180,32 @@ def main() -> None:
 
     threads = min(os.cpu_count() or 1, 2)
     res = {"cpu": cpu_info().describe(), "threads": threads, "rows": []}
-    for shape in args.shapes.split(","):
-        for qtype in args.types.split(","):
-            path = model_file(args.dir, shape, qtype, args.llama_bin)
-            runs: dict[str, list[dict]] = {"float": [], "int8": [], "llama": []}
-            for i in range(args.rounds):
-                for arith in ("float", "int8"):
-                    runs[arith].append(ours(path, arith))
-                runs["llama"].append(llama_bench(args.llama_bin, path, threads))
-                log(f"{shape} {qtype} round {i + 1}: " + ", ".join(
-                    f"{k} decode {v[-1]['decode_tok_s']:.1f} prefill {v[-1]['prefill_tok_s']:.1f}"
-                    + (f" load {v[-1]['load_s']:.1f}s" if "load_s" in v[-1] else "") for k, v in runs.items()))  # fmt: skip
-            row = {"shape": shape, "type": qtype, "file_bytes": path.stat().st_size, "runs": runs}
-            for key in ("decode_tok_s", "prefill_tok_s"):
-                theirs = statistics.median(r[key] for r in runs["llama"])
-                row[f"llama_{key}"] = theirs
-                for arith in ("float", "int8"):
-                    row[f"{arith}_{key}"] = statistics.median(r[key] for r in runs[arith])
-                    row[f"{arith}_{key}_ratio"] = row[f"{arith}_{key}"] / theirs
+    from tokenmill.model.paths import resolve_model_path
+
+    jobs = [(shape, qtype, None) for shape in args.shapes.split(",") if shape for qtype in args.types.split(",")]
+    jobs += [("file", Path(f).name if f != "bundled" else "bundled", resolve_model_path(None if f == "bundled" else f))
+             for f in args.files.split(",") if f]  # fmt: skip
+    for shape, qtype, given in jobs:
+        path = given or model_file(args.dir, shape, qtype, args.llama_bin)
+        runs: dict[str, list[dict]] = {"float": [], "int8": [], "llama": []}
+        for i in range(args.rounds):
             for arith in ("float", "int8"):
-                row[f"{arith}_load_s"] = statistics.median(r["load_s"] for r in runs[arith])
-            res["rows"].append(row)
-            log(json.dumps({k: v for k, v in row.items() if k != "runs"}))
+                runs[arith].append(ours(path, arith))
+            runs["llama"].append(llama_bench(args.llama_bin, path, threads))
+            log(f"{shape} {qtype} round {i + 1}: " + ", ".join(
+                f"{k} decode {v[-1]['decode_tok_s']:.1f} prefill {v[-1]['prefill_tok_s']:.1f}"
+                + (f" load {v[-1]['load_s']:.1f}s" if "load_s" in v[-1] else "") for k, v in runs.items()))  # fmt: skip
+        row = {"shape": shape, "type": qtype, "file_bytes": path.stat().st_size, "runs": runs}
+        for key in ("decode_tok_s", "prefill_tok_s"):
+            theirs = statistics.median(r[key] for r in runs["llama"])
+            row[f"llama_{key}"] = theirs
+            for arith in ("float", "int8"):
+                row[f"{arith}_{key}"] = statistics.median(r[key] for r in runs[arith])
+                row[f"{arith}_{key}_ratio"] = row[f"{arith}_{key}"] / theirs
+        for arith in ("float", "int8"):
+            row[f"{arith}_load_s"] = statistics.median(r["load_s"] for r in runs[arith])
+        res["rows"].append(row)
+        log(json.dumps({k: v for k, v in row.items() if k != "runs"}))
     out = ROOT / "bench" / "results" / f"{args.name}.json"
     out.write_text(json.dumps(res, indent=1))
     plot(res, out.with_suffix(".png"))
