@@ -107,7 +107,8 @@ def int8_llm():
 
 def test_the_bundled_file_is_served_from_its_own_bytes(int8_llm):
     """Every linear of the Q4_1 model (Q8_0 embedding and tied head) reads the file's own
-    blocks: 0.625 and 1.0625 bytes a weight, less than the float arithmetic's widened groups."""
+    blocks, mapped from the file where no rows move: 0.625 and 1.0625 bytes a weight, less
+    than the float arithmetic's widened groups."""
     from tokenmill.model.gguf_file import read_gguf
     from tokenmill.quant.weights import weight_bytes
 
@@ -115,7 +116,10 @@ def test_the_bundled_file_is_served_from_its_own_bytes(int8_llm):
     layer = model.layers[0]
     for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
         assert isinstance(linear, QuantLinear) and linear.native
-        assert [type(p) for p in linear.parts] == [BlockWeight] and linear.parts[0].source == "Q4_1"
+        assert linear.parts and all(type(p) is BlockWeight and p.source == "Q4_1" for p in linear.parts)
+    # views of the mapped file, not copies: gate and up stay two parts, v one after q and k (permuted: copied)
+    assert [p.mapped for p in layer.mlp.gate_up_proj.parts] == [True, True] and layer.mlp.down_proj.parts[0].mapped
+    assert [p.mapped for p in layer.self_attn.qkv_proj.parts] == [False, True] and layer.self_attn.o_proj.parts[0].mapped
     assert isinstance(model.embed_tokens.weight, BlockWeight) and model.head_reads_embedding
     _, tensors = read_gguf(int8_llm.model_path)
     file_bytes = sum(t.data.nbytes for t in tensors if t.type_name in BLOCK_TYPES)
@@ -174,9 +178,9 @@ def test_cpp_layer_loop_runs_block_weights_bit_identical_to_the_python_loop(int8
     llm = LLM(dtype="float32", quant_arithmetic="int8", progress=False, kv_cache_memory="32MiB")
     model, runner, pool = llm.parts.model, llm.engine.runner, llm.engine.block_pool
     attn = model.layers[1].self_attn
-    qk, kv_rows = attn.qkv_proj.parts[0], attn.num_kv_heads * attn.head_dim
-    q_k = BlockWeight(qk.qs[: qk.out_features - kv_rows].contiguous(), qk.source, qk.in_features)
-    v = BlockWeight.from_gguf("Q8_0", random_gguf_blocks("Q8_0", kv_rows, qk.in_features, 5), (kv_rows, qk.in_features))
+    q_k, kv_rows = attn.qkv_proj.parts[0], attn.num_kv_heads * attn.head_dim  # q and k (v: the file's own part)
+    assert q_k.out_features == (attn.num_heads + attn.num_kv_heads) * attn.head_dim
+    v = BlockWeight.from_gguf("Q8_0", random_gguf_blocks("Q8_0", kv_rows, q_k.in_features, 5), (kv_rows, q_k.in_features))
     mixed = QuantLinear([q_k, v])
     mixed.use_native()
     attn.qkv_proj = mixed

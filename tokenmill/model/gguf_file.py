@@ -52,6 +52,23 @@ class _Cursor:
     def string(self) -> str:
         return bytes(self.take(self.unpack("<Q"))).decode("utf-8", errors="replace")
 
+    def strings(self, count: int) -> list[str]:
+        """``count`` strings in a row (a vocabulary's 49k tokens and merges): one tight loop,
+        not three calls a string (1.4 s of a 1B model's 3 s load before)."""
+        buf, pos, end, out = self.buf, self.pos, len(self.buf), []
+        for _ in range(count):
+            if pos + 8 > end:
+                break
+            n = int.from_bytes(buf[pos : pos + 8], "little")
+            if pos + 8 + n > end:
+                break
+            out.append(str(buf[pos + 8 : pos + 8 + n], "utf-8", "replace"))
+            pos += 8 + n
+        else:
+            self.pos = pos
+            return out
+        raise ModelLoadError(f"truncated GGUF file {self.path}: header ends early at byte {end}")
+
     def value(self, vtype: int) -> Any:
         if vtype in _SCALARS:
             return self.unpack(_SCALARS[vtype])
@@ -62,6 +79,8 @@ class _Cursor:
             if item_type in _SCALARS and item_type != 7:
                 dtype = np.dtype(_SCALARS[item_type])
                 return np.frombuffer(self.take(count * dtype.itemsize), dtype=dtype).tolist()
+            if item_type == _STRING:
+                return self.strings(count)
             return [self.value(item_type) for _ in range(count)]
         raise ModelLoadError(f"corrupt GGUF file {self.path}: unknown metadata value type {vtype}")
 

@@ -31,10 +31,11 @@ class BlockWeight(PackedWeight):
     """One weight [out_features, in_features] as its GGUF blocks (buffer ``qs``; ``scale`` is
     empty). ``bits`` is minus the GGML type code, the form decode_layers reads it in."""
 
-    def __init__(self, blocks: torch.Tensor, type_name: str, in_features: int) -> None:
+    def __init__(self, blocks: torch.Tensor, type_name: str, in_features: int, mapped: bool = False) -> None:
         elems, size = _FORMATS[type_name]
         assert blocks.dtype == torch.uint8 and blocks.shape[1] == in_features // elems * size, (blocks.shape, type_name)
         super().__init__(blocks, torch.empty(0), None, -BLOCK_TYPES[type_name], elems, in_features, type_name)
+        self.mapped = mapped  # a view of the memory-mapped file (QuantLinear keeps it a part of its own)
 
     @classmethod
     def from_gguf(cls, type_name: str, data: np.ndarray, shape: tuple[int, int]) -> BlockWeight:
@@ -43,7 +44,8 @@ class BlockWeight(PackedWeight):
         n, k = shape
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            return cls(torch.from_numpy(np.ascontiguousarray(data).reshape(n, -1)), type_name, k)
+            blocks = torch.from_numpy(np.ascontiguousarray(data).reshape(n, -1))
+        return cls(blocks, type_name, k, mapped=isinstance(data, np.ndarray) and not data.flags.writeable)
 
     @property
     def type_code(self) -> int:

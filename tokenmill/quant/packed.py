@@ -226,8 +226,11 @@ class QuantLinear(nn.Module):
     def __init__(self, parts: list[PackedWeight], bias: torch.Tensor | None = None) -> None:
         super().__init__()
         merged: list[PackedWeight] = []
-        for p in parts:  # neighbours of one layout become one weight (one kernel call)
-            if merged and merged[-1].layout == p.layout:
+        for p in parts:  # neighbours of one layout become one weight (one kernel call), but a view of
+            # the mapped file stays a part of its own: copying it into one weight would read the whole
+            # file at load (0.75 s of a 1B model's) and hold its bytes twice
+            if merged and merged[-1].layout == p.layout and not (getattr(p, "mapped", False)
+                                                                 or getattr(merged[-1], "mapped", False)):  # fmt: skip
                 merged[-1] = type(p).cat([merged[-1], p])
             else:
                 merged.append(p)
