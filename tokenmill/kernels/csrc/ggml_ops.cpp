@@ -208,6 +208,15 @@ inline void scales_mins_k4(const uint8_t* packed, uint32_t u[4]) {
   u[0] &= m1;
 }
 
+// vpshufb masks broadcasting int16 lane i (of 8) of a register to all 16 lanes: one shuffle per
+// sub-block's scale instead of a scalar load and a broadcast.
+alignas(32) constexpr uint8_t SCALE_PICK[8][32] = {
+#define TM_PICK(i) {2 * i, 2 * i + 1, 2 * i, 2 * i + 1, 2 * i, 2 * i + 1, 2 * i, 2 * i + 1, 2 * i, 2 * i + 1, 2 * i, \
+                    2 * i + 1, 2 * i, 2 * i + 1, 2 * i, 2 * i + 1, 2 * i, 2 * i + 1, 2 * i, 2 * i + 1, 2 * i, 2 * i + 1, \
+                    2 * i, 2 * i + 1, 2 * i, 2 * i + 1, 2 * i, 2 * i + 1, 2 * i, 2 * i + 1, 2 * i, 2 * i + 1}
+    TM_PICK(0), TM_PICK(1), TM_PICK(2), TM_PICK(3), TM_PICK(4), TM_PICK(5), TM_PICK(6), TM_PICK(7)};
+#undef TM_PICK
+
 // Q4_K and Q5_K: super-blocks of 8 sub-blocks of 32, each with a 6-bit scale and min;
 // w = d * sc * q - dmin * mn. `FIVE`: Q5_K's fifth bits (qh) come before the nibbles.
 template <bool FIVE, int MR>
@@ -221,7 +230,8 @@ void dot_q45_k(const uint8_t* w, const Act& a, int64_t m0, float* out) {
   for (int64_t b = 0; b < nb; ++b, w += bytes) {
     uint32_t u[4];
     scales_mins_k4(w + 4, u);
-    const uint8_t* sc = reinterpret_cast<const uint8_t*>(u);
+    const __m128i sc16 = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, static_cast<int>(u[1]), static_cast<int>(u[0])));
+    const __m256i scales = _mm256_set_m128i(sc16, sc16);  // the 8 scales as int16, in both halves
     const __m128i mins = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, static_cast<int>(u[3]), static_cast<int>(u[2])));
     const float d = f16(w), dmin = f16(w + 2);
     const uint8_t* qs = w + (FIVE ? 48 : 16);
@@ -235,7 +245,8 @@ void dot_q45_k(const uint8_t* w, const Act& a, int64_t m0, float* out) {
         lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j), one), 4));
         hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j + 1), one), 4));
       }
-      const __m256i slo = _mm256_set1_epi16(sc[2 * j]), shi = _mm256_set1_epi16(sc[2 * j + 1]);
+      const __m256i slo = _mm256_shuffle_epi8(scales, load32(SCALE_PICK[2 * j]));
+      const __m256i shi = _mm256_shuffle_epi8(scales, load32(SCALE_PICK[2 * j + 1]));
       for (int m = 0; m < MR; ++m) {
         const int8_t* q = a.qrow(m0 + m) + b * QK_K + 64 * j;
         const __m256i plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load32(q)), slo);
