@@ -9,40 +9,19 @@ For an A/B of two checkouts, run it from each in turn (PYTHONPATH=<checkout>), a
 from __future__ import annotations
 
 import argparse
-import time
+import sys
+from pathlib import Path
 
-import numpy as np
 import torch
 
-from tokenmill.kernels.cpu import cpu_info
-from tokenmill.kernels.native import load_native
-from tokenmill.quant.blocks import BlockWeight
-from tokenmill.quant.packed import PackedWeight
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def random_blocks(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
-    """Random bytes with small float16 scales where the type keeps them."""
-    import gguf
-
-    rng = np.random.default_rng(seed)
-    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
-    raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
-    at = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}[type_name]
-    for pos in at:
-        d = rng.uniform(0.0001, 0.002, size=raw.shape[:2]).astype(np.float16)
-        raw[..., pos : pos + 2] = d.view(np.uint8).reshape(*raw.shape[:2], 2)
-    return raw.reshape(n, -1)
-
-
-def best_ms(f, calls: int = 10, repeats: int = 5) -> float:
-    f()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            f()
-        best = min(best, (time.perf_counter() - t0) / calls)
-    return best * 1e3
+from bench.quant_linear import best_ms  # noqa: E402
+from tests.helpers import random_gguf_blocks  # noqa: E402
+from tokenmill.kernels.cpu import cpu_info  # noqa: E402
+from tokenmill.kernels.native import load_native  # noqa: E402
+from tokenmill.quant.blocks import BlockWeight  # noqa: E402
+from tokenmill.quant.packed import PackedWeight  # noqa: E402
 
 
 def main() -> None:
@@ -53,7 +32,7 @@ def main() -> None:
     print(cpu_info().describe())
     n, k = 16384, 2048
     for t in args.types.split(","):
-        raw = random_blocks(t, n, k)
+        raw = random_gguf_blocks(t, n, k)
         blocks, widened = BlockWeight.from_gguf(t, raw, (n, k)), PackedWeight.from_gguf(t, raw, (n, k))
         for rows in (1, 4):
             x = torch.randn(rows, k)

@@ -131,13 +131,18 @@ def rss_parts_mib(pid: int) -> dict[str, float]:
     return out
 
 
-def children(pid: int) -> list[int]:
+def direct_children(pid: int) -> list[int]:
     out = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
             out += [int(c) for c in (task / "children").read_text().split()]
         except OSError:
             pass
+    return out
+
+
+def children(pid: int) -> list[int]:
+    out = direct_children(pid)
     return out + [g for c in out for g in children(c)]
 
 

@@ -45,7 +45,7 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
-from soak import RESULTS, Soak, gauges, log, read_stream
+from soak import RESULTS, Soak, direct_children, gauges, log, read_stream
 
 # Bearer tokens: no --api-key is set (the harness does not test auth), but each kind of
 # client presents its own, so that a server can tell them apart (a tenant is its token).
@@ -73,16 +73,6 @@ def proc_stat(pid: int) -> tuple[str, int] | None:
     except (OSError, IndexError):
         return None
     return fields[0], int(fields[19])
-
-
-def direct_children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            out += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return out
 
 
 def cmdline(pid: int) -> str:

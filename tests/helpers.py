@@ -36,6 +36,29 @@ def all_logits(runner, seqs) -> torch.Tensor:
     return runner.all_logits(seqs)
 
 
+def fused_and_python_decode_logits(llm) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
+    """Decode logits of one sequence and of three together, with the model's C++ layer loop
+    (True) and with the Python loop (False), after the same prefills."""
+    model, runner, pool = llm.parts.model, llm.engine.runner, llm.engine.block_pool
+    prompts = [llm.tokenizer.encode(p) for p in ("The capital of France is", "def f(x):", "Once upon a time, a fox")]
+    tables = [pool.allocate(2) for _ in prompts]
+    try:
+        for ids, blocks in zip(prompts, tables, strict=True):
+            all_logits(runner, [seq(ids, blocks)])  # prefill (more tokens than the loop takes: Python)
+        results = {}
+        for fused in (True, False):
+            model._fused_plan = False if fused else None  # None: the Python loop
+            one = all_logits(runner, [seq([42], tables[0], num_computed=len(prompts[0]))])
+            three = all_logits(runner, [seq([7 + i], blocks, num_computed=len(ids) + 1)
+                                        for i, (ids, blocks) in enumerate(zip(prompts, tables, strict=True))])  # fmt: skip
+            results[fused] = (one, three)
+        return results
+    finally:
+        model._fused_plan = False
+        for blocks in tables:
+            pool.free(blocks)
+
+
 def run_to_completion(engine, prompts=None, params=None) -> dict:
     """Add prompts (if given) and step until nothing is left; request id -> final output."""
     if prompts is not None:

@@ -168,15 +168,15 @@ def test_tiny_gguf_in_blocks_scores_like_its_float_twin(tmp_path, int8_llm, weig
     np.testing.assert_allclose(ours, theirs, rtol=0.1, atol=0.05)  # (random K-quant blocks: logits of -20 to -50)
 
 
-def test_cpp_layer_loop_runs_block_weights_bit_identical_to_the_python_loop(int8_llm):
+def test_cpp_layer_loop_runs_block_weights_bit_identical_to_the_python_loop():
     """Decode steps in C++ (decode_layers) over block weights, one layer's qkv made of two
     block types as Q4_K_M files have it (q and k in one, v in another: here Q4_1 and Q8_0,
     SmolLM2's rows of 576 being too short for K-quants): the logits equal the Python loop's
     to the bit, for one sequence and for three."""
-    from tests.helpers import all_logits, seq
+    from tests.helpers import fused_and_python_decode_logits
 
     llm = LLM(dtype="float32", quant_arithmetic="int8", progress=False, kv_cache_memory="32MiB")
-    model, runner, pool = llm.parts.model, llm.engine.runner, llm.engine.block_pool
+    model = llm.parts.model
     attn = model.layers[1].self_attn
     q_k, kv_rows = attn.qkv_proj.parts[0], attn.num_kv_heads * attn.head_dim  # q and k (v: the file's own part)
     assert q_k.out_features == (attn.num_heads + attn.num_kv_heads) * attn.head_dim
@@ -186,21 +186,6 @@ def test_cpp_layer_loop_runs_block_weights_bit_identical_to_the_python_loop(int8
     attn.qkv_proj = mixed
     model.reset_fused_plan()
     assert model.fused_plan is not None and len(mixed.parts) == 2
-    prompts = [llm.tokenizer.encode(p) for p in ("The capital of France is", "def f(x):", "Once upon a time, a fox")]
-    tables = [pool.allocate(2) for _ in prompts]
-    try:
-        for ids, blocks in zip(prompts, tables, strict=True):
-            all_logits(runner, [seq(ids, blocks)])
-        results = {}
-        for fused in (True, False):
-            model._fused_plan = False if fused else None  # None: the Python loop
-            one = all_logits(runner, [seq([42], tables[0], num_computed=len(prompts[0]))])
-            three = all_logits(runner, [seq([7 + i], blocks, num_computed=len(ids) + 1)
-                                        for i, (ids, blocks) in enumerate(zip(prompts, tables, strict=True))])  # fmt: skip
-            results[fused] = (one, three)
-        assert torch.equal(results[True][0], results[False][0])
-        assert torch.equal(results[True][1], results[False][1])
-    finally:
-        model._fused_plan = False
-        for blocks in tables:
-            pool.free(blocks)
+    results = fused_and_python_decode_logits(llm)
+    assert torch.equal(results[True][0], results[False][0])
+    assert torch.equal(results[True][1], results[False][1])

@@ -336,30 +336,14 @@ def test_cpp_layer_loop_is_bit_identical_to_the_python_loop(dtype, quantization)
     """Decode steps of the plain Llama layer run in C++ (decode_layers): the same kernels in
     the same order as the Python loop, so the logits are equal to the bit, for one sequence
     and for three decoding together, from packed and from float weights."""
-    from tests.helpers import all_logits, seq
+    from tests.helpers import fused_and_python_decode_logits
     from tokenmill import LLM
 
     llm = LLM(dtype=dtype, quantization=quantization, progress=False, kv_cache_memory="32MiB")
-    model, runner, pool = llm.parts.model, llm.engine.runner, llm.engine.block_pool
-    assert model.fused_plan is not None
-    prompts = [llm.tokenizer.encode(p) for p in ("The capital of France is", "def f(x):", "Once upon a time, a fox")]
-    tables = [pool.allocate(2) for _ in prompts]
-    try:
-        for ids, blocks in zip(prompts, tables, strict=True):
-            all_logits(runner, [seq(ids, blocks)])  # prefill (more tokens than the loop takes: Python)
-        results = {}
-        for fused in (True, False):
-            model._fused_plan = False if fused else None  # None: the Python loop
-            one = all_logits(runner, [seq([42], tables[0], num_computed=len(prompts[0]))])
-            three = all_logits(runner, [seq([7 + i], blocks, num_computed=len(ids) + 1)
-                                        for i, (ids, blocks) in enumerate(zip(prompts, tables, strict=True))])  # fmt: skip
-            results[fused] = (one, three)
-        assert torch.equal(results[True][0], results[False][0])
-        assert torch.equal(results[True][1], results[False][1])
-    finally:
-        model._fused_plan = False
-        for blocks in tables:
-            pool.free(blocks)
+    assert llm.parts.model.fused_plan is not None
+    results = fused_and_python_decode_logits(llm)
+    assert torch.equal(results[True][0], results[False][0])
+    assert torch.equal(results[True][1], results[False][1])
 
 
 def test_layers_the_loop_does_not_serve_take_the_python_path():

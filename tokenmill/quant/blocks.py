@@ -63,12 +63,8 @@ class BlockWeight(PackedWeight):
     def dequantize(self, ids: torch.Tensor | None = None) -> torch.Tensor:
         """The float32 weight (or rows ``ids``): the file's numbers (packed.decompose)."""
         qs = self.qs if ids is None else self.qs[ids]
-        d = decompose(self.source, qs.cpu().numpy(), (qs.shape[0], self.in_features))
-        q = torch.from_numpy(d.q.astype(np.float32)).reshape(qs.shape[0], -1, d.group)
-        w = q * torch.from_numpy(d.scale)[..., None]
-        if d.minv is not None:
-            w = w + torch.from_numpy(d.minv)[..., None]
-        return w.reshape(qs.shape[0], self.in_features).to(self.qs.device)
+        exact = decompose(self.source, qs.cpu().numpy(), (qs.shape[0], self.in_features))
+        return PackedWeight.from_decomposed(exact, self.source).dequantize().to(self.qs.device)
 
     def dequantize_rows(self, ids: torch.Tensor | None = None, bf16: bool = False) -> torch.Tensor:
         if self.qs.device.type == "cpu" and hasattr(torch.ops.tokenmill, "block_dequantize"):
