@@ -1,13 +1,15 @@
 """Engine replicas on Ray Serve (issue 26): routing, Ray's overhead, disaggregation.
 
-    python bench/replicas.py routing   [--chats 32 --turns 3 --concurrency 8]
+    python bench/replicas.py routing   [--chats 32 --turns 3 --concurrency 8] [--policies kv@128,kv --no-single]
     python bench/replicas.py overhead  [--requests 48]
     python bench/replicas.py disagg    [--decoders 6 --long-prompts 12]
     python bench/replicas.py autoscale
 
 Every Ray run is on a local two-"node" cluster (``ray start --head`` plus a second
 ``ray start --address`` on loopback, one CPU each, token auth as Ray 2.6x sets it up),
-the server joining it through RAY_ADDRESS, one engine replica per node.
+the server joining it through RAY_ADDRESS, one engine replica per node (``routing
+--local-ray``: a one-node Ray each server starts itself, for a machine shared with
+other Ray users: the cluster's ``ray stop --force`` ends all of them).
 
 routing: a private workload of several long system prompts shared by many multi-turn
 chats (each turn's prompt is the system prompt, the chat so far and a new question;
@@ -16,8 +18,10 @@ prefix some replica computed). Sessions run ``--concurrency`` at a time. Each re
 KV cache holds about half the system prompts (``--kv-cache-memory``): routing decides
 whether the pair's caches act as one cache of twice the size or as two copies. For one
 replica (plain ``tokenmill serve``, both cores, the pair's total KV memory) and for two
-replicas routed by ``kv``, ``pow2`` and ``round-robin``: prefix-hit rate (from the
-replicas' /metrics), TTFT p50/p99, throughput. Each system prompt is sent once, one at a
+replicas routed by ``kv``, ``pow2`` and ``round-robin`` (``--policies``; ``kv@128``: kv
+routing at a fixed price of load, ``--route-load-cost 128``, instead of the one each
+replica measures): prefix-hit rate (from the replicas' /metrics), TTFT p50/p99,
+throughput, and each replica's price of load. Each system prompt is sent once, one at a
 time, before the measured chats (a service that has been running; ``--cold``: not).
 
 overhead: one replica behind Ray (``--ray``, two torch threads, and one) against plain
@@ -73,7 +77,7 @@ def ray_env() -> dict:
     """The nodes' environment: the replicas (started by the nodes' raylets) import this
     checkout's tokenmill, as the server does."""
     return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token", "PYTHONPATH": str(HERE.parent),
-            "RAY_worker_niceness": "0"}  # Ray's default, 15, lets its own processes preempt the engines
+            "RAY_worker_niceness": os.environ.get("RAY_worker_niceness", "0")}  # Ray's 15 lets its processes preempt the engines
 
 
 def ray_bin() -> str:
@@ -123,6 +127,14 @@ class Server:
             if line.startswith("tokenmill:"):
                 name = line.split("{", 1)[0].split(" ", 1)[0]
                 out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        return out
+
+    def per_replica(self, name: str) -> dict[str, float]:
+        """replica -> value of a metric labelled by replica (the last pool's, if several)."""
+        out = {}
+        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith(name + "{") and 'replica="' in line:
+                out[line.split('replica="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
         return out
 
     def stop(self) -> None:
@@ -206,10 +218,13 @@ def routing(args: argparse.Namespace) -> dict:
     if not args.cold:  # the service has been running: each system prompt was seen once before
         warm += [(system, ["Hello."]) for system in dict.fromkeys(s for s, _ in workload)]
     kv = ["--kv-cache-memory", args.kv_cache_memory]
-    modes = {"one replica": (["--kv-cache-memory", args.single_kv_cache_memory], None)}
-    for policy in ("kv", "pow2", "round-robin"):
-        modes[f"2 replicas, {policy}"] = (["--data-parallel-size", "2", "--routing", policy, *kv], "cluster")
-    address = start_cluster()
+    modes = {"one replica": (["--kv-cache-memory", args.single_kv_cache_memory], None)} if args.single else {}
+    for policy in filter(None, args.policies.split(",")):
+        routing_name, _, load_cost = policy.partition("@")  # kv@128: a fixed price of load
+        fixed = ["--route-load-cost", load_cost] if load_cost else []
+        modes[f"2 replicas, {policy}"] = (["--data-parallel-size", "2", "--routing", routing_name, *fixed, *kv],
+                                          "cluster")  # fmt: skip
+    address = None if args.local_ray else start_cluster()  # None: each server starts its own
     runs = {}
     try:
         for name, (flags, ray) in modes.items():
@@ -218,9 +233,11 @@ def routing(args: argparse.Namespace) -> dict:
             try:
                 asyncio.run(run_chats(server.url, warm, 1, 8))
                 before = server.metrics()
+                start_costs = server.per_replica("tokenmill:router_load_cost_tokens")  # before the answers' mean
                 results, elapsed = asyncio.run(run_chats(server.url, workload, args.concurrency, args.max_tokens))
                 time.sleep(1.0)  # the replicas' last reports
                 after = server.metrics()
+                load_costs = server.per_replica("tokenmill:router_load_cost_tokens")
             finally:
                 server.stop()
             d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
@@ -234,14 +251,17 @@ def routing(args: argparse.Namespace) -> dict:
                 "router_decisions": {k: v for k, v in d.items() if k.startswith("tokenmill:router_decisions")},
                 "predicted_hit_blocks": d.get("tokenmill:router_predicted_hit_blocks_total"),
                 "realised_hit_tokens": d.get("tokenmill:router_realised_hit_tokens_total"),
-                "server_start_s": server.start_s,
+                "server_start_s": server.start_s, "load_cost_tokens_before": start_costs, "load_cost_tokens": load_costs,
             }  # fmt: skip
             r = runs[name]
             log(f"  hit rate {r['prefix_hit_rate']:.3f}  TTFT p50 {r['ttft_s']['p50'] * 1000:.0f} ms  "
-                f"p99 {r['ttft_s']['p99'] * 1000:.0f} ms  {r['requests_per_s']:.2f} req/s")  # fmt: skip
+                f"p99 {r['ttft_s']['p99'] * 1000:.0f} ms  {r['requests_per_s']:.2f} req/s  "
+                f"load price {start_costs or '-'} -> {load_costs or '-'}")  # fmt: skip
     finally:
-        stop_cluster()
+        if not args.local_ray:
+            stop_cluster()
     return {"workload": {"cold": args.cold, "systems": args.systems, "system_words": args.system_words, "chats": args.chats,
+                         "policies": args.policies, "local_ray": args.local_ray,
                          "turns": args.turns, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
                          "kv_cache_memory": args.kv_cache_memory,
                          "single_kv_cache_memory": args.single_kv_cache_memory}, "runs": runs}  # fmt: skip
@@ -505,6 +525,14 @@ def main() -> int:
     p.add_argument("--kv-cache-memory", default="96MiB", help="per replica")
     p.add_argument("--cold", action="store_true", help="no system prompt seen before the measured chats")
     p.add_argument("--single-kv-cache-memory", default="192MiB", help="the one replica's: the pair's total")
+    p.add_argument("--policies", default="kv,pow2,round-robin", help="routing: the two-replica runs, in order "
+                   "(kv@N: kv routing with --route-load-cost N)")  # fmt: skip
+    p.add_argument("--single", action=argparse.BooleanOptionalAction, default=True,
+                   help="routing: also run one plain replica (the reference)")  # fmt: skip
+    p.add_argument("--out", default=None, help="results/<out>.json (default: replicas_<mode>)")
+    p.add_argument("--local-ray", action="store_true", help="routing: each server starts (and stops) a local Ray of "
+                   "its own, one node, instead of the two-node cluster (whose start and stop end every Ray process "
+                   "of the machine)")  # fmt: skip
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--decoders", type=int, default=6)
@@ -520,10 +548,11 @@ def main() -> int:
     result = {"cpu": f"{cpu.model}, {cpu.cores} cores, {cpu.capability}", "command": " ".join(sys.argv),
               **result["run"]}  # fmt: skip
     suffix = "_cold" if args.mode == "routing" and args.cold else ""
-    out = RESULTS / f"replicas_{args.mode}{suffix}.json"
+    name = args.out or f"replicas_{args.mode}{suffix}"
+    out = RESULTS / f"{name}.json"
     out.write_text(json.dumps(result, indent=1))
     if args.mode == "routing":
-        plot_routing(result, RESULTS / f"replicas_routing{suffix}.png")
+        plot_routing(result, RESULTS / f"{name}.png")
     elif args.mode == "disagg":
         plot_disagg(result, RESULTS / "replicas_disagg.png")
     log(f"wrote {out}")

@@ -414,6 +414,9 @@ class ReplicaConfig:
     routing: str = opt("kv", "which replica serves a request: kv (the one whose cache leaves the fewest prompt "
                        "tokens to compute, weighed against its load), pow2 (less loaded of two at random), round-robin",
                        choices=("kv", "pow2", "round-robin"))  # fmt: skip
+    route_load_cost: int | str = opt("auto", "kv routing's price of a request in flight on a replica, in prompt tokens "
+                                     "(weighed against the prompt tokens its cache saves): auto (measured on each "
+                                     "replica's engine at start) or a number for every replica")  # fmt: skip
     max_replicas: int | None = opt(None, "autoscale between data_parallel_size and this many replicas on "
                                          "requests in flight (Ray Serve's autoscaling)")  # fmt: skip
     target_ongoing_requests: float = opt(8.0, "requests in flight per replica autoscaling aims at")
@@ -430,6 +433,8 @@ class ReplicaConfig:
         _check(self.max_replicas is None or self.max_replicas >= self.data_parallel_size,
                f"max_replicas ({self.max_replicas}) must be >= data_parallel_size ({self.data_parallel_size})")  # fmt: skip
         _check(self.target_ongoing_requests > 0, f"target_ongoing_requests must be > 0, got {self.target_ongoing_requests}")
+        _check(self.route_load_cost == "auto" or str(self.route_load_cost).isdigit(),
+               f"route_load_cost must be auto or a whole number of tokens >= 0, got {self.route_load_cost!r}")  # fmt: skip
         _check(self.replica_cpus is None or self.replica_cpus >= 0, f"replica_cpus must be >= 0, got {self.replica_cpus}")
         _check(self.replica_gpus >= 0, f"replica_gpus must be >= 0, got {self.replica_gpus}")
         _check(self.replica_threads is None or self.replica_threads >= 1,
@@ -443,6 +448,11 @@ class ReplicaConfig:
     @property
     def disaggregated(self) -> bool:
         return self.prefill_replicas > 0
+
+    @property
+    def fixed_load_cost(self) -> int | None:
+        """``route_load_cost`` as a number of tokens, or None for auto (each replica's measured price)."""
+        return None if self.route_load_cost == "auto" else int(self.route_load_cost)
 
     @property
     def enabled(self) -> bool:

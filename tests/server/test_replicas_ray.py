@@ -30,7 +30,8 @@ def cluster():
     s = Server("--prefill-replicas", "1", "--decode-replicas", "2")
     yield s
     assert s.stop(60) == 0  # SIGTERM: drained, Serve and Ray stopped, exit 0
-    assert wait_until(lambda: not any(process_alive(p) for p in s.replica_pids), 30), "replica processes left behind"
+    pids = getattr(s, "replica_pids", set())  # (seen by the tests that ran)
+    assert wait_until(lambda: not any(process_alive(p) for p in pids), 30), "replica processes left behind"
 
 
 def descendants(pid: int) -> list[int]:
@@ -114,6 +115,22 @@ def test_a_follow_up_turn_is_routed_to_the_replica_holding_its_conversation(clus
     assert wait_until(lambda: _decisions(cluster, "prefix") >= before + 1, 5)
     assert _settled(lambda: _decisions(cluster, "prefix")) == before + 1
     assert len(_replicas(cluster, "decode")) == 2 and len(_replicas(cluster, "prefill")) == 1
+
+
+def test_each_decode_replica_routes_at_the_price_of_load_it_measured(cluster):
+    """Every decode replica measured on its engine, at start, what a request in flight
+    costs a newcomer, and reports it with its load: the router's price per replica
+    (/metrics), "measured" (not the default), within the clamp."""
+    from tokenmill.engine.load_price import PRICE_RANGE
+
+    def prices() -> dict[str, float]:
+        lines = httpx.get(cluster.url + "/metrics", timeout=10).text.splitlines()
+        return {line.split('replica="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines
+                if line.startswith("tokenmill:router_load_cost_tokens{") and 'pool="decode"' in line
+                and 'source="measured"' in line}  # fmt: skip
+
+    assert wait_until(lambda: len(prices()) == 2, 10), prices()
+    assert all(PRICE_RANGE[0] <= p <= PRICE_RANGE[1] for p in prices().values()), prices()
 
 
 def _settled(read, period: float = 1.2):

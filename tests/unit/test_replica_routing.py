@@ -205,3 +205,83 @@ def test_replica_options_are_checked_before_anything_starts():
     with pytest.raises(TokenmillError, match="draft model"):
         check_replica_options(engine_args(speculative="draft", draft_model="x"),
                               ReplicaConfig(prefill_replicas=1, decode_replicas=1))  # fmt: skip
+
+
+def stored(tokens: list[int], bs: int) -> list[tuple[str, bytes]]:
+    return [("stored", h) for h in prompt_block_hashes(tokens, bs)]
+
+
+def test_kv_routing_prices_load_at_what_each_replica_measured():
+    """A follow-up turn of 304 tokens whose first 288 (a ~300-token system prompt and the
+    chat so far: 18 blocks of 16) are cached on r0, which runs 3 requests; r1 is idle. At
+    the old constant, 128 tokens a request in flight, r0 costs 16 + 3 * 128 = 400 > r1's
+    304: the request moves away and its prompt is computed whole. At the price r0
+    measured (40: its decode steps grow little with the batch) r0 costs 16 + 120 = 136:
+    it stays with its prefix. A replica that reported no price is charged the default;
+    a fixed price (--route-load-cost) overrides every report."""
+    from tokenmill.replicas.routing import DEFAULT_LOAD_COST
+
+    bs, shared = 16, list(range(1000, 1288))
+    prompt = prompt_block_hashes(shared + list(range(16)), bs)
+
+    def fleet(price: float | None) -> list[ReplicaState]:
+        r0 = ReplicaState("r0", num_running=3, load_cost=price)
+        r0.apply(stored(shared, bs))
+        return [r0, ReplicaState("r1", load_cost=price)]
+
+    measured = KVAwareRouter(block_size=bs).choose(prompt, fleet(40))
+    assert (measured.replica, measured.matched_blocks, measured.reason) == ("r0", 18, "prefix")
+    assert DEFAULT_LOAD_COST == 128
+    unreported = KVAwareRouter(block_size=bs).choose(prompt, fleet(None))  # the old behaviour
+    assert (unreported.replica, unreported.reason) == ("r1", "least_loaded")
+    fixed = KVAwareRouter(block_size=bs, load_cost=128).choose(prompt, fleet(40))
+    assert fixed.replica == "r1"
+    router = KVAwareRouter(block_size=bs)
+    assert [router.price(r) for r in [*fleet(40), ReplicaState("r2")]] == [40, 40, DEFAULT_LOAD_COST]
+
+
+def test_the_index_routes_by_the_price_each_replica_reports_with_its_load():
+    """The replicas' reported prices reach the router through the index (and /metrics):
+    the busy replica holding the prefix keeps the follow-up at its measured 40 tokens,
+    not at a fixed 128; a report without a price keeps the last one; a replica that
+    never reported one is priced at the default. /metrics shows each price and its source."""
+    from tokenmill.replicas.index import KVIndex
+    from tokenmill.server.metrics import _routing_metrics
+
+    bs, shared = 16, list(range(1000, 1288))
+    hashes = prompt_block_hashes(shared + list(range(16)), bs)
+    choices = {}
+    for fixed in (None, 128):
+        index = KVIndex("kv", block_size=bs, load_cost=fixed)
+        index.report("a", stored(shared, bs), 3, 0, load_cost=40)
+        index.report("b", [], 0, 0, load_cost=300)
+        index.report("a", [], 3, 0)  # no price: the last one stands
+        index.report("c", [], 9, 0)  # never reported one
+        choices[fixed] = index.choose(hashes, [("a", 3), ("b", 0), ("c", 9)])
+        costs = index.view()[1].load_costs
+        if fixed is None:
+            assert costs == {"a": (40, "measured"), "b": (300, "measured"), "c": (128, "default")}
+        else:
+            assert costs == {name: (128, "fixed") for name in "abc"}
+        gauge = next(m for m in _routing_metrics(["model_name"], ["m"], {"engine": index.stats})
+                     if m.name == "tokenmill:router_load_cost_tokens")  # fmt: skip
+        assert {s.labels["replica"]: (s.value, s.labels["source"]) for s in gauge.samples} == costs
+    assert choices == {None: "a", 128: "b"}
+    index.remove("a")
+    assert set(index.view()[1].load_costs) == {"b", "c"}
+
+
+def test_the_load_price_is_measured_unless_a_number_is_given():
+    import pytest
+
+    from tokenmill.args import replica_config_from_namespace
+    from tokenmill.cli import build_parser
+    from tokenmill.config import ReplicaConfig
+
+    assert ReplicaConfig().route_load_cost == "auto" and ReplicaConfig().fixed_load_cost is None
+    ns = build_parser().parse_args(["serve", "--data-parallel-size", "2", "--route-load-cost", "64"])
+    assert replica_config_from_namespace(ns).fixed_load_cost == 64
+    assert ReplicaConfig(route_load_cost=0).fixed_load_cost == 0  # serve deploy's args: a number
+    for bad in ("cheap", "-1", 2.5):
+        with pytest.raises(ValueError, match="route_load_cost"):
+            ReplicaConfig(route_load_cost=bad)

@@ -157,8 +157,9 @@ class AsyncCoreClient(StreamingFront):
 
     async def call(self, method: str, args: list | None = None) -> Any:
         """A call the core makes between steps, and its result: ``start_kv_events``,
-        ``lora_hash_roots``, ``export_kv`` [hashes], ``import_kv`` [hashes, raw bytes]
-        (what an engine replica asks of its core: replicas/ray_serve.py)."""
+        ``lora_hash_roots``, ``measure_load_price`` (an idle core), ``export_kv`` [hashes],
+        ``import_kv`` [hashes, raw bytes] (what an engine replica asks of its core:
+        replicas/ray_serve.py)."""
         return await self._call(method, args or [])
 
     def take_kv_events(self) -> list[tuple[str, bytes]]:

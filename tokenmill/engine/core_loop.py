@@ -22,12 +22,13 @@ import queue
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 from tokenmill.engine.channel import Channel
 from tokenmill.engine.core import EngineCore
+from tokenmill.engine.load_price import measure_load_price
 from tokenmill.engine.wire import (
     delta_to_wire,
     error_to_wire,
@@ -206,6 +207,8 @@ class CoreLoop:
                 self.core.start_step_trace()
             elif method == "stop_step_trace":
                 self.core.stop_step_trace()
+            elif method == "measure_load_price":  # -> its parts, a dict (a replica starting: engine/load_price.py)
+                result = asdict(measure_load_price(self.core))
             elif method == "block_states":
                 result = self.core.block_states()
             elif method == "lora_hash_roots":

@@ -282,10 +282,11 @@ def start_replicas(engine_args: EngineArgs, config: ReplicaConfig, start_timeout
         handles = {}
         for role, n in pools.items():
             name = ray_serve.index_name(APP, role)
-            indexes[role] = ray_serve.get_index(name, config.routing, engine_args.cache.block_size)
+            indexes[role] = ray_serve.get_index(name, config.routing, engine_args.cache.block_size,
+                                                config.fixed_load_cost)  # fmt: skip
             app = ray_serve.deployment(role, engine_args, name, n, threads, cpus, config.replica_gpus, config.routing,
                                        config.max_replicas if role == "engine" else None,
-                                       config.target_ongoing_requests)  # fmt: skip
+                                       config.target_ongoing_requests, config.fixed_load_cost)  # fmt: skip
             start = time.perf_counter()
             (handles[role],) = serve.run_many([serve.RunTarget(app, name=f"{APP}-{role}", route_prefix=None)],
                                               wait_for_applications_running=False)  # fmt: skip

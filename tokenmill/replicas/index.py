@@ -2,7 +2,8 @@
 
 Every replica reports to one index (a Ray actor in ``ray_serve.py``; a plain object
 here, so it is tested without Ray): its KV events (block hashes stored and evicted),
-its running and waiting requests, its engine snapshot. The router asks the index to
+its running and waiting requests, the price it measured for a request in flight
+(engine/load_price.py), its engine snapshot. The router asks the index to
 choose a replica for a prompt's block hashes; the server's /metrics reads the
 snapshots (one series per replica) and the routing counters from it. One owner for
 what the replicas hold: the index; for how busy each is right now, the router's own
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tokenmill.engine.stats import EngineSnapshot
-from tokenmill.replicas.routing import ROUTERS, ReplicaState
+from tokenmill.replicas.routing import ROUTERS, KVAwareRouter, ReplicaState
 
 
 @dataclass
@@ -30,14 +31,21 @@ class RoutingStats:
     prompt_tokens: int = 0  # prompt tokens of the routed requests that finished
     imported_blocks: int = 0  # disaggregated decode: KV blocks received from prefill replicas and cached
     import_seconds: float = 0.0  # from asking the object store for them to having them in the cache
+    # kv routing: replica -> (its price of a request in flight, in prompt tokens; "measured" on the
+    # replica, "fixed" by --route-load-cost, or the router's "default" for a replica that reported none)
+    load_costs: dict[str, tuple[float, str]] = field(default_factory=dict)
 
 
 class KVIndex:
-    def __init__(self, routing: str = "kv", block_size: int = 16, seed: int | None = None) -> None:
+    """``load_cost``: kv routing's price of a request in flight, fixed for every replica
+    (None: each replica's measured one, as it reports it)."""
+
+    def __init__(self, routing: str = "kv", block_size: int = 16, seed: int | None = None,
+                 load_cost: int | None = None) -> None:  # fmt: skip
         if routing not in ROUTERS:
             raise ValueError(f"unknown routing {routing!r}; choose one of {', '.join(ROUTERS)}")
         if routing == "kv":
-            self.policy = ROUTERS[routing](block_size=block_size)
+            self.policy = ROUTERS[routing](block_size=block_size, load_cost=load_cost)
         else:
             self.policy = ROUTERS[routing](seed=seed) if routing == "pow2" else ROUTERS[routing]()
         self.routing, self.block_size = routing, block_size
@@ -48,16 +56,24 @@ class KVIndex:
 
     def report(self, replica: str, events: Sequence[tuple[str, bytes]], num_running: int, num_waiting: int,
                snapshot: EngineSnapshot | None = None, finished: Sequence[tuple[int, int]] = (),
-               reset: bool = False, imported: tuple[int, float] = (0, 0.0)) -> None:  # fmt: skip
+               reset: bool = False, imported: tuple[int, float] = (0, 0.0),
+               load_cost: float | None = None) -> None:  # fmt: skip
         """A replica's news: its KV events in order, its load, and for each request that
         ended (prompt tokens, prompt tokens it found cached). ``reset``: a replica that
         (re)started with an empty cache. ``imported``: KV blocks received from prefill
-        replicas since the last report, and the seconds that took."""
+        replicas since the last report, and the seconds that took. ``load_cost``: its
+        price of a request in flight, in prompt tokens (None: unchanged)."""
         state = self.replicas.get(replica)
         if state is None or reset:
             state = self.replicas[replica] = ReplicaState(replica)
         state.apply(events)
         state.num_running, state.num_waiting = num_running, num_waiting
+        if load_cost is not None:
+            state.load_cost = load_cost
+        if isinstance(self.policy, KVAwareRouter):
+            fixed, measured = self.policy.load_cost, state.load_cost
+            source = "fixed" if fixed is not None else "measured" if measured is not None else "default"
+            self.stats.load_costs[replica] = (self.policy.price(state), source)
         self.sent_since_report.pop(replica, None)
         if snapshot is not None:
             self.snapshots[replica] = snapshot
@@ -72,6 +88,7 @@ class KVIndex:
         self.replicas.pop(replica, None)
         self.snapshots.pop(replica, None)
         self.sent_since_report.pop(replica, None)
+        self.stats.load_costs.pop(replica, None)
 
     def choose(self, hashes: Sequence[bytes], candidates: Sequence[tuple[str, int | None]]) -> str:
         """The replica for a prompt, among ``candidates`` (name, requests in flight there
@@ -82,7 +99,8 @@ class KVIndex:
         for name, in_flight in candidates:
             known = self.replicas.get(name) or ReplicaState(name)
             load = max(in_flight or 0, known.load + self.sent_since_report[name])
-            states.append(ReplicaState(name, known.cached, num_running=load))  # shares the set: no copy
+            # the cached set is shared, not copied
+            states.append(ReplicaState(name, known.cached, num_running=load, load_cost=known.load_cost))
         choice = self.policy.choose(hashes, states)
         self.sent_since_report[choice.replica] += 1
         self.stats.decisions[choice.reason] += 1

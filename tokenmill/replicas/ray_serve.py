@@ -4,7 +4,8 @@ Three pieces, each a Ray Serve (or Ray) object:
 
 - ``EngineReplica``: one engine per replica (the threaded ``AsyncEngine`` in the
   replica's process). ``generate`` streams a request's outputs; a replica reports its
-  prefix cache's events, its load and its snapshot to the index (every 0.5 s, and
+  prefix cache's events, its load, its price of load (measured on its engine at start,
+  engine/load_price.py) and its snapshot to the index (every 0.5 s, and
   before the last output of a request leaves it, so that a follow-up turn is routed
   knowing what the previous one cached). In disaggregated serving a replica is a
   prefill one (``prefill``: compute the prompt's KV, put its blocks in Ray's object
@@ -56,10 +57,11 @@ def index_name(app: str, pool: str) -> str:
 KVIndexActor = ray.remote(num_cpus=0)(KVIndex)
 
 
-def get_index(name: str, routing: str, block_size: int):
+def get_index(name: str, routing: str, block_size: int, load_cost: int | None = None):
     """The pool's index actor, created by whoever asks first (the front, or a replica
     deployed by ``serve deploy``, where no front starts first)."""
-    return KVIndexActor.options(name=name, namespace=NAMESPACE, get_if_exists=True).remote(routing, block_size)
+    return KVIndexActor.options(name=name, namespace=NAMESPACE, get_if_exists=True).remote(routing, block_size,
+                                                                                           load_cost=load_cost)
 
 
 class KVRequestRouter(RequestRouter):
@@ -106,12 +108,13 @@ class EngineReplica:
     that Ray's threads never hold the GIL the model steps need."""
 
     async def __init__(self, engine_args: EngineArgs, index: str, threads: int, role: str = "engine",
-                       routing: str = "kv") -> None:  # fmt: skip
+                       routing: str = "kv", load_cost: int | None = None) -> None:  # fmt: skip
         import functools
         import os
 
         from tokenmill.core_process import run_engine_core
         from tokenmill.engine.core_client import AsyncCoreClient
+        from tokenmill.engine.load_price import LoadPrice, LoadPricer
         from tokenmill.model.paths import resolve_model_path
         from tokenmill.model.tokenizer import load_tokenizer
 
@@ -119,10 +122,18 @@ class EngineReplica:
         self.role = role
         tokenizer = load_tokenizer(resolve_model_path(engine_args.load.model))
         self.engine = AsyncCoreClient(functools.partial(run_engine_core, engine_args), tokenizer)
+        self.name = replica_key(serve.get_replica_context().replica_id)
+        self.pricer: LoadPricer | None = None  # None: the index's fixed price, or its default
+        if routing == "kv" and load_cost is None:  # before start_kv_events: the index never hears of its blocks
+            try:
+                self.pricer = LoadPricer(LoadPrice(**await self.engine.call("measure_load_price")))
+                logger.info("replica %s: a request in flight costs %d prompt tokens (%s)", self.name,
+                            self.pricer.tokens, self.pricer.measured)  # fmt: skip
+            except Exception:  # noqa: BLE001 - routing works without it (the default price)
+                logger.warning("could not measure the load price; the router's default applies", exc_info=True)
         await self.engine.call("start_kv_events")
         self.lora_roots = await self.engine.call("lora_hash_roots")
-        self.name = replica_key(serve.get_replica_context().replica_id)
-        self.index = get_index(index, routing, self.engine.info["block_size"])
+        self.index = get_index(index, routing, self.engine.info["block_size"], load_cost)
         self._report_lock = threading.Lock()  # events are taken and sent in order
         self._imported = (0, 0.0)  # blocks received and seconds taken, not reported yet
         await self._report(reset=True)
@@ -145,6 +156,8 @@ class EngineReplica:
         async for out in self.engine.generate(request_id, prompt, params, lora):
             if out.finished:
                 remaining -= 1
+                if self.pricer is not None:
+                    self.pricer.request_finished(len(out.token_ids))  # one sequence's answer
                 if remaining == 0:  # the index hears of this request's blocks before its caller does
                     await self._report(finished=[(len(out.prompt_token_ids), out.num_cached_tokens)])
             # Deltas only: the sequence's whole record (and the tokenizer it holds) stays
@@ -189,8 +202,9 @@ class EngineReplica:
             events = self.engine.take_kv_events()
             snap = self.engine.snapshot()
             imported, self._imported = self._imported, (0, 0.0)
+            price = None if self.pricer is None else self.pricer.tokens
             return self.index.report.remote(self.name, events, snap.num_running, snap.num_waiting, snap,
-                                            list(finished), reset, imported)  # fmt: skip
+                                            list(finished), reset, imported, price)  # fmt: skip
 
     def _report_periodically(self) -> None:
         while not self._stop.wait(REPORT_PERIOD_S):
@@ -207,8 +221,10 @@ class EngineReplica:
 
 
 def deployment(name: str, engine_args: EngineArgs, index: str, replicas: int, threads: int, cpus: float,
-               gpus: float, routing: str, max_replicas: int | None = None, target_ongoing_requests: float = 8.0):  # fmt: skip
-    """One pool of engine replicas, bound (``name``: its role, "engine", "prefill" or "decode")."""
+               gpus: float, routing: str, max_replicas: int | None = None, target_ongoing_requests: float = 8.0,
+               load_cost: int | None = None):  # fmt: skip
+    """One pool of engine replicas, bound (``name``: its role, "engine", "prefill" or "decode";
+    ``load_cost``: kv routing's fixed price of load, None to measure it on each replica)."""
     from ray.serve.config import RequestRouterConfig
 
     scaling: dict[str, Any] = {"num_replicas": replicas}
@@ -227,4 +243,4 @@ def deployment(name: str, engine_args: EngineArgs, index: str, replicas: int, th
         health_check_period_s=2.0,
         graceful_shutdown_timeout_s=5.0,
         **scaling,
-    ).bind(replace(engine_args), index, threads, name, routing)
+    ).bind(replace(engine_args), index, threads, name, routing, load_cost)

@@ -13,7 +13,11 @@ the busiest replica with ``balance_abs`` more requests than the idlest and
 the prefix and the load together: a replica's cost is the prompt tokens it would
 compute plus a price per request already there. Their rule alone (the longest prefix
 wins until 64 requests of imbalance) put every chat of a benchmark on one replica of
-two, the other idle, at 8 concurrent sessions (bench/RESULTS.md). ``PowerOfTwoRouter`` (Ray
+two, the other idle, at 8 concurrent sessions (bench/RESULTS.md). The price is each
+replica's own, measured on its engine when it starts (engine/load_price.py: what a
+request in flight adds to a newcomer's decode steps, in prompt tokens) and reported
+with its load; ``DEFAULT_LOAD_COST`` stands in for a replica that reported none, and a
+fixed price (``--route-load-cost``) overrides them all. ``PowerOfTwoRouter`` (Ray
 Serve's default) and ``RoundRobinRouter`` are the baselines it is measured against.
 No Ray here: the policies are plain objects, tested from given events and loads.
 """
@@ -28,6 +32,8 @@ from dataclasses import dataclass, field
 
 from tokenmill.engine.kv_manager import hash_block
 
+DEFAULT_LOAD_COST = 128  # tokens per request in flight, where a replica has not reported its measured price
+
 
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int, root: bytes | None = None) -> list[bytes]:
     """The hashes of the prompt's full blocks, chained as the engine's prefix cache
@@ -40,12 +46,14 @@ def prompt_block_hashes(token_ids: Sequence[int], block_size: int, root: bytes |
 
 @dataclass
 class ReplicaState:
-    """What the router knows of one replica: its cached block hashes and its load."""
+    """What the router knows of one replica: its cached block hashes, its load, and the
+    price in prompt tokens it measured for a request in flight (None: not reported)."""
 
     name: str
     cached: set[bytes] = field(default_factory=set)
     num_running: int = 0
     num_waiting: int = 0
+    load_cost: float | None = None
 
     @property
     def load(self) -> int:
@@ -80,17 +88,25 @@ class Choice:
 
 class KVAwareRouter:
     """Cache hits weighed against load. Each replica's cost for a prompt is the tokens
-    it would have to compute (the prompt past its cached run) plus ``load_cost`` tokens
-    per request already there; the cheapest wins. Below ``min_match`` of the prompt
-    cached anywhere, or with load out of balance, the least loaded wins; between
+    it would have to compute (the prompt past its cached run) plus its price per
+    request already there (``price``); the cheapest wins. Below ``min_match`` of the
+    prompt cached anywhere, or with load out of balance, the least loaded wins; between
     equally loaded replicas, the one holding fewer blocks, so that distinct prefixes
-    (system prompts) spread over the replicas instead of piling onto the first."""
+    (system prompts) spread over the replicas instead of piling onto the first.
+    ``load_cost``: one price for every replica (None: each replica's reported one)."""
 
     def __init__(self, min_match: float = 0.3, balance_abs: int = 64, balance_rel: float = 1.5,
-                 block_size: int = 16, load_cost: int = 128) -> None:  # fmt: skip
+                 block_size: int = 16, load_cost: int | None = None) -> None:  # fmt: skip
         self.min_match, self.balance_abs, self.balance_rel = min_match, balance_abs, balance_rel
         self.block_size, self.load_cost = block_size, load_cost
         self.decisions: Counter[str] = Counter()
+
+    def price(self, replica: ReplicaState) -> float:
+        """Prompt tokens one request in flight on ``replica`` costs a newcomer: the fixed
+        ``load_cost``, else what the replica measured, else ``DEFAULT_LOAD_COST``."""
+        if self.load_cost is not None:
+            return self.load_cost
+        return DEFAULT_LOAD_COST if replica.load_cost is None else replica.load_cost
 
     def choose(self, hashes: Sequence[bytes], replicas: Sequence[ReplicaState]) -> Choice:
         if not replicas:
@@ -103,7 +119,7 @@ class KVAwareRouter:
             choice = Choice(least.name, matches[least.name], "balance")
         elif hashes and top >= self.min_match * len(hashes):
             def cost(r: ReplicaState) -> tuple:
-                return ((len(hashes) - matches[r.name]) * self.block_size + self.load_cost * r.load,
+                return ((len(hashes) - matches[r.name]) * self.block_size + self.price(r) * r.load,
                         -matches[r.name], len(r.cached), r.name)  # fmt: skip
 
             pick = min(replicas, key=cost)

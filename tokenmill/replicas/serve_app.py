@@ -32,8 +32,9 @@ class OpenAIIngress:
     """Our OpenAI-compatible app, served by Ray Serve's proxy, over the engine pools."""
 
     def __init__(self, server: ServerConfig, model: str, prefix: str, routing: str, block_size: int,
-                 engine=None, prefill=None, decode=None) -> None:  # fmt: skip
+                 engine=None, prefill=None, decode=None, load_cost: int | None = None) -> None:  # fmt: skip
         self.server, self.model, self.prefix, self.routing, self.block_size = server, model, prefix, routing, block_size
+        self.load_cost = load_cost
         self.handles = {k: h for k, h in (("engine", engine), ("prefill", prefill), ("decode", decode)) if h is not None}
 
     async def __serve_build_asgi_app__(self):
@@ -44,8 +45,8 @@ class OpenAIIngress:
 
         info = await self.handles.get("decode", self.handles.get("engine")).info.remote()
         tokenizer = load_tokenizer(resolve_model_path(self.model))
-        indexes = {role: ray_serve.get_index(ray_serve.index_name(self.prefix, role), self.routing, self.block_size)
-                   for role in self.handles}  # fmt: skip
+        indexes = {role: ray_serve.get_index(ray_serve.index_name(self.prefix, role), self.routing, self.block_size,
+                                             self.load_cost) for role in self.handles}  # fmt: skip
         self.front = RayReplicaFront(self.handles, indexes, tokenizer, info)
         name = self.server.served_model_name or model_id(Path(info["model_path"]))
         return build_app(self.front, tokenizer, info["max_model_len"], replace(self.server, served_model_name=name))
@@ -74,9 +75,11 @@ def build(args: dict[str, Any]):
     pools = {
         role: ray_serve.deployment(role, eargs, ray_serve.index_name(prefix, role), n, threads, cpus,
                                    config.replica_gpus, config.routing,
-                                   config.max_replicas if role == "engine" else None, config.target_ongoing_requests)
+                                   config.max_replicas if role == "engine" else None, config.target_ongoing_requests,
+                                   config.fixed_load_cost)
         for role, n in replica_pools(config).items()
     }  # fmt: skip
     ingress = serve.deployment(OpenAIIngress, name="openai").options(
         max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})  # fmt: skip
-    return ingress.bind(server, eargs.load.model, prefix, config.routing, eargs.cache.block_size, **pools)
+    return ingress.bind(server, eargs.load.model, prefix, config.routing, eargs.cache.block_size, **pools,
+                        load_cost=config.fixed_load_cost)

@@ -132,6 +132,10 @@ def _routing_metrics(names: list[str], values: list[str], routing: dict) -> Iter
                                    "(requests finished).", labels=labels)  # fmt: skip
     prompts = CounterMetricFamily(P + "router_prompt_tokens", "Prompt tokens of the routed requests that finished.",
                                   labels=labels)  # fmt: skip
+    load_cost = GaugeMetricFamily(P + "router_load_cost_tokens", "kv routing's price of a request in flight on each "
+                                  "replica, in prompt tokens, by source (measured on its engine at start, fixed by "
+                                  "--route-load-cost, or the default for a replica that reported none).",
+                                  labels=[*labels, "replica", "source"])  # fmt: skip
     for pool, stats in sorted(routing.items()):
         for reason, n in sorted(stats.decisions.items()):
             decisions.add_metric([*values, pool, reason], n)
@@ -140,7 +144,9 @@ def _routing_metrics(names: list[str], values: list[str], routing: dict) -> Iter
         predicted.add_metric([*values, pool], stats.predicted_hit_blocks)
         realised.add_metric([*values, pool], stats.realised_hit_tokens)
         prompts.add_metric([*values, pool], stats.prompt_tokens)
-    yield from (decisions, routed, predicted, realised, prompts)
+        for replica, (tokens, source) in sorted(stats.load_costs.items()):
+            load_cost.add_metric([*values, pool, replica, source], tokens)
+    yield from (decisions, routed, predicted, realised, prompts, load_cost)
 
 
 def _transfer_metrics(names: list[str], values: list[str], transfer: Any, decode: Any) -> Iterator[Metric]:
