@@ -1,5 +1,5 @@
 """The int8 block kernels alone (csrc/ggml_ops.cpp) against the float path's (quant_ops.cpp), per call:
-a random [16384, 2048] weight of each type, 1 and 4 activation rows, best of 5 x 10 calls.
+a random [--rows, 2048] weight of each type, 1 and 4 activation rows, best of 5 x 10 calls.
 
     .venv/bin/python bench/block_linear.py [--types Q4_K,Q5_K,Q6_K,Q4_1,Q8_0]
 
@@ -27,10 +27,14 @@ from tokenmill.quant.packed import PackedWeight  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q4_1,Q8_0")
+    ap.add_argument("--rows", type=int, default=16384, help="weight rows (16384 x 2048 at 4 bits: ~19 MB)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: as set up)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     assert load_native(), "the native kernels did not build"
     print(cpu_info().describe())
-    n, k = 16384, 2048
+    n, k = args.rows, 2048
     for t in args.types.split(","):
         raw = random_gguf_blocks(t, n, k)
         blocks, widened = BlockWeight.from_gguf(t, raw, (n, k)), PackedWeight.from_gguf(t, raw, (n, k))

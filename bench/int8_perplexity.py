@@ -6,9 +6,11 @@ the fast mode is the default only where its perplexity is within llama.cpp's own
 
 llama.cpp's ``llama-perplexity -c CTX`` cuts the text into windows of CTX tokens and scores
 the second half of each (every token seen with at least CTX/2 before it). tokenmill does
-the same here with its own tokenizer, feeding each window 8 tokens a step (decode-sized
-steps: the int8 kernels; the float arithmetic for comparison), and reports both
-arithmetics' perplexity and llama.cpp's. Writes bench/results/int8_perplexity.json.
+the same here on **llama.cpp's own tokens** (``llama-tokenize --ids``: the two tokenizers
+split some whitespace runs differently, which alone moved the perplexity by ~1%), feeding
+each window 8 tokens a step (decode-sized steps: the int8 kernels; the float arithmetic for
+comparison), and reports both arithmetics' perplexity and llama.cpp's (and ours on our own
+tokens, for reference). Writes bench/results/int8_perplexity.json.
 """
 
 from __future__ import annotations
@@ -56,6 +58,12 @@ def llama_perplexity(binary: Path, model: Path, text: Path, ctx: int) -> float:
     return float(m.group(1))
 
 
+def llama_tokens(binary: Path, model: Path, text: Path) -> list[int]:
+    r = subprocess.run([str(binary), "-m", str(model), "-f", str(text), "--ids", "--log-disable"],
+                       capture_output=True, text=True, check=True)  # fmt: skip
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-bin", type=Path, default=Path("/work/peers/llama.cpp-avx2/bin"))
@@ -69,12 +77,16 @@ def main() -> None:
 
     model = resolve_model_path(args.model)
     res = {"cpu": cpu_info().describe(), "model": str(model), "text": str(args.text), "ctx": args.ctx}
+    theirs = llama_tokens(args.llama_bin / "llama-tokenize", model, args.text)
     for arith in ("float", "int8"):
         llm = LLM(str(model), dtype="float32", quant_arithmetic=arith, progress=False, kv_cache_memory="64MiB")
-        ids = llm.tokenizer.encode(args.text.read_text())
-        t0 = time.perf_counter()
-        res[f"tokenmill_{arith}"], res["scored_tokens"] = windows_perplexity(llm, ids, args.ctx)
-        print(f"tokenmill {arith}: {res[f'tokenmill_{arith}']:.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        ours = llm.tokenizer.encode(args.text.read_text())
+        res["tokens_differ"] = ours != theirs
+        for name, ids in (("", theirs), ("_own_tokens", ours)):
+            t0 = time.perf_counter()
+            res[f"tokenmill_{arith}{name}"], res["scored_tokens"] = windows_perplexity(llm, ids, args.ctx)
+            print(f"tokenmill {arith}{name}: {res[f'tokenmill_{arith}{name}']:.4f} ({time.perf_counter() - t0:.0f} s)",
+                  flush=True)  # fmt: skip
     res["llama_cpp"] = llama_perplexity(args.llama_bin / "llama-perplexity", model, args.text, args.ctx)
     print(f"llama.cpp: {res['llama_cpp']:.4f}")
     out = ROOT / "bench" / "results" / "int8_perplexity.json"

@@ -4,8 +4,9 @@
 // in float (exact mode): a Q4_K weight (0.5625 bytes in the file) is read as 0.75 bytes a weight,
 // a Q6_K one (0.82) as 1.25. Here a weight stays the bytes of its file, row after row of blocks
 // (block_linear's `blocks`: [n, bytes per row] uint8), and a step's activations are quantised once
-// per call to signed 8-bit blocks, so each dot product is integer multiply-adds (AVX2 maddubs/madd)
-// with one float multiply per block:
+// per call to signed 8-bit blocks, so each dot product is integer multiply-adds (AVX2 maddubs/madd,
+// or VNNI's vpdpbusd/vpdpwssd where the build has AVX512_VNNI or AVX-VNNI) with one float multiply
+// per block:
 //   - Q4_0, Q4_1, Q8_0 (blocks of 32): activations in blocks of 32 with a float scale d (and, for
 //     Q4_1's min, d times the block's sum);
 //   - Q4_K, Q5_K, Q6_K (super-blocks of 256): activations in blocks of 256 with a float scale and
@@ -78,7 +79,7 @@ inline float f16(const uint8_t* p) {
 // ------------------------------------------------------------------ activations
 
 // Rows of activations quantised for one weight type: q [rows, k] int8; d [rows, k / block];
-// s [rows, k / 32] (d times the block's sum: Q4_1's min); bsums [rows, k / 16] (K-quants' mins).
+// s [rows, k / 32] (d times the block's sum: Q4_1's min, Q4_0's -8); bsums [rows, k / 16] (K-quants' mins).
 struct Act {
   int64_t k = 0, block = 0;
   std::vector<int8_t> q;
@@ -154,10 +155,28 @@ inline __m256i nibbles32(const uint8_t* p) {  // 16 bytes -> 32 values: low nibb
 
 inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
-// Pairwise products of unsigned a (< 128) and signed b, summed to 8 int32.
-inline __m256i dot_us(__m256i a, __m256i b) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+// acc + the products of unsigned bytes u and signed bytes s, four at a time, to 8 int32; and
+// acc + the products of int16 pairs. With VNNI (AVX512_VNNI + VL, or AVX-VNNI) each is one
+// instruction (vpdpbusd, vpdpwssd); on plain AVX2, maddubs + madd + add. Every use here keeps
+// maddubs's int16 pair sums below saturation (|u| < 128, |s| <= 127: 2 * 127 * 127 < 32768),
+// so both give the same integers.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define TM_VNNI 1
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+inline __m256i dpwssd(__m256i acc, __m256i a, __m256i b) { return _mm256_dpwssd_epi32(acc, a, b); }
+#elif defined(__AVXVNNI__)
+#define TM_VNNI 1
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+inline __m256i dpwssd(__m256i acc, __m256i a, __m256i b) { return _mm256_dpwssd_avx_epi32(acc, a, b); }
+#else
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
+inline __m256i dpwssd(__m256i acc, __m256i a, __m256i b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+#endif
+
+// Pairwise products of unsigned a (< 128) and signed b, summed to 8 int32.
+inline __m256i dot_us(__m256i a, __m256i b) { return dpbusd(_mm256_setzero_si256(), a, b); }
 // The same for signed a (> -128 or = -128) and signed b (> -128): |a| times b with a's sign on b.
 inline __m256i dot_ss(__m256i a, __m256i b) { return dot_us(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a)); }
 
@@ -169,9 +188,11 @@ inline int hsum_i32(__m256i v) {
 }
 
 // Blocks of 32 (Q4_0, Q4_1, Q8_0): the block's 32 weights as bytes (signed unless Q4_1's).
+// Q4_0's are its unsigned nibbles: its -8 is taken off once per block, as -8 d times the
+// activations' block sum (Act::s), so that its dot is the unsigned one (one vpdpbusd with VNNI).
 template <int64_t TYPE>
 inline __m256i weights32(const uint8_t* blk) {
-  if constexpr (TYPE == Q4_0) return _mm256_sub_epi8(nibbles32(blk + 2), _mm256_set1_epi8(8));
+  if constexpr (TYPE == Q4_0) return nibbles32(blk + 2);
   if constexpr (TYPE == Q4_1) return nibbles32(blk + 4);
   return load32(blk + 2);
 }
@@ -188,9 +209,10 @@ void dot_32(const uint8_t* w, const Act& a, int64_t m0, float* out) {
     const float dw = f16(w);
     for (int m = 0; m < MR; ++m) {
       const __m256i qx = load32(a.qrow(m0 + m) + b * QK);
-      const __m256i p = TYPE == Q4_1 ? dot_us(qw, qx) : dot_ss(qw, qx);
+      const __m256i p = TYPE == Q8_0 ? dot_ss(qw, qx) : dot_us(qw, qx);
       acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(dw * a.drow(m0 + m)[b]), _mm256_cvtepi32_ps(p), acc[m]);
       if constexpr (TYPE == Q4_1) mins[m] += f16(w + 2) * a.srow(m0 + m)[b];
+      if constexpr (TYPE == Q4_0) mins[m] -= 8.f * dw * a.srow(m0 + m)[b];
     }
   }
   for (int m = 0; m < MR; ++m) out[m] = tokenmill::hsum8(acc[m]) + mins[m];
@@ -236,8 +258,8 @@ void dot_q45_k(const uint8_t* w, const Act& a, int64_t m0, float* out) {
     const float d = f16(w), dmin = f16(w + 2);
     const uint8_t* qs = w + (FIVE ? 48 : 16);
     const __m256i hbits = FIVE ? load32(w + 16) : _mm256_setzero_si256();
-    __m256i sumi[MR];
-    for (int m = 0; m < MR; ++m) sumi[m] = _mm256_setzero_si256();
+    __m256i sumi[MR], sumh[MR];  // two chains of additions (low and high nibbles), not one
+    for (int m = 0; m < MR; ++m) sumi[m] = sumh[m] = _mm256_setzero_si256();
     for (int j = 0; j < 4; ++j) {
       const __m256i bits = load32(qs + 32 * j);
       __m256i lo = _mm256_and_si256(bits, low4), hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), low4);
@@ -249,14 +271,13 @@ void dot_q45_k(const uint8_t* w, const Act& a, int64_t m0, float* out) {
       const __m256i shi = _mm256_shuffle_epi8(scales, load32(SCALE_PICK[2 * j + 1]));
       for (int m = 0; m < MR; ++m) {
         const int8_t* q = a.qrow(m0 + m) + b * QK_K + 64 * j;
-        const __m256i plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load32(q)), slo);
-        const __m256i phi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load32(q + 32)), shi);
-        sumi[m] = _mm256_add_epi32(sumi[m], _mm256_add_epi32(plo, phi));
+        sumi[m] = dpwssd(sumi[m], _mm256_maddubs_epi16(lo, load32(q)), slo);
+        sumh[m] = dpwssd(sumh[m], _mm256_maddubs_epi16(hi, load32(q + 32)), shi);
       }
     }
     for (int m = 0; m < MR; ++m) {
       const float dx = a.drow(m0 + m)[b];
-      acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(sumi[m]), acc[m]);
+      acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(_mm256_add_epi32(sumi[m], sumh[m])), acc[m]);
       const __m128i bs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.bsrow(m0 + m) + 16 * b));
       const __m128i bs2 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.bsrow(m0 + m) + 16 * b + 8));
       const __m128i prod = _mm_madd_epi16(mins, _mm_hadd_epi16(bs, bs2));  // sums of 32, times the mins
@@ -271,21 +292,37 @@ void dot_q45_k(const uint8_t* w, const Act& a, int64_t m0, float* out) {
   }
 }
 
-// Q6_K: super-blocks of 16 sub-blocks of 16, signed 8-bit scales; w = d * sc * (q - 32).
+// vpshufb masks for Q6_K's 32 values of group g (0..3) of a half: the int16 scale of sub-block
+// 2g in the low 128 bits' lanes, of 2g + 1 in the high ones (from the half's 8 scales, in both).
+alignas(32) constexpr uint8_t Q6_PICK[4][32] = {
+#define TM_PAIR8(i) 2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1, \
+                    2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1
+    {TM_PAIR8(0), TM_PAIR8(1)}, {TM_PAIR8(2), TM_PAIR8(3)}, {TM_PAIR8(4), TM_PAIR8(5)}, {TM_PAIR8(6), TM_PAIR8(7)}};
+#undef TM_PAIR8
+
+// Q6_K: super-blocks of 16 sub-blocks of 16, signed 8-bit scales; w = d * sc * (q - 32). The
+// unsigned q (0..63) multiply the activations; the -32 is one correction per super-block,
+// 32 * sum(sc * the activations' sums of 16), as llama.cpp takes it from the bsums.
 template <int MR>
 void dot_q6_k(const uint8_t* w, const Act& a, int64_t m0, float* out) {
   const int64_t nb = a.k / QK_K;
-  const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3), m32 = _mm256_set1_epi8(32);
+  const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3);
   __m256 acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, w += 210) {
     const uint8_t *ql = w, *qh = w + 128;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(w + 192);
+    const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192));
+    const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);  // the 16 scales as int16
     const float d = f16(w + 208);
-    __m256i sumi[MR];
-    for (int m = 0; m < MR; ++m) sumi[m] = _mm256_setzero_si256();
+    __m256i sumi[2][MR];  // a chain of additions per half
+    for (int m = 0; m < MR; ++m) {  // the -32: -32 * sum(scale * the activations' sum of its 16)
+      sumi[0][m] = _mm256_sub_epi32(_mm256_setzero_si256(),
+                                    _mm256_slli_epi32(_mm256_madd_epi16(sc16, load32(a.bsrow(m0 + m) + 16 * b)), 5));
+      sumi[1][m] = _mm256_setzero_si256();
+    }
     for (int h = 0; h < 2; ++h) {  // two halves of 128
       const __m256i l0 = load32(ql + 64 * h), l1 = load32(ql + 64 * h + 32), hb = load32(qh + 32 * h);
+      const __m256i half_sc = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(h ? _mm_unpackhi_epi64(sc8, sc8) : sc8));
       const __m256i v[4] = {
           _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_slli_epi16(_mm256_and_si256(hb, two), 4)),
           _mm256_or_si256(_mm256_and_si256(l1, low4),
@@ -296,16 +333,16 @@ void dot_q6_k(const uint8_t* w, const Act& a, int64_t m0, float* out) {
                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), two), 4)),
       };
       for (int g = 0; g < 4; ++g) {  // 32 values: sub-blocks 8h + 2g and 8h + 2g + 1
-        const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[8 * h + 2 * g + 1]), _mm_set1_epi16(sc[8 * h + 2 * g]));
+        const __m256i s = _mm256_shuffle_epi8(half_sc, load32(Q6_PICK[g]));
         for (int m = 0; m < MR; ++m) {
           const __m256i x = load32(a.qrow(m0 + m) + b * QK_K + 128 * h + 32 * g);
-          const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(v[g], x), _mm256_maddubs_epi16(m32, x));
-          sumi[m] = _mm256_add_epi32(sumi[m], _mm256_madd_epi16(p, s));
+          sumi[h][m] = dpwssd(sumi[h][m], _mm256_maddubs_epi16(v[g], x), s);
         }
       }
     }
     for (int m = 0; m < MR; ++m)
-      acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.drow(m0 + m)[b]), _mm256_cvtepi32_ps(sumi[m]), acc[m]);
+      acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.drow(m0 + m)[b]),
+                               _mm256_cvtepi32_ps(_mm256_add_epi32(sumi[0][m], sumi[1][m])), acc[m]);
   }
   for (int m = 0; m < MR; ++m) out[m] = tokenmill::hsum8(acc[m]);
 }
@@ -522,7 +559,7 @@ Tensor block_linear(Tensor x, Tensor blocks, int64_t type) {
     return y.to(x.scalar_type());
   }
   const Format f = format_of(type);
-  const Act a = quantise(xf.data_ptr<float>(), rows, k, f.elems, type == Q4_1);
+  const Act a = quantise(xf.data_ptr<float>(), rows, k, f.elems, type == Q4_1 || type == Q4_0);
   Tensor y = at::empty({rows, n}, xf.options());
   float* out = y.data_ptr<float>();
   const uint8_t* w = blocks.data_ptr<uint8_t>();
