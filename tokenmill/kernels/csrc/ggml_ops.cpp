@@ -547,17 +547,19 @@ Tensor block_linear(Tensor x, Tensor blocks, int64_t type) {
   const int64_t rows = x.size(0), k = x.size(1);
   const int64_t n = check_blocks(blocks, type, k);
   if (rows == 0 || n == 0) return at::empty({rows, n}, x.options());
-  const Tensor xf = x.contiguous().to(at::kFloat);
-  if (rows > INT8_MAX_ROWS) {  // prefill: slabs of weight rows dequantised into PyTorch's GEMM
+  if (rows > INT8_MAX_ROWS) {  // prefill: slabs of weight rows dequantised into PyTorch's GEMM, in x's dtype
     constexpr int64_t SLAB = 256;
-    Tensor y = at::empty({rows, n}, xf.options());
+    const Tensor xc = x.contiguous();
+    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    Tensor y = at::empty({rows, n}, xc.options());
     for (int64_t r0 = 0; r0 < n; r0 += SLAB) {
       const int64_t r1 = std::min(n, r0 + SLAB);
-      const Tensor w = block_dequantize(blocks.narrow(0, r0, r1 - r0), type, k, c10::nullopt, false);
-      y.narrow(1, r0, r1 - r0).copy_(at::mm(xf, w.t()));
+      const Tensor w = block_dequantize(blocks.narrow(0, r0, r1 - r0), type, k, c10::nullopt, bf16);
+      y.narrow(1, r0, r1 - r0).copy_(at::mm(xc, w.t()));
     }
-    return y.to(x.scalar_type());
+    return y;
   }
+  const Tensor xf = x.contiguous().to(at::kFloat);
   const Format f = format_of(type);
   const Act a = quantise(xf.data_ptr<float>(), rows, k, f.elems, type == Q4_1 || type == Q4_0);
   Tensor y = at::empty({rows, n}, xf.options());
