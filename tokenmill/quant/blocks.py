@@ -24,7 +24,7 @@ from tokenmill.quant.packed import QK_K, PackedWeight, decompose
 BLOCK_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 _FORMATS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (QK_K, 144), "Q5_K": (QK_K, 176),
             "Q6_K": (QK_K, 210)}  # fmt: skip
-INT8_MAX_ROWS = 32  # csrc/ggml_ops.cpp: calls with more rows dequantise the weight into a GEMM
+INT8_MAX_ROWS = 32  # csrc/ggml_ops.cpp: bfloat16 calls with more rows dequantise the weight into a GEMM
 
 
 class BlockWeight(PackedWeight):
@@ -92,12 +92,11 @@ def quantise_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, tor
 
 
 def int8_reference(x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
-    """What the integer kernel computes, in pure torch: up to ``INT8_MAX_ROWS`` rows, the
-    dequantised weight times the activations quantised to 8-bit blocks (the integer products
-    summed exactly, in float64); more rows, the float product (the kernel's GEMM path)."""
+    """What the integer kernel computes, in pure torch: the dequantised weight times the
+    activations quantised to 8-bit blocks, summed in float64 (the kernel sums the integer
+    products exactly; a bfloat16 call of more than ``INT8_MAX_ROWS`` rows multiplies the same
+    rounded activations in a bfloat16 GEMM)."""
     w = weight.dequantize().to(x.device)
-    if x.shape[0] > INT8_MAX_ROWS:
-        return x.float() @ w.T
     q, d = quantise_activations(x, weight.group)
     xq = (q.double() * d.double()[..., None]).reshape(x.shape[0], -1)
     return (xq @ w.double().T).float()

@@ -16,8 +16,12 @@
 // integers are exact; only the float scaling is rounded, so the kernel and the reference agree to
 // float32 rounding.
 //
-// Decode-sized calls (up to INT8_MAX_ROWS rows) run the integer dots, threads splitting the output
-// rows; larger ones (prefill) dequantise the weight, a slab of rows at a time, into PyTorch's GEMM.
+// Every call runs the integer dots, threads splitting the output rows, activation rows in chunks
+// of INT8_MAX_ROWS; an output depends on its own activation row alone, so a request's tokens are
+// the same whatever it is batched with or however its prompt is chunked. One exception, for
+// speed: a bfloat16 call of more rows (a prefill) dequantises the weight, a slab of rows at a
+// time, into PyTorch's bfloat16 GEMM with the activations rounded to the same 8-bit grid
+// (on_int8_grid): the same numbers to bfloat16 rounding, as the float arithmetic's bfloat16 is.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -47,7 +51,7 @@ using at::Tensor;
 // GGML's type codes.
 constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14;
 constexpr int64_t QK = 32, QK_K = 256;
-constexpr int64_t INT8_MAX_ROWS = 32;  // more rows than this: dequantise + GEMM (see block_linear)
+constexpr int64_t INT8_MAX_ROWS = 32;  // activation rows per pass over the weight; bfloat16 past it: GEMM
 
 struct Format {
   int64_t elems;  // weights per block
@@ -539,6 +543,17 @@ Tensor block_dequantize(Tensor blocks, int64_t type, int64_t k, c10::optional<Te
   return out;
 }
 
+// The activations the integer dots multiply, as floats: each block's values rounded to the 8-bit
+// grid of its scale (q * d, quantise's q and d, in torch ops), for the bfloat16 GEMM of long
+// prefills to multiply the numbers the integer dots would.
+Tensor on_int8_grid(const Tensor& xf, int64_t block) {
+  const int64_t rows = xf.size(0), k = xf.size(1);
+  const Tensor xb = xf.view({rows, k / block, block});
+  const Tensor d = xb.abs().amax(-1, true) / 127;
+  const Tensor inv = at::where(d != 0, d.reciprocal(), at::zeros_like(d));
+  return (at::round(xb * inv).clamp(-127, 127) * d).view({rows, k});
+}
+
 // x [rows, k] (float32 or bfloat16) @ W^T for a block weight W [n, k] -> [rows, n] in x's dtype.
 Tensor block_linear(Tensor x, Tensor blocks, int64_t type) {
   TORCH_CHECK(x.dim() == 2, "block_linear: x must be [rows, k]");
@@ -547,37 +562,43 @@ Tensor block_linear(Tensor x, Tensor blocks, int64_t type) {
   const int64_t rows = x.size(0), k = x.size(1);
   const int64_t n = check_blocks(blocks, type, k);
   if (rows == 0 || n == 0) return at::empty({rows, n}, x.options());
-  if (rows > INT8_MAX_ROWS) {  // prefill: slabs of weight rows dequantised into PyTorch's GEMM, in x's dtype
+  const Format f = format_of(type);
+  if (rows > INT8_MAX_ROWS && x.scalar_type() == at::kBFloat16) {
+    // a bfloat16 model's prefill: slabs of weight rows dequantised to bfloat16 into PyTorch's GEMM
+    // (twice the integer dots' speed where the CPU multiplies bfloat16), the activations on the grid
     constexpr int64_t SLAB = 256;
-    const Tensor xc = x.contiguous();
-    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    const Tensor xc = on_int8_grid(x.contiguous().to(at::kFloat), f.elems).to(at::kBFloat16);
     Tensor y = at::empty({rows, n}, xc.options());
     for (int64_t r0 = 0; r0 < n; r0 += SLAB) {
       const int64_t r1 = std::min(n, r0 + SLAB);
-      const Tensor w = block_dequantize(blocks.narrow(0, r0, r1 - r0), type, k, c10::nullopt, bf16);
+      const Tensor w = block_dequantize(blocks.narrow(0, r0, r1 - r0), type, k, c10::nullopt, true);
       y.narrow(1, r0, r1 - r0).copy_(at::mm(xc, w.t()));
     }
     return y;
   }
   const Tensor xf = x.contiguous().to(at::kFloat);
-  const Format f = format_of(type);
   const Act a = quantise(xf.data_ptr<float>(), rows, k, f.elems, type == Q4_1 || type == Q4_0);
   Tensor y = at::empty({rows, n}, xf.options());
   float* out = y.data_ptr<float>();
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   const int64_t row_bytes = blocks.size(1);
   const DotFn dots[4] = {dot_of<1>(type), dot_of<2>(type), dot_of<3>(type), dot_of<4>(type)};
-  at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) {
-    float part[4];
-    for (int64_t r = b; r < e; ++r) {
-      const uint8_t* wr = w + r * row_bytes;
-      for (int64_t m = 0; m < rows; m += 4) {
-        const int mr = static_cast<int>(std::min<int64_t>(4, rows - m));
-        dots[mr - 1](wr, a, m, part);
-        for (int i = 0; i < mr; ++i) out[(m + i) * n + r] = part[i];
+  // Activation rows in chunks of INT8_MAX_ROWS (their 8-bit values stay in L2 while every weight
+  // row passes), each output a function of its own row alone: the same bits in any batch.
+  for (int64_t m0 = 0; m0 < rows; m0 += INT8_MAX_ROWS) {
+    const int64_t m1 = std::min(rows, m0 + INT8_MAX_ROWS);
+    at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) {
+      float part[4];
+      for (int64_t r = b; r < e; ++r) {
+        const uint8_t* wr = w + r * row_bytes;
+        for (int64_t m = m0; m < m1; m += 4) {
+          const int mr = static_cast<int>(std::min<int64_t>(4, m1 - m));
+          dots[mr - 1](wr, a, m, part);
+          for (int i = 0; i < mr; ++i) out[(m + i) * n + r] = part[i];
+        }
       }
-    }
-  });
+    });
+  }
   return y.to(x.scalar_type());
 }
 
