@@ -34,6 +34,15 @@ def llm():
 
 
 @pytest.fixture(scope="session")
+def float_llm():
+    """The exact arithmetic (a GGUF's weights widened, multiplied in float): transformers' numbers,
+    what the comparisons with the transformers oracle run."""
+    from tokenmill import LLM
+
+    return LLM(dtype="float32", quant_arithmetic="float", progress=False, kv_cache_memory="256MiB")
+
+
+@pytest.fixture(scope="session")
 def hf_model(llm):
     transformers = pytest.importorskip("transformers")
     path = llm.model_path
@@ -52,8 +61,9 @@ def hf_tokenizer(llm):
 def no_leaked_blocks(request):
     """Every test that used the shared LLM must leave its KV pool fully free."""
     yield
-    if "llm" in request.fixturenames:
-        llm = request.getfixturevalue("llm")
-        pool: BlockPool = llm.engine.block_pool
-        assert pool.num_free == pool.num_blocks, f"{pool.num_blocks - pool.num_free} KV blocks leaked"
-        assert not llm.engine.has_unfinished()
+    for name in ("llm", "float_llm"):
+        if name in request.fixturenames:
+            llm = request.getfixturevalue(name)
+            pool: BlockPool = llm.engine.block_pool
+            assert pool.num_free == pool.num_blocks, f"{pool.num_blocks - pool.num_free} KV blocks leaked"
+            assert not llm.engine.has_unfinished()

@@ -119,11 +119,12 @@ class LoadConfig:
                                     "(quantised at load)",
                             choices=WEIGHT_QUANTIZATIONS)  # fmt: skip
     quantization_group_size: int = opt(32, "int4: input channels per scale and zero point (GGUF Q4 blocks are 32)")
-    quant_arithmetic: str = opt("float", "a GGUF's quantised weights, kept by quantization auto: float (widened at "
-                                         "load to float-scaled groups, multiplied in float: the dequantised "
-                                         "weights' numbers) or int8 (Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K kept at the "
-                                         "file's own bytes, activations quantised to 8-bit blocks per step and "
-                                         "integer dot products: llama.cpp's arithmetic)",
+    quant_arithmetic: str = opt("int8", "a GGUF's quantised weights, kept by quantization auto: int8 "
+                                        "(Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K kept at the file's own bytes, activations "
+                                        "quantised to 8-bit blocks per step and integer dot products: llama.cpp's "
+                                        "arithmetic and perplexity) or float (widened at load to float-scaled "
+                                        "groups, multiplied in float: the dequantised weights' numbers, the "
+                                        "reference)",
                                  choices=QUANT_ARITHMETICS)  # fmt: skip
     kernels: str = opt("auto", "per-layer ops: native (C++ CPU kernels, built on first use), torch (the pure-torch "
                                "reference) or auto (native on the CPU where they build)", choices=KERNELS)

@@ -43,7 +43,7 @@ def prepare_model(model: LlamaForCausalLM, device: torch.device, load: LoadConfi
     weights quantised (unless a shard was cut from quantised weights already), and, with
     native ops, its linears swapped for the small-batch kernel."""
     try:
-        model.ops = select_ops(device, load.kernels)
+        model.ops = select_ops(device, load.kernels, batch_invariant=load.quant_arithmetic == "int8")
     except RuntimeError as e:  # kernels="native" without a working build
         raise TokenmillError(str(e)) from None
     try:

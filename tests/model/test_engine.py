@@ -63,17 +63,14 @@ def test_small_prefill_chunks_and_no_prefix_cache_match_alone(alone):
     assert llm.prefix_cache_stats.hits == 0
 
 
-def test_int8_arithmetic_matches_alone_in_small_prefill_chunks_and_batched():
-    """``--quant-arithmetic int8``: each request's greedy tokens are the same alone, in a batch of
-    32 and cut into prefill chunks of 32 tokens: every linear's output depends on its own row
-    alone (integer dots at any row count). (These prompts are under FRESH_PREFILL_SDPA_MIN: a
-    longer fresh prefill takes SDPA, whose float rounding differs from the paged kernel's by
-    ~1e-7 and the activations' 8-bit rounding amplifies that into other tokens: why int8 is not
-    the default yet.)"""
-    llm = engine_llm(quant_arithmetic="int8", kv_cache_memory="64MiB", enable_prefix_caching=False)
+def test_float_arithmetic_matches_alone_in_small_prefill_chunks_and_batched():
+    """The tests above run the default (int8) arithmetic; the exact one (a GGUF's weights widened,
+    multiplied in float) gives each request the same greedy tokens alone, in a batch of 32 and cut
+    into prefill chunks of 32 tokens, too."""
+    llm = engine_llm(quant_arithmetic="float", kv_cache_memory="64MiB", enable_prefix_caching=False)
     prompts, params = workload()
     alone = [llm.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params, strict=True)]
-    chunked = engine_llm(quant_arithmetic="int8", max_num_batched_tokens=32, enable_prefix_caching=False,
+    chunked = engine_llm(quant_arithmetic="float", max_num_batched_tokens=32, enable_prefix_caching=False,
                          kv_cache_memory="64MiB")  # fmt: skip
     assert run(llm) == alone and run(chunked) == alone
     assert any(0 < s.num_prefill_tokens and s.num_decode_tokens for s in chunked.engine.step_stats)

@@ -5,6 +5,8 @@ AVX2-only one), a model reads its file's own bytes, and its tokens are the refer
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -102,11 +104,11 @@ def test_avx2_only_build_block_kernels_match_the_reference():
 
 @pytest.fixture(scope="module")
 def int8_llm():
-    return LLM(dtype="float32", quant_arithmetic="int8", progress=False, kv_cache_memory="64MiB")
+    return LLM(dtype="float32", progress=False, kv_cache_memory="64MiB")  # the default arithmetic: int8
 
 
 def test_the_bundled_file_is_served_from_its_own_bytes(int8_llm):
-    """Every linear of the Q4_1 model (Q8_0 embedding and tied head) reads the file's own
+    """By default, every linear of the Q4_1 model (Q8_0 embedding and tied head) reads the file's own
     blocks, mapped from the file where no rows move: 0.625 and 1.0625 bytes a weight, less
     than the float arithmetic's widened groups."""
     from tokenmill.model.gguf_file import read_gguf
@@ -125,8 +127,33 @@ def test_the_bundled_file_is_served_from_its_own_bytes(int8_llm):
     file_bytes = sum(t.data.nbytes for t in tensors if t.type_name in BLOCK_TYPES)
     served = {id(m): m.nbytes for m in model.modules() if isinstance(m, BlockWeight)}
     assert sum(served.values()) == file_bytes  # the quantised tensors, byte for byte
-    float_llm = LLM(dtype="float32", progress=False, kv_cache_memory="16MiB")
+    float_llm = LLM(dtype="float32", quant_arithmetic="float", progress=False, kv_cache_memory="16MiB")
     assert weight_bytes(model) < 0.9 * weight_bytes(float_llm.parts.model)  # Q4_1: 0.625 bytes a weight, not 0.75
+
+
+def test_int8_logits_do_not_depend_on_how_a_prompt_is_cut_into_steps(int8_llm):
+    """Batch invariance, bit for bit: a 300-token text's logits are the same computed in one
+    prefill (SDPA's size: the paged kernel here), in chunks of 37 and 64, and one token a step
+    (the C++ decode loop), over contexts past one attention partition (256 keys). The int8
+    arithmetic's activation rounding would turn any difference of float rounding into other
+    tokens."""
+    from tokenmill.worker.inputs import SeqInput
+
+    ids = int8_llm.tokenizer.encode(
+        (Path(__file__).parent.parent / "data" / "heldout.txt").read_text())[:300]  # fmt: skip
+    runner, engine = int8_llm.parts.runner, int8_llm.engine
+
+    def logits(step: int) -> torch.Tensor:
+        outs = []
+        with engine.borrow_blocks(-(-len(ids) // engine.block_size)) as blocks:
+            for start in range(0, len(ids), step):
+                piece = ids[start : start + step]
+                outs.append(runner.all_logits([SeqInput("x", piece, start, blocks, False, SamplingParams(), [], [])]))
+        return torch.cat(outs)
+
+    whole = logits(len(ids))
+    for step in (37, 64, 1):
+        assert torch.equal(logits(step), whole), step
 
 
 def test_int8_decoding_perplexity_stays_within_one_percent_of_float(int8_llm):
@@ -140,7 +167,7 @@ def test_int8_decoding_perplexity_stays_within_one_percent_of_float(int8_llm):
 
     text = (Path(__file__).parent.parent / "data" / "heldout.txt").read_text()
     ids = int8_llm.tokenizer.encode(text)[:400]
-    float_llm = LLM(dtype="float32", progress=False, kv_cache_memory="32MiB")
+    float_llm = LLM(dtype="float32", quant_arithmetic="float", progress=False, kv_cache_memory="32MiB")
     ours, theirs = perplexity(int8_llm, ids, chunk=8), perplexity(float_llm, ids, chunk=8)
     assert ours != theirs and abs(ours - theirs) / theirs < 0.01, (ours, theirs)
 
@@ -156,7 +183,7 @@ def test_tiny_gguf_in_blocks_scores_like_its_float_twin(tmp_path, int8_llm, weig
     path = tmp_path / f"tiny-{weight_type}.gguf"
     write_gguf(path, hf, "llama", gguf_tokenizer_metadata(int8_llm.model_path), weight_type=weight_type)
     common = dict(dtype="float32", progress=False, kv_cache_memory="32MiB", enable_prefix_caching=False)
-    blocks_llm, float_llm = LLM(str(path), quant_arithmetic="int8", **common), LLM(str(path), **common)
+    blocks_llm, float_llm = LLM(str(path), quant_arithmetic="int8", **common), LLM(str(path), quant_arithmetic="float", **common)
     assert isinstance(blocks_llm.parts.model.layers[1].mlp.down_proj.parts[0], BlockWeight)
     prompt = "Hello there, how are you today? I am fine, thank you, and 1, 2, 3, 4, 5"
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)

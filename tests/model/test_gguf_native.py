@@ -123,8 +123,10 @@ def test_the_default_serves_the_bundled_q4_1_file_from_its_blocks(llm):
     assert weight_bytes(model) < 0.3 * params * 4
 
 
-def test_native_blocks_are_greedy_identical_to_the_dequantized_path(llm):
-    """The real Q4_1 model, float32: served from its blocks == dequantised to float32 at load."""
+def test_native_blocks_are_greedy_identical_to_the_dequantized_path(float_llm):
+    """The real Q4_1 model, float32, float arithmetic: served from its blocks == dequantised to
+    float32 at load."""
+    llm = float_llm
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away, there"]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     ours = [o.token_ids for o in llm.generate(prompts, params)]
@@ -136,15 +138,15 @@ def test_native_blocks_are_greedy_identical_to_the_dequantized_path(llm):
 @pytest.mark.parametrize("weight_type", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"])
 def test_tiny_gguf_of_each_type_matches_its_dequantized_twin(tmp_path, llm, weight_type):
     """A tiny Llama written with every 2-D weight in one type (the K-quants as random blocks):
-    served from the file's own blocks (F16/BF16: 16-bit weights under float32 compute), the
-    log-probabilities of 24 greedy tokens are within 1e-4 of the dequantised float32 model's,
+    served from the file's own blocks with the float arithmetic (F16/BF16: 16-bit weights under
+    float32 compute; the int8 arithmetic: test_gguf_int8), the log-probabilities of 24 greedy tokens are within 1e-4 of the dequantised float32 model's,
     and the tokens equal."""
     hf = make_tiny_llama(tmp_path / "hf", vocab_size=llm.config.vocab_size, hidden_size=256, intermediate_size=512,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
     path = tmp_path / f"tiny-{weight_type}.gguf"
     write_gguf(path, hf, "llama", gguf_tokenizer_metadata(llm.model_path), weight_type=weight_type)
     common = dict(dtype="float32", progress=False, kv_cache_memory="32MiB", enable_prefix_caching=False)
-    native, ref = LLM(str(path), **common), LLM(str(path), quantization="none", **common)
+    native, ref = LLM(str(path), quant_arithmetic="float", **common), LLM(str(path), quantization="none", **common)
     down = native.parts.model.layers[1].mlp.down_proj
     if weight_type.startswith(("F", "B")):
         assert down.weight.dtype == getattr(torch, {"F16": "float16", "BF16": "bfloat16"}[weight_type])
@@ -202,9 +204,11 @@ def test_bfloat16_batches_multiply_a_bfloat16_weight():
             torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=2e-2 * want.abs().max().item())
 
 
-def test_perplexity_from_the_blocks_equals_the_dequantized_model(llm):
-    """Held-out English through the paged cache: the Q4_1 model from its blocks and the same
-    file dequantised to float32 agree to 1e-4 (the issue's bound is 0.5%)."""
+def test_perplexity_from_the_blocks_equals_the_dequantized_model(float_llm):
+    """Held-out English through the paged cache: the Q4_1 model from its blocks (float
+    arithmetic) and the same file dequantised to float32 agree to 1e-4 (the issue's bound is
+    0.5%)."""
+    llm = float_llm
     from pathlib import Path
 
     from tokenmill.evaluate import perplexity

@@ -67,7 +67,10 @@ def test_logprobs(llm):
 
 
 def test_chat_answers(llm):
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=32))
+    # (the bare question is a near tie for this 135M model's first token: "The" -1.88 against
+    # "L" -1.97 under float arithmetic, the other way under int8; asked for a sentence, both say Paris)
+    question = "What is the capital of France? Answer in one sentence."
+    out = llm.chat([{"role": "user", "content": question}], SamplingParams(temperature=0, max_tokens=32))
     assert "Paris" in out[0].text
 
 

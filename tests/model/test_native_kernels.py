@@ -195,7 +195,7 @@ def test_rotary_with_cache_write(dtype, kind):
 
 
 def test_model_level_greedy_identity_real_model():
-    """The bundled model, float32: native and reference paths produce the same tokens
+    """The bundled model, float32, float arithmetic: native and reference paths produce the same tokens
     for a batch of fresh prompts, prefix hits and long decodes."""
     from tokenmill import LLM, SamplingParams
 
@@ -203,7 +203,7 @@ def test_model_level_greedy_identity_real_model():
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     outs = []
     for kernels in ("torch", "native"):
-        llm = LLM(dtype="float32", kernels=kernels, progress=False, kv_cache_memory="64MiB")
+        llm = LLM(dtype="float32", kernels=kernels, quant_arithmetic="float", progress=False, kv_cache_memory="64MiB")
         assert type(llm.parts.model.ops).__name__ == ("TorchOps" if kernels == "torch" else "NativeOps")
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
     assert outs[0] == outs[1]

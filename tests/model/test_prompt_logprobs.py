@@ -17,7 +17,8 @@ def reference(hf_model, ids: list[int], k: int) -> tuple[list[float], list[list[
     return chosen, [logprobs[j - 1].topk(k).indices.tolist() for j in range(1, len(ids))]
 
 
-def test_prompt_logprobs_equal_a_full_forward_chunked_or_not(llm, hf_model):
+def test_prompt_logprobs_equal_a_full_forward_chunked_or_not(float_llm, hf_model):
+    llm = float_llm  # the exact arithmetic: transformers' numbers
     ids = llm.tokenizer.encode(TEXT)
     out = llm.generate(ids, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3))[0]
     assert len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None and out.prompt_top_logprobs[0] == []
@@ -28,7 +29,8 @@ def test_prompt_logprobs_equal_a_full_forward_chunked_or_not(llm, hf_model):
     for j in range(1, len(ids)):  # the rank: 1 + how many tokens were more likely
         top_ids = [i for i, _ in out.prompt_top_logprobs[j]]
         assert out.prompt_ranks[j] == top_ids.index(ids[j]) + 1 if ids[j] in top_ids else out.prompt_ranks[j] > 3
-    chunked = LLM(dtype="float32", progress=False, max_num_batched_tokens=64, kv_cache_memory="64MiB")
+    chunked = LLM(dtype="float32", quant_arithmetic="float", progress=False, max_num_batched_tokens=64,
+                  kv_cache_memory="64MiB")  # fmt: skip
     try:
         again = chunked.generate(ids, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3))[0]
         assert again.prompt_top_logprobs[1:] and max(

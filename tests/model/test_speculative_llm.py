@@ -110,10 +110,13 @@ HELD_OUT = [[{"role": "user", "content": "How do airplanes stay up in the air?"}
 
 
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
-def test_the_default_model_speculates_with_its_bundled_eagle_head(llm, tree):
+def test_the_default_model_speculates_with_its_bundled_eagle_head(llm, float_llm, tree):
     """No --draft-model: the head train-draft made for SmolLM2 ships with the package; on
-    chats it was not trained on, greedy output is unchanged and many drafts are accepted."""
-    extra = {"spec_tree_width": 2, "num_speculative_tokens": 6} if tree else {}
+    chats it was not trained on, greedy output is unchanged and many drafts are accepted.
+    (A token tree is verified with masked attention, whose rounding the int8 arithmetic's
+    would turn into other tokens: trees are greedy-identical under the float arithmetic.)"""
+    extra = {"spec_tree_width": 2, "num_speculative_tokens": 6, "quant_arithmetic": "float"} if tree else {}
+    llm = float_llm if tree else llm
     spec = LLM(dtype="float32", progress=False, speculative="eagle", kv_cache_memory="64MiB", spec_auto_pause=False, **extra)
     params = SamplingParams(temperature=0, max_tokens=64)
     expected = [o.outputs[0].token_ids for o in llm.chat(HELD_OUT, params)]

@@ -18,7 +18,8 @@ PROMPTS = [
 
 
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["short", "medium", "long-code"])
-def test_logits_match_transformers_prefill_and_16_decode_steps(llm, hf_model, prompt):
+def test_logits_match_transformers_prefill_and_16_decode_steps(float_llm, hf_model, prompt):
+    llm = float_llm  # the exact arithmetic: transformers' numbers
     ids = llm.tokenizer.encode(prompt)
     runner = llm.engine.runner
     blocks = llm.engine.block_pool.allocate(-(-(len(ids) + 16) // llm.engine.block_size))
@@ -39,7 +40,8 @@ def test_logits_match_transformers_prefill_and_16_decode_steps(llm, hf_model, pr
     assert decode_diff < 1e-3, f"decode logits differ by {decode_diff}"
 
 
-def test_greedy_64_tokens_identical_to_transformers_generate(llm, hf_model):
+def test_greedy_64_tokens_identical_to_transformers_generate(float_llm, hf_model):
+    llm = float_llm  # the exact arithmetic: transformers' numbers
     from transformers import GenerationConfig
 
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)

@@ -75,7 +75,23 @@ class TorchOps:
 
 
 class NativeOps(TorchOps):
+    """``batch_invariant``: every query's attention the same arithmetic whatever else its step
+    holds: fresh prefills take the paged kernel too (not SDPA), in partitions of one size. The
+    int8 arithmetic asks for it: its activations' 8-bit rounding turns the ~1e-7 by which SDPA's
+    sums differ from the paged kernel's into other greedy tokens, where float absorbs them."""
+
     name = "native"
+
+    def __init__(self, batch_invariant: bool = False) -> None:
+        self.batch_invariant = batch_invariant
+
+    @property
+    def _fresh_sdpa_min(self) -> int:
+        return 1 << 62 if self.batch_invariant else FRESH_PREFILL_SDPA_MIN
+
+    @property
+    def _partition(self) -> int:
+        return -PARTITION_TOKENS if self.batch_invariant else PARTITION_TOKENS
 
     def _native(self, *tensors: torch.Tensor) -> bool:
         return all(t.device.type == "cpu" and t.dtype in NATIVE_DTYPES for t in tensors)
@@ -106,11 +122,11 @@ class NativeOps(TorchOps):
         q = q.contiguous()
         out = torch.empty_like(q)
         # Over a quantised cache, fresh prefills all take their fresh K/V (as the reference does).
-        index = meta.kernel_index(1 if cache.quant else FRESH_PREFILL_SDPA_MIN)
+        index = meta.kernel_index(1 if cache.quant else self._fresh_sdpa_min)
         if index.paged_seq_ids.numel():
             torch.ops.tokenmill.paged_attention(
                 out, q, cache.k, cache.v, cache.k_scale, cache.v_scale, meta.block_tables, index.query_start_loc,
-                index.seq_lens, index.paged_seq_ids, scale, PARTITION_TOKENS, window or 0, softcap or 0.0,
+                index.seq_lens, index.paged_seq_ids, scale, self._partition, window or 0, softcap or 0.0,
             )
         qsl = meta.query_start_loc
         for i in index.fresh_seqs:  # long fresh prefills: their own K/V, causal, flash SDPA
@@ -125,19 +141,20 @@ class NativeOps(TorchOps):
         first = kv_caches[0]
         if x.shape[0] > FUSED_MAX_TOKENS or not self._native(x) or first.quant is not None or first.k.dtype not in NATIVE_DTYPES:
             return None
-        index = meta.kernel_index(FRESH_PREFILL_SDPA_MIN)
+        index = meta.kernel_index(self._fresh_sdpa_min)
         if index.fresh_seqs or meta.tree_masks:  # a long fresh prefill takes SDPA, a tree its mask: the Python loop
             return None
         return torch.ops.tokenmill.decode_layers(
             x, h, plan.weights, plan.kinds, positions, rotary.cos, rotary.sin, [c.k for c in kv_caches],
             [c.v for c in kv_caches], meta.slot_mapping, meta.block_tables, index.query_start_loc, index.seq_lens,
-            index.paged_seq_ids, plan.scale, plan.eps, plan.num_heads, plan.num_kv_heads, plan.head_dim, PARTITION_TOKENS,
+            index.paged_seq_ids, plan.scale, plan.eps, plan.num_heads, plan.num_kv_heads, plan.head_dim, self._partition,
         )  # fmt: skip
 
 
-def select_ops(device: torch.device, kernels: str = "auto") -> TorchOps:
+def select_ops(device: torch.device, kernels: str = "auto", batch_invariant: bool = False) -> TorchOps:
     """``auto``: native kernels on the CPU where they build, the reference elsewhere;
-    ``native``: insist (an error if they do not build); ``torch``: the reference."""
+    ``native``: insist (an error if they do not build); ``torch``: the reference.
+    ``batch_invariant``: NativeOps's."""
     if kernels not in ("auto", "native", "torch"):
         raise ValueError(f"kernels must be auto, native or torch, got {kernels!r}")
     if kernels == "torch" or (kernels == "auto" and device.type != "cpu"):
@@ -145,7 +162,7 @@ def select_ops(device: torch.device, kernels: str = "auto") -> TorchOps:
     from tokenmill.kernels.native import load_native
 
     if load_native():
-        return NativeOps()
+        return NativeOps(batch_invariant)
     if kernels == "native":
         raise RuntimeError("kernels='native' asked for, but the native CPU kernels did not build (see the warning above)")
     return TorchOps()

@@ -31,6 +31,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -189,8 +190,8 @@ void paged_attention_impl(Tensor& out, const Tensor& q, const Tensor& k_cache, c
       // with a sliding window, its first query sees keys from (its position - window + 1):
       // whole blocks before that are skipped
       const int64_t first_key = window > 0 ? std::max<int64_t>(0, len - nq + jb - window + 1) / block_size * block_size : 0;
-      int64_t part = std::max<int64_t>(partition_size, 1);
-      if (rows > 64) part = std::max<int64_t>(part, 1024);  // many rows: fewer, bigger splits
+      int64_t part = std::max<int64_t>(std::abs(partition_size), 1);
+      if (rows > 64 && partition_size > 0) part = std::max<int64_t>(part, 1024);  // many rows: fewer, bigger splits
       part = (part + block_size - 1) / block_size * block_size;
       const int64_t num_parts = (keys - first_key + part - 1) / part;
       splits.push_back({s, jb, je, num_parts, num_partials});
@@ -406,7 +407,11 @@ void dispatch_cache(Tensor& out, const Tensor& q, const Tensor& k_cache, const T
 
 // out[query_start_loc[s]:query_start_loc[s+1]] for every s in seq_ids: attention of those
 // query tokens over the sequence's seq_lens[s] cached tokens (the new ones included,
-// already written), causal within the new tokens. K/V are read where they lie.
+// already written), causal within the new tokens. K/V are read where they lie. Each run of
+// queries splits its keys into partitions of partition_size (FlashDecoding), merged in order;
+// runs of many rows take bigger ones (1024), unless partition_size is negative: then every
+// run's are exactly -partition_size, so a query's arithmetic does not depend on how many
+// queries share its step (batch-invariant: the int8 arithmetic asks for it).
 void paged_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, c10::optional<Tensor> k_scale,
                      c10::optional<Tensor> v_scale, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens,
                      Tensor seq_ids, double scale, int64_t partition_size, int64_t window, double softcap) {
