@@ -2,7 +2,8 @@
 tokenmill's float and int8 arithmetic against llama.cpp on the same files, same run.
 
     .venv/bin/python bench/gguf_sizes.py --llama-bin /work/peers/llama.cpp-avx2/bin \\
-        [--shapes 1b,3b] [--types Q4_K_M,Q8_0] [--rounds 2] [--dir /tmp/gguf_sizes]
+        [--shapes 1b,3b] [--types Q4_K_M,Q8_0] [--rounds 2] [--dir /tmp/gguf_sizes] [--threads 1,2]
+        [--arithmetics int8]
 
 Each shape is written once as F16 with the gguf library (SmolLM2's tokenizer, from the
 bundled file; weights N(0, 0.02), norms 1), then quantised with llama.cpp's own
@@ -102,9 +103,13 @@ def model_file(directory: Path, shape: str, qtype: str, llama_bin: Path) -> Path
     return out
 
 
-def measure(path: str, arithmetic: str) -> dict:
+def measure(path: str, arithmetic: str, threads: int) -> dict:
     """Run in a fresh process: load time, decode and prefill throughput."""
+    import torch
+
     from tokenmill import LLM, SamplingParams
+
+    torch.set_num_threads(threads)
 
     t0 = time.perf_counter()
     llm = LLM(path, quant_arithmetic=arithmetic, progress=False, kv_cache_memory="256MiB", max_model_len=1024)
@@ -122,9 +127,9 @@ def measure(path: str, arithmetic: str) -> dict:
     return {"load_s": load_s, "decode_tok_s": 63 / max(1e-9, decode_s - first), "prefill_tok_s": 256 / prefill_s}
 
 
-def ours(path: Path, arithmetic: str) -> dict:
-    r = subprocess.run([sys.executable, __file__, "--measure", str(path), "--arithmetic", arithmetic],
-                       capture_output=True, text=True, cwd=ROOT, timeout=1800)  # fmt: skip
+def ours(path: Path, arithmetic: str, threads: int) -> dict:
+    r = subprocess.run([sys.executable, __file__, "--measure", str(path), "--arithmetic", arithmetic,
+                        "--threads", str(threads)], capture_output=True, text=True, cwd=ROOT, timeout=1800)  # fmt: skip
     if r.returncode != 0:
         raise RuntimeError(r.stderr[-2000:])
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -146,10 +151,10 @@ def plot(res: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = res["rows"]
-    labels = [f"{r['shape']} {r['type']}" for r in rows]
+    labels = [f"{r['shape']} {r['type']}" + (f" t{r['threads']}" if len(res["threads"]) > 1 else "") for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, key in zip(axes, ("decode_tok_s", "prefill_tok_s"), strict=True):
-        for j, arith in enumerate(("float", "int8")):
+        for j, arith in enumerate(res["arithmetics"]):
             ax.bar([i + (j - 0.5) * 0.4 for i in range(len(rows))], [r[f"{arith}_{key}_ratio"] for r in rows], 0.4,
                    label=f"tokenmill {arith}")  # fmt: skip
         ax.axhline(1.0, color="k", lw=0.8)
@@ -172,37 +177,41 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=Path("/tmp/gguf_sizes"))
     ap.add_argument("--name", default="gguf_sizes")
     ap.add_argument("--files", default="", help="more GGUF files to measure as they are (e.g. 'bundled': the default model)")
+    ap.add_argument("--threads", default=str(min(os.cpu_count() or 1, 2)),
+                    help="thread counts, each a row of its own (e.g. 1,2: both engines' scaling)")  # fmt: skip
+    ap.add_argument("--arithmetics", default="float,int8")
     args = ap.parse_args()
     if args.measure:
-        print(json.dumps(measure(args.measure, args.arithmetic)))
+        print(json.dumps(measure(args.measure, args.arithmetic, int(args.threads))))
         return
     from tokenmill.kernels.cpu import cpu_info
 
-    threads = min(os.cpu_count() or 1, 2)
-    res = {"cpu": cpu_info().describe(), "threads": threads, "rows": []}
+    thread_counts = [int(t) for t in args.threads.split(",")]
+    ariths = args.arithmetics.split(",")
+    res = {"cpu": cpu_info().describe(), "threads": thread_counts, "arithmetics": ariths, "rows": []}
     from tokenmill.model.paths import resolve_model_path
 
     jobs = [(shape, qtype, None) for shape in args.shapes.split(",") if shape for qtype in args.types.split(",")]
     jobs += [("file", Path(f).name if f != "bundled" else "bundled", resolve_model_path(None if f == "bundled" else f))
              for f in args.files.split(",") if f]  # fmt: skip
-    for shape, qtype, given in jobs:
+    for (shape, qtype, given), threads in ((job, t) for job in jobs for t in thread_counts):
         path = given or model_file(args.dir, shape, qtype, args.llama_bin)
-        runs: dict[str, list[dict]] = {"float": [], "int8": [], "llama": []}
+        runs: dict[str, list[dict]] = {**{a: [] for a in ariths}, "llama": []}
         for i in range(args.rounds):
-            for arith in ("float", "int8"):
-                runs[arith].append(ours(path, arith))
+            for arith in ariths:
+                runs[arith].append(ours(path, arith, threads))
             runs["llama"].append(llama_bench(args.llama_bin, path, threads))
-            log(f"{shape} {qtype} round {i + 1}: " + ", ".join(
+            log(f"{shape} {qtype} {threads} threads round {i + 1}: " + ", ".join(
                 f"{k} decode {v[-1]['decode_tok_s']:.1f} prefill {v[-1]['prefill_tok_s']:.1f}"
                 + (f" load {v[-1]['load_s']:.1f}s" if "load_s" in v[-1] else "") for k, v in runs.items()))  # fmt: skip
-        row = {"shape": shape, "type": qtype, "file_bytes": path.stat().st_size, "runs": runs}
+        row = {"shape": shape, "type": qtype, "threads": threads, "file_bytes": path.stat().st_size, "runs": runs}
         for key in ("decode_tok_s", "prefill_tok_s"):
             theirs = statistics.median(r[key] for r in runs["llama"])
             row[f"llama_{key}"] = theirs
-            for arith in ("float", "int8"):
+            for arith in ariths:
                 row[f"{arith}_{key}"] = statistics.median(r[key] for r in runs[arith])
                 row[f"{arith}_{key}_ratio"] = row[f"{arith}_{key}"] / theirs
-        for arith in ("float", "int8"):
+        for arith in ariths:
             row[f"{arith}_load_s"] = statistics.median(r["load_s"] for r in runs[arith])
         res["rows"].append(row)
         log(json.dumps({k: v for k, v in row.items() if k != "runs"}))
