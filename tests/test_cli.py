@@ -11,7 +11,7 @@ def run(*args):
 
 
 def test_generate_streams_the_greedy_answer():
-    r = run("chat", "What is the capital of France?", "--max-tokens", "20")
+    r = run("chat", "What is the capital of France? Answer in one sentence.", "--max-tokens", "20")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "finish: stop" in r.stderr
