@@ -16,6 +16,7 @@ from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.ops import NativeOps, select_ops
 from tokenmill.model.shard import ModelShard
 from tokenmill.model.sharding import shard_model
+from tokenmill.quant.blocks import BlockWeight
 from tokenmill.quant.weights import quantize_model
 
 
@@ -43,7 +44,9 @@ def prepare_model(model: LlamaForCausalLM, device: torch.device, load: LoadConfi
     weights quantised (unless a shard was cut from quantised weights already), and, with
     native ops, its linears swapped for the small-batch kernel."""
     try:
-        model.ops = select_ops(device, load.kernels, batch_invariant=load.quant_arithmetic == "int8")
+        # batch-invariant attention where the int8 arithmetic runs (its rounding would amplify the rest)
+        int8_blocks = any(isinstance(m, BlockWeight) for m in model.modules())
+        model.ops = select_ops(device, load.kernels, batch_invariant=int8_blocks)
     except RuntimeError as e:  # kernels="native" without a working build
         raise TokenmillError(str(e)) from None
     try:
