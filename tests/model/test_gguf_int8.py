@@ -137,7 +137,7 @@ def test_int8_logits_do_not_depend_on_how_a_prompt_is_cut_into_steps(int8_llm):
     (the C++ decode loop), over contexts past one attention partition (256 keys). The int8
     arithmetic's activation rounding would turn any difference of float rounding into other
     tokens."""
-    from tokenmill.worker.inputs import SeqInput
+    from tests.helpers import seq
 
     ids = int8_llm.tokenizer.encode(
         (Path(__file__).parent.parent / "data" / "heldout.txt").read_text())[:300]  # fmt: skip
@@ -148,7 +148,7 @@ def test_int8_logits_do_not_depend_on_how_a_prompt_is_cut_into_steps(int8_llm):
         with engine.borrow_blocks(-(-len(ids) // engine.block_size)) as blocks:
             for start in range(0, len(ids), step):
                 piece = ids[start : start + step]
-                outs.append(runner.all_logits([SeqInput("x", piece, start, blocks, False, SamplingParams(), [], [])]))
+                outs.append(runner.all_logits([seq(piece, blocks, start, sample=False)]))
         return torch.cat(outs)
 
     whole = logits(len(ids))
