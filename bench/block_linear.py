@@ -1,5 +1,6 @@
-"""The int8 block kernels alone (csrc/ggml_ops.cpp) against the float path's (quant_ops.cpp), per call:
-a random [--rows, 2048] weight of each type, 1 and 4 activation rows, best of 5 x 10 calls.
+"""The int8 block kernels alone against the float path's (quant_ops.cpp), per call: a random
+[--rows, 2048] weight of each type, 1 and 4 activation rows, best of 5 x 10 calls; the int8 ones
+a row at a time (csrc/ggml_ops.cpp) and eight rows interleaved (csrc/ggml_groups.cpp), alternated.
 
     .venv/bin/python bench/block_linear.py [--types Q4_K,Q5_K,Q6_K,Q4_1,Q8_0]
 
@@ -38,11 +39,16 @@ def main() -> None:
     for t in args.types.split(","):
         raw = random_gguf_blocks(t, n, k)
         blocks, widened = BlockWeight.from_gguf(t, raw, (n, k)), PackedWeight.from_gguf(t, raw, (n, k))
+        grouped = BlockWeight.for_native([BlockWeight.from_gguf(t, raw, (n, k))])[0]
         for rows in (1, 4):
             x = torch.randn(rows, k)
             a = best_ms(lambda w=widened, x=x: w.matmul(x, True))
             b = best_ms(lambda w=blocks, x=x: w.matmul(x, True))
-            print(f"{t} rows {rows}: float {a:.2f} ms, int8 {b:.2f} ms ({blocks.nbytes / b / 1e6:.1f} GB/s)")
+            g = best_ms(lambda w=grouped, x=x: w.matmul(x, True)) if grouped.grouped else float("nan")
+            b2 = best_ms(lambda w=blocks, x=x: w.matmul(x, True))
+            b = min(b, b2)
+            print(f"{t} rows {rows}: float {a:.2f} ms, int8 by row {b:.2f} ms ({blocks.nbytes / b / 1e6:.1f} GB/s), "
+                  f"int8 grouped {g:.2f} ms ({blocks.nbytes / g / 1e6:.1f} GB/s)")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,14 @@ import torch
 from tests.helpers import gguf_tokenizer_metadata, make_tiny_llama, random_gguf_blocks, run_on_avx2_build, write_gguf
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels.native import load_native
-from tokenmill.quant.blocks import BLOCK_TYPES, INT8_MAX_ROWS, BlockWeight, int8_reference, quantise_activations
+from tokenmill.quant.blocks import (
+    BLOCK_TYPES,
+    GROUPED,
+    INT8_MAX_ROWS,
+    BlockWeight,
+    int8_reference,
+    quantise_activations,
+)
 from tokenmill.quant.packed import QuantLinear
 
 pytestmark = pytest.mark.skipif(not load_native(), reason="native kernels did not build")
@@ -23,11 +30,19 @@ SHAPES = {t: [(37, 512), (6, 768)] if t.endswith("_K") else [(37, 576), (9, 224)
 ROWS = (1, 2, 3, 4, 5, 8, 13, INT8_MAX_ROWS, INT8_MAX_ROWS + 1, 70)  # tiles of 1-4, and the GEMM past the limit
 
 
-def blocks(type_name: str, n: int, k: int, seed: int = 0) -> tuple[BlockWeight, np.ndarray]:
+def blocks(type_name: str, n: int, k: int, seed: int = 0, grouped: bool = False) -> tuple[BlockWeight, np.ndarray]:
+    """Random blocks [n, k] and gguf's numbers for them; ``grouped``: as the native kernels take
+    them (rows interleaved eight by eight where the type has group kernels), from two parts."""
     from gguf import GGMLQuantizationType, dequantize
 
     raw = random_gguf_blocks(type_name, n, k, seed)
-    return BlockWeight.from_gguf(type_name, raw, (n, k)), dequantize(raw, GGMLQuantizationType[type_name]).reshape(n, k)
+    ref = dequantize(raw, GGMLQuantizationType[type_name]).reshape(n, k)
+    if not grouped:
+        return BlockWeight.from_gguf(type_name, raw, (n, k)), ref
+    cut = n // 3
+    parts = [BlockWeight.from_gguf(type_name, raw[:cut], (cut, k)), BlockWeight.from_gguf(type_name, raw[cut:], (n - cut, k))]
+    joined = BlockWeight.for_native(parts)
+    return (joined[0] if len(joined) == 1 else BlockWeight.cat(joined)), ref
 
 
 @pytest.mark.parametrize("type_name", BLOCK_TYPES)
@@ -47,16 +62,20 @@ def test_blocks_hold_gguf_dequantized_values(type_name):
         assert torch.equal(w.dequantize_rows(bf16=True), torch.from_numpy(ref).bfloat16())
 
 
-def check_block_linear(type_name: str, dtype: torch.dtype = torch.float32) -> None:
+def check_block_linear(type_name: str, dtype: torch.dtype = torch.float32, grouped: bool = False) -> None:
     """The kernel against int8_reference (the same arithmetic in torch, float64 sums): 1e-5 of
-    the output's scale in float32; and the int8 arithmetic within 3% of the float product."""
+    the output's scale in float32; and the int8 arithmetic within 3% of the float product.
+    Each activation row's outputs are the same bits computed alone as in any batch."""
     for n, k in SHAPES[type_name]:
-        w, ref = blocks(type_name, n, k, seed=n)
+        w, ref = blocks(type_name, n, k, seed=n, grouped=grouped)
         for rows in ROWS:
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
             got = torch.ops.tokenmill.block_linear(x, w.qs, w.type_code)
             want = int8_reference(x, w)
             assert got.dtype == dtype and got.shape == (rows, n)
+            if dtype == torch.float32 or rows <= INT8_MAX_ROWS:
+                alone = torch.ops.tokenmill.block_linear(x[-1:], w.qs, w.type_code)
+                assert torch.equal(alone, got[-1:]), f"{type_name} {n}x{k}: row {rows - 1} differs in a batch of {rows}"
             err = ((got.double() - want.double()).abs().max() / want.abs().max()).item()
             assert err < (1e-5 if dtype == torch.float32 else 8e-3), f"{type_name} {n}x{k} rows={rows}: {err}"
             exact = x.double() @ torch.from_numpy(ref).double().T
@@ -67,6 +86,32 @@ def check_block_linear(type_name: str, dtype: torch.dtype = torch.float32) -> No
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_block_linear_matches_the_int8_reference(type_name, dtype):
     check_block_linear(type_name, dtype)
+
+
+def check_grouped_rows(type_name: str) -> None:
+    """Rows interleaved eight by eight (two parts joined, 37 or 9 rows: whole groups and a rest)
+    are the parts' bytes, and read back (all rows, some, bfloat16) as gguf's numbers."""
+    for n, k in SHAPES[type_name]:
+        w, ref = blocks(type_name, n, k, grouped=True)
+        plain, _ = blocks(type_name, n, k)
+        assert w.grouped == (n >= 8 and torch.ops.tokenmill.block_has_groups(BLOCK_TYPES[type_name]))
+        assert w.qs.shape == plain.qs.shape and torch.equal(w.plain_blocks(), plain.qs)
+        assert not w.grouped or not torch.equal(w.qs, plain.qs)  # (the rows did move)
+        ids = torch.tensor([n - 1, 0, n // 2, min(8, n - 1)])
+        np.testing.assert_array_equal(w.dequantize_rows(ids).numpy(), ref[ids.numpy()])
+        np.testing.assert_array_equal(w.dequantize_rows().numpy(), ref)
+        assert torch.equal(w.dequantize_rows(bf16=True), torch.from_numpy(ref).bfloat16())
+
+
+@pytest.mark.parametrize("type_name", BLOCK_TYPES)
+def test_rows_grouped_eight_by_eight_are_the_same_bytes_and_numbers(type_name):
+    check_grouped_rows(type_name)
+
+
+@pytest.mark.parametrize("type_name", BLOCK_TYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_group_kernels_match_the_int8_reference(type_name, dtype):
+    check_block_linear(type_name, dtype, grouped=True)
 
 
 def test_activations_are_quantised_per_block_to_the_nearest_even():
@@ -86,6 +131,11 @@ def test_bad_block_arguments_are_refused_by_name():
         torch.ops.tokenmill.block_linear(torch.randn(1, 256), w.qs, w.type_code)
     with pytest.raises(RuntimeError, match="out of range"):
         torch.ops.tokenmill.block_dequantize(w.qs, w.type_code, 512, torch.tensor([4]))
+    q6, _ = blocks("Q6_K", 8, 512)
+    with pytest.raises(RuntimeError, match="GGML type 14 has no eight-row layout"):
+        torch.ops.tokenmill.block_linear(torch.randn(1, 512), q6.qs, BLOCK_TYPES["Q6_K"] | GROUPED)
+    with pytest.raises(RuntimeError, match="not whole blocks of GGML type 12 of one width"):
+        torch.ops.tokenmill.block_interleave([w.qs, blocks("Q4_K", 4, 256)[0].qs], BLOCK_TYPES["Q4_K"])
 
 
 @pytest.mark.subprocess
@@ -96,6 +146,8 @@ def test_avx2_only_build_block_kernels_match_the_reference():
         "for name in t.BLOCK_TYPES:\n"
         "    t.test_blocks_hold_gguf_dequantized_values(name)\n"
         "    t.check_block_linear(name)\n"
+        "    t.check_grouped_rows(name)\n"
+        "    t.check_block_linear(name, grouped=True)\n"
     )
 
 
@@ -109,8 +161,8 @@ def int8_llm():
 
 def test_the_bundled_file_is_served_from_its_own_bytes(int8_llm):
     """By default, every linear of the Q4_1 model (Q8_0 embedding and tied head) reads the file's own
-    blocks, mapped from the file where no rows move: 0.625 and 1.0625 bytes a weight, less
-    than the float arithmetic's widened groups."""
+    blocks, 0.625 and 1.0625 bytes a weight, less than the float arithmetic's widened groups:
+    interleaved eight rows at a time for the group kernels, one weight per projection."""
     from tokenmill.model.gguf_file import read_gguf
     from tokenmill.quant.weights import weight_bytes
 
@@ -119,10 +171,10 @@ def test_the_bundled_file_is_served_from_its_own_bytes(int8_llm):
     for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
         assert isinstance(linear, QuantLinear) and linear.native
         assert linear.parts and all(type(p) is BlockWeight and p.source == "Q4_1" for p in linear.parts)
-    # views of the mapped file, not copies: gate and up stay two parts, v one after q and k (permuted: copied)
-    assert [p.mapped for p in layer.mlp.gate_up_proj.parts] == [True, True] and layer.mlp.down_proj.parts[0].mapped
-    assert [p.mapped for p in layer.self_attn.qkv_proj.parts] == [False, True] and layer.self_attn.o_proj.parts[0].mapped
+    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert len(linear.parts) == 1 and linear.parts[0].grouped  # q, k, v (gate, up) joined in one copy
     assert isinstance(model.embed_tokens.weight, BlockWeight) and model.head_reads_embedding
+    assert model.embed_tokens.weight.grouped  # the head's layout; lookups take rows out of their groups
     _, tensors = read_gguf(int8_llm.model_path)
     file_bytes = sum(t.data.nbytes for t in tensors if t.type_name in BLOCK_TYPES)
     served = {id(m): m.nbytes for m in model.modules() if isinstance(m, BlockWeight)}
@@ -205,14 +257,14 @@ def test_cpp_layer_loop_runs_block_weights_bit_identical_to_the_python_loop():
     llm = LLM(dtype="float32", quant_arithmetic="int8", progress=False, kv_cache_memory="32MiB")
     model = llm.parts.model
     attn = model.layers[1].self_attn
-    q_k, kv_rows = attn.qkv_proj.parts[0], attn.num_kv_heads * attn.head_dim  # q and k (v: the file's own part)
-    assert q_k.out_features == (attn.num_heads + attn.num_kv_heads) * attn.head_dim
+    kv_rows = attn.num_kv_heads * attn.head_dim
+    q_k = attn.qkv_proj.parts[0].rows(torch.arange((attn.num_heads + attn.num_kv_heads) * attn.head_dim))  # q and k
     v = BlockWeight.from_gguf("Q8_0", random_gguf_blocks("Q8_0", kv_rows, q_k.in_features, 5), (kv_rows, q_k.in_features))
     mixed = QuantLinear([q_k, v])
     mixed.use_native()
     attn.qkv_proj = mixed
     model.reset_fused_plan()
-    assert model.fused_plan is not None and len(mixed.parts) == 2
+    assert model.fused_plan is not None and len(mixed.parts) == 2 and all(p.grouped for p in mixed.parts)
     results = fused_and_python_decode_logits(llm)
     assert torch.equal(results[True][0], results[False][0])
     assert torch.equal(results[True][1], results[False][1])

@@ -22,8 +22,8 @@ def heldout_ids(llm):
 
 
 @pytest.fixture(scope="module")
-def float_ppl(llm, heldout_ids):
-    return perplexity(llm, heldout_ids)
+def float_ppl(float_llm, heldout_ids):
+    return perplexity(float_llm, heldout_ids)
 
 
 def quantized(**kw) -> LLM:
@@ -41,8 +41,11 @@ def quantized(**kw) -> LLM:
     ],
     ids=["w-int8", "w-int4-g32", "kv-int8", "kv-fp8", "kv-bf16"],
 )
-def test_perplexity_stays_within_its_bound_of_float32(llm, heldout_ids, float_ppl, kw, bound):
-    q = quantized(**kw)
+def test_perplexity_stays_within_its_bound_of_float32(heldout_ids, float_ppl, kw, bound):
+    """Each quantisation alone against the exact float32 arithmetic (the GGUF's own weights
+    multiplied in float): under the int8 arithmetic the activations' rounding alone moves this
+    135M model's perplexity by up to ~1%, one way or the other, as its code paths change."""
+    q = quantized(quant_arithmetic="float", **kw)
     ppl = perplexity(q, heldout_ids)
     assert abs(ppl / float_ppl - 1) <= bound, (kw, ppl, float_ppl)
     assert q.engine.block_pool.num_free == q.engine.block_pool.num_blocks
@@ -85,6 +88,20 @@ def test_int8_kv_cache_holds_about_twice_the_blocks_of_bfloat16():
 def test_bad_quantization_settings_are_clear_errors(kw, message):
     with pytest.raises(TokenmillError, match=message):
         quantized(**kw)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_a_quantised_kv_cache_gives_a_prompt_the_same_logprobs_with_its_prefix_cached_or_not(kv_cache_dtype):
+    """Under the int8 arithmetic (batch-invariant), a fresh prefill attends over the cache's
+    quantised K/V as a prefix hit does, not over its own unquantised ones: the second run of a
+    prompt (its first blocks cached) gives the first run's logprobs to the bit."""
+    q = LLM(dtype="float32", kv_cache_dtype=kv_cache_dtype, kv_cache_memory="64MiB", progress=False)
+    prompt = "The three rivers of the old town are wide and slow, and the bridges over them are"  # > one block
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=5, ignore_eos=True)
+    first, again = (q.generate(prompt, params)[0] for _ in range(2))
+    assert again.num_cached_tokens >= q.engine.block_size
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids
+    assert first.outputs[0].logprobs == again.outputs[0].logprobs
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])

@@ -24,7 +24,7 @@ from tokenmill.kernels.cpu import cpu_info
 
 log = logging.getLogger("tokenmill")
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("cpu_ops.cpp", "quant_ops.cpp", "ggml_ops.cpp", "decode_loop.cpp")]
+SOURCES = [CSRC / name for name in ("cpu_ops.cpp", "quant_ops.cpp", "ggml_ops.cpp", "ggml_groups.cpp", "decode_loop.cpp")]
 # -fopenmp: at::parallel_for is inline OpenMP, compiled into our code (without it, one thread)
 BASE_CFLAGS = ["-O3", "-fopenmp", "-Wno-unused-function"]
 
@@ -40,7 +40,7 @@ def cflags() -> list[str]:
 
 
 def build_name() -> str:
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in [*SOURCES, CSRC / "ops.h"]) + " ".join(cflags()).encode()).hexdigest()[:10]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in [*SOURCES, *sorted(CSRC.glob("*.h"))]) + " ".join(cflags()).encode()).hexdigest()[:10]
     arch = cpu_info().isa_tag if target_arch() == "native" else target_arch().replace("-", "_")
     return f"tokenmill_cpu_{arch}_{digest}"
 

@@ -76,7 +76,8 @@ class TorchOps:
 
 class NativeOps(TorchOps):
     """``batch_invariant``: every query's attention the same arithmetic whatever else its step
-    holds: fresh prefills take the paged kernel too (not SDPA), in partitions of one size. The
+    holds: fresh prefills take the paged kernel too (not SDPA; over a quantised cache, the cache's
+    K/V as a prefix hit reads them, not their own fresh ones), in partitions of one size. The
     int8 arithmetic asks for it: its activations' 8-bit rounding turns the ~1e-7 by which SDPA's
     sums differ from the paged kernel's into other greedy tokens, where float absorbs them."""
 
@@ -121,8 +122,10 @@ class NativeOps(TorchOps):
             return super().attention(q, k, v, cache, meta, scale, window, softcap)
         q = q.contiguous()
         out = torch.empty_like(q)
-        # Over a quantised cache, fresh prefills all take their fresh K/V (as the reference does).
-        index = meta.kernel_index(1 if cache.quant else self._fresh_sdpa_min)
+        # Over a quantised cache, fresh prefills take their fresh K/V (as the reference does), unless
+        # batch-invariant: then every query reads the cache, so that a prompt's numbers do not depend
+        # on whether its prefix was cached (a prefix hit reads the quantised K/V).
+        index = meta.kernel_index(1 if cache.quant and not self.batch_invariant else self._fresh_sdpa_min)
         if index.paged_seq_ids.numel():
             torch.ops.tokenmill.paged_attention(
                 out, q, cache.k, cache.v, cache.k_scale, cache.v_scale, meta.block_tables, index.query_start_loc,

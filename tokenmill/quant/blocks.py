@@ -22,6 +22,7 @@ from tokenmill.quant.packed import QK_K, PackedWeight, decompose
 
 # GGML type codes, and each type's (weights, bytes) per block.
 BLOCK_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+GROUPED = 256  # csrc/ggml_common.h's X8: the type code's flag for rows interleaved eight by eight
 _FORMATS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (QK_K, 144), "Q5_K": (QK_K, 176),
             "Q6_K": (QK_K, 210)}  # fmt: skip
 INT8_MAX_ROWS = 32  # csrc/ggml_ops.cpp: bfloat16 calls with more rows dequantise the weight into a GEMM
@@ -36,6 +37,7 @@ class BlockWeight(PackedWeight):
         assert blocks.dtype == torch.uint8 and blocks.shape[1] == in_features // elems * size, (blocks.shape, type_name)
         super().__init__(blocks, torch.empty(0), None, -BLOCK_TYPES[type_name], elems, in_features, type_name)
         self.mapped = mapped  # a view of the memory-mapped file (QuantLinear keeps it a part of its own)
+        self.grouped = False  # rows interleaved eight by eight for the native group kernels (prepare_native)
 
     @classmethod
     def from_gguf(cls, type_name: str, data: np.ndarray, shape: tuple[int, int]) -> BlockWeight:
@@ -51,18 +53,44 @@ class BlockWeight(PackedWeight):
     def type_code(self) -> int:
         return -self.bits
 
+    @classmethod
+    def for_native(cls, run: list[PackedWeight]) -> list[PackedWeight]:
+        """Neighbouring parts of one type (gate and up; q, k and v) as the native kernels take
+        them: their rows interleaved eight by eight into one weight, one copy of the mapped
+        file's bytes (the same bytes), where this build has group kernels for the type: one
+        register then holds eight rows' weights and their scales unpack once for all eight
+        (csrc/ggml_groups.cpp). A single part is regrouped in place (a tied head and its
+        embedding share it). Other types keep their parts as they are (mapped, unjoined)."""
+        first = run[0]
+        assert all(isinstance(p, BlockWeight) and p.source == first.source and not p.grouped for p in run)
+        base = BLOCK_TYPES[first.source]
+        n = sum(p.out_features for p in run)
+        if n < 8 or not torch.ops.tokenmill.block_has_groups(base):
+            return run
+        blocks = torch.ops.tokenmill.block_interleave([p.qs for p in run], base)
+        target = first if len(run) == 1 else BlockWeight(blocks, first.source, first.in_features)
+        target.qs, target.out_features = blocks, n
+        target.grouped, target.mapped, target.bits = True, False, -(base | GROUPED)
+        return [target]
+
+    def plain_blocks(self) -> torch.Tensor:
+        """The rows as the file has them, one after another (undoing ``for_native``'s grouping)."""
+        if not self.grouped:
+            return self.qs
+        return torch.ops.tokenmill.block_deinterleave(self.qs, BLOCK_TYPES[self.source])
+
     def rows(self, index: torch.Tensor) -> BlockWeight:
-        return BlockWeight(self.qs[index].contiguous(), self.source, self.in_features)
+        return BlockWeight(self.plain_blocks()[index].contiguous(), self.source, self.in_features)
 
     @staticmethod
     def cat(parts: list[PackedWeight]) -> BlockWeight:
         first = parts[0]
-        assert all(isinstance(p, BlockWeight) and p.layout == first.layout for p in parts)
-        return BlockWeight(torch.cat([p.qs for p in parts]), first.source, first.in_features)
+        assert all(isinstance(p, BlockWeight) and p.source == first.source for p in parts)
+        return BlockWeight(torch.cat([p.plain_blocks() for p in parts]), first.source, first.in_features)
 
     def dequantize(self, ids: torch.Tensor | None = None) -> torch.Tensor:
         """The float32 weight (or rows ``ids``): the file's numbers (packed.decompose)."""
-        qs = self.qs if ids is None else self.qs[ids]
+        qs = self.plain_blocks() if ids is None else self.plain_blocks()[ids]
         exact = decompose(self.source, qs.cpu().numpy(), (qs.shape[0], self.in_features))
         return PackedWeight.from_decomposed(exact, self.source).dequantize().to(self.qs.device)
 

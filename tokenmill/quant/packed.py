@@ -197,6 +197,13 @@ class PackedWeight(nn.Module):
             w = w + minv[..., None]
         return w.reshape(n, self.in_features)
 
+    @classmethod
+    def for_native(cls, run: list[PackedWeight]) -> list[PackedWeight]:
+        """Neighbouring parts of one layout as the native kernels take them (this layout is
+        theirs already; BlockWeight regroups its rows)."""
+        return run
+
+
     def dequantize_rows(self, ids: torch.Tensor | None = None, bf16: bool = False) -> torch.Tensor:
         """Rows ``ids`` (all when None) as float32, or rounded to bfloat16: the native kernel on
         the CPU, the reference elsewhere."""
@@ -247,6 +254,13 @@ class QuantLinear(nn.Module):
 
         self.native = True
         self.bf16_gemm = cpu_info().native_bf16
+        runs: list[list[PackedWeight]] = []  # neighbours of one layout
+        for p in self.parts:
+            if runs and type(runs[-1][0]) is type(p) and runs[-1][0].layout == p.layout:
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        self.parts = nn.ModuleList(q for run in runs for q in type(run[0]).for_native(run))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)

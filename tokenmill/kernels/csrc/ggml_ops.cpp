@@ -26,74 +26,17 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <vector>
 
+#include "ggml_common.h"
 #include "ops.h"
-
-#if defined(__AVX2__) || defined(__F16C__)
-#include <immintrin.h>
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-#define TM_AVX2 1
-#endif
-
-namespace {
-
-using at::Tensor;
-
-// GGML's type codes.
-constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14;
-constexpr int64_t QK = 32, QK_K = 256;
-constexpr int64_t INT8_MAX_ROWS = 32;  // activation rows per pass over the weight; bfloat16 past it: GEMM
-
-struct Format {
-  int64_t elems;  // weights per block
-  int64_t bytes;  // bytes per block
-};
-
-Format format_of(int64_t type) {
-  switch (type) {
-    case Q4_0: return {QK, 18};
-    case Q4_1: return {QK, 20};
-    case Q8_0: return {QK, 34};
-    case Q4_K: return {QK_K, 144};
-    case Q5_K: return {QK_K, 176};
-    case Q6_K: return {QK_K, 210};
-    default: TORCH_CHECK(false, "block_linear: GGML type ", type, " is not served in its own blocks");
-  }
-}
-
-inline float f16(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-#if defined(__F16C__)
-  return _cvtsh_ss(bits);
-#else
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-#endif
-}
 
 // ------------------------------------------------------------------ activations
 
-// Rows of activations quantised for one weight type: q [rows, k] int8; d [rows, k / block];
-// s [rows, k / 32] (d times the block's sum: Q4_1's min, Q4_0's -8); bsums [rows, k / 16] (K-quants' mins).
-struct Act {
-  int64_t k = 0, block = 0;
-  std::vector<int8_t> q;
-  std::vector<float> d, s;
-  std::vector<int16_t> bsums;
-  const int8_t* qrow(int64_t m) const { return q.data() + m * k; }
-  const float* drow(int64_t m) const { return d.data() + m * (k / block); }
-  const float* srow(int64_t m) const { return s.data() + m * (k / QK); }
-  const int16_t* bsrow(int64_t m) const { return bsums.data() + m * (k / 16); }
-};
+namespace tokenmill::ggml {
 
 Act quantise(const float* x, int64_t rows, int64_t k, int64_t block, bool sums) {
   Act a;
@@ -135,6 +78,13 @@ Act quantise(const float* x, int64_t rows, int64_t k, int64_t block, bool sums) 
   return a;
 }
 
+}  // namespace tokenmill::ggml
+
+namespace {
+
+using at::Tensor;
+using namespace tokenmill::ggml;
+
 // The K-quants' 6-bit scales and mins of sub-block j (0..7), as llama.cpp packs them in 12 bytes.
 inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& mn) {
   if (j < 4) {
@@ -152,44 +102,6 @@ inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& mn) {
 // the weight's blocks are unpacked once for all of them.
 
 #if defined(TM_AVX2)
-inline __m256i nibbles32(const uint8_t* p) {  // 16 bytes -> 32 values: low nibbles, then high nibbles
-  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0F));
-}
-
-inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-
-// acc + the products of unsigned bytes u and signed bytes s, four at a time, to 8 int32; and
-// acc + the products of int16 pairs. With VNNI (AVX512_VNNI + VL, or AVX-VNNI) each is one
-// instruction (vpdpbusd, vpdpwssd); on plain AVX2, maddubs + madd + add. Every use here keeps
-// maddubs's int16 pair sums below saturation (|u| < 128, |s| <= 127: 2 * 127 * 127 < 32768),
-// so both give the same integers.
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define TM_VNNI 1
-inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
-inline __m256i dpwssd(__m256i acc, __m256i a, __m256i b) { return _mm256_dpwssd_epi32(acc, a, b); }
-#elif defined(__AVXVNNI__)
-#define TM_VNNI 1
-inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
-inline __m256i dpwssd(__m256i acc, __m256i a, __m256i b) { return _mm256_dpwssd_avx_epi32(acc, a, b); }
-#else
-inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-}
-inline __m256i dpwssd(__m256i acc, __m256i a, __m256i b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
-#endif
-
-// Pairwise products of unsigned a (< 128) and signed b, summed to 8 int32.
-inline __m256i dot_us(__m256i a, __m256i b) { return dpbusd(_mm256_setzero_si256(), a, b); }
-// The same for signed a (> -128 or = -128) and signed b (> -128): |a| times b with a's sign on b.
-inline __m256i dot_ss(__m256i a, __m256i b) { return dot_us(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a)); }
-
-inline int hsum_i32(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
-  return _mm_cvtsi128_si32(s);
-}
 
 // Blocks of 32 (Q4_0, Q4_1, Q8_0): the block's 32 weights as bytes (signed unless Q4_1's).
 // Q4_0's are its unsigned nibbles: its -8 is taken off once per block, as -8 d times the
@@ -509,6 +421,8 @@ void dequantize_row(const uint8_t* w, int64_t type, int64_t k, Out* y) {
 
 int64_t check_blocks(const Tensor& blocks, int64_t type, int64_t k) {
   const Format f = format_of(type);
+  TORCH_CHECK(!(type & X8) || has_groups(type & ~X8), "block_linear: GGML type ", type & ~X8,
+              " has no eight-row layout");
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
               "block_linear: blocks must be contiguous uint8 [n, bytes per row]");
   TORCH_CHECK(k % f.elems == 0 && blocks.size(1) == k / f.elems * f.bytes, "block_linear: a row of ", k,
@@ -534,10 +448,11 @@ Tensor block_dequantize(Tensor blocks, int64_t type, int64_t k, c10::optional<Te
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   const int64_t row_bytes = blocks.size(1);
   at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
+    std::vector<uint8_t> scratch(row_bytes);  // a row taken out of its group of eight
     for (int64_t i = b; i < e; ++i) {
-      const uint8_t* src = w + (id ? id[i] : i) * row_bytes;
-      if (bf16) dequantize_row(src, type, k, out.data_ptr<c10::BFloat16>() + i * k);
-      else dequantize_row(src, type, k, out.data_ptr<float>() + i * k);
+      const uint8_t* src = plain_row(w, type, n, row_bytes, id ? id[i] : i, scratch.data());
+      if (bf16) dequantize_row(src, type & ~X8, k, out.data_ptr<c10::BFloat16>() + i * k);
+      else dequantize_row(src, type & ~X8, k, out.data_ptr<float>() + i * k);
     }
   });
   return out;
@@ -577,19 +492,33 @@ Tensor block_linear(Tensor x, Tensor blocks, int64_t type) {
     return y;
   }
   const Tensor xf = x.contiguous().to(at::kFloat);
-  const Act a = quantise(xf.data_ptr<float>(), rows, k, f.elems, type == Q4_1 || type == Q4_0);
+  const Act a = quantise(xf.data_ptr<float>(), rows, k, f.elems, (type & ~X8) == Q4_1 || (type & ~X8) == Q4_0);
   Tensor y = at::empty({rows, n}, xf.options());
   float* out = y.data_ptr<float>();
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   const int64_t row_bytes = blocks.size(1);
-  const DotFn dots[4] = {dot_of<1>(type), dot_of<2>(type), dot_of<3>(type), dot_of<4>(type)};
+  const int64_t plain = type & ~X8, groups = type & X8 ? n / 8 : 0;  // groups of eight rows, then single rows
+  const DotFn dots[4] = {dot_of<1>(plain), dot_of<2>(plain), dot_of<3>(plain), dot_of<4>(plain)};
+  DotFn group_dots[4] = {};
+  if (groups > 0)
+    for (int mr = 1; mr <= 4; ++mr) group_dots[mr - 1] = group_dot(plain, mr);
   // Activation rows in chunks of INT8_MAX_ROWS (their 8-bit values stay in L2 while every weight
   // row passes), each output a function of its own row alone: the same bits in any batch.
   for (int64_t m0 = 0; m0 < rows; m0 += INT8_MAX_ROWS) {
     const int64_t m1 = std::min(rows, m0 + INT8_MAX_ROWS);
-    at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) {
-      float part[4];
-      for (int64_t r = b; r < e; ++r) {
+    at::parallel_for(0, groups + (n - 8 * groups), groups > 0 ? 2 : 16, [&](int64_t b, int64_t e) {
+      float part[4 * 8];
+      for (int64_t u = b; u < e; ++u) {
+        if (u < groups) {
+          const uint8_t* wg = w + u * 8 * row_bytes;
+          for (int64_t m = m0; m < m1; m += 4) {
+            const int mr = static_cast<int>(std::min<int64_t>(4, m1 - m));
+            group_dots[mr - 1](wg, a, m, part);
+            for (int i = 0; i < mr; ++i) std::memcpy(out + (m + i) * n + 8 * u, part + 8 * i, 8 * sizeof(float));
+          }
+          continue;
+        }
+        const int64_t r = 8 * groups + (u - groups);
         const uint8_t* wr = w + r * row_bytes;
         for (int64_t m = m0; m < m1; m += 4) {
           const int mr = static_cast<int>(std::min<int64_t>(4, m1 - m));

@@ -1,0 +1,129 @@
+// What ggml_ops.cpp (one weight row at a time) and ggml_groups.cpp (eight rows interleaved) share:
+// GGML's block formats, the activations quantised to 8-bit blocks, and the integer dot helpers.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define TM_AVX2 1
+#endif
+
+namespace tokenmill::ggml {
+
+// GGML's type codes.
+constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14;
+constexpr int64_t QK = 32, QK_K = 256;
+constexpr int64_t INT8_MAX_ROWS = 32;  // activation rows per pass over the weight; bfloat16 past it: GEMM
+
+struct Format {
+  int64_t elems;  // weights per block
+  int64_t bytes;  // bytes per block
+};
+
+constexpr int64_t X8 = 256;  // the flag of a weight whose rows are interleaved eight by eight (below)
+
+inline Format format_of(int64_t type) {  // (the same for a type's interleaved form)
+  switch (type & ~X8) {
+    case Q4_0: return {QK, 18};
+    case Q4_1: return {QK, 20};
+    case Q8_0: return {QK, 34};
+    case Q4_K: return {QK_K, 144};
+    case Q5_K: return {QK_K, 176};
+    case Q6_K: return {QK_K, 210};
+    default: TORCH_CHECK(false, "block_linear: GGML type ", type, " is not served in its own blocks");
+  }
+}
+
+inline float f16(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
+
+// Rows of activations quantised for one weight type: q [rows, k] int8; d [rows, k / block];
+// s [rows, k / 32] (d times the block's sum: Q4_1's min, Q4_0's -8); bsums [rows, k / 16] (K-quants' mins).
+struct Act {
+  int64_t k = 0, block = 0;
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  std::vector<int16_t> bsums;
+  const int8_t* qrow(int64_t m) const { return q.data() + m * k; }
+  const float* drow(int64_t m) const { return d.data() + m * (k / block); }
+  const float* srow(int64_t m) const { return s.data() + m * (k / QK); }
+  const int16_t* bsrow(int64_t m) const { return bsums.data() + m * (k / 16); }
+};
+
+Act quantise(const float* x, int64_t rows, int64_t k, int64_t block, bool sums);
+
+// A kernel: weight rows (one, or a group of eight) times MR activation rows from m0.
+using DotFn = void (*)(const uint8_t*, const Act&, int64_t, float*);
+
+// ------------------------------------------------------------------ eight rows interleaved (ggml_groups.cpp)
+
+// A weight of type `type | X8` holds its first n / 8 * 8 rows in interleaved groups of eight (the
+// same bytes as the rows, ggml_groups.cpp says how); the remaining n % 8 rows follow as they are.
+
+// Whether `type` (a plain GGML type) has group kernels (and so an X8 layout).
+bool has_groups(int64_t type);
+// The kernel for one group of `type` (plain) times MR (1..4) activation rows: out[m * 8 + r].
+DotFn group_dot(int64_t type, int mr);
+// Row r of a weight of `type` (X8 or not) as plain blocks: a pointer into the weight, or `scratch`
+// (row_bytes) holding the row taken out of its group.
+const uint8_t* plain_row(const uint8_t* w, int64_t type, int64_t n, int64_t row_bytes, int64_t r, uint8_t* scratch);
+
+// ------------------------------------------------------------------ integer dot helpers
+
+#if defined(TM_AVX2)
+inline __m256i nibbles32(const uint8_t* p) {  // 16 bytes -> 32 values: low nibbles, then high nibbles
+  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0F));
+}
+
+inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// acc + the products of unsigned bytes u and signed bytes s, four at a time, to 8 int32; and
+// acc + the products of int16 pairs. With VNNI (AVX512_VNNI + VL, or AVX-VNNI) each is one
+// instruction (vpdpbusd, vpdpwssd); on plain AVX2, maddubs + madd + add. Every use here keeps
+// maddubs's int16 pair sums below saturation (|u| < 128, |s| <= 127: 2 * 127 * 127 < 32768),
+// so both give the same integers.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define TM_VNNI 1
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+inline __m256i dpwssd(__m256i acc, __m256i a, __m256i b) { return _mm256_dpwssd_epi32(acc, a, b); }
+#elif defined(__AVXVNNI__)
+#define TM_VNNI 1
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+inline __m256i dpwssd(__m256i acc, __m256i a, __m256i b) { return _mm256_dpwssd_avx_epi32(acc, a, b); }
+#else
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+inline __m256i dpwssd(__m256i acc, __m256i a, __m256i b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+#endif
+
+// Pairwise products of unsigned a (< 128) and signed b, summed to 8 int32.
+inline __m256i dot_us(__m256i a, __m256i b) { return dpbusd(_mm256_setzero_si256(), a, b); }
+// The same for signed a (> -128 or = -128) and signed b (> -128): |a| times b with a's sign on b.
+inline __m256i dot_ss(__m256i a, __m256i b) { return dot_us(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a)); }
+
+inline int hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+  return _mm_cvtsi128_si32(s);
+}
+#endif  // TM_AVX2
+
+}  // namespace tokenmill::ggml

@@ -1,0 +1,314 @@
+// GGUF blocks eight weight rows at a time: the rows interleaved at load, the same bytes.
+//
+// ggml_ops.cpp's kernels take one weight row at a time: each of its blocks unpacks its scales
+// (scalar code for the K-quants' 6-bit ones), and each row ends in a horizontal sum. At the sizes
+// that stream from DRAM that overhead, not the memory, bounded a Q4_K weight (23 GB/s read where
+// the machine streams 44). Here eight rows are interleaved, field by field (llama.cpp's "repack"
+// idea, our own layout): one 32-byte register holds 4 weights of each of the 8 rows, an
+// activation's 4 bytes are broadcast against it, and the 8 int32 lanes of the sums are the 8 rows.
+// Scales unpack once per group in vector code; no horizontal sum remains.
+//
+// The layout (a weight of type T | X8): its first n / 8 * 8 rows in groups of eight rows, each
+// group its rows' blocks one block index after another; within a block index the block's fields
+// (Field: offset in the row's block, size, unit) in the order fields_of lists them (the ones read
+// first, first: the scales before the weights), and within a field the eight rows' copies
+// interleaved in units: unit e of row r at 8 * (the sizes of the fields before it) + (8 * e + r) *
+// unit. The rest of the rows (n % 8) follow as they are. The integers each output sums are those of the row-at-a-time kernels; only the
+// order of the float additions differs (each output's own, whatever the batch).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "ggml_common.h"
+
+namespace tokenmill::ggml {
+
+namespace {
+
+struct Field {
+  int64_t offset, size, unit;  // in the row's block
+  int64_t at = 0;              // in the group's block index: 8 * (the sizes of the fields before it)
+};
+
+// A block's fields in their order in a group, for the types with group kernels.
+std::vector<Field> fields_of(int64_t type) {
+  std::vector<Field> f;
+  switch (type) {
+    case Q4_0: f = {{0, 2, 2}, {2, 16, 4}}; break;             // d, 16 bytes of nibbles
+    case Q4_1: f = {{0, 2, 2}, {2, 2, 2}, {4, 16, 4}}; break;  // d, min, nibbles
+    case Q8_0: f = {{0, 2, 2}, {2, 32, 4}}; break;             // d, 32 bytes
+    case Q4_K: f = {{0, 2, 2}, {2, 2, 2}, {4, 12, 1}, {16, 128, 4}}; break;  // d, dmin, 6-bit scales and mins, nibbles
+    default: return f;
+  }
+  for (size_t i = 1; i < f.size(); ++i) f[i].at = f[i - 1].at + 8 * f[i - 1].size;
+  return f;
+}
+
+inline void copy_unit(uint8_t* dst, const uint8_t* src, int64_t unit) {  // (sizes the compiler inlines)
+  switch (unit) {
+    case 1: *dst = *src; break;
+    case 2: std::memcpy(dst, src, 2); break;
+    default: std::memcpy(dst, src, 4);
+  }
+}
+
+// Move one group's bytes between its eight rows (rows[r]: row r's blocks) and the group.
+template <bool TO_GROUP>
+void move_group(uint8_t* group, uint8_t* const rows[8], int64_t type, int64_t row_bytes) {
+  const Format f = format_of(type);
+  const std::vector<Field> fields = fields_of(type);
+  for (int64_t b = 0; b < row_bytes / f.bytes; ++b) {
+    uint8_t* g = group + 8 * b * f.bytes;
+    for (const Field& fd : fields)
+      for (int64_t e = 0; e < fd.size / fd.unit; ++e)
+        for (int r = 0; r < 8; ++r) {
+          uint8_t* in_group = g + fd.at + (8 * e + r) * fd.unit;
+          uint8_t* in_row = rows[r] + b * f.bytes + fd.offset + e * fd.unit;
+          if (TO_GROUP) copy_unit(in_group, in_row, fd.unit);
+          else copy_unit(in_row, in_group, fd.unit);
+        }
+  }
+}
+
+void check_rows(const at::Tensor& blocks, int64_t type, int64_t row_bytes) {
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
+              "block_interleave: blocks must be contiguous uint8 [n, bytes per row]");
+  TORCH_CHECK(blocks.size(1) == row_bytes && row_bytes % format_of(type).bytes == 0, "block_interleave: rows of ",
+              blocks.size(1), " bytes are not whole blocks of GGML type ", type, " of one width");
+}
+
+// The rows of `parts` one after another ([n, row_bytes] each, n summed), the first n / 8 * 8 in
+// groups: one copy, however many parts (q, k and v become one weight).
+at::Tensor block_interleave(std::vector<at::Tensor> parts, int64_t type) {
+  TORCH_CHECK(has_groups(type), "block_interleave: GGML type ", type, " has no eight-row layout");
+  TORCH_CHECK(!parts.empty(), "block_interleave: no blocks");
+  const int64_t row_bytes = parts[0].size(1);
+  std::vector<const uint8_t*> row;  // every row's address, in order
+  for (const at::Tensor& p : parts) {
+    check_rows(p, type, row_bytes);
+    for (int64_t i = 0; i < p.size(0); ++i) row.push_back(p.data_ptr<uint8_t>() + i * row_bytes);
+  }
+  const int64_t n = static_cast<int64_t>(row.size()), groups = n / 8, group_bytes = 8 * row_bytes;
+  at::Tensor out = at::empty({n, row_bytes}, parts[0].options());
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      uint8_t* rows[8];
+      for (int r = 0; r < 8; ++r) rows[r] = const_cast<uint8_t*>(row[8 * g + r]);
+      move_group<true>(dst + g * group_bytes, rows, type, row_bytes);
+    }
+  });
+  for (int64_t i = 8 * groups; i < n; ++i) std::memcpy(dst + i * row_bytes, row[i], row_bytes);
+  return out;
+}
+
+// A grouped weight's rows as they were (the file's blocks, row after row).
+at::Tensor block_deinterleave(at::Tensor blocks, int64_t type) {
+  TORCH_CHECK(has_groups(type), "block_interleave: GGML type ", type, " has no eight-row layout");
+  const int64_t n = blocks.size(0), row_bytes = blocks.size(1), groups = n / 8, group_bytes = 8 * row_bytes;
+  check_rows(blocks, type, row_bytes);
+  at::Tensor out = at::empty_like(blocks);
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      uint8_t* rows[8];
+      for (int r = 0; r < 8; ++r) rows[r] = dst + (8 * g + r) * row_bytes;
+      move_group<false>(const_cast<uint8_t*>(src) + g * group_bytes, rows, type, row_bytes);
+    }
+  });
+  std::memcpy(dst + groups * group_bytes, src + groups * group_bytes, (n - 8 * groups) * row_bytes);
+  return out;
+}
+
+// ------------------------------------------------------------------ group kernels
+
+#if defined(TM_AVX2)
+
+inline __m256i bcast4(const int8_t* x) {  // 4 activation bytes in every 32-bit lane
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  return _mm256_set1_epi32(v);
+}
+inline __m256 halves8(const uint8_t* p) {  // 8 float16 -> float32
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256i srli8(__m256i v, int n) { return _mm256_srli_epi16(v, n); }  // (callers mask what crosses bytes)
+
+// Sums of products of unsigned weights (4 bits: < 16) and signed activations, four to an int32 lane,
+// over a run of at most 8 registers: with VNNI each is one vpdpbusd into int32; on plain AVX2 one
+// maddubs into int16 lanes (8 * 2 * 15 * 127 < 32768: no saturation) widened once at the end.
+struct Nibble4Sums {
+  __m256i s = _mm256_setzero_si256();
+#if defined(TM_VNNI)
+  void add(__m256i u, __m256i x) { s = dpbusd(s, u, x); }
+  __m256i sum() const { return s; }
+#else
+  void add(__m256i u, __m256i x) { s = _mm256_add_epi16(s, _mm256_maddubs_epi16(u, x)); }
+  __m256i sum() const { return _mm256_madd_epi16(s, _mm256_set1_epi16(1)); }
+#endif
+};
+
+// Blocks of 32 (Q4_0, Q4_1, Q8_0): a group's block index is d[8] (and Q4_1's m[8]) as float16,
+// then the weights, 4 bytes of each row at a time.
+template <int64_t TYPE, int MR>
+void group_dot_32(const uint8_t* g, const Act& a, int64_t m0, float* out) {
+  constexpr int64_t bytes = TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : 34, head = TYPE == Q4_1 ? 4 : 2;
+  const int64_t nb = a.k / QK;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, g += 8 * bytes) {
+    const __m256 d = halves8(g);
+    const uint8_t* qs = g + 8 * head;
+    __m256i sum[MR];
+    if constexpr (TYPE == Q8_0) {
+      for (int m = 0; m < MR; ++m) sum[m] = _mm256_setzero_si256();
+      for (int w = 0; w < 8; ++w) {  // signed weights: |w| times x with w's sign
+        const __m256i qw = load32(qs + 32 * w), uw = _mm256_sign_epi8(qw, qw);
+        for (int m = 0; m < MR; ++m)
+          sum[m] = dpbusd(sum[m], uw, _mm256_sign_epi8(bcast4(a.qrow(m0 + m) + b * QK + 4 * w), qw));
+      }
+    } else {
+      Nibble4Sums lo[MR], hi[MR];
+      for (int w = 0; w < 4; ++w) {  // bytes 4w..4w+3: values 4w.. (low nibbles) and 16 + 4w.. (high)
+        const __m256i bits = load32(qs + 32 * w);
+        const __m256i l = _mm256_and_si256(bits, low4), h = _mm256_and_si256(srli8(bits, 4), low4);
+        for (int m = 0; m < MR; ++m) {
+          const int8_t* x = a.qrow(m0 + m) + b * QK + 4 * w;
+          lo[m].add(l, bcast4(x));
+          hi[m].add(h, bcast4(x + 16));
+        }
+      }
+      for (int m = 0; m < MR; ++m) sum[m] = _mm256_add_epi32(lo[m].sum(), hi[m].sum());
+    }
+    for (int m = 0; m < MR; ++m) {
+      acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a.drow(m0 + m)[b])), _mm256_cvtepi32_ps(sum[m]), acc[m]);
+      if constexpr (TYPE == Q4_1) acc[m] = _mm256_fmadd_ps(halves8(g + 16), _mm256_set1_ps(a.srow(m0 + m)[b]), acc[m]);
+      if constexpr (TYPE == Q4_0) acc[m] = _mm256_fmadd_ps(d, _mm256_set1_ps(-8.f * a.srow(m0 + m)[b]), acc[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm256_storeu_ps(out + 8 * m, acc[m]);
+}
+
+// Q4_K: a group's super-block index is d[8], dmin[8] (float16), the 12 scale bytes of the 8 rows
+// (byte t of row r at 8t + r: one 32-byte load unpacks four sub-blocks' scales or mins of all
+// rows), then the nibbles: 4 bytes of each row at a time, byte l of a row's 32-byte chunk c holding
+// value l of sub-block 2c (low nibble) and of 2c + 1 (high).
+template <int MR>
+void group_dot_q4_k(const uint8_t* g, const Act& a, int64_t m0, float* out) {
+  const int64_t nb = a.k / QK_K;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), low6 = _mm256_set1_epi8(0x3F), bits45 = _mm256_set1_epi8(0x30);
+  __m256 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  alignas(32) uint8_t sc[64], mn[64];  // sub-block j's scale (min) of row r at 8j + r
+  for (int64_t b = 0; b < nb; ++b, g += 8 * 144) {
+    const __m256 d = halves8(g), dmin = halves8(g + 16);
+    const __m256i t0 = load32(g + 32), t4 = load32(g + 64), t8 = load32(g + 96);  // bytes 0-3, 4-7, 8-11
+    // llama.cpp's packing: j < 4: sc = q[j] & 63, mn = q[j + 4] & 63; j >= 4: the low 4 bits in
+    // q[j + 4] (scale low nibble, min high), the top 2 in q[j - 4] and q[j] bits 6-7
+    _mm256_store_si256(reinterpret_cast<__m256i*>(sc), _mm256_and_si256(t0, low6));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(sc + 32),
+                       _mm256_or_si256(_mm256_and_si256(t8, low4), _mm256_and_si256(srli8(t0, 2), bits45)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(mn), _mm256_and_si256(t4, low6));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(mn + 32),
+                       _mm256_or_si256(_mm256_and_si256(srli8(t8, 4), low4), _mm256_and_si256(srli8(t4, 2), bits45)));
+    const uint8_t* qs = g + 8 * 16;
+    __m256i tot[MR];
+    for (int m = 0; m < MR; ++m) tot[m] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      Nibble4Sums lo[MR], hi[MR];
+      for (int w = 0; w < 8; ++w) {
+        const __m256i bits = load32(qs + 32 * (8 * c + w));
+        const __m256i l = _mm256_and_si256(bits, low4), h = _mm256_and_si256(srli8(bits, 4), low4);
+        for (int m = 0; m < MR; ++m) {
+          const int8_t* x = a.qrow(m0 + m) + b * QK_K + 64 * c + 4 * w;
+          lo[m].add(l, bcast4(x));
+          hi[m].add(h, bcast4(x + 32));
+        }
+      }
+      const __m256i s0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 16 * c)));
+      const __m256i s1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 16 * c + 8)));
+      for (int m = 0; m < MR; ++m)
+        tot[m] = _mm256_add_epi32(tot[m], _mm256_add_epi32(_mm256_mullo_epi32(lo[m].sum(), s0),
+                                                           _mm256_mullo_epi32(hi[m].sum(), s1)));
+    }
+    // the mins: sum over j of mn[j] * (the activations' sum over sub-block j), two j at a time
+    __m256i mpair[4];
+    for (int i = 0; i < 4; ++i)
+      mpair[i] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn + 16 * i)),
+                                                        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn + 16 * i + 8))));
+    for (int m = 0; m < MR; ++m) {
+      const int16_t* bs = a.bsrow(m0 + m) + 16 * b;
+      const __m128i s32 = _mm_hadd_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bs)),
+                                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(bs + 8)));
+      __m256i mins = _mm256_madd_epi16(mpair[0], _mm256_broadcastd_epi32(s32));
+      mins = _mm256_add_epi32(mins, _mm256_madd_epi16(mpair[1], _mm256_broadcastd_epi32(_mm_shuffle_epi32(s32, 1))));
+      mins = _mm256_add_epi32(mins, _mm256_madd_epi16(mpair[2], _mm256_broadcastd_epi32(_mm_shuffle_epi32(s32, 2))));
+      mins = _mm256_add_epi32(mins, _mm256_madd_epi16(mpair[3], _mm256_broadcastd_epi32(_mm_shuffle_epi32(s32, 3))));
+      const __m256 dx = _mm256_set1_ps(a.drow(m0 + m)[b]);
+      acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(tot[m]), acc[m]);
+      acc[m] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(mins), acc[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm256_storeu_ps(out + 8 * m, acc[m]);
+}
+
+template <int MR>
+DotFn group_dot_of(int64_t type) {
+  switch (type) {
+    case Q4_0: return group_dot_32<Q4_0, MR>;
+    case Q4_1: return group_dot_32<Q4_1, MR>;
+    case Q8_0: return group_dot_32<Q8_0, MR>;
+    default: return group_dot_q4_k<MR>;
+  }
+}
+
+#endif  // TM_AVX2
+
+}  // namespace
+
+#if defined(TM_AVX2)
+bool has_groups(int64_t type) { return !fields_of(type).empty(); }
+
+DotFn group_dot(int64_t type, int mr) {
+  switch (mr) {
+    case 1: return group_dot_of<1>(type);
+    case 2: return group_dot_of<2>(type);
+    case 3: return group_dot_of<3>(type);
+    default: return group_dot_of<4>(type);
+  }
+}
+#else  // without AVX2 the rows stay as they are (the row-at-a-time kernels' scalar code)
+bool has_groups(int64_t) { return false; }
+DotFn group_dot(int64_t, int) { return nullptr; }
+#endif
+
+const uint8_t* plain_row(const uint8_t* w, int64_t type, int64_t n, int64_t row_bytes, int64_t r, uint8_t* scratch) {
+  if (!(type & X8) || r >= n / 8 * 8) return w + r * row_bytes;
+  const int64_t plain = type & ~X8, f_bytes = format_of(plain).bytes;
+  const uint8_t* g = w + (r / 8) * 8 * row_bytes;
+  const int lane = static_cast<int>(r % 8);
+  for (int64_t b = 0; b < row_bytes / f_bytes; ++b)
+    for (const Field& fd : fields_of(plain))
+      for (int64_t e = 0; e < fd.size / fd.unit; ++e)
+        copy_unit(scratch + b * f_bytes + fd.offset + e * fd.unit, g + 8 * b * f_bytes + fd.at + (8 * e + lane) * fd.unit,
+                  fd.unit);
+  return scratch;
+}
+
+}  // namespace tokenmill::ggml
+
+TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
+  m.def("block_interleave(Tensor[] parts, int type) -> Tensor");
+  m.def("block_deinterleave(Tensor blocks, int type) -> Tensor");
+  m.def("block_has_groups(int type) -> bool", &tokenmill::ggml::has_groups);
+}
+
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
+  m.impl("block_interleave", &tokenmill::ggml::block_interleave);
+  m.impl("block_deinterleave", &tokenmill::ggml::block_deinterleave);
+}
