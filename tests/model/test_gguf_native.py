@@ -5,6 +5,8 @@ blocks give the dequantised path's greedy tokens."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -218,3 +220,20 @@ def test_perplexity_from_the_blocks_equals_the_dequantized_model(float_llm):
     ref = LLM(dtype="float32", quantization="none", progress=False, kv_cache_memory="32MiB")
     ours, theirs = perplexity(llm, ids), perplexity(ref, ids)
     assert abs(ours - theirs) / theirs < 1e-4, (ours, theirs)
+
+
+@pytest.mark.subprocess
+def test_loading_a_model_does_not_import_the_compiler_stack():
+    """A load builds the model on the meta device and adopts the file's tensors: no random
+    init there, whose meta implementation imports torch._dynamo (~1 s of every load)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom tokenmill import LLM\n"
+        "LLM(progress=False, kv_cache_memory='16MiB')\n"
+        "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo'))[:3])\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
