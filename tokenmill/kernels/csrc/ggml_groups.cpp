@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -45,6 +46,7 @@ std::vector<Field> fields_of(int64_t type) {
     case Q4_1: f = {{0, 2, 2}, {2, 2, 2}, {4, 16, 4}}; break;  // d, min, nibbles
     case Q8_0: f = {{0, 2, 2}, {2, 32, 4}}; break;             // d, 32 bytes
     case Q4_K: f = {{0, 2, 2}, {2, 2, 2}, {4, 12, 1}, {16, 128, 4}}; break;  // d, dmin, 6-bit scales and mins, nibbles
+    case Q5_K: f = {{0, 2, 2}, {2, 2, 2}, {4, 12, 1}, {16, 32, 4}, {48, 128, 4}}; break;  // the same and fifth bits
     default: return f;
   }
   for (size_t i = 1; i < f.size(); ++i) f[i].at = f[i - 1].at + 8 * f[i - 1].size;
@@ -156,7 +158,7 @@ inline __m256 halves8(const uint8_t* p) {  // 8 float16 -> float32
 inline __m256i srli8(__m256i v, int n) { return _mm256_srli_epi16(v, n); }  // (callers mask what crosses bytes)
 
 // Sums of products of unsigned weights (4 bits: < 16) and signed activations, four to an int32 lane,
-// over a run of at most 8 registers: with VNNI each is one vpdpbusd into int32; on plain AVX2 one
+// over a run of at most 8 registers (4 of 5-bit weights): with VNNI each is one vpdpbusd into int32; on plain AVX2 one
 // maddubs into int16 lanes (8 * 2 * 15 * 127 < 32768: no saturation) widened once at the end.
 struct Nibble4Sums {
   __m256i s = _mm256_setzero_si256();
@@ -211,18 +213,23 @@ void group_dot_32(const uint8_t* g, const Act& a, int64_t m0, float* out) {
   for (int m = 0; m < MR; ++m) _mm256_storeu_ps(out + 8 * m, acc[m]);
 }
 
-// Q4_K: a group's super-block index is d[8], dmin[8] (float16), the 12 scale bytes of the 8 rows
-// (byte t of row r at 8t + r: one 32-byte load unpacks four sub-blocks' scales or mins of all
-// rows), then the nibbles: 4 bytes of each row at a time, byte l of a row's 32-byte chunk c holding
-// value l of sub-block 2c (low nibble) and of 2c + 1 (high).
-template <int MR>
-void group_dot_q4_k(const uint8_t* g, const Act& a, int64_t m0, float* out) {
+static const int PF_Q4K = std::getenv("TM_PF") ? std::atoi(std::getenv("TM_PF")) : 0;  // EXPERIMENT
+
+// Q4_K and Q5_K: a group's super-block index is d[8], dmin[8] (float16), the 12 scale bytes of the
+// 8 rows (byte t of row r at 8t + r: one 32-byte load unpacks four sub-blocks' scales or mins of
+// all rows), Q5_K's fifth bits (32 bytes a row, 4 at a time: bit j of byte l is value l's of
+// sub-block j), then the nibbles: 4 bytes of each row at a time, byte l of a row's 32-byte chunk c
+// holding value l of sub-block 2c (low nibble) and of 2c + 1 (high).
+template <bool FIVE, int MR>
+void group_dot_q45_k(const uint8_t* g, const Act& a, int64_t m0, float* out) {
+  constexpr int64_t bytes = FIVE ? 176 : 144;
   const int64_t nb = a.k / QK_K;
   const __m256i low4 = _mm256_set1_epi8(0x0F), low6 = _mm256_set1_epi8(0x3F), bits45 = _mm256_set1_epi8(0x30);
+  const __m256i one = _mm256_set1_epi8(1);
   __m256 acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
   alignas(32) uint8_t sc[64], mn[64];  // sub-block j's scale (min) of row r at 8j + r
-  for (int64_t b = 0; b < nb; ++b, g += 8 * 144) {
+  for (int64_t b = 0; b < nb; ++b, g += 8 * bytes) {
     const __m256 d = halves8(g), dmin = halves8(g + 16);
     const __m256i t0 = load32(g + 32), t4 = load32(g + 64), t8 = load32(g + 96);  // bytes 0-3, 4-7, 8-11
     // llama.cpp's packing: j < 4: sc = q[j] & 63, mn = q[j + 4] & 63; j >= 4: the low 4 bits in
@@ -233,25 +240,38 @@ void group_dot_q4_k(const uint8_t* g, const Act& a, int64_t m0, float* out) {
     _mm256_store_si256(reinterpret_cast<__m256i*>(mn), _mm256_and_si256(t4, low6));
     _mm256_store_si256(reinterpret_cast<__m256i*>(mn + 32),
                        _mm256_or_si256(_mm256_and_si256(srli8(t8, 4), low4), _mm256_and_si256(srli8(t4, 2), bits45)));
-    const uint8_t* qs = g + 8 * 16;
+    const uint8_t *qh = g + 8 * 16, *qs = g + 8 * (FIVE ? 48 : 16);
     __m256i tot[MR];
     for (int m = 0; m < MR; ++m) tot[m] = _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {
+      if (PF_Q4K > 0)
+        for (int line = 5 * c; line < 5 * c + 5 && line < 18; ++line)
+          _mm_prefetch(reinterpret_cast<const char*>(g + PF_Q4K * 8 * bytes + 64 * line), _MM_HINT_T0);
       Nibble4Sums lo[MR], hi[MR];
+      __m256i lo4[MR], hi4[MR];  // Q5_K: the first four registers' sums, widened (values < 32)
       for (int w = 0; w < 8; ++w) {
         const __m256i bits = load32(qs + 32 * (8 * c + w));
-        const __m256i l = _mm256_and_si256(bits, low4), h = _mm256_and_si256(srli8(bits, 4), low4);
+        __m256i l = _mm256_and_si256(bits, low4), h = _mm256_and_si256(srli8(bits, 4), low4);
+        if constexpr (FIVE) {
+          const __m256i hb = load32(qh + 32 * w);
+          l = _mm256_or_si256(l, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c), one), 4));
+          h = _mm256_or_si256(h, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c + 1), one), 4));
+        }
         for (int m = 0; m < MR; ++m) {
           const int8_t* x = a.qrow(m0 + m) + b * QK_K + 64 * c + 4 * w;
           lo[m].add(l, bcast4(x));
           hi[m].add(h, bcast4(x + 32));
         }
+        if (FIVE && w == 3)
+          for (int m = 0; m < MR; ++m) lo4[m] = lo[m].sum(), hi4[m] = hi[m].sum(), lo[m] = hi[m] = Nibble4Sums();
       }
       const __m256i s0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 16 * c)));
       const __m256i s1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 16 * c + 8)));
-      for (int m = 0; m < MR; ++m)
-        tot[m] = _mm256_add_epi32(tot[m], _mm256_add_epi32(_mm256_mullo_epi32(lo[m].sum(), s0),
-                                                           _mm256_mullo_epi32(hi[m].sum(), s1)));
+      for (int m = 0; m < MR; ++m) {
+        const __m256i ls = FIVE ? _mm256_add_epi32(lo4[m], lo[m].sum()) : lo[m].sum();
+        const __m256i hs = FIVE ? _mm256_add_epi32(hi4[m], hi[m].sum()) : hi[m].sum();
+        tot[m] = _mm256_add_epi32(tot[m], _mm256_add_epi32(_mm256_mullo_epi32(ls, s0), _mm256_mullo_epi32(hs, s1)));
+      }
     }
     // the mins: sum over j of mn[j] * (the activations' sum over sub-block j), two j at a time
     __m256i mpair[4];
@@ -280,7 +300,8 @@ DotFn group_dot_of(int64_t type) {
     case Q4_0: return group_dot_32<Q4_0, MR>;
     case Q4_1: return group_dot_32<Q4_1, MR>;
     case Q8_0: return group_dot_32<Q8_0, MR>;
-    default: return group_dot_q4_k<MR>;
+    case Q4_K: return group_dot_q45_k<false, MR>;
+    default: return group_dot_q45_k<true, MR>;
   }
 }
 
