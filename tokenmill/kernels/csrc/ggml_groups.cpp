@@ -21,7 +21,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstdlib>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -213,8 +212,6 @@ void group_dot_32(const uint8_t* g, const Act& a, int64_t m0, float* out) {
   for (int m = 0; m < MR; ++m) _mm256_storeu_ps(out + 8 * m, acc[m]);
 }
 
-static const int PF_Q4K = std::getenv("TM_PF") ? std::atoi(std::getenv("TM_PF")) : 0;  // EXPERIMENT
-
 // Q4_K and Q5_K: a group's super-block index is d[8], dmin[8] (float16), the 12 scale bytes of the
 // 8 rows (byte t of row r at 8t + r: one 32-byte load unpacks four sub-blocks' scales or mins of
 // all rows), Q5_K's fifth bits (32 bytes a row, 4 at a time: bit j of byte l is value l's of
@@ -244,9 +241,6 @@ void group_dot_q45_k(const uint8_t* g, const Act& a, int64_t m0, float* out) {
     __m256i tot[MR];
     for (int m = 0; m < MR; ++m) tot[m] = _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {
-      if (PF_Q4K > 0)
-        for (int line = 5 * c; line < 5 * c + 5 && line < 18; ++line)
-          _mm_prefetch(reinterpret_cast<const char*>(g + PF_Q4K * 8 * bytes + 64 * line), _MM_HINT_T0);
       Nibble4Sums lo[MR], hi[MR];
       __m256i lo4[MR], hi4[MR];  // Q5_K: the first four registers' sums, widened (values < 32)
       for (int w = 0; w < 8; ++w) {
