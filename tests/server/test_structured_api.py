@@ -188,8 +188,10 @@ def test_required_tool_choice_streamed_and_not(client):
 @pytest.mark.parametrize("max_tokens", [8, 30, 45])
 def test_calls_cut_by_max_tokens_are_the_same_streamed_and_not(client, max_tokens):
     """Parallel calls cut by max_tokens: the calls made so far (the last one's arguments
-    as far as they got, as OpenAI's), the same streamed or not; the wrapper never in content."""
-    kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required", max_tokens=max_tokens,
+    as far as they got, as OpenAI's), the same streamed or not; the wrapper never in content.
+    (A question for both tools, so that greedy decoding makes two calls.)"""
+    both = [{"role": "user", "content": "What is the weather in Paris right now, and what time is it there?"}]
+    kwargs = dict(model=MODEL, messages=both, tools=[WEATHER, TIME], tool_choice="required", max_tokens=max_tokens,
                   temperature=0)  # fmt: skip
     choice = client.chat.completions.create(**kwargs).choices[0]
     assert choice.finish_reason == "length" and not choice.message.content
