@@ -2,7 +2,7 @@
 prefix caching on vs off, and KV memory use. One run, one machine.
 
     python bench/throughput.py [--num-requests 64] [--max-num-seqs 32] [--naive-sample 8]
-                               [--vllm bench/peers/run_vllm.sh]
+                               [--dtype float32|auto] [--vllm bench/peers/run_vllm.sh]
 
 Workloads (seeded, written to bench/results/ as JSONL so peers run the same requests):
 - mixed: prompts of 16..1000 tokens (log-uniform), outputs of 16..256 tokens (uniform),
@@ -110,8 +110,8 @@ def run_vllm(script: str, workload: Path, *flags: str) -> dict | None:
     return json.loads(lines[-1])
 
 
-def make_llm(max_num_seqs: int, **kw) -> LLM:
-    return LLM(dtype="float32", kv_cache_memory="2GiB", max_num_seqs=max_num_seqs, progress=False, **kw)
+def make_llm(max_num_seqs: int, dtype: str = "float32", **kw) -> LLM:
+    return LLM(dtype=dtype, kv_cache_memory="2GiB", max_num_seqs=max_num_seqs, progress=False, **kw)
 
 
 def kv_capacity(reqs, bytes_per_token: int, waste: float, max_model_len: int) -> dict:
@@ -136,13 +136,14 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--naive-sample", type=int, default=8)
+    ap.add_argument("--dtype", default="float32", help="tokenmill's dtype (auto: bfloat16 where the CPU has it)")
     ap.add_argument("--vllm", default=None, help="path of bench/peers/run_vllm.sh to include vLLM")
     args = ap.parse_args()
     RESULTS.mkdir(exist_ok=True)
     res: dict = {"args": vars(args), "torch_threads": torch.get_num_threads()}
 
     log("loading tokenmill (continuous batching)")
-    llm = make_llm(args.max_num_seqs)
+    llm = make_llm(args.max_num_seqs, args.dtype)
     mixed = mixed_workload(llm.tokenizer, args.num_requests)
     prefix = shared_prefix_workload(llm.tokenizer)
     write_jsonl(mixed, RESULTS / "workload_mixed.jsonl")
@@ -158,7 +159,7 @@ def main() -> None:
     cont = run_ours(llm, mixed)
     log(f"  {cont['output_tokens_per_s']:.1f} tok/s in {cont['elapsed_s']:.1f}s")
     log("shared-prefix workload: prefix caching on")
-    llm_prefix_on = make_llm(args.max_num_seqs)
+    llm_prefix_on = make_llm(args.max_num_seqs, args.dtype)
     p_on = run_ours(llm_prefix_on, prefix)
     del llm_prefix_on
     log(f"  {p_on['output_tokens_per_s']:.1f} tok/s, mean TTFT {p_on['mean_ttft_s']:.2f}s")
@@ -166,12 +167,12 @@ def main() -> None:
     del llm
 
     log("mixed workload: static batching")
-    llm = make_llm(args.max_num_seqs, scheduling="static")
+    llm = make_llm(args.max_num_seqs, args.dtype, scheduling="static")
     static = run_ours(llm, mixed)
     log(f"  {static['output_tokens_per_s']:.1f} tok/s in {static['elapsed_s']:.1f}s")
     del llm
     log("shared-prefix workload: prefix caching off")
-    llm = make_llm(args.max_num_seqs, enable_prefix_caching=False)
+    llm = make_llm(args.max_num_seqs, args.dtype, enable_prefix_caching=False)
     p_off = run_ours(llm, prefix)
     log(f"  {p_off['output_tokens_per_s']:.1f} tok/s, mean TTFT {p_off['mean_ttft_s']:.2f}s")
     model_path = llm.model_path
