@@ -37,7 +37,7 @@ class BlockWeight(PackedWeight):
         assert blocks.dtype == torch.uint8 and blocks.shape[1] == in_features // elems * size, (blocks.shape, type_name)
         super().__init__(blocks, torch.empty(0), None, -BLOCK_TYPES[type_name], elems, in_features, type_name)
         self.mapped = mapped  # a view of the memory-mapped file (QuantLinear keeps it a part of its own)
-        self.grouped = False  # rows interleaved eight by eight for the native group kernels (prepare_native)
+        self.grouped = False  # rows interleaved eight by eight for the native group kernels (for_native)
 
     @classmethod
     def from_gguf(cls, type_name: str, data: np.ndarray, shape: tuple[int, int]) -> BlockWeight:

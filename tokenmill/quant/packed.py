@@ -203,7 +203,6 @@ class PackedWeight(nn.Module):
         theirs already; BlockWeight regroups its rows)."""
         return run
 
-
     def dequantize_rows(self, ids: torch.Tensor | None = None, bf16: bool = False) -> torch.Tensor:
         """Rows ``ids`` (all when None) as float32, or rounded to bfloat16: the native kernel on
         the CPU, the reference elsewhere."""
