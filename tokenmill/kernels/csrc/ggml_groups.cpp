@@ -13,8 +13,10 @@
 // (Field: offset in the row's block, size, unit) in the order fields_of lists them (the ones read
 // first, first: the scales before the weights), and within a field the eight rows' copies
 // interleaved in units: unit e of row r at 8 * (the sizes of the fields before it) + (8 * e + r) *
-// unit. The rest of the rows (n % 8) follow as they are. The integers each output sums are those of the row-at-a-time kernels; only the
-// order of the float additions differs (each output's own, whatever the batch).
+// unit. The rest of the rows (n % 8) follow as they are. The integers each output sums are those
+// of the row-at-a-time kernels; only the order of the float additions differs (each output's own,
+// whatever the batch). Q6_K has no group kernel: one (6-bit values from a nibble plane and a 2-bit
+// plane) was no faster in cache and slower from DRAM (bench/RESULTS.md).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -156,9 +158,10 @@ inline __m256 halves8(const uint8_t* p) {  // 8 float16 -> float32
 }
 inline __m256i srli8(__m256i v, int n) { return _mm256_srli_epi16(v, n); }  // (callers mask what crosses bytes)
 
-// Sums of products of unsigned weights (4 bits: < 16) and signed activations, four to an int32 lane,
-// over a run of at most 8 registers (4 of 5-bit weights): with VNNI each is one vpdpbusd into int32; on plain AVX2 one
-// maddubs into int16 lanes (8 * 2 * 15 * 127 < 32768: no saturation) widened once at the end.
+// Sums of products of unsigned weights (4 bits: < 16) and signed activations, four to an int32
+// lane, over a run of at most 8 registers (4 of 5-bit weights): with VNNI each is one vpdpbusd into
+// int32; on plain AVX2 one maddubs into int16 lanes (8 * 2 * 15 * 127 < 32768: no saturation),
+// widened once at the end.
 struct Nibble4Sums {
   __m256i s = _mm256_setzero_si256();
 #if defined(TM_VNNI)
