@@ -173,6 +173,9 @@ def test_the_bundled_file_is_served_from_its_own_bytes(int8_llm):
         assert linear.parts and all(type(p) is BlockWeight and p.source == "Q4_1" for p in linear.parts)
     for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
         assert len(linear.parts) == 1 and linear.parts[0].grouped  # q, k, v (gate, up) joined in one copy
+        grouped = linear.parts[0]
+        linear.use_native()  # again: the grouped weight stays as it is
+        assert len(linear.parts) == 1 and linear.parts[0] is grouped
     assert isinstance(model.embed_tokens.weight, BlockWeight) and model.head_reads_embedding
     assert model.embed_tokens.weight.grouped  # the head's layout; lookups take rows out of their groups
     _, tensors = read_gguf(int8_llm.model_path)

@@ -60,12 +60,13 @@ class BlockWeight(PackedWeight):
         file's bytes (the same bytes), where this build has group kernels for the type: one
         register then holds eight rows' weights and their scales unpack once for all eight
         (csrc/ggml_groups.cpp). A single part is regrouped in place (a tied head and its
-        embedding share it). Other types keep their parts as they are (mapped, unjoined)."""
+        embedding share it). Other types keep their parts as they are (mapped, unjoined), and so
+        does a weight grouped already (use_native called again)."""
         first = run[0]
-        assert all(isinstance(p, BlockWeight) and p.source == first.source and not p.grouped for p in run)
+        assert all(isinstance(p, BlockWeight) and p.source == first.source and p.grouped == first.grouped for p in run)
         base = BLOCK_TYPES[first.source]
         n = sum(p.out_features for p in run)
-        if n < 8 or not torch.ops.tokenmill.block_has_groups(base):
+        if first.grouped or n < 8 or not torch.ops.tokenmill.block_has_groups(base):
             return run
         blocks = torch.ops.tokenmill.block_interleave([p.qs for p in run], base)
         target = first if len(run) == 1 else BlockWeight(blocks, first.source, first.in_features)
