@@ -283,6 +283,30 @@ def test_big_bfloat16_batches_upcast_to_float32_gemm():
             assert (out.double() - exact).abs().max() <= (plain.double() - exact).abs().max()
 
 
+def test_batches_of_16_bit_weights_under_float32_multiply_slab_by_slab_as_one_product(monkeypatch):
+    """A GGUF's F16/BF16 weights under float32 compute, batches past the small-linear kernel:
+    the weight is upcast a slab at a time (kernels/linear.py SLAB_BYTES), and the product is the
+    whole float32 one's to float32 rounding: slabs that split the rows unevenly, one slab, and
+    a bfloat16 weight under bfloat16 compute upcast for a big batch."""
+    from tokenmill.kernels import linear as native_linear
+
+    g = torch.Generator().manual_seed(5)
+    for slab_bytes in (4 * 576 * 8, 4 * 576 * 64, 1 << 23):  # 37 slabs (the last one short), 5, one
+        monkeypatch.setattr(native_linear, "SLAB_BYTES", slab_bytes)
+        for dtype in (torch.float16, torch.bfloat16):
+            w = torch.randn(300, 576, generator=g).to(dtype)
+            x = torch.randn(40, 576, generator=g)
+            ref = torch.nn.functional.linear(x, w.float())
+            out = native_linear.NativeLinear(w)(x)
+            assert out.dtype == torch.float32 and out.shape == (40, 300) and out.is_contiguous()
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+        wb = torch.randn(300, 576, generator=g).bfloat16()
+        xb = torch.randn(200, 576, generator=g).bfloat16()
+        out = native_linear.NativeLinear(wb, upcast_rows=128)(xb)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out, torch.nn.functional.linear(xb.float(), wb.float()).bfloat16(), rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("rows", [1, 4, 6])
 def test_int8_small_linear_matches_the_int8_reference(rows):
     from tokenmill.quant.weights import Int8Linear

@@ -27,6 +27,11 @@ FLOAT_ROWS, INT8_ROWS = 8, 4
 # an AVX512_BF16 Xeon, and upcasting the weight for the call won 1.3-1.45x from 128 rows
 # (SmolLM2's 3072x576 at 512 rows: 12.6 -> 9.1 ms; at 64 rows it was even).
 UPCAST_ROWS = 128
+# A 16-bit weight multiplied in float32 is upcast a slab of this many bytes (as float32) at a time
+# (8 MiB: measured best, 512 KiB-32 MiB, on a 1B F16 prefill; from 32 MiB glibc maps each afresh):
+# upcasting the whole matrix each call allocated and faulted in 4 fresh bytes a weight per call
+# (a 1B F16 file's prefill under float32: ~30 tok/s, half llama.cpp's).
+SLAB_BYTES = 1 << 23
 
 
 class NativeLinear(nn.Module):
@@ -46,14 +51,26 @@ class NativeLinear(nn.Module):
         if rows <= FLOAT_ROWS and (same or sixteen) and flat.dtype in (torch.float32, torch.bfloat16):
             out = torch.ops.tokenmill.small_linear(flat, self.weight, None)
         elif not same:  # 16-bit weights under another compute dtype: multiply in float32, round once
-            out = nn.functional.linear(flat.float(), self.weight.float()).to(flat.dtype)
+            out = upcast_linear(flat, self.weight).to(flat.dtype)
         elif self.upcast_rows is not None and rows >= self.upcast_rows and same and flat.dtype == torch.bfloat16:
-            out = nn.functional.linear(flat.float(), self.weight.float()).to(flat.dtype)
+            out = upcast_linear(flat, self.weight).to(flat.dtype)
         else:
             out = nn.functional.linear(flat, self.weight)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def upcast_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T in float32, the weight upcast a slab of SLAB_BYTES at a time (each slab's
+    float32 copy stays in cache for the GEMM; no call allocates the whole matrix again)."""
+    n, k = weight.shape
+    step = max(8, SLAB_BYTES // (4 * k))
+    xt = x.float().t()
+    out_t = torch.empty(n, x.shape[0], dtype=torch.float32, device=x.device)
+    for r0 in range(0, n, step):
+        torch.mm(weight[r0 : r0 + step].float(), xt, out=out_t[r0 : r0 + step])
+    return out_t.t().contiguous()
 
 
 def use_native_linears(model: nn.Module) -> None:
