@@ -63,7 +63,8 @@ class NativeLinear(nn.Module):
 
 def upcast_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T in float32, the weight upcast a slab of SLAB_BYTES at a time (each slab's
-    float32 copy stays in cache for the GEMM; no call allocates the whole matrix again)."""
+    float32 copy stays in the last-level cache for the GEMM; no call allocates the whole
+    matrix again)."""
     n, k = weight.shape
     step = max(8, SLAB_BYTES // (4 * k))
     xt = x.float().t()
