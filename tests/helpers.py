@@ -36,12 +36,15 @@ def all_logits(runner, seqs) -> torch.Tensor:
     return runner.all_logits(seqs)
 
 
-def fused_and_python_decode_logits(llm) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
+def fused_and_python_decode_logits(llm, texts=None) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
     """Decode logits of one sequence and of three together, with the model's C++ layer loop
-    (True) and with the Python loop (False), after the same prefills."""
+    (True) and with the Python loop (False), after the same prefills (of three short prompts,
+    or of ``texts``)."""
     model, runner, pool = llm.parts.model, llm.engine.runner, llm.engine.block_pool
-    prompts = [llm.tokenizer.encode(p) for p in ("The capital of France is", "def f(x):", "Once upon a time, a fox")]
-    tables = [pool.allocate(2) for _ in prompts]
+    texts = texts or ("The capital of France is", "def f(x):", "Once upon a time, a fox")
+    prompts = [llm.tokenizer.encode(p) for p in texts]
+    block_size = llm.engine.config.block_size
+    tables = [pool.allocate((len(ids) + 2 + block_size - 1) // block_size) for ids in prompts]
     try:
         for ids, blocks in zip(prompts, tables, strict=True):
             all_logits(runner, [seq(ids, blocks)])  # prefill (more tokens than the loop takes: Python)

@@ -250,6 +250,24 @@ def test_tiny_gguf_in_blocks_scores_like_its_float_twin(tmp_path, int8_llm, weig
     np.testing.assert_allclose(ours, theirs, rtol=0.1, atol=0.05)  # (random K-quant blocks: logits of -20 to -50)
 
 
+def test_cpp_layer_loop_over_contexts_of_several_partitions_is_bit_identical_to_the_python_loop():
+    """The bundled file's decode steps in C++ (its layers in one team of threads) over contexts
+    long enough for attention to split each into partitions (256 tokens) merged after: the
+    logits equal the Python loop's to the bit, for one sequence and for three of different
+    lengths."""
+    from tests.helpers import fused_and_python_decode_logits
+
+    llm = LLM(dtype="float32", quant_arithmetic="int8", progress=False, kv_cache_memory="64MiB",
+              enable_prefix_caching=False)  # fmt: skip
+    assert llm.parts.model.fused_plan is not None
+    text = (Path(__file__).parent.parent / "data" / "heldout.txt").read_text()
+    ids = llm.tokenizer.encode(text)
+    texts = [llm.tokenizer.decode(ids[:n]) for n in (600, 280, 40)]
+    results = fused_and_python_decode_logits(llm, texts)
+    assert torch.equal(results[True][0], results[False][0])
+    assert torch.equal(results[True][1], results[False][1])
+
+
 def test_cpp_layer_loop_runs_block_weights_bit_identical_to_the_python_loop():
     """Decode steps in C++ (decode_layers) over block weights, one layer's qkv made of two
     block types as Q4_K_M files have it (q and k in one, v in another: here Q4_1 and Q8_0,

@@ -144,46 +144,42 @@ struct SeqSplit {
 // floats) stay in L1 while the keys stream past.
 constexpr int64_t QUERY_RUN = 32;
 
-// HD: the head dimension when known at compile time (64, 128; 0 = read at run time), so
-// the per-key dot products and V accumulations unroll into a few full vector ops.
-template <typename Q, typename C, int HD>
-void paged_attention_impl(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
-                          const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale,
-                          const Tensor& block_tables, const Tensor& query_start_loc, const Tensor& seq_lens,
-                          const Tensor& seq_ids, double scale_d, int64_t partition_size, int64_t window,
-                          double softcap_d) {
-  const int64_t num_heads = q.size(1);
-  constexpr bool fixed_d = HD > 0;
-  const int64_t d = fixed_d ? HD : q.size(2);
-  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  const int64_t groups = num_heads / kv_heads;
-  const float scale = static_cast<float>(scale_d), softcap = static_cast<float>(softcap_d);
-  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  const int64_t* ids = seq_ids.data_ptr<int64_t>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t table_stride = block_tables.size(1);
-  const Q* qp = q.data_ptr<Q>();
-  Q* op = out.data_ptr<Q>();
-  const C* kp = reinterpret_cast<const C*>(k_cache.data_ptr());
-  const C* vp = reinterpret_cast<const C*>(v_cache.data_ptr());
-  const c10::BFloat16* ksp = KVReader<C>::quantised ? k_scale->data_ptr<c10::BFloat16>() : nullptr;
-  const c10::BFloat16* vsp = KVReader<C>::quantised ? v_scale->data_ptr<c10::BFloat16>() : nullptr;
-  const int64_t tok_stride = kv_heads * d, blk_stride = block_size * tok_stride;  // cache strides
-  std::vector<float> lut;
-  KVReader<C> reader;
-  if constexpr (std::is_same_v<C, uint8_t>) {
-    lut = fp8_table();
-    reader.lut = lut.data();
-  }
-
-  // Split each sequence's context into partitions (multiples of the block size).
+// A step's attention, planned once (its FlashDecoding splits, the order of the work, the scratch):
+// paged_attention plans, then runs it across at::parallel_for; the decode loop runs one plan for
+// every layer of a step, in its own team of threads.
+struct AttnPlan {
+  int64_t num_heads, kv_heads, groups, d, block_size, table_stride, tok_stride, blk_stride, window;
+  float scale, softcap;
+  const int64_t *qsl, *lens, *tables;
   std::vector<SeqSplit> splits;
   std::vector<WorkItem> items;
+  std::vector<int64_t> partial_offset, order;  // row offset of each partial's scratch; items biggest first
+  std::vector<float> acc, row_max, row_sum;    // per partial, rows x (d accumulators + max + sum)
+  std::vector<float> lut;                      // fp8 caches' table
+  std::atomic<int64_t> next{0};                // the next item of `order` to hand out
+  int64_t merges() const { return static_cast<int64_t>(splits.size()) * kv_heads; }
+};
+
+// Split each sequence's context into partitions (multiples of the block size).
+void plan_attention(AttnPlan& p, const Tensor& q, const Tensor& k_cache, const Tensor& block_tables,
+                    const Tensor& query_start_loc, const Tensor& seq_lens, const Tensor& seq_ids, double scale,
+                    int64_t partition_size, int64_t window, double softcap) {
+  p.num_heads = q.size(1);
+  p.d = q.size(2);
+  p.block_size = k_cache.size(1), p.kv_heads = k_cache.size(2);
+  p.groups = p.num_heads / p.kv_heads;
+  p.scale = static_cast<float>(scale), p.softcap = static_cast<float>(softcap), p.window = window;
+  p.qsl = query_start_loc.data_ptr<int64_t>();
+  p.lens = seq_lens.data_ptr<int64_t>();
+  p.tables = block_tables.data_ptr<int64_t>();
+  p.table_stride = block_tables.size(1);
+  p.tok_stride = p.kv_heads * p.d, p.blk_stride = p.block_size * p.tok_stride;  // cache strides
+  if (k_cache.scalar_type() == at::kFloat8_e4m3fn || k_cache.scalar_type() == at::kByte) p.lut = fp8_table();
+  const int64_t* ids = seq_ids.data_ptr<int64_t>();
+  const int64_t block_size = p.block_size, groups = p.groups;
   int64_t num_partials = 0, partial_rows = 0;
-  std::vector<int64_t> partial_offset;  // row offset of each partial's scratch
   for (int64_t i = 0; i < seq_ids.numel(); ++i) {
-    const int64_t s = ids[i], nq = qsl[s + 1] - qsl[s], len = lens[s];
+    const int64_t s = ids[i], nq = p.qsl[s + 1] - p.qsl[s], len = p.lens[s];
     for (int64_t jb = 0; jb < nq; jb += QUERY_RUN) {
       const int64_t je = std::min(nq, jb + QUERY_RUN), rows = (je - jb) * groups;
       const int64_t keys = len - nq + je;  // the run's last query sees keys [.., keys)
@@ -194,231 +190,240 @@ void paged_attention_impl(Tensor& out, const Tensor& q, const Tensor& k_cache, c
       if (rows > 64 && partition_size > 0) part = std::max<int64_t>(part, 1024);  // many rows: fewer, bigger splits
       part = (part + block_size - 1) / block_size * block_size;
       const int64_t num_parts = (keys - first_key + part - 1) / part;
-      splits.push_back({s, jb, je, num_parts, num_partials});
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        for (int64_t p = 0; p < num_parts; ++p) {
-          const int64_t kb = first_key + p * part, ke = std::min(keys, kb + part);
-          items.push_back({s, jb, je, h, kb, ke, num_partials, (ke - kb) * rows});
-          partial_offset.push_back(partial_rows);
+      p.splits.push_back({s, jb, je, num_parts, num_partials});
+      for (int64_t h = 0; h < p.kv_heads; ++h) {
+        for (int64_t j = 0; j < num_parts; ++j) {
+          const int64_t kb = first_key + j * part, ke = std::min(keys, kb + part);
+          p.items.push_back({s, jb, je, h, kb, ke, num_partials, (ke - kb) * rows});
+          p.partial_offset.push_back(partial_rows);
           partial_rows += rows;
           ++num_partials;
         }
       }
     }
   }
-  // Scratch: per partial, rows x (d accumulators + max + sum).
-  std::vector<float> acc(partial_rows * d), row_max(partial_rows), row_sum(partial_rows);
-
+  p.acc.resize(partial_rows * p.d), p.row_max.resize(partial_rows), p.row_sum.resize(partial_rows);
   // Biggest first, handed out dynamically: partitions differ in length.
-  std::vector<int64_t> order(items.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return items[a].cost > items[b].cost; });
-  std::atomic<int64_t> next{0};
-  const int64_t n_items = static_cast<int64_t>(items.size());
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(n_items, 1));
+  p.order.resize(p.items.size());
+  for (size_t i = 0; i < p.order.size(); ++i) p.order[i] = static_cast<int64_t>(i);
+  std::stable_sort(p.order.begin(), p.order.end(),
+                   [&](int64_t a, int64_t b) { return p.items[a].cost > p.items[b].cost; });
+}
 
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    std::vector<float> qf, kf(block_size * d), vf(block_size * d), scores(block_size);
-    for (int64_t w = next++; w < n_items; w = next++) {
-      const WorkItem& it = items[order[w]];
-      const int64_t s = it.seq, h = it.head, q0 = qsl[s], nq = qsl[s + 1] - q0, len = lens[s];
-      const int64_t jb = it.q_begin, je = it.q_end, rows = (je - jb) * groups;
-      float* a = acc.data() + partial_offset[it.partial] * d;
-      float* m = row_max.data() + partial_offset[it.partial];
-      float* l = row_sum.data() + partial_offset[it.partial];
-      std::fill(a, a + rows * d, 0.f);
-      std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
-      std::fill(l, l + rows, 0.f);
-      // Query j sits at position len - nq + j and sees keys up to it; rows whose
-      // position is before this partition see none of it.
-      const int64_t first_j = std::max<int64_t>(jb, it.key_begin - (len - nq));
-      if (first_j >= je) continue;
-      qf.resize(rows * d);
-      for (int64_t j = first_j; j < je; ++j)
+// One thread's part of a plan's work: items taken from p.next until none is left.
+// HD: the head dimension when known at compile time (64, 128; 0 = read at run time), so
+// the per-key dot products and V accumulations unroll into a few full vector ops.
+template <typename Q, typename C, int HD>
+void attention_work(AttnPlan& plan, const void* q, const void* k_cache, const void* v_cache,
+                    const c10::BFloat16* ksp, const c10::BFloat16* vsp) {
+  constexpr bool fixed_d = HD > 0;
+  const int64_t d = fixed_d ? HD : plan.d;
+  const int64_t num_heads = plan.num_heads, block_size = plan.block_size, kv_heads = plan.kv_heads, groups = plan.groups;
+  const int64_t tok_stride = plan.tok_stride, blk_stride = plan.blk_stride, table_stride = plan.table_stride;
+  const int64_t window = plan.window;
+  const float scale = plan.scale, softcap = plan.softcap;
+  const int64_t *qsl = plan.qsl, *lens = plan.lens, *tables = plan.tables;
+  const Q* qp = static_cast<const Q*>(q);
+  const C* kp = static_cast<const C*>(k_cache);
+  const C* vp = static_cast<const C*>(v_cache);
+  KVReader<C> reader;
+  reader.lut = plan.lut.data();
+  const int64_t n_items = static_cast<int64_t>(plan.items.size());
+  std::vector<float> qf, kf(block_size * d), vf(block_size * d), scores(block_size);
+  for (int64_t w = plan.next++; w < n_items; w = plan.next++) {
+    const WorkItem& it = plan.items[plan.order[w]];
+    const int64_t s = it.seq, h = it.head, q0 = qsl[s], nq = qsl[s + 1] - q0, len = lens[s];
+    const int64_t jb = it.q_begin, je = it.q_end, rows = (je - jb) * groups;
+    float* a = plan.acc.data() + plan.partial_offset[it.partial] * d;
+    float* m = plan.row_max.data() + plan.partial_offset[it.partial];
+    float* l = plan.row_sum.data() + plan.partial_offset[it.partial];
+    std::fill(a, a + rows * d, 0.f);
+    std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+    std::fill(l, l + rows, 0.f);
+    // Query j sits at position len - nq + j and sees keys up to it; rows whose
+    // position is before this partition see none of it.
+    const int64_t first_j = std::max<int64_t>(jb, it.key_begin - (len - nq));
+    if (first_j >= je) continue;
+    qf.resize(rows * d);
+    for (int64_t j = first_j; j < je; ++j)
+      for (int64_t g = 0; g < groups; ++g) {
+        const Q* src = qp + ((q0 + j) * num_heads + h * groups + g) * d;
+        float* dst = qf.data() + ((j - jb) * groups + g) * d;
+#pragma omp simd
+        for (int64_t x = 0; x < d; ++x) dst[x] = to_f(src[x]) * scale;
+      }
+    const int64_t* table = tables + s * table_stride;
+    for (int64_t t0 = it.key_begin; t0 < it.key_end; t0 += block_size) {
+      const int64_t blk = table[t0 / block_size];
+      const int64_t n = std::min(block_size, it.key_end - t0);
+      const C* kb = kp + blk * blk_stride + h * d;
+      const C* vb = vp + blk * blk_stride + h * d;
+      for (int64_t t = 0; t < n; ++t) {
+        float ks = 1.f, vs = 1.f;
+        if constexpr (KVReader<C>::quantised) {
+          const int64_t si = (blk * block_size + t) * kv_heads + h;
+          ks = static_cast<float>(ksp[si]);
+          vs = static_cast<float>(vsp[si]);
+        }
+#ifdef TOKENMILL_AVX512
+        if constexpr (fixed_d && HD % 16 == 0 && !std::is_same_v<C, uint8_t> && !std::is_same_v<C, c10::Half>) {
+          const __m512 ksv = _mm512_set1_ps(ks), vsv = _mm512_set1_ps(vs);
+          for (int c = 0; c < HD / 16; ++c) {
+            _mm512_storeu_ps(kf.data() + t * HD + 16 * c, _mm512_mul_ps(load16(kb + t * tok_stride + 16 * c, 16), ksv));
+            _mm512_storeu_ps(vf.data() + t * HD + 16 * c, _mm512_mul_ps(load16(vb + t * tok_stride + 16 * c, 16), vsv));
+          }
+        } else
+#endif
+        {
+          reader.read(kb + t * tok_stride, kf.data() + t * d, d, ks);
+          reader.read(vb + t * tok_stride, vf.data() + t * d, d, vs);
+        }
+      }
+      for (int64_t j = first_j; j < je; ++j) {
+        // keys [lo, visible) of this block: up to the query's position, and within its window
+        const int64_t visible = std::min(n, len - nq + j - t0 + 1);
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, len - nq + j - window + 1 - t0) : 0;
+        if (visible <= lo) continue;
         for (int64_t g = 0; g < groups; ++g) {
-          const Q* src = qp + ((q0 + j) * num_heads + h * groups + g) * d;
-          float* dst = qf.data() + ((j - jb) * groups + g) * d;
-#pragma omp simd
-          for (int64_t x = 0; x < d; ++x) dst[x] = to_f(src[x]) * scale;
-        }
-      const int64_t* table = tables + s * table_stride;
-      for (int64_t t0 = it.key_begin; t0 < it.key_end; t0 += block_size) {
-        const int64_t blk = table[t0 / block_size];
-        const int64_t n = std::min(block_size, it.key_end - t0);
-        const C* kb = kp + blk * blk_stride + h * d;
-        const C* vb = vp + blk * blk_stride + h * d;
-        for (int64_t t = 0; t < n; ++t) {
-          float ks = 1.f, vs = 1.f;
-          if constexpr (KVReader<C>::quantised) {
-            const int64_t si = (blk * block_size + t) * kv_heads + h;
-            ks = static_cast<float>(ksp[si]);
-            vs = static_cast<float>(vsp[si]);
-          }
-#ifdef TOKENMILL_AVX512
-          if constexpr (fixed_d && HD % 16 == 0 && !std::is_same_v<C, uint8_t> && !std::is_same_v<C, c10::Half>) {
-            const __m512 ksv = _mm512_set1_ps(ks), vsv = _mm512_set1_ps(vs);
-            for (int c = 0; c < HD / 16; ++c) {
-              _mm512_storeu_ps(kf.data() + t * HD + 16 * c, _mm512_mul_ps(load16(kb + t * tok_stride + 16 * c, 16), ksv));
-              _mm512_storeu_ps(vf.data() + t * HD + 16 * c, _mm512_mul_ps(load16(vb + t * tok_stride + 16 * c, 16), vsv));
-            }
-          } else
-#endif
-          {
-            reader.read(kb + t * tok_stride, kf.data() + t * d, d, ks);
-            reader.read(vb + t * tok_stride, vf.data() + t * d, d, vs);
-          }
-        }
-        for (int64_t j = first_j; j < je; ++j) {
-          // keys [lo, visible) of this block: up to the query's position, and within its window
-          const int64_t visible = std::min(n, len - nq + j - t0 + 1);
-          const int64_t lo = window > 0 ? std::max<int64_t>(0, len - nq + j - window + 1 - t0) : 0;
-          if (visible <= lo) continue;
-          for (int64_t g = 0; g < groups; ++g) {
-            const int64_t r = (j - jb) * groups + g;
-            const float* qr = qf.data() + r * d;
-            float block_max = -std::numeric_limits<float>::infinity();
-            for (int64_t t = lo; t < visible; ++t) {
-              const float* kr = kf.data() + t * d;
-              float dot = 0.f;
-#ifdef TOKENMILL_AVX512
-              if constexpr (fixed_d && HD % 16 == 0) {
-                __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qr), _mm512_loadu_ps(kr));
-                for (int c = 1; c < HD / 16; ++c)
-                  acc = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * c), _mm512_loadu_ps(kr + 16 * c), acc);
-                dot = _mm512_reduce_add_ps(acc);
-              } else
-#endif
-              {
-#pragma omp simd reduction(+ : dot)
-                for (int64_t x = 0; x < d; ++x) dot += qr[x] * kr[x];
-              }
-              if (softcap > 0.f) dot = softcap * std::tanh(dot / softcap);  // Gemma 2's soft cap
-              scores[t] = dot;
-              block_max = std::max(block_max, dot);
-            }
-            float* ar = a + r * d;
-            const float new_max = std::max(m[r], block_max);
-            if (new_max > m[r]) {
-              const float correction = std::exp(m[r] - new_max);  // exp(-inf) = 0 on the first block
-              l[r] *= correction;
-#pragma omp simd
-              for (int64_t x = 0; x < d; ++x) ar[x] *= correction;
-              m[r] = new_max;
-            }
-            float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t t = lo; t < visible; ++t) {
-              scores[t] = fast_exp(scores[t] - new_max);
-              sum += scores[t];
-            }
+          const int64_t r = (j - jb) * groups + g;
+          const float* qr = qf.data() + r * d;
+          float block_max = -std::numeric_limits<float>::infinity();
+          for (int64_t t = lo; t < visible; ++t) {
+            const float* kr = kf.data() + t * d;
+            float dot = 0.f;
 #ifdef TOKENMILL_AVX512
             if constexpr (fixed_d && HD % 16 == 0) {
-              // the row's accumulator stays in registers across the block's keys
-              // (accumulating through memory chains every key's FMAs through a store)
-              __m512 accv[HD / 16];
-              for (int c = 0; c < HD / 16; ++c) accv[c] = _mm512_loadu_ps(ar + 16 * c);
-              for (int64_t t = lo; t < visible; ++t) {
-                const __m512 p = _mm512_set1_ps(scores[t]);
-                const float* vr = vf.data() + t * HD;
-                for (int c = 0; c < HD / 16; ++c) accv[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16 * c), accv[c]);
-              }
-              for (int c = 0; c < HD / 16; ++c) _mm512_storeu_ps(ar + 16 * c, accv[c]);
+              __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qr), _mm512_loadu_ps(kr));
+              for (int c = 1; c < HD / 16; ++c)
+                acc = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * c), _mm512_loadu_ps(kr + 16 * c), acc);
+              dot = _mm512_reduce_add_ps(acc);
             } else
 #endif
             {
-              for (int64_t t = lo; t < visible; ++t) {
-                const float p = scores[t];
-                const float* vr = vf.data() + t * d;
-#pragma omp simd
-                for (int64_t x = 0; x < d; ++x) ar[x] += p * vr[x];
-              }
+#pragma omp simd reduction(+ : dot)
+              for (int64_t x = 0; x < d; ++x) dot += qr[x] * kr[x];
             }
-            l[r] += sum;
+            if (softcap > 0.f) dot = softcap * std::tanh(dot / softcap);  // Gemma 2's soft cap
+            scores[t] = dot;
+            block_max = std::max(block_max, dot);
           }
-        }
-      }
-    }
-  });
-
-  // Merge each query run's partitions (online-softmax rescaling) into the output.
-  at::parallel_for(0, static_cast<int64_t>(splits.size()) * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> merged(d);
-    for (int64_t w = begin; w < end; ++w) {
-      const SeqSplit& sp = splits[w / kv_heads];
-      const int64_t h = w % kv_heads, s = sp.seq, q0 = qsl[s];
-      const int64_t rows = (sp.q_end - sp.q_begin) * groups;
-      const int64_t first = sp.first_partial + h * sp.num_parts;
-      for (int64_t r = 0; r < rows; ++r) {
-        float gmax = -std::numeric_limits<float>::infinity();
-        for (int64_t p = 0; p < sp.num_parts; ++p) gmax = std::max(gmax, row_max[partial_offset[first + p] + r]);
-        std::fill(merged.begin(), merged.end(), 0.f);
-        float total = 0.f;
-        for (int64_t p = 0; p < sp.num_parts; ++p) {
-          const int64_t off = partial_offset[first + p] + r;
-          if (row_sum[off] == 0.f) continue;
-          const float w_p = std::exp(row_max[off] - gmax);
-          total += w_p * row_sum[off];
-          const float* ap = acc.data() + off * d;
+          float* ar = a + r * d;
+          const float new_max = std::max(m[r], block_max);
+          if (new_max > m[r]) {
+            const float correction = std::exp(m[r] - new_max);  // exp(-inf) = 0 on the first block
+            l[r] *= correction;
 #pragma omp simd
-          for (int64_t x = 0; x < d; ++x) merged[x] += w_p * ap[x];
+            for (int64_t x = 0; x < d; ++x) ar[x] *= correction;
+            m[r] = new_max;
+          }
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t t = lo; t < visible; ++t) {
+            scores[t] = fast_exp(scores[t] - new_max);
+            sum += scores[t];
+          }
+#ifdef TOKENMILL_AVX512
+          if constexpr (fixed_d && HD % 16 == 0) {
+            // the row's accumulator stays in registers across the block's keys
+            // (accumulating through memory chains every key's FMAs through a store)
+            __m512 accv[HD / 16];
+            for (int c = 0; c < HD / 16; ++c) accv[c] = _mm512_loadu_ps(ar + 16 * c);
+            for (int64_t t = lo; t < visible; ++t) {
+              const __m512 p = _mm512_set1_ps(scores[t]);
+              const float* vr = vf.data() + t * HD;
+              for (int c = 0; c < HD / 16; ++c) accv[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16 * c), accv[c]);
+            }
+            for (int c = 0; c < HD / 16; ++c) _mm512_storeu_ps(ar + 16 * c, accv[c]);
+          } else
+#endif
+          {
+            for (int64_t t = lo; t < visible; ++t) {
+              const float p = scores[t];
+              const float* vr = vf.data() + t * d;
+#pragma omp simd
+              for (int64_t x = 0; x < d; ++x) ar[x] += p * vr[x];
+            }
+          }
+          l[r] += sum;
         }
-        const float inv = 1.f / total;
-        const int64_t j = sp.q_begin + r / groups, g = r % groups;
-        Q* dst = op + ((q0 + j) * num_heads + h * groups + g) * d;
-        for (int64_t x = 0; x < d; ++x) dst[x] = static_cast<Q>(merged[x] * inv);
       }
     }
-  });
-}
-
-template <typename Q, typename C>
-void dispatch_head_dim(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
-                       const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale, const Tensor& bt,
-                       const Tensor& qsl, const Tensor& lens, const Tensor& ids, double scale, int64_t part,
-                       int64_t window, double softcap) {
-  if (q.size(2) == 64)
-    return paged_attention_impl<Q, C, 64>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part, window, softcap);
-  if (q.size(2) == 128)
-    return paged_attention_impl<Q, C, 128>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part, window, softcap);
-  return paged_attention_impl<Q, C, 0>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part, window, softcap);
-}
-
-template <typename Q>
-void dispatch_cache(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
-                    const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale, const Tensor& bt,
-                    const Tensor& qsl, const Tensor& lens, const Tensor& ids, double scale, int64_t part,
-                       int64_t window, double softcap) {
-  switch (k_cache.scalar_type()) {
-    case at::kFloat:
-      return dispatch_head_dim<Q, float>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part, window, softcap);
-    case at::kBFloat16:
-      return dispatch_head_dim<Q, c10::BFloat16>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part, window, softcap);
-    case at::kHalf:
-      return dispatch_head_dim<Q, c10::Half>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part, window, softcap);
-    case at::kChar:
-      return dispatch_head_dim<Q, int8_t>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part, window, softcap);
-    case at::kFloat8_e4m3fn:
-    case at::kByte:
-      return dispatch_head_dim<Q, uint8_t>(out, q, k_cache, v_cache, k_scale, v_scale, bt, qsl, lens, ids, scale, part, window, softcap);
-    default:
-      TORCH_CHECK(false, "paged_attention: unsupported KV cache dtype ", k_cache.scalar_type());
   }
 }
 
-// out[query_start_loc[s]:query_start_loc[s+1]] for every s in seq_ids: attention of those
-// query tokens over the sequence's seq_lens[s] cached tokens (the new ones included,
-// already written), causal within the new tokens. K/V are read where they lie. Each run of
-// queries splits its keys into partitions of partition_size (FlashDecoding), merged in order;
-// runs of many rows take bigger ones (1024), unless partition_size is negative: then every
-// run's are exactly -partition_size, so a query's arithmetic does not depend on how many
-// queries share its step (batch-invariant: the int8 arithmetic asks for it).
-void paged_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, c10::optional<Tensor> k_scale,
-                     c10::optional<Tensor> v_scale, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens,
-                     Tensor seq_ids, double scale, int64_t partition_size, int64_t window, double softcap) {
+// Merge each query run's partitions (online-softmax rescaling) into the output: merges [begin, end).
+template <typename Q>
+void attention_merge(AttnPlan& plan, void* out, int64_t begin, int64_t end) {
+  const int64_t d = plan.d, kv_heads = plan.kv_heads, groups = plan.groups, num_heads = plan.num_heads;
+  const int64_t* qsl = plan.qsl;
+  Q* op = static_cast<Q*>(out);
+  std::vector<float> merged(d);
+  for (int64_t w = begin; w < end; ++w) {
+    const SeqSplit& sp = plan.splits[w / kv_heads];
+    const int64_t h = w % kv_heads, s = sp.seq, q0 = qsl[s];
+    const int64_t rows = (sp.q_end - sp.q_begin) * groups;
+    const int64_t first = sp.first_partial + h * sp.num_parts;
+    for (int64_t r = 0; r < rows; ++r) {
+      float gmax = -std::numeric_limits<float>::infinity();
+      for (int64_t p = 0; p < sp.num_parts; ++p) gmax = std::max(gmax, plan.row_max[plan.partial_offset[first + p] + r]);
+      std::fill(merged.begin(), merged.end(), 0.f);
+      float total = 0.f;
+      for (int64_t p = 0; p < sp.num_parts; ++p) {
+        const int64_t off = plan.partial_offset[first + p] + r;
+        if (plan.row_sum[off] == 0.f) continue;
+        const float w_p = std::exp(plan.row_max[off] - gmax);
+        total += w_p * plan.row_sum[off];
+        const float* ap = plan.acc.data() + off * d;
+#pragma omp simd
+        for (int64_t x = 0; x < d; ++x) merged[x] += w_p * ap[x];
+      }
+      const float inv = 1.f / total;
+      const int64_t j = sp.q_begin + r / groups, g = r % groups;
+      Q* dst = op + ((q0 + j) * num_heads + h * groups + g) * d;
+      for (int64_t x = 0; x < d; ++x) dst[x] = static_cast<Q>(merged[x] * inv);
+    }
+  }
+}
+
+using AttnWorkFn = void (*)(AttnPlan&, const void*, const void*, const void*, const c10::BFloat16*,
+                            const c10::BFloat16*);
+
+template <typename Q, typename C>
+AttnWorkFn work_for_head_dim(int64_t d) {
+  if (d == 64) return attention_work<Q, C, 64>;
+  if (d == 128) return attention_work<Q, C, 128>;
+  return attention_work<Q, C, 0>;
+}
+
+template <typename Q>
+AttnWorkFn work_for_cache(at::ScalarType cache, int64_t d) {
+  switch (cache) {
+    case at::kFloat: return work_for_head_dim<Q, float>(d);
+    case at::kBFloat16: return work_for_head_dim<Q, c10::BFloat16>(d);
+    case at::kHalf: return work_for_head_dim<Q, c10::Half>(d);
+    case at::kChar: return work_for_head_dim<Q, int8_t>(d);
+    case at::kFloat8_e4m3fn:
+    case at::kByte: return work_for_head_dim<Q, uint8_t>(d);
+    default: TORCH_CHECK(false, "paged_attention: unsupported KV cache dtype ", cache);
+  }
+}
+
+AttnWorkFn attention_work_fn(const Tensor& q, const Tensor& k_cache) {
+  if (q.scalar_type() == at::kFloat) return work_for_cache<float>(k_cache.scalar_type(), q.size(2));
+  if (q.scalar_type() == at::kBFloat16) return work_for_cache<c10::BFloat16>(k_cache.scalar_type(), q.size(2));
+  TORCH_CHECK(false, "paged_attention: unsupported query dtype ", q.scalar_type());
+}
+
+void check_attention(const Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                     const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale,
+                     const Tensor& block_tables, const Tensor& query_start_loc, const Tensor& seq_lens,
+                     const Tensor& seq_ids, int64_t window, double softcap) {
   TORCH_CHECK(window >= 0 && softcap >= 0, "paged_attention: window and softcap must be >= 0 (0: none)");
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && out.is_contiguous() && out.sizes() == q.sizes(),
-              "paged_attention: q and out must be contiguous [tokens, heads, head_dim]");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4,
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && out.is_contiguous() && out.sizes() == q.sizes() &&
+                  out.scalar_type() == q.scalar_type(),
+              "paged_attention: q and out must be contiguous [tokens, heads, head_dim] of one dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
               "paged_attention: caches must be contiguous [blocks, block_size, kv_heads, head_dim]");
   TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0,
               "paged_attention: head_dim or head counts do not match the cache");
@@ -431,12 +436,36 @@ void paged_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, c10::
                              k_scale->scalar_type() == at::kBFloat16 && k_scale->is_contiguous() &&
                              v_scale->is_contiguous()),
               "paged_attention: a quantised cache needs contiguous bfloat16 scales");
-  if (q.scalar_type() == at::kFloat)
-    dispatch_cache<float>(out, q, k_cache, v_cache, k_scale, v_scale, block_tables, query_start_loc, seq_lens, seq_ids, scale, partition_size, window, softcap);
-  else if (q.scalar_type() == at::kBFloat16)
-    dispatch_cache<c10::BFloat16>(out, q, k_cache, v_cache, k_scale, v_scale, block_tables, query_start_loc, seq_lens, seq_ids, scale, partition_size, window, softcap);
-  else
-    TORCH_CHECK(false, "paged_attention: unsupported query dtype ", q.scalar_type());
+}
+
+void (*attention_merge_fn(const Tensor& q))(AttnPlan&, void*, int64_t, int64_t) {
+  return q.scalar_type() == at::kFloat ? attention_merge<float> : attention_merge<c10::BFloat16>;
+}
+
+// out[query_start_loc[s]:query_start_loc[s+1]] for every s in seq_ids: attention of those
+// query tokens over the sequence's seq_lens[s] cached tokens (the new ones included,
+// already written), causal within the new tokens. K/V are read where they lie. Each run of
+// queries splits its keys into partitions of partition_size (FlashDecoding), merged in order;
+// runs of many rows take bigger ones (1024), unless partition_size is negative: then every
+// run's are exactly -partition_size, so a query's arithmetic does not depend on how many
+// queries share its step (batch-invariant: the int8 arithmetic asks for it).
+void paged_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, c10::optional<Tensor> k_scale,
+                     c10::optional<Tensor> v_scale, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens,
+                     Tensor seq_ids, double scale, int64_t partition_size, int64_t window, double softcap) {
+  check_attention(out, q, k_cache, v_cache, k_scale, v_scale, block_tables, query_start_loc, seq_lens, seq_ids,
+                  window, softcap);
+  const AttnWorkFn work = attention_work_fn(q, k_cache);
+  const auto merge = attention_merge_fn(q);
+  AttnPlan p;
+  plan_attention(p, q, k_cache, block_tables, query_start_loc, seq_lens, seq_ids, scale, partition_size, window, softcap);
+  const bool quantised = !p.lut.empty() || k_cache.scalar_type() == at::kChar;
+  const c10::BFloat16* ksp = quantised ? k_scale->data_ptr<c10::BFloat16>() : nullptr;
+  const c10::BFloat16* vsp = quantised ? v_scale->data_ptr<c10::BFloat16>() : nullptr;
+  const void *qp = q.data_ptr(), *kp = k_cache.data_ptr(), *vp = v_cache.data_ptr();
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(p.items.size(), 1));
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { work(p, qp, kp, vp, ksp, vsp); });
+  void* op = out.data_ptr();
+  at::parallel_for(0, p.merges(), 1, [&](int64_t begin, int64_t end) { merge(p, op, begin, end); });
 }
 
 // ---------------------------------------------------------------- RMSNorm, fused add
@@ -490,15 +519,22 @@ Tensor rms_norm(Tensor x, Tensor w, double eps) {
   return y;
 }
 
-// residual += x (in place); returns rms_norm(residual).
-Tensor add_rms_norm(Tensor x, Tensor residual, Tensor w, double eps) {
+// residual += x (in place); y = rms_norm(residual).
+void add_rms_norm_out(Tensor y, Tensor x, Tensor residual, Tensor w, double eps) {
   check_rows(x, w, "add_rms_norm");
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() && residual.scalar_type() == x.scalar_type(),
               "add_rms_norm: residual must match x");
-  Tensor y = at::empty_like(x);
+  TORCH_CHECK(y.sizes() == x.sizes() && y.is_contiguous() && y.scalar_type() == x.scalar_type(),
+              "add_rms_norm: the output must match x");
   if (x.scalar_type() == at::kFloat) rms_norm_impl<float>(x, w, y, eps, &residual);
   else if (x.scalar_type() == at::kBFloat16) rms_norm_impl<c10::BFloat16>(x, w, y, eps, &residual);
   else TORCH_CHECK(false, "add_rms_norm: unsupported dtype ", x.scalar_type());
+}
+
+// residual += x (in place); returns rms_norm(residual).
+Tensor add_rms_norm(Tensor x, Tensor residual, Tensor w, double eps) {
+  Tensor y = at::empty_like(x);
+  add_rms_norm_out(y, x, residual, w, eps);
   return y;
 }
 
@@ -756,6 +792,42 @@ Tensor small_linear(Tensor x, Tensor w, c10::optional<Tensor> scale) {
 namespace tokenmill {  // external names for decode_loop.cpp
 at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) { return ::rms_norm(x, w, eps); }
 at::Tensor add_rms_norm(at::Tensor x, at::Tensor r, at::Tensor w, double eps) { return ::add_rms_norm(x, r, w, eps); }
+void add_rms_norm_out(at::Tensor y, at::Tensor x, at::Tensor r, at::Tensor w, double eps) {
+  ::add_rms_norm_out(y, x, r, w, eps);
+}
+
+struct AttentionStep::Impl {
+  AttnPlan plan;
+  AttnWorkFn work;
+  void (*merge)(AttnPlan&, void*, int64_t, int64_t);
+};
+
+AttentionStep::AttentionStep(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& block_tables,
+                             const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& seq_ids,
+                             double scale, int64_t partition_size)
+    : impl_(std::make_unique<Impl>()) {
+  check_attention(out, q, k_cache, v_cache, c10::nullopt, c10::nullopt, block_tables, query_start_loc, seq_lens,
+                  seq_ids, 0, 0.0);
+  const auto ct = k_cache.scalar_type();
+  TORCH_CHECK(ct == at::kFloat || ct == at::kBFloat16 || ct == at::kHalf, "AttentionStep: an unquantised cache only");
+  impl_->work = attention_work_fn(q, k_cache);
+  impl_->merge = attention_merge_fn(q);
+  plan_attention(impl_->plan, q, k_cache, block_tables, query_start_loc, seq_lens, seq_ids, scale, partition_size, 0, 0.0);
+}
+
+AttentionStep::~AttentionStep() = default;
+
+void AttentionStep::restart() { impl_->plan.next = 0; }
+
+void AttentionStep::work(const void* q, const void* k_cache, const void* v_cache) {
+  impl_->work(impl_->plan, q, k_cache, v_cache, nullptr, nullptr);
+}
+
+void AttentionStep::merge(void* out, int64_t thread, int64_t threads) {
+  const int64_t merges = impl_->plan.merges();
+  impl_->merge(impl_->plan, out, merges * thread / threads, merges * (thread + 1) / threads);
+}
 void rotary_write_kv(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor positions, at::Tensor cos, at::Tensor sin,
                      at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots) {
   ::rotary_write_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots);

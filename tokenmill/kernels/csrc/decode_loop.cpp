@@ -16,11 +16,32 @@
 // outputs follow the first's (a Q4_K_M file's qkv: q and k in Q4_K, v in Q6_K), its blocks in the
 // scale's place.
 
+//
+// Where every linear is in GGUF blocks and the activations are float32 (the int8 arithmetic's
+// decode), the whole step runs in one OpenMP team instead (team_layers): the separate calls cost
+// a fork and join each (~6 per layer), ATen's allocations and dispatch between them, and the
+// second thread idled through all of it (38% of a bundled-file step on a 2-core AVX2 EPYC,
+// bench/RESULTS.md). In the team each linear's units are split between the threads, attention's
+// work items handed out as threads free up, and the small ops between them run on the calling
+// thread (thread 0, where ATen's thread-local state is) while the others wait at a barrier. Same
+// kernels, same splits of the arithmetic: the same bits.
+
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
 #include <torch/library.h>
 
+#include <atomic>
+#include <cstdlib>
+#include <exception>
+#include <memory>
+#include <thread>
 #include <vector>
 
+#include "ggml_common.h"
 #include "ops.h"
 
 namespace {
@@ -40,6 +61,190 @@ Tensor run_linear(const Tensor& x, const std::vector<Tensor>& w, int64_t at, int
                                  bits, group, false);  // (steps here are within EXACT_BF16_ROWS)
 }
 
+// A linear of one or two block weights (a second part's outputs after the first's), each part its
+// BlockProduct over its own columns of the output.
+struct TeamLinear {
+  std::vector<std::unique_ptr<tokenmill::ggml::BlockProduct>> parts;
+  std::vector<int64_t> cols;  // each part's first output column
+  int64_t n = 0;              // outputs in all
+
+  TeamLinear(const std::vector<Tensor>& w, int64_t at, int64_t bits, int64_t group, int64_t k) {
+    add(w[at], -bits, k);
+    if (group != 0) add(w[at + 1], group, k);
+  }
+  void add(const Tensor& blocks, int64_t type, int64_t k) {
+    parts.push_back(std::make_unique<tokenmill::ggml::BlockProduct>(blocks, type, k));
+    cols.push_back(n);
+    n += parts.back()->n();
+  }
+  void quantise(const float* x, int64_t rows) {  // (one thread)
+    for (auto& p : parts) p->quantise(x, rows);
+  }
+  // This thread's share of every part's units, for all `rows` activation rows, into out [rows, n].
+  void run(float* out, int64_t rows, int64_t thread, int64_t threads) const {
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const auto& p = *parts[i];
+      const int64_t units = p.units();
+      for (int64_t m0 = 0; m0 < rows; m0 += tokenmill::ggml::INT8_MAX_ROWS)
+        p.run(out + cols[i], n, m0, std::min(rows, m0 + tokenmill::ggml::INT8_MAX_ROWS), units * thread / threads,
+              units * (thread + 1) / threads);
+    }
+  }
+};
+
+bool team_applies(const Tensor& x, const std::vector<int64_t>& kinds, const std::vector<Tensor>& k_caches) {
+  if (x.scalar_type() != at::kFloat || x.size(0) > tokenmill::ggml::INT8_MAX_ROWS) return false;
+  for (size_t i = 0; i < kinds.size(); i += 2)
+    if (kinds[i] >= 0) return false;  // a float or a widened weight: the calls below
+  const auto ct = k_caches[0].scalar_type();
+  return ct == at::kFloat || ct == at::kBFloat16 || ct == at::kHalf;
+}
+
+// A barrier for the team's threads that spins (a few hundred nanoseconds where OpenMP's own took
+// ~1.2 us on a 2-core EPYC, ten times a layer), yielding the core after a while in case the
+// machine has more threads than cores.
+class TeamBarrier {
+ public:
+  explicit TeamBarrier(int64_t threads) : threads_(threads) {}
+  void resize(int64_t threads) { threads_ = threads; }
+  void wait() {
+    const int64_t gen = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == threads_) {
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.fetch_add(1, std::memory_order_acq_rel);
+      return;
+    }
+    for (int64_t spins = 0; generation_.load(std::memory_order_acquire) == gen; ++spins) {
+      if (spins >= SPINS) std::this_thread::yield();
+#if defined(__SSE2__)
+      else _mm_pause();
+#endif
+    }
+  }
+
+ private:
+  static constexpr int64_t SPINS = 1 << 16;
+  int64_t threads_;
+  alignas(64) std::atomic<int64_t> arrived_{0};
+  alignas(64) std::atomic<int64_t> generation_{0};
+};
+
+// decode_layers for block weights and float32 activations, in one team of threads.
+Tensor team_layers(Tensor x, Tensor h, const std::vector<Tensor>& weights, const std::vector<int64_t>& kinds,
+                   const Tensor& positions, const Tensor& cos, const Tensor& sin, const std::vector<Tensor>& k_caches,
+                   const std::vector<Tensor>& v_caches, const Tensor& slots, const Tensor& block_tables,
+                   const Tensor& query_start_loc, const Tensor& seq_lens, const Tensor& seq_ids, double scale,
+                   double eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t partition) {
+  const int64_t layers = static_cast<int64_t>(k_caches.size());
+  const int64_t n = x.size(0), hidden = x.size(1), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  TORCH_CHECK(x.is_contiguous() && h.is_contiguous() && h.sizes() == x.sizes() && h.scalar_type() == x.scalar_type(),
+              "decode_layers: x and h must be contiguous [n, hidden] of one dtype");
+  // Every weight checked and every buffer allocated here, before the team: nothing in it throws.
+  std::vector<TeamLinear> linears;
+  linears.reserve(layers * 4);
+  for (int64_t i = 0; i < layers; ++i) {
+    const int64_t w0 = i * PER_LAYER;
+    const int64_t* kind = kinds.data() + i * 8;
+    linears.emplace_back(weights, w0 + 2, kind[0], kind[1], hidden);
+    linears.emplace_back(weights, w0 + 5, kind[2], kind[3], q_size);
+    linears.emplace_back(weights, w0 + 8, kind[4], kind[5], hidden);
+    linears.emplace_back(weights, w0 + 11, kind[6], kind[7], linears.back().n / 2);
+    TORCH_CHECK(linears[4 * i].n == q_size + 2 * kv_size && linears[4 * i + 1].n == hidden &&
+                    linears[4 * i + 3].n == hidden && k_caches[i].sizes() == k_caches[0].sizes() &&
+                    k_caches[i].scalar_type() == k_caches[0].scalar_type(),
+                "decode_layers: layer ", i, "'s weights or cache do not match the model's shapes");
+  }
+  const int64_t inter = linears[2].n / 2;
+  const auto opts = x.options();
+  Tensor qkv = at::empty({n, q_size + 2 * kv_size}, opts), attn = at::empty({n, num_heads, head_dim}, opts);
+  Tensor o = at::empty({n, hidden}, opts), gate_up = at::empty({n, 2 * inter}, opts);
+  Tensor act = at::empty({n, inter}, opts), down = at::empty({n, hidden}, opts), hn = h.clone();
+  Tensor q = qkv.narrow(1, 0, q_size).view({n, num_heads, head_dim});
+  Tensor k = qkv.narrow(1, q_size, kv_size).view({n, num_kv_heads, head_dim});
+  Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, num_kv_heads, head_dim});
+  const Tensor gate = gate_up.narrow(1, 0, inter), up = gate_up.narrow(1, inter, inter);
+  Tensor qc = n == 1 ? q : at::empty({n, num_heads, head_dim}, opts);  // attention reads q contiguous
+  tokenmill::AttentionStep attention(attn, qc, k_caches[0], v_caches[0], block_tables, query_start_loc, seq_lens,
+                                     seq_ids, scale, partition);
+  float *qkv_p = qkv.data_ptr<float>(), *attn_p = attn.data_ptr<float>(), *o_p = o.data_ptr<float>();
+  float *gu_p = gate_up.data_ptr<float>(), *act_p = act.data_ptr<float>(), *down_p = down.data_ptr<float>();
+  float* hn_p = hn.data_ptr<float>();
+  const void* qc_p = qc.data_ptr();
+  const int64_t team = std::max<int64_t>(1, at::get_num_threads());
+
+  // Thread 0's ATen calls could throw (they check their arguments): the error stops every thread
+  // at the next barrier and is raised after the team.
+  std::exception_ptr error;
+  std::atomic<bool> failed{false};
+  auto first = [&](int64_t t, auto&& f) {
+    if (t != 0) return;
+    try {
+      f();
+    } catch (...) {
+      error = std::current_exception();
+      failed = true;
+    }
+  };
+
+  TeamBarrier barrier(team);
+  first(0, [&] { linears[0].quantise(hn_p, n); });
+#pragma omp parallel num_threads(team)
+  {
+    const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
+#pragma omp single
+    barrier.resize(threads);  // (OpenMP may give fewer threads than asked; the single's end is a barrier)
+    for (int64_t i = 0; i < layers && !failed; ++i) {
+      const int64_t w0 = i * PER_LAYER;
+      TeamLinear& qkv_l = linears[4 * i];
+      TeamLinear& o_l = linears[4 * i + 1];
+      TeamLinear& gate_up_l = linears[4 * i + 2];
+      TeamLinear& down_l = linears[4 * i + 3];
+      qkv_l.run(qkv_p, n, t, threads);  // (its activations quantised at the end of the last layer)
+      barrier.wait();
+      first(t, [&] {
+        tokenmill::rotary_write_kv(q, k, v, positions, cos, sin, k_caches[i], v_caches[i], slots);
+        if (n > 1) qc.copy_(q);
+        attention.restart();
+      });
+      barrier.wait();
+      if (failed) break;
+      attention.work(qc_p, k_caches[i].data_ptr(), v_caches[i].data_ptr());
+      barrier.wait();
+      first(t, [&] {
+        attention.merge(attn_p, 0, 1);
+        o_l.quantise(attn_p, n);
+      });
+      barrier.wait();
+      o_l.run(o_p, n, t, threads);
+      barrier.wait();
+      first(t, [&] {
+        tokenmill::add_rms_norm_out(hn, o, x, weights[w0], eps);
+        gate_up_l.quantise(hn_p, n);
+      });
+      barrier.wait();
+      if (failed) break;
+      gate_up_l.run(gu_p, n, t, threads);
+      barrier.wait();
+      first(t, [&] {  // SiLU(gate) * up, as TorchOps.silu_mul computes it
+        at::silu_out(act, gate);
+        act.mul_(up);
+        down_l.quantise(act_p, n);
+      });
+      barrier.wait();
+      if (failed) break;
+      down_l.run(down_p, n, t, threads);
+      barrier.wait();
+      first(t, [&] {
+        tokenmill::add_rms_norm_out(hn, down, x, weights[w0 + 1], eps);
+        if (i + 1 < layers) linears[4 * (i + 1)].quantise(hn_p, n);
+      });
+      barrier.wait();
+    }
+  }
+  if (error) std::rethrow_exception(error);
+  return hn;
+}
+
 // x: the residual stream [n, hidden] (updated in place); h: the first layer's normed input.
 // Returns the last norm's output, as the Python loop does.
 Tensor decode_layers(Tensor x, Tensor h, std::vector<Tensor> weights, std::vector<int64_t> kinds, Tensor positions,
@@ -50,6 +255,9 @@ Tensor decode_layers(Tensor x, Tensor h, std::vector<Tensor> weights, std::vecto
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * PER_LAYER &&
                   static_cast<int64_t>(kinds.size()) == layers * 8 && static_cast<int64_t>(v_caches.size()) == layers,
               "decode_layers: expects ", PER_LAYER, " weights and 8 kinds per layer");
+  if (team_applies(x, kinds, k_caches))
+    return team_layers(x, h, weights, kinds, positions, cos, sin, k_caches, v_caches, slots, block_tables,
+                       query_start_loc, seq_lens, seq_ids, scale, eps, num_heads, num_kv_heads, head_dim, partition);
   const int64_t n = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   for (int64_t i = 0; i < layers; ++i) {
     const int64_t w0 = i * PER_LAYER;

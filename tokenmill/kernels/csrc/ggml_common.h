@@ -66,9 +66,32 @@ struct Act {
 };
 
 Act quantise(const float* x, int64_t rows, int64_t k, int64_t block, bool sums);
+// The same into `a`, its buffers reused (no allocation once they are big enough).
+void quantise_into(Act& a, const float* x, int64_t rows, int64_t k, int64_t block, bool sums);
 
 // A kernel: weight rows (one, or a group of eight) times MR activation rows from m0.
 using DotFn = void (*)(const uint8_t*, const Act&, int64_t, float*);
+
+// A block weight [n, k] times a few activation rows, as units of work that threads share: the
+// weight's groups of eight interleaved rows, then its single rows. block_linear hands the units
+// to at::parallel_for; the decode loop (decode_loop.cpp) to the threads of its one team.
+class BlockProduct {
+ public:
+  BlockProduct(const at::Tensor& blocks, int64_t type, int64_t k);  // (checks the blocks)
+  // The activations x [rows, k] quantised for this weight's type, once per product.
+  void quantise(const float* x, int64_t rows);
+  int64_t units() const { return groups_ + n_ - 8 * groups_; }
+  int64_t grain() const { return groups_ > 0 ? 2 : 16; }
+  int64_t n() const { return n_; }
+  // Units [u0, u1) times activation rows [m0, m1): out[m * ld + r] for each weight row r.
+  void run(float* out, int64_t ld, int64_t m0, int64_t m1, int64_t u0, int64_t u1) const;
+
+ private:
+  const uint8_t* w_;
+  int64_t type_, n_, k_, row_bytes_, groups_;
+  DotFn dots_[4] = {}, group_dots_[4] = {};
+  Act act_;
+};
 
 // ------------------------------------------------------------------ eight rows interleaved (ggml_groups.cpp)
 

@@ -40,6 +40,11 @@ namespace tokenmill::ggml {
 
 Act quantise(const float* x, int64_t rows, int64_t k, int64_t block, bool sums) {
   Act a;
+  quantise_into(a, x, rows, k, block, sums);
+  return a;
+}
+
+void quantise_into(Act& a, const float* x, int64_t rows, int64_t k, int64_t block, bool sums) {
   a.k = k;
   a.block = block;
   a.q.resize(rows * k);
@@ -75,7 +80,6 @@ Act quantise(const float* x, int64_t rows, int64_t k, int64_t block, bool sums) 
         a.bsums[m * (k / 16) + b] = static_cast<int16_t>(sum);
       }
   }
-  return a;
 }
 
 }  // namespace tokenmill::ggml
@@ -359,6 +363,53 @@ DotFn dot_of(int64_t type) {
   }
 }
 
+int64_t check_blocks(const Tensor& blocks, int64_t type, int64_t k);
+
+}  // namespace
+
+namespace tokenmill::ggml {
+
+BlockProduct::BlockProduct(const Tensor& blocks, int64_t type, int64_t k)
+    : w_(nullptr), type_(type), n_(check_blocks(blocks, type, k)), k_(k), row_bytes_(blocks.size(1)) {
+  w_ = blocks.data_ptr<uint8_t>();
+  const int64_t plain = type & ~X8;
+  groups_ = type & X8 ? n_ / 8 : 0;  // groups of eight rows, then single rows
+  dots_[0] = dot_of<1>(plain), dots_[1] = dot_of<2>(plain), dots_[2] = dot_of<3>(plain), dots_[3] = dot_of<4>(plain);
+  if (groups_ > 0)
+    for (int mr = 1; mr <= 4; ++mr) group_dots_[mr - 1] = group_dot(plain, mr);
+}
+
+void BlockProduct::quantise(const float* x, int64_t rows) {
+  const int64_t plain = type_ & ~X8;
+  quantise_into(act_, x, rows, k_, format_of(type_).elems, plain == Q4_1 || plain == Q4_0);
+}
+
+void BlockProduct::run(float* out, int64_t ld, int64_t m0, int64_t m1, int64_t u0, int64_t u1) const {
+  float part[4 * 8];
+  for (int64_t u = u0; u < u1; ++u) {
+    if (u < groups_) {
+      const uint8_t* wg = w_ + u * 8 * row_bytes_;
+      for (int64_t m = m0; m < m1; m += 4) {
+        const int mr = static_cast<int>(std::min<int64_t>(4, m1 - m));
+        group_dots_[mr - 1](wg, act_, m, part);
+        for (int i = 0; i < mr; ++i) std::memcpy(out + (m + i) * ld + 8 * u, part + 8 * i, 8 * sizeof(float));
+      }
+      continue;
+    }
+    const int64_t r = 8 * groups_ + (u - groups_);
+    const uint8_t* wr = w_ + r * row_bytes_;
+    for (int64_t m = m0; m < m1; m += 4) {
+      const int mr = static_cast<int>(std::min<int64_t>(4, m1 - m));
+      dots_[mr - 1](wr, act_, m, part);
+      for (int i = 0; i < mr; ++i) out[(m + i) * ld + r] = part[i];
+    }
+  }
+}
+
+}  // namespace tokenmill::ggml
+
+namespace {
+
 
 // ------------------------------------------------------------------ dequantisation, one row
 
@@ -492,41 +543,16 @@ Tensor block_linear(Tensor x, Tensor blocks, int64_t type) {
     return y;
   }
   const Tensor xf = x.contiguous().to(at::kFloat);
-  const Act a = quantise(xf.data_ptr<float>(), rows, k, f.elems, (type & ~X8) == Q4_1 || (type & ~X8) == Q4_0);
+  BlockProduct product(blocks, type, k);
+  product.quantise(xf.data_ptr<float>(), rows);
   Tensor y = at::empty({rows, n}, xf.options());
   float* out = y.data_ptr<float>();
-  const uint8_t* w = blocks.data_ptr<uint8_t>();
-  const int64_t row_bytes = blocks.size(1);
-  const int64_t plain = type & ~X8, groups = type & X8 ? n / 8 : 0;  // groups of eight rows, then single rows
-  const DotFn dots[4] = {dot_of<1>(plain), dot_of<2>(plain), dot_of<3>(plain), dot_of<4>(plain)};
-  DotFn group_dots[4] = {};
-  if (groups > 0)
-    for (int mr = 1; mr <= 4; ++mr) group_dots[mr - 1] = group_dot(plain, mr);
   // Activation rows in chunks of INT8_MAX_ROWS (their 8-bit values stay in L2 while every weight
   // row passes), each output a function of its own row alone: the same bits in any batch.
   for (int64_t m0 = 0; m0 < rows; m0 += INT8_MAX_ROWS) {
     const int64_t m1 = std::min(rows, m0 + INT8_MAX_ROWS);
-    at::parallel_for(0, groups + (n - 8 * groups), groups > 0 ? 2 : 16, [&](int64_t b, int64_t e) {
-      float part[4 * 8];
-      for (int64_t u = b; u < e; ++u) {
-        if (u < groups) {
-          const uint8_t* wg = w + u * 8 * row_bytes;
-          for (int64_t m = m0; m < m1; m += 4) {
-            const int mr = static_cast<int>(std::min<int64_t>(4, m1 - m));
-            group_dots[mr - 1](wg, a, m, part);
-            for (int i = 0; i < mr; ++i) std::memcpy(out + (m + i) * n + 8 * u, part + 8 * i, 8 * sizeof(float));
-          }
-          continue;
-        }
-        const int64_t r = 8 * groups + (u - groups);
-        const uint8_t* wr = w + r * row_bytes;
-        for (int64_t m = m0; m < m1; m += 4) {
-          const int mr = static_cast<int>(std::min<int64_t>(4, m1 - m));
-          dots[mr - 1](wr, a, m, part);
-          for (int i = 0; i < mr; ++i) out[(m + i) * n + r] = part[i];
-        }
-      }
-    });
+    at::parallel_for(0, product.units(), product.grain(),
+                     [&](int64_t b, int64_t e) { product.run(out, n, m0, m1, b, e); });
   }
   return y.to(x.scalar_type());
 }

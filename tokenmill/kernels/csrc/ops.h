@@ -5,6 +5,8 @@
 
 #include <ATen/ATen.h>
 
+#include <memory>
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -35,6 +37,7 @@ inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) { return hsum4(fold1
 
 at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);
 at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor w, double eps);
+void add_rms_norm_out(at::Tensor y, at::Tensor x, at::Tensor residual, at::Tensor w, double eps);  // into y
 void rotary_write_kv(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor positions, at::Tensor cos, at::Tensor sin,
                      at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots);
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
@@ -45,5 +48,25 @@ at::Tensor small_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> sc
 at::Tensor quant_linear(at::Tensor x, at::Tensor qs, at::Tensor scale, c10::optional<at::Tensor> minv, int64_t bits,
                         int64_t group, bool bf16);
 at::Tensor block_linear(at::Tensor x, at::Tensor blocks, int64_t type);
+
+// paged_attention for one step's sequences, planned once (its splits, their order, the scratch) and
+// run for every layer of the step by one team of threads (decode_loop.cpp): restart() on one
+// thread, a barrier, work() on every thread (items handed out as threads free up), a barrier, then
+// each thread's share of merge(). The arithmetic is paged_attention's, to the bit. Unquantised
+// caches, no window, no soft cap (the plain Llama layer).
+class AttentionStep {
+ public:
+  AttentionStep(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                const at::Tensor& seq_ids, double scale, int64_t partition_size);
+  ~AttentionStep();
+  void restart();
+  void work(const void* q, const void* k_cache, const void* v_cache);
+  void merge(void* out, int64_t thread, int64_t threads);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 }  // namespace tokenmill
