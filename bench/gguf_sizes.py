@@ -10,7 +10,8 @@ bundled file; weights N(0, 0.02), norms 1), then quantised with llama.cpp's own
 ``llama-quantize`` (files cached in --dir, never committed). Per type and round,
 alternating: tokenmill in a fresh process for each arithmetic (load time with the page
 cache warm; decode tok/s of 64 greedy tokens after an 8-token prompt; prefill tok/s of a
-256-token prompt), then ``llama-bench -p 256 -n 64`` on the same cores. Results and the CPU
+256-token prompt; with --depth N, decode tok/s of 64 tokens after an N-token prompt), then
+``llama-bench -p 256 -n 64`` (and ``-p 0 -n 64 -d N``) on the same cores. Results and the CPU
 go to bench/results/gguf_sizes.json and a plot to gguf_sizes.png.
 """
 
@@ -103,8 +104,9 @@ def model_file(directory: Path, shape: str, qtype: str, llama_bin: Path) -> Path
     return out
 
 
-def measure(path: str, arithmetic: str, threads: int) -> dict:
-    """Run in a fresh process: load time, decode and prefill throughput."""
+def measure(path: str, arithmetic: str, threads: int, depth: int = 0) -> dict:
+    """Run in a fresh process: load time, decode and prefill throughput (and decode after a
+    ``depth``-token context, when given)."""
     import torch
 
     from tokenmill import LLM, SamplingParams
@@ -112,7 +114,8 @@ def measure(path: str, arithmetic: str, threads: int) -> dict:
     torch.set_num_threads(threads)
 
     t0 = time.perf_counter()
-    llm = LLM(path, quant_arithmetic=arithmetic, progress=False, kv_cache_memory="256MiB", max_model_len=1024)
+    llm = LLM(path, quant_arithmetic=arithmetic, progress=False, kv_cache_memory="256MiB",
+              max_model_len=max(1024, depth + 128))  # fmt: skip
     load_s = time.perf_counter() - t0
     llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     decode = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
@@ -124,24 +127,36 @@ def measure(path: str, arithmetic: str, threads: int) -> dict:
     t0 = time.perf_counter()
     llm.generate([ids], SamplingParams(max_tokens=1, temperature=0))
     prefill_s = time.perf_counter() - t0
-    return {"load_s": load_s, "decode_tok_s": 63 / max(1e-9, decode_s - first), "prefill_tok_s": 256 / prefill_s}
+    res = {"load_s": load_s, "decode_tok_s": 63 / max(1e-9, decode_s - first), "prefill_tok_s": 256 / prefill_s}
+    if depth:
+        t0 = time.perf_counter()
+        out = llm.generate([list(range(2000, 2000 + depth))], decode)[0]
+        res["deep_decode_tok_s"] = 63 / max(1e-9, time.perf_counter() - t0 - (out.timings[0].ttft or 0.0))
+    return res
 
 
-def ours(path: Path, arithmetic: str, threads: int) -> dict:
+def ours(path: Path, arithmetic: str, threads: int, depth: int = 0) -> dict:
     r = subprocess.run([sys.executable, __file__, "--measure", str(path), "--arithmetic", arithmetic,
-                        "--threads", str(threads)], capture_output=True, text=True, cwd=ROOT, timeout=1800)  # fmt: skip
+                        "--threads", str(threads), "--depth", str(depth)], capture_output=True, text=True, cwd=ROOT,
+                       timeout=1800)  # fmt: skip
     if r.returncode != 0:
         raise RuntimeError(r.stderr[-2000:])
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def llama_bench(llama_bin: Path, path: Path, threads: int) -> dict:
-    r = subprocess.run([str(llama_bin / "llama-bench"), "-m", str(path), "-t", str(threads), "-p", "256", "-n", "64",
-                        "-r", "2", "-o", "json"], capture_output=True, text=True, check=True)  # fmt: skip
-    rows = json.loads(r.stdout)
+def llama_bench(llama_bin: Path, path: Path, threads: int, depth: int = 0) -> dict:
+    def bench(*args: str) -> list[dict]:
+        r = subprocess.run([str(llama_bin / "llama-bench"), "-m", str(path), "-t", str(threads), *args, "-r", "2",
+                            "-o", "json"], capture_output=True, text=True, check=True)  # fmt: skip
+        return json.loads(r.stdout)
+
+    rows = bench("-p", "256", "-n", "64")
     pp = next(x for x in rows if x["n_prompt"] > 0)
     tg = next(x for x in rows if x["n_gen"] > 0)
-    return {"prefill_tok_s": pp["avg_ts"], "decode_tok_s": tg["avg_ts"], "build": rows[0].get("build_commit")}
+    res = {"prefill_tok_s": pp["avg_ts"], "decode_tok_s": tg["avg_ts"], "build": rows[0].get("build_commit")}
+    if depth:  # 64 tokens generated after a depth-token context (-d)
+        res["deep_decode_tok_s"] = bench("-p", "0", "-n", "64", "-d", str(depth))[0]["avg_ts"]
+    return res
 
 
 def plot(res: dict, path: Path) -> None:
@@ -180,9 +195,10 @@ def main() -> None:
     ap.add_argument("--threads", default=str(min(os.cpu_count() or 1, 2)),
                     help="thread counts, each a row of its own (e.g. 1,2: both engines' scaling)")  # fmt: skip
     ap.add_argument("--arithmetics", default="float,int8")
+    ap.add_argument("--depth", type=int, default=0, help="also decode after a context of this many tokens (llama-bench -d)")
     args = ap.parse_args()
     if args.measure:
-        print(json.dumps(measure(args.measure, args.arithmetic, int(args.threads))))
+        print(json.dumps(measure(args.measure, args.arithmetic, int(args.threads), args.depth)))
         return
     from tokenmill.kernels.cpu import cpu_info
 
@@ -199,13 +215,14 @@ def main() -> None:
         runs: dict[str, list[dict]] = {**{a: [] for a in ariths}, "llama": []}
         for i in range(args.rounds):
             for arith in ariths:
-                runs[arith].append(ours(path, arith, threads))
-            runs["llama"].append(llama_bench(args.llama_bin, path, threads))
+                runs[arith].append(ours(path, arith, threads, args.depth))
+            runs["llama"].append(llama_bench(args.llama_bin, path, threads, args.depth))
             log(f"{shape} {qtype} {threads} threads round {i + 1}: " + ", ".join(
                 f"{k} decode {v[-1]['decode_tok_s']:.1f} prefill {v[-1]['prefill_tok_s']:.1f}"
+                + (f" deep decode {v[-1]['deep_decode_tok_s']:.1f}" if "deep_decode_tok_s" in v[-1] else "")
                 + (f" load {v[-1]['load_s']:.1f}s" if "load_s" in v[-1] else "") for k, v in runs.items()))  # fmt: skip
         row = {"shape": shape, "type": qtype, "threads": threads, "file_bytes": path.stat().st_size, "runs": runs}
-        for key in ("decode_tok_s", "prefill_tok_s"):
+        for key in ("decode_tok_s", "prefill_tok_s", *(["deep_decode_tok_s"] if args.depth else [])):
             theirs = statistics.median(r[key] for r in runs["llama"])
             row[f"llama_{key}"] = theirs
             for arith in ariths:

@@ -125,6 +125,20 @@ inline __m512 load16(const int8_t* p, int64_t left) {
 }
 #endif
 
+#ifdef TOKENMILL_AVX2
+// 8 stored values (float32, bfloat16 by a shift, float16 through F16C, or int8) -> 8 floats:
+// K/V for attention, weights for the small-batch linear.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
+
 // ---------------------------------------------------------------- paged attention
 
 // One unit of work: queries [q_begin, q_end) of sequence `seq`, the rows of them that share KV
@@ -258,7 +272,16 @@ void attention_work(AttnPlan& plan, const void* q, const void* k_cache, const vo
       const int64_t n = std::min(block_size, it.key_end - t0);
       const C* kb = kp + blk * blk_stride + h * d;
       const C* vb = vp + blk * blk_stride + h * d;
-      for (int64_t t = 0; t < n; ++t) {
+      // A float32 cache is read where it lies; any other is converted (and scaled) into kf/vf first.
+      constexpr bool in_place = std::is_same_v<C, float>;
+      const float* kbase = kf.data();
+      const float* vbase = vf.data();
+      int64_t kv_stride = d;
+      if constexpr (in_place) {
+        kbase = kb, vbase = vb;
+        kv_stride = tok_stride;
+      }
+      for (int64_t t = 0; t < (in_place ? 0 : n); ++t) {
         float ks = 1.f, vs = 1.f;
         if constexpr (KVReader<C>::quantised) {
           const int64_t si = (blk * block_size + t) * kv_heads + h;
@@ -271,6 +294,14 @@ void attention_work(AttnPlan& plan, const void* q, const void* k_cache, const vo
           for (int c = 0; c < HD / 16; ++c) {
             _mm512_storeu_ps(kf.data() + t * HD + 16 * c, _mm512_mul_ps(load16(kb + t * tok_stride + 16 * c, 16), ksv));
             _mm512_storeu_ps(vf.data() + t * HD + 16 * c, _mm512_mul_ps(load16(vb + t * tok_stride + 16 * c, 16), vsv));
+          }
+        } else
+#elif defined(TOKENMILL_AVX2)
+        if constexpr (fixed_d && HD % 8 == 0 && !std::is_same_v<C, uint8_t>) {
+          const __m256 ksv = _mm256_set1_ps(ks), vsv = _mm256_set1_ps(vs);
+          for (int c = 0; c < HD / 8; ++c) {
+            _mm256_storeu_ps(kf.data() + t * HD + 8 * c, _mm256_mul_ps(load8(kb + t * tok_stride + 8 * c), ksv));
+            _mm256_storeu_ps(vf.data() + t * HD + 8 * c, _mm256_mul_ps(load8(vb + t * tok_stride + 8 * c), vsv));
           }
         } else
 #endif
@@ -289,7 +320,7 @@ void attention_work(AttnPlan& plan, const void* q, const void* k_cache, const vo
           const float* qr = qf.data() + r * d;
           float block_max = -std::numeric_limits<float>::infinity();
           for (int64_t t = lo; t < visible; ++t) {
-            const float* kr = kf.data() + t * d;
+            const float* kr = kbase + t * kv_stride;
             float dot = 0.f;
 #ifdef TOKENMILL_AVX512
             if constexpr (fixed_d && HD % 16 == 0) {
@@ -297,6 +328,13 @@ void attention_work(AttnPlan& plan, const void* q, const void* k_cache, const vo
               for (int c = 1; c < HD / 16; ++c)
                 acc = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * c), _mm512_loadu_ps(kr + 16 * c), acc);
               dot = _mm512_reduce_add_ps(acc);
+            } else
+#elif defined(TOKENMILL_AVX2)
+            if constexpr (fixed_d && HD % 8 == 0) {
+              __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qr), _mm256_loadu_ps(kr));
+              for (int c = 1; c < HD / 8; ++c)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + 8 * c), _mm256_loadu_ps(kr + 8 * c), acc);
+              dot = tokenmill::hsum8(acc);
             } else
 #endif
             {
@@ -330,16 +368,31 @@ void attention_work(AttnPlan& plan, const void* q, const void* k_cache, const vo
             for (int c = 0; c < HD / 16; ++c) accv[c] = _mm512_loadu_ps(ar + 16 * c);
             for (int64_t t = lo; t < visible; ++t) {
               const __m512 p = _mm512_set1_ps(scores[t]);
-              const float* vr = vf.data() + t * HD;
+              const float* vr = vbase + t * kv_stride;
               for (int c = 0; c < HD / 16; ++c) accv[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16 * c), accv[c]);
             }
             for (int c = 0; c < HD / 16; ++c) _mm512_storeu_ps(ar + 16 * c, accv[c]);
+          } else
+#elif defined(TOKENMILL_AVX2)
+          if constexpr (fixed_d && HD % 8 == 0) {
+            // the row's accumulator in registers across the block's keys, 64 values at a time
+            constexpr int CH = HD / 8 < 8 ? HD / 8 : 8;
+            for (int c0 = 0; c0 < HD / 8; c0 += CH) {
+              __m256 accv[CH];
+              for (int c = 0; c < CH; ++c) accv[c] = _mm256_loadu_ps(ar + 8 * (c0 + c));
+              for (int64_t t = lo; t < visible; ++t) {
+                const __m256 p = _mm256_set1_ps(scores[t]);
+                const float* vr = vbase + t * kv_stride + 8 * c0;
+                for (int c = 0; c < CH; ++c) accv[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * c), accv[c]);
+              }
+              for (int c = 0; c < CH; ++c) _mm256_storeu_ps(ar + 8 * (c0 + c), accv[c]);
+            }
           } else
 #endif
           {
             for (int64_t t = lo; t < visible; ++t) {
               const float p = scores[t];
-              const float* vr = vf.data() + t * d;
+              const float* vr = vbase + t * kv_stride;
 #pragma omp simd
               for (int64_t x = 0; x < d; ++x) ar[x] += p * vr[x];
             }
@@ -667,16 +720,7 @@ inline void tile(const float* x, const W* w, int64_t k, int64_t nr, float out[4]
 #ifdef TOKENMILL_AVX2
 // The AVX2 twin of the tile above (8 lanes; float16 weights through F16C, bfloat16 by a
 // shift): what most laptops and cloud VMs run. k must be a multiple of 8 (small_linear
-// takes the portable loop otherwise).
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-inline __m256 load8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
+// takes the portable loop otherwise). (load8: above, with attention's.)
 
 template <typename W, int MR>
 inline void tile(const float* x, const W* w, int64_t k, int64_t nr, float out[4][4]) {

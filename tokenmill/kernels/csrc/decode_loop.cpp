@@ -123,7 +123,7 @@ class TeamBarrier {
   }
 
  private:
-  static constexpr int64_t SPINS = 1 << 16;
+  static constexpr int64_t SPINS = 1 << 12;  // ~0.1 ms: past any wait inside a step (a few us)
   int64_t threads_;
   alignas(64) std::atomic<int64_t> arrived_{0};
   alignas(64) std::atomic<int64_t> generation_{0};
