@@ -18,7 +18,7 @@ norm's output.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -167,6 +167,8 @@ class FusedPlan:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    # the native kernels' handle on these tensors and the caches (model/ops.layer_stack), made at first use
+    native_stack: tuple | None = field(default=None, repr=False, compare=False)
 
 
 def _fused_linear(linear: nn.Module, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[int]] | None:

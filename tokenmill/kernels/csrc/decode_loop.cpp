@@ -32,6 +32,7 @@
 #if defined(__SSE2__)
 #include <immintrin.h>
 #endif
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <atomic>
@@ -245,16 +246,36 @@ Tensor team_layers(Tensor x, Tensor h, const std::vector<Tensor>& weights, const
   return hn;
 }
 
+// A model's layers as decode_layers reads them, with its caches, held on the C++ side from one step
+// to the next: passed as lists, their ~500 tensors were boxed one by one through the dispatcher on
+// every call (~0.45 ms a step of the bundled file, 6%).
+struct LayerStack : torch::CustomClassHolder {
+  std::vector<Tensor> weights, k_caches, v_caches;
+  std::vector<int64_t> kinds;
+
+  LayerStack(std::vector<Tensor> weights_, std::vector<int64_t> kinds_, std::vector<Tensor> k_caches_,
+             std::vector<Tensor> v_caches_)
+      : weights(std::move(weights_)), k_caches(std::move(k_caches_)), v_caches(std::move(v_caches_)),
+        kinds(std::move(kinds_)) {
+    const int64_t layers = static_cast<int64_t>(k_caches.size());
+    TORCH_CHECK(layers > 0 && static_cast<int64_t>(weights.size()) == layers * PER_LAYER &&
+                    static_cast<int64_t>(kinds.size()) == layers * 8 &&
+                    static_cast<int64_t>(v_caches.size()) == layers,
+                "LayerStack: expects ", PER_LAYER, " weights, 8 kinds and a K and a V cache per layer");
+  }
+};
+
 // x: the residual stream [n, hidden] (updated in place); h: the first layer's normed input.
 // Returns the last norm's output, as the Python loop does.
-Tensor decode_layers(Tensor x, Tensor h, std::vector<Tensor> weights, std::vector<int64_t> kinds, Tensor positions,
-                     Tensor cos, Tensor sin, std::vector<Tensor> k_caches, std::vector<Tensor> v_caches, Tensor slots,
-                     Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, Tensor seq_ids, double scale,
-                     double eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t partition) {
+Tensor decode_layers(Tensor x, Tensor h, const c10::intrusive_ptr<LayerStack>& stack, Tensor positions, Tensor cos,
+                     Tensor sin, Tensor slots, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens,
+                     Tensor seq_ids, double scale, double eps, int64_t num_heads, int64_t num_kv_heads,
+                     int64_t head_dim, int64_t partition) {
+  const std::vector<Tensor>& weights = stack->weights;
+  const std::vector<int64_t>& kinds = stack->kinds;
+  const std::vector<Tensor>& k_caches = stack->k_caches;
+  const std::vector<Tensor>& v_caches = stack->v_caches;
   const int64_t layers = static_cast<int64_t>(k_caches.size());
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * PER_LAYER &&
-                  static_cast<int64_t>(kinds.size()) == layers * 8 && static_cast<int64_t>(v_caches.size()) == layers,
-              "decode_layers: expects ", PER_LAYER, " weights and 8 kinds per layer");
   if (team_applies(x, kinds, k_caches))
     return team_layers(x, h, weights, kinds, positions, cos, sin, k_caches, v_caches, slots, block_tables,
                        query_start_loc, seq_lens, seq_ids, scale, eps, num_heads, num_kv_heads, head_dim, partition);
@@ -284,10 +305,12 @@ Tensor decode_layers(Tensor x, Tensor h, std::vector<Tensor> weights, std::vecto
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
-  m.def("decode_layers(Tensor(a!) x, Tensor h, Tensor[] weights, int[] kinds, Tensor positions, Tensor cos, "
-        "Tensor sin, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor slots, Tensor block_tables, "
-        "Tensor query_start_loc, Tensor seq_lens, Tensor seq_ids, float scale, float eps, int num_heads, "
-        "int num_kv_heads, int head_dim, int partition) -> Tensor");
+  m.class_<LayerStack>("LayerStack")
+      .def(torch::init<std::vector<Tensor>, std::vector<int64_t>, std::vector<Tensor>, std::vector<Tensor>>());
+  m.def("decode_layers(Tensor(a!) x, Tensor h, __torch__.torch.classes.tokenmill.LayerStack stack, Tensor positions, "
+        "Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, "
+        "Tensor seq_ids, float scale, float eps, int num_heads, int num_kv_heads, int head_dim, int partition) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("decode_layers", &decode_layers); }
