@@ -268,6 +268,43 @@ def test_cpp_layer_loop_over_contexts_of_several_partitions_is_bit_identical_to_
     assert torch.equal(results[True][1], results[False][1])
 
 
+def test_cpp_layer_loop_takes_block_weight_steps_of_up_to_32_tokens_bit_identical_to_the_python_loop():
+    """Where every linear is in GGUF blocks, steps of up to 32 tokens run in C++ (batched decode,
+    short chunks beside decodes): a step of 12 sequences' next tokens, and one of a 20-token chunk
+    continuing a prompt beside two decodes, give the Python loop's logits to the bit."""
+    from tests.helpers import all_logits, seq
+
+    llm = LLM(dtype="float32", quant_arithmetic="int8", progress=False, kv_cache_memory="64MiB",
+              enable_prefix_caching=False)  # fmt: skip
+    model, runner, pool = llm.parts.model, llm.engine.runner, llm.engine.block_pool
+    assert model.fused_plan is not None and model.fused_plan.blocks_only
+    ops, calls = model.ops, []
+    loop = ops.decoder_layers
+    ops.decoder_layers = lambda *a: calls.append(loop(*a)) or calls[-1]  # records whether C++ took the step
+    prompts = [llm.tokenizer.encode(f"Sequence number {i} says hello to") for i in range(12)]
+    tables = [pool.allocate(4) for _ in prompts]
+    try:
+        for ids, blocks in zip(prompts, tables, strict=True):
+            all_logits(runner, [seq(ids, blocks)])
+        results = {}
+        for fused in (True, False):
+            model._fused_plan = False if fused else None  # None: the Python loop
+            calls.clear()
+            twelve = all_logits(runner, [seq([7 + i], blocks, num_computed=len(ids))
+                                         for i, (ids, blocks) in enumerate(zip(prompts, tables, strict=True))])  # fmt: skip
+            chunk = all_logits(runner, [seq(range(100, 120), tables[0], num_computed=len(prompts[0]) + 1),
+                                        *(seq([5], tables[i], num_computed=len(prompts[i]) + 1) for i in (1, 2))])  # fmt: skip
+            assert len(calls) == (2 if fused else 0) and all(c is not None for c in calls)
+            results[fused] = (twelve, chunk)
+    finally:
+        model._fused_plan = False
+        del ops.decoder_layers
+        for blocks in tables:
+            pool.free(blocks)
+    assert torch.equal(results[True][0], results[False][0])
+    assert torch.equal(results[True][1], results[False][1])
+
+
 def test_cpp_layer_loop_runs_block_weights_bit_identical_to_the_python_loop():
     """Decode steps in C++ (decode_layers) over block weights, one layer's qkv made of two
     block types as Q4_K_M files have it (q and k in one, v in another: here Q4_1 and Q8_0,

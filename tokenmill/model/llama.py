@@ -167,6 +167,7 @@ class FusedPlan:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    blocks_only: bool  # every linear in GGUF blocks (kinds' bits < 0)
     # the native kernels' handle on these tensors and the caches (model/ops.layer_stack), made at first use
     native_stack: tuple | None = field(default=None, repr=False, compare=False)
 
@@ -320,7 +321,9 @@ class LlamaForCausalLM(nn.Module):
                 weights += fused[0]
                 kinds += fused[1]
         attn = self.layers[0].self_attn
-        return FusedPlan(weights, kinds, attn.scale, cfg.rms_norm_eps, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        blocks_only = all(bits < 0 for bits in kinds[::2])
+        return FusedPlan(weights, kinds, attn.scale, cfg.rms_norm_eps, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                         blocks_only)  # fmt: skip
 
     @property
     def head_reads_embedding(self) -> bool:

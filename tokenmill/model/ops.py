@@ -22,6 +22,7 @@ from tokenmill.model.layers.attention import AttentionMetadata, fresh_prefill_at
 from tokenmill.model.layers.kv_cache import KVCacheLayer
 from tokenmill.model.layers.norm import rms_norm
 from tokenmill.model.layers.rotary import RotaryEmbedding
+from tokenmill.quant.blocks import INT8_MAX_ROWS
 from tokenmill.quant.packed import EXACT_BF16_ROWS
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
@@ -33,6 +34,9 @@ PARTITION_TOKENS = 256  # FlashDecoding split of a long context across threads
 # allows: within the float linears' small-batch kernel range, and the rows the quantised
 # linears multiply with float32 weights under any dtype (the C++ loop asks for those).
 FUSED_MAX_TOKENS = min(FLOAT_ROWS, EXACT_BF16_ROWS)
+# ... and up to this many where every linear is in GGUF blocks (their kernel takes any rows; on
+# float32 activations the C++ loop then runs the step in one team of threads): batched decode.
+BLOCKS_FUSED_MAX_TOKENS = INT8_MAX_ROWS
 
 
 class TorchOps:
@@ -142,7 +146,7 @@ class NativeOps(TorchOps):
 
     def decoder_layers(self, x, h, plan, positions, rotary, kv_caches, meta):
         first = kv_caches[0]
-        if x.shape[0] > FUSED_MAX_TOKENS or not self._native(x) or first.quant is not None or first.k.dtype not in NATIVE_DTYPES:
+        if x.shape[0] > (BLOCKS_FUSED_MAX_TOKENS if plan.blocks_only else FUSED_MAX_TOKENS) or not self._native(x) or first.quant is not None or first.k.dtype not in NATIVE_DTYPES:
             return None
         index = meta.kernel_index(self._fresh_sdpa_min)
         if index.fresh_seqs or meta.tree_masks:  # a long fresh prefill takes SDPA, a tree its mask: the Python loop
