@@ -15,7 +15,6 @@
 // GGUF blocks (ggml_ops.cpp) minus its GGML type, and in group 0 or the type of a second part whose
 // outputs follow the first's (a Q4_K_M file's qkv: q and k in Q4_K, v in Q6_K), its blocks in the
 // scale's place.
-
 //
 // Where every linear is in GGUF blocks and the activations are float32 (the int8 arithmetic's
 // decode), the whole step runs in one OpenMP team instead (team_layers): the separate calls cost
@@ -36,7 +35,6 @@
 #include <torch/library.h>
 
 #include <atomic>
-#include <cstdlib>
 #include <exception>
 #include <memory>
 #include <thread>
@@ -149,11 +147,15 @@ Tensor team_layers(Tensor x, Tensor h, const std::vector<Tensor>& weights, const
     linears.emplace_back(weights, w0 + 2, kind[0], kind[1], hidden);
     linears.emplace_back(weights, w0 + 5, kind[2], kind[3], q_size);
     linears.emplace_back(weights, w0 + 8, kind[4], kind[5], hidden);
-    linears.emplace_back(weights, w0 + 11, kind[6], kind[7], linears.back().n / 2);
+    const int64_t inter_i = linears.back().n / 2;  // gate_up's halves
+    linears.emplace_back(weights, w0 + 11, kind[6], kind[7], inter_i);
     TORCH_CHECK(linears[4 * i].n == q_size + 2 * kv_size && linears[4 * i + 1].n == hidden &&
-                    linears[4 * i + 3].n == hidden && k_caches[i].sizes() == k_caches[0].sizes() &&
-                    k_caches[i].scalar_type() == k_caches[0].scalar_type(),
-                "decode_layers: layer ", i, "'s weights or cache do not match the model's shapes");
+                    linears[4 * i + 3].n == hidden && inter_i == linears[2].n / 2,
+                "decode_layers: layer ", i, "'s weights do not match the model's shapes");
+    for (const Tensor* c : {&k_caches[i], &v_caches[i]})
+      TORCH_CHECK(c->sizes() == k_caches[0].sizes() && c->scalar_type() == k_caches[0].scalar_type() &&
+                      c->is_contiguous(),
+                  "decode_layers: layer ", i, "'s caches do not match the first layer's");
   }
   const int64_t inter = linears[2].n / 2;
   const auto opts = x.options();
