@@ -491,7 +491,9 @@ void check_attention(const Tensor& out, const Tensor& q, const Tensor& k_cache, 
               "paged_attention: a quantised cache needs contiguous bfloat16 scales");
 }
 
-void (*attention_merge_fn(const Tensor& q))(AttnPlan&, void*, int64_t, int64_t) {
+using AttnMergeFn = void (*)(AttnPlan&, void*, int64_t, int64_t);
+
+AttnMergeFn attention_merge_fn(const Tensor& q) {
   return q.scalar_type() == at::kFloat ? attention_merge<float> : attention_merge<c10::BFloat16>;
 }
 
@@ -843,7 +845,7 @@ void add_rms_norm_out(at::Tensor y, at::Tensor x, at::Tensor r, at::Tensor w, do
 struct AttentionStep::Impl {
   AttnPlan plan;
   AttnWorkFn work;
-  void (*merge)(AttnPlan&, void*, int64_t, int64_t);
+  AttnMergeFn merge;
 };
 
 AttentionStep::AttentionStep(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,

@@ -91,21 +91,12 @@ struct TeamLinear {
   }
 };
 
-bool team_applies(const Tensor& x, const std::vector<int64_t>& kinds, const std::vector<Tensor>& k_caches) {
-  if (x.scalar_type() != at::kFloat || x.size(0) > tokenmill::ggml::INT8_MAX_ROWS) return false;
-  for (size_t i = 0; i < kinds.size(); i += 2)
-    if (kinds[i] >= 0) return false;  // a float or a widened weight: the calls below
-  const auto ct = k_caches[0].scalar_type();
-  return ct == at::kFloat || ct == at::kBFloat16 || ct == at::kHalf;
-}
-
 // A barrier for the team's threads that spins (a few hundred nanoseconds where OpenMP's own took
 // ~1.2 us on a 2-core EPYC, ten times a layer), yielding the core after a while in case the
 // machine has more threads than cores.
 class TeamBarrier {
  public:
-  explicit TeamBarrier(int64_t threads) : threads_(threads) {}
-  void resize(int64_t threads) { threads_ = threads; }
+  void resize(int64_t threads) { threads_ = threads; }  // (before any thread waits)
   void wait() {
     const int64_t gen = generation_.load(std::memory_order_acquire);
     if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == threads_) {
@@ -123,40 +114,80 @@ class TeamBarrier {
 
  private:
   static constexpr int64_t SPINS = 1 << 12;  // ~0.1 ms: past any wait inside a step (a few us)
-  int64_t threads_;
+  int64_t threads_ = 1;
   alignas(64) std::atomic<int64_t> arrived_{0};
   alignas(64) std::atomic<int64_t> generation_{0};
 };
 
+// A model's layers as decode_layers reads them, with its caches, held on the C++ side from one step
+// to the next: passed as lists, their ~500 tensors were boxed one by one through the dispatcher on
+// every call (~0.45 ms a step of the bundled file, 6%). Where every linear is in blocks it also
+// holds them as the team's products (checked once, their activation buffers reused every step).
+struct LayerStack : torch::CustomClassHolder {
+  std::vector<Tensor> weights, k_caches, v_caches;
+  std::vector<int64_t> kinds;
+  bool blocks_only = true;         // every linear in GGUF blocks (and an unquantised cache): the team can run it
+  std::vector<TeamLinear> linears;  // the team's, four a layer; made by the first step the team takes
+
+  LayerStack(std::vector<Tensor> weights_, std::vector<int64_t> kinds_, std::vector<Tensor> k_caches_,
+             std::vector<Tensor> v_caches_)
+      : weights(std::move(weights_)), k_caches(std::move(k_caches_)), v_caches(std::move(v_caches_)),
+        kinds(std::move(kinds_)) {
+    const int64_t layers = static_cast<int64_t>(k_caches.size());
+    TORCH_CHECK(layers > 0 && static_cast<int64_t>(weights.size()) == layers * PER_LAYER &&
+                    static_cast<int64_t>(kinds.size()) == layers * 8 &&
+                    static_cast<int64_t>(v_caches.size()) == layers,
+                "LayerStack: expects ", PER_LAYER, " weights, 8 kinds and a K and a V cache per layer");
+    for (size_t i = 0; i < kinds.size(); i += 2) blocks_only &= kinds[i] < 0;  // else a float or widened weight
+    const auto ct = k_caches[0].scalar_type();
+    blocks_only &= ct == at::kFloat || ct == at::kBFloat16 || ct == at::kHalf;
+  }
+
+  // The team's linears for these shapes, every weight and cache checked (nothing in the team throws).
+  std::vector<TeamLinear>& team_linears(int64_t hidden, int64_t q_size, int64_t kv_size) {
+    if (!linears.empty()) {
+      TORCH_CHECK(linears[0].n == q_size + 2 * kv_size && linears[1].n == hidden,
+                  "decode_layers: the step's shapes are not the model's");
+      return linears;
+    }
+    const int64_t layers = static_cast<int64_t>(k_caches.size());
+    std::vector<TeamLinear> made;
+    made.reserve(layers * 4);
+    for (int64_t i = 0; i < layers; ++i) {
+      const int64_t w0 = i * PER_LAYER;
+      const int64_t* kind = kinds.data() + i * 8;
+      made.emplace_back(weights, w0 + 2, kind[0], kind[1], hidden);
+      made.emplace_back(weights, w0 + 5, kind[2], kind[3], q_size);
+      made.emplace_back(weights, w0 + 8, kind[4], kind[5], hidden);
+      const int64_t inter_i = made.back().n / 2;  // gate_up's halves
+      made.emplace_back(weights, w0 + 11, kind[6], kind[7], inter_i);
+      TORCH_CHECK(made[4 * i].n == q_size + 2 * kv_size && made[4 * i + 1].n == hidden && made[4 * i + 3].n == hidden &&
+                      inter_i == made[2].n / 2,
+                  "decode_layers: layer ", i, "'s weights do not match the model's shapes");
+      for (const Tensor* c : {&k_caches[i], &v_caches[i]})
+        TORCH_CHECK(c->sizes() == k_caches[0].sizes() && c->scalar_type() == k_caches[0].scalar_type() &&
+                        c->is_contiguous(),
+                    "decode_layers: layer ", i, "'s caches do not match the first layer's");
+    }
+    linears = std::move(made);
+    return linears;
+  }
+};
+
 // decode_layers for block weights and float32 activations, in one team of threads.
-Tensor team_layers(Tensor x, Tensor h, const std::vector<Tensor>& weights, const std::vector<int64_t>& kinds,
-                   const Tensor& positions, const Tensor& cos, const Tensor& sin, const std::vector<Tensor>& k_caches,
-                   const std::vector<Tensor>& v_caches, const Tensor& slots, const Tensor& block_tables,
-                   const Tensor& query_start_loc, const Tensor& seq_lens, const Tensor& seq_ids, double scale,
-                   double eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t partition) {
+Tensor team_layers(Tensor x, Tensor h, LayerStack& stack, const Tensor& positions, const Tensor& cos,
+                   const Tensor& sin, const Tensor& slots, const Tensor& block_tables, const Tensor& query_start_loc,
+                   const Tensor& seq_lens, const Tensor& seq_ids, double scale, double eps, int64_t num_heads,
+                   int64_t num_kv_heads, int64_t head_dim, int64_t partition) {
+  const std::vector<Tensor>& weights = stack.weights;
+  const std::vector<Tensor>& k_caches = stack.k_caches;
+  const std::vector<Tensor>& v_caches = stack.v_caches;
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   const int64_t n = x.size(0), hidden = x.size(1), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   TORCH_CHECK(x.is_contiguous() && h.is_contiguous() && h.sizes() == x.sizes() && h.scalar_type() == x.scalar_type(),
               "decode_layers: x and h must be contiguous [n, hidden] of one dtype");
-  // Every weight checked and every buffer allocated here, before the team: nothing in it throws.
-  std::vector<TeamLinear> linears;
-  linears.reserve(layers * 4);
-  for (int64_t i = 0; i < layers; ++i) {
-    const int64_t w0 = i * PER_LAYER;
-    const int64_t* kind = kinds.data() + i * 8;
-    linears.emplace_back(weights, w0 + 2, kind[0], kind[1], hidden);
-    linears.emplace_back(weights, w0 + 5, kind[2], kind[3], q_size);
-    linears.emplace_back(weights, w0 + 8, kind[4], kind[5], hidden);
-    const int64_t inter_i = linears.back().n / 2;  // gate_up's halves
-    linears.emplace_back(weights, w0 + 11, kind[6], kind[7], inter_i);
-    TORCH_CHECK(linears[4 * i].n == q_size + 2 * kv_size && linears[4 * i + 1].n == hidden &&
-                    linears[4 * i + 3].n == hidden && inter_i == linears[2].n / 2,
-                "decode_layers: layer ", i, "'s weights do not match the model's shapes");
-    for (const Tensor* c : {&k_caches[i], &v_caches[i]})
-      TORCH_CHECK(c->sizes() == k_caches[0].sizes() && c->scalar_type() == k_caches[0].scalar_type() &&
-                      c->is_contiguous(),
-                  "decode_layers: layer ", i, "'s caches do not match the first layer's");
-  }
+  // Every weight checked (once, by the stack) and every buffer allocated here, before the team.
+  std::vector<TeamLinear>& linears = stack.team_linears(hidden, q_size, kv_size);
   const int64_t inter = linears[2].n / 2;
   const auto opts = x.options();
   Tensor qkv = at::empty({n, q_size + 2 * kv_size}, opts), attn = at::empty({n, num_heads, head_dim}, opts);
@@ -189,7 +220,7 @@ Tensor team_layers(Tensor x, Tensor h, const std::vector<Tensor>& weights, const
     }
   };
 
-  TeamBarrier barrier(team);
+  TeamBarrier barrier;
   first(0, [&] { linears[0].quantise(hn_p, n); });
 #pragma omp parallel num_threads(team)
   {
@@ -248,24 +279,6 @@ Tensor team_layers(Tensor x, Tensor h, const std::vector<Tensor>& weights, const
   return hn;
 }
 
-// A model's layers as decode_layers reads them, with its caches, held on the C++ side from one step
-// to the next: passed as lists, their ~500 tensors were boxed one by one through the dispatcher on
-// every call (~0.45 ms a step of the bundled file, 6%).
-struct LayerStack : torch::CustomClassHolder {
-  std::vector<Tensor> weights, k_caches, v_caches;
-  std::vector<int64_t> kinds;
-
-  LayerStack(std::vector<Tensor> weights_, std::vector<int64_t> kinds_, std::vector<Tensor> k_caches_,
-             std::vector<Tensor> v_caches_)
-      : weights(std::move(weights_)), k_caches(std::move(k_caches_)), v_caches(std::move(v_caches_)),
-        kinds(std::move(kinds_)) {
-    const int64_t layers = static_cast<int64_t>(k_caches.size());
-    TORCH_CHECK(layers > 0 && static_cast<int64_t>(weights.size()) == layers * PER_LAYER &&
-                    static_cast<int64_t>(kinds.size()) == layers * 8 &&
-                    static_cast<int64_t>(v_caches.size()) == layers,
-                "LayerStack: expects ", PER_LAYER, " weights, 8 kinds and a K and a V cache per layer");
-  }
-};
 
 // x: the residual stream [n, hidden] (updated in place); h: the first layer's normed input.
 // Returns the last norm's output, as the Python loop does.
@@ -278,9 +291,9 @@ Tensor decode_layers(Tensor x, Tensor h, const c10::intrusive_ptr<LayerStack>& s
   const std::vector<Tensor>& k_caches = stack->k_caches;
   const std::vector<Tensor>& v_caches = stack->v_caches;
   const int64_t layers = static_cast<int64_t>(k_caches.size());
-  if (team_applies(x, kinds, k_caches))
-    return team_layers(x, h, weights, kinds, positions, cos, sin, k_caches, v_caches, slots, block_tables,
-                       query_start_loc, seq_lens, seq_ids, scale, eps, num_heads, num_kv_heads, head_dim, partition);
+  if (stack->blocks_only && x.scalar_type() == at::kFloat && x.size(0) <= tokenmill::ggml::INT8_MAX_ROWS)
+    return team_layers(x, h, *stack, positions, cos, sin, slots, block_tables, query_start_loc, seq_lens, seq_ids,
+                       scale, eps, num_heads, num_kv_heads, head_dim, partition);
   const int64_t n = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   for (int64_t i = 0; i < layers; ++i) {
     const int64_t w0 = i * PER_LAYER;
