@@ -141,7 +141,7 @@ def test_native_blocks_are_greedy_identical_to_the_dequantized_path(float_llm):
 def test_tiny_gguf_of_each_type_matches_its_dequantized_twin(tmp_path, llm, weight_type):
     """A tiny Llama written with every 2-D weight in one type (the K-quants as random blocks):
     served from the file's own blocks with the float arithmetic (F16/BF16: 16-bit weights under
-    float32 compute; the int8 arithmetic: test_gguf_int8), the log-probabilities of 24 greedy tokens are within 1e-4 of the dequantised float32 model's,
+    float32 compute; the int8 arithmetic: test_gguf_int8), the log-probabilities of 24 greedy tokens are within 3e-4 of the dequantised float32 model's,
     and the tokens equal."""
     hf = make_tiny_llama(tmp_path / "hf", vocab_size=llm.config.vocab_size, hidden_size=256, intermediate_size=512,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
@@ -160,7 +160,9 @@ def test_tiny_gguf_of_each_type_matches_its_dequantized_twin(tmp_path, llm, weig
     a, b = native.generate(prompts, params), ref.generate(prompts, params)
     for x, y in zip(a, b, strict=True):
         assert x.token_ids == y.token_ids
-        np.testing.assert_allclose(x.outputs[0].logprobs, y.outputs[0].logprobs, rtol=1e-4, atol=1e-4)
+        # two float32 sums in different orders (the blocks' kernels; the twin's prefill through the
+        # GEMM tiles): 2.2e-4 apart at worst here (Q6_K), where a wrong block would be ~1 off
+        np.testing.assert_allclose(x.outputs[0].logprobs, y.outputs[0].logprobs, rtol=3e-4, atol=3e-4)
 
 
 def test_quantization_none_and_torch_kernels_dequantize_at_load():

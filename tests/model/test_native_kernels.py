@@ -283,11 +283,47 @@ def test_big_bfloat16_batches_upcast_to_float32_gemm():
             assert (out.double() - exact).abs().max() <= (plain.double() - exact).abs().max()
 
 
-def test_batches_of_16_bit_weights_under_float32_multiply_slab_by_slab_as_one_product(monkeypatch):
-    """A GGUF's F16/BF16 weights under float32 compute, batches past the small-linear kernel:
-    the weight is upcast a slab at a time (kernels/linear.py SLAB_BYTES), and the product is the
-    whole float32 one's to float32 rounding: slabs that split the rows unevenly, one slab, and
-    a bfloat16 weight under bfloat16 compute upcast for a big batch."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_float32_batches_past_the_small_kernel_run_on_the_gemm_tiles_batch_invariant(dtype):
+    """Prefill-sized float32 batches (past the small-linear kernel) go to the own GEMM tiles
+    (csrc/gemm.cpp) for float32, F16 and BF16 weights: the product to float32 rounding, with
+    edge tiles on both sides (300 outputs: 18 panels of 16 and 12; rows not a multiple of 6;
+    k neither a multiple of 8 nor of the 256-step panels), and every row's output the same bits
+    whatever batch it came in. Float32 weights past TILE_ROWS go to PyTorch's GEMM."""
+    from tokenmill.kernels.linear import TILE_ROWS, NativeLinear
+
+    g = torch.Generator().manual_seed(5)
+    for k in (576, 581, 1100):
+        w = torch.randn(300, k, generator=g).to(dtype)
+        layer = NativeLinear(w)
+        for rows in (9, 40, TILE_ROWS + 1):
+            x = torch.randn(rows, k, generator=g)
+            exact = torch.nn.functional.linear(x.double(), w.double())
+            out = layer(x)
+            assert out.dtype == torch.float32 and out.shape == (rows, 300) and out.is_contiguous()
+            torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-4)
+        x = torch.randn(40, k, generator=g)
+        assert torch.equal(layer(x)[17:], layer(x[17:].clone()))  # rows 17-39 alone, and in the batch of 40
+        assert torch.equal(torch.ops.tokenmill.tile_gemm(x, w)[3], torch.ops.tokenmill.tile_gemm(x[3:4], w)[0])
+
+
+def test_gemm_tiles_are_as_close_to_the_exact_product_as_torchs_gemm():
+    """Long sums (k = 2048: 8 panels of 256) are not one FMA chain: each panel's chain from zero,
+    the panels added, so the error stays at PyTorch's (MKL's) own level, not ~3x it."""
+    g = torch.Generator().manual_seed(11)
+    x, w = torch.randn(64, 2048, generator=g), torch.randn(512, 2048, generator=g)
+    exact = x.double() @ w.double().T
+    ours = (torch.ops.tokenmill.tile_gemm(x, w).double() - exact).abs().mean()
+    theirs = (torch.nn.functional.linear(x, w).double() - exact).abs().mean()
+    assert ours <= 1.5 * theirs, (ours, theirs)
+
+
+def test_16_bit_weights_upcast_slab_by_slab_as_one_product(monkeypatch):
+    """16-bit weights multiplied in float32 through PyTorch's GEMM (where the tiles do not
+    run: a bfloat16 model's big batches, a build without them): the weight is upcast a slab at
+    a time (kernels/linear.py SLAB_BYTES), and the product is the whole float32 one's to float32
+    rounding: slabs that split the rows unevenly, one slab, and a bfloat16 weight under
+    bfloat16 compute upcast for a big batch."""
     from tokenmill.kernels import linear as native_linear
 
     g = torch.Generator().manual_seed(5)
@@ -297,7 +333,7 @@ def test_batches_of_16_bit_weights_under_float32_multiply_slab_by_slab_as_one_pr
             w = torch.randn(300, 576, generator=g).to(dtype)
             x = torch.randn(40, 576, generator=g)
             ref = torch.nn.functional.linear(x, w.float())
-            out = native_linear.NativeLinear(w)(x)
+            out = native_linear.upcast_linear(x, w)
             assert out.dtype == torch.float32 and out.shape == (40, 300) and out.is_contiguous()
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
         wb = torch.randn(300, 576, generator=g).bfloat16()
@@ -351,6 +387,8 @@ def test_avx2_only_build_matches_the_reference():
         "    t.test_small_linear_matches_torch(torch.float32, rows)\n"
         "t.test_int8_small_linear_matches_the_int8_reference(1)\n"
         "t.test_small_linear_float16_weights(3)\n"
+        "for dtype in (torch.float32, torch.float16):\n"
+        "    t.test_float32_batches_past_the_small_kernel_run_on_the_gemm_tiles_batch_invariant(dtype)\n"
         "t.test_cpp_layer_loop_is_bit_identical_to_the_python_loop('float32', 'auto')\n"
     )
 

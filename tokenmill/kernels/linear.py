@@ -4,8 +4,9 @@ At batch 1 a linear layer is a pass over its weights, so it should run at memory
 bandwidth; PyTorch's CPU matmul reaches about half of it for bfloat16 weights (8-10
 GB/s where a read streams at 16-20, bench/RESULTS.md). ``small_linear`` (the native
 kernel: 4x4 register tiles, weights prefetched a tile ahead) takes over up to a few
-rows, where it was measured faster; bigger batches and prefill stay on PyTorch's GEMM
-(in float32 for big bfloat16 batches where that is faster, see UPCAST_ROWS).
+rows, where it was measured faster; bigger float32 batches and prefill go to ``tile_gemm``
+(our own 6x16 GEMM tiles, see TILE_ROWS), bfloat16 ones to PyTorch's GEMM (in float32 for
+big batches where that is faster, see UPCAST_ROWS).
 The swap happens once at load, on the CPU, when the native kernels are in use.
 """
 
@@ -32,6 +33,12 @@ UPCAST_ROWS = 128
 # upcasting the whole matrix each call allocated and faulted in 4 fresh bytes a weight per call
 # (a 1B F16 file's prefill under float32: ~30 tok/s, half llama.cpp's).
 SLAB_BYTES = 1 << 23
+# float32 activations go to the own GEMM tiles (csrc/gemm.cpp) past FLOAT_ROWS: always for 16-bit
+# weights (converted as they are packed, no float32 copy; 1B F16 prefill 0.74x -> 0.87x llama.cpp),
+# up to this many rows for float32 weights, where it beat PyTorch's (MKL's) GEMM on an AVX2 EPYC
+# (SmolLM2 and Llama-1B shapes, 2 threads: 1.3-2.0x at 9-64 rows, 1.02-1.17x at 256; at 512-1024
+# rows 0.91-1.06x).
+TILE_ROWS = 256
 
 
 class NativeLinear(nn.Module):
@@ -50,6 +57,8 @@ class NativeLinear(nn.Module):
         sixteen = self.weight.dtype in (torch.float16, torch.bfloat16)  # a GGUF's F16/BF16 kept as stored
         if rows <= FLOAT_ROWS and (same or sixteen) and flat.dtype in (torch.float32, torch.bfloat16):
             out = torch.ops.tokenmill.small_linear(flat, self.weight, None)
+        elif flat.dtype == torch.float32 and (sixteen or rows <= TILE_ROWS) and hasattr(torch.ops.tokenmill, "tile_gemm"):
+            out = torch.ops.tokenmill.tile_gemm(flat, self.weight)
         elif not same:  # 16-bit weights under another compute dtype: multiply in float32, round once
             out = upcast_linear(flat, self.weight).to(flat.dtype)
         elif self.upcast_rows is not None and rows >= self.upcast_rows and same and flat.dtype == torch.bfloat16:

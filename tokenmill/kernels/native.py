@@ -24,7 +24,7 @@ from tokenmill.kernels.cpu import cpu_info
 
 log = logging.getLogger("tokenmill")
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("cpu_ops.cpp", "quant_ops.cpp", "ggml_ops.cpp", "ggml_groups.cpp", "decode_loop.cpp")]
+SOURCES = [CSRC / name for name in ("cpu_ops.cpp", "quant_ops.cpp", "ggml_ops.cpp", "ggml_groups.cpp", "decode_loop.cpp", "gemm.cpp")]
 # -fopenmp: at::parallel_for is inline OpenMP, compiled into our code (without it, one thread)
 BASE_CFLAGS = ["-O3", "-fopenmp", "-Wno-unused-function"]
 
