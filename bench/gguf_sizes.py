@@ -10,7 +10,7 @@ bundled file; weights N(0, 0.02), norms 1), then quantised with llama.cpp's own
 ``llama-quantize`` (files cached in --dir, never committed). Per type and round,
 alternating: tokenmill in a fresh process for each arithmetic (load time with the page
 cache warm; decode tok/s of 64 greedy tokens after an 8-token prompt; prefill tok/s of a
-256-token prompt; with --depth N, decode tok/s of 64 tokens after an N-token prompt), then
+256-token prompt after a warm-up one, the mean of two as ``llama-bench -r 2`` takes it; with --depth N, decode tok/s of 64 tokens after an N-token prompt), then
 ``llama-bench -p 256 -n 64`` (and ``-p 0 -n 64 -d N``) on the same cores. Results and the CPU
 go to bench/results/gguf_sizes.json and a plot to gguf_sizes.png.
 """
@@ -123,10 +123,12 @@ def measure(path: str, arithmetic: str, threads: int, depth: int = 0) -> dict:
     out = llm.generate(["The quick brown fox jumps over the lazy"], decode)[0]
     decode_s = time.perf_counter() - t0
     first = out.timings[0].ttft or 0.0  # decode only: the prompt's step taken out
-    ids = list(range(1000, 1256))
-    t0 = time.perf_counter()
-    llm.generate([ids], SamplingParams(max_tokens=1, temperature=0))
-    prefill_s = time.perf_counter() - t0
+    prefills = []  # as llama-bench -r 2 times them: a warm-up prompt, then the mean of two (new tokens each)
+    for start in (1000, 3000, 5000):
+        t0 = time.perf_counter()
+        llm.generate([list(range(start, start + 256))], SamplingParams(max_tokens=1, temperature=0))
+        prefills.append(time.perf_counter() - t0)
+    prefill_s = statistics.mean(prefills[1:])
     res = {"load_s": load_s, "decode_tok_s": 63 / max(1e-9, decode_s - first), "prefill_tok_s": 256 / prefill_s}
     if depth:
         t0 = time.perf_counter()
