@@ -53,7 +53,7 @@ import httpx
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE.parent))
-from tokenmill.benchmark.serve import percentiles  # noqa: E402
+from tokenmill.engine.stats import percentiles  # noqa: E402
 from tokenmill.kernels.cpu import cpu_info  # noqa: E402
 
 RAY_PORT = 6391

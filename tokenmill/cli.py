@@ -113,7 +113,8 @@ def _add_train_draft_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_train_draft(args: argparse.Namespace) -> int:
-    from tokenmill.speculative.train import train_draft
+    from tokenmill.llm import LLM
+    from tokenmill.speculative.train import read_prompts, train_draft
     from tokenmill.speculative.train_options import TrainOptions
 
     for name in ("num_prompts", "max_tokens", "batch_size", "unroll", "draft_vocab_size", "medusa_heads", "eval_every"):
@@ -126,8 +127,9 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
                         token_loss_weight=args.token_loss_weight,
                         eval_every=args.eval_every, seed=args.seed)  # fmt: skip
     try:
-        head = train_draft(args.method, args.output, args.model, args.device, args.prompts, args.num_prompts,
-                           args.max_tokens, opts)  # fmt: skip
+        texts = read_prompts(args.prompts, args.num_prompts)
+        llm = LLM(args.model, device=args.device, max_num_seqs=64)
+        head = train_draft(llm, args.method, args.output, texts, args.max_tokens, opts)
     except (OSError, ValueError) as e:
         raise TokenmillError(str(e)) from None
     print(f"head: {head}\nuse it: tokenmill chat --speculative {args.method} --draft-model {head}")
@@ -212,7 +214,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from tokenmill.server.serve import serve
+    from tokenmill.launch import serve
 
     return serve(args)
 

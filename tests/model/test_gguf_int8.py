@@ -174,7 +174,7 @@ def test_the_bundled_file_is_served_from_its_own_bytes(int8_llm):
     for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
         assert len(linear.parts) == 1 and linear.parts[0].grouped  # q, k, v (gate, up) joined in one copy
         grouped = linear.parts[0]
-        linear.use_native()  # again: the grouped weight stays as it is
+        linear.use_native(linear.bf16_gemm)  # again: the grouped weight stays as it is
         assert len(linear.parts) == 1 and linear.parts[0] is grouped
     assert isinstance(model.embed_tokens.weight, BlockWeight) and model.head_reads_embedding
     assert model.embed_tokens.weight.grouped  # the head's layout; lookups take rows out of their groups
@@ -319,7 +319,7 @@ def test_cpp_layer_loop_runs_block_weights_bit_identical_to_the_python_loop():
     q_k = attn.qkv_proj.parts[0].rows(torch.arange((attn.num_heads + attn.num_kv_heads) * attn.head_dim))  # q and k
     v = BlockWeight.from_gguf("Q8_0", random_gguf_blocks("Q8_0", kv_rows, q_k.in_features, 5), (kv_rows, q_k.in_features))
     mixed = QuantLinear([q_k, v])
-    mixed.use_native()
+    mixed.use_native(attn.qkv_proj.bf16_gemm)
     attn.qkv_proj = mixed
     model.reset_fused_plan()
     assert model.fused_plan is not None and len(mixed.parts) == 2 and all(p.grouped for p in mixed.parts)

@@ -83,7 +83,7 @@ def test_a_projection_fused_from_mixed_types_keeps_each_part():
     each layout stays its own weight, the outputs side by side in order."""
     (q, rq), (k, rk), (v, rv) = packed("Q4_K", 64, 256), packed("Q4_K", 32, 256, 1), packed("Q6_K", 32, 256, 2)
     layer = QuantLinear([q, k, v], bias=torch.arange(128, dtype=torch.float32))
-    layer.use_native()
+    layer.use_native(bf16_gemm=False)
     assert len(layer.parts) == 2 and layer.out_features == 128  # q and k merged: one layout
     x = torch.randn(3, 256)
     want = x.double() @ torch.from_numpy(np.concatenate([rq, rk, rv])).double().T + torch.arange(128).double()
@@ -198,8 +198,7 @@ def test_bfloat16_batches_multiply_a_bfloat16_weight():
     tail = PackedWeight.from_decomposed(Decomposed(q8, scales, None, 8, 16), "int8")
     for w in (packed("Q4_1", 300, 576)[0], tail):
         layer = QuantLinear([w])
-        layer.use_native()
-        layer.bf16_gemm = True
+        layer.use_native(bf16_gemm=True)
         for rows in (20, 40):
             x = torch.randn(rows, w.in_features).bfloat16()
             want = x.float() @ w.dequantize().bfloat16().float().T

@@ -23,7 +23,7 @@ def test_the_api_process_of_serve_imports_without_torch():
     """Its tokenizer, app and engine client load no model stack: torch lives in the
     engine-core process only."""
     loaded = _modules_after(
-        "import tokenmill.server.serve, tokenmill.engine.core_client, tokenmill.engine.core_loop, tokenmill.core_process\n"
+        "import tokenmill.launch, tokenmill.engine.core_client, tokenmill.engine.core_loop, tokenmill.core_process\n"
         "from tokenmill.model.paths import resolve_model_path\nfrom tokenmill.model.tokenizer import load_tokenizer\n"
         "tok = load_tokenizer(resolve_model_path(None))\nassert tok.encode('hello')"
     )

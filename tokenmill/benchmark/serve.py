@@ -23,6 +23,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tokenmill.engine.stats import percentiles
+
 WORDS = (
     "the mill river water stone wheel grain flour miller village valley bridge road market town farm field "
     "harvest season winter summer morning evening light shadow engine power steam iron wood rope gear shaft "
@@ -158,19 +160,6 @@ async def run_load(base_url: str, model: str, reqs: list[dict], rate: float, con
         elapsed = time.perf_counter() - t0
     print(file=sys.stderr)
     return list(results), elapsed
-
-
-def percentiles(xs: list[float]) -> dict:
-    if not xs:
-        return {"mean": None, "p50": None, "p90": None, "p99": None}
-    s = sorted(xs)
-
-    def pct(p: float) -> float:
-        k = (len(s) - 1) * p / 100
-        lo, hi = math.floor(k), math.ceil(k)
-        return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-    return {"mean": sum(s) / len(s), "p50": pct(50), "p90": pct(90), "p99": pct(99)}
 
 
 def summarise(results: list[RequestResult], elapsed: float, rate: float, slo_ttft: float, slo_tpot: float) -> dict:

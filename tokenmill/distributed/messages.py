@@ -9,9 +9,7 @@ import torch
 from tokenmill.config import EngineArgs
 from tokenmill.engine.model_input import ModelInput
 from tokenmill.worker.inputs import SeqInput
-
-# request id -> (tokens the driver sampled for it last step, its new draft or None)
-Committed = dict[str, tuple[list[int], list[int] | None]]
+from tokenmill.worker.model_runner import Committed
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -76,3 +77,18 @@ class EngineSnapshot:
     lora_requests: dict[str, int] = field(default_factory=dict)  # requests per adapter since start
     running_loras: list[str] = field(default_factory=list)
     waiting_loras: list[str] = field(default_factory=list)
+
+
+def percentiles(xs: list[float]) -> dict:
+    """Mean, p50, p90 and p99 of latencies (linear interpolation between ranks; None for
+    none): the figures the serving benchmark reports and the live view shows."""
+    if not xs:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    s = sorted(xs)
+
+    def pct(p: float) -> float:
+        k = (len(s) - 1) * p / 100
+        lo, hi = math.floor(k), math.ceil(k)
+        return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+    return {"mean": sum(s) / len(s), "p50": pct(50), "p90": pct(90), "p99": pct(99)}

@@ -96,7 +96,7 @@ def use_native_linears(model: nn.Module) -> None:
         if isinstance(module, Int8Linear):
             module.enable_small_batch_kernel(INT8_ROWS)
         if isinstance(module, QuantLinear):
-            module.use_native()
+            module.use_native(cpu_info().native_bf16)
         return module
 
     for layer in model.layers:

@@ -247,12 +247,11 @@ class QuantLinear(nn.Module):
         self.native = False  # use_native(): the native kernels, else the torch reference
         self.bf16_gemm = False  # bfloat16 batches past EXACT_BF16_ROWS: a bfloat16 weight
 
-    def use_native(self) -> None:
-        """Run on the native kernels, with this CPU's bfloat16 units where it has them."""
-        from tokenmill.kernels.cpu import cpu_info
-
+    def use_native(self, bf16_gemm: bool) -> None:
+        """Run on the native kernels; ``bf16_gemm``: the CPU multiplies bfloat16 natively
+        (kernels/cpu.py says, from above this package)."""
         self.native = True
-        self.bf16_gemm = cpu_info().native_bf16
+        self.bf16_gemm = bf16_gemm
         runs: list[list[PackedWeight]] = []  # neighbours of one layout
         for p in self.parts:
             if runs and type(runs[-1][0]) is type(p) and runs[-1][0].layout == p.layout:

@@ -25,8 +25,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.benchmark.serve import percentiles
 from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.stats import percentiles
 from tokenmill.server.models import ServedModel
 
 STEPS_KEPT = 240  # the Gantt's steps

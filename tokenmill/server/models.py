@@ -9,6 +9,7 @@ is what a request runs on once that is resolved: a model and perhaps an adapter.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tokenmill.engine.async_engine import StreamingFront
@@ -54,3 +55,8 @@ class Target:
         and the generation of its adapters."""
         path = self.model.engine.snapshot().loras.get(self.lora) if self.lora else None
         return f"{self.model.name}|{self.lora}|{path}|{self.model.generation}"
+
+
+def model_id(path: Path) -> str:
+    """The model id clients send by default: a file's stem, a folder's name."""
+    return path.stem if path.is_file() else path.name

@@ -489,18 +489,16 @@ def read_prompts(path: str | None, count: int) -> list[str]:
 
 
 def train_draft(
-    method: str, output: str, model: str | None = None, device: str = "auto", prompts: str | None = None,
-    num_prompts: int = 1024, max_tokens: int = 256, opts: TrainOptions | None = None, progress: bool = True,
+    llm, method: str, output: str, texts: list[str], max_tokens: int = 256, opts: TrainOptions | None = None,
+    progress: bool = True,
 ) -> Path:  # fmt: skip
-    """Generate (or resume) the self-distillation data, train, save the head and its plot
-    under ``output``; returns the head's folder (``output/head``)."""
-    from tokenmill.llm import LLM
+    """Generate (or resume) the self-distillation data with ``llm`` (an ``LLM`` over the
+    target model, made by the caller: this package sits below the offline API), train,
+    save the head and its plot under ``output``; returns the head's folder (``output/head``)."""
     from tokenmill.speculative.train_data import collect
 
     opts = opts or TrainOptions(method=method)
     out = Path(output).expanduser()
-    texts = read_prompts(prompts, num_prompts)
-    llm = LLM(model, device=device, max_num_seqs=64, progress=progress)
     started, made = time.time(), [0]
 
     def report(done: int, total: int, tokens: int) -> None:

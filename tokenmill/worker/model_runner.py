@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -41,12 +41,6 @@ from tokenmill.worker.inputs import InputBuffers, SeqInput, order_seqs, prepare_
 from tokenmill.worker.kv_cache import KVCache
 from tokenmill.worker.lora import LoRAManager
 from tokenmill.worker.proposer import Draft, Proposer
-from tokenmill.worker.spec_pause import PayOrPause
-from tokenmill.worker.tree import follow, greedy_path, verification_layout
-
-if TYPE_CHECKING:
-    from tokenmill.distributed.messages import Committed
-    from tokenmill.distributed.stage import PipelineStage
 from tokenmill.worker.rejection import verify_greedy, verify_sampled
 from tokenmill.worker.sampler import (
     PenaltyState,
@@ -57,6 +51,20 @@ from tokenmill.worker.sampler import (
     sample,
     sampling_distribution,
 )
+from tokenmill.worker.spec_pause import PayOrPause
+from tokenmill.worker.tree import follow, greedy_path, verification_layout
+
+# request id -> (tokens the driver sampled for it last step, its new draft or None): what a
+# worker rank of a split model is told of the step before (distributed/messages.py sends it)
+Committed = dict[str, tuple[list[int], list[int] | None]]
+
+
+class SplitStage(Protocol):
+    """This rank's part of a split model's forward (distributed/stage.py's PipelineStage,
+    which the runner is handed from above and never imports)."""
+
+    def forward(self, seqs: list[SeqInput], all_rows: bool = False) -> torch.Tensor | None: ...
+
 
 PROMPT_SCORE_ROWS = 256  # prompt positions turned into logits at a time (256 x a 49k vocabulary: 48 MiB)
 
@@ -108,7 +116,7 @@ class ModelRunner:
         device: torch.device,
         proposer: Proposer | None = None,
         lora: LoRAManager | None = None,
-        stage: PipelineStage | None = None,
+        stage: SplitStage | None = None,
         pause: PayOrPause | None = None,
     ) -> None:
         self.model = model

@@ -1,5 +1,9 @@
 """`tokenmill serve`: the engine loop, the app and uvicorn, with a graceful drain.
 
+It sits above both ways of hosting engines it chooses among (an engine-core process,
+Ray Serve replicas, this process) and above the HTTP app (server/), which is why it is
+not in server/: a Ray Serve replica builds that app too (replicas/serve_app.py).
+
 Two processes by default (``--engine-core process``, vLLM v1's shape): this one is
 the API process (HTTP, JSON, tokenising, detokenising, SSE: core_client.py) and the
 engine core runs in its own (scheduler, KV blocks, model: core_loop.py), so neither
@@ -51,7 +55,7 @@ from tokenmill.memory import available_memory, parse_memory
 from tokenmill.server.app import api_keys, build_models_app
 from tokenmill.server.clients import uvicorn_options
 from tokenmill.server.model_router import parse_routers
-from tokenmill.server.models import ServedModel
+from tokenmill.server.models import ServedModel, model_id
 
 EXIT_GRACE_S = 15.0  # after the drain timeout, what stopping the engines may take before the process just exits
 
@@ -109,11 +113,6 @@ def _start_engine(args: argparse.Namespace, config: ServerConfig, engine_args: E
 
     llm = LLM(args=engine_args)
     return AsyncEngine(llm.engine), llm.tokenizer, llm.max_model_len, llm.model_path, llm.close
-
-
-def model_id(path: Path) -> str:
-    """The model id clients send by default: a file's stem, a folder's name."""
-    return path.stem if path.is_file() else path.name
 
 
 def _bind(config: ServerConfig) -> socket.socket:
