@@ -244,7 +244,7 @@ def test_greedy_output_is_identical_with_a_head(target, tmp_path, method):
         engine = eagle_engine(target, tmp_path, num_blocks=24, budget=16)
     assert run(engine, prompts, params) == expected
     assert engine.scheduler.num_preemptions > 0
-    assert engine.spec_stats.num_drafts > 0
+    assert engine.spec_decode_stats.num_drafts > 0
 
 
 def test_a_confidence_floor_drafts_less_and_changes_no_output(target, tmp_path):
@@ -255,7 +255,7 @@ def test_a_confidence_floor_drafts_less_and_changes_no_output(target, tmp_path):
     expected = run(eagle_engine(target, tmp_path), prompts, params)
     always, picky = eagle_engine(target, tmp_path), eagle_engine(target, tmp_path, min_confidence=0.3)
     assert run(always, prompts, params) == expected == run(picky, prompts, params)
-    per_draft = [e.spec_stats.num_draft_tokens / e.spec_stats.num_drafts for e in (always, picky)]
+    per_draft = [e.spec_decode_stats.num_draft_tokens / e.spec_decode_stats.num_drafts for e in (always, picky)]
     assert per_draft[0] > 2.5 and per_draft[1] < per_draft[0] - 0.5
 
 
@@ -275,7 +275,7 @@ def test_sampling_with_a_head_reproduces_the_targets_distribution(tmp_path, meth
     prompt = list(range(vocab)) * 2
     params = [SamplingParams(temperature=1.0, max_tokens=4, seed=s, ignore_eos=True) for s in range(draws)]
     outputs = run(engine, [prompt] * draws, params).values()
-    stats = engine.spec_stats
+    stats = engine.spec_decode_stats
     assert stats.num_drafts >= draws
     assert 0 < stats.acceptance_rate < 1
     p1, p23 = exact_first_tokens(target, prompt, 1.0)
@@ -386,4 +386,4 @@ def test_tree_verification_is_greedy_identical_through_chunks_sharing_and_preemp
     greedy = [str(i) for i, p in enumerate(params) if p.temperature == 0]
     assert {r: got[r] for r in greedy} == {r: expected[r] for r in greedy}
     assert engine.scheduler.num_preemptions > 0 and engine.kv.stats.hits > 0
-    assert engine.spec_stats.num_drafts > 0 and engine.spec_stats.num_accepted_tokens > 0
+    assert engine.spec_decode_stats.num_drafts > 0 and engine.spec_decode_stats.num_accepted_tokens > 0

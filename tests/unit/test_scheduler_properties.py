@@ -107,4 +107,4 @@ def test_random_workloads_keep_blocks_exact(requests, num_blocks, budget, max_se
     room = num_blocks * bs - (spec.num_lookahead_slots if spec else 0)
     drafting = [t for rid, t in finished.items() if len(t) >= 4 and len(prompts[rid]) + len(t) <= room]
     if speculative is not None and max_seqs <= 6 and budget > 4 and drafting:
-        assert engine.spec_stats.num_drafts > 0  # the drafts were verified, not silently dropped
+        assert engine.spec_decode_stats.num_drafts > 0  # the drafts were verified, not silently dropped

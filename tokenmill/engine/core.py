@@ -508,8 +508,6 @@ class EngineCore:
     def spec_decode_stats(self) -> SpecDecodeStats:
         return self.scheduler.spec_stats
 
-    spec_stats = spec_decode_stats
-
     def reset_spec_decode_stats(self) -> None:
         self.scheduler.spec_stats = SpecDecodeStats()
 
@@ -541,10 +539,6 @@ class EngineCore:
             yield blocks
         finally:
             self.block_pool.free(blocks[::-1])
-
-    def has_request(self, request_id: str) -> bool:
-        """True while any sequence of the request is unfinished."""
-        return request_id in self._requests
 
     @property
     def num_unfinished_requests(self) -> int:

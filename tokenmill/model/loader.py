@@ -73,10 +73,6 @@ class Checkpoint:
     # GGUF: its metadata fields (tokenizer.*); HF folder: empty, read tokenizer.json.
     metadata: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def is_gguf(self) -> bool:
-        return self.path.is_file()
-
 
 def read_config(model: str | Path | None) -> tuple[Path, ModelConfig]:
     """A checkpoint's path and configuration, without its weights (a GGUF's header, or

@@ -37,12 +37,6 @@ def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_
     return block_size * kv_bytes_per_token(cfg, dtype, kv_cache_dtype)
 
 
-def num_blocks_for_memory(
-    cfg: ModelConfig, memory_bytes: int, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
-) -> int:
-    return memory_bytes // block_bytes(cfg, block_size, dtype, kv_cache_dtype)
-
-
 def allocate_kv_cache(
     cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str,
     kv_cache_dtype: str = "auto",
