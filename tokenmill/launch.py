@@ -49,7 +49,8 @@ from tokenmill.args import (
 )
 from tokenmill.config import EngineArgs, ServerConfig
 from tokenmill.distributed.env import under_torchrun
-from tokenmill.engine.async_engine import AsyncEngine, StreamingFront
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.streams import StreamingFront
 from tokenmill.errors import TokenmillError
 from tokenmill.memory import available_memory, parse_memory
 from tokenmill.server.app import api_keys, build_models_app

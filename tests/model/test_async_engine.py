@@ -9,7 +9,8 @@ import time
 import pytest
 
 from tokenmill import SamplingParams
-from tokenmill.engine.async_engine import AsyncEngine, RequestFailedError
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.streams import RequestFailedError
 from tokenmill.errors import InvalidRequestError
 
 PROMPTS = ["The sun is", "Water boils at", "My favourite book is", "Cats and dogs"]

@@ -19,12 +19,12 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 from typing import TypeVar
 
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.stats import EngineSnapshot
+from tokenmill.engine.streams import RequestFailedError, Stream, StreamingFront, Streams, resolve  # noqa: F401
 from tokenmill.errors import EngineDeadError
 from tokenmill.sampling_params import SamplingParams
 
@@ -32,159 +32,30 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    remaining: int  # sequences (n) not finished yet, counted by the consumer
-    undelivered: int = 0  # sequences whose last output the loop thread has not handed over yet
-
-    def __post_init__(self) -> None:
-        self.undelivered = self.remaining
-
-
-class RequestFailedError(RuntimeError):
-    """The model step failed for this request (the engine and other requests go on)."""
-
-
-class StreamingFront:
-    """What both engine fronts share (the threaded ``AsyncEngine`` here, the process
-    client in core_client.py): one asyncio queue per request, filled from another
-    thread, and the rules of a stream: the caller's ``generate`` raises the engine's
-    InvalidRequestError before any output, leaving the loop early aborts the request,
-    and a dead engine fails every stream with EngineDeadError."""
-
-    def __init__(self) -> None:
-        self._streams: dict[str, _Stream] = {}
-        self._dead: BaseException | None = None
-
-    async def generate(
-        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, lora: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream the outputs of one request; leaving the loop early aborts it."""
-        if self.is_dead:
-            raise EngineDeadError("the engine loop is not running")
-        loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue(), params.n)
-        accepted: asyncio.Future = loop.create_future()
-        await self._submit(request_id, prompt, params, lora, stream, accepted)
-        try:
-            await accepted  # raises the engine's InvalidRequestError for a bad request
-        except asyncio.CancelledError:
-            self.abort(request_id)  # it may have been added meanwhile
-            raise
-        finished = False
-        try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.error is not None:
-                    raise RequestFailedError(f"request {request_id} failed: {item.error}")
-                yield item
-                if item.finished:
-                    stream.remaining -= 1
-                    if stream.remaining == 0:
-                        finished = True
-                        return
-        finally:
-            if not finished:
-                self.abort(request_id)
-
-    async def _submit(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, lora: str | None,
-                      stream: _Stream, accepted: asyncio.Future) -> None:  # fmt: skip
-        """Hand the request to the engine; resolve ``accepted`` once it is queued (or refused)."""
-        raise NotImplementedError
-
-    def abort(self, request_id: str) -> None:
-        raise NotImplementedError
-
-    async def add_lora(self, name: str, path: str) -> None:
-        raise NotImplementedError
-
-    async def remove_lora(self, name: str) -> None:
-        raise NotImplementedError
-
-    def snapshot(self) -> EngineSnapshot:
-        """The engine's gauges and counters (metrics, served adapters)."""
-        raise NotImplementedError
-
-    async def start_step_trace(self) -> bool:
-        """Have the engine record each step's batch (EngineCore.start_step_trace) for a
-        live view; False where this front cannot (engine replicas)."""
-        return False
-
-    async def stop_step_trace(self) -> None:
-        """Stop recording steps (nobody watches)."""
-
-    def take_step_trace(self) -> list[dict]:
-        """The steps recorded since the last call, oldest first."""
-        return []
-
-    async def block_states(self) -> bytes | None:
-        """One byte per KV block (block_pool.block_states); None where this front cannot."""
-        return None
-
-    @property
-    def num_waiting(self) -> int:
-        raise NotImplementedError
-
-    def shutdown(self, timeout: float | None = 10.0) -> None:
-        raise NotImplementedError
-
-    @property
-    def death(self) -> BaseException | None:
-        """What killed the engine (None while it runs, and after a clean shutdown)."""
-        return self._dead
-
-    @property
-    def is_dead(self) -> bool:
-        return self._dead is not None
-
-    def _deliver(self, out: RequestOutput) -> bool:
-        """Hand one output to its stream (from the engine's thread); False when its
-        event loop has closed (the server is stopping: nobody reads it)."""
-        stream = self._streams.get(out.request_id)
-        if stream is None:
-            return True
-        if out.finished:  # n > 1: the stream ends with the last of its sequences, whatever the step
-            stream.undelivered -= 1
-            if stream.undelivered == 0:
-                self._streams.pop(out.request_id, None)
-        try:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
-        except RuntimeError:
-            self._streams.pop(out.request_id, None)
-            return False
-        return True
-
-    def _fail_all(self, error: BaseException, dead: bool = True) -> None:
-        """End every stream with EngineDeadError; ``dead``: the engine died of ``error``
-        (not a clean stop)."""
-        if dead:
-            self._dead = error
-        for rid, s in list(self._streams.items()):
-            try:
-                s.loop.call_soon_threadsafe(s.queue.put_nowait, EngineDeadError(f"engine loop died: {error}"))
-            except RuntimeError:
-                pass
-            self._streams.pop(rid, None)
-
-
-class AsyncEngine(StreamingFront):
-    """The engine loop on a thread of this process (the offline engine, driven for asyncio)."""
+class AsyncEngine:
+    """The engine loop on a thread of this process (the offline engine, driven for asyncio);
+    a ``StreamingFront`` (engine/streams.py)."""
 
     def __init__(self, engine: Engine) -> None:
-        super().__init__()
         self.engine = engine
+        self.streams = Streams()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
         self._thread.start()
 
+    def generate(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
+                 lora: str | None = None) -> AsyncIterator[RequestOutput]:  # fmt: skip
+        """Stream the outputs of one request; leaving the loop early aborts it."""
+
+        async def submit(stream: Stream, accepted: asyncio.Future) -> None:
+            await self._submit(request_id, prompt, params, lora, stream, accepted)
+
+        return self.streams.follow(request_id, params.n, submit, self.abort, lambda: self.is_dead)
+
     async def _submit(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, lora: str | None,
-                      stream: _Stream, accepted: asyncio.Future) -> None:  # fmt: skip
+                      stream: Stream, accepted: asyncio.Future) -> None:  # fmt: skip
         grammar = None
         if params.structured is not None:  # compiled on the engine's compile thread: it stalls no step
             structured = self.engine.structured
@@ -221,12 +92,16 @@ class AsyncEngine(StreamingFront):
     def _unless_dead(self, fut: asyncio.Future) -> None:
         """A command queued after the loop died is read by nobody: answer it here (one
         queued before is answered by the dying loop's drain)."""
-        if self._dead is not None:
-            _resolve(fut, EngineDeadError(f"the engine loop died: {self._dead}"))
+        if self.streams.death is not None:
+            resolve(fut, EngineDeadError(f"the engine loop died: {self.streams.death}"))
+
+    @property
+    def death(self) -> BaseException | None:
+        return self.streams.death
 
     @property
     def is_dead(self) -> bool:
-        return self._dead is not None or self._stopped.is_set()
+        return self.streams.death is not None or self._stopped.is_set()
 
     def snapshot(self) -> EngineSnapshot:
         """The engine's gauges now (read from another thread: each value is current, the
@@ -274,7 +149,7 @@ class AsyncEngine(StreamingFront):
                     self._deliver(out)
         except BaseException as e:  # a bug in the loop itself: fail every stream
             logger.exception("engine loop died")
-            self._fail_all(e)
+            self.streams.fail_all(e)
             self._refuse_queued(e)
 
     def _refuse_queued(self, error: BaseException) -> None:
@@ -288,7 +163,7 @@ class AsyncEngine(StreamingFront):
             if cmd[0] in ("add", "call"):
                 loop, fut = (cmd[6].loop, cmd[7]) if cmd[0] == "add" else (cmd[2], cmd[3])
                 try:
-                    loop.call_soon_threadsafe(_resolve, fut, EngineDeadError(f"the engine loop died: {error}"))
+                    loop.call_soon_threadsafe(resolve, fut, EngineDeadError(f"the engine loop died: {error}"))
                 except RuntimeError:  # its event loop has closed
                     pass
 
@@ -302,32 +177,23 @@ class AsyncEngine(StreamingFront):
                 _, rid, prompt, params, grammar, lora, stream, accepted = cmd
                 try:
                     self.engine.add_request(rid, prompt, params, grammar=grammar, lora=lora)
-                    self._streams[rid] = stream
-                    stream.loop.call_soon_threadsafe(_resolve, accepted, None)
+                    self.streams.add(rid, stream)
+                    stream.loop.call_soon_threadsafe(resolve, accepted, None)
                 except Exception as e:  # invalid request: its caller gets the error
-                    stream.loop.call_soon_threadsafe(_resolve, accepted, e)
+                    stream.loop.call_soon_threadsafe(resolve, accepted, e)
             elif cmd[0] == "call":  # a change to the engine, made between steps
                 _, fn, loop, done = cmd
                 try:
                     result = fn()
-                    loop.call_soon_threadsafe(_resolve, done, None, result)
+                    loop.call_soon_threadsafe(resolve, done, None, result)
                 except Exception as e:  # noqa: BLE001 - handed to the caller
-                    loop.call_soon_threadsafe(_resolve, done, e)
+                    loop.call_soon_threadsafe(resolve, done, e)
             else:
                 self.engine.abort(cmd[1])
-                self._streams.pop(cmd[1], None)
+                self.streams.drop(cmd[1])
 
     def _deliver(self, out: RequestOutput) -> bool:
-        if not super()._deliver(out):
+        if not self.streams.deliver(out):  # its event loop has closed: nobody reads it
             self.engine.abort(out.request_id)
             return False
         return True
-
-
-def _resolve(fut: asyncio.Future, error: BaseException | None, result: object = None) -> None:
-    if fut.done():  # the caller went away meanwhile
-        return
-    if error is None:
-        fut.set_result(result)
-    else:
-        fut.set_exception(error)

@@ -30,15 +30,16 @@ import logging
 import multiprocessing
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
 
-from tokenmill.engine.async_engine import StreamingFront, _resolve, _Stream
 from tokenmill.engine.channel import Channel, ChannelClosed, ChannelTimeout
 from tokenmill.engine.detokenizer import Decoder
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.request import sequence_ids
 from tokenmill.engine.stats import EngineSnapshot
+from tokenmill.engine.streams import Stream, Streams, resolve
 from tokenmill.engine.wire import (
     delta_from_wire,
     error_from_wire,
@@ -57,13 +58,13 @@ class Tokenizer(Decoder, Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
 
-class AsyncCoreClient(StreamingFront):
+class AsyncCoreClient:
     def __init__(self, target: Callable[[Any], None], tokenizer: Tokenizer, start_timeout: float | None = None,
                  heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S) -> None:  # fmt: skip
         """Start the core process: ``target(conn)`` runs in it (spawned: a fresh
         interpreter, so no thread or lock of this process is inherited), and this waits
         until it says ready; a core that fails to start raises its error here."""
-        super().__init__()
+        self.streams = Streams()
         self.heartbeat_timeout = heartbeat_timeout
         self.tokenizer = tokenizer
         self.outputs = OutputProcessor(tokenizer)
@@ -109,8 +110,17 @@ class AsyncCoreClient(StreamingFront):
 
     # ------------------------------------------------------------- asyncio side
 
+    def generate(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
+                 lora: str | None = None) -> AsyncIterator[RequestOutput]:  # fmt: skip
+        """Stream the outputs of one request; leaving the loop early aborts it."""
+
+        async def submit(stream: Stream, accepted: asyncio.Future) -> None:
+            await self._submit(request_id, prompt, params, lora, stream, accepted)
+
+        return self.streams.follow(request_id, params.n, submit, self.abort, lambda: self.is_dead)
+
     async def _submit(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, lora: str | None,
-                      stream: _Stream, accepted: asyncio.Future) -> None:  # fmt: skip
+                      stream: Stream, accepted: asyncio.Future) -> None:  # fmt: skip
         if isinstance(prompt, str):
             text, ids = prompt, await asyncio.to_thread(self.tokenizer.encode, prompt)
         else:
@@ -124,7 +134,7 @@ class AsyncCoreClient(StreamingFront):
             for i, sid in enumerate(seq_ids):  # before the core can answer: no delta finds nobody
                 self.outputs.add(sid, request_id, i, text, ids, params)
             self._seq_ids[request_id] = seq_ids
-            self._streams[request_id] = stream
+            self.streams.add(request_id, stream)
             self._accepting[request_id] = (stream.loop, accepted)
             try:
                 self._send(["add", request_id, ids, params_to_wire(params), lora])
@@ -143,7 +153,7 @@ class AsyncCoreClient(StreamingFront):
 
     def _forget(self, request_id: str) -> None:
         """Stop following a request (the caller holds the lock)."""
-        self._streams.pop(request_id, None)
+        self.streams.drop(request_id)
         self._accepting.pop(request_id, None)
         for sid in self._seq_ids.pop(request_id, ()):
             self.outputs.abort(sid)
@@ -204,8 +214,13 @@ class AsyncCoreClient(StreamingFront):
         return self._snapshot
 
     @property
+    def death(self) -> BaseException | None:
+        """What killed the engine core (None while it runs, and after a clean shutdown)."""
+        return self.streams.death
+
+    @property
     def is_dead(self) -> bool:
-        return self._dead is not None or self._stopping
+        return self.streams.death is not None or self._stopping
 
     @property
     def num_waiting(self) -> int:
@@ -288,10 +303,10 @@ class AsyncCoreClient(StreamingFront):
             for seq_id, stop_string in stopped:
                 self._send(["stop", seq_id, stop_string])
             for out in outputs:
-                if not self._deliver(out):  # its event loop has closed: nobody reads it
+                if not self.streams.deliver(out):  # its event loop has closed: nobody reads it
                     self._forget(out.request_id)
                     self._send(["abort", out.request_id])
-                elif out.finished and out.request_id not in self._streams:  # its last sequence ended
+                elif out.finished and out.request_id not in self.streams:  # its last sequence ended
                     self._seq_ids.pop(out.request_id, None)
 
     def _settle(self, waiting: dict, key: Any, error: BaseException | None, result: Any = None) -> None:
@@ -300,7 +315,7 @@ class AsyncCoreClient(StreamingFront):
         if entry is not None:
             loop, fut = entry
             try:
-                loop.call_soon_threadsafe(_resolve, fut, error, result)
+                loop.call_soon_threadsafe(resolve, fut, error, result)
             except RuntimeError:  # its event loop has closed
                 pass
 
@@ -310,9 +325,9 @@ class AsyncCoreClient(StreamingFront):
             self._accepting.clear()
             self._calls.clear()
             self._seq_ids.clear()
-            super()._fail_all(error, dead)
+            self.streams.fail_all(error, dead)
         for _, (loop, fut) in pending:
             try:
-                loop.call_soon_threadsafe(_resolve, fut, error)
+                loop.call_soon_threadsafe(resolve, fut, error)
             except RuntimeError:
                 pass

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.config import EngineArgs, ReplicaConfig
-from tokenmill.engine.async_engine import RequestFailedError, StreamingFront
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.stats import EngineSnapshot
+from tokenmill.engine.streams import RequestFailedError
 from tokenmill.errors import InvalidRequestError, TokenmillError, UnknownModelError
 from tokenmill.replicas.index import RoutingStats, merge_snapshots
 from tokenmill.replicas.routing import prompt_block_hashes
@@ -84,14 +84,15 @@ class DisaggregationStats:
     fallbacks: int = 0  # prefills that failed: the decode replica computed the prompt
 
 
-class RayReplicaFront(StreamingFront):
+class RayReplicaFront:
     """Streams requests from pools of engine replicas through their Ray Serve handles
     (``handles``: "engine", or "prefill" and "decode"; ``indexes``: each pool's index
-    actor). ``on_shutdown`` stops what was started for it (Serve, Ray)."""
+    actor). ``on_shutdown`` stops what was started for it (Serve, Ray). A
+    ``StreamingFront`` (engine/streams.py) that never dies: Serve replaces a dead replica,
+    and the requests it had fail alone."""
 
     def __init__(self, handles: dict[str, Any], indexes: dict[str, Any], tokenizer, info: dict,
                  on_shutdown: Callable[[], None] = lambda: None) -> None:  # fmt: skip
-        super().__init__()
         import ray
 
         self._ray = ray
@@ -207,6 +208,26 @@ class RayReplicaFront(StreamingFront):
         """Each live replica's last snapshot, each pool's routing counters, and (with
         disaggregated serving) the KV moved from prefill to decode replicas."""
         return (*self._view, self.disaggregation if self.disaggregated else None)
+
+    async def start_step_trace(self) -> bool:
+        return False  # the replicas' steps are theirs: no live view of them here
+
+    async def stop_step_trace(self) -> None:
+        pass
+
+    def take_step_trace(self) -> list[dict]:
+        return []
+
+    async def block_states(self) -> bytes | None:
+        return None
+
+    @property
+    def death(self) -> BaseException | None:
+        return None
+
+    @property
+    def is_dead(self) -> bool:
+        return False
 
     def snapshot(self) -> EngineSnapshot:
         snaps = self._view[0]
