@@ -27,10 +27,10 @@ def test_kv_imported_from_another_engine_decodes_token_identically(kv_cache_dtyp
     ids = prefill.tokenizer.encode(PROMPT)
     reference = run(prefill, ids)  # one engine, prompt computed here: also fills its prefix cache
     hashes = prompt_block_hashes(ids, prefill.engine.config.block_size)
-    n, data = prefill.engine.export_kv(hashes)
+    n, data = prefill.engine.kv_transfer.export(hashes)
     assert n == len(hashes) >= 3 and data.dtype.is_floating_point is False
-    assert decode.engine.import_kv(hashes, data) == n
-    assert decode.engine.import_kv(hashes, data) == n  # cached already: nothing taken twice
+    assert decode.engine.kv_transfer.load(hashes, data) == n
+    assert decode.engine.kv_transfer.load(hashes, data) == n  # cached already: nothing taken twice
     pool = decode.engine.block_pool
     assert pool.num_free == pool.num_blocks  # imported blocks are idle cached blocks, evictable
     out = run(decode, ids)
@@ -47,15 +47,15 @@ def test_kv_of_a_different_layout_is_refused_and_a_full_pool_imports_what_fits()
     ids = a.tokenizer.encode(PROMPT)
     run(a, ids)
     hashes = prompt_block_hashes(ids, a.engine.config.block_size)
-    n, data = a.engine.export_kv(hashes)
+    n, data = a.engine.kv_transfer.export(hashes)
     with pytest.raises(ValueError, match="do not fit"):
-        b.engine.import_kv(hashes, data)
+        b.engine.kv_transfer.load(hashes, data)
     pool = b.engine.block_pool
     assert pool.num_free == pool.num_blocks and not any(pool.lookup(h) is not None for h in hashes)  # nothing half-done
     c = LLM(dtype="float32", progress=False)
     cpool = c.engine.block_pool
     held = cpool.allocate(cpool.num_blocks - 2)  # two blocks free: two imported, the rest recomputed later
-    assert c.engine.import_kv(hashes, data) == 2
+    assert c.engine.kv_transfer.load(hashes, data) == 2
     cpool.free(held[::-1])
     out = run(c, ids)
     assert out.num_cached_tokens == 2 * c.engine.config.block_size

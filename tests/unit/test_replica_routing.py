@@ -97,11 +97,11 @@ def test_an_engine_reports_kv_events_a_router_can_match_prompts_against():
     run(engines[0])
     states = [ReplicaState(f"r{i}") for i in range(2)]
     for engine, state in zip(engines, states, strict=True):
-        state.apply(engine.take_kv_events())
+        state.apply(engine.kv_transfer.take_events())
     follow_up = prompt_block_hashes(system + [9, 9, 9, 9], BS)
     choice = KVAwareRouter().choose(follow_up, states)
     assert (choice.replica, choice.matched_blocks, choice.reason) == ("r0", 4, "prefix")
-    assert engines[0].take_kv_events() == [] and engines[0].lora_hash_root("none") is None
+    assert engines[0].kv_transfer.take_events() == [] and engines[0].lora_hash_root("none") is None
 
 
 def test_the_index_routes_follow_ups_to_the_replica_that_reported_their_prefix():

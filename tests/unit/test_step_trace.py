@@ -28,38 +28,38 @@ def test_no_trace_is_kept_until_asked():
     e = engine()
     e.add_request("a", list(range(1, 10)), SamplingParams(max_tokens=4))
     run(e)
-    assert e.take_step_trace() == []
+    assert e.tracer.take() == []
 
 
 def test_the_trace_gives_each_sequence_its_prefill_chunks_decodes_and_end():
     """A 21-token prompt in chunks of 8 (budget 8), then one token per decode; the tokens
     traced add up to what was computed; the last step says why it ended."""
     e = engine(scheduler=SchedulerConfig(max_num_batched_tokens=8))
-    e.start_step_trace()
+    e.tracer.start()
     e.add_request("a", list(range(1, 22)), SamplingParams(max_tokens=5))
     run(e)
-    steps = e.take_step_trace()
+    steps = e.tracer.take()
     seqs = [s["seqs"][0] for s in steps]
-    assert [(q[1], q[2]) for q in seqs] == [("prefill", 8), ("prefill", 8), ("prefill", 5)] + [("decode", 1)] * 4
-    assert [q[0] for q in seqs] == ["a"] * 7 and [q[7] for q in seqs] == [None] * 6 + ["length"]
+    assert [(q.kind, q.tokens) for q in seqs] == [("prefill", 8), ("prefill", 8), ("prefill", 5)] + [("decode", 1)] * 4
+    assert [q.request_id for q in seqs] == ["a"] * 7 and [q.finish_reason for q in seqs] == [None] * 6 + ["length"]
     assert [s["step"] for s in steps] == list(range(1, 8)) and all(s["duration"] >= 0 for s in steps)
     assert steps[0]["running"] == 1 and steps[-1]["running"] == 0 and steps[-1]["blocks_used"] == 0
-    assert e.take_step_trace() == []  # taken: each step is handed out once
+    assert e.tracer.take() == []  # taken: each step is handed out once
 
 
 def test_a_prefix_hit_shows_in_the_trace_and_in_the_block_states():
     e = engine()
-    e.start_step_trace()
+    e.tracer.start()
     prompt = list(range(1, 14))  # 13 tokens: three full blocks of 4
     e.add_request("a", prompt, SamplingParams(max_tokens=2))
     run(e)
     after_a = e.block_states()
     assert after_a.count(CACHED) == 3 and after_a.count(USED) == 0  # the full blocks of 14 computed tokens
-    e.take_step_trace()
+    e.tracer.take()
     e.add_request("b", prompt + [20], SamplingParams(max_tokens=2))
     e.step()
-    first = e.take_step_trace()[0]["seqs"][0]
-    assert first[:3] == ["b", "prefill", 2] and first[5] == 12  # 12 tokens from the cache, 2 computed
+    first = e.tracer.take()[0]["seqs"][0]
+    assert first[:3] == ("b", "prefill", 2) and first.cached == 12  # 12 tokens from the cache, 2 computed
     states = e.block_states()
     hits = [i for i, s in enumerate(states) if s & HIT]
     assert len(hits) == 3 and all(states[i] & 3 == USED for i in hits)
@@ -84,34 +84,34 @@ def test_block_states_follow_the_pool():
 
 def test_verification_steps_trace_drafts_kept_and_rejected():
     e = engine(speculative=SpeculativeConfig("ngram", num_speculative_tokens=3))
-    e.start_step_trace()
+    e.tracer.start()
     e.add_request("a", [1, 2, 3], SamplingParams(max_tokens=40))
     outputs = []
     while e.has_unfinished():
         outputs += e.step()
-    verify = [q for s in e.take_step_trace() for q in s["seqs"] if q[1] == "verify"]
+    verify = [q for s in e.tracer.take() for q in s["seqs"] if q.kind == "verify"]
     assert verify
-    assert all(0 <= q[4] <= q[3] and q[2] == 1 + q[4] for q in verify)  # kept = the target's token + accepted drafts
-    assert sum(q[4] for q in verify) == e.spec_decode_stats.num_accepted_tokens > 0
-    assert sum(q[3] for q in verify) == e.spec_decode_stats.num_draft_tokens
+    assert all(0 <= q.accepted <= q.drafts and q.tokens == 1 + q.accepted for q in verify)  # the target's + accepted
+    assert sum(q.accepted for q in verify) == e.spec_decode_stats.num_accepted_tokens > 0
+    assert sum(q.drafts for q in verify) == e.spec_decode_stats.num_draft_tokens
 
 
 def test_the_trace_is_bounded_when_nobody_reads_it():
-    from tokenmill.engine.core import STEP_TRACE_KEPT
+    from tokenmill.engine.step_trace import STEP_TRACE_KEPT
 
     e = engine(num_blocks=400)
-    e.start_step_trace()
+    e.tracer.start()
     e.add_request("a", [1, 2, 3], SamplingParams(max_tokens=STEP_TRACE_KEPT + 50, ignore_eos=True))
     run(e)
-    steps = e.take_step_trace()
-    assert len(steps) == STEP_TRACE_KEPT and steps[-1]["seqs"][0][7] == "length"
+    steps = e.tracer.take()
+    assert len(steps) == STEP_TRACE_KEPT and steps[-1]["seqs"][0].finish_reason == "length"
 
 
 def test_tracing_changes_no_token():
     def tokens(trace: bool) -> list[list[int]]:
         e = engine(num_blocks=200, speculative=SpeculativeConfig("ngram", num_speculative_tokens=3))
         if trace:
-            e.start_step_trace()
+            e.tracer.start()
         for i in range(4):
             e.add_request(f"q{i}", list(range(1 + i, 30)), SamplingParams(max_tokens=30, temperature=1.0, seed=i))
         outs: dict[str, list[int]] = {}
@@ -125,32 +125,32 @@ def test_tracing_changes_no_token():
 
 def test_a_prompt_all_but_its_last_token_from_the_cache_is_a_one_token_prefill():
     e = engine()
-    e.start_step_trace()
+    e.tracer.start()
     prompt = list(range(1, 14))  # 13 tokens: 12 in full blocks, found in the cache the second time
     e.add_request("a", prompt, SamplingParams(max_tokens=2))
     run(e)
-    e.take_step_trace()
+    e.tracer.take()
     e.add_request("b", prompt, SamplingParams(max_tokens=2))
     e.step()
-    assert e.take_step_trace()[0]["seqs"][0][:6] == ["b", "prefill", 1, 0, 0, 12]
+    assert e.tracer.take()[0]["seqs"][0][:6] == ("b", "prefill", 1, 0, 0, 12)
     run(e)
 
 
 def test_sequences_ended_between_steps_are_traced():
     """An abort and a stop string end sequences outside any step: a record without a batch says so."""
     e = engine()
-    e.start_step_trace()
+    e.tracer.start()
     e.add_request("a", [1, 2, 3], SamplingParams(max_tokens=50))
     e.add_request("b", [4, 5, 6], SamplingParams(max_tokens=50))
     e.step()
     e.abort("a")
-    last = e.take_step_trace()[-1]
+    last = e.tracer.take()[-1]
     assert last["seqs"] == [] and last["ended"] == [["a", "abort"]] and last["duration"] == 0
     e.abort("a")  # gone already: nothing more
-    assert e.take_step_trace() == []
+    assert e.tracer.take() == []
     e.finish_stopped("b", "x")
-    assert e.take_step_trace()[-1]["ended"] == [["b", "stop"]]
-    e.stop_step_trace()
+    assert e.tracer.take()[-1]["ended"] == [["b", "stop"]]
+    e.tracer.stop()
     e.add_request("c", [7, 8], SamplingParams(max_tokens=3))
     run(e)
-    assert e.take_step_trace() == []  # stopped: nothing recorded
+    assert e.tracer.take() == []  # stopped: nothing recorded

@@ -109,14 +109,14 @@ class AsyncEngine:
         return self.engine.snapshot()
 
     async def start_step_trace(self) -> bool:
-        await self.run_on_loop(self.engine.start_step_trace)
+        await self.run_on_loop(self.engine.tracer.start)
         return True
 
     async def stop_step_trace(self) -> None:
-        await self.run_on_loop(self.engine.stop_step_trace)
+        await self.run_on_loop(self.engine.tracer.stop)
 
     def take_step_trace(self) -> list[dict]:
-        return self.engine.take_step_trace()  # pops whole steps: safe beside the loop thread
+        return self.engine.tracer.take()  # pops whole steps: safe beside the loop thread
 
     async def block_states(self) -> bytes | None:
         return await self.run_on_loop(self.engine.block_states)

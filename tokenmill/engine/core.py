@@ -23,16 +23,18 @@ from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Protocol
 
 from tokenmill.config import SchedulerConfig, SpeculativeConfig, check_adapter_name
 from tokenmill.engine.block_pool import BlockPool
 from tokenmill.engine.kv_manager import KVCacheManager, PrefixCacheStats
+from tokenmill.engine.kv_transfer import KVTransfer
 from tokenmill.engine.model_input import GrammarMasks, ModelInput, ModelOutput, SampledToken
 from tokenmill.engine.outputs import SeqDelta
 from tokenmill.engine.request import Request, sequence_ids
 from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
 from tokenmill.engine.stats import EngineSnapshot, SpecDecodeStats, StepStats
+from tokenmill.engine.step_trace import StepTracer, step_kinds
 from tokenmill.engine.structured import StructuredOutputManager
 from tokenmill.errors import EngineDeadError, InvalidRequestError, UnknownModelError
 from tokenmill.sampling_params import SamplingParams
@@ -40,7 +42,6 @@ from tokenmill.structured.grammar import CompiledGrammar, GrammarCompiler
 
 logger = logging.getLogger(__name__)
 STEP_STATS_KEPT = 100_000
-STEP_TRACE_KEPT = 1024  # traced steps not taken yet: a live view that stops reading loses the oldest
 
 
 class Runner(Protocol):
@@ -70,7 +71,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     max_loras: int | None = None  # None: LoRA adapters are off
     sliding_window: int | None = None  # the model's attention window: blocks before it are freed
-    record_kv_events: bool = False  # log the prefix cache's changes for a replica router (take_kv_events)
+    record_kv_events: bool = False  # log the prefix cache's changes for a replica router (kv_transfer.take_events)
 
 
 @dataclass(frozen=True)
@@ -106,8 +107,8 @@ class EngineCore:
         self.num_step_retries = 0  # steps that failed as a batch and were re-run request by request
         # The most recent steps' stats (bounded: a server runs for days).
         self._step_stats: deque[StepStats] = deque(maxlen=STEP_STATS_KEPT)
-        self._trace: deque[dict] | None = None  # each step's batch, for a live view (start_step_trace)
-        self._num_traced = 0
+        self.tracer = StepTracer(self.scheduler, self.block_pool)  # each step's batch, for a live view
+        self.kv_transfer = KVTransfer(self.block_pool, runner)  # prefix-cache events and KV for replicas
 
     # ------------------------------------------------------------------ requests
 
@@ -254,7 +255,7 @@ class EngineCore:
         ending = [(r.request_id, "abort") for r in reqs if not r.finished]
         for req in reqs:
             self.scheduler.finish(req, "abort")
-        self._trace_ended(ending)
+        self.tracer.ended(ending)
         return [r.request_id for r in reqs]
 
     def _forget(self, request_id: str) -> list[Request]:
@@ -269,7 +270,7 @@ class EngineCore:
         if req is None:  # ended meanwhile (aborted, or by a token of the step that found the string)
             return
         self.scheduler.finish(req, "stop", stop_string)
-        self._trace_ended([(seq_id, "stop")])
+        self.tracer.ended([(seq_id, "stop")])
         if all(r.finished for r in self._requests.get(req.parent_id, ())):
             self._forget(req.parent_id)
         self._drop_if_idle()
@@ -285,7 +286,7 @@ class EngineCore:
         sched = self.scheduler.schedule()
         for s in sched.seqs:
             s.request.first_scheduled = s.request.first_scheduled or t0
-        kinds = _step_kinds(sched) if self._trace is not None else None  # before the update moves the counts
+        kinds = step_kinds(sched) if self.tracer.on else None  # before the update moves the counts
         masks = self.structured.start_masks(sched)  # beside the step's record, not in it
         try:
             result = self._execute(sched.model_input, masks)
@@ -299,66 +300,14 @@ class EngineCore:
                 self._forget(u.request.parent_id)
         if sched.seqs:
             self._step_stats.append(self._stats(sched, t0))
-        if kinds is not None and (sched.seqs or sched.unschedulable):
-            self._trace_step(sched, kinds, updates, t0)
+        if kinds is not None:
+            self.tracer.stepped(sched, kinds, updates, t0)
         self._drop_if_idle()
         return deltas
-
-    def start_step_trace(self) -> None:
-        """Record each step's batch from now on (``take_step_trace``), and which blocks
-        prefix-cache hits take (``block_states``): what a live view of the engine draws."""
-        if self._trace is None:
-            self._trace = deque(maxlen=STEP_TRACE_KEPT)
-            self.block_pool.start_hit_log()
-
-    def stop_step_trace(self) -> None:
-        """Stop recording (nobody watches any more); step numbers go on from where they were."""
-        self._trace = None
-        self.block_pool.stop_hit_log()
-
-    def _trace_ended(self, ended: list[tuple[str, str]]) -> None:
-        """Sequences ended between steps (aborted, a stop string): a record of their own,
-        with no batch, so that a live view does not show them running on."""
-        if self._trace is not None and ended:
-            self._trace_record(time.perf_counter(), 0.0, [], [], [list(e) for e in ended])
-
-    def take_step_trace(self) -> list[dict]:
-        """The steps traced since the last call, oldest first (safe from another thread:
-        each step is popped whole)."""
-        trace = self._trace
-        if not trace:
-            return []
-        return [trace.popleft() for _ in range(len(trace))]
 
     def block_states(self) -> bytes:
         """One byte per KV block (block_pool.block_states): free, cached, used, shared, hit."""
         return self.block_pool.block_states()
-
-    def _trace_step(self, sched: SchedulerOutput, kinds: list[tuple[str, int]], updates: list, t0: float) -> None:
-        """One step as plain data (msgpack-able): who got how many tokens, of which kind,
-        drafts kept and rejected, prompt tokens found in the prefix cache, who ended."""
-        sampled = {u.request.request_id: len(u.new_tokens) for u in updates}
-        failed = {u.request.request_id for u in updates if u.error is not None}
-        seqs = []
-        for s, (kind, cached) in zip(sched.seqs, kinds, strict=True):
-            req = s.request
-            drafts = len(s.spec_token_ids)
-            if req.request_id in failed:  # the step failed for it: nothing computed
-                seqs.append([req.request_id, kind, 0, 0, 0, 0, req.lora_name, req.finish_reason])
-                continue
-            accepted = max(0, min(drafts, sampled.get(req.request_id, 0) - 1)) if drafts else 0
-            seqs.append([req.request_id, kind, s.num_new_tokens - drafts + accepted, drafts, accepted, cached,
-                         req.lora_name, req.finish_reason])  # fmt: skip
-        ended = [[r.request_id, r.finish_reason] for r in sched.unschedulable]  # ended in schedule(), never run
-        self._trace_record(t0, time.perf_counter() - t0, seqs, [r.request_id for r in sched.preempted], ended)
-
-    def _trace_record(self, t0: float, duration: float, seqs: list, preempted: list, ended: list) -> None:
-        self._num_traced += 1
-        self._trace.append({
-            "step": self._num_traced, "time": t0, "duration": duration, "seqs": seqs, "preempted": preempted,
-            "ended": ended, "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-            "blocks_used": self.block_pool.num_used, "blocks_cached": self.block_pool.num_cached_free,
-        })  # fmt: skip
 
     def _drop_if_idle(self) -> None:
         """Idle now: let the runner drop what finished (no later step would tell it)."""
@@ -451,53 +400,6 @@ class EngineCore:
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return self.kv.stats
 
-    def take_kv_events(self) -> list[tuple[str, bytes]]:
-        """The prefix cache's changes since the last call ("stored" / "removed", block
-        hash): what a replica reports to ``replicas.routing`` (``record_kv_events``)."""
-        return self.block_pool.take_events()
-
-    def start_kv_events(self) -> None:
-        """Turn on ``take_kv_events`` (an engine built without ``record_kv_events``)."""
-        self.block_pool.start_events()
-
-    def export_kv(self, hashes: Sequence[bytes]) -> tuple[int, Any]:
-        """The KV of the leading blocks of ``hashes`` this engine's prefix cache holds, as
-        (how many, the runner's raw rows): what a prefill replica ships to a decode one."""
-        ids = []
-        for h in hashes:
-            b = self.block_pool.lookup(h)
-            if b is None:
-                break
-            ids.append(b)
-        return len(ids), (self.runner.export_blocks(ids) if ids else None)
-
-    def import_kv(self, hashes: Sequence[bytes], data: Any) -> int:
-        """Put KV exported by ``export_kv`` (row i: the block of ``hashes[i]``; a tensor or
-        its raw bytes) into this
-        engine's prefix cache, so that a request with that prompt starts as on a cache
-        hit. Blocks cached already are kept; the others take free blocks (evicting the
-        least recently used cached ones) while there are some. Returns the leading
-        blocks now cached."""
-        pool = self.block_pool
-        if not pool.enable_caching:
-            return 0
-        found: list[int] = []
-        for h in hashes:
-            b = pool.lookup(h)
-            if b is None:
-                break
-            found.append(b)
-        pool.touch(found)  # held while allocating, so that none of them is the block evicted
-        ids = pool.allocate(min(len(hashes) - len(found), pool.num_free))
-        try:
-            if ids:
-                self.runner.import_blocks(ids, data, first_row=len(found))
-                for b, h in zip(ids, hashes[len(found) :], strict=False):
-                    pool.cache(b, h)
-        finally:
-            pool.free((found + ids)[::-1])  # idle again: cached, evictable, the most recently used
-        return len(found) + len(ids)
-
     def lora_hash_root(self, name: str) -> bytes | None:
         """The root of an adapter's block-hash chain (None: the base model's), for a
         router hashing prompts as this engine does (``routing.prompt_block_hashes``)."""
@@ -543,24 +445,6 @@ class EngineCore:
     @property
     def num_unfinished_requests(self) -> int:
         return len(self._requests)
-
-
-def _step_kinds(sched: SchedulerOutput) -> list[tuple[str, int]]:
-    """Each scheduled sequence's kind of work (prefill: prompt or recomputed tokens;
-    decode; verify: drafts checked) and, on its first chunk, the prompt tokens the
-    prefix cache gave it."""
-    kinds = []
-    for s in sched.seqs:
-        req = s.request
-        if s.spec_token_ids:
-            kind = "verify"
-        elif req.output_token_ids and req.num_computed_tokens >= req.num_tokens - 1:
-            kind = "decode"
-        else:  # the prompt (its last token too, after a whole-prefix cache hit), or recomputing after preemption
-            kind = "prefill"
-        first = req.num_computed_tokens == req.num_cached_prompt_tokens and not req.output_token_ids
-        kinds.append((kind, req.num_cached_prompt_tokens if first else 0))
-    return kinds
 
 
 def _delta(req: Request, new_tokens: list[SampledToken], error: str | None) -> SeqDelta:

@@ -74,10 +74,10 @@ class CoreLoop:
         message (``start_kv_events``: a replica's router follows them) and the steps
         traced (``start_step_trace``: the server's live view draws them)."""
         wire = snapshot_to_wire(self.core.snapshot())
-        events = self.core.take_kv_events()
+        events = self.core.kv_transfer.take_events()
         if events:
             wire["kv_events"] = events
-        steps = self.core.take_step_trace()
+        steps = self.core.tracer.take()
         if steps:
             wire["steps"] = steps
         return wire
@@ -202,11 +202,11 @@ class CoreLoop:
             if method == "remove_lora":
                 self.core.remove_lora(args[0])
             elif method == "start_kv_events":
-                self.core.start_kv_events()
+                self.core.kv_transfer.start_events()
             elif method == "start_step_trace":
-                self.core.start_step_trace()
+                self.core.tracer.start()
             elif method == "stop_step_trace":
-                self.core.stop_step_trace()
+                self.core.tracer.stop()
             elif method == "measure_load_price":  # -> its parts, a dict (a replica starting: engine/load_price.py)
                 result = asdict(measure_load_price(self.core))
             elif method == "block_states":
@@ -214,10 +214,10 @@ class CoreLoop:
             elif method == "lora_hash_roots":
                 result = {name: self.core.lora_hash_root(name) for name in self.core.loras}
             elif method == "export_kv":  # -> [blocks, their raw bytes] (replicas/ray_serve.py)
-                n, data = self.core.export_kv(args[0])
+                n, data = self.core.kv_transfer.export(args[0])
                 result = [n, None if data is None else data.numpy().tobytes()]
             elif method == "import_kv":  # [hashes, raw bytes] -> blocks now cached
-                result = self.core.import_kv(args[0], args[1])
+                result = self.core.kv_transfer.load(args[0], args[1])
             else:
                 raise ValueError(f"unknown engine-core call {method!r}")
         except Exception as e:  # noqa: BLE001 - handed to the caller
