@@ -22,6 +22,7 @@ from tokenmill.engine.load_price import (
     LoadPricer,
     measure_load_price,
 )
+from tokenmill.engine.messages import Call
 from tokenmill.engine.request import sequence_ids
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.kv_cache import allocate_kv_cache
@@ -105,7 +106,7 @@ def test_a_small_kv_cache_gets_a_shorter_prompt_and_the_replicas_core_answers_th
     engine, pipe = tiny_engine(num_blocks=40), Pipe()
     loop = CoreLoop(engine, pipe)
     try:
-        loop._call(7, "measure_load_price", [])
+        loop._call(Call(7, "measure_load_price", []))
     finally:
         loop.pool.shutdown()
     ((kind, call_id, error, result, _snapshot),) = pipe.sent

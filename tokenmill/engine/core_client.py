@@ -35,6 +35,22 @@ from typing import Any, Protocol
 
 from tokenmill.engine.channel import Channel, ChannelClosed, ChannelTimeout
 from tokenmill.engine.detokenizer import Decoder
+from tokenmill.engine.messages import (
+    Abort,
+    Accepted,
+    Add,
+    Call,
+    Dead,
+    Failed,
+    Out,
+    Rejected,
+    Reply,
+    Shutdown,
+    Stats,
+    Stop,
+    decode,
+    encode,
+)
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.request import sequence_ids
@@ -102,11 +118,12 @@ class AsyncCoreClient:
         except (EOFError, OSError):
             self.process.join(5)
             raise TokenmillError(f"the engine core process exited at start (exit code {self.process.exitcode})") from None
-        if msg[0] == "failed":
+        msg = decode(msg)
+        if isinstance(msg, Failed):
             self.process.join(10)
-            raise error_from_wire(msg[2]) if msg[2].get("user") else TokenmillError(f"the engine core failed: {msg[1]}")
-        self._snapshot = snapshot_from_wire(msg[2])
-        return msg[1]
+            raise error_from_wire(msg.error) if msg.error.get("user") else TokenmillError(f"the engine core failed: {msg.message}")
+        self._snapshot = snapshot_from_wire(msg.snapshot)
+        return msg.info
 
     # ------------------------------------------------------------- asyncio side
 
@@ -137,7 +154,7 @@ class AsyncCoreClient:
             self.streams.add(request_id, stream)
             self._accepting[request_id] = (stream.loop, accepted)
             try:
-                self._send(["add", request_id, ids, params_to_wire(params), lora])
+                self._send(Add(request_id, ids, params_to_wire(params), lora))
             except EngineDeadError:
                 self._forget(request_id)
                 raise
@@ -147,7 +164,7 @@ class AsyncCoreClient:
             self._forget(request_id)
             if not self.is_dead:
                 try:
-                    self._send(["abort", request_id])
+                    self._send(Abort(request_id))
                 except EngineDeadError:  # nothing left to abort
                     pass
 
@@ -203,7 +220,7 @@ class AsyncCoreClient:
             call_id = next(self._call_ids)
             self._calls[call_id] = (loop, done)
             try:
-                self._send(["call", call_id, method, args])
+                self._send(Call(call_id, method, args))
             except EngineDeadError:
                 del self._calls[call_id]
                 raise
@@ -235,7 +252,7 @@ class AsyncCoreClient:
             self._stopping = True
             if self.process.is_alive():
                 try:
-                    self._send(["shutdown"])
+                    self._send(Shutdown())
                 except EngineDeadError:
                     pass
         self.process.join(timeout)
@@ -246,41 +263,43 @@ class AsyncCoreClient:
         self._reader.join(timeout)
         self._channel.close(0)
 
-    def _send(self, msg: list) -> None:
+    def _send(self, msg: Any) -> None:
         """Queue a message for the core (never waits for it to read); a core gone
         meanwhile is EngineDeadError."""
         try:
-            self._channel.send(msg)
+            self._channel.send(encode(msg))
         except ChannelClosed as e:
             raise EngineDeadError(f"the engine core process is gone ({e})") from None
 
     # ------------------------------------------------------------- reader thread
 
     def _read(self) -> None:
+        def dead(msg: Dead) -> None:
+            raise EngineDeadError(msg.message)
+
+        def rejected(msg: Rejected) -> None:
+            self._settle(self._accepting, msg.request_id, error_from_wire(msg.error))
+            with self._lock:
+                self._forget(msg.request_id)
+
+        handlers: dict[type, Callable[[Any], None]] = {
+            Out: lambda m: self._on_outputs(m.deltas),
+            Accepted: lambda m: self._settle(self._accepting, m.request_id, None),
+            Rejected: rejected,
+            Reply: lambda m: self._settle(self._calls, m.call_id, None if m.error is None else error_from_wire(m.error),
+                                          m.result),
+            Stats: lambda m: None,  # the snapshot alone
+            Dead: dead,
+        }  # fmt: skip
         try:
             while True:
-                msg = self._channel.recv(self.heartbeat_timeout)
-                kind = msg[0]
-                if kind == "dead":
-                    raise EngineDeadError(msg[1])
-                events = msg[-1].pop("kv_events", None)
-                if events:
-                    with self._lock:
-                        self._kv_events.extend((kind, bytes(h)) for kind, h in events)
-                steps = msg[-1].pop("steps", None)
-                if steps:
-                    self._steps.extend(steps)
-                self._snapshot = snapshot_from_wire(msg[-1])
-                if kind == "out":
-                    self._on_outputs(msg[1])
-                elif kind == "accepted":
-                    self._settle(self._accepting, msg[1], None)
-                elif kind == "rejected":
-                    self._settle(self._accepting, msg[1], error_from_wire(msg[2]))
-                    with self._lock:
-                        self._forget(msg[1])
-                elif kind == "reply":
-                    self._settle(self._calls, msg[1], None if msg[2] is None else error_from_wire(msg[2]), msg[3])
+                msg = decode(self._channel.recv(self.heartbeat_timeout))
+                handler = handlers.get(type(msg))
+                if handler is None:
+                    raise EngineDeadError(f"the engine core sent {type(msg).__name__} out of turn")
+                if not isinstance(msg, Dead):
+                    self._absorb(msg.snapshot)
+                handler(msg)
         except ChannelTimeout:
             silent = f"the engine core has not answered for {self.heartbeat_timeout:g} s (not even its heartbeat)"
             logger.error("%s; killing it", silent)
@@ -297,15 +316,26 @@ class AsyncCoreClient:
             logger.error("engine core: %s", e)
             self._fail_all(e if isinstance(e, EngineDeadError) else EngineDeadError(f"{type(e).__name__}: {e}"))
 
+    def _absorb(self, snapshot: dict) -> None:
+        """A message's gauges, and the prefix-cache events and traced steps riding with them."""
+        events = snapshot.pop("kv_events", None)
+        if events:
+            with self._lock:
+                self._kv_events.extend((kind, bytes(h)) for kind, h in events)
+        steps = snapshot.pop("steps", None)
+        if steps:
+            self._steps.extend(steps)
+        self._snapshot = snapshot_from_wire(snapshot)
+
     def _on_outputs(self, wire_deltas: list) -> None:
         with self._lock:
             outputs, stopped = self.outputs.process([delta_from_wire(w) for w in wire_deltas])
             for seq_id, stop_string in stopped:
-                self._send(["stop", seq_id, stop_string])
+                self._send(Stop(seq_id, stop_string))
             for out in outputs:
                 if not self.streams.deliver(out):  # its event loop has closed: nobody reads it
                     self._forget(out.request_id)
-                    self._send(["abort", out.request_id])
+                    self._send(Abort(out.request_id))
                 elif out.finished and out.request_id not in self.streams:  # its last sequence ended
                     self._seq_ids.pop(out.request_id, None)
 

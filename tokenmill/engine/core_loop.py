@@ -8,7 +8,7 @@ pipe (no polling). Grammars are compiled on the engine's compile thread and LoRA
 adapters read on a worker thread, so a big schema or a slow disk never stalls the
 steps of other requests; a grammar not compiled within its timeout is refused.
 
-The pipe carries msgpack (engine/wire.py) through a ``Channel`` (engine/channel.py): a
+The pipe carries typed messages (engine/messages.py) as msgpack through a ``Channel`` (engine/channel.py): a
 reader thread drains the commands into a queue as they arrive and a writer thread
 sends, so this loop never waits on the API process reading, nor the API process on
 this loop (the deadlock of issue 40). The pipe closing means the API process is gone:
@@ -29,6 +29,23 @@ from typing import Any
 from tokenmill.engine.channel import Channel
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.load_price import measure_load_price
+from tokenmill.engine.messages import (
+    Abort,
+    Accepted,
+    Add,
+    Call,
+    Dead,
+    Failed,
+    Out,
+    Ready,
+    Rejected,
+    Reply,
+    Shutdown,
+    Stats,
+    Stop,
+    decode,
+    encode,
+)
 from tokenmill.engine.wire import (
     delta_to_wire,
     error_to_wire,
@@ -65,9 +82,25 @@ class CoreLoop:
         self.pending: list[_Pending] = []
         self.running = True
         self.last_snapshot = 0.0  # time.monotonic() of the last gauges sent
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            Add: self._add, Abort: self._abort, Stop: self._stop, Call: self._call, Shutdown: self._shutdown,
+        }  # fmt: skip
+        # The core's methods an API process may call between steps, by name: args -> result
+        # (add_lora is not here: its read runs on the worker thread, see _call).
+        self._methods: dict[str, Callable[[list], Any]] = {
+            "remove_lora": lambda args: core.remove_lora(args[0]),
+            "start_kv_events": lambda _: core.kv_transfer.start_events(),
+            "start_step_trace": lambda _: core.tracer.start(),
+            "stop_step_trace": lambda _: core.tracer.stop(),
+            "measure_load_price": lambda _: asdict(measure_load_price(core)),  # a replica starting: its parts
+            "block_states": lambda _: core.block_states(),
+            "lora_hash_roots": lambda _: {name: core.lora_hash_root(name) for name in core.loras},
+            "export_kv": lambda args: _exported(*core.kv_transfer.export(args[0])),  # -> [blocks, raw bytes]
+            "import_kv": lambda args: core.kv_transfer.load(args[0], args[1]),  # [hashes, raw bytes] -> cached
+        }
 
-    def send(self, *msg: Any) -> None:
-        self.channel.send(list(msg))
+    def send(self, msg: Any) -> None:
+        self.channel.send(encode(msg))
 
     def snapshot(self) -> dict:
         """The gauges, and when they are recorded, the prefix cache's events since the last
@@ -91,19 +124,19 @@ class CoreLoop:
                 if self.core.has_unfinished():
                     deltas = self.core.run_step()
                     if deltas:
-                        self.send("out", [delta_to_wire(d) for d in deltas], self.snapshot())
+                        self.send(Out([delta_to_wire(d) for d in deltas], self.snapshot()))
                         self.last_snapshot = time.monotonic()
                         continue
                     changed |= time.monotonic() - self.last_snapshot > SNAPSHOT_EVERY_S  # a long prefill: gauges move
                 if changed:
-                    self.send("stats", self.snapshot())
+                    self.send(Stats(self.snapshot()))
                     self.last_snapshot = time.monotonic()
         except (EOFError, OSError):  # the API process is gone: nobody to serve
             logger.info("engine core: the API process closed the pipe; stopping")
         except BaseException as e:
             logger.exception("engine core loop died")
             try:
-                self.send("dead", f"{type(e).__name__}: {e}")
+                self.send(Dead(f"{type(e).__name__}: {e}"))
             except OSError:
                 pass
             raise
@@ -129,44 +162,45 @@ class CoreLoop:
             timeout = 0.0
         return changed
 
-    def _command(self, msg: list) -> None:
-        kind = msg[0]
-        if kind == "add":
-            _, rid, prompt_ids, params, lora = msg
-            self._add(rid, prompt_ids, params, lora)
-        elif kind == "abort":
-            self.pending = [p for p in self.pending if p.request_id != msg[1]]
-            self.core.abort(msg[1])
-        elif kind == "stop":
-            self.core.finish_stopped(msg[1], msg[2])
-        elif kind == "call":
-            self._call(msg[1], msg[2], msg[3])
-        elif kind == "shutdown":
-            self.running = False
-        else:
-            raise ValueError(f"unknown engine-core command {kind!r}")
+    def _command(self, wire: list) -> None:
+        msg = decode(wire)
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            raise ValueError(f"the engine core takes no {type(msg).__name__} message")
+        handler(msg)
 
-    def _add(self, rid: str, prompt_ids: list[int], params_wire: dict, lora: str | None) -> None:
+    def _abort(self, msg: Abort) -> None:
+        self.pending = [p for p in self.pending if p.request_id != msg.request_id]
+        self.core.abort(msg.request_id)
+
+    def _stop(self, msg: Stop) -> None:
+        self.core.finish_stopped(msg.seq_id, msg.stop_string)
+
+    def _shutdown(self, _: Shutdown) -> None:
+        self.running = False
+
+    def _add(self, msg: Add) -> None:
+        rid, prompt_ids, params_wire, lora = msg.request_id, msg.prompt_ids, msg.params, msg.lora
         try:
             params = params_from_wire(params_wire)
         except InvalidRequestError as e:
-            self.send("rejected", rid, error_to_wire(e), self.snapshot())
+            self.send(Rejected(rid, error_to_wire(e), self.snapshot()))
             return
 
         def add(grammar: Any) -> None:
             try:
                 self.core.add_request(rid, prompt_ids, params, grammar=grammar, lora=lora)
             except Exception as e:  # noqa: BLE001 - a bad request: its caller gets the error
-                self.send("rejected", rid, error_to_wire(e), self.snapshot())
+                self.send(Rejected(rid, error_to_wire(e), self.snapshot()))
                 return
-            self.send("accepted", rid, self.snapshot())
+            self.send(Accepted(rid, self.snapshot()))
 
         if params.structured is None:
             add(None)
             return
 
         def fail(e: BaseException) -> None:
-            self.send("rejected", rid, error_to_wire(e), self.snapshot())
+            self.send(Rejected(rid, error_to_wire(e), self.snapshot()))
 
         structured, spec = self.core.structured, params.structured
         try:  # on the engine's compile thread: it stalls no step, and LoRA reads do not wait behind it
@@ -177,9 +211,11 @@ class CoreLoop:
         deadline = time.monotonic() + structured.compile_timeout
         self.pending.append(_Pending(future, add, fail, rid, deadline, lambda: structured.timeout_error(spec)))
 
-    def _call(self, call_id: int, method: str, args: list) -> None:
+    def _call(self, msg: Call) -> None:
+        call_id, method, args = msg.call_id, msg.method, msg.args
+
         def reply(error: BaseException | None = None, result: Any = None) -> None:
-            self.send("reply", call_id, None if error is None else error_to_wire(error), result, self.snapshot())
+            self.send(Reply(call_id, None if error is None else error_to_wire(error), result, self.snapshot()))
 
         try:
             if method == "add_lora":  # a new name only (the server's loads): concurrent ones, one wins
@@ -198,28 +234,10 @@ class CoreLoop:
 
                 self.pending.append(_Pending(self.pool.submit(self.core.load_lora, name, path), served, failed))
                 return
-            result = None
-            if method == "remove_lora":
-                self.core.remove_lora(args[0])
-            elif method == "start_kv_events":
-                self.core.kv_transfer.start_events()
-            elif method == "start_step_trace":
-                self.core.tracer.start()
-            elif method == "stop_step_trace":
-                self.core.tracer.stop()
-            elif method == "measure_load_price":  # -> its parts, a dict (a replica starting: engine/load_price.py)
-                result = asdict(measure_load_price(self.core))
-            elif method == "block_states":
-                result = self.core.block_states()
-            elif method == "lora_hash_roots":
-                result = {name: self.core.lora_hash_root(name) for name in self.core.loras}
-            elif method == "export_kv":  # -> [blocks, their raw bytes] (replicas/ray_serve.py)
-                n, data = self.core.kv_transfer.export(args[0])
-                result = [n, None if data is None else data.numpy().tobytes()]
-            elif method == "import_kv":  # [hashes, raw bytes] -> blocks now cached
-                result = self.core.kv_transfer.load(args[0], args[1])
-            else:
+            call = self._methods.get(method)
+            if call is None:
                 raise ValueError(f"unknown engine-core call {method!r}")
+            result = call(args)
         except Exception as e:  # noqa: BLE001 - handed to the caller
             reply(e)
             return
@@ -261,13 +279,13 @@ def serve_core(build: Callable[[], tuple[EngineCore, dict, Callable[[], None]]],
     except BaseException as e:  # noqa: BLE001 - the API process reports it and exits
         channel = Channel(conn, "tokenmill-core")
         try:
-            channel.send(["failed", str(e) or type(e).__name__, error_to_wire(e)])
+            channel.send(encode(Failed(str(e) or type(e).__name__, error_to_wire(e))))
         finally:
             channel.close()
         return 1
     channel = Channel(conn, "tokenmill-core", max_queued_bytes=MAX_QUEUED_BYTES)
     try:
-        channel.send(["ready", info, snapshot_to_wire(core.snapshot())])
+        channel.send(encode(Ready(info, snapshot_to_wire(core.snapshot()))))
         CoreLoop(core, channel).run()
         return 0
     except BaseException:  # noqa: BLE001 - logged and sent by the loop
@@ -276,3 +294,7 @@ def serve_core(build: Callable[[], tuple[EngineCore, dict, Callable[[], None]]],
         close()
         channel.close()
 
+
+def _exported(n: int, data: Any) -> list:
+    """``KVTransfer.export``'s result as plain values: [blocks, their raw bytes or None]."""
+    return [n, None if data is None else data.numpy().tobytes()]

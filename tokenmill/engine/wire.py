@@ -1,23 +1,10 @@
-"""The messages between the API process and the engine-core process, as msgpack.
+"""What crosses the pipe between the API process and the engine-core process, as plain
+values: sampling parameters, deltas, snapshots and errors to and from lists and maps,
+and msgpack itself (``pack`` / ``unpack``). The messages are engine/messages.py's.
 
 Only plain values cross (strings, numbers, lists, maps): never a pickled object, so
 a message means the same on both sides whatever either has imported, and decoding
-one cannot run code. Each message is a list whose first item names it:
-
-    API -> core   ["add", request_id, prompt_ids, params, lora]
-                  ["abort", request_id]
-                  ["stop", seq_id, stop_string]          (the API found a stop string)
-                  ["call", call_id, method, args]        (add_lora, remove_lora, block_states, ...)
-                  ["shutdown"]
-    core -> API   ["ready", info, snapshot] | ["failed", message, error]  (once, at start)
-                  ["accepted", request_id, snapshot] | ["rejected", request_id, error, snapshot]
-                  ["out", deltas, snapshot]              (one per step)
-                  ["reply", call_id, error | None, snapshot]
-                  ["stats", snapshot]                    (after commands that changed it)
-                  ["dead", message]                      (the loop failed: nothing more follows)
-
-A snapshot may carry, once recording is on, "kv_events" (prefix-cache changes) and
-"steps" (each step's batch, for the live view), each since the previous message.
+one cannot run code.
 """
 
 from __future__ import annotations
