@@ -192,7 +192,7 @@ def test_a_stream_cancelled_mid_wait_leaves_its_source_closable():
     """A client that goes away cancels the SSE writer while it waits for the next
     output; the source must then close cleanly (it once raised 'aclose(): asynchronous
     generator is already running' for every streamed disconnect)."""
-    from tokenmill.server.app import _until
+    from tokenmill.server.streaming import until as _until
 
     closed = []
     waiting = asyncio.Event()

@@ -24,7 +24,7 @@ from typing import TypeVar
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.stats import EngineSnapshot
-from tokenmill.engine.streams import RequestFailedError, Stream, StreamingFront, Streams, resolve  # noqa: F401
+from tokenmill.engine.streams import Stream, Streams, resolve
 from tokenmill.errors import EngineDeadError
 from tokenmill.sampling_params import SamplingParams
 

@@ -2,8 +2,8 @@
 
 Three pieces, each a Ray Serve (or Ray) object:
 
-- ``EngineReplica``: one engine per replica (the threaded ``AsyncEngine`` in the
-  replica's process). ``generate`` streams a request's outputs; a replica reports its
+- ``EngineReplica``: one engine per replica (an engine-core process of its own, driven
+  through ``AsyncCoreClient`` from the replica's process). ``generate`` streams a request's outputs; a replica reports its
   prefix cache's events, its load, its price of load (measured on its engine at start,
   engine/load_price.py) and its snapshot to the index (every 0.5 s, and
   before the last output of a request leaves it, so that a follow-up turn is routed

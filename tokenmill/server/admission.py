@@ -2,8 +2,8 @@
 
 The per-request limits (prompts, embedding inputs, prompt tokens) are checked by the
 routes with ``check_count`` and ``check_tokens``; a request over one is a 400 that names the limit
-and its flag. The queue limit (``max_queue``: 429 with Retry-After) is app.py's
-``_check_queue``.
+and its flag. The queue limit (``max_queue``: 429 with Retry-After) is served.py's
+``check_queue``.
 
 ``ClientWindows`` is the fairness rule (issue 40): the engine serves its waiting queue
 first come, first served, so a completions request with 2,000 prompts, put in whole,

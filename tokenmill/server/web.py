@@ -9,7 +9,7 @@
 The page is behind ``--api-key`` like the API. A browser cannot send an
 ``Authorization`` header when it opens a page or an ``EventSource``, so signing in
 with a key sets an HttpOnly, SameSite=Strict cookie, and a request that shows it is
-treated as one that sent that key's header (APIKeyMiddleware in app.py): the same
+treated as one that sent that key's header (APIKeyMiddleware in middleware.py): the same
 tenant, the same checks. The cookie holds no key: a random session id that this
 process maps to the key (``WebSessions``), so other services on the host never see
 the key, and a copied cookie is worth nothing once its session ends: at sign-out,

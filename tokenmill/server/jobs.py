@@ -1,0 +1,403 @@
+"""The job that answers one chat or completions request: ``Job`` starts its engine
+requests (prompts x n, through the client's window when there are several), and
+answers whole (``_collect``) or as OpenAI's SSE chunks (``_sse``) from the outputs'
+deltas: choices, echo, logprobs and prompt logprobs, best_of, tool calls, usage,
+timings. It answers from finished outputs alike (``replay``: a cached answer, or the
+small model's that a router kept). ``beam_response``: vLLM's use_beam_search.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import replace
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tokenmill.beam_search import BeamSearch, BeamSearchParams
+from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.streams import RequestFailedError
+from tokenmill.errors import EngineDeadError, InvalidRequestError
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.errors import error_response
+from tokenmill.server.models import Target
+from tokenmill.server.protocol import error_body, new_id, now
+from tokenmill.server.response_cache import detach, replayed
+from tokenmill.server.served import Served, check_queue
+from tokenmill.server.streaming import DrainExpired, chain, merge, until, until_disconnect
+from tokenmill.server.tools import ToolRequest, ToolStream
+
+
+def with_logprobs(params: SamplingParams) -> SamplingParams:
+    """``params`` asking for each token's logprob (a router's cascade judges by them)."""
+    return replace(params, logprobs=0) if params.logprobs is None else params
+
+
+class Job:
+    """One API request: its prompts (a completions request may carry several), each
+    run as one engine request with n sequences; choice i*n + j is sequence j of
+    prompt i."""
+
+    def __init__(self, served: Served, target: Target, prefix: str, obj: str, prompts: list[list[int]],
+                 params: list[SamplingParams], include_usage: bool, return_timings: bool, chat: bool,
+                 tools: ToolRequest | None = None, echoes: list[str] | None = None,
+                 prompt_logprobs_asked: bool = False, best_of_keep: int | None = None,
+                 logprobs_asked: bool = True) -> None:  # fmt: skip
+        self.served = served
+        self.target = target
+        self.id = new_id(prefix)
+        self.object = obj
+        self.created = now()
+        self.prompts = prompts
+        self.params = params
+        self.include_usage = include_usage
+        self.return_timings = return_timings
+        self.chat = chat
+        self.tools = tools  # chat with tools: answers are parsed into tool calls
+        self.model = target.name
+        self.echoes = echoes  # per prompt: the text echo puts before each of its answers
+        self.prompt_logprobs_asked = prompt_logprobs_asked  # vLLM's field (echo alone scores the prompt too)
+        self.best_of_keep = best_of_keep  # best_of: the n kept per prompt, by cumulative logprob
+        self.logprobs_asked = logprobs_asked  # (best_of and a router's cascade ask the engine for them)
+        self.cached = False  # answered from the response cache
+        self.observed = False  # its outputs are in the metrics already (a replay)
+        # Called with the finished sequences (prompt index, output) of an answer that ended
+        # well (every sequence stopped or reached its length): the response cache keeps it.
+        self.on_answered: Callable[[list[tuple[int, RequestOutput]]], None] | None = None
+        self.place: Callable[[], AbstractAsyncContextManager] | None = None  # the client's window (several prompts)
+
+    def _start(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        first = self.params if self.place is None else self.params[: self.served.windows.size]  # in at once
+        check_queue(self.served, self.target, sum(p.n for p in first))  # engine sequences: prompts x n
+        streams = [self.target.engine.generate(f"{self.id}-{i}", ids, p, self.target.lora)
+                   for i, (ids, p) in enumerate(zip(self.prompts, self.params, strict=True))]  # fmt: skip
+        return merge(streams, self.place)
+
+    async def respond(self, request: Request, stream: bool) -> Response:
+        merged = self._start()
+        try:
+            first = await anext(merged)  # surfaces an invalid request as a 400 before any byte is sent
+        except StopAsyncIteration:
+            first = None
+        except RequestFailedError as e:
+            await merged.aclose()
+            return error_response(500, str(e))
+        if stream:
+            return StreamingResponse(self._sse(first, merged), media_type="text/event-stream")
+        return await until_disconnect(request, self._collect(first, merged))
+
+    @property
+    def longest_prompt(self) -> int:
+        return max(len(p) for p in self.prompts)
+
+    def ask_logprobs(self) -> None:
+        """Have the engine report each token's logprob (a router's cascade judges by them);
+        the answer shows them only if the client asked."""
+        self.params = [with_logprobs(p) for p in self.params]
+
+    async def run(self) -> list[tuple[int, RequestOutput]]:
+        """Every sequence's final output, whole (``detach``), without answering (a router's
+        cascade judges them first); RequestFailedError if one failed."""
+        finals = []
+        async with contextlib.aclosing(self._start()) as merged:
+            async for i, out in merged:
+                self._observe(out)
+                if out.finished:
+                    finals.append((i, detach(out)))
+        return finals
+
+    async def replay(self, request: Request, stream: bool, finals: list[tuple[int, RequestOutput]]) -> Response:
+        """Answer with finished outputs (cached, or judged by a router), streamed or not."""
+        self.observed = True  # in metrics already, or not engine work at all
+
+        async def outputs() -> AsyncIterator[tuple[int, RequestOutput]]:
+            for i, out in finals:
+                yield i, replayed(out) if self.cached else out
+
+        if stream:
+            return StreamingResponse(self._sse(None, outputs()), media_type="text/event-stream")
+        return await until_disconnect(request, self._collect(None, outputs()))
+
+    def _answered(self, finals: list[tuple[int, RequestOutput]]) -> None:
+        if self.on_answered is not None and finals and all(o.finish_reason in ("stop", "length") for _, o in finals):
+            self.on_answered(finals)
+
+    # ------------------------------------------------------------------ results
+
+    def _choice_index(self, prompt_index: int, out: RequestOutput) -> int:
+        return prompt_index * self.params[prompt_index].n + out.outputs[0].index
+
+    def _observe(self, out: RequestOutput) -> None:
+        if out.finished and not self.observed:
+            self.served.observe_finished(out, self.target.model.name)
+
+    async def _collect(self, first, merged) -> JSONResponse:
+        finals: dict[int, RequestOutput] = {}
+        ended: list[tuple[int, RequestOutput]] = []
+        items = [first] if first is not None else []
+        try:
+            async for item in chain(items, merged):
+                i, out = item
+                self._observe(out)
+                if out.finished:
+                    finals[self._choice_index(i, out)] = out
+                    ended.append((i, out))
+        except RequestFailedError as e:
+            return error_response(500, str(e))
+        self._answered(ended)
+        choices = [self._final_choice(idx, finals[idx], self._scored(idx, finals)) for idx in sorted(finals)]
+        if self.best_of_keep is not None:
+            choices = self._best_of(choices, finals)
+        body = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, "usage": self._usage(finals.values())}  # fmt: skip
+        if self.chat and choices and "prompt_logprobs" in choices[0]:  # vLLM's chat has it once, at the top
+            body["prompt_logprobs"] = choices[0]["prompt_logprobs"]
+            for c in choices:
+                c.pop("prompt_logprobs", None)
+        if self.return_timings:
+            body["timings"] = [self._timings(finals[idx]) for idx in sorted(finals)]
+        return JSONResponse(body)
+
+    def _final_choice(self, index: int, out: RequestOutput, scored: RequestOutput | None = None) -> dict:
+        """``scored``: the output of the prompt's sequence 0, which carries the prompt's logprobs."""
+        c = out.outputs[0]
+        choice: dict[str, Any] = {"index": index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        lps = self._logprobs(c.token_ids, c.logprobs, c.top_logprobs, 0) if self.logprobs_asked else None
+        echo = self.echoes[index // self.params[0].n] if self.echoes else ""
+        if self.chat:
+            content, calls = self.tools.parse(c.text) if self.tools else (c.text, [])
+            choice["message"] = {"role": "assistant", "content": echo + content if content is not None else content}
+            if calls:
+                choice["message"]["tool_calls"] = [call.as_openai() for call in calls]
+                choice["finish_reason"] = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+        else:
+            choice["text"] = echo + c.text
+            if echo and lps is not None and scored is not None and scored.prompt_logprobs is not None:
+                lps = _joined(self._prompt_logprobs_legacy(scored), lps)
+        choice["logprobs"] = lps
+        if scored is not None and scored.prompt_logprobs is not None and self.prompt_logprobs_asked:
+            choice["prompt_logprobs"] = self._prompt_logprobs_vllm(scored)
+        return choice
+
+    def _prompt_logprobs_legacy(self, out: RequestOutput) -> dict:
+        """The prompt's part of an echoed completion's logprobs: its tokens, their logprobs
+        and top alternatives, null for the first token (as OpenAI's legacy API)."""
+        assert out.prompt_logprobs is not None and out.prompt_top_logprobs is not None
+        tok = self.target.tokenizer
+        texts = [tok.decode([t], skip_special_tokens=False) for t in out.prompt_token_ids]
+        tops = [None] + [{tok.decode([t], skip_special_tokens=False): v for t, v in top} for top in out.prompt_top_logprobs[1:]]
+        return {"tokens": texts, "token_logprobs": list(out.prompt_logprobs), "top_logprobs": tops,
+                "text_offset": _offsets(texts)}  # fmt: skip
+
+    def _prompt_logprobs_vllm(self, out: RequestOutput) -> list[dict | None]:
+        """vLLM's prompt_logprobs: per prompt token, null for the first, then a map of token
+        id -> {logprob, rank, decoded_token} holding the token itself and the top k."""
+        assert out.prompt_logprobs is not None and out.prompt_top_logprobs is not None and out.prompt_ranks is not None
+        tok = self.target.tokenizer
+        result: list[dict | None] = [None]
+        for j in range(1, len(out.prompt_logprobs)):  # all of the prompt, unless the request failed
+            t = out.prompt_token_ids[j]
+            entry = {str(t): {"logprob": out.prompt_logprobs[j], "rank": out.prompt_ranks[j],
+                              "decoded_token": tok.decode([t], skip_special_tokens=False)}}  # fmt: skip
+            for rank, (alt, v) in enumerate(out.prompt_top_logprobs[j], start=1):
+                entry.setdefault(str(alt), {"logprob": v, "rank": rank, "decoded_token": tok.decode([alt], skip_special_tokens=False)})
+            result.append(entry)
+        return result
+
+    def _best_of(self, choices: list[dict], finals: dict[int, RequestOutput]) -> list[dict]:
+        """Per prompt, the best_of_keep choices with the highest cumulative logprob, indexed
+        afresh (logprobs dropped unless asked: they were asked for the ranking)."""
+        per, keep = self.params[0].n, self.best_of_keep
+        assert keep is not None
+        kept = []
+        for i in range(len(self.prompts)):
+            group = [c for c in choices if c["index"] // per == i]
+            group.sort(key=lambda c: sum(lp for lp in finals[c["index"]].outputs[0].logprobs or [] if lp is not None),
+                       reverse=True)  # fmt: skip
+            for k, c in enumerate(group[:keep]):
+                kept.append({**c, "index": i * keep + k, "logprobs": c["logprobs"] if self.logprobs_asked else None})
+        return kept
+
+    def _scored(self, index: int, finals: dict[int, RequestOutput]) -> RequestOutput | None:
+        """The final output of sequence 0 of choice ``index``'s prompt (it has the prompt's logprobs)."""
+        return finals.get(index - index % self.params[0].n)
+
+    def _usage(self, finals) -> dict:
+        prompt = sum(len(ids) for ids in self.prompts)
+        completion = sum(len(o.outputs[0].token_ids) for o in finals)
+        usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        if self.cached:  # nothing was computed: every token came from the response cache
+            usage["prompt_tokens_details"] = {"cached_tokens": prompt}
+            usage["completion_tokens_details"] = {"cached_tokens": completion}
+        return usage
+
+    def _timings(self, out: RequestOutput) -> dict:
+        t = out.timings[0]
+        return {"arrival": t.arrival, "first_scheduled": t.first_scheduled, "first_token": t.first_token,
+                "finished": t.finished, "num_tokens": len(out.outputs[0].token_ids)}  # fmt: skip
+
+    def _logprobs(self, token_ids, logprobs, top_logprobs, start: int) -> dict | None:
+        """Logprobs of token_ids[start:] in the completions or the chat shape."""
+        if logprobs is None:
+            return None
+        tok = self.target.tokenizer
+        ids, lps, tops = token_ids[start:], logprobs[start:], top_logprobs[start:]
+        texts = [tok.decode([t], skip_special_tokens=False) for t in ids]
+        if self.chat:
+            content = []
+            for text, lp, top in zip(texts, lps, tops, strict=True):
+                alts = [{"token": tok.decode([t], skip_special_tokens=False), "logprob": v,
+                         "bytes": list(tok.decode([t], skip_special_tokens=False).encode())} for t, v in top]  # fmt: skip
+                content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": alts})
+            return {"content": content}
+        return {
+            "tokens": texts,
+            "token_logprobs": lps,
+            "top_logprobs": [{tok.decode([t], skip_special_tokens=False): v for t, v in top} or None for top in tops],
+            "text_offset": _offsets(texts),
+        }
+
+    # -------------------------------------------------------------------- stream
+
+    async def _sse(self, first, merged) -> AsyncIterator[str]:
+        finals: list[RequestOutput] = []
+        ended: list[tuple[int, RequestOutput]] = []
+        started: set[int] = set()
+        tool_streams: dict[int, ToolStream] = {}  # with tools: each choice's answer, as deltas
+        items = [first] if first is not None else []
+        try:
+            async for i, out in until(chain(items, merged), self.served.drain_expired):
+                self._observe(out)
+                idx = self._choice_index(i, out)
+                c = out.outputs[0]
+                if idx not in started:
+                    started.add(idx)
+                    if self.chat:
+                        yield self._chunk([{"index": idx, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}])  # fmt: skip
+                    head = self._stream_head(idx, out)
+                    if head is not None:
+                        yield self._chunk([head])
+                n_new = len(out.delta_token_ids)
+                lps = None
+                if out.delta_logprobs is not None and n_new and self.logprobs_asked:  # deltas: O(new tokens) per chunk
+                    lps = self._logprobs(out.delta_token_ids, out.delta_logprobs, out.delta_top_logprobs, 0)
+                if self.tools is not None:
+                    stream = tool_streams.setdefault(idx, ToolStream(self.tools))
+                    for delta in stream.feed(out.delta_text, out.finished):
+                        yield self._chunk([{"index": idx, "delta": delta, "logprobs": None, "finish_reason": None}])
+                    if out.finished:
+                        reason = "tool_calls" if stream.calls and c.finish_reason == "stop" else c.finish_reason
+                        yield self._chunk([{"index": idx, "delta": {}, "logprobs": None, "finish_reason": reason,
+                                            "stop_reason": c.stop_reason}])  # fmt: skip
+                elif out.delta_text or out.finished or lps is not None:
+                    choice: dict[str, Any] = {"index": idx, "logprobs": lps,
+                                              "finish_reason": c.finish_reason if out.finished else None}  # fmt: skip
+                    if self.chat:
+                        choice["delta"] = {"content": out.delta_text} if out.delta_text else {}
+                    else:
+                        choice["text"] = out.delta_text
+                    if out.finished:
+                        choice["stop_reason"] = c.stop_reason
+                    yield self._chunk([choice])
+                if out.finished:
+                    finals.append(out)
+                    ended.append((i, out))
+            self._answered(ended)
+            if self.include_usage:
+                yield self._chunk([], usage=self._usage(finals))
+            if self.return_timings:
+                yield f"data: {json.dumps({'id': self.id, 'timings': [self._timings(o) for o in finals]})}\n\n"
+        except InvalidRequestError as e:  # a later prompt of a batch was refused after streaming began
+            yield f"data: {json.dumps(error_body(str(e), 'BadRequestError', 400, e.param))}\n\n"
+        except RequestFailedError as e:
+            yield f"data: {json.dumps(error_body(str(e), 'InternalServerError', 500))}\n\n"
+        except EngineDeadError as e:
+            yield f"data: {json.dumps(error_body(str(e), 'ServiceUnavailableError', 503))}\n\n"
+        except DrainExpired:
+            message = "the server is shutting down and its drain timeout has passed: request aborted"
+            yield f"data: {json.dumps(error_body(message, 'ServiceUnavailableError', 503))}\n\n"
+        finally:
+            await merged.aclose()
+        yield "data: [DONE]\n\n"
+
+    def _stream_head(self, index: int, out: RequestOutput) -> dict | None:
+        """A choice's first chunk when it has one: the echoed prompt (with its logprobs
+        when asked) and vLLM's prompt_logprobs. Sent with the choice's first output,
+        which for a sequence 0 carries the prompt's logprobs whole."""
+        echo = self.echoes[index // self.params[0].n] if self.echoes else ""
+        scored = out if out.prompt_logprobs is not None else None
+        if not echo and not (self.prompt_logprobs_asked and scored is not None):
+            return None
+        head: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": None}
+        if self.chat:
+            head["delta"] = {"content": echo}
+        else:
+            head["text"] = echo
+            if echo and self.logprobs_asked and scored is not None:
+                head["logprobs"] = self._prompt_logprobs_legacy(scored)
+        if self.prompt_logprobs_asked and scored is not None:
+            head["prompt_logprobs"] = self._prompt_logprobs_vllm(scored)
+        return head
+
+    def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        if self.include_usage:
+            body["usage"] = usage
+        return f"data: {json.dumps(body)}\n\n"
+
+
+def _joined(first: dict, then: dict) -> dict:
+    """Two legacy logprobs blocks as one (the echoed prompt's, then the completion's)."""
+    tokens = first["tokens"] + then["tokens"]
+    return {"tokens": tokens, "token_logprobs": first["token_logprobs"] + then["token_logprobs"],
+            "top_logprobs": first["top_logprobs"] + then["top_logprobs"], "text_offset": _offsets(tokens)}  # fmt: skip
+
+
+def _offsets(texts: list[str]) -> list[int]:
+    out, pos = [], 0
+    for t in texts:
+        out.append(pos)
+        pos += len(t)
+    return out
+
+
+async def beam_response(served: Served, target: Target, prefix: str, prompts: list[list[int]], beam: BeamSearchParams,
+                        body: Any, chat: bool) -> Response:  # fmt: skip
+    """A beam-search request (vLLM's use_beam_search): per prompt, the n best of its
+    beams as choices. Each round's beams are one-token requests to the engine."""
+    rid = new_id(prefix)
+    search = BeamSearch(prompts, beam, frozenset(target.tokenizer.stop_token_ids))
+    while not search.finished:
+        round_ = search.requests()
+        streams = [target.engine.generate(f"{rid}-{search.rounds}-{i}", ids, beam.step_params(), target.lora)
+                   for i, (_, _, ids) in enumerate(round_)]  # fmt: skip
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in merge(streams):
+            if out.finished:
+                finals[i] = out
+        search.advance({(p, b): finals[i].outputs[0].top_logprobs[0] for i, (p, b, _) in enumerate(round_)})
+    choices, completion = [], 0
+    for p, result in enumerate(search.results()):
+        for k, found in enumerate(result.beams[: body.n]):
+            tokens = found.tokens[:-1] if found.finished else found.tokens  # the end-of-sequence token is not text
+            text = await asyncio.to_thread(target.tokenizer.decode, tokens, body.skip_special_tokens)
+            choice: dict[str, Any] = {"index": p * body.n + k, "finish_reason": "stop" if found.finished else "length",
+                                      "stop_reason": None, "logprobs": None}  # fmt: skip
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choices.append(choice)
+            completion += len(found.tokens)
+    prompt_tokens = sum(len(ids) for ids in prompts)
+    return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": now(),
+                         "model": target.name, "choices": choices,
+                         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                                   "total_tokens": prompt_tokens + completion}})  # fmt: skip

@@ -1,0 +1,61 @@
+"""A request's prompt as the engine takes it: text tokenised off the event loop, a chat
+rendered through its template (tools too), truncated when asked, and checked against
+the model's context (``ContextLengthError``, the 400 that sends a router's request to
+its large model). Shared by every route that generates or embeds, and the gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.errors import ContextLengthError
+from tokenmill.server.models import Target
+from tokenmill.server.protocol import ChatCompletionRequest, truncate_prompt
+from tokenmill.server.tools import ToolRequest, parse_tool_request, render_messages
+
+
+async def encode(target: Target, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, str):
+        return await asyncio.to_thread(target.tokenizer.encode, prompt)
+    return list(prompt)
+
+
+def max_tokens_for(target: Target, prompt_ids: list[int], requested: int | None) -> int:
+    """The request's max_tokens, or all the room left; 400 when it does not fit."""
+    limit = target.max_model_len
+    if requested is None:
+        if len(prompt_ids) >= limit:
+            raise ContextLengthError(400, f"This model's maximum context length is {limit} tokens. However, your "
+                                          f"prompt is {len(prompt_ids)} tokens, leaving no room for the completion.",
+                                     "messages")  # fmt: skip
+        return limit - len(prompt_ids)
+    if isinstance(requested, int) and requested >= 1 and len(prompt_ids) + requested > limit:
+        raise ContextLengthError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{len(prompt_ids) + requested} tokens ({len(prompt_ids)} in the prompt, {requested} for the completion). "
+            "Please reduce the length of the prompt or max_tokens.",
+            "max_tokens",
+        )
+    return requested
+
+
+async def chat_prompt(target: Target, body: ChatCompletionRequest,
+                      allow_special_tokens: bool = False) -> tuple[list[int], SamplingParams, ToolRequest | None]:  # fmt: skip
+    """A chat request's prompt ids (through the chat template, tools rendered; special-token
+    text in the messages tokenised as text unless ``allow_special_tokens``), its sampling
+    parameters and its tools."""
+    tokenizer = target.tokenizer
+    template = getattr(tokenizer, "chat_template", None)
+    tools = parse_tool_request(body.tools, body.tool_choice, body.parallel_tool_calls, template)
+    messages = [m.as_dict() for m in body.messages]
+    messages = tools.render_messages(messages) if tools else render_messages(messages)
+    described = None
+    if tools and tools.hermes:  # the template describes the tools itself
+        described = [t.as_openai() for t in tools.offered]
+    ids = await asyncio.to_thread(tokenizer.encode_chat, messages, body.add_generation_prompt, described,
+                                  allow_special_tokens)  # fmt: skip
+    ids = truncate_prompt(ids, body.truncate_prompt_tokens, target.max_model_len)
+    params = body.sampling_params(max_tokens_for(target, ids, body.requested_max_tokens), tools and tools.constraint())
+    return ids, params.with_bad_word_ids(tokenizer), tools

@@ -1,0 +1,38 @@
+"""``POST /v1/chat/completions``: the messages through the model's chat template (tools
+rendered, tool_choice's constraint), one engine request with n sequences, answered by
+a ``Job`` through the gateway (cache, routers), or by a beam search.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from tokenmill.server.gateway import check_cache_field, generate
+from tokenmill.server.jobs import Job, beam_response
+from tokenmill.server.models import Target
+from tokenmill.server.prompts import chat_prompt
+from tokenmill.server.protocol import ChatCompletionRequest
+from tokenmill.server.served import Served, check_queue, target_of
+from tokenmill.server.streaming import until_disconnect
+
+
+def register(app: FastAPI, served: Served) -> None:
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        async def job(target: Target) -> Job:
+            ids, params, tools = await chat_prompt(target, body, served.config.allow_special_tokens_in_messages)
+            echo = body.echoed()
+            return Job(served, target, "chatcmpl", "chat.completion", [ids], [params],
+                       body.include_usage, body.return_timings, chat=True, tools=tools, echoes=[echo] if echo else None,
+                       prompt_logprobs_asked=body.prompt_logprobs is not None,
+                       best_of_keep=body.n if body.ranks_best_of else None, logprobs_asked=body.logprobs)  # fmt: skip
+
+        check_cache_field(served, body)
+        if body.use_beam_search:
+            target = target_of(served, body.model, "beam search")
+            ids, params, _ = await chat_prompt(target, body, served.config.allow_special_tokens_in_messages)
+            beam = body.beam_params(params.max_tokens)
+            check_queue(served, target, beam.beam_width)
+            return await until_disconnect(request, beam_response(served, target, "chatcmpl", [ids], beam, body, chat=True))
+        return await generate(served, request, body, "/v1/chat/completions", job)

@@ -1,0 +1,80 @@
+"""OpenAI's Responses API: ``POST /v1/responses`` (a chat request in another shape,
+server/responses.py: input items and the conversation stored under
+``previous_response_id`` become chat messages, answered by a ``ResponseJob``, through a
+router when one is named; never cached), ``GET`` and ``DELETE /v1/responses/{id}``
+(the stored responses of the caller's API key).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from pydantic import ValidationError
+
+from tokenmill.errors import InvalidRequestError
+from tokenmill.server.errors import APIError
+from tokenmill.server.gateway import routed
+from tokenmill.server.model_router import ModelRouter
+from tokenmill.server.models import Target
+from tokenmill.server.prompts import chat_prompt
+from tokenmill.server.protocol import ChatCompletionRequest
+from tokenmill.server.response_job import ResponseJob
+from tokenmill.server.responses import ResponseShape, ResponsesRequest, Stored, owner_of
+from tokenmill.server.served import Served, resolve
+
+
+def register(app: FastAPI, served: Served) -> None:
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        found = resolve(served, body.model)
+        owner = owner_of(request.headers.get("authorization"))
+        history: list[dict[str, Any]] = []
+        if body.previous_response_id is not None:
+            history = _stored(served, owner, body.previous_response_id, "previous_response_id").messages
+        chat = _chat_body(body.chat_body(history))
+
+        async def job(target: Target) -> ResponseJob:
+            ids, params, tools = await chat_prompt(target, chat, served.config.allow_special_tokens_in_messages)
+            shape = ResponseShape(body, target.name)
+            return ResponseJob(served, target, shape, ids, params, tools, owner, history + body.input_messages())
+
+        if isinstance(found, ModelRouter):  # (not cached: a stored conversation is not a request's to key)
+            headers: dict[str, str] = {}
+            return await routed(served, request, chat, found, job, headers, None)
+        return await (await job(found)).respond(request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request) -> dict:
+        return _stored(served, owner_of(request.headers.get("authorization")), response_id, "response_id").body
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request) -> dict:
+        owner = owner_of(request.headers.get("authorization"))
+        _stored(served, owner, response_id, "response_id")
+        served.responses.delete(owner, response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+
+def _chat_body(body: dict[str, Any]) -> ChatCompletionRequest:
+    """A chat request made from another route's body; its validation errors are 400s."""
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        error = first.get("ctx", {}).get("error")
+        if isinstance(error, InvalidRequestError):
+            raise error from None
+        where = ".".join(str(x) for x in first.get("loc", ())) or "input"
+        raise APIError(400, f"invalid request: {where}: {first.get('msg', 'malformed')}", "input") from None
+
+
+def _stored(served: Served, owner: str, response_id: str, param: str) -> Stored:
+    found = served.responses.get(owner, response_id)
+    if found is None:
+        cfg = served.config
+        raise APIError(404, f"no stored response {response_id!r} (kept with store: true, for "
+                            f"{cfg.stored_response_ttl:g} s, the last {cfg.max_stored_responses}, "
+                            "for the API key that made it)", param)  # fmt: skip
+    return found
