@@ -1,9 +1,9 @@
 // Prefill's float GEMM: x [m, k] float32 times a weight [n, k] stored as float32, float16 or
 // bfloat16, in float32: the layout of BLIS and of every tuned GEMM.
 //
-// Why our own: PyTorch's float32 GEMM reached 130-145 GFLOP/s on a 2-core AVX2 EPYC (Zen 3),
-// where llama.cpp's own AVX2 tiles ran a 16-bit file's prefill at ~195, and a 16-bit weight
-// had to be upcast into a float32 copy first (kernels/linear.py's slabs). Here a 16-bit weight
+// Why our own: PyTorch's float32 GEMM reached 130-165 GFLOP/s on a 2-core AVX2 EPYC (Zen 3),
+// where llama.cpp's own AVX2 tiles ran a 16-bit file's prefill at ~177 (of a ~195 FMA peak), and
+// a 16-bit weight had to be upcast into a float32 copy first (kernels/linear.py's slabs). Here a 16-bit weight
 // is converted while it is packed, once per call, and never stored as float32 whole.
 //
 // The shape: x is packed once into tiles of MR = 6 rows, k-major ([k][6]: a step of the inner
