@@ -3,6 +3,7 @@ so that the API process can split a KV budget between models before any loads.""
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 from tokenmill.errors import TokenmillError
@@ -36,3 +37,26 @@ def parse_memory(value: int | float | str | None) -> int:
         return parse_memory(float(text) if "." in text else int(text))
     except ValueError:
         raise TokenmillError(f"cannot read memory size {value!r}; use e.g. 1GiB, 512MiB or bytes") from None
+
+
+# glibc's malloc gives freed blocks over 128 KiB back to the system (munmap, or trimming the
+# heap's top) and faults fresh pages in on the next allocation: a CPU step allocates and frees
+# megabytes of activations per layer, so a prefill spent ~7% of its time clearing pages. Kept for
+# reuse: prefill +20% (135M F16) and +14% (the bundled Q4_1) on a 2-core AVX2 EPYC, decode the
+# same (bench/RESULTS.md). What it keeps: at most 256 MiB free at the heap's top.
+MALLOC_OPTIONS = (("M_MMAP_THRESHOLD", -3, 32 << 20), ("M_TRIM_THRESHOLD", -1, 256 << 20), ("M_TOP_PAD", -2, 64 << 20))
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc's malloc keep freed memory for the next allocations (``MALLOC_OPTIONS``);
+    False where the C library is not glibc or the user set malloc options of their own
+    (``MALLOC_*_``, ``GLIBC_TUNABLES``)."""
+    if any(k.startswith("MALLOC_") and k.endswith("_") for k in os.environ) or "malloc" in os.environ.get(
+        "GLIBC_TUNABLES", ""
+    ):
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    return all(mallopt(code, value) == 1 for _, code, value in MALLOC_OPTIONS)

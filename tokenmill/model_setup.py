@@ -12,6 +12,7 @@ import torch
 from tokenmill.config import LoadConfig, ModelConfig
 from tokenmill.errors import TokenmillError
 from tokenmill.kernels.linear import use_native_linears
+from tokenmill.memory import keep_freed_memory
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.ops import NativeOps, select_ops
 from tokenmill.model.shard import ModelShard
@@ -57,6 +58,7 @@ def prepare_model(model: LlamaForCausalLM, device: torch.device, load: LoadConfi
         raise TokenmillError(str(e)) from None
     if isinstance(model.ops, NativeOps):
         use_native_linears(model)
+        keep_freed_memory()  # this process runs CPU steps: no page faults for their activations
     return model
 
 
