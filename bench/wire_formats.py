@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import pickle
 import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import msgpack
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.quant_linear import best_ms  # noqa: E402
 from tokenmill.engine.messages import Out, decode, encode  # noqa: E402
 from tokenmill.engine.stats import EngineSnapshot  # noqa: E402
 
@@ -33,16 +33,6 @@ def message(rows: int, top: int) -> Out:
         tops = [[[100 + j, -0.5 - j] for j in range(top)]] if top else None
         deltas.append([f"req-{i:04d}-0", [1234 + i], lps, tops, None, None, None, 1733400000.0 + i, 0, None, None])
     return Out(deltas, asdict(EngineSnapshot()))
-
-
-def best_us(fn, n: int = 2000, rounds: int = 5) -> float:
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / n)
-    return best * 1e6
 
 
 def main() -> None:
@@ -57,7 +47,7 @@ def main() -> None:
         for name, (dump, load) in formats.items():
             data = dump(encode(msg))
             assert decode(load(data)) == msg
-            us = best_us(lambda dump=dump, load=load, msg=msg: decode(load(dump(encode(msg)))))
+            us = 1e3 * best_ms(lambda dump=dump, load=load, msg=msg: decode(load(dump(encode(msg)))), calls=2000)
             print(f"  {name:8s} {len(data):6d} bytes  {us:7.1f} us encode+pack+unpack+decode")
 
 
