@@ -33,24 +33,9 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
 
+from tokenmill.engine import messages as m
 from tokenmill.engine.channel import Channel, ChannelClosed, ChannelTimeout
 from tokenmill.engine.detokenizer import Decoder
-from tokenmill.engine.messages import (
-    Abort,
-    Accepted,
-    Add,
-    Call,
-    Dead,
-    Failed,
-    Out,
-    Rejected,
-    Reply,
-    Shutdown,
-    Stats,
-    Stop,
-    decode,
-    encode,
-)
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.request import sequence_ids
@@ -118,8 +103,8 @@ class AsyncCoreClient:
         except (EOFError, OSError):
             self.process.join(5)
             raise TokenmillError(f"the engine core process exited at start (exit code {self.process.exitcode})") from None
-        msg = decode(msg)
-        if isinstance(msg, Failed):
+        msg = m.decode(msg)
+        if isinstance(msg, m.Failed):
             self.process.join(10)
             raise error_from_wire(msg.error) if msg.error.get("user") else TokenmillError(f"the engine core failed: {msg.message}")
         self._snapshot = snapshot_from_wire(msg.snapshot)
@@ -154,7 +139,7 @@ class AsyncCoreClient:
             self.streams.add(request_id, stream)
             self._accepting[request_id] = (stream.loop, accepted)
             try:
-                self._send(Add(request_id, ids, params_to_wire(params), lora))
+                self._send(m.Add(request_id, ids, params_to_wire(params), lora))
             except EngineDeadError:
                 self._forget(request_id)
                 raise
@@ -164,7 +149,7 @@ class AsyncCoreClient:
             self._forget(request_id)
             if not self.is_dead:
                 try:
-                    self._send(Abort(request_id))
+                    self._send(m.Abort(request_id))
                 except EngineDeadError:  # nothing left to abort
                     pass
 
@@ -220,7 +205,7 @@ class AsyncCoreClient:
             call_id = next(self._call_ids)
             self._calls[call_id] = (loop, done)
             try:
-                self._send(Call(call_id, method, args))
+                self._send(m.Call(call_id, method, args))
             except EngineDeadError:
                 del self._calls[call_id]
                 raise
@@ -252,7 +237,7 @@ class AsyncCoreClient:
             self._stopping = True
             if self.process.is_alive():
                 try:
-                    self._send(Shutdown())
+                    self._send(m.Shutdown())
                 except EngineDeadError:
                     pass
         self.process.join(timeout)
@@ -267,37 +252,37 @@ class AsyncCoreClient:
         """Queue a message for the core (never waits for it to read); a core gone
         meanwhile is EngineDeadError."""
         try:
-            self._channel.send(encode(msg))
+            self._channel.send(m.encode(msg))
         except ChannelClosed as e:
             raise EngineDeadError(f"the engine core process is gone ({e})") from None
 
     # ------------------------------------------------------------- reader thread
 
     def _read(self) -> None:
-        def dead(msg: Dead) -> None:
+        def dead(msg: m.Dead) -> None:
             raise EngineDeadError(msg.message)
 
-        def rejected(msg: Rejected) -> None:
+        def rejected(msg: m.Rejected) -> None:
             self._settle(self._accepting, msg.request_id, error_from_wire(msg.error))
             with self._lock:
                 self._forget(msg.request_id)
 
         handlers: dict[type, Callable[[Any], None]] = {
-            Out: lambda m: self._on_outputs(m.deltas),
-            Accepted: lambda m: self._settle(self._accepting, m.request_id, None),
-            Rejected: rejected,
-            Reply: lambda m: self._settle(self._calls, m.call_id, None if m.error is None else error_from_wire(m.error),
-                                          m.result),
-            Stats: lambda m: None,  # the snapshot alone
-            Dead: dead,
+            m.Out: lambda msg: self._on_outputs(msg.deltas),
+            m.Accepted: lambda msg: self._settle(self._accepting, msg.request_id, None),
+            m.Rejected: rejected,
+            m.Reply: lambda msg: self._settle(self._calls, msg.call_id, None if msg.error is None else error_from_wire(msg.error),
+                                            msg.result),
+            m.Stats: lambda msg: None,  # the snapshot alone
+            m.Dead: dead,
         }  # fmt: skip
         try:
             while True:
-                msg = decode(self._channel.recv(self.heartbeat_timeout))
+                msg = m.decode(self._channel.recv(self.heartbeat_timeout))
                 handler = handlers.get(type(msg))
                 if handler is None:
                     raise EngineDeadError(f"the engine core sent {type(msg).__name__} out of turn")
-                if not isinstance(msg, Dead):
+                if not isinstance(msg, m.Dead):
                     self._absorb(msg.snapshot)
                 handler(msg)
         except ChannelTimeout:
@@ -331,11 +316,11 @@ class AsyncCoreClient:
         with self._lock:
             outputs, stopped = self.outputs.process([delta_from_wire(w) for w in wire_deltas])
             for seq_id, stop_string in stopped:
-                self._send(Stop(seq_id, stop_string))
+                self._send(m.Stop(seq_id, stop_string))
             for out in outputs:
                 if not self.streams.deliver(out):  # its event loop has closed: nobody reads it
                     self._forget(out.request_id)
-                    self._send(Abort(out.request_id))
+                    self._send(m.Abort(out.request_id))
                 elif out.finished and out.request_id not in self.streams:  # its last sequence ended
                     self._seq_ids.pop(out.request_id, None)
 

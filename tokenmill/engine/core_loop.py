@@ -26,26 +26,10 @@ from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from tokenmill.engine import messages as m
 from tokenmill.engine.channel import Channel
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.load_price import measure_load_price
-from tokenmill.engine.messages import (
-    Abort,
-    Accepted,
-    Add,
-    Call,
-    Dead,
-    Failed,
-    Out,
-    Ready,
-    Rejected,
-    Reply,
-    Shutdown,
-    Stats,
-    Stop,
-    decode,
-    encode,
-)
 from tokenmill.engine.wire import (
     delta_to_wire,
     error_to_wire,
@@ -83,7 +67,7 @@ class CoreLoop:
         self.running = True
         self.last_snapshot = 0.0  # time.monotonic() of the last gauges sent
         self._handlers: dict[type, Callable[[Any], None]] = {
-            Add: self._add, Abort: self._abort, Stop: self._stop, Call: self._call, Shutdown: self._shutdown,
+            m.Add: self._add, m.Abort: self._abort, m.Stop: self._stop, m.Call: self._call, m.Shutdown: self._shutdown,
         }  # fmt: skip
         # The core's methods an API process may call between steps, by name: args -> result
         # (add_lora is not here: its read runs on the worker thread, see _call).
@@ -100,7 +84,7 @@ class CoreLoop:
         }
 
     def send(self, msg: Any) -> None:
-        self.channel.send(encode(msg))
+        self.channel.send(m.encode(msg))
 
     def snapshot(self) -> dict:
         """The gauges, and when they are recorded, the prefix cache's events since the last
@@ -124,19 +108,19 @@ class CoreLoop:
                 if self.core.has_unfinished():
                     deltas = self.core.run_step()
                     if deltas:
-                        self.send(Out([delta_to_wire(d) for d in deltas], self.snapshot()))
+                        self.send(m.Out([delta_to_wire(d) for d in deltas], self.snapshot()))
                         self.last_snapshot = time.monotonic()
                         continue
                     changed |= time.monotonic() - self.last_snapshot > SNAPSHOT_EVERY_S  # a long prefill: gauges move
                 if changed:
-                    self.send(Stats(self.snapshot()))
+                    self.send(m.Stats(self.snapshot()))
                     self.last_snapshot = time.monotonic()
         except (EOFError, OSError):  # the API process is gone: nobody to serve
             logger.info("engine core: the API process closed the pipe; stopping")
         except BaseException as e:
             logger.exception("engine core loop died")
             try:
-                self.send(Dead(f"{type(e).__name__}: {e}"))
+                self.send(m.Dead(f"{type(e).__name__}: {e}"))
             except OSError:
                 pass
             raise
@@ -163,44 +147,44 @@ class CoreLoop:
         return changed
 
     def _command(self, wire: list) -> None:
-        msg = decode(wire)
+        msg = m.decode(wire)
         handler = self._handlers.get(type(msg))
         if handler is None:
             raise ValueError(f"the engine core takes no {type(msg).__name__} message")
         handler(msg)
 
-    def _abort(self, msg: Abort) -> None:
+    def _abort(self, msg: m.Abort) -> None:
         self.pending = [p for p in self.pending if p.request_id != msg.request_id]
         self.core.abort(msg.request_id)
 
-    def _stop(self, msg: Stop) -> None:
+    def _stop(self, msg: m.Stop) -> None:
         self.core.finish_stopped(msg.seq_id, msg.stop_string)
 
-    def _shutdown(self, _: Shutdown) -> None:
+    def _shutdown(self, _: m.Shutdown) -> None:
         self.running = False
 
-    def _add(self, msg: Add) -> None:
+    def _add(self, msg: m.Add) -> None:
         rid, prompt_ids, params_wire, lora = msg.request_id, msg.prompt_ids, msg.params, msg.lora
         try:
             params = params_from_wire(params_wire)
         except InvalidRequestError as e:
-            self.send(Rejected(rid, error_to_wire(e), self.snapshot()))
+            self.send(m.Rejected(rid, error_to_wire(e), self.snapshot()))
             return
 
         def add(grammar: Any) -> None:
             try:
                 self.core.add_request(rid, prompt_ids, params, grammar=grammar, lora=lora)
             except Exception as e:  # noqa: BLE001 - a bad request: its caller gets the error
-                self.send(Rejected(rid, error_to_wire(e), self.snapshot()))
+                self.send(m.Rejected(rid, error_to_wire(e), self.snapshot()))
                 return
-            self.send(Accepted(rid, self.snapshot()))
+            self.send(m.Accepted(rid, self.snapshot()))
 
         if params.structured is None:
             add(None)
             return
 
         def fail(e: BaseException) -> None:
-            self.send(Rejected(rid, error_to_wire(e), self.snapshot()))
+            self.send(m.Rejected(rid, error_to_wire(e), self.snapshot()))
 
         structured, spec = self.core.structured, params.structured
         try:  # on the engine's compile thread: it stalls no step, and LoRA reads do not wait behind it
@@ -211,11 +195,11 @@ class CoreLoop:
         deadline = time.monotonic() + structured.compile_timeout
         self.pending.append(_Pending(future, add, fail, rid, deadline, lambda: structured.timeout_error(spec)))
 
-    def _call(self, msg: Call) -> None:
+    def _call(self, msg: m.Call) -> None:
         call_id, method, args = msg.call_id, msg.method, msg.args
 
         def reply(error: BaseException | None = None, result: Any = None) -> None:
-            self.send(Reply(call_id, None if error is None else error_to_wire(error), result, self.snapshot()))
+            self.send(m.Reply(call_id, None if error is None else error_to_wire(error), result, self.snapshot()))
 
         try:
             if method == "add_lora":  # a new name only (the server's loads): concurrent ones, one wins
@@ -279,13 +263,13 @@ def serve_core(build: Callable[[], tuple[EngineCore, dict, Callable[[], None]]],
     except BaseException as e:  # noqa: BLE001 - the API process reports it and exits
         channel = Channel(conn, "tokenmill-core")
         try:
-            channel.send(encode(Failed(str(e) or type(e).__name__, error_to_wire(e))))
+            channel.send(m.encode(m.Failed(str(e) or type(e).__name__, error_to_wire(e))))
         finally:
             channel.close()
         return 1
     channel = Channel(conn, "tokenmill-core", max_queued_bytes=MAX_QUEUED_BYTES)
     try:
-        channel.send(encode(Ready(info, snapshot_to_wire(core.snapshot()))))
+        channel.send(m.encode(m.Ready(info, snapshot_to_wire(core.snapshot()))))
         CoreLoop(core, channel).run()
         return 0
     except BaseException:  # noqa: BLE001 - logged and sent by the loop

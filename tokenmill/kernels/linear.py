@@ -50,6 +50,7 @@ class NativeLinear(nn.Module):
         self.bias = bias
         self.out_features, self.in_features = weight.shape
         self.upcast_rows = upcast_rows  # bfloat16 batches this big multiply in float32 (None: never)
+        self.tiles = hasattr(torch.ops.tokenmill, "tile_gemm")  # (looked up once: not on every call)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -57,7 +58,7 @@ class NativeLinear(nn.Module):
         sixteen = self.weight.dtype in (torch.float16, torch.bfloat16)  # a GGUF's F16/BF16 kept as stored
         if rows <= FLOAT_ROWS and (same or sixteen) and flat.dtype in (torch.float32, torch.bfloat16):
             out = torch.ops.tokenmill.small_linear(flat, self.weight, None)
-        elif flat.dtype == torch.float32 and (sixteen or rows <= TILE_ROWS) and hasattr(torch.ops.tokenmill, "tile_gemm"):
+        elif self.tiles and flat.dtype == torch.float32 and (sixteen or rows <= TILE_ROWS):
             out = torch.ops.tokenmill.tile_gemm(flat, self.weight)
         elif not same:  # 16-bit weights under another compute dtype: multiply in float32, round once
             out = upcast_linear(flat, self.weight).to(flat.dtype)
