@@ -51,6 +51,7 @@ run: install
 
 test: install-test
 	$(PY) -m ruff check tokenmill tests bench
+	$(PY) -m ruff format --check tokenmill tests bench
 	$(PY) -m pytest -q
 
 # The fast tier: no model weights, seconds (markers: unit, model, server, subprocess).

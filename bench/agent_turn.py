@@ -68,9 +68,14 @@ async def one_turn(url: str, streamed: bool, behaviour: str) -> dict:
         calls.append(city)
         return f"22 C and sunny in {city}"
 
-    agent = Agent(name="weather", model=MODEL, tools=[get_weather], tool_use_behavior=behaviour,
-                  instructions="Answer questions about the weather with the get_weather tool.",
-                  model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=60))  # fmt: skip
+    agent = Agent(
+        name="weather",
+        model=MODEL,
+        tools=[get_weather],
+        tool_use_behavior=behaviour,
+        instructions="Answer questions about the weather with the get_weather tool.",
+        model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=60),
+    )
     t0 = time.perf_counter()
     out = {"streamed": streamed, "tool_use_behavior": behaviour}
     try:
@@ -83,10 +88,15 @@ async def one_turn(url: str, streamed: bool, behaviour: str) -> dict:
     except MaxTurnsExceeded as e:  # the model kept calling the tool instead of answering
         out["error"] = f"{type(e).__name__}: {e}"
         result = e.run_data
-    out.update({"seconds": round(time.perf_counter() - t0, 2), "tool_called_with": calls,
-                "items": [type(i).__name__ for i in result.new_items] if result else None,
-                "model_calls": len(result.raw_responses) if result else None,
-                "final_output": getattr(result, "final_output", None)})  # fmt: skip
+    out.update(
+        {
+            "seconds": round(time.perf_counter() - t0, 2),
+            "tool_called_with": calls,
+            "items": [type(i).__name__ for i in result.new_items] if result else None,
+            "model_calls": len(result.raw_responses) if result else None,
+            "final_output": getattr(result, "final_output", None),
+        }
+    )
     return out
 
 
@@ -96,9 +106,12 @@ def main() -> None:
     args = p.parse_args()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log = open(HERE / "results" / "agent_turn_server.log", "w")  # noqa: SIM115 - closed below
-    server = subprocess.Popen([args.server_python, "-m", "tokenmill", "serve", "--port", str(port),
-                               "--served-model-name", MODEL], stdout=subprocess.DEVNULL, stderr=log)  # fmt: skip
+    log = open(HERE / "results" / "agent_turn_server.log", "w")
+    server = subprocess.Popen(
+        [args.server_python, "-m", "tokenmill", "serve", "--port", str(port), "--served-model-name", MODEL],
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+    )
     try:
         for _ in range(240):
             try:
@@ -108,16 +121,27 @@ def main() -> None:
                 time.sleep(0.5)
         import agents
 
-        runs = [asyncio.run(one_turn(url, streamed, behaviour)) for behaviour in ("stop_on_first_tool", "run_llm_again")
-                for streamed in (False, True)]  # fmt: skip
+        runs = [
+            asyncio.run(one_turn(url, streamed, behaviour))
+            for behaviour in ("stop_on_first_tool", "run_llm_again")
+            for streamed in (False, True)
+        ]
     finally:
         server.terminate()
         server.wait(60)
         log.close()
-    ok = all(r["tool_called_with"] and r["final_output"] and "ToolCallOutputItem" in r["items"] for r in runs
-             if r["tool_use_behavior"] == "stop_on_first_tool")  # fmt: skip
-    result = {"command": " ".join(sys.argv), "openai_agents": agents.__version__, "machine": cpu_name(),
-              "ok": ok, "runs": runs}  # fmt: skip
+    ok = all(
+        r["tool_called_with"] and r["final_output"] and "ToolCallOutputItem" in r["items"]
+        for r in runs
+        if r["tool_use_behavior"] == "stop_on_first_tool"
+    )
+    result = {
+        "command": " ".join(sys.argv),
+        "openai_agents": agents.__version__,
+        "machine": cpu_name(),
+        "ok": ok,
+        "runs": runs,
+    }
     (HERE / "results" / "agent_turn.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
     sys.exit(0 if ok else 1)

@@ -21,9 +21,16 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):",
-           "The three primary colours are", "My favourite food is", "In 1492, Columbus",
-           "The best way to learn a language is", "Water boils at"]  # fmt: skip
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village,",
+    "def fibonacci(n):",
+    "The three primary colours are",
+    "My favourite food is",
+    "In 1492, Columbus",
+    "The best way to learn a language is",
+    "Water boils at",
+]
 
 
 def main() -> None:
@@ -55,17 +62,32 @@ def main() -> None:
             shared.append(after.hits - h0)
             computed.append(sum(s.num_prefill_tokens + s.num_decode_tokens for s in llm.engine.step_stats))
         g, b = statistics.median(greedy_s), statistics.median(beam_s)
-        rows.append({"batch": batch, "greedy_ms_per_token": 1000 * g / args.tokens,
-                     "beam_ms_per_token": 1000 * b / args.tokens, "beam_over_greedy": b / g,
-                     "prompt_tokens_requested": looked_up[-1], "tokens_shared_from_cache": shared[-1],
-                     "blocks_shared": shared[-1] // llm.engine.block_size, "tokens_computed": computed[-1],
-                     "share_rate": shared[-1] / looked_up[-1] if looked_up[-1] else None})  # fmt: skip
+        rows.append(
+            {
+                "batch": batch,
+                "greedy_ms_per_token": 1000 * g / args.tokens,
+                "beam_ms_per_token": 1000 * b / args.tokens,
+                "beam_over_greedy": b / g,
+                "prompt_tokens_requested": looked_up[-1],
+                "tokens_shared_from_cache": shared[-1],
+                "blocks_shared": shared[-1] // llm.engine.block_size,
+                "tokens_computed": computed[-1],
+                "share_rate": shared[-1] / looked_up[-1] if looked_up[-1] else None,
+            }
+        )
         print(json.dumps(rows[-1]))
     sys.path.insert(0, str(HERE))
     from step_overhead import cpu_info
 
-    out = {"command": " ".join(sys.argv), "cpu": cpu_info(), "dtype": str(llm.dtype) if hasattr(llm, "dtype") else None,
-           "width": args.width, "tokens": args.tokens, "repeats": args.repeats, "rows": rows}  # fmt: skip
+    out = {
+        "command": " ".join(sys.argv),
+        "cpu": cpu_info(),
+        "dtype": str(llm.dtype) if hasattr(llm, "dtype") else None,
+        "width": args.width,
+        "tokens": args.tokens,
+        "repeats": args.repeats,
+        "rows": rows,
+    }
     (HERE / "results" / "beam_search.json").write_text(json.dumps(out, indent=1))
     llm.close()
 

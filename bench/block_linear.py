@@ -17,12 +17,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.quant_linear import best_ms  # noqa: E402
-from tests.helpers import random_gguf_blocks  # noqa: E402
-from tokenmill.kernels.cpu import cpu_info  # noqa: E402
-from tokenmill.kernels.native import load_native  # noqa: E402
-from tokenmill.quant.blocks import BlockWeight  # noqa: E402
-from tokenmill.quant.packed import PackedWeight  # noqa: E402
+from bench.quant_linear import best_ms
+from tests.helpers import random_gguf_blocks
+from tokenmill.kernels.cpu import cpu_info
+from tokenmill.kernels.native import load_native
+from tokenmill.quant.blocks import BlockWeight
+from tokenmill.quant.packed import PackedWeight
 
 
 def main() -> None:
@@ -47,8 +47,10 @@ def main() -> None:
             g = best_ms(lambda w=grouped, x=x: w.matmul(x, True)) if grouped.grouped else float("nan")
             b2 = best_ms(lambda w=blocks, x=x: w.matmul(x, True))
             b = min(b, b2)
-            print(f"{t} rows {rows}: float {a:.2f} ms, int8 by row {b:.2f} ms ({blocks.nbytes / b / 1e6:.1f} GB/s), "
-                  f"int8 grouped {g:.2f} ms ({blocks.nbytes / g / 1e6:.1f} GB/s)")
+            print(
+                f"{t} rows {rows}: float {a:.2f} ms, int8 by row {b:.2f} ms ({blocks.nbytes / b / 1e6:.1f} GB/s), "
+                f"int8 grouped {g:.2f} ms ({blocks.nbytes / g / 1e6:.1f} GB/s)"
+            )
 
 
 if __name__ == "__main__":

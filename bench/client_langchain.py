@@ -35,7 +35,9 @@ def main() -> None:
         """The weather in a city."""
         return "sunny"
 
-    called = ChatOpenAI(**common, max_tokens=60).bind_tools([get_weather], tool_choice="any").invoke("Weather in Paris?")
+    called = (
+        ChatOpenAI(**common, max_tokens=60).bind_tools([get_weather], tool_choice="any").invoke("Weather in Paris?")
+    )
     print("tools:", called.tool_calls, called.invalid_tool_calls)
     print("responses:", ChatOpenAI(**common, max_tokens=20, use_responses_api=True).invoke("Capital of Italy?").content)
     emb = OpenAIEmbeddings(model=args.model, base_url=args.base_url, api_key="unused", check_embedding_ctx_length=False)

@@ -79,8 +79,11 @@ def main() -> None:
     ap.add_argument("--medusa", default=None, help="a Medusa head folder to measure too")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--eagle", default="3:0:1:off,6:0.5:1:off,6:0.3:2:off,4:0.5:1:auto,6:0.5:1:auto",
-                    help="EAGLE configurations, k:draft_confidence:tree_width:auto-pause (auto|off),...")
+    ap.add_argument(
+        "--eagle",
+        default="3:0:1:off,6:0.5:1:off,6:0.3:2:off,4:0.5:1:auto,6:0.5:1:auto",
+        help="EAGLE configurations, k:draft_confidence:tree_width:auto-pause (auto|off),...",
+    )
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--out", default="eagle")
     args = ap.parse_args()
@@ -88,15 +91,27 @@ def main() -> None:
     common = dict(progress=False, kv_cache_memory="1GiB")
     head = {} if args.head is None else {"draft_model": args.head}
     log("loading ...")
-    configs: dict[str, LLM] = {"off": LLM(**common),
-                               "ngram k=4": LLM(speculative="ngram", spec_auto_pause=False, **common),
-                               "ngram k=4 auto-pause": LLM(speculative="ngram", **common)}  # fmt: skip
+    configs: dict[str, LLM] = {
+        "off": LLM(**common),
+        "ngram k=4": LLM(speculative="ngram", spec_auto_pause=False, **common),
+        "ngram k=4 auto-pause": LLM(speculative="ngram", **common),
+    }
     settings = {}
     for spec in args.eagle.split(","):
         k, conf, width, pause = spec.split(":")
-        name = f"eagle k={k} conf={conf}" + (f" tree w={width}" if int(width) > 1 else "") + (" auto-pause" if pause == "auto" else "")
-        settings[name] = dict(speculative="eagle", num_speculative_tokens=int(k), draft_confidence=float(conf),
-                              spec_tree_width=int(width), spec_auto_pause=pause == "auto", **head)  # fmt: skip
+        name = (
+            f"eagle k={k} conf={conf}"
+            + (f" tree w={width}" if int(width) > 1 else "")
+            + (" auto-pause" if pause == "auto" else "")
+        )
+        settings[name] = dict(
+            speculative="eagle",
+            num_speculative_tokens=int(k),
+            draft_confidence=float(conf),
+            spec_tree_width=int(width),
+            spec_auto_pause=pause == "auto",
+            **head,
+        )
         configs[name] = LLM(**settings[name], **common)
     if args.medusa:
         configs["medusa k=3"] = LLM(speculative="medusa", draft_model=args.medusa, num_speculative_tokens=3, **common)
@@ -118,20 +133,31 @@ def main() -> None:
                 identical[c] += ids == ref
                 tokens[c] += n
                 seconds[c] += dt
-            log(f"round {r + 1} chat {i + 1}/{len(convs)}: " + ", ".join(f"{c} {tokens[c] / seconds[c]:.1f}" for c in configs))
+            log(
+                f"round {r + 1} chat {i + 1}/{len(convs)}: "
+                + ", ".join(f"{c} {tokens[c] / seconds[c]:.1f}" for c in configs)
+            )
     off = tokens["off"] / seconds["off"]
     batch1 = {}
     for c, llm in configs.items():
         s, t = llm.engine.spec_decode_stats, timers[c]
-        row = {"decode_tok_s": round(tokens[c] / seconds[c], 2), "speedup": round(tokens[c] / seconds[c] / off, 3),
-               "identical_outputs": f"{identical[c]}/{len(convs) * args.rounds}",
-               "forward_ms_per_step": round(1000 * t.forward_s / max(t.steps, 1), 2),
-               "propose_ms_per_step": round(1000 * t.propose_s / max(t.steps, 1), 2), "steps": t.steps}  # fmt: skip
+        row = {
+            "decode_tok_s": round(tokens[c] / seconds[c], 2),
+            "speedup": round(tokens[c] / seconds[c] / off, 3),
+            "identical_outputs": f"{identical[c]}/{len(convs) * args.rounds}",
+            "forward_ms_per_step": round(1000 * t.forward_s / max(t.steps, 1), 2),
+            "propose_ms_per_step": round(1000 * t.propose_s / max(t.steps, 1), 2),
+            "steps": t.steps,
+        }
         if s.num_drafts:
-            row |= {"drafts": s.num_drafts, "draft_tokens": s.num_draft_tokens, "accepted": s.num_accepted_tokens,
-                    "acceptance_rate": round(s.acceptance_rate, 3),
-                    "tokens_per_step": round(tokens[c] / max(t.steps, 1), 2),
-                    "accepted_by_depth": [round(a / s.num_drafts, 3) for a in s.accepted_per_position]}  # fmt: skip
+            row |= {
+                "drafts": s.num_drafts,
+                "draft_tokens": s.num_draft_tokens,
+                "accepted": s.num_accepted_tokens,
+                "acceptance_rate": round(s.acceptance_rate, 3),
+                "tokens_per_step": round(tokens[c] / max(t.steps, 1), 2),
+                "accepted_by_depth": [round(a / s.num_drafts, 3) for a in s.accepted_per_position],
+            }
         batch1[c] = row
     log(json.dumps(batch1, indent=1))
 
@@ -151,9 +177,14 @@ def main() -> None:
     batch_n = {c: {"tok_s": round(v, 1), "ratio": round(v / best["off"], 3)} for c, v in best.items()}
 
     info = cpu_info()
-    results = {"cpu": f"{info.model}, {info.cores} cores, {info.capability} ({' '.join(info.flags)}), torch {info.torch}",
-               "max_tokens": args.max_tokens, "rounds": args.rounds, "chats": len(convs), "batch1": batch1,
-               f"batch{args.batch}": batch_n}  # fmt: skip
+    results = {
+        "cpu": f"{info.model}, {info.cores} cores, {info.capability} ({' '.join(info.flags)}), torch {info.torch}",
+        "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
+        "chats": len(convs),
+        "batch1": batch1,
+        f"batch{args.batch}": batch_n,
+    }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))
@@ -172,8 +203,12 @@ def plot(results: dict, path: Path) -> None:
     a.barh(names, [rows[c]["speedup"] for c in names], color=["grey"] + ["C0"] * (len(names) - 1))
     a.axvline(1.0, color="k", lw=0.8)
     for i, c in enumerate(names):
-        a.annotate(f"{rows[c]['speedup']:.2f}x  ({rows[c]['decode_tok_s']:.0f} tok/s)", (rows[c]["speedup"], i),
-                   va="center", fontsize=7)  # fmt: skip
+        a.annotate(
+            f"{rows[c]['speedup']:.2f}x  ({rows[c]['decode_tok_s']:.0f} tok/s)",
+            (rows[c]["speedup"], i),
+            va="center",
+            fontsize=7,
+        )
     a.set_xlabel("batch-1 decode speed-up vs off (held-out chats, greedy)")
     for c in names:
         depth = rows[c].get("accepted_by_depth")

@@ -39,20 +39,39 @@ def log(msg: str) -> None:
 
 
 def families(layers: int) -> dict[str, tuple[str, str, dict]]:
-    common = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=layers, num_attention_heads=8,
-                  num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, vocab_size=49152,
-                  tie_word_embeddings=True)  # fmt: skip
+    common = dict(
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=2048,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+    )
     return {
         "llama": ("LlamaConfig", "LlamaForCausalLM", common),
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", common),
         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", common),
         "mistral (window)": ("MistralConfig", "MistralForCausalLM", common | {"sliding_window": WINDOW}),
         "phi3": ("Phi3Config", "Phi3ForCausalLM", common | {"sliding_window": None, "pad_token_id": None}),
-        "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", common | {"sliding_window": WINDOW, "query_pre_attn_scalar": 64}),
-        "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", common | {"sliding_window": WINDOW, "query_pre_attn_scalar": 64}),
-        "mixtral 8x2": ("MixtralConfig", "MixtralForCausalLM", common | {"sliding_window": None, "num_local_experts": 8,
-                                                                           "num_experts_per_tok": 2}),
-    }  # fmt: skip
+        "gemma2": (
+            "Gemma2Config",
+            "Gemma2ForCausalLM",
+            common | {"sliding_window": WINDOW, "query_pre_attn_scalar": 64},
+        ),
+        "gemma3": (
+            "Gemma3TextConfig",
+            "Gemma3ForCausalLM",
+            common | {"sliding_window": WINDOW, "query_pre_attn_scalar": 64},
+        ),
+        "mixtral 8x2": (
+            "MixtralConfig",
+            "MixtralForCausalLM",
+            common | {"sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2},
+        ),
+    }
 
 
 def build(path: Path, config_cls: str, model_cls: str, kwargs: dict, tokenizer) -> None:
@@ -82,8 +101,13 @@ def measure(path: Path) -> dict:
         return len(batch) * new / statistics.median(times)
 
     single, batched = rate(prompts[:1], 64), rate(prompts, 32)
-    out = {"load_s": load, "single_tok_s": single, "batched_tok_s": batched, "dtype": str(llm.dtype),
-           "params_m": sum(p.numel() for p in llm.model.parameters()) / 1e6}  # fmt: skip
+    out = {
+        "load_s": load,
+        "single_tok_s": single,
+        "batched_tok_s": batched,
+        "dtype": str(llm.dtype),
+        "params_m": sum(p.numel() for p in llm.model.parameters()) / 1e6,
+    }
     llm.close()
     return out
 
@@ -94,8 +118,9 @@ def plot(res: dict, path: Path) -> None:
     names = list(res["families"])
     fig, ax = plt.subplots(figsize=(10, 4))
     width = 0.27
-    for k, (key, label) in enumerate((("load_s", "load time"), ("single_tok_s", "single stream"),
-                                      ("batched_tok_s", "batched"))):  # fmt: skip
+    for k, (key, label) in enumerate(
+        (("load_s", "load time"), ("single_tok_s", "single stream"), ("batched_tok_s", "batched"))
+    ):
         ratios = [res["families"][n][key] / res["families"][n]["llama"][key] for n in names]
         ax.bar([i + (k - 1) * width for i in range(len(names))], ratios, width, label=f"{label} vs llama")
     ax.axhline(1.0, color="grey", lw=0.8)
@@ -124,9 +149,11 @@ def main() -> None:
             build(path, config_cls, model_cls, kwargs, base.tokenizer)
             ref = measure(llama)
             res["families"][name] = r = measure(path) | {"llama": ref}
-            log(f"{name}: {r['params_m']:.0f}M params, load {r['load_s']:.2f} s ({ref['load_s']:.2f}), single "
+            log(
+                f"{name}: {r['params_m']:.0f}M params, load {r['load_s']:.2f} s ({ref['load_s']:.2f}), single "
                 f"{r['single_tok_s']:.1f} tok/s ({ref['single_tok_s']:.1f}), batched {r['batched_tok_s']:.1f} tok/s "
-                f"({ref['batched_tok_s']:.1f}); llama's in brackets")
+                f"({ref['batched_tok_s']:.1f}); llama's in brackets"
+            )
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "families.json").write_text(json.dumps(res, indent=2))
     plot(res, RESULTS / "families.png")

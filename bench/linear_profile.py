@@ -39,7 +39,9 @@ def main() -> None:
     ap.add_argument("--arithmetic", default="int8")
     args = ap.parse_args()
     print(cpu_info().describe())
-    llm = LLM(args.model, quant_arithmetic=args.arithmetic, progress=False, kv_cache_memory="256MiB", max_model_len=1024)
+    llm = LLM(
+        args.model, quant_arithmetic=args.arithmetic, progress=False, kv_cache_memory="256MiB", max_model_len=1024
+    )
     llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     step = 1e9
@@ -59,8 +61,10 @@ def main() -> None:
     for key, s in seconds.most_common():
         print(f"{key:14s} {s * 1e3:7.2f} ms {nbytes[key] / 1e6:8.1f} MB {nbytes[key] / s / 1e9:6.1f} GB/s")
     total = sum(seconds.values())
-    print(f"linears {total * 1e3:.2f} ms of the {step * 1e3:.2f} ms step "
-          f"({sum(nbytes.values()) / 1e6:.0f} MB at {sum(nbytes.values()) / total / 1e9:.1f} GB/s)")  # fmt: skip
+    print(
+        f"linears {total * 1e3:.2f} ms of the {step * 1e3:.2f} ms step "
+        f"({sum(nbytes.values()) / 1e6:.0f} MB at {sum(nbytes.values()) / total / 1e9:.1f} GB/s)"
+    )
 
 
 if __name__ == "__main__":

@@ -30,8 +30,12 @@ import httpx
 from tokenmill.kernels.cpu import cpu_info
 
 RESULTS = Path(__file__).parent / "results"
-PROMPTS = ["Tell me about the history of {}.", "Write a short poem about {}.", "What should a visitor to {} see first?",
-           "Explain in three sentences why {} matters."]  # fmt: skip
+PROMPTS = [
+    "Tell me about the history of {}.",
+    "Write a short poem about {}.",
+    "What should a visitor to {} see first?",
+    "Explain in three sentences why {} matters.",
+]
 TOPICS = ["Paris", "the sea", "bread", "mountains", "trains", "bees", "rain", "the moon"]
 
 
@@ -56,8 +60,13 @@ def start(port: int) -> subprocess.Popen:
 
 
 async def one(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> tuple[float, int]:
-    body = {"messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": max_tokens,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "messages": [{"role": "user", "content": prompt}],
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t, ttft, tokens = time.perf_counter(), None, 0
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         async for line in r.aiter_lines():
@@ -100,8 +109,12 @@ async def run(url: str, prompts: list[str], concurrency: int, max_tokens: int, v
         wall = time.perf_counter() - t
     stop.set()
     await asyncio.wait_for(asyncio.gather(*watchers, return_exceptions=True), 5)
-    return {"wall_s": wall, "output_tok_per_s": sum(n for _, n in results) / wall,
-            "ttft_p50_ms": statistics.median(t for t, _ in results) * 1000, "steps_seen_by_viewers": seen[0]}  # fmt: skip
+    return {
+        "wall_s": wall,
+        "output_tok_per_s": sum(n for _, n in results) / wall,
+        "ttft_p50_ms": statistics.median(t for t, _ in results) * 1000,
+        "steps_seen_by_viewers": seen[0],
+    }
 
 
 def main() -> int:
@@ -123,23 +136,40 @@ def main() -> int:
             order = ("unwatched", "watched") if r % 2 == 0 else ("watched", "unwatched")
             for name in order:
                 viewers = args.viewers if name == "watched" else 0
-                res = asyncio.run(run(f"http://127.0.0.1:{ports[name]}", prompts, args.concurrency, args.max_tokens, viewers))
+                res = asyncio.run(
+                    run(f"http://127.0.0.1:{ports[name]}", prompts, args.concurrency, args.max_tokens, viewers)
+                )
                 runs[name].append(res)
                 seen = f", the viewers saw {res['steps_seen_by_viewers']} steps" if viewers else ""
-                print(f"round {r + 1} {name:9s}: {res['output_tok_per_s']:.1f} tok/s, TTFT p50 {res['ttft_p50_ms']:.0f} ms"
-                      f"{seen}", file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"round {r + 1} {name:9s}: {res['output_tok_per_s']:.1f} tok/s, TTFT p50 {res['ttft_p50_ms']:.0f} ms"
+                    f"{seen}",
+                    file=sys.stderr,
+                    flush=True,
+                )
     finally:
         for server in servers.values():
             server.send_signal(signal.SIGTERM)
             server.wait(60)
-    summary = {name: {f: statistics.median(x[f] for x in runs[name]) for f in ("output_tok_per_s", "ttft_p50_ms")}
-               for name in runs}  # fmt: skip
+    summary = {
+        name: {f: statistics.median(x[f] for x in runs[name]) for f in ("output_tok_per_s", "ttft_p50_ms")}
+        for name in runs
+    }
     ratio = summary["watched"]["output_tok_per_s"] / summary["unwatched"]["output_tok_per_s"]
-    result = {"cpu": cpu_info().describe(), "requests": args.requests, "concurrency": args.concurrency,
-              "max_tokens": args.max_tokens, "viewers": args.viewers, "summary": summary,
-              "watched_over_unwatched_tok_per_s": ratio, "runs": runs}  # fmt: skip
-    print(f"CPU: {result['cpu']}; {args.requests} requests x {args.rounds} rounds, concurrency {args.concurrency}, "
-          f"{args.viewers} viewers")  # fmt: skip
+    result = {
+        "cpu": cpu_info().describe(),
+        "requests": args.requests,
+        "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens,
+        "viewers": args.viewers,
+        "summary": summary,
+        "watched_over_unwatched_tok_per_s": ratio,
+        "runs": runs,
+    }
+    print(
+        f"CPU: {result['cpu']}; {args.requests} requests x {args.rounds} rounds, concurrency {args.concurrency}, "
+        f"{args.viewers} viewers"
+    )
     for name, s in summary.items():
         print(f"{name:9s} {s['output_tok_per_s']:7.1f} tok/s  TTFT p50 {s['ttft_p50_ms']:6.0f} ms (medians)")
     print(f"watched / unwatched: {ratio:.3f}x the generated tokens/s")

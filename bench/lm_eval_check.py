@@ -29,9 +29,20 @@ sys.path.insert(0, str(HERE))
 from soak import free_port, wait_healthy  # noqa: E402 - a sibling script
 
 MODEL = "smollm2"
-CAPITALS = [("France", "Paris"), ("Italy", "Rome"), ("Spain", "Madrid"), ("Germany", "Berlin"), ("Japan", "Tokyo"),
-            ("Egypt", "Cairo"), ("Canada", "Ottawa"), ("Kenya", "Nairobi"), ("Peru", "Lima"), ("Norway", "Oslo"),
-            ("Greece", "Athens"), ("Cuba", "Havana")]  # fmt: skip
+CAPITALS = [
+    ("France", "Paris"),
+    ("Italy", "Rome"),
+    ("Spain", "Madrid"),
+    ("Germany", "Berlin"),
+    ("Japan", "Tokyo"),
+    ("Egypt", "Cairo"),
+    ("Canada", "Ottawa"),
+    ("Kenya", "Nairobi"),
+    ("Peru", "Lima"),
+    ("Norway", "Oslo"),
+    ("Greece", "Athens"),
+    ("Cuba", "Havana"),
+]
 TASK = """task: tokenmill_capitals
 dataset_path: json
 dataset_kwargs:
@@ -93,18 +104,45 @@ def main() -> None:
     write_task(work)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log = open(HERE / "results" / "lm_eval_server.log", "w")  # noqa: SIM115 - closed below
-    server = subprocess.Popen([sys.executable, "-m", "tokenmill", "serve", "--port", str(port), "--dtype", "float32",
-                               "--served-model-name", MODEL], stdout=subprocess.DEVNULL, stderr=log)  # fmt: skip
+    log = open(HERE / "results" / "lm_eval_server.log", "w")
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tokenmill",
+            "serve",
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--served-model-name",
+            MODEL,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+    )
     try:
         wait_healthy(url)
-        cmd = [args.lm_eval, "--model", "local-completions", "--model_args",
-               f"model={MODEL},base_url={url}/v1/completions,num_concurrent=1,max_retries=1,tokenized_requests=True",
-               "--tasks", "tokenmill_capitals", "--include_path", str(work), "--output_path", str(work / "out"),
-               "--log_samples", "--batch_size", "4"]  # fmt: skip
+        cmd = [
+            args.lm_eval,
+            "--model",
+            "local-completions",
+            "--model_args",
+            f"model={MODEL},base_url={url}/v1/completions,num_concurrent=1,max_retries=1,tokenized_requests=True",
+            "--tasks",
+            "tokenmill_capitals",
+            "--include_path",
+            str(work),
+            "--output_path",
+            str(work / "out"),
+            "--log_samples",
+            "--batch_size",
+            "4",
+        ]
         t0 = time.perf_counter()
-        run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_DATASETS_OFFLINE": "1",
-                                                                       "HF_HUB_OFFLINE": "1"})  # fmt: skip
+        run = subprocess.run(
+            cmd, capture_output=True, text=True, env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+        )
         seconds = time.perf_counter() - t0
     finally:
         server.terminate()
@@ -119,11 +157,19 @@ def main() -> None:
     ours = offline_loglikelihoods(samples)
     diff = max(abs(a - b) for x, y in zip(theirs, ours, strict=True) for a, b in zip(x, y, strict=True))
     results = json.loads(next((work / "out").rglob("results_*.json")).read_text())["results"]["tokenmill_capitals"]
-    report = {"command": " ".join(cmd[:1] + ["..."] + cmd[3:]), "lm_eval_seconds": round(seconds, 1),
-              "items": len(samples), "loglikelihoods": sum(len(x) for x in theirs),
-              "max_abs_diff_vs_offline_prompt_logprobs": diff, "results": results, "table": table,
-              "per_item": [{"doc": s["doc"]["country"], "lm_eval": t, "offline": o}
-                           for s, t, o in zip(samples, theirs, ours, strict=True)]}  # fmt: skip
+    report = {
+        "command": " ".join(cmd[:1] + ["..."] + cmd[3:]),
+        "lm_eval_seconds": round(seconds, 1),
+        "items": len(samples),
+        "loglikelihoods": sum(len(x) for x in theirs),
+        "max_abs_diff_vs_offline_prompt_logprobs": diff,
+        "results": results,
+        "table": table,
+        "per_item": [
+            {"doc": s["doc"]["country"], "lm_eval": t, "offline": o}
+            for s, t, o in zip(samples, theirs, ours, strict=True)
+        ],
+    }
     (HERE / "results" / "lm_eval.json").write_text(json.dumps(report, indent=1))
     print(table)
     print(f"{report['loglikelihoods']} loglikelihoods; max |lm-eval - offline| = {diff:.2e}")

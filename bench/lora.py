@@ -32,8 +32,15 @@ from tokenmill.kernels.cpu import cpu_info
 from tokenmill.lora.adapter import load_adapter, target_shapes
 
 RESULTS = Path(__file__).parent / "results"
-TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
+TARGETS = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
 
 
 def log(msg: str) -> None:
@@ -88,8 +95,14 @@ def plot(res: dict, path: Path) -> None:
     rel = [r["relative_to_base"] for r in res["throughput"]]
     bars = ax.bar(range(len(labels)), rel, color=["#777"] + ["#4a7"] * (len(labels) - 1))
     for b, r in zip(bars, res["throughput"], strict=True):
-        ax.text(b.get_x() + b.get_width() / 2, b.get_height(), f"{r['tok_per_s']:.0f} tok/s\n{r['relative_to_base']:.2f}x",
-                ha="center", va="bottom", fontsize=8)  # fmt: skip
+        ax.text(
+            b.get_x() + b.get_width() / 2,
+            b.get_height(),
+            f"{r['tok_per_s']:.0f} tok/s\n{r['relative_to_base']:.2f}x",
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax.axhline(0.8, color="r", ls="--", lw=1, label="target at 4 adapters (0.8x)")
     ax.set_xticks(range(len(labels)), labels, fontsize=8)
     ax.set_ylabel("output throughput / base model alone")
@@ -113,8 +126,13 @@ def main() -> None:
     cfg = base.config
     paths = [write_adapter(tmp / f"a{i}", cfg, args.rank, i) for i in range(17)]
     prompts, params = workload(base, args.requests)
-    res: dict = {"cpu": cpu_info().as_dict(), "dtype": str(base.dtype), "requests": args.requests, "rank": args.rank,
-                 "command": " ".join(sys.argv)}  # fmt: skip
+    res: dict = {
+        "cpu": cpu_info().as_dict(),
+        "dtype": str(base.dtype),
+        "requests": args.requests,
+        "rank": args.rank,
+        "command": " ".join(sys.argv),
+    }
 
     t0 = time.perf_counter()
     adapter = load_adapter("a0", paths[0], cfg, args.rank)
@@ -129,11 +147,22 @@ def main() -> None:
     del base
     for n_adapters, max_loras in ((0, 4), (1, 4), (4, 4), (16, 16), (16, 4)):
         mods = [f"a{i}={paths[i]}" for i in range(max(n_adapters, 1))]
-        llm = LLM(dtype=args.dtype, progress=False, enable_lora=True, lora_modules=mods, max_loras=max_loras,
-                  max_lora_rank=args.rank, max_cpu_loras=max(16, max_loras))  # fmt: skip
+        llm = LLM(
+            dtype=args.dtype,
+            progress=False,
+            enable_lora=True,
+            lora_modules=mods,
+            max_loras=max_loras,
+            max_lora_rank=args.rank,
+            max_cpu_loras=max(16, max_loras),
+        )
         loras = None if n_adapters == 0 else [f"a{i % n_adapters}" for i in range(args.requests)]
         tps = run(llm, prompts, params, loras)
-        label = "LoRA slots,\nbase requests" if n_adapters == 0 else f"{n_adapters} adapter{'s' * (n_adapters > 1)}\nmax_loras {max_loras}"
+        label = (
+            "LoRA slots,\nbase requests"
+            if n_adapters == 0
+            else f"{n_adapters} adapter{'s' * (n_adapters > 1)}\nmax_loras {max_loras}"
+        )
         rows.append({"label": label, "adapters": n_adapters, "max_loras": max_loras, "tok_per_s": tps})
         log(f"{label.replace(chr(10), ' ')}: {tps:.1f} tok/s ({tps / base_tps:.2f}x)")
         if n_adapters == 16 and max_loras == 4:
@@ -153,7 +182,9 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "lora.json").write_text(json.dumps(res, indent=2))
     plot(res, RESULTS / "lora.png")
-    log(f"wrote {RESULTS / 'lora.json'} and lora.png; medians {statistics.median([r['relative_to_base'] for r in rows]):.2f}")
+    log(
+        f"wrote {RESULTS / 'lora.json'} and lora.png; medians {statistics.median([r['relative_to_base'] for r in rows]):.2f}"
+    )
 
 
 if __name__ == "__main__":

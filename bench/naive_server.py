@@ -30,7 +30,9 @@ def build(model_path: str) -> FastAPI:
 
     path = default_model_path() if model_path is None else Path(model_path)
     tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
     model.eval()
     lock = asyncio.Lock()  # one request at a time, from its start to its last byte
     app = FastAPI()
@@ -49,15 +51,23 @@ def build(model_path: str) -> FastAPI:
 
         def work() -> None:
             with torch.inference_mode():
-                out = model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens if body.get("ignore_eos")
-                                     else 0, do_sample=False, streamer=streamer, pad_token_id=tok.eos_token_id)  # fmt: skip
+                out = model.generate(
+                    ids,
+                    max_new_tokens=max_tokens,
+                    min_new_tokens=max_tokens if body.get("ignore_eos") else 0,
+                    do_sample=False,
+                    streamer=streamer,
+                    pad_token_id=tok.eos_token_id,
+                )
                 result["n"] = out.shape[1] - ids.shape[1]
 
         await lock.acquire()
         thread = threading.Thread(target=work, daemon=True)
         thread.start()
-        usage = lambda: {"prompt_tokens": ids.shape[1], "completion_tokens": result.get("n", 0),  # noqa: E731
-                         "total_tokens": ids.shape[1] + result.get("n", 0)}  # fmt: skip
+
+        def usage():
+            n = result.get("n", 0)
+            return {"prompt_tokens": ids.shape[1], "completion_tokens": n, "total_tokens": ids.shape[1] + n}
 
         async def pieces():
             it = iter(streamer)
@@ -73,8 +83,16 @@ def build(model_path: str) -> FastAPI:
                 text = "".join([p async for p in pieces()])
             finally:
                 lock.release()
-            return JSONResponse({"id": "naive", "object": "text_completion", "created": int(time.time()), "model": "naive",
-                                 "choices": [{"index": 0, "text": text, "finish_reason": "length"}], "usage": usage()})
+            return JSONResponse(
+                {
+                    "id": "naive",
+                    "object": "text_completion",
+                    "created": int(time.time()),
+                    "model": "naive",
+                    "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+                    "usage": usage(),
+                }
+            )
 
         async def sse():
             try:

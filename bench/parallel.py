@@ -45,9 +45,17 @@ def eight_head_model(path: Path, tokenizer) -> str:
     heads of 72 and 2 KV heads: a model TP=2 splits. Random weights (timing only)."""
     import transformers
 
-    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                                   num_attention_heads=8, num_key_value_heads=2, head_dim=72,
-                                   max_position_embeddings=2048, tie_word_embeddings=True)  # fmt: skip
+    cfg = transformers.LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=72,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
     tokenizer.backend.save(str(path / "tokenizer.json"))
@@ -72,8 +80,13 @@ def run_workload(llm: LLM, name: str, max_new: int) -> dict:
     wall = time.perf_counter() - t0
     steps = list(llm.engine.step_stats)
     tokens = sum(s.num_decode_tokens + s.num_prefill_tokens for s in steps)
-    out = {"wall_s": wall, "steps": len(steps), "tokens_computed": tokens,
-           "ms_per_step": 1e3 * wall / len(steps), "tokens_per_s": batch * params.max_tokens / wall}  # fmt: skip
+    out = {
+        "wall_s": wall,
+        "steps": len(steps),
+        "tokens_computed": tokens,
+        "ms_per_step": 1e3 * wall / len(steps),
+        "tokens_per_s": batch * params.max_tokens / wall,
+    }
     if stats is not None:
         out["comm_ms_per_step"] = {k: 1e3 * v / len(steps) for k, v in stats.seconds.items()}
         out["bytes_per_token"] = {k: v / tokens for k, v in stats.bytes.items()}
@@ -137,8 +150,13 @@ def predict_gpu(hidden: int, layers: int, vocab: int, weight_bytes: float, tp: i
     compute_s = weight_bytes / tp / pp / hbm * pp  # each stage reads its share; the stages run in turn at batch 1
     all_reduces = 2 * layers + 1 if tp > 1 else 0
     comm_s = all_reduces * 8e-6 + (pp - 1) * 8e-6 + (8e-6 if tp > 1 else 0)  # + the logits gather
-    return {"compute_ms": 1e3 * compute_s, "comm_ms": 1e3 * comm_s, "comm_share": comm_s / (compute_s + comm_s),
-            "bytes_per_token_all_reduce": all_reduces * hidden * 2, "bytes_per_token_logits": vocab * 4}  # fmt: skip
+    return {
+        "compute_ms": 1e3 * compute_s,
+        "comm_ms": 1e3 * comm_s,
+        "comm_share": comm_s / (compute_s + comm_s),
+        "bytes_per_token_all_reduce": all_reduces * hidden * 2,
+        "bytes_per_token_logits": vocab * 4,
+    }
 
 
 def plot(res: dict, path: Path) -> None:
@@ -159,7 +177,9 @@ def plot(res: dict, path: Path) -> None:
         ax.set_title(name)
         ax.set_ylabel("ms per step")
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"Split model on {cpu_info().cores} CPU cores (gloo, loopback) - CPU: {cpu_info().describe()}", fontsize=8)
+    fig.suptitle(
+        f"Split model on {cpu_info().cores} CPU cores (gloo, loopback) - CPU: {cpu_info().describe()}", fontsize=8
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -171,12 +191,18 @@ def main() -> None:
     args = p.parse_args()
     log(f"CPU: {cpu_info().describe()}")
     latency = {n: allreduce_latency(n) for n in (2, 3)}
-    log("gloo all-reduce of [8, 576] float32, idle processes: " +
-        ", ".join(f"{n} ranks {1e3 * t:.2f} ms" for n, t in latency.items()))  # fmt: skip
+    log(
+        "gloo all-reduce of [8, 576] float32, idle processes: "
+        + ", ".join(f"{n} ranks {1e3 * t:.2f} ms" for n, t in latency.items())
+    )
     if args.allreduce_only:
         return
-    res: dict = {"cpu": cpu_info().as_dict(), "torch": torch.__version__, "runs": [],
-                 "idle_allreduce_ms": {n: 1e3 * t for n, t in latency.items()}}  # fmt: skip
+    res: dict = {
+        "cpu": cpu_info().as_dict(),
+        "torch": torch.__version__,
+        "runs": [],
+        "idle_allreduce_ms": {n: 1e3 * t for n, t in latency.items()},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         base = LLM(progress=False)
         eight = eight_head_model(Path(tmp), base.tokenizer)
@@ -188,18 +214,32 @@ def main() -> None:
                 split = "whole" if tp * pp == 1 else f"TP={tp}" if pp == 1 else f"PP={pp}"
                 log(f"{model_name} {split}: loading")
                 t0 = time.perf_counter()
-                llm = LLM(model, progress=False, kv_cache_memory="256MiB", tensor_parallel_size=tp, pipeline_parallel_size=pp)
-                run = {"model": model_name, "split": split, "tp": tp, "pp": pp, "dtype": str(llm.dtype),
-                       "build_s": time.perf_counter() - t0, "workloads": {}}  # fmt: skip
+                llm = LLM(
+                    model, progress=False, kv_cache_memory="256MiB", tensor_parallel_size=tp, pipeline_parallel_size=pp
+                )
+                run = {
+                    "model": model_name,
+                    "split": split,
+                    "tp": tp,
+                    "pp": pp,
+                    "dtype": str(llm.dtype),
+                    "build_s": time.perf_counter() - t0,
+                    "workloads": {},
+                }
                 for name in WORKLOADS:
                     run["workloads"][name] = w = run_workload(llm, name, args.tokens)
                     comm = w["ms_per_step"] - w["compute_ms_per_step"]
-                    log(f"  {name}: {w['ms_per_step']:.1f} ms/step (communication {comm:.1f}), {w['tokens_per_s']:.1f} tok/s")
+                    log(
+                        f"  {name}: {w['ms_per_step']:.1f} ms/step (communication {comm:.1f}), {w['tokens_per_s']:.1f} tok/s"
+                    )
                 llm.close()
                 res["runs"].append(run)
     cfg = {"smollm2": (576, 30, 49152, 2 * 134.5e6), "70b": (8192, 80, 128256, 2 * 70.6e9)}
-    res["gpu_prediction"] = {f"{m} TP={tp} PP={pp}": predict_gpu(*cfg[m], tp, pp)
-                             for m in cfg for tp, pp in ((1, 1), (2, 1), (8, 1), (1, 2), (4, 2))}  # fmt: skip
+    res["gpu_prediction"] = {
+        f"{m} TP={tp} PP={pp}": predict_gpu(*cfg[m], tp, pp)
+        for m in cfg
+        for tp, pp in ((1, 1), (2, 1), (8, 1), (1, 2), (4, 2))
+    }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "parallel.json").write_text(json.dumps(res, indent=2))
     plot(res, RESULTS / "parallel.png")

@@ -21,10 +21,10 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.helpers import random_gguf_blocks  # noqa: E402
-from tokenmill.kernels.cpu import cpu_info  # noqa: E402
-from tokenmill.kernels.native import build_name, load_native  # noqa: E402
-from tokenmill.quant.packed import PackedWeight  # noqa: E402
+from tests.helpers import random_gguf_blocks
+from tokenmill.kernels.cpu import cpu_info
+from tokenmill.kernels.native import build_name, load_native
+from tokenmill.quant.packed import PackedWeight
 
 ROWS = (1, 2, 4, 8, 16, 32, 48, 64, 128, 256, 512)
 
@@ -49,16 +49,28 @@ def main() -> None:
         bf16 = dtype == torch.bfloat16 and bf16_units
         for rows in ROWS:
             x = torch.randn(rows, k).to(dtype)
-            ours = best_ms(lambda x=x, bf16=bf16: torch.ops.tokenmill.quant_linear(x, w.qs, w.scale, w.minv, 4, 32, bf16))
+            ours = best_ms(
+                lambda x=x, bf16=bf16: torch.ops.tokenmill.quant_linear(x, w.qs, w.scale, w.minv, 4, 32, bf16)
+            )
 
             def before(x=x, bf16=bf16, dtype=dtype) -> torch.Tensor:  # the whole weight dequantised, then the GEMM
                 wd = w.dequantize_rows(bf16=bf16)
                 return nn.functional.linear(x if bf16 else x.float(), wd).to(dtype)
 
             base = best_ms(before)
-            print(json.dumps({"build": build_name(), "dtype": str(dtype).removeprefix("torch."), "rows": rows,
-                              "quant_linear_ms": round(ours, 4), "dequantise_gemm_ms": round(base, 4),
-                              "speedup": round(base / ours, 2)}), flush=True)  # fmt: skip
+            print(
+                json.dumps(
+                    {
+                        "build": build_name(),
+                        "dtype": str(dtype).removeprefix("torch."),
+                        "rows": rows,
+                        "quant_linear_ms": round(ours, 4),
+                        "dequantise_gemm_ms": round(base, 4),
+                        "speedup": round(base / ours, 2),
+                    }
+                ),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

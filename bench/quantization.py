@@ -42,7 +42,9 @@ def log(msg: str) -> None:
 
 
 def decode_rate(llm: LLM) -> float:
-    out = llm.generate("The history of the river mill", SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))[0]
+    out = llm.generate("The history of the river mill", SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))[
+        0
+    ]
     t = out.timings[0]
     return (len(t.token_times) - 1) / (t.token_times[-1] - t.first_token)
 
@@ -83,8 +85,10 @@ def main() -> None:
         for name, llm in llms.items():
             rows[name]["decode_tok_s"] = max(rows[name]["decode_tok_s"], round(decode_rate(llm), 2))
             rows[name]["throughput_32_tok_s"] = max(rows[name]["throughput_32_tok_s"], round(throughput(llm), 1))
-            log(f"repeat {rep + 1} {name}: decode {rows[name]['decode_tok_s']} tok/s, "
-                f"32 concurrent {rows[name]['throughput_32_tok_s']} tok/s")  # fmt: skip
+            log(
+                f"repeat {rep + 1} {name}: decode {rows[name]['decode_tok_s']} tok/s, "
+                f"32 concurrent {rows[name]['throughput_32_tok_s']} tok/s"
+            )
     base = rows["float32"]
     for r in rows.values():
         r["decode_vs_float32"] = round(r["decode_tok_s"] / base["decode_tok_s"], 2)
@@ -107,9 +111,16 @@ def plot(rows: dict) -> None:
         return
     names = list(rows)
     fig, axes = plt.subplots(1, 4, figsize=(17, 4))
-    for ax, (key, title) in zip(axes, [("weights_MiB", "weights (MiB)"), ("decode_tok_s", "batch-1 decode tok/s"),
-                                       ("max_seqs_in_budget", "sequences in KV budget"),
-                                       ("perplexity", "perplexity (held-out)")], strict=True):  # fmt: skip
+    for ax, (key, title) in zip(
+        axes,
+        [
+            ("weights_MiB", "weights (MiB)"),
+            ("decode_tok_s", "batch-1 decode tok/s"),
+            ("max_seqs_in_budget", "sequences in KV budget"),
+            ("perplexity", "perplexity (held-out)"),
+        ],
+        strict=True,
+    ):
         ax.barh(names, [rows[n][key] for n in names], color="#29335c")
         ax.set_title(title)
         ax.invert_yaxis()

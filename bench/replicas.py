@@ -57,9 +57,11 @@ from tokenmill.engine.stats import percentiles  # noqa: E402
 from tokenmill.kernels.cpu import cpu_info  # noqa: E402
 
 RAY_PORT = 6391
-WORDS = ("cache block token prefill decode replica router latency memory batch request stream model layer "
-         "attention kernel vector matrix server client queue schedule chunk prompt answer question system "
-         "policy cluster node object store transfer hash prefix session turn window budget").split()  # fmt: skip
+WORDS = (
+    "cache block token prefill decode replica router latency memory batch request stream model layer "
+    "attention kernel vector matrix server client queue schedule chunk prompt answer question system "
+    "policy cluster node object store transfer hash prefix session turn window budget"
+).split()
 
 
 def log(msg: str) -> None:
@@ -76,8 +78,13 @@ def text(rng: random.Random, n: int) -> str:
 def ray_env() -> dict:
     """The nodes' environment: the replicas (started by the nodes' raylets) import this
     checkout's tokenmill, as the server does."""
-    return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token", "PYTHONPATH": str(HERE.parent),
-            "RAY_worker_niceness": os.environ.get("RAY_worker_niceness", "0")}  # Ray's 15 lets its processes preempt the engines
+    return {
+        **os.environ,
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_AUTH_MODE": "token",
+        "PYTHONPATH": str(HERE.parent),
+        "RAY_worker_niceness": os.environ.get("RAY_worker_niceness", "0"),
+    }  # Ray's 15 lets its processes preempt the engines
 
 
 def ray_bin() -> str:
@@ -87,10 +94,29 @@ def ray_bin() -> str:
 def start_cluster() -> str:
     """Two nodes on loopback, one CPU each; returns RAY_ADDRESS."""
     subprocess.run([ray_bin(), "stop", "--force"], env=ray_env(), capture_output=True)
-    subprocess.run([ray_bin(), "start", "--head", "--num-cpus", "1", "--port", str(RAY_PORT), "--include-dashboard",
-                    "false", "--disable-usage-stats"], env=ray_env(), check=True, capture_output=True)  # fmt: skip
-    subprocess.run([ray_bin(), "start", "--address", f"127.0.0.1:{RAY_PORT}", "--num-cpus", "1"], env=ray_env(),
-                   check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [
+            ray_bin(),
+            "start",
+            "--head",
+            "--num-cpus",
+            "1",
+            "--port",
+            str(RAY_PORT),
+            "--include-dashboard",
+            "false",
+            "--disable-usage-stats",
+        ],
+        env=ray_env(),
+        check=True,
+        capture_output=True,
+    )
+    subprocess.run(
+        [ray_bin(), "start", "--address", f"127.0.0.1:{RAY_PORT}", "--num-cpus", "1"],
+        env=ray_env(),
+        check=True,
+        capture_output=True,
+    )
     return f"127.0.0.1:{RAY_PORT}"
 
 
@@ -149,10 +175,17 @@ class Server:
 # ------------------------------------------------------------------ requests
 
 
-async def stream_chat(client: httpx.AsyncClient, url: str, messages: list[dict], max_tokens: int,
-                      ignore_eos: bool = False) -> dict:  # fmt: skip
-    body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": ignore_eos}  # fmt: skip
+async def stream_chat(
+    client: httpx.AsyncClient, url: str, messages: list[dict], max_tokens: int, ignore_eos: bool = False
+) -> dict:
+    body = {
+        "model": "m",
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": ignore_eos,
+    }
     start = time.perf_counter()
     first, parts, gaps, last = None, [], [], start
     async with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=None) as r:
@@ -173,8 +206,13 @@ async def stream_chat(client: httpx.AsyncClient, url: str, messages: list[dict],
                     gaps.append(now - last)
                 last = now
                 parts.append(delta)
-    return {"ttft": first, "text": "".join(parts), "e2e": time.perf_counter() - start, "gaps": gaps,
-            "chunks": len(parts)}  # fmt: skip
+    return {
+        "ttft": first,
+        "text": "".join(parts),
+        "e2e": time.perf_counter() - start,
+        "gaps": gaps,
+        "chunks": len(parts),
+    }
 
 
 def chat_workload(seed: int, systems: int, chats: int, turns: int, system_words: int) -> list[tuple[str, list[str]]]:
@@ -182,8 +220,10 @@ def chat_workload(seed: int, systems: int, chats: int, turns: int, system_words:
     shared by many chats."""
     rng = random.Random(seed)
     prompts = [f"You are assistant {i}. Rules: " + text(rng, system_words) for i in range(systems)]
-    return [(prompts[c % systems], [f"Question {t} of chat {c}: " + text(rng, 40) for t in range(turns)])
-            for c in range(chats)]  # fmt: skip
+    return [
+        (prompts[c % systems], [f"Question {t} of chat {c}: " + text(rng, 40) for t in range(turns)])
+        for c in range(chats)
+    ]
 
 
 async def run_chats(url: str, workload, concurrency: int, max_tokens: int) -> tuple[list[dict], float]:
@@ -222,8 +262,10 @@ def routing(args: argparse.Namespace) -> dict:
     for policy in filter(None, args.policies.split(",")):
         routing_name, _, load_cost = policy.partition("@")  # kv@128: a fixed price of load
         fixed = ["--route-load-cost", load_cost] if load_cost else []
-        modes[f"2 replicas, {policy}"] = (["--data-parallel-size", "2", "--routing", routing_name, *fixed, *kv],
-                                          "cluster")  # fmt: skip
+        modes[f"2 replicas, {policy}"] = (
+            ["--data-parallel-size", "2", "--routing", routing_name, *fixed, *kv],
+            "cluster",
+        )
     address = None if args.local_ray else start_cluster()  # None: each server starts its own
     runs = {}
     try:
@@ -241,30 +283,51 @@ def routing(args: argparse.Namespace) -> dict:
             finally:
                 server.stop()
             d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-            hits, queries = d.get("tokenmill:prefix_cache_hits_total", 0), d.get("tokenmill:prefix_cache_queries_total", 0)
+            hits, queries = (
+                d.get("tokenmill:prefix_cache_hits_total", 0),
+                d.get("tokenmill:prefix_cache_queries_total", 0),
+            )
             runs[name] = {
-                "flags": flags, "turns": len(results), "elapsed_s": elapsed,
-                "prefix_hit_rate": hits / queries if queries else 0.0, "prompt_tokens": queries,
+                "flags": flags,
+                "turns": len(results),
+                "elapsed_s": elapsed,
+                "prefix_hit_rate": hits / queries if queries else 0.0,
+                "prompt_tokens": queries,
                 "requests_per_s": len(results) / elapsed,
                 "output_tokens_per_s": sum(r["chunks"] for r in results) / elapsed,
                 "ttft_s": percentiles([r["ttft"] for r in results if r["ttft"] is not None]),
                 "router_decisions": {k: v for k, v in d.items() if k.startswith("tokenmill:router_decisions")},
                 "predicted_hit_blocks": d.get("tokenmill:router_predicted_hit_blocks_total"),
                 "realised_hit_tokens": d.get("tokenmill:router_realised_hit_tokens_total"),
-                "server_start_s": server.start_s, "load_cost_tokens_before": start_costs, "load_cost_tokens": load_costs,
-            }  # fmt: skip
+                "server_start_s": server.start_s,
+                "load_cost_tokens_before": start_costs,
+                "load_cost_tokens": load_costs,
+            }
             r = runs[name]
-            log(f"  hit rate {r['prefix_hit_rate']:.3f}  TTFT p50 {r['ttft_s']['p50'] * 1000:.0f} ms  "
+            log(
+                f"  hit rate {r['prefix_hit_rate']:.3f}  TTFT p50 {r['ttft_s']['p50'] * 1000:.0f} ms  "
                 f"p99 {r['ttft_s']['p99'] * 1000:.0f} ms  {r['requests_per_s']:.2f} req/s  "
-                f"load price {start_costs or '-'} -> {load_costs or '-'}")  # fmt: skip
+                f"load price {start_costs or '-'} -> {load_costs or '-'}"
+            )
     finally:
         if not args.local_ray:
             stop_cluster()
-    return {"workload": {"cold": args.cold, "systems": args.systems, "system_words": args.system_words, "chats": args.chats,
-                         "policies": args.policies, "local_ray": args.local_ray,
-                         "turns": args.turns, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
-                         "kv_cache_memory": args.kv_cache_memory,
-                         "single_kv_cache_memory": args.single_kv_cache_memory}, "runs": runs}  # fmt: skip
+    return {
+        "workload": {
+            "cold": args.cold,
+            "systems": args.systems,
+            "system_words": args.system_words,
+            "chats": args.chats,
+            "policies": args.policies,
+            "local_ray": args.local_ray,
+            "turns": args.turns,
+            "concurrency": args.concurrency,
+            "max_tokens": args.max_tokens,
+            "kv_cache_memory": args.kv_cache_memory,
+            "single_kv_cache_memory": args.single_kv_cache_memory,
+        },
+        "runs": runs,
+    }
 
 
 def plot_routing(result: dict, path: Path) -> None:
@@ -337,8 +400,12 @@ def _process_name(cmd: str) -> str:
         return "engine core (spawned)"
     if cmd.startswith("ray::"):
         return cmd.split()[0].split(".")[0]
-    for key, name in (("tokenmill serve", "tokenmill serve (front / API)"), ("raylet", "raylet"),
-                      ("gcs_server", "gcs_server"), ("replicas.py", "benchmark client")):  # fmt: skip
+    for key, name in (
+        ("tokenmill serve", "tokenmill serve (front / API)"),
+        ("raylet", "raylet"),
+        ("gcs_server", "gcs_server"),
+        ("replicas.py", "benchmark client"),
+    ):
         if key in cmd:
             return name
     return "other"
@@ -350,10 +417,11 @@ def cpu_used(before: dict[str, float], after: dict[str, float]) -> dict[str, flo
 
 
 def overhead(args: argparse.Namespace) -> dict:
-    modes = {"plain tokenmill serve": ([], None),
-             "one replica on Ray Serve": (["--ray", "--replica-threads", "2", "--replica-cpus", "1"], "cluster"),
-             "one replica on Ray Serve, 1 thread": (["--ray", "--replica-threads", "1", "--replica-cpus", "1"],
-                                                    "cluster")}  # fmt: skip
+    modes = {
+        "plain tokenmill serve": ([], None),
+        "one replica on Ray Serve": (["--ray", "--replica-threads", "2", "--replica-cpus", "1"], "cluster"),
+        "one replica on Ray Serve, 1 thread": (["--ray", "--replica-threads", "1", "--replica-cpus", "1"], "cluster"),
+    }
     address = start_cluster()
     runs = {}
     try:
@@ -372,15 +440,27 @@ def overhead(args: argparse.Namespace) -> dict:
                 run["ttft"] += [r["ttft"] for r in results]
                 run["tok_s"].append(sum(r["chunks"] for r in results) / elapsed)
                 run["start_s"].append(server.start_s)
-                log(f"  {name}: {run['tok_s'][-1]:.1f} tok/s, TTFT p50 "
-                    f"{percentiles([r['ttft'] for r in results])['p50'] * 1000:.0f} ms")  # fmt: skip
+                log(
+                    f"  {name}: {run['tok_s'][-1]:.1f} tok/s, TTFT p50 "
+                    f"{percentiles([r['ttft'] for r in results])['p50'] * 1000:.0f} ms"
+                )
     finally:
         stop_cluster()
-    return {"requests": args.requests, "concurrency": args.concurrency, "rounds": args.rounds,
-            "runs": {n: {"ttft_s": percentiles(r["ttft"]), "output_tokens_per_s": r["tok_s"],
-                         "mean_output_tokens_per_s": sum(r["tok_s"]) / len(r["tok_s"]), "server_start_s": r["start_s"],
-                         "cpu_seconds_by_process": r["cpu_s"]}
-                     for n, r in runs.items()}}  # fmt: skip
+    return {
+        "requests": args.requests,
+        "concurrency": args.concurrency,
+        "rounds": args.rounds,
+        "runs": {
+            n: {
+                "ttft_s": percentiles(r["ttft"]),
+                "output_tokens_per_s": r["tok_s"],
+                "mean_output_tokens_per_s": sum(r["tok_s"]) / len(r["tok_s"]),
+                "server_start_s": r["start_s"],
+                "cpu_seconds_by_process": r["cpu_s"],
+            }
+            for n, r in runs.items()
+        },
+    }
 
 
 # ------------------------------------------------------------------ disaggregation
@@ -390,8 +470,10 @@ def disagg(args: argparse.Namespace) -> dict:
     rng = random.Random(7)
     decoders = [f"Decoder {i}: write a long story about " + text(rng, 12) for i in range(args.decoders)]
     longs = [f"Long prompt {i}: " + text(rng, args.long_words) + " Summarise." for i in range(args.long_prompts)]
-    modes = {"colocated (2 replicas, kv)": ["--data-parallel-size", "2"],
-             "disaggregated (1 prefill + 1 decode)": ["--prefill-replicas", "1", "--decode-replicas", "1"]}  # fmt: skip
+    modes = {
+        "colocated (2 replicas, kv)": ["--data-parallel-size", "2"],
+        "disaggregated (1 prefill + 1 decode)": ["--prefill-replicas", "1", "--decode-replicas", "1"],
+    }
     address = start_cluster()
     runs, texts = {}, {}
     try:
@@ -412,28 +494,40 @@ def disagg(args: argparse.Namespace) -> dict:
                 "decoder_itl_s": percentiles([g for r in dec for g in r["gaps"]]),
                 "decoder_tokens_per_s": sum(r["chunks"] for r in dec) / max(r["e2e"] for r in dec),
                 "long_prompt_ttft_s": percentiles([r["ttft"] for r in lng]),
-                "kv_transfer": None if not moved else {
-                    "requests": moved, "bytes_per_request": d["tokenmill:kv_transfer_bytes_total"] / moved,
+                "kv_transfer": None
+                if not moved
+                else {
+                    "requests": moved,
+                    "bytes_per_request": d["tokenmill:kv_transfer_bytes_total"] / moved,
                     "blocks_per_request": d["tokenmill:kv_transfer_blocks_total"] / moved,
                     "prefill_s_per_request": d["tokenmill:kv_transfer_prefill_seconds_total"] / moved,
                     "import_s_per_request": d["tokenmill:kv_transfer_import_seconds_total"] / moved,
-                    "fallbacks": d.get("tokenmill:kv_transfer_fallbacks_total", 0.0)},
-            }  # fmt: skip
+                    "fallbacks": d.get("tokenmill:kv_transfer_fallbacks_total", 0.0),
+                },
+            }
             texts[name] = [r["text"] for r in dec + lng]
             itl = runs[name]["decoder_itl_s"]
             log(f"  {name}: decoder ITL p50 {itl['p50'] * 1000:.0f} ms, p99 {itl['p99'] * 1000:.0f} ms")
     finally:
         stop_cluster()
     a, b = texts.values()
-    return {"decoders": args.decoders, "decode_tokens": args.decode_tokens, "long_prompts": args.long_prompts,
-            "long_prompt_words": args.long_words, "runs": runs, "identical_answers": a == b,
-            "answers_differing": sum(x != y for x, y in zip(a, b, strict=True))}  # fmt: skip
+    return {
+        "decoders": args.decoders,
+        "decode_tokens": args.decode_tokens,
+        "long_prompts": args.long_prompts,
+        "long_prompt_words": args.long_words,
+        "runs": runs,
+        "identical_answers": a == b,
+        "answers_differing": sum(x != y for x, y in zip(a, b, strict=True)),
+    }
 
 
 async def _interference(url: str, decoders: list[str], longs: list[str], args) -> tuple[list[dict], list[dict]]:
     async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as client:
-        dec = [asyncio.create_task(stream_chat(client, url, [{"role": "user", "content": p}], args.decode_tokens, True))
-               for p in decoders]  # fmt: skip
+        dec = [
+            asyncio.create_task(stream_chat(client, url, [{"role": "user", "content": p}], args.decode_tokens, True))
+            for p in decoders
+        ]
         await asyncio.sleep(2.0)  # the decoders are decoding
         lng = []
         for p in longs:
@@ -470,8 +564,19 @@ def autoscale(args: argparse.Namespace) -> dict:
     and our upscale delay of 2 s. Scaling down (after 60 s idle) is not waited for."""
     address = start_cluster()
     try:
-        server = Server(["--data-parallel-size", "1", "--max-replicas", "2", "--target-ongoing-requests", "2",
-                         "--replica-threads", "1"], address)  # fmt: skip
+        server = Server(
+            [
+                "--data-parallel-size",
+                "1",
+                "--max-replicas",
+                "2",
+                "--target-ongoing-requests",
+                "2",
+                "--replica-threads",
+                "1",
+            ],
+            address,
+        )
         try:
             rng = random.Random(3)
             prompts = [f"Stream {i}: write about " + text(rng, 10) for i in range(8)]
@@ -486,8 +591,12 @@ def autoscale(args: argparse.Namespace) -> dict:
             async def load() -> dict:
                 async with httpx.AsyncClient(timeout=None) as client:
                     start = time.perf_counter()
-                    tasks = [asyncio.create_task(stream_chat(client, server.url, [{"role": "user", "content": p}],
-                                                             4000, True)) for p in prompts]  # fmt: skip
+                    tasks = [
+                        asyncio.create_task(
+                            stream_chat(client, server.url, [{"role": "user", "content": p}], 4000, True)
+                        )
+                        for p in prompts
+                    ]
                     seen, timeline = None, []
                     while not all(t.done() for t in tasks):
                         now = time.perf_counter() - start
@@ -501,8 +610,11 @@ def autoscale(args: argparse.Namespace) -> dict:
                     for t in tasks:  # the load has done its part: leaving the streams aborts them
                         t.cancel()
                     await asyncio.gather(*tasks, return_exceptions=True)
-                    return {"second_replica_after_s": seen, "timeline": timeline,
-                            "load_duration_s": time.perf_counter() - start}  # fmt: skip
+                    return {
+                        "second_replica_after_s": seen,
+                        "timeline": timeline,
+                        "load_duration_s": time.perf_counter() - start,
+                    }
 
             result = asyncio.run(load())
         finally:
@@ -525,14 +637,25 @@ def main() -> int:
     p.add_argument("--kv-cache-memory", default="96MiB", help="per replica")
     p.add_argument("--cold", action="store_true", help="no system prompt seen before the measured chats")
     p.add_argument("--single-kv-cache-memory", default="192MiB", help="the one replica's: the pair's total")
-    p.add_argument("--policies", default="kv,pow2,round-robin", help="routing: the two-replica runs, in order "
-                   "(kv@N: kv routing with --route-load-cost N)")  # fmt: skip
-    p.add_argument("--single", action=argparse.BooleanOptionalAction, default=True,
-                   help="routing: also run one plain replica (the reference)")  # fmt: skip
+    p.add_argument(
+        "--policies",
+        default="kv,pow2,round-robin",
+        help="routing: the two-replica runs, in order (kv@N: kv routing with --route-load-cost N)",
+    )
+    p.add_argument(
+        "--single",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="routing: also run one plain replica (the reference)",
+    )
     p.add_argument("--out", default=None, help="results/<out>.json (default: replicas_<mode>)")
-    p.add_argument("--local-ray", action="store_true", help="routing: each server starts (and stops) a local Ray of "
-                   "its own, one node, instead of the two-node cluster (whose start and stop end every Ray process "
-                   "of the machine)")  # fmt: skip
+    p.add_argument(
+        "--local-ray",
+        action="store_true",
+        help="routing: each server starts (and stops) a local Ray of "
+        "its own, one node, instead of the two-node cluster (whose start and stop end every Ray process "
+        "of the machine)",
+    )
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--decoders", type=int, default=6)
@@ -545,8 +668,11 @@ def main() -> int:
     cpu = cpu_info()
     modes = {"routing": routing, "overhead": overhead, "disagg": disagg, "autoscale": autoscale}
     result = {"run": modes[args.mode](args)}
-    result = {"cpu": f"{cpu.model}, {cpu.cores} cores, {cpu.capability}", "command": " ".join(sys.argv),
-              **result["run"]}  # fmt: skip
+    result = {
+        "cpu": f"{cpu.model}, {cpu.cores} cores, {cpu.capability}",
+        "command": " ".join(sys.argv),
+        **result["run"],
+    }
     suffix = "_cold" if args.mode == "routing" and args.cold else ""
     name = args.out or f"replicas_{args.mode}{suffix}"
     out = RESULTS / f"{name}.json"

@@ -88,8 +88,13 @@ def answer(llm: LLM, messages: list[dict], max_tokens: int) -> dict:
     out = llm.chat(messages, params)[0]
     seconds = time.perf_counter() - t
     c = out.outputs[0]
-    return {"text": c.text, "tokens": len(c.token_ids), "prompt_tokens": len(out.prompt_token_ids), "seconds": seconds,
-            "confidence": confidence(c.logprobs or [])}  # fmt: skip
+    return {
+        "text": c.text,
+        "tokens": len(c.token_ids),
+        "prompt_tokens": len(out.prompt_token_ids),
+        "seconds": seconds,
+        "confidence": confidence(c.logprobs or []),
+    }
 
 
 def main() -> int:
@@ -104,8 +109,10 @@ def main() -> int:
     if args.pair == "quant":
         small = LLM(progress=False)  # the Q4_1 file, the default dtype
         large = LLM(quantization="none", dtype="float32", progress=False)
-        settings = {"small": f"Q4_1 file as it is ({small.quantization}, {small.dtype})",
-                    "large": "the same weights dequantised to float32"}  # fmt: skip
+        settings = {
+            "small": f"Q4_1 file as it is ({small.quantization}, {small.dtype})",
+            "large": "the same weights dequantised to float32",
+        }
     else:
         folder = fewer_layers(args.keep_layers)
         small = LLM(model=str(folder), dtype="float32", progress=False)
@@ -119,22 +126,44 @@ def main() -> int:
     for n, (kind, q) in enumerate(items):
         messages = [{"role": "user", "content": q}]
         s, b = answer(small, messages, args.max_tokens), answer(large, messages, args.max_tokens)
-        rows.append({"kind": kind, "question": q, "small": s, "large": b, "agree": normalised(s["text"]) == normalised(b["text"])})
+        rows.append(
+            {
+                "kind": kind,
+                "question": q,
+                "small": s,
+                "large": b,
+                "agree": normalised(s["text"]) == normalised(b["text"]),
+            }
+        )
         if (n + 1) % 20 == 0:
             log(f"{n + 1}/{len(items)} questions")
     thresholds = [round(0.05 * i, 2) for i in range(21)]
     curve = [cascade(rows, t) for t in thresholds]
-    result = {"cpu": cpu_info().describe(), "pair": args.pair, "settings": settings, "max_tokens": args.max_tokens,
-              "small_seconds": sum(r["small"]["seconds"] for r in rows), "large_seconds": sum(r["large"]["seconds"] for r in rows),
-              "always_small_agreement": sum(r["agree"] for r in rows) / len(rows), "curve": curve, "rows": rows}  # fmt: skip
+    result = {
+        "cpu": cpu_info().describe(),
+        "pair": args.pair,
+        "settings": settings,
+        "max_tokens": args.max_tokens,
+        "small_seconds": sum(r["small"]["seconds"] for r in rows),
+        "large_seconds": sum(r["large"]["seconds"] for r in rows),
+        "always_small_agreement": sum(r["agree"] for r in rows) / len(rows),
+        "curve": curve,
+        "rows": rows,
+    }
     print(f"CPU: {result['cpu']}\nsmall: {settings['small']}; large: {settings['large']}")
-    print(f"time per question: small {result['small_seconds'] / len(rows) * 1000:.0f} ms, large "
-          f"{result['large_seconds'] / len(rows) * 1000:.0f} ms; the small model agrees with the large on "
-          f"{result['always_small_agreement']:.0%} (easy {share(rows, 'easy'):.0%}, hard {share(rows, 'hard'):.0%})")  # fmt: skip
-    print(f"{'threshold':>9s} {'small':>6s} {'easy':>5s} {'hard':>5s} {'agree':>6s} {'cost/1M tok':>12s} {'vs large':>9s}")
+    print(
+        f"time per question: small {result['small_seconds'] / len(rows) * 1000:.0f} ms, large "
+        f"{result['large_seconds'] / len(rows) * 1000:.0f} ms; the small model agrees with the large on "
+        f"{result['always_small_agreement']:.0%} (easy {share(rows, 'easy'):.0%}, hard {share(rows, 'hard'):.0%})"
+    )
+    print(
+        f"{'threshold':>9s} {'small':>6s} {'easy':>5s} {'hard':>5s} {'agree':>6s} {'cost/1M tok':>12s} {'vs large':>9s}"
+    )
     for c in curve:
-        print(f"{c['threshold']:9.2f} {c['small_share']:6.0%} {c['easy_small']:5.0%} {c['hard_small']:5.0%} "
-              f"{c['agreement']:6.0%} {c['cost_per_1m']:10.0f} s {c['cost_vs_large']:8.2f}x")  # fmt: skip
+        print(
+            f"{c['threshold']:9.2f} {c['small_share']:6.0%} {c['easy_small']:5.0%} {c['hard_small']:5.0%} "
+            f"{c['agreement']:6.0%} {c['cost_per_1m']:10.0f} s {c['cost_vs_large']:8.2f}x"
+        )
     if args.live is not None:
         small.close()
         large.close()
@@ -160,9 +189,22 @@ def live(rows: list[dict], threshold: float, max_tokens: int) -> dict:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "tokenmill", "serve", "--port", str(port), "--model", "small=default",
-           "--model", "large=default,quantization=none,dtype=float32", "--router", "auto=small,large",
-           "--router-threshold", str(threshold)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "tokenmill",
+        "serve",
+        "--port",
+        str(port),
+        "--model",
+        "small=default",
+        "--model",
+        "large=default,quantization=none,dtype=float32",
+        "--router",
+        "auto=small,large",
+        "--router-threshold",
+        str(threshold),
+    ]
     server = subprocess.Popen(cmd, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     routed, agree, differ = [], 0, []
@@ -174,27 +216,44 @@ def live(rows: list[dict], threshold: float, max_tokens: int) -> dict:
             except httpx.HTTPError:
                 time.sleep(0.5)
         for r in rows:
-            body = {"model": "auto", "messages": [{"role": "user", "content": r["question"]}], "temperature": 0,
-                    "max_tokens": max_tokens}  # fmt: skip
+            body = {
+                "model": "auto",
+                "messages": [{"role": "user", "content": r["question"]}],
+                "temperature": 0,
+                "max_tokens": max_tokens,
+            }
             reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
             model = reply.headers["x-tokenmill-route"]
             routed.append(model)
             agree += normalised(reply.json()["choices"][0]["message"]["content"]) == normalised(r["large"]["text"])
             predicted = "small" if r["small"]["confidence"] >= threshold else "large"
             if model != predicted:
-                differ.append({"question": r["question"], "predicted": predicted, "routed": model,
-                               "offline_confidence": r["small"]["confidence"],
-                               "live_confidence": float(reply.headers["x-tokenmill-route-confidence"])})  # fmt: skip
+                differ.append(
+                    {
+                        "question": r["question"],
+                        "predicted": predicted,
+                        "routed": model,
+                        "offline_confidence": r["small"]["confidence"],
+                        "live_confidence": float(reply.headers["x-tokenmill-route-confidence"]),
+                    }
+                )
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(60)
     offline = cascade(rows, threshold)
-    out = {"threshold": threshold, "small_share": routed.count("small") / len(rows), "agreement": agree / len(rows),
-           "predicted_small_share": offline["small_share"], "predicted_agreement": offline["agreement"],
-           "decisions_differing": differ}  # fmt: skip
-    print(f"live server at threshold {threshold}: routed small {out['small_share']:.0%} (offline: "
-          f"{offline['small_share']:.0%}), agreement {out['agreement']:.0%} (offline: {offline['agreement']:.0%}); "
-          f"{len(differ)} of {len(rows)} decisions differ from the offline ones")  # fmt: skip
+    out = {
+        "threshold": threshold,
+        "small_share": routed.count("small") / len(rows),
+        "agreement": agree / len(rows),
+        "predicted_small_share": offline["small_share"],
+        "predicted_agreement": offline["agreement"],
+        "decisions_differing": differ,
+    }
+    print(
+        f"live server at threshold {threshold}: routed small {out['small_share']:.0%} (offline: "
+        f"{offline['small_share']:.0%}), agreement {out['agreement']:.0%} (offline: {offline['agreement']:.0%}); "
+        f"{len(differ)} of {len(rows)} decisions differ from the offline ones"
+    )
     return out
 
 
@@ -206,7 +265,10 @@ def share(rows: list[dict], kind: str) -> float:
 def cascade(rows: list[dict], threshold: float) -> dict:
     kept = [r["small"]["confidence"] >= threshold for r in rows]
     seconds = sum(r["small"]["seconds"] + (0 if k else r["large"]["seconds"]) for r, k in zip(rows, kept, strict=True))
-    delivered = sum((r["small"] if k else r["large"])["tokens"] + r["large"]["prompt_tokens"] for r, k in zip(rows, kept, strict=True))
+    delivered = sum(
+        (r["small"] if k else r["large"])["tokens"] + r["large"]["prompt_tokens"]
+        for r, k in zip(rows, kept, strict=True)
+    )
     large_tokens = sum(r["large"]["tokens"] + r["large"]["prompt_tokens"] for r in rows)
     large_cost = sum(r["large"]["seconds"] for r in rows) / large_tokens * 1e6
     cost = seconds / delivered * 1e6
@@ -215,10 +277,15 @@ def cascade(rows: list[dict], threshold: float) -> dict:
         mine = [k for r, k in zip(rows, kept, strict=True) if r["kind"] == kind]
         return sum(mine) / len(mine)
 
-    return {"threshold": threshold, "small_share": sum(kept) / len(rows), "easy_small": small_share("easy"),
-            "hard_small": small_share("hard"),
-            "agreement": sum(r["agree"] or not k for r, k in zip(rows, kept, strict=True)) / len(rows),
-            "cost_per_1m": cost, "cost_vs_large": cost / large_cost}  # fmt: skip
+    return {
+        "threshold": threshold,
+        "small_share": sum(kept) / len(rows),
+        "easy_small": small_share("easy"),
+        "hard_small": small_share("hard"),
+        "agreement": sum(r["agree"] or not k for r, k in zip(rows, kept, strict=True)) / len(rows),
+        "cost_per_1m": cost,
+        "cost_vs_large": cost / large_cost,
+    }
 
 
 def plot(result: dict, path: Path) -> None:
@@ -232,8 +299,13 @@ def plot(result: dict, path: Path) -> None:
     ax = axes[0]
     ax.plot([c["cost_vs_large"] for c in curve], [c["agreement"] for c in curve], "o-")
     for c in curve[::2]:
-        ax.annotate(f"{c['threshold']:.1f}", (c["cost_vs_large"], c["agreement"]), fontsize=7, xytext=(3, -9),
-                    textcoords="offset points")  # fmt: skip
+        ax.annotate(
+            f"{c['threshold']:.1f}",
+            (c["cost_vs_large"], c["agreement"]),
+            fontsize=7,
+            xytext=(3, -9),
+            textcoords="offset points",
+        )
     ax.axvline(1.0, color="grey", ls=":", label="always large (agreement 1.0)")
     ax.set_xlabel("cost per 1M tokens, relative to always-large")
     ax.set_ylabel("agreement with the large model")

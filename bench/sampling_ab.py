@@ -15,8 +15,10 @@ from tokenmill import LLM, SamplingParams
 llm = LLM(progress=False, kv_cache_memory="256MiB")
 prompts = ["Write a story about a robot who learns to paint."] * 16
 llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0))
-kinds = {"top_p": dict(temperature=0.8, top_p=0.9),
-         "penalties": dict(temperature=0.8, top_p=0.9, repetition_penalty=1.1, frequency_penalty=0.3)}  # fmt: skip
+kinds = {
+    "top_p": dict(temperature=0.8, top_p=0.9),
+    "penalties": dict(temperature=0.8, top_p=0.9, repetition_penalty=1.1, frequency_penalty=0.3),
+}
 res = {}
 for kind, kw in kinds.items():
     for n in (1, 16):

@@ -36,19 +36,37 @@ def main() -> int:
     llm = LLM(model=args.model, progress=False)
     texts = sorted({q for kind in ("same", "different") for pair in pairs[kind] for q in pair})
     thresholds = [round(0.80 + 0.0025 * i, 4) for i in range(76)] + [round(0.99 + 0.0005 * i, 4) for i in range(21)]
-    result: dict = {"cpu": cpu_info().describe(), "model": llm.model_path.name, "dtype": str(llm.dtype), "pairs":
-                    {k: len(v) for k, v in pairs.items()}, "pooling": {}}  # fmt: skip
+    result: dict = {
+        "cpu": cpu_info().describe(),
+        "model": llm.model_path.name,
+        "dtype": str(llm.dtype),
+        "pairs": {k: len(v) for k, v in pairs.items()},
+        "pooling": {},
+    }
     for pooling in ("mean", "last"):
         vectors = dict(zip(texts, llm.embed(texts, pooling=pooling), strict=True))
         sims = {kind: [cosine(vectors[a], vectors[b]) for a, b in pairs[kind]] for kind in ("same", "different")}
-        curve = [{"threshold": t, "true_hit": sum(s >= t for s in sims["same"]) / len(sims["same"]),
-                  "false_hit": sum(s >= t for s in sims["different"]) / len(sims["different"])} for t in thresholds]  # fmt: skip
+        curve = [
+            {
+                "threshold": t,
+                "true_hit": sum(s >= t for s in sims["same"]) / len(sims["same"]),
+                "false_hit": sum(s >= t for s in sims["different"]) / len(sims["different"]),
+            }
+            for t in thresholds
+        ]
         safe = next((c for c in curve if c["false_hit"] == 0), curve[-1])
-        result["pooling"][pooling] = {"similarities": sims, "curve": curve, "lowest_threshold_without_false_hits": safe,
-                                      "max_different": max(sims["different"]), "min_same": min(sims["same"])}  # fmt: skip
-        print(f"{pooling:5s} pooling: same pairs cos {min(sims['same']):.4f}..{max(sims['same']):.4f}, look-alikes "
-              f"{min(sims['different']):.4f}..{max(sims['different']):.4f}; no false hit from t={safe['threshold']} "
-              f"(true hits there: {safe['true_hit']:.0%})")  # fmt: skip
+        result["pooling"][pooling] = {
+            "similarities": sims,
+            "curve": curve,
+            "lowest_threshold_without_false_hits": safe,
+            "max_different": max(sims["different"]),
+            "min_same": min(sims["same"]),
+        }
+        print(
+            f"{pooling:5s} pooling: same pairs cos {min(sims['same']):.4f}..{max(sims['same']):.4f}, look-alikes "
+            f"{min(sims['different']):.4f}..{max(sims['different']):.4f}; no false hit from t={safe['threshold']} "
+            f"(true hits there: {safe['true_hit']:.0%})"
+        )
         for t in (0.9, 0.95, 0.97, 0.98, 0.99, 0.9995):
             c = next(c for c in curve if abs(c["threshold"] - t) < 1e-9)
             print(f"   t={t:g}: true hits {c['true_hit']:.0%}, false hits {c['false_hit']:.0%}")
@@ -79,9 +97,16 @@ def variants(llm: LLM, pairs: dict, texts: list[str]) -> dict[str, float]:
         return sum(s > d for s in same for d in diff) / (len(same) * len(diff))
 
     eol = 'This sentence : "{}" means in one word:"'
-    inputs = {"last": (texts, "last"), "mean": (texts, "mean"), "lower-cased, last": ([t.lower() for t in texts], "last"),
-              "PromptEOL template, last": ([eol.format(t) for t in texts], "last"),
-              "chat template, last": ([llm.tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts], "last")}  # fmt: skip
+    inputs = {
+        "last": (texts, "last"),
+        "mean": (texts, "mean"),
+        "lower-cased, last": ([t.lower() for t in texts], "last"),
+        "PromptEOL template, last": ([eol.format(t) for t in texts], "last"),
+        "chat template, last": (
+            [llm.tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts],
+            "last",
+        ),
+    }
     out = {}
     for name, (inp, pooling) in inputs.items():
         vectors = llm.embed(inp, pooling=pooling)

@@ -59,8 +59,9 @@ outs = llm.generate([r["prompt"] for r in reqs], ps)
 dt = time.perf_counter() - t0
 print(json.dumps({{"duration_s": dt, "output_tokens": sum(len(o.token_ids) for o in outs)}}))
 """
-    p = subprocess.run([sys.executable, "-c", code], input=json.dumps(reqs), capture_output=True, text=True, cwd=ROOT,
-                       check=True)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-c", code], input=json.dumps(reqs), capture_output=True, text=True, cwd=ROOT, check=True
+    )
     r = json.loads(p.stdout.strip().splitlines()[-1])
     r["output_token_throughput"] = r["output_tokens"] / r["duration_s"]
     return r
@@ -80,17 +81,53 @@ def wait_up(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
 
 
 def served(dataset: Path, n: int, concurrency: int, port: int, extra: list[str], outdir: Path) -> dict:
-    log = open(outdir / f"serve_c{concurrency}.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([sys.executable, "-m", "tokenmill", "serve", "--port", str(port), "--served-model-name",
-                             "smollm2", "--max-num-seqs", str(concurrency), *extra],
-                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    log = open(outdir / f"serve_c{concurrency}.log", "w")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tokenmill",
+            "serve",
+            "--port",
+            str(port),
+            "--served-model-name",
+            "smollm2",
+            "--max-num-seqs",
+            str(concurrency),
+            *extra,
+        ],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         base = f"http://127.0.0.1:{port}"
         wait_up(base, proc)
         label = f"serve_vs_offline_c{concurrency}"
-        subprocess.run([sys.executable, "-m", "tokenmill", "bench", "serve", "--base-url", base, "--dataset-path",
-                        str(dataset), "--num-prompts", str(n), "--max-concurrency", str(concurrency), "--label", label,
-                        "--output-dir", str(outdir)], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tokenmill",
+                "bench",
+                "serve",
+                "--base-url",
+                base,
+                "--dataset-path",
+                str(dataset),
+                "--num-prompts",
+                str(n),
+                "--max-concurrency",
+                str(concurrency),
+                "--label",
+                label,
+                "--output-dir",
+                str(outdir),
+            ],
+            cwd=ROOT,
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         run = json.loads((outdir / f"{label}.json").read_text())["runs"][0]
     finally:
         proc.terminate()
@@ -126,14 +163,25 @@ def main() -> int:
             row = {"concurrency": c, "round": r, "offline_tok_s": offline(reqs, c)["output_token_throughput"]}
             for mode in modes:
                 srv = served(dataset, args.num_prompts, c, args.port, ["--engine-core", mode], tmp)
-                row[mode] = {"tok_s": srv["output_token_throughput"], "failed": srv["failed"],
-                             "ttft_p50_s": srv["ttft_s"]["p50"], "ttft_p99_s": srv["ttft_s"]["p99"],
-                             "itl_p50_s": srv["itl_s"]["p50"], "itl_p99_s": srv["itl_s"]["p99"],
-                             "over_offline": srv["output_token_throughput"] / row["offline_tok_s"]}  # fmt: skip
+                row[mode] = {
+                    "tok_s": srv["output_token_throughput"],
+                    "failed": srv["failed"],
+                    "ttft_p50_s": srv["ttft_s"]["p50"],
+                    "ttft_p99_s": srv["ttft_s"]["p99"],
+                    "itl_p50_s": srv["itl_s"]["p50"],
+                    "itl_p99_s": srv["itl_s"]["p99"],
+                    "over_offline": srv["output_token_throughput"] / row["offline_tok_s"],
+                }
             rounds.append(row)
             print(json.dumps(row), flush=True)
-    result = {"label": args.label, "cpu": cpu_name(), "cores": os.cpu_count(), "num_prompts": args.num_prompts,
-              "rounds": rounds, "command": " ".join(sys.argv)}  # fmt: skip
+    result = {
+        "label": args.label,
+        "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+        "num_prompts": args.num_prompts,
+        "rounds": rounds,
+        "command": " ".join(sys.argv),
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
@@ -143,12 +191,15 @@ def main() -> int:
     for c in dict.fromkeys(r["concurrency"] for r in rounds):
         rs = [r for r in rounds if r["concurrency"] == c]
         for mode in modes:
+
             def m(key: str, rs=rs, mode=mode) -> float:
                 return median([r[mode][key] for r in rs])
 
-            print(f"| {c} | {mode} | {median([r['offline_tok_s'] for r in rs]):.1f} | {m('tok_s'):.1f} | "
-                  f"{m('over_offline'):.2f} | {m('ttft_p50_s'):.2f} / {m('ttft_p99_s'):.2f} | "
-                  f"{m('itl_p50_s') * 1000:.0f} / {m('itl_p99_s') * 1000:.0f} |")
+            print(
+                f"| {c} | {mode} | {median([r['offline_tok_s'] for r in rs]):.1f} | {m('tok_s'):.1f} | "
+                f"{m('over_offline'):.2f} | {m('ttft_p50_s'):.2f} / {m('ttft_p99_s'):.2f} | "
+                f"{m('itl_p50_s') * 1000:.0f} / {m('itl_p99_s') * 1000:.0f} |"
+            )
     return 0
 
 

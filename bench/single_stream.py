@@ -100,8 +100,10 @@ def main() -> None:
         for r in range(args.repeats):  # interleaved, so that machine noise hits both
             ours.append(bench_tokenmill(llm, ids, args.decode_tokens))
             theirs.append(bench_transformers(hf, ids, args.decode_tokens))
-            log(f"[{dtype_name}] repeat {r + 1}/{args.repeats}: tokenmill prefill {ours[-1][0]:.0f} tok/s, "
-                f"decode {ours[-1][1]:.1f} tok/s | transformers prefill {theirs[-1][0]:.0f}, decode {theirs[-1][1]:.1f}")
+            log(
+                f"[{dtype_name}] repeat {r + 1}/{args.repeats}: tokenmill prefill {ours[-1][0]:.0f} tok/s, "
+                f"decode {ours[-1][1]:.1f} tok/s | transformers prefill {theirs[-1][0]:.0f}, decode {theirs[-1][1]:.1f}"
+            )
         wbytes = weight_bytes_per_token(llm)
         row = {
             "tokenmill_prefill_tps": statistics.median(o[0] for o in ours),

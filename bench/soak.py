@@ -155,13 +155,26 @@ def gauges(url: str) -> dict[str, float]:
     return out
 
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
-          "required": ["name", "age"], "additionalProperties": False}  # fmt: skip
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 PHONE = r"\d{3}-\d{4}"
 CHOICES = ["red", "green", "blue"]
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
-    "additionalProperties": False}}}  # fmt: skip
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
 def valid(kind: str, text: str, calls: list | None) -> bool:
@@ -177,8 +190,10 @@ def valid(kind: str, text: str, calls: list | None) -> bool:
         if kind == "choice":
             return text in CHOICES
         if kind == "tool":
-            return bool(calls) and all(c["function"]["name"] == "get_weather"
-                                       and set(json.loads(c["function"]["arguments"])) == {"city"} for c in calls)  # fmt: skip
+            return bool(calls) and all(
+                c["function"]["name"] == "get_weather" and set(json.loads(c["function"]["arguments"])) == {"city"}
+                for c in calls
+            )
     except (ValueError, KeyError, TypeError):
         return False
     return False
@@ -210,8 +225,9 @@ def write_adapter(path: Path, cfg, rank: int, seed: int) -> Path:
 
 
 class Soak:
-    def __init__(self, url: str, duration: float, seed: int, grammars: bool = False,
-                 adapter_paths: list[str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, url: str, duration: float, seed: int, grammars: bool = False, adapter_paths: list[str] | None = None
+    ) -> None:
         self.url, self.duration, self.rng = url, duration, random.Random(seed)
         self.grammars = grammars  # add constrained, adapter and big-schema requests to the mix
         self.adapter_paths = adapter_paths or []
@@ -223,8 +239,13 @@ class Soak:
     def body(self) -> tuple[str, dict]:
         r = self.rng
         n = r.choice([1, 1, 1, 2, 3, 4])
-        common = {"max_tokens": r.randint(4, 48), "n": n, "temperature": r.choice([0, 0.8]), "seed": r.randint(0, 99),
-                  "stream": r.random() < 0.6}  # fmt: skip
+        common = {
+            "max_tokens": r.randint(4, 48),
+            "n": n,
+            "temperature": r.choice([0, 0.8]),
+            "seed": r.randint(0, 99),
+            "stream": r.random() < 0.6,
+        }
         if r.random() < 0.5:
             return "/v1/completions", {"prompt": f"Story {r.randint(0, 10**6)}: once upon a time", **common}
         return "/v1/chat/completions", {
@@ -241,8 +262,12 @@ class Soak:
             "seed": r.randint(0, 99),
             "stream": r.random() < 0.5,
         }
-        ask = {"json": "Describe a person as JSON.", "regex": "Give a phone number.", "choice": "Pick a colour.",
-               "tool": "What is the weather in Paris?"}[kind]  # fmt: skip
+        ask = {
+            "json": "Describe a person as JSON.",
+            "regex": "Give a phone number.",
+            "choice": "Pick a colour.",
+            "tool": "What is the weather in Paris?",
+        }[kind]
         body = {"messages": [{"role": "user", "content": f"{ask} ({r.randint(0, 10**6)})"}], **common}
         if kind == "json":
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
@@ -262,8 +287,9 @@ class Soak:
                 await self.one_extra(client, row)
             elif r.random() < 0.06:
                 row["kind"] = "bad"
-                resp = await client.post("/v1/completions", content=r.choice(BAD_BODIES),
-                                         headers={"content-type": "application/json"})  # fmt: skip
+                resp = await client.post(
+                    "/v1/completions", content=r.choice(BAD_BODIES), headers={"content-type": "application/json"}
+                )
                 row["status"] = resp.status_code
                 row["shape_ok"] = resp.status_code >= 400 and set(resp.json().get("error", {})) >= {"message", "type"}
             elif r.random() < 0.1:  # hang up after a moment, streamed or not
@@ -283,7 +309,7 @@ class Soak:
                     resp = await client.post(path, json=body)
                     row["status"] = resp.status_code
                     row["complete"] = resp.status_code == 200 and len(resp.json()["choices"]) == body["n"]
-        except Exception as e:  # noqa: BLE001 - a failed request is a result
+        except Exception as e:
             row["status"], row["error"] = -1, f"{type(e).__name__}: {e}"
         row["latency"] = time.perf_counter() - start
         self.done.append(row)
@@ -312,8 +338,11 @@ class Soak:
             row["kind"] = "big_schema"
             tag = r.randint(0, 10**9)
             props = {f"f{tag}_{i}": {"type": "integer"} for i in range(1500)}
-            body = {"messages": [{"role": "user", "content": "JSON please"}], "max_tokens": 8,
-                    "guided_json": {"type": "object", "properties": props, "required": list(props)}}  # fmt: skip
+            body = {
+                "messages": [{"role": "user", "content": "JSON please"}],
+                "max_tokens": 8,
+                "guided_json": {"type": "object", "properties": props, "required": list(props)},
+            }
             resp = await client.post("/v1/chat/completions", json=body)
             row["status"] = resp.status_code
             row["complete"] = resp.status_code == 200 or (resp.status_code == 400 and "compile" in resp.text)
@@ -371,8 +400,9 @@ class Soak:
         while time.perf_counter() - self.t0 < self.duration:
             await asyncio.sleep(4)
             name, k = f"rt{k}", k + 1
-            resp = await client.post("/v1/load_lora_adapter", json={"lora_name": name,
-                                                                     "lora_path": self.rng.choice(self.adapter_paths)})  # fmt: skip
+            resp = await client.post(
+                "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": self.rng.choice(self.adapter_paths)}
+            )
             self.churn.append({"t": time.perf_counter() - self.t0, "op": "load", "status": resp.status_code})
             if resp.status_code == 200:
                 self.runtime_adapters.append(name)
@@ -386,8 +416,9 @@ class Soak:
             await self.one(client)
 
 
-async def run(url: str, args: argparse.Namespace, pid: int, grammars: bool = False,
-              adapter_paths: list[str] | None = None) -> dict:  # fmt: skip
+async def run(
+    url: str, args: argparse.Namespace, pid: int, grammars: bool = False, adapter_paths: list[str] | None = None
+) -> dict:
     soak = Soak(url, args.duration, args.seed, grammars, adapter_paths)
     samples: list[dict] = []
 
@@ -481,7 +512,7 @@ def summarise(res: dict, duration: float) -> dict:
             f"{k}_first_last": (res["samples"][0].get(k), res["samples"][-1].get(k))
             for k in ("api_anon_mib", "api_file_mib", "core_anon_mib", "core_file_mib")
             if res["samples"]
-        },  # fmt: skip
+        },
         "latency_per_minute": per_minute,
     }
 
@@ -519,8 +550,12 @@ def plot(res: dict, summary: dict, path: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--duration", type=float, default=600,
-                   help="seconds (of each phase, with --mix grammars; of the abuse phase, with --mix abuse)")  # fmt: skip
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=600,
+        help="seconds (of each phase, with --mix grammars; of the abuse phase, with --mix abuse)",
+    )
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mix", choices=("plain", "grammars", "abuse"), default="plain")
@@ -531,8 +566,12 @@ def main() -> None:
     p.add_argument(
         "--baseline-duration", type=float, default=300, help="--mix abuse: seconds of well-behaved traffic alone"
     )
-    p.add_argument("--abuses", default="all", help="--mix abuse: which, comma separated (default all: emb_10k, "
-                                                   "emb_drop, prompts_2k, deep_schema, flood, special_tokens, kill)")  # fmt: skip
+    p.add_argument(
+        "--abuses",
+        default="all",
+        help="--mix abuse: which, comma separated (default all: emb_10k, "
+        "emb_drop, prompts_2k, deep_schema, flood, special_tokens, kill)",
+    )
     args = p.parse_args()
     if args.mix == "abuse":
         sys.path.insert(0, str(HERE))
@@ -543,8 +582,20 @@ def main() -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     kv = args.kv_cache_memory or ("32MiB" if grammars else "512MiB")
-    cmd = [sys.executable, "-m", "tokenmill", "serve", "--port", str(port), "--kv-cache-memory", kv,
-           "--max-queue", "256", "--served-model-name", "soak"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "tokenmill",
+        "serve",
+        "--port",
+        str(port),
+        "--kv-cache-memory",
+        kv,
+        "--max-queue",
+        "256",
+        "--served-model-name",
+        "soak",
+    ]
     adapter_paths: list[str] = []
     if grammars:
         import tempfile
@@ -554,11 +605,20 @@ def main() -> None:
         _, cfg = read_config(None)
         tmp = Path(tempfile.mkdtemp(prefix="tokenmill-soak-"))
         adapter_paths = [str(write_adapter(tmp / f"a{i}", cfg, rank=8, seed=i)) for i in range(4)]
-        cmd += ["--enable-lora", "--allow-runtime-lora-updating", "--max-loras", "2", "--max-lora-rank", "8",
-                "--lora-modules", f"ad0={adapter_paths[0]}", f"ad1={adapter_paths[1]}"]  # fmt: skip
+        cmd += [
+            "--enable-lora",
+            "--allow-runtime-lora-updating",
+            "--max-loras",
+            "2",
+            "--max-lora-rank",
+            "8",
+            "--lora-modules",
+            f"ad0={adapter_paths[0]}",
+            f"ad1={adapter_paths[1]}",
+        ]
     RESULTS.mkdir(exist_ok=True)
     name = args.name or ("soak_grammars" if grammars else "soak")
-    server_log = open(RESULTS / f"{name}_server.log", "w")  # noqa: SIM115 - closed below; a pipe could fill and stall it
+    server_log = open(RESULTS / f"{name}_server.log", "w")
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=server_log, text=True)
     phases: dict[str, dict] = {}
     try:
@@ -571,15 +631,25 @@ def main() -> None:
             phases["mixed"] = asyncio.run(run(url, args, server.pid, grammars=True, adapter_paths=adapter_paths))
         else:
             phases["plain"] = asyncio.run(run(url, args, server.pid))
-        preemptions = next((float(ln.rsplit(" ", 1)[1]) for ln in httpx.get(url + "/metrics").text.splitlines()
-                            if ln.startswith("tokenmill:num_preemptions_total")), None)  # fmt: skip
+        preemptions = next(
+            (
+                float(ln.rsplit(" ", 1)[1])
+                for ln in httpx.get(url + "/metrics").text.splitlines()
+                if ln.startswith("tokenmill:num_preemptions_total")
+            ),
+            None,
+        )
     finally:
         server.terminate()
         code = server.wait(60)
         server_log.close()
     summaries = {k: summarise(v, args.duration) for k, v in phases.items()}
-    result: dict = {"command": " ".join(sys.argv), "server_command": " ".join(cmd[1:]), "server_exit_code": code,
-                    "preemptions_total": preemptions}  # fmt: skip
+    result: dict = {
+        "command": " ".join(sys.argv),
+        "server_command": " ".join(cmd[1:]),
+        "server_exit_code": code,
+        "preemptions_total": preemptions,
+    }
     sys.path.insert(0, str(HERE))
     from step_overhead import cpu_info
 

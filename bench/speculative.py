@@ -71,10 +71,13 @@ def batch_throughput(llm: LLM, convs: list[list[dict]], batch: int, max_tokens: 
 
 def stats_dict(s: SpecDecodeStats) -> dict:
     return {
-        "drafts": s.num_drafts, "proposed": s.num_draft_tokens, "accepted": s.num_accepted_tokens,
-        "acceptance_rate": round(s.acceptance_rate, 3), "mean_accepted_length": round(s.mean_accepted_length, 2),
+        "drafts": s.num_drafts,
+        "proposed": s.num_draft_tokens,
+        "accepted": s.num_accepted_tokens,
+        "acceptance_rate": round(s.acceptance_rate, 3),
+        "mean_accepted_length": round(s.mean_accepted_length, 2),
         "accepted_per_position": s.accepted_per_position,
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
@@ -117,8 +120,11 @@ def main() -> None:
                     assert ids == ref, f"{c} changed the greedy output of {name}[{i}]"
                     tokens[c] += n
                     seconds[c] += dt
-                log(f"{name} repeat {rep + 1}/{args.repeats} prompt {i + 1}/{len(convs)}: "
-                    + ", ".join(f"{c} {tokens[c] / seconds[c]:.1f}" for c in configs) + " tok/s")  # fmt: skip
+                log(
+                    f"{name} repeat {rep + 1}/{args.repeats} prompt {i + 1}/{len(convs)}: "
+                    + ", ".join(f"{c} {tokens[c] / seconds[c]:.1f}" for c in configs)
+                    + " tok/s"
+                )
         rate_off = tokens["off"] / seconds["off"]
         results["batch1"][name] = {
             c: {
@@ -146,9 +152,11 @@ def main() -> None:
             log(f"batch {b} repeat {rep + 1}: " + ", ".join(f"{c} {row[c][-1]:.1f}" for c in batched) + " tok/s")
         best = {c: max(row[c]) for c in batched}
         results["batched"][str(b)] = {
-            "off_tok_s": round(best["off"], 1), "ngram_tok_s": round(best["ngram"], 1),
-            "ratio": round(best["ngram"] / best["off"], 2), "ngram_stats": row["ngram_stats"],
-        }  # fmt: skip
+            "off_tok_s": round(best["off"], 1),
+            "ngram_tok_s": round(best["ngram"], 1),
+            "ratio": round(best["ngram"] / best["off"], 2),
+            "ngram_stats": row["ngram_stats"],
+        }
 
     RESULTS.mkdir(exist_ok=True)
     if args.only_batched and (RESULTS / "speculative.json").exists():  # add these sizes to the full run's
@@ -178,8 +186,13 @@ def plot(results: dict) -> None:
         vals = [results["batch1"][n][c]["decode_tok_s"] for n in names]
         bars = ax1.bar([i + j * width for i in range(len(names))], vals, width, label=c)
         for bar, n in zip(bars, names, strict=True):
-            ax1.annotate(f"{results['batch1'][n][c]['speedup']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                         ha="center", va="bottom", fontsize=7)  # fmt: skip
+            ax1.annotate(
+                f"{results['batch1'][n][c]['speedup']:.2f}x",
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
     ax1.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names)
     ax1.set_ylabel("decode tokens/s (batch 1)")
     ax1.set_title("Batch-1 decode, greedy")

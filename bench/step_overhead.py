@@ -97,10 +97,19 @@ def write_tiny_model(folder: Path, tokenizer) -> None:
 
     vocab, hidden, inter, layers = tokenizer.vocab_size, 64, 128, 2
     cfg = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab, "hidden_size": hidden,
-        "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
-    }  # fmt: skip
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+    }
     g = torch.Generator().manual_seed(0)
     w = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g), "model.norm.weight": torch.ones(hidden)}
     for i in range(layers):
@@ -142,8 +151,10 @@ def long_stream(tokenizer, num_tokens: int) -> dict:
         "host_us_per_token_first": 1e6 * statistics.median(per_token[1 : 1 + window]),
         "host_us_per_token_last": 1e6 * statistics.median(per_token[-window:]),
     }
-    log(f"  stream of {row['num_tokens']} tokens: host {row['host_total_s']:.2f} s in all, "
-        f"{row['host_us_per_token_first']:.0f} us/token at the start, {row['host_us_per_token_last']:.0f} at the end")  # fmt: skip
+    log(
+        f"  stream of {row['num_tokens']} tokens: host {row['host_total_s']:.2f} s in all, "
+        f"{row['host_us_per_token_first']:.0f} us/token at the start, {row['host_us_per_token_last']:.0f} at the end"
+    )
     return row
 
 
@@ -190,8 +201,10 @@ def plot(runs: list[dict], path: Path) -> None:
         xs = [s["num_seqs"] for s in r["steps"]]
         a.plot(xs, [s["host_ms"] for s in r["steps"]], marker="o", label=r["label"])
         st = r["stream"]
-        b.bar([f"{r['label']}\nstart", f"{r['label']}\nend"],
-              [st["host_us_per_token_first"], st["host_us_per_token_last"]])  # fmt: skip
+        b.bar(
+            [f"{r['label']}\nstart", f"{r['label']}\nend"],
+            [st["host_us_per_token_first"], st["host_us_per_token_last"]],
+        )
     a.set_xlabel("running sequences")
     a.set_ylabel("host time per step (ms), forward excluded")
     a.set_title("Engine step overhead (SmolLM2-135M, fp32)")
@@ -218,8 +231,19 @@ def main() -> None:
     runs = []
     if args.compare_with:
         log(f"measuring {args.compare_with} (before) ...")
-        cmd = [sys.executable, __file__, "--json-only", "--label", "before", "--steps", str(args.steps),
-               "--stream-tokens", str(args.stream_tokens), "--seqs", *map(str, args.seqs)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            __file__,
+            "--json-only",
+            "--label",
+            "before",
+            "--steps",
+            str(args.steps),
+            "--stream-tokens",
+            str(args.stream_tokens),
+            "--seqs",
+            *map(str, args.seqs),
+        ]
         env = {**os.environ, "PYTHONPATH": str(Path(args.compare_with).resolve())}
         out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, cwd=args.compare_with)
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))

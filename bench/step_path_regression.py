@@ -69,8 +69,15 @@ def run_spec() -> dict:
 
     from tokenmill import LLM, SamplingParams
 
-    llm = LLM(dtype="float32", kv_cache_memory="160MiB", max_num_seqs=32, progress=False, speculative="self",
-              draft_layers=6, num_speculative_tokens=8)  # fmt: skip
+    llm = LLM(
+        dtype="float32",
+        kv_cache_memory="160MiB",
+        max_num_seqs=32,
+        progress=False,
+        speculative="self",
+        draft_layers=6,
+        num_speculative_tokens=8,
+    )
     ids = corpus_ids(llm.tokenizer)
     prompts = [ids[i * 37 % (len(ids) - 48) :][:48] for i in range(32)]
     params = SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)
@@ -114,10 +121,14 @@ def main() -> None:
                 log(f"repeat {rep + 1} {task} {name}: " + ", ".join(f"{k} {v}" for k, v in r.items()))
     summary = {}
     for task, by in runs.items():
-        summary[task] = {c: {"output_tok_s_median": statistics.median(r["output_tok_s"] for r in rs),
-                             **({"preemptions": [r["preemptions"] for r in rs]} if task == "spec" else {}),
-                             "outputs": sorted({r["outputs"] for r in rs})}
-                         for c, rs in by.items()}  # fmt: skip
+        summary[task] = {
+            c: {
+                "output_tok_s_median": statistics.median(r["output_tok_s"] for r in rs),
+                **({"preemptions": [r["preemptions"] for r in rs]} if task == "spec" else {}),
+                "outputs": sorted({r["outputs"] for r in rs}),
+            }
+            for c, rs in by.items()
+        }
         same = summary[task]["before"]["outputs"] == summary[task]["after"]["outputs"]
         summary[task]["greedy_outputs_identical"] = same
         ratio = summary[task]["after"]["output_tok_s_median"] / summary[task]["before"]["output_tok_s_median"]
@@ -127,7 +138,9 @@ def main() -> None:
     from step_overhead import cpu_info
 
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"step_path_regression_{'_'.join(args.tasks)}.json").write_text(json.dumps({"cpu": cpu_info(), "runs": runs, "summary": summary}, indent=1))
+    (RESULTS / f"step_path_regression_{'_'.join(args.tasks)}.json").write_text(
+        json.dumps({"cpu": cpu_info(), "runs": runs, "summary": summary}, indent=1)
+    )
     print(json.dumps(summary, indent=1))
 
 

@@ -50,7 +50,16 @@ EXTRACTION_SCHEMA = {
     "required": ["name", "age", "city", "occupation", "skills"],
     "additionalProperties": False,
 }
-NAMES = ["Maria Lopez", "Kenji Sato", "Amara Okafor", "Lars Nilsson", "Priya Raman", "Tom Becker", "Ines Duarte", "Omar Haddad"]
+NAMES = [
+    "Maria Lopez",
+    "Kenji Sato",
+    "Amara Okafor",
+    "Lars Nilsson",
+    "Priya Raman",
+    "Tom Becker",
+    "Ines Duarte",
+    "Omar Haddad",
+]
 CITIES = ["Lisbon", "Osaka", "Lagos", "Uppsala", "Chennai", "Leipzig", "Porto", "Beirut"]
 JOBS = ["nurse", "carpenter", "data analyst", "teacher", "chef", "pilot", "architect", "pharmacist"]
 SKILLS = ["welding", "Python", "French", "first aid", "accounting", "baking", "sailing", "drawing"]
@@ -103,8 +112,10 @@ class Timers:
 def bio(rng: random.Random) -> str:
     name, city, job = rng.choice(NAMES), rng.choice(CITIES), rng.choice(JOBS)
     skills = ", ".join(rng.sample(SKILLS, 2))
-    return (f"{name} is {rng.randint(21, 70)} years old and works as a {job} in {city}. "
-            f"In their spare time they practise {skills}.")  # fmt: skip
+    return (
+        f"{name} is {rng.randint(21, 70)} years old and works as a {job} in {city}. "
+        f"In their spare time they practise {skills}."
+    )
 
 
 def chat_ids(llm: LLM, text: str) -> list[int]:
@@ -143,10 +154,16 @@ def overhead(llm: LLM, timers: Timers, batch: int, tokens: int, rounds: int) -> 
             timers.reset()
             # free: exactly `tokens` tokens; constrained: the extraction schema (steps with the
             # whole batch still running are compared: same batch, similar context)
-            params = [SamplingParams(temperature=1.0, seed=r * 1000 + i, max_tokens=tokens if not constrained else 160,
-                                     ignore_eos=not constrained,
-                                     structured={"json": EXTRACTION_SCHEMA} if constrained else None)
-                      for i in range(batch)]  # fmt: skip
+            params = [
+                SamplingParams(
+                    temperature=1.0,
+                    seed=r * 1000 + i,
+                    max_tokens=tokens if not constrained else 160,
+                    ignore_eos=not constrained,
+                    structured={"json": EXTRACTION_SCHEMA} if constrained else None,
+                )
+                for i in range(batch)
+            ]
             outs = llm.generate(prompts, params)
             steps = decode_steps(llm, batch)
             if constrained:
@@ -172,16 +189,24 @@ def overhead(llm: LLM, timers: Timers, batch: int, tokens: int, rounds: int) -> 
         "steps": [len(free_steps), len(con_steps)],
         "constrained_tokens_mean": statistics.mean(con_tokens),
     }
-    log(f"  batch {batch}: free {res['free_step_ms']:.1f} ms, constrained {res['constrained_step_ms']:.1f} ms "
+    log(
+        f"  batch {batch}: free {res['free_step_ms']:.1f} ms, constrained {res['constrained_step_ms']:.1f} ms "
         f"({res['overhead_pct']:+.1f}%), fill {res['mask_fill_ms']:.2f} ms, wait {res['mask_wait_ms']:.2f} ms, "
-        f"apply {res['mask_apply_ms']:.2f} ms")  # fmt: skip
+        f"apply {res['mask_apply_ms']:.2f} ms"
+    )
     return res
 
 
 def extraction(llm: LLM, n: int) -> dict:
     rng = random.Random(0)
-    prompts = [chat_ids(llm, "Extract the person in this text as a JSON object with the keys name, age, city, "
-                             f"occupation and skills (a list):\n{bio(rng)}") for _ in range(n)]  # fmt: skip
+    prompts = [
+        chat_ids(
+            llm,
+            "Extract the person in this text as a JSON object with the keys name, age, city, "
+            f"occupation and skills (a list):\n{bio(rng)}",
+        )
+        for _ in range(n)
+    ]
     out: dict = {"requests": n}
     for label, structured in (("free", None), ("constrained", {"json": EXTRACTION_SCHEMA})):
         params = [SamplingParams(temperature=0.7, seed=i, max_tokens=160, structured=structured) for i in range(n)]
@@ -199,8 +224,10 @@ def extraction(llm: LLM, n: int) -> dict:
             "valid_schema": sum(_validates(_strip_fences(t)) for t in texts) / n,
             "example": texts[0],
         }
-        log(f"  extraction {label}: {n / elapsed:.2f} req/s, {tokens / elapsed:.1f} tok/s, "
-            f"valid JSON {out[label]['valid_json']:.0%}, valid schema {out[label]['valid_schema']:.0%}")  # fmt: skip
+        log(
+            f"  extraction {label}: {n / elapsed:.2f} req/s, {tokens / elapsed:.1f} tok/s, "
+            f"valid JSON {out[label]['valid_json']:.0%}, valid schema {out[label]['valid_schema']:.0%}"
+        )
     return out
 
 
@@ -242,8 +269,14 @@ def plot(res: dict, path: Path) -> None:
     a.bar([i - 0.2 for i in x], [r["free_step_ms"] for r in rows], 0.4, label="free")
     a.bar([i + 0.2 for i in x], [r["constrained_step_ms"] for r in rows], 0.4, label="every request constrained")
     for i, r in enumerate(rows):
-        a.text(i + 0.2, r["constrained_step_ms"], f"{r['overhead_pct']:+.1f}%\nmasks {r['mask_fill_pct_of_step']:.1f}%",
-               ha="center", va="bottom", fontsize=8)  # fmt: skip
+        a.text(
+            i + 0.2,
+            r["constrained_step_ms"],
+            f"{r['overhead_pct']:+.1f}%\nmasks {r['mask_fill_pct_of_step']:.1f}%",
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     a.set_xticks(list(x), [f"batch {r['batch']}" for r in rows])
     a.set_ylabel("median decode step (ms)")
     a.set_title("Grammar mask overhead per step")

@@ -55,7 +55,9 @@ def mixed_workload(tokenizer, n: int, seed: int = 0) -> list[tuple[list[int], in
 
 def shared_prefix_workload(tokenizer, n: int = 32) -> list[tuple[list[int], int]]:
     system = corpus_ids(tokenizer)[:1000]
-    questions = [f"Question {i}: summarise paragraph {i % 4 + 1} in one sentence, mentioning item {i}." for i in range(n)]
+    questions = [
+        f"Question {i}: summarise paragraph {i % 4 + 1} in one sentence, mentioning item {i}." for i in range(n)
+    ]
     return [(system + tokenizer.encode(q), 32) for q in questions]
 
 
@@ -192,10 +194,18 @@ def main() -> None:
     log(f"  {res['naive']['output_tokens_per_s']:.1f} tok/s")
 
     if args.vllm:
-        res["vllm_mixed"] = run_vllm(args.vllm, RESULTS / "workload_mixed.jsonl", "--max-num-seqs", str(args.max_num_seqs))
-        res["vllm_prefix_on"] = run_vllm(args.vllm, RESULTS / "workload_shared_prefix.jsonl", "--max-num-seqs", str(args.max_num_seqs))
+        res["vllm_mixed"] = run_vllm(
+            args.vllm, RESULTS / "workload_mixed.jsonl", "--max-num-seqs", str(args.max_num_seqs)
+        )
+        res["vllm_prefix_on"] = run_vllm(
+            args.vllm, RESULTS / "workload_shared_prefix.jsonl", "--max-num-seqs", str(args.max_num_seqs)
+        )
         res["vllm_prefix_off"] = run_vllm(
-            args.vllm, RESULTS / "workload_shared_prefix.jsonl", "--no-prefix-caching", "--max-num-seqs", str(args.max_num_seqs)
+            args.vllm,
+            RESULTS / "workload_shared_prefix.jsonl",
+            "--no-prefix-caching",
+            "--max-num-seqs",
+            str(args.max_num_seqs),
         )
 
     naive = res["naive"]["output_tokens_per_s"]
@@ -220,7 +230,11 @@ def plot(res: dict, path: Path) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     names = ["transformers\nnaive", "tokenmill\nstatic", "tokenmill\ncontinuous"]
-    vals = [res["naive"]["output_tokens_per_s"], res["static"]["output_tokens_per_s"], res["continuous"]["output_tokens_per_s"]]
+    vals = [
+        res["naive"]["output_tokens_per_s"],
+        res["static"]["output_tokens_per_s"],
+        res["continuous"]["output_tokens_per_s"],
+    ]
     if res.get("vllm_mixed"):
         names.append("vLLM\n(CPU)")
         vals.append(res["vllm_mixed"]["output_tokens_per_s"])
@@ -230,7 +244,11 @@ def plot(res: dict, path: Path) -> None:
     a.set_ylabel("output tokens/s")
     a.set_title(f"mixed workload ({res['mixed_workload']['requests']} requests)")
     labels = ["prefix cache off", "prefix cache on"]
-    b.bar(labels, [res["prefix_off"]["output_tokens_per_s"], res["prefix_on"]["output_tokens_per_s"]], color=["grey", "tab:green"])
+    b.bar(
+        labels,
+        [res["prefix_off"]["output_tokens_per_s"], res["prefix_on"]["output_tokens_per_s"]],
+        color=["grey", "tab:green"],
+    )
     b.set_ylabel("output tokens/s")
     b2 = b.twinx()
     b2.plot(labels, [res["prefix_off"]["mean_ttft_s"], res["prefix_on"]["mean_ttft_s"]], "ko-", label="mean TTFT")

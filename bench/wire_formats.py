@@ -21,9 +21,9 @@ import msgpack
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.quant_linear import best_ms  # noqa: E402
-from tokenmill.engine.messages import Out, decode, encode  # noqa: E402
-from tokenmill.engine.stats import EngineSnapshot  # noqa: E402
+from bench.quant_linear import best_ms
+from tokenmill.engine.messages import Out, decode, encode
+from tokenmill.engine.stats import EngineSnapshot
 
 
 def message(rows: int, top: int) -> Out:

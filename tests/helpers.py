@@ -52,8 +52,13 @@ def fused_and_python_decode_logits(llm, texts=None) -> dict[bool, tuple[torch.Te
         for fused in (True, False):
             model._fused_plan = False if fused else None  # None: the Python loop
             one = all_logits(runner, [seq([42], tables[0], num_computed=len(prompts[0]))])
-            three = all_logits(runner, [seq([7 + i], blocks, num_computed=len(ids) + 1)
-                                        for i, (ids, blocks) in enumerate(zip(prompts, tables, strict=True))])  # fmt: skip
+            three = all_logits(
+                runner,
+                [
+                    seq([7 + i], blocks, num_computed=len(ids) + 1)
+                    for i, (ids, blocks) in enumerate(zip(prompts, tables, strict=True))
+                ],
+            )
             results[fused] = (one, three)
         return results
     finally:
@@ -108,7 +113,9 @@ class ToyTokenizer:
         return "".join(chr(65 + i % 26) for i in ids)
 
     def apply_chat_template(self, messages, add_generation_prompt=True):
-        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant: " if add_generation_prompt else "")
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + (
+            "assistant: " if add_generation_prompt else ""
+        )
 
     def encode_chat(self, messages, add_generation_prompt=True, tools=None, allow_special_tokens=False):
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), False)  # (no special tokens)
@@ -228,9 +235,16 @@ class ScriptedRunner:
 def make_tiny_llama(path, **overrides):
     torch.manual_seed(0)
     cfg = dict(
-        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=8,
-        num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
     cfg.update(overrides)
     import transformers
 
@@ -241,15 +255,28 @@ def make_tiny_llama(path, **overrides):
 
 def tiny_model(seed: int, vocab: int = 8, layers: int = 2) -> LlamaForCausalLM:
     cfg = ModelConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=layers, num_heads=4, num_kv_heads=2,
-        head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape, std=0.2):
         return torch.randn(*shape, generator=g) * std
 
-    w = {"embed_tokens.weight": rand(vocab, 32, std=1.0), "norm.weight": torch.ones(32), "lm_head.weight": rand(vocab, 32, std=0.35)}
+    w = {
+        "embed_tokens.weight": rand(vocab, 32, std=1.0),
+        "norm.weight": torch.ones(32),
+        "lm_head.weight": rand(vocab, 32, std=0.35),
+    }
     for i in range(layers):
         p = f"layers.{i}."
         w |= {p + "input_layernorm.weight": torch.ones(32), p + "post_attention_layernorm.weight": torch.ones(32)}
@@ -261,8 +288,15 @@ def tiny_model(seed: int, vocab: int = 8, layers: int = 2) -> LlamaForCausalLM:
 
 # ----------------------------------------------------------------------- LoRA
 
-LORA_TARGET_MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-                       "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
+LORA_TARGET_MODULES = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
 ALL_LORA_TARGETS = tuple(LORA_TARGET_MODULES)
 
 
@@ -280,16 +314,24 @@ def write_adapter(path, hf_model, targets=ALL_LORA_TARGETS, rank=4, alpha=8, see
     from safetensors.torch import save_file
 
     save_file(tensors, str(path / "adapter_model.safetensors"))
-    conf = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "use_rslora": rslora, "target_modules": list(targets),
-            "bias": "none", **config}  # fmt: skip
+    conf = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": alpha,
+        "use_rslora": rslora,
+        "target_modules": list(targets),
+        "bias": "none",
+        **config,
+    }
     (path / "adapter_config.json").write_text(json.dumps(conf))
     return path
 
 
 def make_tiny_chat_model(path, tokenizer, vocab_size: int, chat_template: str | None = None, **overrides):
     """A tiny random Llama with the given tokenizer (and chat template), saved as a HF folder."""
-    model = make_tiny_llama(path, **{"vocab_size": vocab_size, "max_position_embeddings": 1024, "num_hidden_layers": 2,
-                                     **overrides})  # fmt: skip
+    model = make_tiny_llama(
+        path, **{"vocab_size": vocab_size, "max_position_embeddings": 1024, "num_hidden_layers": 2, **overrides}
+    )
     tokenizer.backend.save(str(path / "tokenizer.json"))
     config = {"eos_token": "<|im_end|>", **({"chat_template": chat_template} if chat_template else {})}
     (path / "tokenizer_config.json").write_text(json.dumps(config))
@@ -298,11 +340,21 @@ def make_tiny_chat_model(path, tokenizer, vocab_size: int, chat_template: str | 
 
 # ------------------------------------------------------------------- model families
 
-_GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-               "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-               "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # fmt: skip  (the last two: Phi-3)
+_GGUF_LAYER = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "self_attn.qkv_proj": "attn_qkv",
+    "mlp.gate_up_proj": "ffn_up",
+}  # (the last two: Phi-3)
 
 
 def gguf_tokenizer_metadata(gguf_path) -> dict:
@@ -314,14 +366,20 @@ def gguf_tokenizer_metadata(gguf_path) -> dict:
 
 
 _GGUF_TOKENIZER_WRITERS = {
-    "tokenizer.ggml.model": "add_tokenizer_model", "tokenizer.ggml.pre": "add_tokenizer_pre",
-    "tokenizer.ggml.tokens": "add_token_list", "tokenizer.ggml.merges": "add_token_merges",
-    "tokenizer.ggml.scores": "add_token_scores", "tokenizer.ggml.token_type": "add_token_types",
-    "tokenizer.ggml.bos_token_id": "add_bos_token_id", "tokenizer.ggml.eos_token_id": "add_eos_token_id",
-    "tokenizer.ggml.unknown_token_id": "add_unk_token_id", "tokenizer.ggml.add_bos_token": "add_add_bos_token",
-    "tokenizer.ggml.add_eos_token": "add_add_eos_token", "tokenizer.ggml.add_space_prefix": "add_add_space_prefix",
+    "tokenizer.ggml.model": "add_tokenizer_model",
+    "tokenizer.ggml.pre": "add_tokenizer_pre",
+    "tokenizer.ggml.tokens": "add_token_list",
+    "tokenizer.ggml.merges": "add_token_merges",
+    "tokenizer.ggml.scores": "add_token_scores",
+    "tokenizer.ggml.token_type": "add_token_types",
+    "tokenizer.ggml.bos_token_id": "add_bos_token_id",
+    "tokenizer.ggml.eos_token_id": "add_eos_token_id",
+    "tokenizer.ggml.unknown_token_id": "add_unk_token_id",
+    "tokenizer.ggml.add_bos_token": "add_add_bos_token",
+    "tokenizer.ggml.add_eos_token": "add_add_eos_token",
+    "tokenizer.ggml.add_space_prefix": "add_add_space_prefix",
     "tokenizer.chat_template": "add_chat_template",
-}  # fmt: skip
+}
 
 
 def random_gguf_blocks(type_name: str, n: int, k: int, seed: int = 0):
@@ -333,8 +391,16 @@ def random_gguf_blocks(type_name: str, n: int, k: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
     raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
-    scale_at = {"Q8_0": [0], "Q4_0": [0], "Q5_0": [0], "Q4_1": [0, 2], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2],
-                "Q6_K": [208]}[type_name]  # fmt: skip
+    scale_at = {
+        "Q8_0": [0],
+        "Q4_0": [0],
+        "Q5_0": [0],
+        "Q4_1": [0, 2],
+        "Q5_1": [0, 2],
+        "Q4_K": [0, 2],
+        "Q5_K": [0, 2],
+        "Q6_K": [208],
+    }[type_name]
     small = 0.002 if type_name.endswith("_K") else 0.02  # K-quants multiply by 6/8-bit sub-scales too
     for pos in scale_at:
         d = rng.uniform(-small, small, size=raw.shape[:2]).astype(np.float16)
@@ -381,8 +447,15 @@ def write_gguf(path, hf_model, arch: str, tokenizer: dict, weight_type: str | No
         return t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
 
     gemma = arch.startswith("gemma")
-    layer_names = _GGUF_LAYER | ({"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
-                                  "post_feedforward_layernorm": "post_ffw_norm"} if gemma else {})  # fmt: skip
+    layer_names = _GGUF_LAYER | (
+        {
+            "post_attention_layernorm": "post_attention_norm",
+            "pre_feedforward_layernorm": "ffn_norm",
+            "post_feedforward_layernorm": "post_ffw_norm",
+        }
+        if gemma
+        else {}
+    )
     if gemma:  # what llama.cpp's converter writes for Gemma 2/3
         w.add_sliding_window(cfg.sliding_window)
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
@@ -424,8 +497,11 @@ def write_gguf(path, hf_model, arch: str, tokenizer: dict, weight_type: str | No
         if weight_type is not None and t.ndim == 2:
             qtype = gguf.GGMLQuantizationType[weight_type]
             if weight_type in ("F16", "BF16"):
-                w.add_tensor(out, t.astype(np.float16) if weight_type == "F16" else gguf.quants.quantize(t, qtype),
-                             raw_dtype=None if weight_type == "F16" else qtype)  # fmt: skip
+                w.add_tensor(
+                    out,
+                    t.astype(np.float16) if weight_type == "F16" else gguf.quants.quantize(t, qtype),
+                    raw_dtype=None if weight_type == "F16" else qtype,
+                )
             elif weight_type.endswith("_K"):
                 w.add_tensor(out, random_gguf_blocks(weight_type, *t.shape, seed=len(out)), raw_dtype=qtype)
             else:
@@ -493,9 +569,19 @@ def process_alive(pid: int) -> bool:
 
 
 # A model shape small enough for adapter files written in a test (no weights needed).
-LORA_CFG = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                       head_dim=4, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=64,
-                       tie_word_embeddings=True)  # fmt: skip
+LORA_CFG = ModelConfig(
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=4,
+    rms_norm_eps=1e-6,
+    rope_theta=1e4,
+    max_position_embeddings=64,
+    tie_word_embeddings=True,
+)
 
 
 def tiny_adapter(path, conf=None, a=None, b=None):
@@ -505,8 +591,13 @@ def tiny_adapter(path, conf=None, a=None, b=None):
     path.mkdir(parents=True, exist_ok=True)
     a = torch.randn(2, 16) if a is None else a
     b = torch.randn(16, 2) if b is None else b
-    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": a,
-               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": b}, str(path / "adapter_model.safetensors"))  # fmt: skip
+    save_file(
+        {
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": a,
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": b,
+        },
+        str(path / "adapter_model.safetensors"),
+    )
     conf = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]} if conf is None else conf
     (path / "adapter_config.json").write_text(conf if isinstance(conf, str) else json.dumps(conf))
     return path
@@ -587,8 +678,15 @@ def browser(width: int = 1280, height: int = 860):
         raise RuntimeError("no Chromium: apt-get install chromium chromium-driver (or set TOKENMILL_CHROMIUM)")
     options = webdriver.ChromeOptions()
     options.binary_location = paths[0]
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--disable-extensions", "--no-first-run", f"--window-size={width},{height}"):  # fmt: skip
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        "--disable-extensions",
+        "--no-first-run",
+        f"--window-size={width},{height}",
+    ):
         options.add_argument(arg)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(service=Service(executable_path=paths[1]), options=options)
@@ -603,8 +701,10 @@ def set_viewport(driver, width: int, height: int, mobile: bool = False) -> None:
     """Make the page's viewport exactly width x height CSS pixels (a headless window has a
     500-pixel minimum width, and its toolbar takes some of its height). ``mobile``: as a
     phone would (the page's meta viewport honoured, overlay scrollbars)."""
-    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
-                           {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": mobile})  # fmt: skip
+    driver.execute_cdp_cmd(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": mobile},
+    )
 
 
 def console_errors(driver) -> list[str]:

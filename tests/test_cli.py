@@ -30,8 +30,15 @@ def test_bad_sampling_value_is_a_clear_error():
 
 
 def test_generate_with_prompt_lookup_reports_acceptance():
-    r = run("generate", "a b c d e f a b c d e f a b c d e f a b", "--max-tokens", "12", "--speculative", "ngram",
-            "--ignore-eos")  # fmt: skip
+    r = run(
+        "generate",
+        "a b c d e f a b c d e f a b c d e f a b",
+        "--max-tokens",
+        "12",
+        "--speculative",
+        "ngram",
+        "--ignore-eos",
+    )
     assert r.returncode == 0, r.stderr
     assert "drafts accepted" in r.stderr
 
@@ -49,7 +56,9 @@ def test_every_engine_option_is_a_flag_a_keyword_and_documented():
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     negatives = {"enable_prefix_caching": "no-prefix-caching", "spec_auto_pause": "no-spec-auto-pause"}
     for kw in keywords:
-        assert "--" + (negatives.get(kw) or kw.replace("_", "-")) in help_text, kw  # on by default: the flag turns it off
+        assert "--" + (negatives.get(kw) or kw.replace("_", "-")) in help_text, (
+            kw
+        )  # on by default: the flag turns it off
         assert f"| `{kw}` |" in readme, f"README's option table misses {kw}"
     args = engine_args(max_num_seqs=3, speculative="ngram", spec_disable_batch_size=2, kv_cache_dtype="int8")
     assert args.scheduler.max_num_seqs == 3 and args.cache.kv_cache_dtype == "int8"
@@ -83,8 +92,21 @@ def test_plan_sizes_the_kv_cache_as_the_engine_does():
 def test_plan_of_several_models_splits_the_kv_budget_as_serve_does():
     """128 MiB shared by the one model that sets none (a: 182 blocks of float32 KV), b its
     own 32 MiB (45 blocks); then what both need together."""
-    r = run("plan", "--model", "a=default", "--model", "b=default,kv_cache_memory=32MiB", "--dtype", "float32",
-            "--kv-cache-memory", "128MiB", "--context-len", "512", "--bandwidth", "20")  # fmt: skip
+    r = run(
+        "plan",
+        "--model",
+        "a=default",
+        "--model",
+        "b=default,kv_cache_memory=32MiB",
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        "128MiB",
+        "--context-len",
+        "512",
+        "--bandwidth",
+        "20",
+    )
     assert r.returncode == 0, r.stderr
     assert "model a:" in r.stdout and "model b:" in r.stdout
     assert "= 182 blocks of 16" in r.stdout and "= 45 blocks of 16" in r.stdout
@@ -100,11 +122,25 @@ def test_plan_of_several_models_splits_the_kv_budget_as_serve_does():
 def test_generate_held_to_a_json_schema_or_a_regex(tmp_path):
     import json
 
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
-              "additionalProperties": False}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
     (tmp_path / "schema.json").write_text(json.dumps(schema))
-    r = run("chat", "Name a city as JSON.", "--json-schema", f"@{tmp_path / 'schema.json'}", "--temperature", "0.8",
-            "--seed", "1", "--max-tokens", "40")  # fmt: skip
+    r = run(
+        "chat",
+        "Name a city as JSON.",
+        "--json-schema",
+        f"@{tmp_path / 'schema.json'}",
+        "--temperature",
+        "0.8",
+        "--seed",
+        "1",
+        "--max-tokens",
+        "40",
+    )
     assert r.returncode == 0, r.stderr
     assert set(json.loads(r.stdout.strip().splitlines()[-1])) == {"city"} and "finish: stop" in r.stderr
     r = run("generate", "Answer:", "--choice", "yes", "--choice", "no", "--max-tokens", "4")

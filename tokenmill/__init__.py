@@ -18,8 +18,13 @@ if TYPE_CHECKING:
 __all__ = ["LLM", "BeamSearchParams", "EngineArgs", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
 
-_HOMES = {"LLM": "tokenmill.llm", "BeamSearchParams": "tokenmill.beam_search", "RequestOutput": "tokenmill.llm",
-          "EngineArgs": "tokenmill.config", "SamplingParams": "tokenmill.sampling_params"}  # fmt: skip
+_HOMES = {
+    "LLM": "tokenmill.llm",
+    "BeamSearchParams": "tokenmill.beam_search",
+    "RequestOutput": "tokenmill.llm",
+    "EngineArgs": "tokenmill.config",
+    "SamplingParams": "tokenmill.sampling_params",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -40,8 +40,15 @@ ENGINE_SECTIONS: dict[str, type] = {
     "structured": StructuredConfig,
     "parallel": ParallelConfig,
 }
-_TITLES = {"load": "model", "cache": "KV cache", "scheduler": "scheduling", "speculative": "speculative decoding",
-           "lora": "LoRA adapters", "structured": "structured output", "parallel": "parallelism"}  # fmt: skip
+_TITLES = {
+    "load": "model",
+    "cache": "KV cache",
+    "scheduler": "scheduling",
+    "speculative": "speculative decoding",
+    "lora": "LoRA adapters",
+    "structured": "structured output",
+    "parallel": "parallelism",
+}
 
 
 def keyword(f: dataclasses.Field) -> str:
@@ -115,16 +122,24 @@ def add_config_arguments(group: Any, cls: type, several_models: bool = False) ->
         flag = "--" + kw.replace("_", "-")
         meta: Mapping[str, Any] = f.metadata
         if several_models and cls is LoadConfig and f.name == "model":
-            group.add_argument(flag, dest=kw, action="append", default=None, metavar="[NAME=]PATH[,OPTION=VALUE...]",
-                               help=meta["help"] + "; several models: NAME=PATH once per model, each its own engine, "
-                               "with engine options of its own after commas (NAME=PATH,dtype=float32)")  # fmt: skip
+            group.add_argument(
+                flag,
+                dest=kw,
+                action="append",
+                default=None,
+                metavar="[NAME=]PATH[,OPTION=VALUE...]",
+                help=meta["help"] + "; several models: NAME=PATH once per model, each its own engine, "
+                "with engine options of its own after commas (NAME=PATH,dtype=float32)",
+            )
             continue
         base = _base_type(hints[f.name])
         default = None if f.default is dataclasses.MISSING else f.default
         shown = f" (default: {default})" if default not in (None, "") and base is not bool else ""
         if base is bool:
             if meta.get("negative"):
-                group.add_argument("--" + meta["negative"], dest=kw, action="store_const", const=False, help=meta["help"])
+                group.add_argument(
+                    "--" + meta["negative"], dest=kw, action="store_const", const=False, help=meta["help"]
+                )
             else:
                 group.add_argument(flag, dest=kw, action="store_const", const=True, help=meta["help"])
             continue
@@ -195,8 +210,10 @@ def _model_options(name: str, options: list[str]) -> dict[str, Any]:
         key, eq, text = item.partition("=")
         key = key.strip().replace("-", "_")
         if not eq or key not in known or key == "model":
-            raise TokenmillError(f"--model {name}=...: {item!r} is not OPTION=VALUE with an engine option "
-                                 f"(such as dtype=float32, kv_cache_memory=512MiB)")  # fmt: skip
+            raise TokenmillError(
+                f"--model {name}=...: {item!r} is not OPTION=VALUE with an engine option "
+                f"(such as dtype=float32, kv_cache_memory=512MiB)"
+            )
         section, field_name = known[key]
         hint = typing.get_type_hints(ENGINE_SECTIONS[section])[field_name]
         out[key] = _typed(_base_type(hint), text.strip(), f"--model {name}=...,{key}")

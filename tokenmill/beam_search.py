@@ -76,14 +76,19 @@ class BeamSearch:
 
     def requests(self) -> list[tuple[int, int, list[int]]]:
         """This round's (prompt index, beam index, token ids): every live beam, one token."""
-        return [(p, b, self.prompts[p] + beam.tokens) for p, beams in enumerate(self.live) for b, beam in enumerate(beams)]
+        return [
+            (p, b, self.prompts[p] + beam.tokens) for p, beams in enumerate(self.live) for b, beam in enumerate(beams)
+        ]
 
     def advance(self, tops: dict[tuple[int, int], list[tuple[int, float]]]) -> None:
         """The round's results: (prompt, beam) -> its next token's top-2W (id, logprob)."""
         width = self.params.beam_width
         for p, beams in enumerate(self.live):
-            candidates = [Beam(beam.tokens + [t], beam.cum_logprob + lp, logprobs=beam.logprobs + [lp])
-                          for b, beam in enumerate(beams) for t, lp in tops[(p, b)]]  # fmt: skip
+            candidates = [
+                Beam(beam.tokens + [t], beam.cum_logprob + lp, logprobs=beam.logprobs + [lp])
+                for b, beam in enumerate(beams)
+                for t, lp in tops[(p, b)]
+            ]
             candidates.sort(key=lambda c: c.cum_logprob, reverse=True)
             self.live[p] = []
             for c in candidates[:width]:

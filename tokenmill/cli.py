@@ -50,8 +50,13 @@ def _structured(args: argparse.Namespace):
             return Path(value[1:]).read_text()
         return value
 
-    given = {"json": text(args.json_schema), "json_object": args.json_object, "regex": args.regex,
-             "choice": args.choice, "grammar": text(args.grammar)}  # fmt: skip
+    given = {
+        "json": text(args.json_schema),
+        "json_object": args.json_object,
+        "regex": args.regex,
+        "choice": args.choice,
+        "grammar": text(args.grammar),
+    }
     if not any(given.values()):
         return None
     return StructuredOutputs(**{k: v for k, v in given.items() if v})
@@ -96,19 +101,38 @@ def _add_train_draft_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", required=True, help="folder for the data, the head (OUTPUT/head) and its plots")
     p.add_argument("--model", default=None, help="the target (.gguf or folder); default: SmolLM2-135M-Instruct")
     p.add_argument("--device", default="auto", help="cpu, cuda, or auto (a GPU where there is one)")
-    p.add_argument("--prompts", default=None, help="a text file, one prompt per line (default: the bundled chat prompts)")
+    p.add_argument(
+        "--prompts", default=None, help="a text file, one prompt per line (default: the bundled chat prompts)"
+    )
     p.add_argument("--num-prompts", type=int, default=1024, help="prompts to answer (default 1024)")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per answer (default 256)")
     p.add_argument("--epochs", type=float, default=d.epochs, help=f"passes over the answers (default {d.epochs})")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help=f"conversations per step (default {d.batch_size})")
+    p.add_argument(
+        "--batch-size", type=int, default=d.batch_size, help=f"conversations per step (default {d.batch_size})"
+    )
     p.add_argument("--lr", type=float, default=d.lr, help=f"peak learning rate (default {d.lr})")
-    p.add_argument("--unroll", type=int, default=d.unroll, help=f"EAGLE: drafting steps trained together (default {d.unroll})")
-    p.add_argument("--draft-vocab-size", type=int, default=d.draft_vocab_size,
-                   help=f"EAGLE: tokens its LM head drafts (default {d.draft_vocab_size})")  # fmt: skip
-    p.add_argument("--token-loss-weight", type=float, default=d.token_loss_weight,
-                   help=f"EAGLE: weight of the token cross-entropy next to the feature loss (default {d.token_loss_weight})")  # fmt: skip
+    p.add_argument(
+        "--unroll", type=int, default=d.unroll, help=f"EAGLE: drafting steps trained together (default {d.unroll})"
+    )
+    p.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=d.draft_vocab_size,
+        help=f"EAGLE: tokens its LM head drafts (default {d.draft_vocab_size})",
+    )
+    p.add_argument(
+        "--token-loss-weight",
+        type=float,
+        default=d.token_loss_weight,
+        help=f"EAGLE: weight of the token cross-entropy next to the feature loss (default {d.token_loss_weight})",
+    )
     p.add_argument("--medusa-heads", type=int, default=d.medusa_heads, help=f"Medusa: heads (default {d.medusa_heads})")
-    p.add_argument("--eval-every", type=int, default=d.eval_every, help=f"steps between held-out evaluations (default {d.eval_every})")
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=d.eval_every,
+        help=f"steps between held-out evaluations (default {d.eval_every})",
+    )
     p.add_argument("--seed", type=int, default=d.seed)
 
 
@@ -122,10 +146,18 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
             raise TokenmillError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.epochs <= 0 or args.lr <= 0 or args.token_loss_weight < 0:
         raise TokenmillError("--epochs and --lr must be > 0, --token-loss-weight >= 0")
-    opts = TrainOptions(method=args.method, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, unroll=args.unroll,
-                        draft_vocab_size=args.draft_vocab_size, medusa_heads=args.medusa_heads,
-                        token_loss_weight=args.token_loss_weight,
-                        eval_every=args.eval_every, seed=args.seed)  # fmt: skip
+    opts = TrainOptions(
+        method=args.method,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        unroll=args.unroll,
+        draft_vocab_size=args.draft_vocab_size,
+        medusa_heads=args.medusa_heads,
+        token_loss_weight=args.token_loss_weight,
+        eval_every=args.eval_every,
+        seed=args.seed,
+    )
     try:
         texts = read_prompts(args.prompts, args.num_prompts)
         llm = LLM(args.model, device=args.device, max_num_seqs=64)
@@ -251,8 +283,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_torchrun_worker()
     try:
-        commands = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "plan": cmd_plan, "bench": cmd_bench,
-                    "train-draft": cmd_train_draft}
+        commands = {
+            "generate": cmd_generate,
+            "chat": cmd_chat,
+            "serve": cmd_serve,
+            "plan": cmd_plan,
+            "bench": cmd_bench,
+            "train-draft": cmd_train_draft,
+        }
         return commands[args.command](args)
     except TokenmillError as e:
         print(f"tokenmill: error: {e}", file=sys.stderr)

@@ -33,8 +33,12 @@ def run_engine_core(args: EngineArgs, conn: Connection) -> None:
         from tokenmill.factory import build_engine
 
         parts = build_engine(args, progress=False, engine_class=EngineCore)
-        info = {"max_model_len": parts.max_model_len, "num_blocks": parts.num_blocks,
-                "block_size": args.cache.block_size, "model_path": str(parts.model_path)}  # fmt: skip
+        info = {
+            "max_model_len": parts.max_model_len,
+            "num_blocks": parts.num_blocks,
+            "block_size": args.cache.block_size,
+            "model_path": str(parts.model_path),
+        }
         return parts.engine, info, parts.runner.close
 
     from tokenmill.engine.core_loop import serve_core

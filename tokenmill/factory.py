@@ -45,10 +45,13 @@ from tokenmill.worker.spec_pause import PayOrPause
 logger = logging.getLogger(__name__)
 
 DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16,
-}  # fmt: skip
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 @dataclass
@@ -123,15 +126,25 @@ def build_engine(args: EngineArgs, progress: bool = True, engine_class: type[Eng
         del ckpt
         max_model_len = min(load.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         spec = args.speculative
-        draft = _load_draft(spec.draft_model, config, tokenizer, args, dtype, device, progress) if spec and spec.method == "draft" else None
+        draft = (
+            _load_draft(spec.draft_model, config, tokenizer, args, dtype, device, progress)
+            if spec and spec.method == "draft"
+            else None
+        )
         head = head_path(spec.method, spec.draft_model, args.load.model) if spec and spec.method in HEADS else None
         head_layer = eagle_config(head, config)[0].layer if spec and spec.method == "eagle" and head else None
         per_block, num_blocks = kv_cache_sizing(args, local, dtype, draft.config if draft is not None else head_layer)
         pool_tokens = num_blocks * args.cache.block_size
         if max_model_len > pool_tokens:  # a longer request could never finish: refuse it up front instead
-            logger.warning("max_model_len %d is more than the KV cache holds (%d blocks of %d = %d tokens): "
-                           "using %d; raise kv_cache_memory for longer contexts",
-                           max_model_len, num_blocks, args.cache.block_size, pool_tokens, pool_tokens)  # fmt: skip
+            logger.warning(
+                "max_model_len %d is more than the KV cache holds (%d blocks of %d = %d tokens): "
+                "using %d; raise kv_cache_memory for longer contexts",
+                max_model_len,
+                num_blocks,
+                args.cache.block_size,
+                pool_tokens,
+                pool_tokens,
+            )
             max_model_len = pool_tokens
         cache = args.cache
         kv_caches = allocate_kv_cache(local, num_blocks, cache.block_size, dtype, device, cache.kv_cache_dtype)
@@ -145,8 +158,9 @@ def build_engine(args: EngineArgs, progress: bool = True, engine_class: type[Eng
         else:
             cluster.broadcast(Setup(num_blocks))
             stage = parallel_stage(cluster.groups(shard, device), model, kv_caches, cache.block_size, device, config)
-            runner = DistributedRunner(model, kv_caches, cache.block_size, device, proposer, stage=stage, cluster=cluster,
-                                       pause=pause)  # fmt: skip
+            runner = DistributedRunner(
+                model, kv_caches, cache.block_size, device, proposer, stage=stage, cluster=cluster, pause=pause
+            )
     except BaseException:
         if cluster is not None:
             cluster.shutdown()
@@ -168,7 +182,9 @@ def build_engine(args: EngineArgs, progress: bool = True, engine_class: type[Eng
     )
     for name, lora_path in args.lora.modules.items():
         engine.add_lora(name, lora_path)
-    return EngineParts(args, engine, runner, model, tokenizer, config, path, device, dtype, max_model_len, num_blocks, per_block)
+    return EngineParts(
+        args, engine, runner, model, tokenizer, config, path, device, dtype, max_model_len, num_blocks, per_block
+    )
 
 
 def quantised_blocks(args: EngineArgs, device: torch.device) -> dict[str, bool]:
@@ -203,7 +219,9 @@ def check_options(args: EngineArgs) -> None:
     path, config = read_config(args.load.model)
     if spec is not None and spec.method == "self" and spec.draft_layers is not None:
         if spec.draft_layers >= config.num_layers:
-            raise TokenmillError(f"draft_layers={spec.draft_layers} must be below the model's {config.num_layers} layers")
+            raise TokenmillError(
+                f"draft_layers={spec.draft_layers} must be below the model's {config.num_layers} layers"
+            )
     if spec is not None and spec.method in HEADS:
         head = head_path(spec.method, spec.draft_model, args.load.model)
         if not head.is_dir():
@@ -221,25 +239,42 @@ def check_options(args: EngineArgs) -> None:
             draft_tokenizer = load_tokenizer(draft_path)
         except ModelLoadError:
             draft_tokenizer = None  # weights only: the vocabulary size has to do
-        if draft_tokenizer is not None and draft_tokenizer.backend.get_vocab() != load_tokenizer(path).backend.get_vocab():
-            raise TokenmillError(f"draft model {spec.draft_model} has a different tokenizer vocabulary from the target's")
+        if (
+            draft_tokenizer is not None
+            and draft_tokenizer.backend.get_vocab() != load_tokenizer(path).backend.get_vocab()
+        ):
+            raise TokenmillError(
+                f"draft model {spec.draft_model} has a different tokenizer vocabulary from the target's"
+            )
     if args.parallel.world_size > 1:
         check_parallel_options(args, config)
 
 
 def _load_draft(
-    path: str | None, target: ModelConfig, tokenizer: Tokenizer, args: EngineArgs, dtype: torch.dtype,
-    device: torch.device, progress: bool,
-) -> LlamaForCausalLM:  # fmt: skip
+    path: str | None,
+    target: ModelConfig,
+    tokenizer: Tokenizer,
+    args: EngineArgs,
+    dtype: torch.dtype,
+    device: torch.device,
+    progress: bool,
+) -> LlamaForCausalLM:
     """Load the draft model (checked against the target by ``check_options``)."""
     ckpt = load_checkpoint(path, dtype, progress=progress, **quantised_blocks(args, device))
     return prepare_model(LlamaForCausalLM.from_weights(ckpt.config, ckpt.weights, device), device, args.load)
 
 
 def _proposer(
-    spec: SpeculativeConfig, model: LlamaForCausalLM, draft: LlamaForCausalLM | None, head: Path | None,
-    kv_caches: list, num_blocks: int, args: EngineArgs, dtype: torch.dtype, device: torch.device,
-) -> Proposer:  # fmt: skip
+    spec: SpeculativeConfig,
+    model: LlamaForCausalLM,
+    draft: LlamaForCausalLM | None,
+    head: Path | None,
+    kv_caches: list,
+    num_blocks: int,
+    args: EngineArgs,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Proposer:
     block_size = args.cache.block_size
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
@@ -272,6 +307,8 @@ def check_parallel_options(args: EngineArgs, config: ModelConfig) -> None:
     if args.lora.enable_lora:
         raise TokenmillError("LoRA adapters are not supported with tensor or pipeline parallelism yet")
     if spec is not None and spec.method != "ngram":
-        raise TokenmillError(f"speculative method {spec.method!r} is not supported with tensor or pipeline "
-                             "parallelism yet (prompt lookup, 'ngram', is)")  # fmt: skip
+        raise TokenmillError(
+            f"speculative method {spec.method!r} is not supported with tensor or pipeline "
+            "parallelism yet (prompt lookup, 'ngram', is)"
+        )
     check_parallel_sizes(config, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)

@@ -67,7 +67,9 @@ def _exit_by(seconds: float) -> None:
 
     def expire() -> None:
         time.sleep(seconds)
-        print(f"tokenmill: not stopped {seconds:g} s after the signal to stop; exiting now", file=sys.stderr, flush=True)
+        print(
+            f"tokenmill: not stopped {seconds:g} s after the signal to stop; exiting now", file=sys.stderr, flush=True
+        )
         os._exit(1)
 
     threading.Thread(target=expire, name="tokenmill-exit-deadline", daemon=True).start()
@@ -119,8 +121,9 @@ def _start_engine(args: argparse.Namespace, config: ServerConfig, engine_args: E
 def _bind(config: ServerConfig) -> socket.socket:
     """The listening address, taken now: before Ray starts, whose processes open ports of
     their own while the replicas load (one took a port chosen for the server)."""
-    family, kind, proto, _, addr = socket.getaddrinfo(config.host, config.port, type=socket.SOCK_STREAM,
-                                                      flags=socket.AI_PASSIVE)[0]  # fmt: skip
+    family, kind, proto, _, addr = socket.getaddrinfo(
+        config.host, config.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -143,8 +146,14 @@ def _plan_models(args: argparse.Namespace, config: ServerConfig) -> list[tuple[M
     if len(specs) > 1:
         if replica_config_from_namespace(args).enabled or under_torchrun():
             raise TokenmillError("several models are served by one process: not with engine replicas or torchrun")
-    parse_routers(config.router, [s.name or "" for s in specs], config.router_threshold, config.router_max_prompt_tokens,
-                  config.router_large_for, config.router_classifier)  # fmt: skip  (fails before any model loads)
+    parse_routers(
+        config.router,
+        [s.name or "" for s in specs],
+        config.router_threshold,
+        config.router_max_prompt_tokens,
+        config.router_large_for,
+        config.router_classifier,
+    )  # (fails before any model loads)
     if config.router and len(specs) == 1:
         raise TokenmillError("--router routes between served models: give two with --model NAME=PATH")
     if len(specs) > 1:
@@ -161,16 +170,24 @@ def _check_memory(planned: list[tuple[ModelSpec, EngineArgs]]) -> None:
             parts.append(f"{spec.name}: on {engine_args.load.device}, not counted")
             continue
         path = resolve_model_path(engine_args.load.model)
-        weights = path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        weights = (
+            path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        )
         kv = parse_memory(engine_args.cache.kv_cache_memory)
         need += weights + kv
         parts.append(f"{spec.name}: weights ~{weights / 2**30:.2f} GiB + KV {kv / 2**30:.2f} GiB")
     free = available_memory()
     if need > free:
-        raise TokenmillError(f"the models need ~{need / 2**30:.2f} GiB and {free / 2**30:.2f} GiB is free "
-                             f"({'; '.join(parts)}): lower --kv-cache-memory, or a model's kv_cache_memory=")  # fmt: skip
-    print(f"tokenmill: memory: {'; '.join(parts)} (~{need / 2**30:.2f} of {free / 2**30:.2f} GiB free; weights "
-          "dequantised at load take more than their files)", file=sys.stderr, flush=True)  # fmt: skip
+        raise TokenmillError(
+            f"the models need ~{need / 2**30:.2f} GiB and {free / 2**30:.2f} GiB is free "
+            f"({'; '.join(parts)}): lower --kv-cache-memory, or a model's kv_cache_memory="
+        )
+    print(
+        f"tokenmill: memory: {'; '.join(parts)} (~{need / 2**30:.2f} of {free / 2**30:.2f} GiB free; weights "
+        "dequantised at load take more than their files)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _run_server(models: list[ServedModel], config: ServerConfig, sock: socket.socket | None = None) -> None:
@@ -182,8 +199,11 @@ def _run_server(models: list[ServedModel], config: ServerConfig, sock: socket.so
     if config.web:
         host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
         key = " (it asks for the API key)" if config.api_key or config.api_key_file else ""
-        print(f"tokenmill: chat and watch the engine: open http://{host}:{config.port}/ in a browser{key}",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"tokenmill: chat and watch the engine: open http://{host}:{config.port}/ in a browser{key}",
+            file=sys.stderr,
+            flush=True,
+        )
     # uvicorn waits a little longer than the drain timeout, so that at the timeout our
     # open streams can still send their error event and [DONE] before it closes them.
 
@@ -197,17 +217,27 @@ def _run_server(models: list[ServedModel], config: ServerConfig, sock: socket.so
                 _exit_by(config.drain_timeout + EXIT_GRACE_S)
 
     server = Server(
-        uvicorn.Config(app, host=config.host, port=config.port, timeout_graceful_shutdown=config.drain_timeout + 2,
-                       log_level="warning", lifespan="off", **uvicorn_options(config))  # fmt: skip
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            timeout_graceful_shutdown=config.drain_timeout + 2,
+            log_level="warning",
+            lifespan="off",
+            **uvicorn_options(config),
+        )
     )
     # uvicorn drains on SIGTERM and then re-raises it to the handler installed before
     # it started: make that one a no-op, so that a drained server exits 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
 
     async def run() -> None:
-        watchers = [asyncio.create_task(_expire_streams(server, app.state.served.stopping, app.state.served.drain_expired,
-                                                   config.drain_timeout)),
-                    *[asyncio.create_task(_stop_when_dead(server, m.engine)) for m in models]]  # fmt: skip
+        watchers = [
+            asyncio.create_task(
+                _expire_streams(server, app.state.served.stopping, app.state.served.drain_expired, config.drain_timeout)
+            ),
+            *[asyncio.create_task(_stop_when_dead(server, m.engine)) for m in models],
+        ]
         try:
             await server.serve(sockets=None if sock is None else [sock])
         finally:
@@ -228,8 +258,9 @@ def serve(args: argparse.Namespace) -> int:
     try:  # from here on every engine started (perhaps a process) is stopped however this ends
         for spec, engine_args in planned:
             engine, tokenizer, max_model_len, path, close = _start_engine(args, config, engine_args)
-            models.append(ServedModel(spec.name or config.served_model_name or model_id(path), engine, tokenizer,
-                                      max_model_len))  # fmt: skip
+            models.append(
+                ServedModel(spec.name or config.served_model_name or model_id(path), engine, tokenizer, max_model_len)
+            )
             closers.append(close)
         if planned[0][0].name is None:  # the single-model form: the name in the config, as before
             config = replace(config, served_model_name=models[0].name)
@@ -242,7 +273,9 @@ def serve(args: argparse.Namespace) -> int:
     dead = [m for m in models if m.engine.death is not None]
     if dead:
         which = f" (model {dead[0].name})" if len(models) > 1 else ""
-        print(f"tokenmill: the engine died ({dead[0].engine.death}){which}; server stopped", file=sys.stderr, flush=True)
+        print(
+            f"tokenmill: the engine died ({dead[0].engine.death}){which}; server stopped", file=sys.stderr, flush=True
+        )
         return 1
     print("tokenmill: server stopped", file=sys.stderr, flush=True)
     return 0

@@ -1,8 +1,8 @@
 """LLM: the offline API. Loads a model, builds the engine, runs prompts to completion.
 
-    llm = LLM()                                   # SmolLM2-135M-Instruct, float32, CPU
-    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16))
-    print(out[0].text)
+llm = LLM()                                   # SmolLM2-135M-Instruct, float32, CPU
+out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16))
+print(out[0].text)
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ class LLM:
     flags of the same names): ``LLM(max_num_seqs=32, speculative="ngram")``, or a whole
     ``EngineArgs`` as ``args``."""
 
-    def __init__(self, model: str | None = None, *, args: EngineArgs | None = None, progress: bool = True,
-                 **options: Any) -> None:  # fmt: skip
+    def __init__(
+        self, model: str | None = None, *, args: EngineArgs | None = None, progress: bool = True, **options: Any
+    ) -> None:
         if args is None:
             args = engine_args(model=model, **options)
         elif model is not None or options:
@@ -111,8 +112,9 @@ class LLM:
         outs = self.generate(texts, SamplingParams(max_tokens=1, pooling=pooling), lora)
         return [o.embedding for o in outs]  # type: ignore[misc]
 
-    def beam_search(self, prompts: str | Sequence[str] | Sequence[Sequence[int]], params: BeamSearchParams,
-                    lora: str | None = None) -> list[BeamSearchOutput]:  # fmt: skip
+    def beam_search(
+        self, prompts: str | Sequence[str] | Sequence[Sequence[int]], params: BeamSearchParams, lora: str | None = None
+    ) -> list[BeamSearchOutput]:
         """Beam search (``tokenmill.beam_search``): per prompt, ``params.beam_width``
         beams, best first, each with its tokens, text and cumulative logprob."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -122,7 +124,9 @@ class LLM:
         while not search.finished:
             round_ = search.requests()
             outs = self.generate([r[2] for r in round_], params.step_params(), lora)
-            search.advance({(p, b): out.outputs[0].top_logprobs[0] for (p, b, _), out in zip(round_, outs, strict=True)})
+            search.advance(
+                {(p, b): out.outputs[0].top_logprobs[0] for (p, b, _), out in zip(round_, outs, strict=True)}
+            )
         return search.results()
 
     def chat(
@@ -146,7 +150,9 @@ class LLM:
     def unload_lora(self, name: str) -> None:
         self.engine.remove_lora(name)
 
-    def stream(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(
+        self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
         """Yield one output per generated token (its delta_text), the last with finished=True."""
         params = sampling_params or SamplingParams()
         if params.n != 1:

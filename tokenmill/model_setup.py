@@ -40,7 +40,9 @@ def native_kernels_run(load: LoadConfig, device: torch.device) -> bool:
     return load_native()
 
 
-def prepare_model(model: LlamaForCausalLM, device: torch.device, load: LoadConfig, quantize: bool = True) -> LlamaForCausalLM:
+def prepare_model(
+    model: LlamaForCausalLM, device: torch.device, load: LoadConfig, quantize: bool = True
+) -> LlamaForCausalLM:
     """A loaded model (target or draft) made ready to run: its per-layer ops chosen, its
     weights quantised (unless a shard was cut from quantised weights already), and, with
     native ops, its linears swapped for the small-batch kernel."""
@@ -68,8 +70,9 @@ def load_shard(
     """This rank's part of the model, cut from the whole (quantised whole, then cut)."""
     full = LlamaForCausalLM.from_weights(config, weights, "cpu")
     try:
-        model = shard_model(full, shard, load.quantization, load.quantization_group_size,
-                            packed=native_kernels_run(load, device))  # as quantize_model does in one process
+        model = shard_model(
+            full, shard, load.quantization, load.quantization_group_size, packed=native_kernels_run(load, device)
+        )  # as quantize_model does in one process
     except ValueError as e:
         raise TokenmillError(str(e)) from None
     return prepare_model(model.to(device), device, load, quantize=False)

@@ -72,7 +72,9 @@ def make_plan(llm, kv_budget: int, context_len: int, bandwidth: float) -> Plan:
     if model.head_reads_embedding:
         per_step += embed  # ...unless the tied LM head reads it all
     block_size = llm.args.cache.block_size
-    return Plan(total, per_step, llm.parts.kv_bytes_per_block // block_size, kv_budget, context_len, block_size, bandwidth)
+    return Plan(
+        total, per_step, llm.parts.kv_bytes_per_block // block_size, kv_budget, context_len, block_size, bandwidth
+    )
 
 
 def measure(llm, plan: Plan, tokens: int = 64) -> dict:
@@ -148,8 +150,10 @@ def report(args: argparse.Namespace, llm, bw: float) -> Plan:
     ]
     from tokenmill.kernels.cpu import cpu_info
 
-    print(f"plan for {llm.model_path.name}: dtype {str(llm.dtype).removeprefix('torch.')}, "
-          f"weights {llm.quantization}, KV {llm.kv_cache_dtype}, kernels {llm.parts.model.ops.name}")  # fmt: skip
+    print(
+        f"plan for {llm.model_path.name}: dtype {str(llm.dtype).removeprefix('torch.')}, "
+        f"weights {llm.quantization}, KV {llm.kv_cache_dtype}, kernels {llm.parts.model.ops.name}"
+    )
     print(f"  CPU: {cpu_info().describe()}; native bfloat16: {'yes' if cpu_info().native_bf16 else 'no'}")
     for k, v in rows:
         print(f"  {k:45s} {v}")
@@ -158,7 +162,9 @@ def report(args: argparse.Namespace, llm, bw: float) -> Plan:
         m = measure(llm, plan)
         predicted = plan.decode_bound(1, m["decode_context"])
         print(f"  {'':45s} {'predicted':>12s} {'measured':>12s}")
-        print(f"  {'single-stream decode tok/s':45s} {predicted:12.1f} {m['decode_tok_s']:12.1f}"
-              f"   ({m['decode_tok_s'] / predicted:.0%} of the bound)")  # fmt: skip
+        print(
+            f"  {'single-stream decode tok/s':45s} {predicted:12.1f} {m['decode_tok_s']:12.1f}"
+            f"   ({m['decode_tok_s'] / predicted:.0%} of the bound)"
+        )
         print(f"  {f'max sequences of {plan.context_len} tokens':45s} {plan.max_seqs:12d} {m['max_seqs']:12d}")
     return plan

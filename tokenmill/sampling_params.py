@@ -67,7 +67,9 @@ class SamplingParams:
         if isinstance(self.structured, dict):
             object.__setattr__(self, "structured", StructuredOutputs.from_dict(self.structured))
         elif self.structured is not None and not isinstance(self.structured, StructuredOutputs):
-            raise InvalidRequestError("structured must be a StructuredOutputs or a dict of its fields", param="structured")
+            raise InvalidRequestError(
+                "structured must be a StructuredOutputs or a dict of its fields", param="structured"
+            )
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif self.stop is None:
@@ -122,11 +124,15 @@ class SamplingParams:
             raise bad("allowed_token_ids", "cannot be combined with structured output (the grammar says what may come)")
         if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             raise bad("bad_words", "must be non-empty strings")
-        if any(not w or any(not isinstance(t, int) or not 0 <= t <= MAX_INT32 for t in w) for w in self.bad_words_token_ids):
+        if any(
+            not w or any(not isinstance(t, int) or not 0 <= t <= MAX_INT32 for t in w) for w in self.bad_words_token_ids
+        ):
             raise bad("bad_words_token_ids", "must be non-empty lists of token ids")
         if self.pooling not in (None, "last", "mean"):
             raise bad("pooling", 'must be "last" or "mean"')
-        if self.pooling is not None and (self.n != 1 or self.structured is not None or self.prompt_logprobs is not None):
+        if self.pooling is not None and (
+            self.n != 1 or self.structured is not None or self.prompt_logprobs is not None
+        ):
             raise bad("pooling", "an embedding request has n 1, no structured output and no prompt_logprobs")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
@@ -140,7 +146,8 @@ class SamplingParams:
             if not _finite(v) or not -100 <= v <= 100:
                 raise bad("logit_bias", f"biases must be numbers in [-100, 100], not {v!r}")
         if self.allowed_token_ids is not None and (
-            not self.allowed_token_ids or any(not isinstance(t, int) or not 0 <= t <= MAX_INT32 for t in self.allowed_token_ids)
+            not self.allowed_token_ids
+            or any(not isinstance(t, int) or not 0 <= t <= MAX_INT32 for t in self.allowed_token_ids)
         ):
             raise bad("allowed_token_ids", "must be a non-empty list of token ids in [0, 2**31)")
 
@@ -151,8 +158,12 @@ class SamplingParams:
     @property
     def uses_logit_controls(self) -> bool:
         """min_tokens, logit_bias, allowed_token_ids or bad words: logits the sampler changes first."""
-        return (self.min_tokens > 0 or bool(self.logit_bias) or self.allowed_token_ids is not None
-                or bool(self.bad_words_token_ids))  # fmt: skip
+        return (
+            self.min_tokens > 0
+            or bool(self.logit_bias)
+            or self.allowed_token_ids is not None
+            or bool(self.bad_words_token_ids)
+        )
 
     def with_bad_word_ids(self, tokenizer: Any) -> SamplingParams:
         """These parameters with ``bad_words`` tokenised as vLLM does: each word alone and
@@ -168,8 +179,12 @@ class SamplingParams:
 
     def token_ids_named(self) -> list[int]:
         """Every token id these parameters name (checked against the vocabulary)."""
-        return [*self.stop_token_ids, *(t for t, _ in self.logit_bias), *(self.allowed_token_ids or ()),
-                *(t for w in self.bad_words_token_ids for t in w)]  # fmt: skip
+        return [
+            *self.stop_token_ids,
+            *(t for t, _ in self.logit_bias),
+            *(self.allowed_token_ids or ()),
+            *(t for w in self.bad_words_token_ids for t in w),
+        ]
 
     @property
     def uses_penalties(self) -> bool:

@@ -60,16 +60,22 @@ def parse_args(argv=None):
     p.add_argument("--workload", required=True, help="JSONL of {prompt_token_ids, max_tokens}")
     p.add_argument("--model", default="/work/peers/smollm2-hf", help="Hugging Face model folder")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="enable vLLM automatic prefix caching (default: on)")
+    p.add_argument(
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="enable vLLM automatic prefix caching (default: on)",
+    )
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=None, help="vLLM max_num_seqs (default: vLLM's)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="vLLM max_num_batched_tokens (default: vLLM's)")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="vLLM max_num_batched_tokens (default: vLLM's)"
+    )
     p.add_argument("--enforce-eager", action="store_true", help="skip torch.compile (faster start, slower run)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dump-outputs", metavar="PATH", default=None,
-                   help="write generated token ids per request as JSONL")
+    p.add_argument(
+        "--dump-outputs", metavar="PATH", default=None, help="write generated token ids per request as JSONL"
+    )
     return p.parse_args(argv)
 
 
@@ -99,9 +105,11 @@ def main(argv=None):
     llm = LLM(**llm_kwargs)
 
     # Warm-up: shorter than one KV block, so it leaves nothing in the prefix cache.
-    llm.generate([TokensPrompt(prompt_token_ids=[1, 100, 101, 102])],
-                 SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
-                 use_tqdm=False)
+    llm.generate(
+        [TokensPrompt(prompt_token_ids=[1, 100, 101, 102])],
+        SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+        use_tqdm=False,
+    )
 
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _ in reqs]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in reqs]
@@ -124,8 +132,10 @@ def main(argv=None):
     if args.dump_outputs:
         with open(args.dump_outputs, "w") as f:
             for i, ((ids, _), o) in enumerate(zip(reqs, outputs, strict=True)):
-                f.write(json.dumps({"index": i, "prompt_token_ids": ids,
-                                    "output_token_ids": list(o.outputs[0].token_ids)}) + "\n")
+                f.write(
+                    json.dumps({"index": i, "prompt_token_ids": ids, "output_token_ids": list(o.outputs[0].token_ids)})
+                    + "\n"
+                )
 
     result = {
         "engine": "vllm",

@@ -131,12 +131,15 @@ def test_a_grammar_slower_than_its_compile_timeout_is_refused_and_a_retry_is_cac
 
     structured = llm.engine.structured
     default = structured.compiler
-    structured.compiler = GrammarCompiler(llm.tokenizer, default.vocab_size, StructuredConfig(grammar_compile_timeout=0.05))
+    structured.compiler = GrammarCompiler(
+        llm.tokenizer, default.vocab_size, StructuredConfig(grammar_compile_timeout=0.05)
+    )
     try:
         async_engine = start_async()
         props = {f"k{i}": {"type": "integer"} for i in range(2000)}
-        params = SamplingParams(max_tokens=2, structured={"json": {"type": "object", "properties": props,
-                                                                   "required": list(props)}})  # fmt: skip
+        params = SamplingParams(
+            max_tokens=2, structured={"json": {"type": "object", "properties": props, "required": list(props)}}
+        )
         with pytest.raises(InvalidRequestError, match="--grammar-compile-timeout"):
             asyncio.run(collect(async_engine, "slow", "x", params))
         deadline = time.time() + 60  # (a loaded 2-core machine took over 10 s)

@@ -12,8 +12,9 @@ from tokenmill.errors import InvalidRequestError
 PROMPTS = ["The capital of France is", "My favourite food is"]
 
 
-def reference(hf_model, prompt: list[int], width: int, steps: int, eos: set[int], ignore_eos: bool,
-              length_penalty: float) -> list[tuple[list[int], float]]:  # fmt: skip
+def reference(
+    hf_model, prompt: list[int], width: int, steps: int, eos: set[int], ignore_eos: bool, length_penalty: float
+) -> list[tuple[list[int], float]]:
     live, done = [([], 0.0)], []
     for _ in range(steps):
         candidates = []

@@ -11,7 +11,11 @@ import torch
 
 from tokenmill import SamplingParams
 
-TEXTS = ["The cat sat on the mat.", "Paris is the capital of France.", "A completely different sentence, longer than the others."]
+TEXTS = [
+    "The cat sat on the mat.",
+    "Paris is the capital of France.",
+    "A completely different sentence, longer than the others.",
+]
 
 
 def hf_embedding(hf_model, ids: list[int], pooling: str) -> list[float]:
@@ -38,7 +42,9 @@ def test_embeddings_share_steps_with_generation_and_use_the_prefix_cache(llm):
     ids = llm.tokenizer.encode(TEXTS[2] * 8)
     greedy = llm.generate(ids, SamplingParams(max_tokens=8, temperature=0))[0].token_ids  # caches the prompt's blocks
     before = llm.engine.snapshot()
-    mixed = llm.generate([ids, ids], [SamplingParams(max_tokens=8, temperature=0), SamplingParams(max_tokens=1, pooling="last")])
+    mixed = llm.generate(
+        [ids, ids], [SamplingParams(max_tokens=8, temperature=0), SamplingParams(max_tokens=1, pooling="last")]
+    )
     assert mixed[0].token_ids == greedy and mixed[1].token_ids == [] and mixed[1].finish_reason == "stop"
     assert mixed[1].num_cached_tokens > 0 and llm.engine.snapshot().prefix_cache_hits > before.prefix_cache_hits
     assert max(abs(a - b) for a, b in zip(mixed[1].embedding, llm.embed([ids])[0], strict=True)) < 1e-5

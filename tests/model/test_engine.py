@@ -70,8 +70,9 @@ def test_float_arithmetic_matches_alone_in_small_prefill_chunks_and_batched():
     llm = engine_llm(quant_arithmetic="float", kv_cache_memory="64MiB", enable_prefix_caching=False)
     prompts, params = workload()
     alone = [llm.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params, strict=True)]
-    chunked = engine_llm(quant_arithmetic="float", max_num_batched_tokens=32, enable_prefix_caching=False,
-                         kv_cache_memory="64MiB")  # fmt: skip
+    chunked = engine_llm(
+        quant_arithmetic="float", max_num_batched_tokens=32, enable_prefix_caching=False, kv_cache_memory="64MiB"
+    )
     assert run(llm) == alone and run(chunked) == alone
     assert any(0 < s.num_prefill_tokens and s.num_decode_tokens for s in chunked.engine.step_stats)
 
@@ -116,7 +117,9 @@ def test_parallel_sampling_shares_prompt_blocks(llm):
         engine.abort("share")
     out = llm.generate(prompt, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=8))[0]
     assert len(out.outputs) == 4 and len({tuple(c.token_ids) for c in out.outputs}) > 1
-    single = [llm.generate(prompt, SamplingParams(temperature=1.0, seed=3 + i, max_tokens=8))[0].token_ids for i in range(4)]
+    single = [
+        llm.generate(prompt, SamplingParams(temperature=1.0, seed=3 + i, max_tokens=8))[0].token_ids for i in range(4)
+    ]
     assert [c.token_ids for c in out.outputs] == single
 
 

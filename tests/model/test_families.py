@@ -19,30 +19,65 @@ from tokenmill.errors import ModelLoadError
 
 transformers = pytest.importorskip("transformers")
 
-COMMON = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=8,
-              num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6)  # fmt: skip
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-6,
+)
 FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16, "tie_word_embeddings": False}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None, "head_dim": 8}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": None, "pad_token_id": None}),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"sliding_window": None, "num_local_experts": 6,
-                                                        "num_experts_per_tok": 2, "head_dim": 8}),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {"sliding_window": None, "num_local_experts": 6, "num_experts_per_tok": 2, "head_dim": 8},
+    ),
     # windows shorter than the prompts, alternating with global layers; soft-capping on (Gemma 2)
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "sliding_window": 6, "num_hidden_layers": 4,
-                                                     "query_pre_attn_scalar": 16, "attn_logit_softcapping": 5.0,
-                                                     "final_logit_softcapping": 3.0}),
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16, "sliding_window": 6, "num_hidden_layers": 4,
-                                                         "sliding_window_pattern": 2, "query_pre_attn_scalar": 16,
-                                                         "rope_parameters": {
-                                                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                                                             "full_attention": {"rope_type": "linear", "factor": 2.0,
-                                                                                "rope_theta": 1000000.0}}}),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {
+            "head_dim": 16,
+            "sliding_window": 6,
+            "num_hidden_layers": 4,
+            "query_pre_attn_scalar": 16,
+            "attn_logit_softcapping": 5.0,
+            "final_logit_softcapping": 3.0,
+        },
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            "head_dim": 16,
+            "sliding_window": 6,
+            "num_hidden_layers": 4,
+            "sliding_window_pattern": 2,
+            "query_pre_attn_scalar": 16,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+            },
+        },
+    ),
 }
 # Mistral's and Mixtral's GGUFs say llama
 HF_TYPE = {"gemma3": "gemma3_text"}
-GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama", "phi3": "phi3", "mixtral": "llama",
-             "gemma2": "gemma2", "gemma3": "gemma3"}
+GGUF_ARCH = {
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "mistral": "llama",
+    "phi3": "phi3",
+    "mixtral": "llama",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3",
+}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -111,7 +146,10 @@ def test_unknown_architecture_is_refused_naming_what_is_supported(tmp_path, llm)
     make_tiny_chat_model(tmp_path, llm.tokenizer, llm.config.vocab_size)
     config = (tmp_path / "config.json").read_text().replace('"model_type": "llama"', '"model_type": "gpt_neox"')
     (tmp_path / "config.json").write_text(config)
-    with pytest.raises(ModelLoadError, match=r"unsupported model_type 'gpt_neox'.*supported: gemma2, gemma3_text, llama, mistral, mixtral, phi3, qwen2, qwen3"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"unsupported model_type 'gpt_neox'.*supported: gemma2, gemma3_text, llama, mistral, mixtral, phi3, qwen2, qwen3",
+    ):
         LLM(str(tmp_path), progress=False)
 
 
@@ -127,8 +165,14 @@ def test_sliding_window_matches_transformers_and_frees_blocks(tmp_path, llm):
     prompt = llm.tokenizer.encode("A long prompt, longer than the attention window of this tiny model. " * 8)
     assert len(prompt) > 4 * 24
     for kernels in ("native", "torch"):
-        with LLM(str(tmp_path), dtype="float32", progress=False, kv_cache_memory="32MiB", kernels=kernels,
-                 max_num_batched_tokens=40) as ours:  # fmt: skip
+        with LLM(
+            str(tmp_path),
+            dtype="float32",
+            progress=False,
+            kv_cache_memory="32MiB",
+            kernels=kernels,
+            max_num_batched_tokens=40,
+        ) as ours:
             tokens, logits = _prefill_and_decode(ours, prompt, 8)
             with torch.no_grad():
                 expected = ref(torch.tensor([tokens[:-1]])).logits[0]
@@ -151,10 +195,19 @@ def test_phi3_longrope_matches_transformers(tmp_path, llm):
     transformers and we both use the short factors; beyond it, transformers switches a
     whole sequence to the long factors and we switch per position, as vLLM does)."""
     torch.manual_seed(0)
-    rope = {"rope_type": "longrope", "short_factor": [1.0 + 0.3 * i for i in range(4)],
-            "long_factor": [2.0 + 0.5 * i for i in range(4)]}  # fmt: skip
-    cfg = transformers.Phi3Config(vocab_size=llm.config.vocab_size, sliding_window=None, pad_token_id=None,
-                                  original_max_position_embeddings=64, rope_scaling=rope, **COMMON)  # fmt: skip
+    rope = {
+        "rope_type": "longrope",
+        "short_factor": [1.0 + 0.3 * i for i in range(4)],
+        "long_factor": [2.0 + 0.5 * i for i in range(4)],
+    }
+    cfg = transformers.Phi3Config(
+        vocab_size=llm.config.vocab_size,
+        sliding_window=None,
+        pad_token_id=None,
+        original_max_position_embeddings=64,
+        rope_scaling=rope,
+        **COMMON,
+    )
     ref = transformers.Phi3ForCausalLM(cfg).eval()
     make_tiny_chat_model(tmp_path, llm.tokenizer, llm.config.vocab_size)
     ref.save_pretrained(tmp_path)
@@ -226,18 +279,36 @@ def test_family_through_every_engine_feature(family):
     with LLM(str(folder), kv_cache_memory="32MiB", **opts) as plain:
         expected = [[c.token_ids for c in o.outputs] for o in plain.generate(prompts, params)]
         block_bytes = plain.parts.kv_bytes_per_block
-    with LLM(str(folder), kv_cache_memory=f"{10 * block_bytes}B", max_num_batched_tokens=24, speculative="ngram",
-             spec_disable_batch_size=8, **opts) as busy:  # fmt: skip
+    with LLM(
+        str(folder),
+        kv_cache_memory=f"{10 * block_bytes}B",
+        max_num_batched_tokens=24,
+        speculative="ngram",
+        spec_disable_batch_size=8,
+        **opts,
+    ) as busy:
         assert [[c.token_ids for c in o.outputs] for o in busy.generate(prompts, params)] == expected
         assert busy.engine.num_preemptions > 0 and busy.engine.prefix_cache_stats.hits > 0
         assert busy.engine.block_pool.num_free == busy.engine.block_pool.num_blocks
-    with LLM(str(folder), kv_cache_memory="32MiB", speculative="draft", draft_model=str(folder),
-             spec_disable_batch_size=8, **opts) as drafted:  # the model drafting for itself: every draft accepted
+    with LLM(
+        str(folder),
+        kv_cache_memory="32MiB",
+        speculative="draft",
+        draft_model=str(folder),
+        spec_disable_batch_size=8,
+        **opts,
+    ) as drafted:  # the model drafting for itself: every draft accepted
         assert [[c.token_ids for c in o.outputs] for o in drafted.generate(prompts, params)] == expected
         stats = drafted.engine.spec_decode_stats
         assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
     small = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     for quant, kv in (("int4", "fp8"), ("none", "int8")):
-        with LLM(str(folder), kv_cache_memory="32MiB", quantization=quant, quantization_group_size=32,
-                 kv_cache_dtype=kv, **opts) as llm:  # fmt: skip
+        with LLM(
+            str(folder),
+            kv_cache_memory="32MiB",
+            quantization=quant,
+            quantization_group_size=32,
+            kv_cache_dtype=kv,
+            **opts,
+        ) as llm:
             assert all(len(o.outputs[0].token_ids) == 8 for o in llm.generate(prompts, small))

@@ -40,7 +40,10 @@ def blocks(type_name: str, n: int, k: int, seed: int = 0, grouped: bool = False)
     if not grouped:
         return BlockWeight.from_gguf(type_name, raw, (n, k)), ref
     cut = n // 3
-    parts = [BlockWeight.from_gguf(type_name, raw[:cut], (cut, k)), BlockWeight.from_gguf(type_name, raw[cut:], (n - cut, k))]
+    parts = [
+        BlockWeight.from_gguf(type_name, raw[:cut], (cut, k)),
+        BlockWeight.from_gguf(type_name, raw[cut:], (n - cut, k)),
+    ]
     joined = BlockWeight.for_native(parts)
     return (joined[0] if len(joined) == 1 else BlockWeight.cat(joined)), ref
 
@@ -194,8 +197,7 @@ def test_int8_logits_do_not_depend_on_how_a_prompt_is_cut_into_steps(int8_llm):
     tokens."""
     from tests.helpers import seq
 
-    ids = int8_llm.tokenizer.encode(
-        (Path(__file__).parent.parent / "data" / "heldout.txt").read_text())[:300]  # fmt: skip
+    ids = int8_llm.tokenizer.encode((Path(__file__).parent.parent / "data" / "heldout.txt").read_text())[:300]
     runner, engine = int8_llm.parts.runner, int8_llm.engine
 
     def logits(step: int) -> torch.Tensor:
@@ -232,13 +234,22 @@ def test_tiny_gguf_in_blocks_scores_like_its_float_twin(tmp_path, int8_llm, weig
     """A tiny Llama with every 2-D weight in one type (K-quants: random blocks), served from its
     blocks with int8 arithmetic: the log-probabilities it gives a 24-token prompt (int8-sized
     steps) are within 10% (0.05 absolute) of the same file's under float arithmetic."""
-    hf = make_tiny_llama(tmp_path / "hf", vocab_size=int8_llm.config.vocab_size, hidden_size=256,
-                         intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2)  # fmt: skip
+    hf = make_tiny_llama(
+        tmp_path / "hf",
+        vocab_size=int8_llm.config.vocab_size,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     path = tmp_path / f"tiny-{weight_type}.gguf"
     write_gguf(path, hf, "llama", gguf_tokenizer_metadata(int8_llm.model_path), weight_type=weight_type)
     common = dict(dtype="float32", progress=False, kv_cache_memory="32MiB", enable_prefix_caching=False)
-    blocks_llm, float_llm = LLM(str(path), quant_arithmetic="int8", **common), LLM(str(path), quant_arithmetic="float", **common)
+    blocks_llm, float_llm = (
+        LLM(str(path), quant_arithmetic="int8", **common),
+        LLM(str(path), quant_arithmetic="float", **common),
+    )
     assert isinstance(blocks_llm.parts.model.layers[1].mlp.down_proj.parts[0], BlockWeight)
     prompt = "Hello there, how are you today? I am fine, thank you, and 1, 2, 3, 4, 5"
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
@@ -257,8 +268,9 @@ def test_cpp_layer_loop_over_contexts_of_several_partitions_is_bit_identical_to_
     lengths."""
     from tests.helpers import fused_and_python_decode_logits
 
-    llm = LLM(dtype="float32", quant_arithmetic="int8", progress=False, kv_cache_memory="64MiB",
-              enable_prefix_caching=False)  # fmt: skip
+    llm = LLM(
+        dtype="float32", quant_arithmetic="int8", progress=False, kv_cache_memory="64MiB", enable_prefix_caching=False
+    )
     assert llm.parts.model.fused_plan is not None
     text = (Path(__file__).parent.parent / "data" / "heldout.txt").read_text()
     ids = llm.tokenizer.encode(text)
@@ -274,8 +286,9 @@ def test_cpp_layer_loop_takes_block_weight_steps_of_up_to_32_tokens_bit_identica
     continuing a prompt beside two decodes, give the Python loop's logits to the bit."""
     from tests.helpers import all_logits, seq
 
-    llm = LLM(dtype="float32", quant_arithmetic="int8", progress=False, kv_cache_memory="64MiB",
-              enable_prefix_caching=False)  # fmt: skip
+    llm = LLM(
+        dtype="float32", quant_arithmetic="int8", progress=False, kv_cache_memory="64MiB", enable_prefix_caching=False
+    )
     model, runner, pool = llm.parts.model, llm.engine.runner, llm.engine.block_pool
     assert model.fused_plan is not None and model.fused_plan.blocks_only
     ops, calls = model.ops, []
@@ -290,10 +303,20 @@ def test_cpp_layer_loop_takes_block_weight_steps_of_up_to_32_tokens_bit_identica
         for fused in (True, False):
             model._fused_plan = False if fused else None  # None: the Python loop
             calls.clear()
-            twelve = all_logits(runner, [seq([7 + i], blocks, num_computed=len(ids))
-                                         for i, (ids, blocks) in enumerate(zip(prompts, tables, strict=True))])  # fmt: skip
-            chunk = all_logits(runner, [seq(range(100, 120), tables[0], num_computed=len(prompts[0]) + 1),
-                                        *(seq([5], tables[i], num_computed=len(prompts[i]) + 1) for i in (1, 2))])  # fmt: skip
+            twelve = all_logits(
+                runner,
+                [
+                    seq([7 + i], blocks, num_computed=len(ids))
+                    for i, (ids, blocks) in enumerate(zip(prompts, tables, strict=True))
+                ],
+            )
+            chunk = all_logits(
+                runner,
+                [
+                    seq(range(100, 120), tables[0], num_computed=len(prompts[0]) + 1),
+                    *(seq([5], tables[i], num_computed=len(prompts[i]) + 1) for i in (1, 2)),
+                ],
+            )
             assert len(calls) == (2 if fused else 0) and all(c is not None for c in calls)
             results[fused] = (twelve, chunk)
     finally:
@@ -317,7 +340,9 @@ def test_cpp_layer_loop_runs_block_weights_bit_identical_to_the_python_loop():
     attn = model.layers[1].self_attn
     kv_rows = attn.num_kv_heads * attn.head_dim
     q_k = attn.qkv_proj.parts[0].rows(torch.arange((attn.num_heads + attn.num_kv_heads) * attn.head_dim))  # q and k
-    v = BlockWeight.from_gguf("Q8_0", random_gguf_blocks("Q8_0", kv_rows, q_k.in_features, 5), (kv_rows, q_k.in_features))
+    v = BlockWeight.from_gguf(
+        "Q8_0", random_gguf_blocks("Q8_0", kv_rows, q_k.in_features, 5), (kv_rows, q_k.in_features)
+    )
     mixed = QuantLinear([q_k, v])
     mixed.use_native(attn.qkv_proj.bf16_gemm)
     attn.qkv_proj = mixed

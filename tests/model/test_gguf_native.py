@@ -28,7 +28,9 @@ def packed(type_name: str, n: int, k: int, seed: int = 0) -> tuple[PackedWeight,
     from gguf import GGMLQuantizationType, dequantize
 
     raw = random_gguf_blocks(type_name, n, k, seed)
-    return PackedWeight.from_gguf(type_name, raw, (n, k)), dequantize(raw, GGMLQuantizationType[type_name]).reshape(n, k)
+    return PackedWeight.from_gguf(type_name, raw, (n, k)), dequantize(raw, GGMLQuantizationType[type_name]).reshape(
+        n, k
+    )
 
 
 @pytest.mark.parametrize("type_name", NATIVE_GGUF_TYPES)
@@ -143,8 +145,15 @@ def test_tiny_gguf_of_each_type_matches_its_dequantized_twin(tmp_path, llm, weig
     served from the file's own blocks with the float arithmetic (F16/BF16: 16-bit weights under
     float32 compute; the int8 arithmetic: test_gguf_int8), the log-probabilities of 24 greedy tokens are within 3e-4 of the dequantised float32 model's,
     and the tokens equal."""
-    hf = make_tiny_llama(tmp_path / "hf", vocab_size=llm.config.vocab_size, hidden_size=256, intermediate_size=512,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    hf = make_tiny_llama(
+        tmp_path / "hf",
+        vocab_size=llm.config.vocab_size,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     path = tmp_path / f"tiny-{weight_type}.gguf"
     write_gguf(path, hf, "llama", gguf_tokenizer_metadata(llm.model_path), weight_type=weight_type)
     common = dict(dtype="float32", progress=False, kv_cache_memory="32MiB", enable_prefix_caching=False)
@@ -235,6 +244,8 @@ def test_loading_a_model_does_not_import_the_compiler_stack():
         "LLM(progress=False, kv_cache_memory='16MiB')\n"
         "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo'))[:3])\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2])
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2]
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout

@@ -51,9 +51,16 @@ def _tiny_llama(vocab_size: int, family: str = "llama"):
         "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 8, "sliding_window": 64}),
         "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": None}),
     }[family]
-    cfg = getattr(transformers, config_cls)(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
-                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                            max_position_embeddings=256, **extra)  # fmt: skip
+    cfg = getattr(transformers, config_cls)(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        **extra,
+    )
     return getattr(transformers, model_cls)(cfg).eval()
 
 
@@ -74,10 +81,19 @@ def sentencepiece_gguf(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"spm-{family}")
     text = (CORPUS * 3) + [open(__file__.replace("tests/model/test_gguf_tokenizers.py", "bench/prompt.txt")).read()]
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(text), model_prefix=str(tmp / "sp"), vocab_size=700, model_type="bpe",
-        byte_fallback=True, character_coverage=0.995, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
-        user_defined_symbols=["<tool>"], minloglevel=2,
-    )  # fmt: skip
+        sentence_iterator=iter(text),
+        model_prefix=str(tmp / "sp"),
+        vocab_size=700,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=0.995,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        user_defined_symbols=["<tool>"],
+        minloglevel=2,
+    )
     sp = spm.SentencePieceProcessor(model_file=str(tmp / "sp.model"))
     n = sp.get_piece_size()
 
@@ -91,13 +107,17 @@ def sentencepiece_gguf(request, tmp_path_factory):
         return 4 if sp.id_to_piece(i) == "<tool>" else 1
 
     tokenizer = {
-        "tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.pre": "default",
         "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in range(n)],
         "tokenizer.ggml.scores": [sp.get_score(i) for i in range(n)],
         "tokenizer.ggml.token_type": [token_type(i) for i in range(n)],
-        "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0,
-        "tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.add_space_prefix": True,
-    }  # fmt: skip
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+        "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.ggml.add_space_prefix": True,
+    }
     path = tmp / f"spm-{family}.gguf"
     write_gguf(path, _tiny_llama(n, family), family, tokenizer)
     return path, sp
@@ -115,8 +135,10 @@ def test_sentencepiece_gguf_matches_transformers(sentencepiece_gguf):
 
 @pytest.mark.parametrize(("pre", "add_bos"), [("llama-bpe", True), ("qwen2", False)])
 def test_byte_level_pre_tokenizers_match_transformers(tmp_path, llm, pre, add_bos):
-    tokenizer = gguf_tokenizer_metadata(llm.model_path) | {"tokenizer.ggml.pre": pre,
-                                                           "tokenizer.ggml.add_bos_token": add_bos}  # fmt: skip
+    tokenizer = gguf_tokenizer_metadata(llm.model_path) | {
+        "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.add_bos_token": add_bos,
+    }
     path = tmp_path / f"{pre}.gguf"
     write_gguf(path, _tiny_llama(llm.config.vocab_size), "llama", tokenizer)
     ours = tokenizer_from_gguf(gguf_tokenizer_metadata(path), path)

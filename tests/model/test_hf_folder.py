@@ -28,8 +28,15 @@ def ours_for(path, block_size=4, num_blocks=64):
         {},
         {"tie_word_embeddings": True},
         {"num_key_value_heads": 8},
-        {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32}},
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            }
+        },
     ],
     ids=["gqa", "tied", "mha", "llama3-rope"],
 )

@@ -9,13 +9,19 @@ import sys
 
 
 def _modules_after(code: str) -> set[str]:
-    out = subprocess.run([sys.executable, "-c", code + "\nimport sys\nprint(' '.join(sys.modules))"],
-                         capture_output=True, text=True, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code + "\nimport sys\nprint(' '.join(sys.modules))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return set(out.stdout.split())
 
 
 def test_engine_modules_import_without_torch():
-    loaded = _modules_after("import tokenmill.engine.engine, tokenmill.engine.async_engine, tokenmill.engine.runner_sync")
+    loaded = _modules_after(
+        "import tokenmill.engine.engine, tokenmill.engine.async_engine, tokenmill.engine.runner_sync"
+    )
     assert "tokenmill.engine.scheduler" in loaded and "torch" not in loaded
 
 

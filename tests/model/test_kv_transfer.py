@@ -10,9 +10,11 @@ from tokenmill import LLM
 from tokenmill.replicas.routing import prompt_block_hashes
 from tokenmill.sampling_params import SamplingParams
 
-PROMPT = ("Paged attention keeps the KV cache in fixed-size blocks, so that requests share a system prompt's "
-          "blocks and memory is not lost to fragmentation. Prefill computes a prompt's K and V for every layer at "
-          "once; decoding then reads them back for each new token. Explain in two sentences why that helps a server:")  # fmt: skip
+PROMPT = (
+    "Paged attention keeps the KV cache in fixed-size blocks, so that requests share a system prompt's "
+    "blocks and memory is not lost to fragmentation. Prefill computes a prompt's K and V for every layer at "
+    "once; decoding then reads them back for each new token. Explain in two sentences why that helps a server:"
+)
 
 
 def run(llm: LLM, ids: list[int]):

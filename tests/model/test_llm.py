@@ -97,7 +97,7 @@ def test_min_tokens_holds_back_eos_stop_ids_and_stop_strings(llm):
     held = llm.chat(YES, SamplingParams(temperature=0, max_tokens=40, min_tokens=m))[0]
     biased = llm.chat(YES, SamplingParams(temperature=0, max_tokens=m, logit_bias={t: -100 for t in eos}))[0]
     assert len(held.token_ids) >= m and held.token_ids[:m] == biased.token_ids
-    assert not set(held.token_ids[: m]) & set(eos)
+    assert not set(held.token_ids[:m]) & set(eos)
     first_word = short.text.split()[0]
     early = llm.chat(YES, SamplingParams(temperature=0, max_tokens=40, stop=[first_word]))[0]
     stopped = llm.chat(YES, SamplingParams(temperature=0, max_tokens=40, min_tokens=m, stop=[first_word]))[0]

@@ -51,8 +51,13 @@ def test_the_price_is_what_a_request_in_flight_adds_to_a_newcomers_steps_in_prom
 def tiny_engine(num_blocks: int = 256, caching: bool = True) -> Engine:
     model = tiny_model(0, vocab=64)
     caches = allocate_kv_cache(model.config, num_blocks, 4, torch.float32, CPU)
-    config = EngineConfig(num_blocks=num_blocks, block_size=4, max_model_len=200, enable_prefix_caching=caching,
-                          scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64))  # fmt: skip
+    config = EngineConfig(
+        num_blocks=num_blocks,
+        block_size=4,
+        max_model_len=200,
+        enable_prefix_caching=caching,
+        scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64),
+    )
     return Engine(ModelRunner(model, caches, 4, CPU), ToyTokenizer(64), config)
 
 

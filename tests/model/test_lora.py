@@ -49,8 +49,9 @@ def adapters(base, tmp_path_factory):
     return {
         "all": write_adapter(root / "all", hf, seed=1),
         "attn": write_adapter(root / "attn", hf, targets=("q_proj", "v_proj"), rank=8, alpha=16, seed=2),
-        "mlp": write_adapter(root / "mlp", hf, targets=("gate_proj", "up_proj", "down_proj"), rank=2, alpha=4,
-                             seed=3, rslora=True),  # fmt: skip
+        "mlp": write_adapter(
+            root / "mlp", hf, targets=("gate_proj", "up_proj", "down_proj"), rank=2, alpha=4, seed=3, rslora=True
+        ),
     }
 
 
@@ -112,10 +113,20 @@ def test_max_loras_preemption_speculation_and_a_small_cpu_cache(base, adapters):
     params = SamplingParams(temperature=0, max_tokens=40)
     loras = ["all", "attn", "mlp", None, "mlp", "attn", "all", "mlp"]
     prompts = [ids(reference, PROMPTS[i % len(PROMPTS)] + " and the mill turned") for i in range(len(loras))]
-    expected = [reference.generate(p, params, lora=a)[0].outputs[0].token_ids for p, a in zip(prompts, loras, strict=True)]
+    expected = [
+        reference.generate(p, params, lora=a)[0].outputs[0].token_ids for p, a in zip(prompts, loras, strict=True)
+    ]
     # one adapter slot, two adapters in memory (the third is read again from disk), a cache too small for all
-    tight = served(base, adapters, max_lora_rank=8, max_loras=1, max_cpu_loras=2, kv_cache_memory="24KiB",
-                   speculative="ngram", spec_disable_batch_size=64)  # fmt: skip
+    tight = served(
+        base,
+        adapters,
+        max_lora_rank=8,
+        max_loras=1,
+        max_cpu_loras=2,
+        kv_cache_memory="24KiB",
+        speculative="ngram",
+        spec_disable_batch_size=64,
+    )
     got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, lora=loras)]
     assert got == expected
     assert tight.engine.scheduler.num_preemptions > 0
@@ -195,8 +206,12 @@ def test_adapters_on_quantised_base_weights(base, adapters, quantization):
 
 def test_structured_output_with_an_adapter(base, adapters):
     llm = served(base, adapters, max_lora_rank=8)
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
-              "required": ["n"], "additionalProperties": False}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
     params = SamplingParams(temperature=1.0, seed=3, max_tokens=20, structured={"json": schema})
     outs = llm.generate([ids(llm, p) for p in PROMPTS], params, lora=["all", "attn", None, "mlp"])
     for o in outs:
@@ -209,8 +224,13 @@ def test_lora_root_fences_the_paths_adapters_load_from(base, tmp_path):
     path, hf = base
     inside = write_adapter(tmp_path / "root" / "a", hf)
     outside = write_adapter(tmp_path / "b", hf)
-    small = {"dtype": "float32", "progress": False, "enable_lora": True, "kv_cache_memory": "16MiB",
-             "lora_root": str(tmp_path / "root")}  # fmt: skip
+    small = {
+        "dtype": "float32",
+        "progress": False,
+        "enable_lora": True,
+        "kv_cache_memory": "16MiB",
+        "lora_root": str(tmp_path / "root"),
+    }
     with pytest.raises(TokenmillError, match="--lora-root"):
         LLM(str(path), lora_modules=[f"out={outside}"], **small)
     llm = LLM(str(path), lora_modules=[f"in={inside}"], **small)

@@ -37,8 +37,13 @@ print(kept, libc.mallinfo2().fordblks)
 @pytest.mark.skipif(not GLIBC, reason="glibc's malloc only")
 def test_freed_memory_stays_in_the_heap_once_kept():
     def free_bytes(mode: str) -> tuple[str, int]:
-        out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True,
-                             env={"PATH": "/usr/bin:/bin"}).stdout.split()  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-c", PROBE, mode],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PATH": "/usr/bin:/bin"},
+        ).stdout.split()
         return out[0], int(out[1])
 
     kept, after = free_bytes("keep")

@@ -26,8 +26,12 @@ def model():
 
 def engine_for(model, num_blocks: int) -> Engine:
     caches = allocate_kv_cache(model.config, num_blocks, 4, torch.float32, CPU)
-    config = EngineConfig(num_blocks=num_blocks, block_size=4, max_model_len=200,
-                          scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64))  # fmt: skip
+    config = EngineConfig(
+        num_blocks=num_blocks,
+        block_size=4,
+        max_model_len=200,
+        scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64),
+    )
     return Engine(ModelRunner(model, caches, 4, CPU), ToyTokenizer(16), config)
 
 

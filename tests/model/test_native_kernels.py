@@ -36,8 +36,14 @@ def make_cache(kind: str, num_blocks: int, kv_heads: int, head_dim: int, dtype: 
     shape = (num_blocks, BS, kv_heads, head_dim)
     if kind in QUANTIZED_KV:
         storage = QUANTIZED_KV[kind][0]
-        return KVCacheLayer(torch.zeros(shape, dtype=storage), torch.zeros(shape, dtype=storage), dtype, kind,
-                            torch.ones(shape[:3], dtype=SCALE_DTYPE), torch.ones(shape[:3], dtype=SCALE_DTYPE))  # fmt: skip
+        return KVCacheLayer(
+            torch.zeros(shape, dtype=storage),
+            torch.zeros(shape, dtype=storage),
+            dtype,
+            kind,
+            torch.ones(shape[:3], dtype=SCALE_DTYPE),
+            torch.ones(shape[:3], dtype=SCALE_DTYPE),
+        )
     storage = {"auto": dtype, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[kind]
     return KVCacheLayer(torch.zeros(shape, dtype=storage), torch.zeros(shape, dtype=storage), dtype)
 
@@ -76,8 +82,9 @@ def batch(specs, heads, kv_heads, head_dim, kind, dtype, seed=0):
     return q, torch.cat(ks), torch.cat(vs), cache, meta
 
 
-def check_attention(specs, heads=8, kv_heads=2, head_dim=64, kind="auto", dtype=torch.float32, seed=0, window=None,
-                    softcap=None):  # fmt: skip
+def check_attention(
+    specs, heads=8, kv_heads=2, head_dim=64, kind="auto", dtype=torch.float32, seed=0, window=None, softcap=None
+):
     q, k, v, cache, meta = batch(specs, heads, kv_heads, head_dim, kind, dtype, seed)
     scale = head_dim**-0.5
     ref = REF.attention(q, k, v, cache, meta, scale, window, softcap).float()
@@ -171,8 +178,16 @@ def test_rms_norm_and_fused_residual_add(dtype):
     close(y1, y2, dtype)
 
 
-@pytest.mark.parametrize("dtype,kind", [(torch.float32, "auto"), (torch.bfloat16, "auto"), (torch.float32, "bfloat16"),
-                                        (torch.float32, "int8"), (torch.bfloat16, "fp8")])  # fmt: skip
+@pytest.mark.parametrize(
+    "dtype,kind",
+    [
+        (torch.float32, "auto"),
+        (torch.bfloat16, "auto"),
+        (torch.float32, "bfloat16"),
+        (torch.float32, "int8"),
+        (torch.bfloat16, "fp8"),
+    ],
+)
 def test_rotary_with_cache_write(dtype, kind):
     g = torch.Generator().manual_seed(2)
     rotary = RotaryEmbedding(inverse_frequencies(64, 100000.0, None), 2048)
@@ -340,7 +355,9 @@ def test_16_bit_weights_upcast_slab_by_slab_as_one_product(monkeypatch):
         xb = torch.randn(200, 576, generator=g).bfloat16()
         out = native_linear.NativeLinear(wb, upcast_rows=128)(xb)
         assert out.dtype == torch.bfloat16
-        torch.testing.assert_close(out, torch.nn.functional.linear(xb.float(), wb.float()).bfloat16(), rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(
+            out, torch.nn.functional.linear(xb.float(), wb.float()).bfloat16(), rtol=1e-2, atol=1e-2
+        )
 
 
 @pytest.mark.parametrize("rows", [1, 4, 6])
@@ -417,7 +434,6 @@ def test_layers_the_loop_does_not_serve_take_the_python_path():
     model.ops = NativeOps()
     use_native_linears(model)
     assert model.fused_plan is not None
-    model.layers[0].self_attn.qkv_proj = NativeLinear(model.layers[0].self_attn.qkv_proj.weight,
-                                                      bias=torch.zeros(64))  # fmt: skip
+    model.layers[0].self_attn.qkv_proj = NativeLinear(model.layers[0].self_attn.qkv_proj.weight, bias=torch.zeros(64))
     model.reset_fused_plan()
     assert model.fused_plan is None

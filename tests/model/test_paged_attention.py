@@ -21,9 +21,14 @@ def runner(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-    )  # fmt: skip
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
     ckpt = load_checkpoint(path, progress=False)
     model = LlamaForCausalLM.from_weights(ckpt.config, ckpt.weights)
@@ -58,12 +63,14 @@ def test_mixed_batch_of_decodes_and_prefills_equals_each_alone(runner):
     all_logits(runner, [seq(a[:-1], ta)])
     all_logits(runner, [seq(b[:-1], tb)])
     all_logits(runner, [seq(d[:6], td)])
-    alone = torch.cat([
-        all_logits(runner, [seq(a[-1:], ta, 8)]),
-        all_logits(runner, [seq(b[-1:], tb, 16)]),
-        all_logits(runner, [seq(c, tc)]),
-        all_logits(runner, [seq(d[6:], td, 6)]),
-    ])  # fmt: skip
+    alone = torch.cat(
+        [
+            all_logits(runner, [seq(a[-1:], ta, 8)]),
+            all_logits(runner, [seq(b[-1:], tb, 16)]),
+            all_logits(runner, [seq(c, tc)]),
+            all_logits(runner, [seq(d[6:], td, 6)]),
+        ]
+    )
     # Together, over the same cached prefixes: one step, two decodes then two prefills.
     mixed = all_logits(
         runner,

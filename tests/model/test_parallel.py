@@ -113,16 +113,24 @@ def test_pipeline_with_every_feature(tiny, tp, pp, quantization):
     (preemption) and prompt-lookup speculation, token-identical to one process with
     the same options."""
     path = tiny["even"]
-    opts = dict(dtype="float32", progress=False, max_num_batched_tokens=24, speculative="ngram",
-                num_speculative_tokens=3, spec_disable_batch_size=8, quantization=quantization)  # fmt: skip
+    opts = dict(
+        dtype="float32",
+        progress=False,
+        max_num_batched_tokens=24,
+        speculative="ngram",
+        num_speculative_tokens=3,
+        spec_disable_batch_size=8,
+        quantization=quantization,
+    )
     prefix = "You are a helpful assistant. Answer briefly and precisely. "
     prompts = [prefix + p for p in PROMPTS] * 2
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     with LLM(path, kv_cache_memory=_kv_memory(path, 14, 1, 1), **opts) as whole:
         expected = _tokens(whole.generate(prompts, params))
         assert whole.engine.num_preemptions > 0 and whole.engine.prefix_cache_stats.hits > 0
-    with LLM(path, kv_cache_memory=_kv_memory(path, 14, tp, pp), tensor_parallel_size=tp,
-             pipeline_parallel_size=pp, **opts) as split:  # fmt: skip
+    with LLM(
+        path, kv_cache_memory=_kv_memory(path, 14, tp, pp), tensor_parallel_size=tp, pipeline_parallel_size=pp, **opts
+    ) as split:
         assert split.num_blocks == 14
         assert _tokens(split.generate(prompts, params)) == expected
         engine = split.engine
@@ -169,8 +177,14 @@ def test_sizes_that_do_not_split_are_refused(llm):
 
 
 def test_killed_worker_ends_the_engine_cleanly(tiny):
-    llm = LLM(tiny["even"], dtype="float32", progress=False, kv_cache_memory="32MiB", tensor_parallel_size=2,
-              pipeline_parallel_size=2)  # fmt: skip
+    llm = LLM(
+        tiny["even"],
+        dtype="float32",
+        progress=False,
+        kv_cache_memory="32MiB",
+        tensor_parallel_size=2,
+        pipeline_parallel_size=2,
+    )
     workers = [p.pid for p in llm.parts.runner.cluster.procs]
     assert len(workers) == 3 and all(process_alive(p) for p in workers)
     victim = workers[1]
@@ -299,11 +313,37 @@ def test_torchrun_two_nodes(float_llm, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     prompt = "The capital of France is"
-    cmd = [torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
-           str(port), "-m", "tokenmill", "generate", prompt, "--max-tokens", "8", "--temperature", "0", "--dtype",
-           "float32", "--pipeline-parallel-size", "2", "--kv-cache-memory", "64MiB"]  # fmt: skip
-    nodes = [subprocess.Popen([*cmd[:1], "--node-rank", str(r), *cmd[1:]], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]  # fmt: skip
+    cmd = [
+        torchrun,
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        "-m",
+        "tokenmill",
+        "generate",
+        prompt,
+        "--max-tokens",
+        "8",
+        "--temperature",
+        "0",
+        "--dtype",
+        "float32",
+        "--pipeline-parallel-size",
+        "2",
+        "--kv-cache-memory",
+        "64MiB",
+    ]
+    nodes = [
+        subprocess.Popen(
+            [*cmd[:1], "--node-rank", str(r), *cmd[1:]], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for r in (0, 1)
+    ]
     outs = [n.communicate(timeout=240) for n in nodes]
     assert [n.returncode for n in nodes] == [0, 0], outs
     expected = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0))[0].outputs[0].text

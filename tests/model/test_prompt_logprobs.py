@@ -25,16 +25,21 @@ def test_prompt_logprobs_equal_a_full_forward_chunked_or_not(float_llm, hf_model
     want, want_top = reference(hf_model, ids, 3)
     got = out.prompt_logprobs[1:]
     assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 2e-3
-    assert sum(t != [i for i, _ in top] for t, top in zip(want_top, out.prompt_top_logprobs[1:], strict=True)) <= 2  # ties
+    assert (
+        sum(t != [i for i, _ in top] for t, top in zip(want_top, out.prompt_top_logprobs[1:], strict=True)) <= 2
+    )  # ties
     for j in range(1, len(ids)):  # the rank: 1 + how many tokens were more likely
         top_ids = [i for i, _ in out.prompt_top_logprobs[j]]
         assert out.prompt_ranks[j] == top_ids.index(ids[j]) + 1 if ids[j] in top_ids else out.prompt_ranks[j] > 3
-    chunked = LLM(dtype="float32", quant_arithmetic="float", progress=False, max_num_batched_tokens=64,
-                  kv_cache_memory="64MiB")  # fmt: skip
+    chunked = LLM(
+        dtype="float32", quant_arithmetic="float", progress=False, max_num_batched_tokens=64, kv_cache_memory="64MiB"
+    )
     try:
         again = chunked.generate(ids, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3))[0]
-        assert again.prompt_top_logprobs[1:] and max(
-            abs(a - b) for a, b in zip(again.prompt_logprobs[1:], got, strict=True)) < 1e-4  # fmt: skip
+        assert (
+            again.prompt_top_logprobs[1:]
+            and max(abs(a - b) for a, b in zip(again.prompt_logprobs[1:], got, strict=True)) < 1e-4
+        )
         assert again.token_ids == out.token_ids
     finally:
         chunked.close()

@@ -112,7 +112,9 @@ def test_copy_on_write_of_a_quantised_kv_block_keeps_forks_exact(kv_cache_dtype)
     prompt = "The three rivers of the old town are"  # its last block is partial: forks copy it
     params = SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=8, ignore_eos=True)
     forked = q.generate(prompt, params)[0]
-    alone = [q.generate(prompt, SamplingParams(temperature=0.8, seed=5 + i, max_tokens=8, ignore_eos=True))[0].token_ids
-             for i in range(3)]  # fmt: skip
+    alone = [
+        q.generate(prompt, SamplingParams(temperature=0.8, seed=5 + i, max_tokens=8, ignore_eos=True))[0].token_ids
+        for i in range(3)
+    ]
     assert [c.token_ids for c in forked.outputs] == alone
     assert q.engine.block_pool.num_free == q.engine.block_pool.num_blocks

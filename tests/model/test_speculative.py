@@ -29,15 +29,27 @@ BLOCK = 4
 
 
 def tiny_engine(
-    target, method=None, draft=None, k=3, num_blocks=64, max_num_seqs=64, draft_layers=1, caching=True, disable_batch_size=10_000
+    target,
+    method=None,
+    draft=None,
+    k=3,
+    num_blocks=64,
+    max_num_seqs=64,
+    draft_layers=1,
+    caching=True,
+    disable_batch_size=10_000,
 ):
     caches = allocate_kv_cache(target.config, num_blocks, BLOCK, torch.float32, CPU)
     proposer, spec = None, None
     if method is not None:
         spec = SpeculativeConfig(
-            method, num_speculative_tokens=k, draft_model="tiny", draft_layers=draft_layers, disable_batch_size=disable_batch_size,
+            method,
+            num_speculative_tokens=k,
+            draft_model="tiny",
+            draft_layers=draft_layers,
+            disable_batch_size=disable_batch_size,
             prompt_lookup_max=3,
-        )  # fmt: skip
+        )
         if method == "ngram":
             proposer = NgramProposer(3, 1)
         elif method == "self":
@@ -47,9 +59,13 @@ def tiny_engine(
             proposer = ModelProposer(draft, draft_caches, BLOCK, CPU)
     runner = ModelRunner(target, caches, BLOCK, CPU, proposer)
     config = EngineConfig(
-        num_blocks=num_blocks, block_size=BLOCK, max_model_len=200, enable_prefix_caching=caching,
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64), speculative=spec,
-    )  # fmt: skip
+        num_blocks=num_blocks,
+        block_size=BLOCK,
+        max_model_len=200,
+        enable_prefix_caching=caching,
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64),
+        speculative=spec,
+    )
     return Engine(runner, ToyTokenizer(target.config.vocab_size), config)
 
 
@@ -97,7 +113,9 @@ def test_a_draft_identical_to_the_target_is_always_accepted(target, method):
     exactly in step through chunked prefill, prefix-cache sharing, preemption and
     rejected drafts."""
     prompts, params = mixed_workload(16)
-    engine = tiny_engine(target, method, draft=copy.deepcopy(target), num_blocks=24, draft_layers=target.config.num_layers)
+    engine = tiny_engine(
+        target, method, draft=copy.deepcopy(target), num_blocks=24, draft_layers=target.config.num_layers
+    )
     run(engine, prompts, [SamplingParams(temperature=0, max_tokens=p.max_tokens, ignore_eos=True) for p in params])
     stats = engine.spec_decode_stats
     assert stats.num_drafts > 20 and stats.acceptance_rate == 1.0
@@ -105,14 +123,19 @@ def test_a_draft_identical_to_the_target_is_always_accepted(target, method):
 
 
 @pytest.mark.parametrize(
-    "method,temperature,top_k", [("draft", 1.0, 0), ("ngram", 0.8, 5), ("self", 1.0, 0)], ids=["draft", "ngram-topk", "self"]
+    "method,temperature,top_k",
+    [("draft", 1.0, 0), ("ngram", 0.8, 5), ("self", 1.0, 0)],
+    ids=["draft", "ngram-topk", "self"],
 )
 def test_sampling_with_speculation_reproduces_the_targets_distribution(method, temperature, top_k):
     vocab, draws = 8, 3000
     target = tiny_model(2, vocab=vocab)
     prompt = list(range(vocab)) * 2  # every token occurs: prompt lookup always has a match
     engine = tiny_engine(target, method, draft=tiny_model(3, vocab=vocab), k=2, num_blocks=2000, max_num_seqs=256)
-    params = [SamplingParams(temperature=temperature, top_k=top_k, max_tokens=4, seed=s, ignore_eos=True) for s in range(draws)]
+    params = [
+        SamplingParams(temperature=temperature, top_k=top_k, max_tokens=4, seed=s, ignore_eos=True)
+        for s in range(draws)
+    ]
     outputs = run(engine, [prompt] * draws, params).values()
     stats = engine.spec_decode_stats
     assert stats.num_drafts >= draws  # every request verified drafts for tokens 2 and 3

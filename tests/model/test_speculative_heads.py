@@ -48,19 +48,32 @@ def write_eagle(path, target, seed=0, draft_ids=None, std=0.3):
     def rand(*shape):
         return torch.randn(*shape, generator=g) * std
 
-    w = {"fc.weight": rand(h, 2 * h), "fc.bias": rand(h), "embed_tokens.weight": target.embed_tokens.weight.detach().clone(),
-         "layers.0.post_attention_layernorm.weight": 1 + rand(h)}  # fmt: skip
+    w = {
+        "fc.weight": rand(h, 2 * h),
+        "fc.bias": rand(h),
+        "embed_tokens.weight": target.embed_tokens.weight.detach().clone(),
+        "layers.0.post_attention_layernorm.weight": 1 + rand(h),
+    }
     for n, rows in (("q", cfg.num_heads), ("k", cfg.num_kv_heads), ("v", cfg.num_kv_heads)):
         w[f"layers.0.self_attn.{n}_proj.weight"] = rand(rows * cfg.head_dim, h)
     w["layers.0.self_attn.o_proj.weight"] = rand(h, cfg.num_heads * cfg.head_dim)
     w["layers.0.mlp.gate_proj.weight"] = rand(cfg.intermediate_size, h)
     w["layers.0.mlp.up_proj.weight"] = rand(cfg.intermediate_size, h)
     w["layers.0.mlp.down_proj.weight"] = rand(h, cfg.intermediate_size)
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "bias": True, "hidden_size": h,
-              "intermediate_size": cfg.intermediate_size, "num_attention_heads": cfg.num_heads,
-              "num_key_value_heads": cfg.num_kv_heads, "num_hidden_layers": 1, "rms_norm_eps": cfg.rms_norm_eps,
-              "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_position_embeddings,
-              "vocab_size": cfg.vocab_size}  # fmt: skip
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "bias": True,
+        "hidden_size": h,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+    }
     if draft_ids is not None:
         ids = torch.tensor(draft_ids)
         w["lm_head.weight"] = rand(len(ids), h) * 3
@@ -83,8 +96,9 @@ def write_medusa(path, target, heads=3, seed=0):
         w[f"{i}.1.weight"] = torch.randn(cfg.vocab_size, h, generator=g)
     path.mkdir(parents=True, exist_ok=True)
     save_file(w, str(path / "medusa_lm_head.safetensors"))
-    (path / "config.json").write_text(json.dumps({"medusa_num_heads": heads, "medusa_num_layers": 1,
-                                                  "base_model_name_or_path": "tiny"}))  # fmt: skip
+    (path / "config.json").write_text(
+        json.dumps({"medusa_num_heads": heads, "medusa_num_layers": 1, "base_model_name_or_path": "tiny"})
+    )
     return w
 
 
@@ -105,9 +119,14 @@ def engine_with(target, proposer, method, k=3, num_blocks=64, caching=True, max_
     caches = allocate_kv_cache(target.config, num_blocks, BLOCK, torch.float32, CPU, kv)
     spec = SpeculativeConfig(method, num_speculative_tokens=k, draft_model="tiny", disable_batch_size=10_000)
     runner = ModelRunner(target, caches, BLOCK, CPU, proposer)
-    config = EngineConfig(num_blocks=num_blocks, block_size=BLOCK, max_model_len=200, enable_prefix_caching=caching,
-                          scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
-                          speculative=spec)  # fmt: skip
+    config = EngineConfig(
+        num_blocks=num_blocks,
+        block_size=BLOCK,
+        max_model_len=200,
+        enable_prefix_caching=caching,
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
+        speculative=spec,
+    )
     return Engine(runner, ToyTokenizer(target.config.vocab_size), config)
 
 
@@ -192,10 +211,14 @@ class Alternating:
         self.drafting = self.steps % 6 < 3
 
 
-@pytest.mark.parametrize("draft_vocab,paused", [(None, False), ([0, 2, 3, 5, 7, 8, 11, 13, 14], False), (None, True)],
-                         ids=["target-head", "draft-vocab", "paused-now-and-then"])  # fmt: skip
-def test_eagle_drafts_follow_the_whole_history_through_chunks_sharing_and_preemption(target, tmp_path, draft_vocab,
-                                                                                     paused):  # fmt: skip
+@pytest.mark.parametrize(
+    "draft_vocab,paused",
+    [(None, False), ([0, 2, 3, 5, 7, 8, 11, 13, 14], False), (None, True)],
+    ids=["target-head", "draft-vocab", "paused-now-and-then"],
+)
+def test_eagle_drafts_follow_the_whole_history_through_chunks_sharing_and_preemption(
+    target, tmp_path, draft_vocab, paused
+):
     """Every draft equals the reference head's greedy drafts run over the sequence's whole
     history with the target's features computed afresh: the head's cache caught up on
     every kept position (prompt chunks, accepted drafts, steps it did not draft in and
@@ -218,8 +241,9 @@ def test_eagle_drafts_follow_the_whole_history_through_chunks_sharing_and_preemp
         n = len(known) - 1
         tokens = torch.tensor(known[1:] + drafts[:-1])
         with torch.inference_mode():
-            outs = ref.unroll(feats[None], target._embed(tokens).float()[None], torch.tensor([n]), target.rotary,
-                              len(drafts))  # fmt: skip
+            outs = ref.unroll(
+                feats[None], target._embed(tokens).float()[None], torch.tensor([n]), target.rotary, len(drafts)
+            )
             expected = []
             for out in outs:
                 h = out[0, n - 1 : n]
@@ -259,8 +283,11 @@ def test_a_confidence_floor_drafts_less_and_changes_no_output(target, tmp_path):
     assert per_draft[0] > 2.5 and per_draft[1] < per_draft[0] - 0.5
 
 
-@pytest.mark.parametrize("method,width", [("eagle-draft-vocab", 1), ("medusa", 1), ("eagle-draft-vocab", 2), ("medusa", 2)],
-                         ids=["eagle", "medusa", "eagle-tree-engine", "medusa-tree-engine"])  # fmt: skip
+@pytest.mark.parametrize(
+    "method,width",
+    [("eagle-draft-vocab", 1), ("medusa", 1), ("eagle-draft-vocab", 2), ("medusa", 2)],
+    ids=["eagle", "medusa", "eagle-tree-engine", "medusa-tree-engine"],
+)
 def test_sampling_with_a_head_reproduces_the_targets_distribution(tmp_path, method, width):
     """Sampled requests draft chains (trees are verified greedily, so an engine drafting
     trees gives sampled requests chains): speculative sampling reproduces the target."""
@@ -359,9 +386,19 @@ def tree_workload(vocab):
     return prompts, params
 
 
-@pytest.mark.parametrize("method,width,kv", [("eagle", 2, "auto"), ("eagle-draft-vocab", 3, "auto"), ("eagle", 2, "int8"),
-                                             ("medusa", 2, "auto"), ("medusa", 3, "int8")])  # fmt: skip
-def test_tree_verification_is_greedy_identical_through_chunks_sharing_and_preemption(target, tmp_path, method, width, kv):
+@pytest.mark.parametrize(
+    "method,width,kv",
+    [
+        ("eagle", 2, "auto"),
+        ("eagle-draft-vocab", 3, "auto"),
+        ("eagle", 2, "int8"),
+        ("medusa", 2, "auto"),
+        ("medusa", 3, "int8"),
+    ],
+)
+def test_tree_verification_is_greedy_identical_through_chunks_sharing_and_preemption(
+    target, tmp_path, method, width, kv
+):
     prompts, params = tree_workload(16)
     chain = engine_with(target, None, "ngram", kv=kv)
     expected = run(chain, prompts, params)
@@ -376,8 +413,10 @@ def test_tree_verification_is_greedy_identical_through_chunks_sharing_and_preemp
 
     def counting(*a, **kw):
         drafts = propose(*a, **kw)
-        shapes.update("tree" if d.parents is not None and len(set(d.parents)) < len(d.parents) else "chain"
-                      for d in drafts.values())  # fmt: skip
+        shapes.update(
+            "tree" if d.parents is not None and len(set(d.parents)) < len(d.parents) else "chain"
+            for d in drafts.values()
+        )
         return drafts
 
     proposer.propose = counting

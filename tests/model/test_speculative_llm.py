@@ -105,8 +105,10 @@ def test_an_eagle_head_is_needed_for_a_model_without_a_bundled_one(tmp_path):
         LLM(progress=False, kv_cache_memory="16MiB", speculative="eagle", draft_model=str(tmp_path / "head.bin"))
 
 
-HELD_OUT = [[{"role": "user", "content": "How do airplanes stay up in the air?"}],
-            [{"role": "user", "content": "Suggest a simple dinner I can cook with rice, eggs and spinach."}]]  # fmt: skip
+HELD_OUT = [
+    [{"role": "user", "content": "How do airplanes stay up in the air?"}],
+    [{"role": "user", "content": "Suggest a simple dinner I can cook with rice, eggs and spinach."}],
+]
 
 
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
@@ -117,7 +119,9 @@ def test_the_default_model_speculates_with_its_bundled_eagle_head(llm, float_llm
     would turn into other tokens: trees are greedy-identical under the float arithmetic.)"""
     extra = {"spec_tree_width": 2, "num_speculative_tokens": 6, "quant_arithmetic": "float"} if tree else {}
     llm = float_llm if tree else llm
-    spec = LLM(dtype="float32", progress=False, speculative="eagle", kv_cache_memory="64MiB", spec_auto_pause=False, **extra)
+    spec = LLM(
+        dtype="float32", progress=False, speculative="eagle", kv_cache_memory="64MiB", spec_auto_pause=False, **extra
+    )
     params = SamplingParams(temperature=0, max_tokens=64)
     expected = [o.outputs[0].token_ids for o in llm.chat(HELD_OUT, params)]
     assert [o.outputs[0].token_ids for o in spec.chat(HELD_OUT, params)] == expected

@@ -23,7 +23,10 @@ SCHEMAS = {
             "name": {"type": "string", "maxLength": 20},
             "address": {
                 "type": "object",
-                "properties": {"city": {"type": "string", "maxLength": 20}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                "properties": {
+                    "city": {"type": "string", "maxLength": 20},
+                    "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                },
                 "required": ["city", "zip"],
                 "additionalProperties": False,
             },
@@ -34,8 +37,18 @@ SCHEMAS = {
     "array": {
         "type": "object",
         "properties": {
-            "tags": {"type": "array", "items": {"enum": ["red", "green", "blue", "large", "small"]}, "minItems": 1, "maxItems": 3},
-            "ids": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "minItems": 2, "maxItems": 4},
+            "tags": {
+                "type": "array",
+                "items": {"enum": ["red", "green", "blue", "large", "small"]},
+                "minItems": 1,
+                "maxItems": 3,
+            },
+            "ids": {
+                "type": "array",
+                "items": {"type": "integer", "minimum": 0, "maximum": 999},
+                "minItems": 2,
+                "maxItems": 4,
+            },
         },
         "required": ["tags", "ids"],
         "additionalProperties": False,
@@ -90,7 +103,9 @@ def test_120_sampled_requests_all_validate(llm):
     for i in range(120):
         name = list(SCHEMAS)[i % len(SCHEMAS)]
         prompts.append(chat(llm, PROMPTS[name]))
-        params.append(SamplingParams(temperature=1.0, seed=i, max_tokens=160, structured=StructuredOutputs(json=SCHEMAS[name])))
+        params.append(
+            SamplingParams(temperature=1.0, seed=i, max_tokens=160, structured=StructuredOutputs(json=SCHEMAS[name]))
+        )
         schemas.append(SCHEMAS[name])
     outs = llm.generate(prompts, params)
     for out, schema in zip(outs, schemas, strict=True):
@@ -102,12 +117,16 @@ def test_120_sampled_requests_all_validate(llm):
 
 def test_regex_choice_and_an_arithmetic_grammar(llm):
     regex = r"\(\d{3}\) \d{3}-\d{4}"
-    outs = llm.generate(["Call me at"] * 8, [SamplingParams(temperature=1.0, seed=s, max_tokens=24,
-                                                            structured={"regex": regex}) for s in range(8)])  # fmt: skip
+    outs = llm.generate(
+        ["Call me at"] * 8,
+        [SamplingParams(temperature=1.0, seed=s, max_tokens=24, structured={"regex": regex}) for s in range(8)],
+    )
     assert all(re.fullmatch(regex, o.outputs[0].text) and o.outputs[0].finish_reason == "stop" for o in outs)
     choices = ["positive", "negative", "neutral"]
-    outs = llm.generate(["Sentiment of 'I love it':"] * 8, [SamplingParams(temperature=1.0, seed=s, max_tokens=8,
-                                                                          structured={"choice": choices}) for s in range(8)])  # fmt: skip
+    outs = llm.generate(
+        ["Sentiment of 'I love it':"] * 8,
+        [SamplingParams(temperature=1.0, seed=s, max_tokens=8, structured={"choice": choices}) for s in range(8)],
+    )
     assert all(o.outputs[0].text in choices for o in outs)
     grammar = """
 root   ::= expr
@@ -117,8 +136,10 @@ factor ::= number | "(" expr ")"
 number ::= [1-9] [0-9]?
 ws     ::= " "?
 """
-    outs = llm.generate(["An arithmetic expression:"] * 12, [SamplingParams(temperature=1.0, seed=s, max_tokens=64,
-                                                                          structured={"grammar": grammar}) for s in range(12)])  # fmt: skip
+    outs = llm.generate(
+        ["An arithmetic expression:"] * 12,
+        [SamplingParams(temperature=1.0, seed=s, max_tokens=64, structured={"grammar": grammar}) for s in range(12)],
+    )
     stopped = [o.outputs[0].text for o in outs if o.outputs[0].finish_reason == "stop"]
     assert len(stopped) >= 8
     for text in stopped:
@@ -138,8 +159,10 @@ def test_free_requests_in_a_mixed_batch_are_unchanged(llm):
     free_prompts = [chat(llm, "List three fruits."), chat(llm, "What is 2 + 2?")]
     alone = [o.outputs[0].token_ids for o in llm.generate(free_prompts, SamplingParams(temperature=0, max_tokens=32))]
     constrained = SamplingParams(temperature=0, max_tokens=60, structured={"json": SCHEMAS["nested"]})
-    mixed = llm.generate([free_prompts[0], chat(llm, PROMPTS["nested"]), free_prompts[1]],
-                         [SamplingParams(temperature=0, max_tokens=32), constrained, SamplingParams(temperature=0, max_tokens=32)])  # fmt: skip
+    mixed = llm.generate(
+        [free_prompts[0], chat(llm, PROMPTS["nested"]), free_prompts[1]],
+        [SamplingParams(temperature=0, max_tokens=32), constrained, SamplingParams(temperature=0, max_tokens=32)],
+    )
     assert [mixed[0].outputs[0].token_ids, mixed[2].outputs[0].token_ids] == alone
     jsonschema.validate(json.loads(mixed[1].outputs[0].text), SCHEMAS["nested"])
 
@@ -161,7 +184,11 @@ def test_logprobs_see_the_masked_distribution(llm):
 RECORD = '{"name": "Ada Lovelace", "born": 1815, "fields": ["mathematics", "computing"]}'
 RECORD_SCHEMA = {
     "type": "object",
-    "properties": {"name": {"type": "string"}, "born": {"type": "integer"}, "fields": {"type": "array", "items": {"type": "string"}}},
+    "properties": {
+        "name": {"type": "string"},
+        "born": {"type": "integer"},
+        "fields": {"type": "array", "items": {"type": "string"}},
+    },
     "required": ["name", "born", "fields"],
     "additionalProperties": False,
 }
@@ -176,8 +203,13 @@ def test_prompt_lookup_speculation_gives_the_same_constrained_output(llm):
     assert out.token_ids == plain.token_ids
     jsonschema.validate(json.loads(out.text), RECORD_SCHEMA)
     assert spec.spec_decode_stats.num_accepted_tokens > 0
-    sampled = spec.generate([prompt] * 6, [SamplingParams(temperature=1.0, seed=s, max_tokens=80,
-                                                          structured={"json": SCHEMAS["nested"]}) for s in range(6)])  # fmt: skip
+    sampled = spec.generate(
+        [prompt] * 6,
+        [
+            SamplingParams(temperature=1.0, seed=s, max_tokens=80, structured={"json": SCHEMAS["nested"]})
+            for s in range(6)
+        ],
+    )
     for o in sampled:
         jsonschema.validate(json.loads(o.outputs[0].text), SCHEMAS["nested"])
     assert spec.engine.block_pool.num_free == spec.engine.block_pool.num_blocks
@@ -191,22 +223,28 @@ def test_prefix_cache_hits_preemption_n_and_stop_strings(llm):
     assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
     # preemption: a cache too small for all of them at once recomputes some; matchers carry on
     prompts = [chat(llm, PROMPTS[name]) for name in SCHEMAS] * 2
-    many = [SamplingParams(temperature=1.0, seed=i, max_tokens=120, structured={"json": SCHEMAS[name]})
-            for i, name in enumerate(list(SCHEMAS) * 2)]  # fmt: skip
+    many = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=120, structured={"json": SCHEMAS[name]})
+        for i, name in enumerate(list(SCHEMAS) * 2)
+    ]
     small = LLM(dtype="float32", progress=False, kv_cache_memory="9MiB", max_num_seqs=10)  # 12 blocks
     tight = small.generate(prompts, many)
     assert small.engine.scheduler.num_preemptions > 0
     roomy = llm.generate(prompts, many)
     assert [o.outputs[0].token_ids for o in tight] == [o.outputs[0].token_ids for o in roomy]
     # n > 1: each sequence has its own matcher
-    out = llm.generate(prompt, SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=80,
-                                              structured={"json": SCHEMAS["optional_fields"]}))[0]  # fmt: skip
+    out = llm.generate(
+        prompt,
+        SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=80, structured={"json": SCHEMAS["optional_fields"]}),
+    )[0]
     for c in out.outputs:
         jsonschema.validate(json.loads(c.text), SCHEMAS["optional_fields"])
     assert len({c.text for c in out.outputs}) > 1
     # a stop string still ends a constrained output
-    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=60, stop=['", '],
-                                              structured={"json": SCHEMAS["optional_fields"]}))[0].outputs[0]  # fmt: skip
+    out = llm.generate(
+        prompt,
+        SamplingParams(temperature=0, max_tokens=60, stop=['", '], structured={"json": SCHEMAS["optional_fields"]}),
+    )[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == '", ' and out.text.startswith('{"title": "')
 
 
@@ -245,14 +283,26 @@ def test_sampling_under_a_grammar_is_distribution_identical_with_speculation(llm
     n, regex = 200, "[a-e](, [a-e]){5}"  # the separators are what the draft gets right (200: CI's time budget)
 
     def fourth_letters(engine: LLM) -> list[int]:
-        outs = engine.generate([prompt] * n, [SamplingParams(temperature=1.0, seed=10_000 + i, max_tokens=24,
-                                                             structured={"regex": regex}) for i in range(n)])  # fmt: skip
+        outs = engine.generate(
+            [prompt] * n,
+            [
+                SamplingParams(temperature=1.0, seed=10_000 + i, max_tokens=24, structured={"regex": regex})
+                for i in range(n)
+            ],
+        )
         texts = [o.outputs[0].text for o in outs]
         assert all(re.fullmatch(regex, t) for t in texts), [t for t in texts if not re.fullmatch(regex, t)]
         return [sum(t.split(", ")[3] == c for t in texts) for c in "abcde"]
 
-    spec = LLM(dtype="float32", progress=False, speculative="self", draft_layers=10, num_speculative_tokens=3,
-               spec_disable_batch_size=1000, max_num_seqs=64)  # fmt: skip
+    spec = LLM(
+        dtype="float32",
+        progress=False,
+        speculative="self",
+        draft_layers=10,
+        num_speculative_tokens=3,
+        spec_disable_batch_size=1000,
+        max_num_seqs=64,
+    )
     with_spec = fourth_letters(spec)
     assert spec.spec_decode_stats.num_accepted_tokens > 0
     plain = fourth_letters(llm)
@@ -260,12 +310,19 @@ def test_sampling_under_a_grammar_is_distribution_identical_with_speculation(llm
     assert scipy_stats.chi2_contingency(table).pvalue > 1e-3, (plain, with_spec)
 
 
-@pytest.mark.parametrize("structured,needle", [
-    ({"grammar": 'root ::= "a" root'}, "cannot be enforced"),
-    ({"regex": "a{1000000}"}, "cannot be enforced"),
-    ({"json": {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(700)}}}, "cannot be enforced"),
-    ({"choice": [f"option {i}" for i in range(30000)]}, "--max-grammar-bytes"),
-], ids=["right-recursive", "huge-repeat", "700-optional-properties", "30k-choices"])  # fmt: skip
+@pytest.mark.parametrize(
+    "structured,needle",
+    [
+        ({"grammar": 'root ::= "a" root'}, "cannot be enforced"),
+        ({"regex": "a{1000000}"}, "cannot be enforced"),
+        (
+            {"json": {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(700)}}},
+            "cannot be enforced",
+        ),
+        ({"choice": [f"option {i}" for i in range(30000)]}, "--max-grammar-bytes"),
+    ],
+    ids=["right-recursive", "huge-repeat", "700-optional-properties", "30k-choices"],
+)
 def test_a_grammar_past_the_matchers_limits_is_refused_before_any_token(llm, structured, needle):
     """Issue 24 item 1: a grammar the matcher would give up on mid-output (an Earley row
     or a lexer that explodes) is refused when it is compiled, naming the reason in a

@@ -11,7 +11,7 @@ CORPUS = [
     "  leading spaces and\ttabs\n\nand blank lines   \n",
     "Unicode: naïve café, Ünïcödé, 日本語のテキスト, 한국어, العربية, emoji 🤖🚀👩‍💻 and ∑∫√∞.",
     "def f(x):\n    return {'a': [1, 2, 3], \"b\": x ** 2}  # comment\n",
-    "if (a != b && c >= 0x1F) { printf(\"%d\\n\", a); }",
+    'if (a != b && c >= 0x1F) { printf("%d\\n", a); }',
     "Numbers 1234567890 and 3.14159, dates 2026-11-29, money $1,000.00",
     "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
     "text with a special token <|endoftext|> in the middle",

@@ -15,8 +15,24 @@ CHATS = [[{"role": "user", "content": "Tell me about the moon."}], [{"role": "us
 
 
 def train(out, method, epochs, *extra):
-    argv = ["train-draft", "--method", method, "--output", str(out), "--num-prompts", "6", "--max-tokens", "24",
-            "--epochs", str(epochs), "--batch-size", "3", "--eval-every", "1", *extra]  # fmt: skip
+    argv = [
+        "train-draft",
+        "--method",
+        method,
+        "--output",
+        str(out),
+        "--num-prompts",
+        "6",
+        "--max-tokens",
+        "24",
+        "--epochs",
+        str(epochs),
+        "--batch-size",
+        "3",
+        "--eval-every",
+        "1",
+        *extra,
+    ]
     assert main(argv) == 0
 
 
@@ -45,8 +61,15 @@ def test_an_eagle_head_is_trained_saved_resumed_and_served(tmp_path, plain, caps
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "data").glob("shard_*.pt")} == shards
     assert again["step"] == [1, 2, 3, 4] and again["loss"][:2] == first["loss"]
 
-    spec = LLM(dtype="float32", progress=False, speculative="eagle", draft_model=str(head), kv_cache_memory="64MiB",
-               spec_auto_pause=False, draft_confidence=0.0)  # fmt: skip
+    spec = LLM(
+        dtype="float32",
+        progress=False,
+        speculative="eagle",
+        draft_model=str(head),
+        kv_cache_memory="64MiB",
+        spec_auto_pause=False,
+        draft_confidence=0.0,
+    )
     assert greedy(spec) == plain
     assert spec.spec_decode_stats.num_drafts > 0
 
@@ -57,9 +80,18 @@ def test_a_medusa_head_is_trained_and_served(tmp_path, float_llm):
     train(tmp_path, "medusa", 1, "--medusa-heads", "2")
     head = tmp_path / "head"
     assert json.loads((head / "config.json").read_text())["medusa_num_heads"] == 2
-    spec = LLM(dtype="float32", quant_arithmetic="float", progress=False, speculative="medusa", draft_model=str(head),
-               kv_cache_memory="64MiB", num_speculative_tokens=2, spec_tree_width=2, spec_auto_pause=False,
-               draft_confidence=0.0)  # fmt: skip
+    spec = LLM(
+        dtype="float32",
+        quant_arithmetic="float",
+        progress=False,
+        speculative="medusa",
+        draft_model=str(head),
+        kv_cache_memory="64MiB",
+        num_speculative_tokens=2,
+        spec_tree_width=2,
+        spec_auto_pause=False,
+        draft_confidence=0.0,
+    )
     assert greedy(spec) == greedy(float_llm)
     assert spec.spec_decode_stats.num_drafts > 0
 

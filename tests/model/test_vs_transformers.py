@@ -11,8 +11,8 @@ from tokenmill import SamplingParams
 PROMPTS = [
     "Hi",
     "The quick brown fox jumps over the lazy dog. Then it ran into the forest, where",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n"
-    "    return fibonacci(n - 1) + fibonacci(n - 2)\n\n\ndef factorial(n):\n    \"\"\"Return n!.\"\"\"\n"
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    if n < 2:\n        return n\n'
+    '    return fibonacci(n - 1) + fibonacci(n - 2)\n\n\ndef factorial(n):\n    """Return n!."""\n'
     "    result = 1\n    for i in range(2, n + 1):\n        result *= i\n    return result\n\n\nclass Stack:\n",
 ]
 

@@ -28,9 +28,19 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         base = ["--served-model-name", MODEL, "--kv-cache-memory", "384MiB", "--dtype", "float32"] if one_model else []
-        cmd = [sys.executable, "-m", "tokenmill", "serve", "--port", str(self.port), *base, *flags]  # fmt: skip  (8,192-token context; float32: batch-invariant)
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "tokenmill",
+            "serve",
+            "--port",
+            str(self.port),
+            *base,
+            *flags,
+        ]  # (8,192-token context; float32: batch-invariant)
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
         deadline = time.time() + 120
         while time.time() < deadline:
             if self.proc.poll() is not None:

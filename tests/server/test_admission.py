@@ -30,9 +30,19 @@ class SlowRunner(ScriptedRunner):
 
 
 def _scope(client: str, path: str) -> dict:
-    return {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(), "query_string": b"",
-            "headers": [(b"content-type", b"application/json")], "http_version": "1.1", "scheme": "http",
-            "server": ("t", 80), "client": (client, 1), "root_path": ""}  # fmt: skip
+    return {
+        "type": "http",
+        "method": "POST",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+        "http_version": "1.1",
+        "scheme": "http",
+        "server": ("t", 80),
+        "client": (client, 1),
+        "root_path": "",
+    }
 
 
 async def _post(app, client: str, path: str, body: dict, events: list | None = None) -> tuple[int, dict, bytes]:
@@ -64,17 +74,23 @@ def test_the_limits_are_on_by_default():
     assert config.max_inflight_prompts_per_client == 32
 
 
-@pytest.mark.parametrize("path,body,flag", [
-    ("/v1/completions", {"prompt": ["a"] * 4, "max_tokens": 1}, "--max-prompts-per-request"),
-    ("/v1/completions", {"prompt": [[1, 2]] * 4, "max_tokens": 1}, "--max-prompts-per-request"),
-    ("/v1/embeddings", {"input": ["a"] * 4}, "--max-embedding-inputs"),
-    ("/v1/completions", {"prompt": ["abcdef", "abcdef"], "max_tokens": 1}, "--max-request-tokens"),
-    ("/v1/embeddings", {"input": ["abcdef", "abcdef"]}, "--max-request-tokens"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "path,body,flag",
+    [
+        ("/v1/completions", {"prompt": ["a"] * 4, "max_tokens": 1}, "--max-prompts-per-request"),
+        ("/v1/completions", {"prompt": [[1, 2]] * 4, "max_tokens": 1}, "--max-prompts-per-request"),
+        ("/v1/embeddings", {"input": ["a"] * 4}, "--max-embedding-inputs"),
+        ("/v1/completions", {"prompt": ["abcdef", "abcdef"], "max_tokens": 1}, "--max-request-tokens"),
+        ("/v1/embeddings", {"input": ["abcdef", "abcdef"]}, "--max-request-tokens"),
+    ],
+)
 def test_a_request_over_a_limit_is_a_400_naming_its_flag_and_leaves_nothing_behind(path, body, flag):
-    engine = AsyncEngine(Engine(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=64, block_size=4, max_model_len=64)))
-    config = ServerConfig(served_model_name=MODEL, max_prompts_per_request=3, max_embedding_inputs=3,
-                          max_request_tokens=10)  # fmt: skip
+    engine = AsyncEngine(
+        Engine(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=64, block_size=4, max_model_len=64))
+    )
+    config = ServerConfig(
+        served_model_name=MODEL, max_prompts_per_request=3, max_embedding_inputs=3, max_request_tokens=10
+    )
     app = build_app(engine, ToyTokenizer(), 64, config)
     try:
         status, _, raw = asyncio.run(_post(app, "10.0.0.1", path, {"model": MODEL, **body}))
@@ -96,9 +112,16 @@ def test_a_many_prompt_request_shares_the_engine_with_another_clients_request():
     places per client, the other request is answered while most of the 12 still wait,
     and the first client never holds more than its 2 places."""
     scheduler = SchedulerConfig(max_num_seqs=2)
-    engine = AsyncEngine(Engine(SlowRunner(4), ToyTokenizer(), EngineConfig(num_blocks=64, block_size=4, max_model_len=64,
-                                                                           scheduler=scheduler)))  # fmt: skip
-    app = build_app(engine, ToyTokenizer(), 64, ServerConfig(served_model_name=MODEL, max_inflight_prompts_per_client=2))
+    engine = AsyncEngine(
+        Engine(
+            SlowRunner(4),
+            ToyTokenizer(),
+            EngineConfig(num_blocks=64, block_size=4, max_model_len=64, scheduler=scheduler),
+        )
+    )
+    app = build_app(
+        engine, ToyTokenizer(), 64, ServerConfig(served_model_name=MODEL, max_inflight_prompts_per_client=2)
+    )
     windows = app.state.served.windows
     many = {"model": MODEL, "prompt": [f"p{i}" for i in range(12)], "max_tokens": 12, "stream": True}
 

@@ -22,7 +22,9 @@ MODEL = "toy"
 
 @pytest.fixture(scope="module")
 def app_engine():
-    engine = AsyncEngine(Engine(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=64, block_size=4, max_model_len=64)))
+    engine = AsyncEngine(
+        Engine(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=64, block_size=4, max_model_len=64))
+    )
     config = ServerConfig(served_model_name=MODEL, api_key=KEY, max_queue=2, max_request_bytes=4096)
     yield build_app(engine, ToyTokenizer(), 64, config), engine
     engine.shutdown()
@@ -98,22 +100,34 @@ def test_out_of_range_wrongly_typed_or_unsupported_fields_are_400s_naming_the_fi
     assert assert_error(r, 400)["param"] in (field, f"{field}.0", f"{field}.5") or field in r.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("path,body", [
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
-    ("/v1/responses", {"input": "hi", "max_output_tokens": 2}),
-    ("/tokenize", {"prompt": "hi"}),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 2}),
+        ("/tokenize", {"prompt": "hi"}),
+    ],
+)
 def test_a_field_we_do_not_know_is_refused_by_name_and_no_effect_fields_are_accepted(app_engine, path, body):
     for name, value in (("foo_unknown", 1), ("min_tokens_typo", 3), ("chat_template_kwargs", {"x": 1})):
-        err = assert_error(call(app_engine[0], "POST", path, {**body, name: value}), 400,
-                           f"Unrecognized request argument supplied: {name}")  # fmt: skip
+        err = assert_error(
+            call(app_engine[0], "POST", path, {**body, name: value}),
+            400,
+            f"Unrecognized request argument supplied: {name}",
+        )
         assert err["param"] == name
     if path != "/tokenize":
         from tokenmill.server.protocol import NO_EFFECT
 
-        accepted = {"user": "u1", "metadata": {"k": "v"}, "service_tier": "auto", "prompt_cache_key": "p",
-                    "safety_identifier": "s", "store": path == "/v1/responses"}  # fmt: skip
+        accepted = {
+            "user": "u1",
+            "metadata": {"k": "v"},
+            "service_tier": "auto",
+            "prompt_cache_key": "p",
+            "safety_identifier": "s",
+            "store": path == "/v1/responses",
+        }
         assert set(accepted) == set(NO_EFFECT)
         assert call(app_engine[0], "POST", path, {**body, **accepted}).status_code == 200
 
@@ -127,7 +141,9 @@ def test_unknown_stream_options_are_refused_by_name(app_engine):
 
 
 def test_echo_with_best_of_and_no_logprobs_answers(app_engine):
-    r = call(app_engine[0], "POST", "/v1/completions", {"prompt": "hi", "echo": True, "n": 1, "best_of": 2, "max_tokens": 2})
+    r = call(
+        app_engine[0], "POST", "/v1/completions", {"prompt": "hi", "echo": True, "n": 1, "best_of": 2, "max_tokens": 2}
+    )
     assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith("hi")
     assert r.json()["choices"][0]["logprobs"] is None and len(r.json()["choices"]) == 1
 
@@ -142,7 +158,9 @@ def test_models_by_id_version_ping_and_a_body_that_is_not_json(app_engine):
     info = call(app, "GET", "/tokenizer_info").json()
     assert info["model_max_length"] == 64 and "eos_token" in info and info["vocab_size"] > 0
     assert call(app, "GET", "/tokenizer_info", auth=None).status_code == 401  # behind the key, as /tokenize
-    err = assert_error(call(app, "POST", "/v1/completions", raw=b'{"prompt": "hi", "max_tokens": '), 400, "not valid JSON")
+    err = assert_error(
+        call(app, "POST", "/v1/completions", raw=b'{"prompt": "hi", "max_tokens": '), 400, "not valid JSON"
+    )
     assert err["param"] is None
 
 
@@ -226,29 +244,52 @@ def test_a_stream_cancelled_mid_wait_leaves_its_source_closable():
 CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 
 
-@pytest.mark.parametrize("messages,words", [
-    ([{"role": "hacker", "content": "hi"}], ("messages.0.role",)),
-    ([{"role": "tool", "tool_call_id": "call_1", "content": "r"}, {"role": "user", "content": "hi"}],
-     ("messages[0]", "no such tool_call_id")),
-    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
-      {"role": "tool", "tool_call_id": "call_9", "content": "r"}], ("messages[2]", "no such tool_call_id")),
-    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
-      {"role": "tool", "content": "r"}], ("needs the tool_call_id",)),
-], ids=["unknown-role", "tool-first", "unknown-call-id", "no-call-id"])  # fmt: skip
+@pytest.mark.parametrize(
+    "messages,words",
+    [
+        ([{"role": "hacker", "content": "hi"}], ("messages.0.role",)),
+        (
+            [{"role": "tool", "tool_call_id": "call_1", "content": "r"}, {"role": "user", "content": "hi"}],
+            ("messages[0]", "no such tool_call_id"),
+        ),
+        (
+            [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                {"role": "tool", "tool_call_id": "call_9", "content": "r"},
+            ],
+            ("messages[2]", "no such tool_call_id"),
+        ),
+        (
+            [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                {"role": "tool", "content": "r"},
+            ],
+            ("needs the tool_call_id",),
+        ),
+    ],
+    ids=["unknown-role", "tool-first", "unknown-call-id", "no-call-id"],
+)
 def test_conversations_openai_refuses_are_400s(app_engine, messages, words):
     """Issue 24 item 10: roles are OpenAI's; a tool message answers an earlier call."""
     app, engine = app_engine
     r = call(app, "POST", "/v1/chat/completions", {"messages": messages, "max_tokens": 2})
     assert_error(r, 400, *words)
-    ok = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
-          {"role": "tool", "tool_call_id": "call_1", "content": "r"}]  # fmt: skip
+    ok = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "r"},
+    ]
     assert len(ChatCompletionRequest(messages=ok, max_tokens=2).messages) == 3  # the same, answered: accepted
 
 
 def test_a_body_trickled_past_the_timeout_gets_408():
     """Issue 24 item 11: a client that never finishes its body is answered 408 (OpenAI's
     error shape) after --request-body-timeout, instead of holding its connection."""
-    engine = AsyncEngine(Engine(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=16, block_size=4, max_model_len=64)))
+    engine = AsyncEngine(
+        Engine(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=16, block_size=4, max_model_len=64))
+    )
     app = build_app(engine, ToyTokenizer(), 64, ServerConfig(served_model_name=MODEL, request_body_timeout=0.5))
     sent: list[dict] = []
 
@@ -263,9 +304,19 @@ def test_a_body_trickled_past_the_timeout_gets_408():
         async def send(message):
             sent.append(message)
 
-        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "raw_path": b"/v1/completions",
-                 "query_string": b"", "headers": [(b"content-type", b"application/json")], "http_version": "1.1",
-                 "scheme": "http", "server": ("t", 80), "client": ("c", 1), "root_path": ""}  # fmt: skip
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/v1/completions",
+            "raw_path": b"/v1/completions",
+            "query_string": b"",
+            "headers": [(b"content-type", b"application/json")],
+            "http_version": "1.1",
+            "scheme": "http",
+            "server": ("t", 80),
+            "client": ("c", 1),
+            "root_path": "",
+        }
         await asyncio.wait_for(app(scope, receive, send), 10)
 
     try:
@@ -278,9 +329,19 @@ def test_a_body_trickled_past_the_timeout_gets_408():
 
 
 def _scope(method: str, path: str) -> dict:
-    return {"type": "http", "method": method, "path": path, "raw_path": path.encode(), "query_string": b"",
-            "headers": [(b"content-type", b"application/json")], "http_version": "1.1", "scheme": "http",
-            "server": ("t", 80), "client": ("c", 1), "root_path": ""}  # fmt: skip
+    return {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+        "http_version": "1.1",
+        "scheme": "http",
+        "server": ("t", 80),
+        "client": ("c", 1),
+        "root_path": "",
+    }
 
 
 async def _call_asgi(app, method: str, path: str, body: bytes = b"") -> tuple[int, dict, bytes]:
@@ -301,9 +362,15 @@ def test_requests_past_the_open_request_cap_get_503_and_probes_still_answer():
     """Issue 24 item 11: while --max-open-requests are open (here: two bodies that never
     finish arriving), a new request is answered 503 at once in OpenAI's shape with
     Retry-After; /health still answers; once they close, requests are served again."""
-    engine = AsyncEngine(Engine(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=16, block_size=4, max_model_len=64)))
-    app = build_app(engine, ToyTokenizer(), 64, ServerConfig(served_model_name=MODEL, max_open_requests=2,
-                                                             request_body_timeout=3600))  # fmt: skip
+    engine = AsyncEngine(
+        Engine(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=16, block_size=4, max_model_len=64))
+    )
+    app = build_app(
+        engine,
+        ToyTokenizer(),
+        64,
+        ServerConfig(served_model_name=MODEL, max_open_requests=2, request_body_timeout=3600),
+    )
 
     async def trickle():
         first = [{"type": "http.request", "body": b'{"prompt": "ab', "more_body": True}]
@@ -344,8 +411,12 @@ def test_a_schema_nested_deeper_than_the_limit_is_a_400_naming_it(app_engine):
     schema: dict = {"type": "string"}
     for _ in range(70):
         schema = {"properties": {"a": schema}}
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}},
+    }
     assert_error(call(app_engine[0], "POST", "/v1/chat/completions", body), 400, "nested more than")
 
 
@@ -358,21 +429,34 @@ def test_an_unknown_field_inside_a_message_is_refused_by_name(app_engine):
     def chat(*messages):
         return call(app, "POST", "/v1/chat/completions", {"messages": list(messages), "max_tokens": 2})
 
-    err = assert_error(chat({"role": "user", "content": "hi", "foo": 1}), 400, "Unrecognized request argument supplied: foo")
+    err = assert_error(
+        chat({"role": "user", "content": "hi", "foo": 1}), 400, "Unrecognized request argument supplied: foo"
+    )
     assert err["param"] == "foo"
-    echoed = {"role": "assistant", "content": "yes", "refusal": None, "annotations": [], "audio": None,
-              "function_call": None, "reasoning_content": None}  # fmt: skip
+    echoed = {
+        "role": "assistant",
+        "content": "yes",
+        "refusal": None,
+        "annotations": [],
+        "audio": None,
+        "function_call": None,
+        "reasoning_content": None,
+    }
     assert chat({"role": "user", "content": "hi"}, echoed, {"role": "user", "content": "and?"}).status_code == 200
     err = assert_error(chat({"role": "user", "content": "hi"}, {**echoed, "refusal": "no"}), 400, "refusal")
     assert err["param"] == "messages"
 
 
 def test_a_nul_byte_in_a_lora_path_is_a_400_naming_it():
-    engine = AsyncEngine(Engine(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=16, block_size=4, max_model_len=64)))
+    engine = AsyncEngine(
+        Engine(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=16, block_size=4, max_model_len=64))
+    )
     app = build_app(engine, ToyTokenizer(), 64, ServerConfig(served_model_name=MODEL, allow_runtime_lora_updating=True))
     try:
-        for field, body in (("lora_path", {"lora_name": "a", "lora_path": "/tmp/x\x00y"}),
-                            ("lora_name", {"lora_name": "a\x00", "lora_path": "/tmp/x"})):  # fmt: skip
+        for field, body in (
+            ("lora_path", {"lora_name": "a", "lora_path": "/tmp/x\x00y"}),
+            ("lora_name", {"lora_name": "a\x00", "lora_path": "/tmp/x"}),
+        ):
             err = assert_error(call(app, "POST", "/v1/load_lora_adapter", body, auth=None), 400, "NUL byte")
             assert err["param"] == field
     finally:
@@ -400,7 +484,9 @@ def test_an_unexpected_error_is_a_json_500_and_the_connection_serves_the_next_re
 
     from tests.helpers import wait_until
 
-    engine = AsyncEngine(Engine(ScriptedRunner(4), _FailingTokenizer(), EngineConfig(num_blocks=16, block_size=4, max_model_len=64)))
+    engine = AsyncEngine(
+        Engine(ScriptedRunner(4), _FailingTokenizer(), EngineConfig(num_blocks=16, block_size=4, max_model_len=64))
+    )
     app = build_app(engine, _FailingTokenizer(), 64, ServerConfig(served_model_name=MODEL))
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))

@@ -12,27 +12,42 @@ openai = pytest.importorskip("openai")
 
 def test_use_beam_search_answers_the_offline_beams(client, llm):
     prompt = "The capital of France is"
-    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, n=2, best_of=3, temperature=0,
-                                  extra_body={"use_beam_search": True, "length_penalty": 0.8})  # fmt: skip
+    r = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=6,
+        n=2,
+        best_of=3,
+        temperature=0,
+        extra_body={"use_beam_search": True, "length_penalty": 0.8},
+    )
     beams = llm.beam_search(prompt, BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=0.8))[0].beams
     want = [llm.tokenizer.decode(b.tokens[:-1] if b.finished else b.tokens) for b in beams[:2]]
     assert [c.text for c in r.choices] == want and [c.index for c in r.choices] == [0, 1]
     assert r.usage.completion_tokens == sum(len(b.tokens) for b in beams[:2])
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
-                                          n=2, extra_body={"use_beam_search": True})  # fmt: skip
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=5,
+        n=2,
+        extra_body={"use_beam_search": True},
+    )
     assert len(chat.choices) == 2 and all(c.message.content is not None for c in chat.choices)
 
 
-@pytest.mark.parametrize(("extra", "needle"), [
-    ({"stream": True}, "stream"),
-    ({"temperature": 0.7}, "temperature"),
-    ({"logprobs": 1}, "logprobs"),
-    ({"logprobs": 0}, "logprobs"),
-    ({"return_timings": True}, "return_timings"),
-    ({"n": 3, "best_of": 2}, "best_of must be in [n"),
-    ({"n": 11}, "beam_width"),
-    ({"stop": ["x"]}, "stop"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        ({"stream": True}, "stream"),
+        ({"temperature": 0.7}, "temperature"),
+        ({"logprobs": 1}, "logprobs"),
+        ({"logprobs": 0}, "logprobs"),
+        ({"return_timings": True}, "return_timings"),
+        ({"n": 3, "best_of": 2}, "best_of must be in [n"),
+        ({"n": 11}, "beam_width"),
+        ({"stop": ["x"]}, "stop"),
+    ],
+)
 def test_beam_search_refuses_what_it_cannot_honour(http, extra, needle):
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 3, "use_beam_search": True, **extra}
     r = http.post("/v1/completions", json=body)

@@ -14,7 +14,7 @@ import httpx
 from tests.helpers import wait_until
 from tests.server.conftest import free_port
 
-STUB = r'''
+STUB = r"""
 import json, sys, uvicorn
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse, StreamingResponse
@@ -40,7 +40,7 @@ async def completions(request):
 
 app = Starlette(routes=[Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"])])
 uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
-'''
+"""
 
 
 def test_bench_serve_measures_an_independent_openai_style_server(tmp_path):
@@ -57,8 +57,23 @@ def test_bench_serve_measures_an_independent_openai_style_server(tmp_path):
                 return False
 
         assert wait_until(up, timeout=30)
-        cmd = [sys.executable, "-m", "tokenmill", "bench", "serve", "--base-url", url, "--num-prompts", "8",
-               "--request-rate", "inf", "--output-dir", str(tmp_path), "--label", "peer"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "tokenmill",
+            "bench",
+            "serve",
+            "--base-url",
+            url,
+            "--num-prompts",
+            "8",
+            "--request-rate",
+            "inf",
+            "--output-dir",
+            str(tmp_path),
+            "--label",
+            "peer",
+        ]
         started = time.time()
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr

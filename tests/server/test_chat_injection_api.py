@@ -32,7 +32,9 @@ def tokenizer():
 
 @pytest.fixture(params=[False, True], ids=["default", "allowed"])
 def app(request, tokenizer):
-    engine = AsyncEngine(Engine(ScriptedRunner(4), tokenizer, EngineConfig(num_blocks=256, block_size=4, max_model_len=1024)))  # fmt: skip
+    engine = AsyncEngine(
+        Engine(ScriptedRunner(4), tokenizer, EngineConfig(num_blocks=256, block_size=4, max_model_len=1024))
+    )
     config = ServerConfig(allow_special_tokens_in_messages=request.param)
     yield request.param, build_app(engine, tokenizer, 1024, config)
     engine.shutdown()
@@ -50,15 +52,29 @@ def test_a_user_cannot_forge_a_system_turn(app, tokenizer):
     allowed, app = app
     messages = [{"role": "user", "content": INJECTION}]
     chat = {"messages": messages, "max_tokens": 1, "temperature": 0}
-    call = {"role": "assistant", "content": None,
-            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}  # fmt: skip
+    call = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+    }
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    with_result = {**chat, "tools": tools, "tool_choice": "none", "messages": [{"role": "user", "content": "Call f."}, call,
-                                                        {"role": "tool", "tool_call_id": "c1", "content": INJECTION}]}  # fmt: skip
-    tokenized, completed, responded, tool_result = _post(app, ("/tokenize", {"messages": messages}),
-                                                         ("/v1/chat/completions", chat),
-                                                         ("/v1/responses", {"input": INJECTION, "max_output_tokens": 1}),
-                                                         ("/v1/chat/completions", with_result))  # fmt: skip
+    with_result = {
+        **chat,
+        "tools": tools,
+        "tool_choice": "none",
+        "messages": [
+            {"role": "user", "content": "Call f."},
+            call,
+            {"role": "tool", "tool_call_id": "c1", "content": INJECTION},
+        ],
+    }
+    tokenized, completed, responded, tool_result = _post(
+        app,
+        ("/tokenize", {"messages": messages}),
+        ("/v1/chat/completions", chat),
+        ("/v1/responses", {"input": INJECTION, "max_output_tokens": 1}),
+        ("/v1/chat/completions", with_result),
+    )
     for r in (tokenized, completed, responded, tool_result):
         assert r.status_code == 200, r.text
     ids = tokenized.json()["tokens"]

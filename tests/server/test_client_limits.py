@@ -44,9 +44,19 @@ def test_a_client_is_its_address_and_an_ipv6_host_its_64():
 
 
 def _scope(client: str) -> dict:
-    return {"type": "http", "method": "POST", "path": "/v1/completions", "raw_path": b"/v1/completions",
-            "query_string": b"", "headers": [(b"content-type", b"application/json")], "http_version": "1.1",
-            "scheme": "http", "server": ("t", 80), "client": (client, 1234), "root_path": ""}  # fmt: skip
+    return {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+        "http_version": "1.1",
+        "scheme": "http",
+        "server": ("t", 80),
+        "client": (client, 1234),
+        "root_path": "",
+    }
 
 
 async def _post(app, client: str, whole: bool) -> tuple[int, bytes]:
@@ -70,8 +80,9 @@ async def _post(app, client: str, whole: bool) -> tuple[int, bytes]:
 def test_unfinished_bodies_are_capped_per_client_and_other_clients_are_served(engine):
     """Five half-sent bodies from one address: two are held, three are refused 429 at
     once, so that another address is served although only three requests may be open."""
-    config = ServerConfig(served_model_name=MODEL, max_open_requests=3, max_unfinished_bodies_per_client=2,
-                          request_body_timeout=3600)  # fmt: skip
+    config = ServerConfig(
+        served_model_name=MODEL, max_open_requests=3, max_unfinished_bodies_per_client=2, request_body_timeout=3600
+    )
     app = build_app(engine, ToyTokenizer(), 64, config)
 
     async def main():
@@ -117,8 +128,13 @@ def _closed_within(s: socket.socket, seconds: float) -> bool:
 
 @pytest.mark.parametrize("protocol", ["auto", "h11"])
 def test_a_connection_flood_from_one_address_leaves_another_served_and_idle_connections_close(engine, protocol):
-    config = ServerConfig(served_model_name=MODEL, max_open_requests=6, max_connections_per_client=4,
-                          request_header_timeout=0.5, request_body_timeout=3600)  # fmt: skip
+    config = ServerConfig(
+        served_model_name=MODEL,
+        max_open_requests=6,
+        max_connections_per_client=4,
+        request_header_timeout=0.5,
+        request_body_timeout=3600,
+    )
     base = None
     if protocol == "h11":
         from uvicorn.protocols.http.h11_impl import H11Protocol as base
@@ -126,12 +142,20 @@ def test_a_connection_flood_from_one_address_leaves_another_served_and_idle_conn
     listener.bind(("127.0.0.1", 0))
     listener.listen(128)
     port = listener.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, ToyTokenizer(), 64, config), log_level="warning",
-                                           lifespan="off", **uvicorn_options(config, base)))  # fmt: skip
+    server = uvicorn.Server(
+        uvicorn.Config(
+            build_app(engine, ToyTokenizer(), 64, config),
+            log_level="warning",
+            lifespan="off",
+            **uvicorn_options(config, base),
+        )
+    )
     thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[listener])), daemon=True)
     thread.start()
-    head = (b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n" % len(PROMPT))  # fmt: skip
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(PROMPT)
+    )
     flood: list[socket.socket] = []
     try:
         assert wait_until(lambda: server.started, timeout=10)

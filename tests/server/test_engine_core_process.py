@@ -30,8 +30,11 @@ def start_client(heartbeat_timeout: float = 30.0, **options) -> AsyncCoreClient:
     from tokenmill.model.tokenizer import load_tokenizer
 
     args = engine_args(dtype="float32", kv_cache_memory="256MiB", **options)
-    return AsyncCoreClient(functools.partial(run_engine_core, args), load_tokenizer(resolve_model_path(None)),
-                           heartbeat_timeout=heartbeat_timeout)  # fmt: skip
+    return AsyncCoreClient(
+        functools.partial(run_engine_core, args),
+        load_tokenizer(resolve_model_path(None)),
+        heartbeat_timeout=heartbeat_timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +60,13 @@ def wait_for(predicate, timeout: float = 10.0) -> None:
 
 
 def test_streams_from_the_core_process_equal_the_offline_engine(client, llm):
-    params = [SamplingParams(max_tokens=24, temperature=0, logprobs=2),
-              SamplingParams(max_tokens=40, temperature=0, stop=[" the", "."]),
-              SamplingParams(max_tokens=16, temperature=0.8, seed=7, n=2),
-              SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, include_stop_str_in_output=True, stop=["e"]),
-              SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[13])]  # fmt: skip
+    params = [
+        SamplingParams(max_tokens=24, temperature=0, logprobs=2),
+        SamplingParams(max_tokens=40, temperature=0, stop=[" the", "."]),
+        SamplingParams(max_tokens=16, temperature=0.8, seed=7, n=2),
+        SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, include_stop_str_in_output=True, stop=["e"]),
+        SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[13]),
+    ]
     ids = [llm.tokenizer.encode(p) for p in PROMPTS]
     offline = llm.generate(ids, params)
 
@@ -98,7 +103,9 @@ def test_a_stop_string_found_in_the_api_process_ends_the_sequence_in_the_core(cl
 def test_leaving_a_stream_early_aborts_the_request_in_the_core(client):
     async def run():
         seen = 0
-        async for _ in client.generate("early", "Tell me a long story", SamplingParams(max_tokens=500, ignore_eos=True)):
+        async for _ in client.generate(
+            "early", "Tell me a long story", SamplingParams(max_tokens=500, ignore_eos=True)
+        ):
             seen += 1
             if seen == 3:
                 assert client.snapshot().num_running == 1
@@ -144,8 +151,11 @@ def test_a_core_that_fails_to_start_reports_why():
 def test_a_core_that_dies_fails_its_streams_and_says_so():
     c = start_client()
     try:
+
         async def run():
-            async for _ in c.generate("doomed", "Count to a thousand:", SamplingParams(max_tokens=2000, ignore_eos=True)):
+            async for _ in c.generate(
+                "doomed", "Count to a thousand:", SamplingParams(max_tokens=2000, ignore_eos=True)
+            ):
                 if c.process.is_alive():
                     os.kill(c.process.pid, signal.SIGKILL)
 
@@ -200,23 +210,33 @@ def test_a_grammar_slower_than_its_compile_timeout_is_refused_and_plain_requests
     behind compiles."""
     c = start_client(grammar_compile_timeout=0.05)
     try:
+
         async def run():
-            slow = [asyncio.ensure_future(collect(c, f"s{i}", "x", SamplingParams(
-                max_tokens=2, structured={"json": big_schema(f"s{i}")}))) for i in range(3)]  # fmt: skip
+            slow = [
+                asyncio.ensure_future(
+                    collect(c, f"s{i}", "x", SamplingParams(max_tokens=2, structured={"json": big_schema(f"s{i}")}))
+                )
+                for i in range(3)
+            ]
             plain = await collect(c, "plain", "Hello", SamplingParams(max_tokens=2))
             assert plain[-1].finished and not any(s.done() and not s.exception() for s in slow)
             return await asyncio.gather(*slow, return_exceptions=True)
 
         results = asyncio.run(run())
-        assert all(isinstance(r, InvalidRequestError) and "--grammar-compile-timeout" in str(r) for r in results), results
+        assert all(isinstance(r, InvalidRequestError) and "--grammar-compile-timeout" in str(r) for r in results), (
+            results
+        )
         wait_for(lambda: c.snapshot().num_running == 0)
         # the refused compiles finish in the background (one thread at nice 19: seconds on a busy
         # machine), into the cache: a retry is then served, however short its budget
         deadline = time.monotonic() + 60
         for attempt in itertools.count():
             try:
-                outs = asyncio.run(collect(c, f"retry{attempt}", "x",
-                                           SamplingParams(max_tokens=2, structured={"json": big_schema("s0")})))  # fmt: skip
+                outs = asyncio.run(
+                    collect(
+                        c, f"retry{attempt}", "x", SamplingParams(max_tokens=2, structured={"json": big_schema("s0")})
+                    )
+                )
                 break
             except InvalidRequestError:
                 assert time.monotonic() < deadline, "the refused grammar never reached the cache"
@@ -234,7 +254,7 @@ def _within(seconds: float, scenario) -> None:
     def run() -> None:
         try:
             asyncio.run(scenario())
-        except BaseException as e:  # noqa: BLE001 - reported below
+        except BaseException as e:
             error.append(e)
 
     import threading
@@ -252,6 +272,7 @@ def test_thousands_of_requests_put_in_at_once_and_dropped_never_lock_the_pipe():
     sending adds, the core sending their answers) and locked the server for good."""
     c = start_client()
     try:
+
         async def flood() -> None:
             params = SamplingParams(max_tokens=1, pooling="last")
             ids = c.tokenizer.encode("word after word " * 20)

@@ -75,7 +75,9 @@ def test_requests_racing_the_loops_death_all_get_503_at_once():
         async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as c:
             body = {"model": MODEL, "prompt": "abc", "max_tokens": 3}
             runner.dead = True
-            return await asyncio.wait_for(asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(40))), 20)
+            return await asyncio.wait_for(
+                asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(40))), 20
+            )
 
     try:
         replies = asyncio.run(main())

@@ -19,16 +19,29 @@ transformers = pytest.importorskip("transformers")
 def test_gemma3_gguf_serves_chat(tmp_path):
     tokenizer = gguf_tokenizer_metadata(default_model_path())
     torch.manual_seed(0)
-    cfg = transformers.Gemma3TextConfig(vocab_size=len(tokenizer["tokenizer.ggml.tokens"]), hidden_size=64,
-                                        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                        num_key_value_heads=2, head_dim=16, sliding_window=8, sliding_window_pattern=2,
-                                        max_position_embeddings=512)  # fmt: skip
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=len(tokenizer["tokenizer.ggml.tokens"]),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=8,
+        sliding_window_pattern=2,
+        max_position_embeddings=512,
+    )
     path = tmp_path / "gemma3.gguf"
     write_gguf(path, transformers.Gemma3ForCausalLM(cfg).eval(), "gemma3", tokenizer)
     server = Server("--model", str(path))
     try:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 12,
-                "temperature": 0, "ignore_eos": True}  # fmt: skip
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Say something."}],
+            "max_tokens": 12,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         reply = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
         assert reply.status_code == 200, reply.text
         message = reply.json()["choices"][0]["message"]["content"]

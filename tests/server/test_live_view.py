@@ -22,7 +22,9 @@ KEY = "key-a"
 
 
 def scripted(name: str) -> ServedModel:
-    engine = AsyncEngine(Engine(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=128, block_size=4, max_model_len=512)))
+    engine = AsyncEngine(
+        Engine(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=128, block_size=4, max_model_len=512))
+    )
     return ServedModel(name, engine, ToyTokenizer(), 512)
 
 
@@ -51,8 +53,12 @@ def call(app, method: str, path: str, key: str | None = None, **kw) -> httpx.Res
 
 
 def chat(app, content: str = "hello there", key: str | None = None, model: str | None = None, **kw) -> httpx.Response:
-    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 5, "temperature": 0,
-            **({"model": model} if model else {})}  # fmt: skip
+    body = {
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 5,
+        "temperature": 0,
+        **({"model": model} if model else {}),
+    }
     r = call(app, "POST", "/v1/chat/completions", key, json=body, **kw)
     assert r.status_code == 200, r.text
     return r

@@ -17,21 +17,44 @@ from tokenmill import LLM, SamplingParams
 def setup(tmp_path_factory, llm):
     root = tmp_path_factory.mktemp("lora_server")
     hf = make_tiny_chat_model(root / "base", llm.tokenizer, llm.config.vocab_size)
-    adapters = {"alpha": write_adapter(root / "alpha", hf, seed=11), "beta": write_adapter(root / "beta", hf, seed=12,
-                targets=("q_proj", "v_proj"), rank=8, alpha=16), "gamma": write_adapter(root / "gamma", hf, seed=13)}  # fmt: skip
+    adapters = {
+        "alpha": write_adapter(root / "alpha", hf, seed=11),
+        "beta": write_adapter(root / "beta", hf, seed=12, targets=("q_proj", "v_proj"), rank=8, alpha=16),
+        "gamma": write_adapter(root / "gamma", hf, seed=13),
+    }
     bad = write_adapter(root / "bad", hf, seed=14, rank=64)  # above --max-lora-rank
-    server = Server("--model", str(root / "base"), "--kv-cache-memory", "16MiB", "--enable-lora", "--max-lora-rank", "8",
-                    "--lora-modules", f"alpha={adapters['alpha']}", f"beta={adapters['beta']}",
-                    "--allow-runtime-lora-updating")  # fmt: skip
-    offline = LLM(str(root / "base"), dtype="float32", progress=False, enable_lora=True, max_lora_rank=8,
-                  kv_cache_memory="16MiB", lora_modules=[f"{k}={v}" for k, v in adapters.items()])  # fmt: skip
+    server = Server(
+        "--model",
+        str(root / "base"),
+        "--kv-cache-memory",
+        "16MiB",
+        "--enable-lora",
+        "--max-lora-rank",
+        "8",
+        "--lora-modules",
+        f"alpha={adapters['alpha']}",
+        f"beta={adapters['beta']}",
+        "--allow-runtime-lora-updating",
+    )
+    offline = LLM(
+        str(root / "base"),
+        dtype="float32",
+        progress=False,
+        enable_lora=True,
+        max_lora_rank=8,
+        kv_cache_memory="16MiB",
+        lora_modules=[f"{k}={v}" for k, v in adapters.items()],
+    )
     yield server, adapters, bad, offline
     server.stop()
 
 
 def complete(server, model, prompt="The river ran", max_tokens=8, **extra):
-    return httpx.post(server.url + "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                                                            "temperature": 0, **extra}, timeout=60)  # fmt: skip
+    return httpx.post(
+        server.url + "/v1/completions",
+        json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra},
+        timeout=60,
+    )
 
 
 def test_adapters_are_models_with_a_parent_and_match_offline(setup):
@@ -62,8 +85,10 @@ def test_load_and_unload_while_a_request_runs(setup):
     assert httpx.post(server.url + "/v1/load_lora_adapter", json=load, timeout=60).status_code == 200
     r = complete(server, "gamma")
     ids = offline.tokenizer.encode("The river ran")
-    assert r.json()["choices"][0]["text"] == offline.generate(ids, SamplingParams(temperature=0, max_tokens=8),
-                                                              lora="gamma")[0].outputs[0].text  # fmt: skip
+    assert (
+        r.json()["choices"][0]["text"]
+        == offline.generate(ids, SamplingParams(temperature=0, max_tokens=8), lora="gamma")[0].outputs[0].text
+    )
     assert httpx.post(server.url + "/v1/load_lora_adapter", json=load).status_code == 400  # already served
     r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(bad)})
     assert r.status_code == 400 and "max-lora-rank" in r.json()["error"]["message"]
@@ -117,10 +142,14 @@ def test_bad_adapter_folders_are_400s_in_openai_shape(setup, tmp_path):
         return str(path)
 
     conf = (adapters["alpha"] / "adapter_config.json").read_text()
-    cases = {"alpha-null": copy("a1", conf.replace('"lora_alpha": 8', '"lora_alpha": null')),
-             "a-list": copy("a2", "[1, 2]"), "deep": copy("a3", "[" * 100_000 + "]" * 100_000),
-             "nan-weights": copy("a4", nan=True), "alpha-nan": copy("a5", conf.replace('"lora_alpha": 8', '"lora_alpha": NaN')),
-             "long-path": str(tmp_path / ("x" * 300))}  # fmt: skip
+    cases = {
+        "alpha-null": copy("a1", conf.replace('"lora_alpha": 8', '"lora_alpha": null')),
+        "a-list": copy("a2", "[1, 2]"),
+        "deep": copy("a3", "[" * 100_000 + "]" * 100_000),
+        "nan-weights": copy("a4", nan=True),
+        "alpha-nan": copy("a5", conf.replace('"lora_alpha": 8', '"lora_alpha": NaN')),
+        "long-path": str(tmp_path / ("x" * 300)),
+    }
     for name, path in cases.items():
         r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path}, timeout=60)
         assert r.status_code == 400, (name, r.status_code, r.text[:200])

@@ -17,8 +17,13 @@ def test_models_health_and_metrics(server, client, http):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(server.url + "/health").status_code == 200
     text = http.get("/metrics").text
-    for name in ("tokenmill:num_requests_running", "tokenmill:num_requests_waiting", "tokenmill:kv_cache_usage_perc",
-                 "tokenmill:time_to_first_token_seconds", "tokenmill:prefix_cache_queries_total"):  # fmt: skip
+    for name in (
+        "tokenmill:num_requests_running",
+        "tokenmill:num_requests_waiting",
+        "tokenmill:kv_cache_usage_perc",
+        "tokenmill:time_to_first_token_seconds",
+        "tokenmill:prefix_cache_queries_total",
+    ):
         assert name in text
 
 
@@ -41,8 +46,16 @@ def test_chat_and_streaming_agree(client):
     assert "Paris" in full.choices[0].message.content and full.choices[0].message.role == "assistant"
     # a natural end (the end-of-sequence token): no stop_reason, as vLLM's (it names a stop string or stop_token_ids)
     assert full.choices[0].finish_reason == "stop" and full.choices[0].model_extra["stop_reason"] is None
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -51,8 +64,14 @@ def test_chat_and_streaming_agree(client):
 
 
 def test_stream_ends_with_done_and_never_leaks_a_stop_string(http):
-    body = {"model": MODEL, "prompt": "1, 2, 3, 4, 5,", "max_tokens": 40, "temperature": 0, "stop": [" 9"],
-            "stream": True}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": "1, 2, 3, 4, 5,",
+        "max_tokens": 40,
+        "temperature": 0,
+        "stop": [" 9"],
+        "stream": True,
+    }
     lines = [line for line in http.post("/v1/completions", json=body).text.splitlines() if line]
     assert lines[-1] == "data: [DONE]"
     text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1])
@@ -74,8 +93,14 @@ def test_logprobs(client):
     assert len(lp.token_logprobs) == len(lp.tokens) == r.usage.completion_tokens
     assert all(x <= 0 for x in lp.token_logprobs) and all(len(t) == 2 for t in lp.top_logprobs)
     assert "".join(lp.tokens) == r.choices[0].text
-    c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-                                       temperature=0, logprobs=True, top_logprobs=3)  # fmt: skip
+    c = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
     content = c.choices[0].logprobs.content
     assert len(content) == c.usage.completion_tokens and all(len(t.top_logprobs) == 3 for t in content)
 
@@ -148,8 +173,12 @@ def test_disconnect_mid_stream_frees_the_request(server):
 
 def test_fifty_concurrent_streams_all_finish_with_the_right_text(server, http):
     prompts = [f"Count from {i} to {i + 5}:" for i in range(5)]
-    expected = {p: http.post("/v1/completions", json={"model": MODEL, "prompt": p, "max_tokens": 12, "temperature": 0})
-                .json()["choices"][0]["text"] for p in prompts}  # fmt: skip
+    expected = {
+        p: http.post("/v1/completions", json={"model": MODEL, "prompt": p, "max_tokens": 12, "temperature": 0}).json()[
+            "choices"
+        ][0]["text"]
+        for p in prompts
+    }
 
     async def stream(c: httpx.AsyncClient, prompt: str) -> str:
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0, "stream": True}

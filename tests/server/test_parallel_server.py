@@ -19,8 +19,12 @@ def test_pipeline_parallel_server_dies_with_its_worker():
     try:
         workers = child_pids(engine_core_pid(server.proc.pid))  # the ranks are the engine core's children
         assert len(workers) == 1 and process_alive(workers[0])
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 8,
-                "temperature": 0}  # fmt: skip
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Name a colour."}],
+            "max_tokens": 8,
+            "temperature": 0,
+        }
         reply = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
         assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"]
 

@@ -20,8 +20,10 @@ from tests.server.conftest import MODEL, Server
 
 pytest.importorskip("ray.serve", reason="engine replicas need Ray Serve: pip install 'tokenmill[ray]'")
 
-LONG = ("A serving engine keeps each request's keys and values in fixed-size blocks of a shared pool. When two "
-        "requests begin with the same system prompt, the blocks that hold it are computed once and shared. ")  # fmt: skip
+LONG = (
+    "A serving engine keeps each request's keys and values in fixed-size blocks of a shared pool. When two "
+    "requests begin with the same system prompt, the blocks that hold it are computed once and shared. "
+)
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +87,9 @@ def test_disaggregated_decoding_is_token_identical_to_one_engine(cluster, llm):
     assert cluster.metric("tokenmill:kv_transfer_requests_total") == 2  # "Hi" went straight to a decode replica
     assert cluster.metric("tokenmill:kv_transfer_fallbacks_total") == 0
     assert cluster.metric("tokenmill:kv_transfer_bytes_total") > 0
-    usable = sum((len(llm.tokenizer.encode(p)) - 1) // 16 * 16 for p in (prompts[0], prompts[2]))  # the last block is computed
+    usable = sum(
+        (len(llm.tokenizer.encode(p)) - 1) // 16 * 16 for p in (prompts[0], prompts[2])
+    )  # the last block is computed
 
     def decode_hits() -> float:
         return sum(cluster.metric("tokenmill:prefix_cache_hits_total", replica=r) for r in _replicas(cluster, "decode"))
@@ -106,11 +110,17 @@ def test_a_follow_up_turn_is_routed_to_the_replica_holding_its_conversation(clus
     it to the decode replica that cached the first (a "prefix" decision)."""
     before = _settled(lambda: _decisions(cluster, "prefix"))  # the front's view of the index lags up to 1 s
     messages = [{"role": "system", "content": LONG}, {"role": "user", "content": "What is shared?"}]
-    first = httpx.post(cluster.url + "/v1/chat/completions", timeout=120,
-                       json={"model": MODEL, "messages": messages, "max_tokens": 16, "temperature": 0}).json()  # fmt: skip
+    first = httpx.post(
+        cluster.url + "/v1/chat/completions",
+        timeout=120,
+        json={"model": MODEL, "messages": messages, "max_tokens": 16, "temperature": 0},
+    ).json()
     messages += [first["choices"][0]["message"], {"role": "user", "content": "And why does it save memory?"}]
-    r = httpx.post(cluster.url + "/v1/chat/completions", timeout=120,
-                   json={"model": MODEL, "messages": messages, "max_tokens": 16, "temperature": 0})  # fmt: skip
+    r = httpx.post(
+        cluster.url + "/v1/chat/completions",
+        timeout=120,
+        json={"model": MODEL, "messages": messages, "max_tokens": 16, "temperature": 0},
+    )
     assert r.status_code == 200
     assert wait_until(lambda: _decisions(cluster, "prefix") >= before + 1, 5)
     assert _settled(lambda: _decisions(cluster, "prefix")) == before + 1
@@ -125,9 +135,13 @@ def test_each_decode_replica_routes_at_the_price_of_load_it_measured(cluster):
 
     def prices() -> dict[str, float]:
         lines = httpx.get(cluster.url + "/metrics", timeout=10).text.splitlines()
-        return {line.split('replica="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines
-                if line.startswith("tokenmill:router_load_cost_tokens{") and 'pool="decode"' in line
-                and 'source="measured"' in line}  # fmt: skip
+        return {
+            line.split('replica="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in lines
+            if line.startswith("tokenmill:router_load_cost_tokens{")
+            and 'pool="decode"' in line
+            and 'source="measured"' in line
+        }
 
     assert wait_until(lambda: len(prices()) == 2, 10), prices()
     assert all(PRICE_RANGE[0] <= p <= PRICE_RANGE[1] for p in prices().values()), prices()
@@ -172,8 +186,12 @@ def test_a_killed_decode_replica_fails_only_its_streams_and_is_replaced(cluster)
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
-    assert wait_until(lambda: sum(cluster.metric("tokenmill:num_requests_running", replica=r)
-                                  for r in _replicas(cluster, "decode")) == 4, 60)  # fmt: skip
+    assert wait_until(
+        lambda: (
+            sum(cluster.metric("tokenmill:num_requests_running", replica=r) for r in _replicas(cluster, "decode")) == 4
+        ),
+        60,
+    )
     running = [int(cluster.metric("tokenmill:num_requests_running", replica=r)) for r in _replicas(cluster, "decode")]
     assert min(running) >= 1, running  # no shared prefix: spread by load (2 and 2, or 3 and 1 if a report crossed)
     victim = replica_pids(cluster, "decode")[0]
@@ -210,13 +228,22 @@ def test_serve_run_of_the_deploy_config_serves_our_api_from_two_replicas(tmp_pat
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ADDRESS": "local"}
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", str(path)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "serve"), "run", str(path)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         assert wait_until(lambda: _up(url) or proc.poll() is not None, 180) and proc.poll() is None, proc.stderr.read()
-        r = httpx.post(url + "/v1/chat/completions", timeout=60,
-                       json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8})  # fmt: skip
+        r = httpx.post(
+            url + "/v1/chat/completions",
+            timeout=60,
+            json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8},
+        )
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
         assert wait_until(lambda: len(_replica_labels(url, "engine")) == 2, 10)
     finally:
@@ -237,5 +264,10 @@ def _up(url: str) -> bool:
 
 def _replica_labels(url: str, pool: str) -> list[str]:
     text = httpx.get(url + "/metrics", timeout=10).text
-    return sorted({line.split('replica="', 1)[1].split('"', 1)[0] for line in text.splitlines()
-                   if line.startswith("tokenmill:num_requests_running{") and f'replica="{pool}/' in line})  # fmt: skip
+    return sorted(
+        {
+            line.split('replica="', 1)[1].split('"', 1)[0]
+            for line in text.splitlines()
+            if line.startswith("tokenmill:num_requests_running{") and f'replica="{pool}/' in line
+        }
+    )

@@ -25,8 +25,13 @@ KEYS = ("key-a", "key-b")
 
 def scripted(name: str, logprob: float, context: int = 512) -> ServedModel:
     """A model whose every sampled token has probability exp(logprob)."""
-    engine = AsyncEngine(Engine(ScriptedRunner(4, logprob=logprob), ToyTokenizer(),
-                                EngineConfig(num_blocks=512, block_size=4, max_model_len=context)))  # fmt: skip
+    engine = AsyncEngine(
+        Engine(
+            ScriptedRunner(4, logprob=logprob),
+            ToyTokenizer(),
+            EngineConfig(num_blocks=512, block_size=4, max_model_len=context),
+        )
+    )
     return ServedModel(name, engine, ToyTokenizer(), context)
 
 
@@ -118,13 +123,17 @@ def test_a_router_is_refused_where_nothing_is_routed_and_unknown_models_are_404(
 # ------------------------------------------------------------------------- routing
 
 
-@pytest.mark.parametrize("small_logprob,routed,reason", [(-0.1, "small", "confident"), (-2.0, "large", "low_confidence")])
-def test_the_cascade_keeps_a_confident_small_answer_and_escalates_an_unsure_one(make_app, small_logprob, routed, reason):
+@pytest.mark.parametrize(
+    "small_logprob,routed,reason", [(-0.1, "small", "confident"), (-2.0, "large", "low_confidence")]
+)
+def test_the_cascade_keeps_a_confident_small_answer_and_escalates_an_unsure_one(
+    make_app, small_logprob, routed, reason
+):
     app = make_app(small_logprob, router_threshold=0.5, response_cache="off")  # exp(-0.1) = 0.90, exp(-2) = 0.14
     for stream in (False, True):
         r = chat(app, stream=stream)
         assert r.headers["x-tokenmill-route"] == routed and r.headers["x-tokenmill-route-reason"] == reason
-        assert float(r.headers["x-tokenmill-route-confidence"]) == pytest.approx(2.718281828 ** small_logprob, abs=1e-3)
+        assert float(r.headers["x-tokenmill-route-confidence"]) == pytest.approx(2.718281828**small_logprob, abs=1e-3)
         text = streamed(r) if stream else answer(r)
         assert text == scripted_answer("hello")
         if not stream:
@@ -141,13 +150,19 @@ def test_the_cascade_keeps_a_confident_small_answer_and_escalates_an_unsure_one(
 def test_the_responses_api_is_routed_too(make_app, small_logprob, routed):
     app = make_app(small_logprob)
     for stream in (False, True):
-        r = call(app, "/v1/responses", {"model": "auto", "input": "hello", "temperature": 0, "max_output_tokens": 6,
-                                        "stream": stream})  # fmt: skip
+        r = call(
+            app,
+            "/v1/responses",
+            {"model": "auto", "input": "hello", "temperature": 0, "max_output_tokens": 6, "stream": stream},
+        )
         assert r.status_code == 200, r.text
         assert r.headers["x-tokenmill-route"] == routed and "x-tokenmill-cache" not in r.headers  # (not cached)
         if stream:
-            done = [json.loads(line[6:]) for line in r.text.splitlines()
-                    if line.startswith("data: ") and '"type": "response.incomplete"' in line]  # (max_output_tokens reached)
+            done = [
+                json.loads(line[6:])
+                for line in r.text.splitlines()
+                if line.startswith("data: ") and '"type": "response.incomplete"' in line
+            ]  # (max_output_tokens reached)
             body = done[-1]["response"]
         else:
             body = r.json()
@@ -161,8 +176,9 @@ def test_rules_route_before_the_small_model_runs(make_app, monkeypatch):
     module = types.ModuleType("tm_test_classifier")
     module.classify = lambda body: "small" if "easy" in body["messages"][-1]["content"] else None
     monkeypatch.setitem(sys.modules, "tm_test_classifier", module)
-    app = make_app(-2.0, router_max_prompt_tokens=40, router_classifier="tm_test_classifier:classify",
-                   response_cache="off")  # fmt: skip
+    app = make_app(
+        -2.0, router_max_prompt_tokens=40, router_classifier="tm_test_classifier:classify", response_cache="off"
+    )
     cases = [  # (tools and response_format: tests/unit/test_model_router.py; a scripted engine has no grammars)
         ({"content": "easy one"}, "small", "classifier"),  # the classifier first: even an unsure small model answers
         ({"content": "x" * 60}, "large", "long_prompt"),
@@ -185,8 +201,15 @@ def test_a_prompt_the_small_model_has_no_room_for_goes_to_the_large(make_app):
 
 def test_a_streamed_cascade_shows_no_logprobs_the_client_did_not_ask_for(make_app):
     app = make_app(response_cache="off")
-    body = {"model": "auto", "prompt": "abc", "max_tokens": 3, "temperature": 0, "echo": True, "prompt_logprobs": 0,
-            "stream": True}  # fmt: skip
+    body = {
+        "model": "auto",
+        "prompt": "abc",
+        "max_tokens": 3,
+        "temperature": 0,
+        "echo": True,
+        "prompt_logprobs": 0,
+        "stream": True,
+    }
     r = call(app, "/v1/completions", body)
     assert r.headers["x-tokenmill-route"] == "small"
     chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
@@ -200,8 +223,12 @@ def test_twins_of_an_answer_too_large_to_keep_compute_alongside_instead_of_queue
     async def go():
         body = {"model": "small", "messages": [{"role": "user", "content": "big"}], "temperature": 0, "max_tokens": 6}
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=30) as c:
-            return await asyncio.gather(*[c.post("/v1/chat/completions", json=body,
-                                                 headers={"authorization": f"Bearer {KEYS[0]}"}) for _ in range(3)])  # fmt: skip
+            return await asyncio.gather(
+                *[
+                    c.post("/v1/chat/completions", json=body, headers={"authorization": f"Bearer {KEYS[0]}"})
+                    for _ in range(3)
+                ]
+            )
 
     replies = asyncio.run(go())
     assert {answer(r) for r in replies} == {scripted_answer("big")}
@@ -226,7 +253,9 @@ def test_a_repeat_is_a_hit_identical_to_the_fresh_answer_streamed_or_not(make_ap
     fresh = chat(app, "what is up", model="small")
     assert fresh.headers["x-tokenmill-cache"] == "miss"
     for stream in (False, True):
-        r = chat(app, "what is up", model="small", stream=stream, stream_options={"include_usage": True} if stream else None)
+        r = chat(
+            app, "what is up", model="small", stream=stream, stream_options={"include_usage": True} if stream else None
+        )
         assert r.headers["x-tokenmill-cache"] == "hit" and r.headers["x-tokenmill-cache-kind"] == "exact"
         assert (streamed(r) if stream else answer(r)) == answer(fresh)
     usage = chat(app, "what is up", model="small").json()["usage"]
@@ -241,10 +270,23 @@ def test_twins_in_flight_wait_for_one_answer_instead_of_computing_it_again(make_
     app = make_app()
 
     async def go():
-        body = {"model": "small", "messages": [{"role": "user", "content": "popular"}], "temperature": 0, "max_tokens": 6}
+        body = {
+            "model": "small",
+            "messages": [{"role": "user", "content": "popular"}],
+            "temperature": 0,
+            "max_tokens": 6,
+        }
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=30) as c:
-            return await asyncio.gather(*[c.post("/v1/chat/completions", json={**body, "stream": i == 3},
-                                                 headers={"authorization": f"Bearer {KEYS[0]}"}) for i in range(4)])  # fmt: skip
+            return await asyncio.gather(
+                *[
+                    c.post(
+                        "/v1/chat/completions",
+                        json={**body, "stream": i == 3},
+                        headers={"authorization": f"Bearer {KEYS[0]}"},
+                    )
+                    for i in range(4)
+                ]
+            )
 
     replies = asyncio.run(go())
     assert {streamed(r) if i == 3 else answer(r) for i, r in enumerate(replies)} == {scripted_answer("popular")}
@@ -285,9 +327,21 @@ def test_tenants_never_share_an_answer(make_app):
     assert chat(app, "secret plan", key=KEYS[1]).headers["x-tokenmill-cache"] == "hit"
 
 
-@pytest.mark.parametrize("change", [{"max_tokens": 5}, {"stop": ["Q"]}, {"seed": 3}, {"top_k": 2}, {"n": 2},
-                                    {"presence_penalty": 0.5}, {"logprobs": True}, {"model": "large"},
-                                    {"content": "hello!"}, {"logit_bias": {"3": 1.0}}])  # fmt: skip
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"max_tokens": 5},
+        {"stop": ["Q"]},
+        {"seed": 3},
+        {"top_k": 2},
+        {"n": 2},
+        {"presence_penalty": 0.5},
+        {"logprobs": True},
+        {"model": "large"},
+        {"content": "hello!"},
+        {"logit_bias": {"3": 1.0}},
+    ],
+)
 def test_any_change_of_model_message_or_sampling_field_misses(make_app, change):
     app = make_app()
     assert chat(app, model="small").headers["x-tokenmill-cache"] == "miss"

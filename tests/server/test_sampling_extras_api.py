@@ -13,12 +13,20 @@ PROMPT = "The capital of France is"
 def test_min_tokens_logit_bias_allowed_and_bad_words(client, llm):
     base = dict(model=MODEL, prompt=PROMPT, temperature=0)
     greedy = client.completions.create(**base, max_tokens=12).choices[0].text
-    assert "Paris" not in client.completions.create(**base, max_tokens=12, extra_body={"bad_words": ["Paris"]}).choices[0].text
+    assert (
+        "Paris"
+        not in client.completions.create(**base, max_tokens=12, extra_body={"bad_words": ["Paris"]}).choices[0].text
+    )
     assert "Paris" in greedy
     yes = [{"role": "user", "content": "Say just the word 'yes'."}]
     short = client.chat.completions.create(model=MODEL, messages=yes, temperature=0, max_tokens=40)
-    held = client.chat.completions.create(model=MODEL, messages=yes, temperature=0, max_tokens=40,
-                                          extra_body={"min_tokens": short.usage.completion_tokens + 5})  # fmt: skip
+    held = client.chat.completions.create(
+        model=MODEL,
+        messages=yes,
+        temperature=0,
+        max_tokens=40,
+        extra_body={"min_tokens": short.usage.completion_tokens + 5},
+    )
     assert held.usage.completion_tokens >= short.usage.completion_tokens + 5
     banana = llm.tokenizer.encode(" banana", add_special_tokens=False)[0]
     r = client.completions.create(**base, max_tokens=3, logit_bias={str(banana): 100}, logprobs=0)
@@ -31,8 +39,9 @@ def test_min_tokens_logit_bias_allowed_and_bad_words(client, llm):
 def test_truncate_prompt_tokens_and_token_strs(client, http, llm):
     long = "one two three four five six seven eight nine ten " * 4 + PROMPT
     ids = llm.tokenizer.encode(long)
-    r = client.completions.create(model=MODEL, prompt=long, max_tokens=4, temperature=0,
-                                  extra_body={"truncate_prompt_tokens": 6})  # fmt: skip
+    r = client.completions.create(
+        model=MODEL, prompt=long, max_tokens=4, temperature=0, extra_body={"truncate_prompt_tokens": 6}
+    )
     tail = client.completions.create(model=MODEL, prompt=ids[-6:], max_tokens=4, temperature=0)
     assert r.usage.prompt_tokens == 6 and r.choices[0].text == tail.choices[0].text
     e = client.embeddings.create(model=MODEL, input=long, extra_body={"truncate_prompt_tokens": 6})
@@ -48,8 +57,9 @@ def test_models_retrieve_and_an_unknown_field_through_the_sdk(client):
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("no-such-model")
     with pytest.raises(openai.BadRequestError, match="Unrecognized request argument supplied: foo_unknown"):
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
-                                       extra_body={"foo_unknown": 1})  # fmt: skip
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, extra_body={"foo_unknown": 1}
+        )
 
 
 def test_truncate_prompt_tokens_minus_one_keeps_what_the_context_holds():
@@ -65,14 +75,17 @@ def test_truncate_prompt_tokens_minus_one_keeps_what_the_context_holds():
     from tokenmill.engine.engine import Engine, EngineConfig
     from tokenmill.server.app import build_app
 
-    engine = AsyncEngine(Engine(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=64, block_size=4, max_model_len=64)))
+    engine = AsyncEngine(
+        Engine(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=64, block_size=4, max_model_len=64))
+    )
     app = build_app(engine, ToyTokenizer(), 64, ServerConfig(served_model_name="toy"))
 
     async def go():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=30) as c:
             embedded = await c.post("/v1/embeddings", json={"input": "w" * 500, "truncate_prompt_tokens": -1})
-            completed = await c.post("/v1/completions", json={"prompt": "w" * 500, "truncate_prompt_tokens": -1,
-                                                              "max_tokens": 1})  # fmt: skip
+            completed = await c.post(
+                "/v1/completions", json={"prompt": "w" * 500, "truncate_prompt_tokens": -1, "max_tokens": 1}
+            )
             return embedded, completed
 
     try:

@@ -21,18 +21,43 @@ from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.engine import Engine, EngineConfig
 from tokenmill.server.app import build_app
 
-HOSTILE = st.sampled_from([
-    None, True, -1, 0, 2**31, 2**63, 10**30, -(10**30), 1e308, -0.5, "", "16", "\ud800", "x" * 3000,
-    [], [1, 2], ["a"], [[1]], {}, {"a": 1}, [[[[[[[[[[1]]]]]]]]]],
-])  # fmt: skip
+HOSTILE = st.sampled_from(
+    [
+        None,
+        True,
+        -1,
+        0,
+        2**31,
+        2**63,
+        10**30,
+        -(10**30),
+        1e308,
+        -0.5,
+        "",
+        "16",
+        "\ud800",
+        "x" * 3000,
+        [],
+        [1, 2],
+        ["a"],
+        [[1]],
+        {},
+        {"a": 1},
+        [[[[[[[[[[1]]]]]]]]]],
+    ]
+)
 ENDLESS = {"/tokenmill/live/events"}  # an event stream that ends only with the client (tests/server/test_live_view.py)
 CAPS = {"max_tokens": 3, "max_completion_tokens": 3, "max_output_tokens": 3, "n": 2}
 
 
 @pytest.fixture(scope="module")
 def fuzz_app():
-    engine = AsyncEngine(Engine(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=256, block_size=4, max_model_len=64)))
-    app = build_app(engine, ToyTokenizer(), 64, ServerConfig(served_model_name="toy", max_queue=64, max_request_bytes=1 << 16))
+    engine = AsyncEngine(
+        Engine(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=256, block_size=4, max_model_len=64))
+    )
+    app = build_app(
+        engine, ToyTokenizer(), 64, ServerConfig(served_model_name="toy", max_queue=64, max_request_bytes=1 << 16)
+    )
     yield app, engine
     engine.shutdown()
 
@@ -56,10 +81,17 @@ def valid_value(name: str, prop: dict) -> st.SearchStrategy:
     if name == "messages":
         return st.just([{"role": "user", "content": "hi"}])
     if name == "input":  # /v1/responses
-        return st.sampled_from(["hello", [{"role": "user", "content": "hi"}],
-                                [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
-                                 {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
-                                 {"type": "function_call_output", "call_id": "c1", "output": "42"}]])  # fmt: skip
+        return st.sampled_from(
+            [
+                "hello",
+                [{"role": "user", "content": "hi"}],
+                [
+                    {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+                    {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                    {"type": "function_call_output", "call_id": "c1", "output": "42"},
+                ],
+            ]
+        )
     if name == "prompt":
         return st.sampled_from(["hello", [1, 2, 3], ["a", "b"]])
     if name == "tokens":
@@ -133,31 +165,65 @@ def test_every_route_answers_fuzzed_bodies_without_a_5xx(fuzz_app, data):
 # and llguidance), offers tools and loads adapters at run time (real adapter files,
 # read and checked against a small model config), still on a scripted engine.
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 SCHEMAS = [
     {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
     {"type": "array", "items": {"type": "string"}, "maxItems": 3},
-    {"$ref": "#"}, {"type": "nope"}, {"type": "object", "properties": {f"p{i}": {} for i in range(700)}},
-    {"anyOf": [{"type": "string", "pattern": "(a+)+$"}, {"type": "null"}]}, {"$ref": "http://example.com/x"},
-]  # fmt: skip
+    {"$ref": "#"},
+    {"type": "nope"},
+    {"type": "object", "properties": {f"p{i}": {} for i in range(700)}},
+    {"anyOf": [{"type": "string", "pattern": "(a+)+$"}, {"type": "null"}]},
+    {"$ref": "http://example.com/x"},
+]
 STRUCTURED = {
-    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "xml"},
-                                        *({"type": "json_schema", "json_schema": {"name": "s", "schema": s}}
-                                          for s in SCHEMAS), {"type": "json_schema"}]),  # fmt: skip
+    "response_format": st.sampled_from(
+        [
+            {"type": "text"},
+            {"type": "json_object"},
+            {"type": "xml"},
+            *({"type": "json_schema", "json_schema": {"name": "s", "schema": s}} for s in SCHEMAS),
+            {"type": "json_schema"},
+        ]
+    ),
     "guided_json": st.sampled_from(SCHEMAS),
     "guided_regex": st.sampled_from(["[a-z]{1,5}", "a{1000000}", "(unclosed", "(a|aa)*b", "\\d+"]),
     "guided_choice": st.sampled_from([["yes", "no"], [""], ["x"] * 3, [f"o{i}" for i in range(5000)]]),
     "guided_grammar": st.sampled_from(['root ::= "a" root', 'root ::= "yes" | "no"', "start: /[0-9]+/", "root ::="]),
     "structured_outputs": st.sampled_from([{"regex": "[0-9]+"}, {"choice": ["a", "b"]}, {"json": {}}, {"jsonn": 1}]),
-    "tools": st.sampled_from([[WEATHER], [WEATHER, WEATHER], [{"type": "function", "function": {"name": "f",
-                              "parameters": {"$ref": "#"}}}], [{"type": "function"}],
-                              [{"type": "function", **WEATHER["function"]}], [{"type": "web_search"}]]),  # fmt: skip
-    "text": st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}}, {"format": {}},
-                             *({"format": {"type": "json_schema", "name": "s", "schema": s}} for s in SCHEMAS),
-                             {"verbosity": "low"}]),  # fmt: skip
-    "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function", "function": {"name": "get_weather"}},
-                                    {"type": "function", "function": {"name": "nope"}}]),  # fmt: skip
+    "tools": st.sampled_from(
+        [
+            [WEATHER],
+            [WEATHER, WEATHER],
+            [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}}}],
+            [{"type": "function"}],
+            [{"type": "function", **WEATHER["function"]}],
+            [{"type": "web_search"}],
+        ]
+    ),
+    "text": st.sampled_from(
+        [
+            {"format": {"type": "text"}},
+            {"format": {"type": "json_object"}},
+            {"format": {}},
+            *({"format": {"type": "json_schema", "name": "s", "schema": s}} for s in SCHEMAS),
+            {"verbosity": "low"},
+        ]
+    ),
+    "tool_choice": st.sampled_from(
+        [
+            "auto",
+            "none",
+            "required",
+            {"type": "function", "function": {"name": "get_weather"}},
+            {"type": "function", "function": {"name": "nope"}},
+        ]
+    ),
     "lora_name": st.sampled_from(["ad1", "ad2", "ad1", "ad2", "toy", "../x", "a\nb", ""]),
 }
 
@@ -193,12 +259,17 @@ def full_fuzz_app(tmp_path_factory):
     tokenizer = load_tokenizer(default_model_path())
     config = EngineConfig(num_blocks=256, block_size=4, max_model_len=256, max_loras=2)
     engine = AsyncEngine(Engine(LoRARunner(4), tokenizer, config, grammars=GrammarCompiler(tokenizer, 49152)))
-    app = build_app(engine, tokenizer, 256, ServerConfig(served_model_name="toy", max_queue=64, max_request_bytes=1 << 16,
-                                                        allow_runtime_lora_updating=True))  # fmt: skip
+    app = build_app(
+        engine,
+        tokenizer,
+        256,
+        ServerConfig(
+            served_model_name="toy", max_queue=64, max_request_bytes=1 << 16, allow_runtime_lora_updating=True
+        ),
+    )
     good = tiny_adapter(tmp_path_factory.mktemp("lora") / "good")
     yield app, engine, [str(good), str(good), str(good), "/nonexistent", "/etc", str(good.parent)]
     engine.shutdown()
-
 
 
 @st.composite
@@ -236,5 +307,6 @@ def test_structured_tool_and_lora_routes_answer_fuzzed_bodies_without_a_5xx(full
     assert r.status_code < 500, (method, path, body, r.text[:500])
     if r.status_code >= 400:
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
-    assert path not in GENERATING or settles(lambda: engine.engine.num_unfinished_requests == 0
-                                             and engine.engine.snapshot().kv_usage == 0.0)  # fmt: skip
+    assert path not in GENERATING or settles(
+        lambda: engine.engine.num_unfinished_requests == 0 and engine.engine.snapshot().kv_usage == 0.0
+    )

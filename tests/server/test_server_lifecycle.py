@@ -26,8 +26,9 @@ def test_a_full_queue_answers_429_and_the_accepted_requests_finish():
 
         async def one(c: httpx.AsyncClient, i: int) -> httpx.Response:
             await asyncio.sleep(0.05 * i)  # arrive one after another
-            return await c.post("/v1/completions", json={"model": MODEL, "prompt": f"Story {i}:", "max_tokens": 24,
-                                                         "ignore_eos": True})  # fmt: skip
+            return await c.post(
+                "/v1/completions", json={"model": MODEL, "prompt": f"Story {i}:", "max_tokens": 24, "ignore_eos": True}
+            )
 
         async def main() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=server.url, timeout=300) as c:
@@ -88,11 +89,16 @@ FIELDS = {
     "repetition_penalty": st.floats(-1, 3) | JSONISH,
     "stream": st.booleans() | JSONISH,
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | JSONISH,
-    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "x"]),
-                                                "content": st.text(max_size=10) | JSONISH}), max_size=3) | JSONISH,
+    "messages": st.lists(
+        st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "system", "assistant", "x"]), "content": st.text(max_size=10) | JSONISH}
+        ),
+        max_size=3,
+    )
+    | JSONISH,
     "top_logprobs": st.integers(-1, 25) | JSONISH,
     "max_completion_tokens": st.integers(-1, 4) | JSONISH,
-}  # fmt: skip
+}
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +107,12 @@ def fuzz_client(server):
         yield c
 
 
-@settings(max_examples=80, deadline=None, derandomize=True,  # the same 80 bodies every run: CI stays repeatable
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=80,
+    deadline=None,
+    derandomize=True,  # the same 80 bodies every run: CI stays repeatable
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(
     path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]),
     body=st.fixed_dictionaries({"model": st.just(MODEL)}, optional=FIELDS) | JSONISH,
@@ -122,8 +132,28 @@ def test_fuzzed_requests_never_get_a_5xx(fuzz_client, path, body):
 
 
 def test_bench_serve_measures_the_server_and_draws_its_plots(server, tmp_path):
-    cmd = [sys.executable, "-m", "tokenmill", "bench", "serve", "--base-url", server.url, "--api-key", API_KEY,
-           "--num-prompts", "6", "--dataset", "shared-prefix", "--request-rate", "2,inf", "--trace", "--output-dir", str(tmp_path), "--label", "t"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tokenmill",
+        "bench",
+        "serve",
+        "--base-url",
+        server.url,
+        "--api-key",
+        API_KEY,
+        "--num-prompts",
+        "6",
+        "--dataset",
+        "shared-prefix",
+        "--request-rate",
+        "2,inf",
+        "--trace",
+        "--output-dir",
+        str(tmp_path),
+        "--label",
+        "t",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     result = json.loads((tmp_path / "t.json").read_text())

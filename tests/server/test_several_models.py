@@ -14,18 +14,43 @@ KEYS = ("tenant-one", "tenant-two")
 @pytest.fixture(scope="module")
 def two_models():
     # small: the Q4_1 file as it is; large: the same weights dequantised to float32 (slower, the reference)
-    s = Server("--model", "small=default,kv_cache_memory=96MiB", "--model", "large=default,quantization=none",
-               "--kv-cache-memory", "192MiB", "--dtype", "float32", "--router", "auto=small,large",
-               "--router-threshold", "0.3", "--response-cache", "exact", "--api-key", KEYS[0], "--api-key", KEYS[1],
-               one_model=False)  # fmt: skip
+    s = Server(
+        "--model",
+        "small=default,kv_cache_memory=96MiB",
+        "--model",
+        "large=default,quantization=none",
+        "--kv-cache-memory",
+        "192MiB",
+        "--dtype",
+        "float32",
+        "--router",
+        "auto=small,large",
+        "--router-threshold",
+        "0.3",
+        "--response-cache",
+        "exact",
+        "--api-key",
+        KEYS[0],
+        "--api-key",
+        KEYS[1],
+        one_model=False,
+    )
     yield s
     s.stop()
 
 
 def chat(server: Server, model: str, key: str = KEYS[0], **fields) -> httpx.Response:
-    body = {"model": model, "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
-            "temperature": 0, "max_tokens": 12, "logprobs": True, **fields}  # fmt: skip
-    r = httpx.post(server.url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}, timeout=60)
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+        "temperature": 0,
+        "max_tokens": 12,
+        "logprobs": True,
+        **fields,
+    }
+    r = httpx.post(
+        server.url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}, timeout=60
+    )
     assert r.status_code == 200, r.text
     return r
 
@@ -51,7 +76,9 @@ def test_a_cache_hit_is_token_identical_to_a_fresh_greedy_answer(two_models):
     assert (first.headers["x-tokenmill-cache"], hit.headers["x-tokenmill-cache"]) == ("miss", "hit")
     assert fresh.headers["x-tokenmill-cache"] == "bypass"
     assert tokens(hit) == tokens(fresh) == tokens(first) and len(tokens(hit)) > 1
-    assert chat(two_models, "large", key=KEYS[1], max_tokens=16).headers["x-tokenmill-cache"] == "miss"  # another tenant
+    assert (
+        chat(two_models, "large", key=KEYS[1], max_tokens=16).headers["x-tokenmill-cache"] == "miss"
+    )  # another tenant
 
 
 def test_the_router_answers_with_the_model_it_names_and_counts_it(two_models):

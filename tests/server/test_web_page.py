@@ -27,9 +27,9 @@ if chromium_paths() is None:
         allow_module_level=True,
     )
 
-from selenium.webdriver.common.action_chains import ActionChains  # noqa: E402
-from selenium.webdriver.common.by import By  # noqa: E402
-from selenium.webdriver.common.keys import Keys  # noqa: E402
+from selenium.webdriver.common.action_chains import ActionChains
+from selenium.webdriver.common.by import By
+from selenium.webdriver.common.keys import Keys
 
 DESKTOP = (1280, 860)
 PHONE = (390, 844)
@@ -158,8 +158,14 @@ def no_horizontal_scroll(driver) -> bool:
 
 def stream_chat(server, prompt: str, max_tokens: int) -> None:
     """A streamed greedy chat that runs max_tokens tokens (no early end), read to the end."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as c:
         with c.stream("POST", "/v1/chat/completions", json=body) as r:
             assert r.status_code == 200, r.read()
@@ -212,8 +218,10 @@ def test_a_chat_streams_an_answer(page, server, http):
     assert "tok" in stats and "TTFT" in stats, stats
 
     # greedy in float32: the page's streamed answer is the API's, token for token
-    direct = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": prompt}],
-                                                     "max_tokens": 24, "temperature": 0})  # fmt: skip
+    direct = http.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 24, "temperature": 0},
+    )
     assert direct.status_code == 200, direct.text
     assert content == direct.json()["choices"][0]["message"]["content"]
 
@@ -335,8 +343,10 @@ def test_the_live_stream_reconnects(page, server):
     assert wait_until(lambda: conn_state(page) != "open", timeout=5), "a closed stream goes unnoticed"
     assert wait_until(lambda: conn_state(page) == "open", timeout=10), f"no reconnection: {conn_state(page)}"
     assert time.monotonic() - start < 6
-    assert page.execute_script("return window.tokenmill.liveSource !== window.__old"
-                               " && window.tokenmill.liveSource.readyState === EventSource.OPEN")  # fmt: skip
+    assert page.execute_script(
+        "return window.tokenmill.liveSource !== window.__old"
+        " && window.tokenmill.liveSource.readyState === EventSource.OPEN"
+    )
     states = [s for _, s in seen(page, "conn")]
     assert states[0] == "open" and states[-1] == "open" and len(states) >= 3, states
 

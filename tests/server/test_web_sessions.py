@@ -86,20 +86,24 @@ def test_a_copied_cookie_is_refused_after_sign_out_and_after_the_ttl(app):
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("headers", [
-    {"origin": "http://evil.com", "sec-fetch-site": "cross-site"},
-    {"origin": "http://evil.com"},
-    {"origin": "null"},
-    {"sec-fetch-site": "same-site"},  # a sibling subdomain: SameSite=Strict still sends the cookie
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"origin": "http://evil.com", "sec-fetch-site": "cross-site"},
+        {"origin": "http://evil.com"},
+        {"origin": "null"},
+        {"sec-fetch-site": "same-site"},  # a sibling subdomain: SameSite=Strict still sends the cookie
+    ],
+)
 def test_the_cookie_does_not_authenticate_a_cross_site_request_that_changes_state(app, headers):
     async def main():
         async with _client(app) as c:
             await _sign_in(c)
             refused = await c.post("/v1/load_lora_adapter", json=LORA, headers=headers)
             read = await c.get("/tokenmill/live", headers=headers)  # reading is not changing (and no CORS lets it out)
-            same = await c.post("/v1/load_lora_adapter", json=LORA, headers={"origin": "http://t",
-                                                                             "sec-fetch-site": "same-origin"})  # fmt: skip
+            same = await c.post(
+                "/v1/load_lora_adapter", json=LORA, headers={"origin": "http://t", "sec-fetch-site": "same-origin"}
+            )
             bearer = await c.post(
                 "/v1/load_lora_adapter", json=LORA, headers={**headers, "authorization": f"Bearer {KEY}"}
             )

@@ -63,8 +63,9 @@ def test_a_lost_chunk_of_prompt_scores_fails_the_request_rather_than_answer_shor
                 out.prompt_logprobs.pop("plp", None)
             return out
 
-    config = EngineConfig(num_blocks=64, block_size=4, max_model_len=100,
-                          scheduler=SchedulerConfig(max_num_batched_tokens=4))  # fmt: skip
+    config = EngineConfig(
+        num_blocks=64, block_size=4, max_model_len=100, scheduler=SchedulerConfig(max_num_batched_tokens=4)
+    )
     engine = Engine(DropsScores(4), ToyTokenizer(), config)
     engine.add_request("plp", list(range(12)), SamplingParams(max_tokens=2, prompt_logprobs=0))
     out = run(engine)["plp"]

@@ -31,6 +31,7 @@ def test_unknown_architectures_are_refused_with_what_is_supported():
 def test_gemma_gguf_defaults_follow_llama_cpp():
     """Local layers every other one (Gemma 2) / five in six (Gemma 3), llama.cpp's
     defaults where the file does not say; the 27B models' query scale."""
+
     def key_of(values):
         return lambda name, default=None: values.get(name, default)
 

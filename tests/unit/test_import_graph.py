@@ -116,8 +116,13 @@ def test_imports_point_down_the_layers():
 
 
 def test_the_layer_rule_finds_an_upward_and_a_sideways_arrow():
-    graph = {"tokenmill.engine.core": {"tokenmill.model.llama", "tokenmill.config"}, "tokenmill.model.llama": set(),
-             "tokenmill.config": set(), "tokenmill.quant.packed": {"tokenmill.kernels.cpu"}, "tokenmill.kernels.cpu": set()}
+    graph = {
+        "tokenmill.engine.core": {"tokenmill.model.llama", "tokenmill.config"},
+        "tokenmill.model.llama": set(),
+        "tokenmill.config": set(),
+        "tokenmill.quant.packed": {"tokenmill.kernels.cpu"},
+        "tokenmill.kernels.cpu": set(),
+    }
     assert arrows_against_layers(graph) == [
         "tokenmill.engine.core -> tokenmill.model.llama (engine is in layer 4, model in layer 4)",
         "tokenmill.quant.packed -> tokenmill.kernels.cpu (quant is in layer 2, kernels in layer 3)",

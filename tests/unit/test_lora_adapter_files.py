@@ -36,29 +36,38 @@ def test_a_good_adapter_loads(tmp_path):
     assert a.rank == 2 and a.scaling == 2.0 and a.targets == {"q_proj"}
 
 
-@pytest.mark.parametrize(("conf", "match"), [
-    ({"peft_type": "LORA", "r": 2, "lora_alpha": None}, "lora_alpha must be a finite number"),
-    ({"peft_type": "LORA", "r": 2, "lora_alpha": "8"}, "lora_alpha must be a finite number"),
-    ('{"peft_type": "LORA", "r": 2, "lora_alpha": NaN}', "lora_alpha must be a finite number"),
-    ('{"peft_type": "LORA", "r": 2, "lora_alpha": Infinity}', "lora_alpha must be a finite number"),
-    ({"peft_type": "LORA", "r": "SECRET_TOKEN_abc123"}, "r must be a positive integer"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("conf", "match"),
+    [
+        ({"peft_type": "LORA", "r": 2, "lora_alpha": None}, "lora_alpha must be a finite number"),
+        ({"peft_type": "LORA", "r": 2, "lora_alpha": "8"}, "lora_alpha must be a finite number"),
+        ('{"peft_type": "LORA", "r": 2, "lora_alpha": NaN}', "lora_alpha must be a finite number"),
+        ('{"peft_type": "LORA", "r": 2, "lora_alpha": Infinity}', "lora_alpha must be a finite number"),
+        ({"peft_type": "LORA", "r": "SECRET_TOKEN_abc123"}, "r must be a positive integer"),
+    ],
+)
 def test_malformed_configs_are_lora_errors(tmp_path, conf, match):
     refused(adapter(tmp_path / "a", conf), match)
 
 
-@pytest.mark.parametrize(("conf", "reason"), [
-    ([{"r": 2}], "does not hold a JSON object"),
-    ("[" * 200_000 + "]" * 200_000, "not valid JSON"),
-    ("{not json", "not valid JSON"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("conf", "reason"),
+    [
+        ([{"r": 2}], "does not hold a JSON object"),
+        ("[" * 200_000 + "]" * 200_000, "not valid JSON"),
+        ("{not json", "not valid JSON"),
+    ],
+)
 def test_a_config_that_is_not_an_object_is_not_loadable(tmp_path, caplog, conf, reason):
     not_loadable(adapter(tmp_path / "a", conf), caplog, reason)
 
 
 def test_config_values_are_not_echoed(tmp_path):
-    for conf in ({"peft_type": "SECRET_TOKEN_abc123", "r": 2}, {"peft_type": "LORA", "r": "SECRET_TOKEN_abc123"},
-                 {"peft_type": "LORA", "r": 2, "bias": "SECRET_TOKEN_abc123"}):  # fmt: skip
+    for conf in (
+        {"peft_type": "SECRET_TOKEN_abc123", "r": 2},
+        {"peft_type": "LORA", "r": "SECRET_TOKEN_abc123"},
+        {"peft_type": "LORA", "r": 2, "bias": "SECRET_TOKEN_abc123"},
+    ):
         with pytest.raises(LoRAError) as e:
             load_adapter("x", adapter(tmp_path / "a", conf), CFG, max_rank=8)
         assert "SECRET" not in str(e.value)

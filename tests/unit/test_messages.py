@@ -30,10 +30,18 @@ EXAMPLES = [
 ]
 # The wire, version 1: each message's tag and its fields in order.
 WIRE_V1 = {
-    "add": ["request_id", "prompt_ids", "params", "lora"], "abort": ["request_id"], "stop": ["seq_id", "stop_string"],
-    "call": ["call_id", "method", "args"], "shutdown": [], "ready": ["info", "snapshot"], "failed": ["message", "error"],
-    "accepted": ["request_id", "snapshot"], "rejected": ["request_id", "error", "snapshot"],
-    "out": ["deltas", "snapshot"], "reply": ["call_id", "error", "result", "snapshot"], "stats": ["snapshot"],
+    "add": ["request_id", "prompt_ids", "params", "lora"],
+    "abort": ["request_id"],
+    "stop": ["seq_id", "stop_string"],
+    "call": ["call_id", "method", "args"],
+    "shutdown": [],
+    "ready": ["info", "snapshot"],
+    "failed": ["message", "error"],
+    "accepted": ["request_id", "snapshot"],
+    "rejected": ["request_id", "error", "snapshot"],
+    "out": ["deltas", "snapshot"],
+    "reply": ["call_id", "error", "result", "snapshot"],
+    "stats": ["snapshot"],
     "dead": ["message"],
 }
 

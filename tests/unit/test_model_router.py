@@ -28,17 +28,20 @@ def test_the_cascade_keeps_the_small_answer_at_or_above_the_threshold():
     assert ROUTER.judge([[math.log(0.9)], [math.log(0.2)]]).model == "large"
 
 
-@pytest.mark.parametrize("body,prompt_tokens,expected", [
-    ({"messages": []}, 10, None),
-    ({"tools": [TOOL]}, 10, ("large", "tools")),
-    ({"tools": [TOOL], "tool_choice": "none"}, 10, None),  # tools offered but not to be called
-    ({"response_format": {"type": "json_object"}}, 10, ("large", "response_format")),
-    ({"response_format": {"type": "text"}}, 10, None),
-    ({"guided_regex": "a+"}, 10, ("large", "response_format")),
-    ({"logprobs": True}, 10, None),  # not a rule unless asked for
-    ({}, 101, ("large", "long_prompt")),
-    ({}, 100, None),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "body,prompt_tokens,expected",
+    [
+        ({"messages": []}, 10, None),
+        ({"tools": [TOOL]}, 10, ("large", "tools")),
+        ({"tools": [TOOL], "tool_choice": "none"}, 10, None),  # tools offered but not to be called
+        ({"response_format": {"type": "json_object"}}, 10, ("large", "response_format")),
+        ({"response_format": {"type": "text"}}, 10, None),
+        ({"guided_regex": "a+"}, 10, ("large", "response_format")),
+        ({"logprobs": True}, 10, None),  # not a rule unless asked for
+        ({}, 101, ("large", "long_prompt")),
+        ({}, 100, None),
+    ],
+)
 def test_rules_decide_from_the_request_features(body, prompt_tokens, expected):
     route = ROUTER.pre_route(body, prompt_tokens)
     assert (route.model, route.reason) == expected if expected else route is None
@@ -52,12 +55,15 @@ def test_a_classifier_decides_first_and_may_abstain():
         router.pre_route({"hint": "medium"}, 5)
 
 
-@pytest.mark.parametrize("spec,words", [
-    ("auto=small", "NAME=SMALL,LARGE"),
-    ("auto=small,nope", "not a served model"),
-    ("small=small,large", "already taken"),
-    ("auto=small,small", "the same"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "spec,words",
+    [
+        ("auto=small", "NAME=SMALL,LARGE"),
+        ("auto=small,nope", "not a served model"),
+        ("small=small,large", "already taken"),
+        ("auto=small,small", "the same"),
+    ],
+)
 def test_bad_routers_are_refused_with_the_reason(spec, words):
     with pytest.raises(TokenmillError, match=words):
         parse_routers([spec], ["small", "large"], 0.5, None, ["tools"], None)

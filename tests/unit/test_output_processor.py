@@ -10,7 +10,9 @@ from tokenmill.sampling_params import SamplingParams
 
 
 def engine(**kw) -> Engine:
-    return Engine(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=256, block_size=4, max_model_len=1000, **kw))
+    return Engine(
+        ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=256, block_size=4, max_model_len=1000, **kw)
+    )
 
 
 def test_stream_deltas_add_up_to_the_final_completion():
@@ -41,7 +43,12 @@ def test_outputs_do_not_copy_the_history_each_step():
         outs += e.step()
     record = outs[0].outputs[0]._source
     for o in outs:
-        stored = [v for obj in (o, o.outputs[0]) for k, v in vars(obj).items() if isinstance(v, list) and k != "prompt_token_ids"]
+        stored = [
+            v
+            for obj in (o, o.outputs[0])
+            for k, v in vars(obj).items()
+            if isinstance(v, list) and k != "prompt_token_ids"
+        ]
         assert all(len(v) <= 1 for v in stored if v is not o.outputs)
         assert o.prompt_token_ids is outs[0].prompt_token_ids and o.outputs[0]._source is record
     assert all(len(o.delta_token_ids) == 1 for o in outs)

@@ -90,8 +90,14 @@ def test_an_engine_reports_kv_events_a_router_can_match_prompts_against():
     from tests.helpers import run_to_completion as run
     from tokenmill.engine.engine import Engine, EngineConfig
 
-    engines = [Engine(ScriptedRunner(BS), ToyTokenizer(), EngineConfig(num_blocks=32, block_size=BS, max_model_len=64,
-                                                                       record_kv_events=True)) for _ in range(2)]  # fmt: skip
+    engines = [
+        Engine(
+            ScriptedRunner(BS),
+            ToyTokenizer(),
+            EngineConfig(num_blocks=32, block_size=BS, max_model_len=64, record_kv_events=True),
+        )
+        for _ in range(2)
+    ]
     system = [t % 50 for t in SYSTEM]  # the toy vocabulary's ids
     engines[0].add_request("a", system + [1, 2, 3], SamplingParams(max_tokens=2))
     run(engines[0])
@@ -145,9 +151,18 @@ def test_replica_snapshots_merge_into_the_clusters_figures():
     from tokenmill.engine.stats import EngineSnapshot
     from tokenmill.replicas.index import merge_snapshots
 
-    a = EngineSnapshot(num_running=2, num_waiting=1, kv_usage=0.5, prefix_cache_queries=10, prefix_cache_hits=4,
-                       loras={"x": "/x"}, lora_requests={"x": 2})  # fmt: skip
-    b = EngineSnapshot(num_running=3, kv_usage=0.25, prefix_cache_queries=5, prefix_cache_hits=5, lora_requests={"x": 1})
+    a = EngineSnapshot(
+        num_running=2,
+        num_waiting=1,
+        kv_usage=0.5,
+        prefix_cache_queries=10,
+        prefix_cache_hits=4,
+        loras={"x": "/x"},
+        lora_requests={"x": 2},
+    )
+    b = EngineSnapshot(
+        num_running=3, kv_usage=0.25, prefix_cache_queries=5, prefix_cache_hits=5, lora_requests={"x": 1}
+    )
     m = merge_snapshots([a, b])
     assert (m.num_running, m.num_waiting, m.prefix_cache_queries, m.prefix_cache_hits) == (5, 1, 15, 9)
     assert m.kv_usage == 0.375 and m.loras == {"x": "/x"} and m.lora_requests == {"x": 3}
@@ -203,8 +218,9 @@ def test_replica_options_are_checked_before_anything_starts():
         ReplicaConfig(data_parallel_size=2, prefill_replicas=1, decode_replicas=1)
     assert not ReplicaConfig().enabled and ReplicaConfig(ray=True).enabled
     with pytest.raises(TokenmillError, match="draft model"):
-        check_replica_options(engine_args(speculative="draft", draft_model="x"),
-                              ReplicaConfig(prefill_replicas=1, decode_replicas=1))  # fmt: skip
+        check_replica_options(
+            engine_args(speculative="draft", draft_model="x"), ReplicaConfig(prefill_replicas=1, decode_replicas=1)
+        )
 
 
 def stored(tokens: list[int], bs: int) -> list[tuple[str, bytes]]:
@@ -263,8 +279,11 @@ def test_the_index_routes_by_the_price_each_replica_reports_with_its_load():
             assert costs == {"a": (40, "measured"), "b": (300, "measured"), "c": (128, "default")}
         else:
             assert costs == {name: (128, "fixed") for name in "abc"}
-        gauge = next(m for m in _routing_metrics(["model_name"], ["m"], {"engine": index.stats})
-                     if m.name == "tokenmill:router_load_cost_tokens")  # fmt: skip
+        gauge = next(
+            m
+            for m in _routing_metrics(["model_name"], ["m"], {"engine": index.stats})
+            if m.name == "tokenmill:router_load_cost_tokens"
+        )
         assert {s.labels["replica"]: (s.value, s.labels["source"]) for s in gauge.samples} == costs
     assert choices == {None: "a", 128: "b"}
     index.remove("a")

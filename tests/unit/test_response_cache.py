@@ -35,9 +35,12 @@ def entry(size: int = 0, embedding=None, bucket=None) -> CachedAnswer:
 def test_keys_hold_everything_but_how_the_answer_is_sent():
     key = request_key("t", "/v1/chat/completions", "m", BODY)
     assert request_key("t", "/v1/chat/completions", "m", {**BODY, "stream": True, "cache": True}) == key
-    for other in (request_key("u", "/v1/chat/completions", "m", BODY), request_key("t", "/v1/completions", "m", BODY),
-                  request_key("t", "/v1/chat/completions", "m2", BODY),
-                  request_key("t", "/v1/chat/completions", "m", {**BODY, "max_tokens": 9})):  # fmt: skip
+    for other in (
+        request_key("u", "/v1/chat/completions", "m", BODY),
+        request_key("t", "/v1/completions", "m", BODY),
+        request_key("t", "/v1/chat/completions", "m2", BODY),
+        request_key("t", "/v1/chat/completions", "m", {**BODY, "max_tokens": 9}),
+    ):
         assert other != key
     # a bucket leaves out the last user message's text, and only that
     other_text = {**BODY, "messages": [{"role": "user", "content": "hello"}]}
@@ -50,9 +53,15 @@ def test_what_is_reproducible_and_what_a_look_alike_may_answer():
     assert not reproducible({"temperature": None}) and not reproducible({"temperature": 0.7})
     assert semantic_text(BODY) == "hi"
     tool = {"type": "function", "function": {"name": "f"}}
-    for change in ({"temperature": 0.5, "seed": 1}, {"tools": [tool]}, {"response_format": {"type": "json_object"}},
-                   {"guided_choice": ["a"]}, {"logprobs": True}, {"echo": True},
-                   {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}]}):  # fmt: skip
+    for change in (
+        {"temperature": 0.5, "seed": 1},
+        {"tools": [tool]},
+        {"response_format": {"type": "json_object"}},
+        {"guided_choice": ["a"]},
+        {"logprobs": True},
+        {"echo": True},
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}]},
+    ):
         assert semantic_text({**BODY, **change}) is None, change
     assert semantic_text({**BODY, "response_format": {"type": "text"}}) == "hi"
 
@@ -102,7 +111,11 @@ def test_several_models_are_named_and_take_their_own_options():
     assert [(s.name, s.path) for s in specs] == [("small", None), ("large", "/m/x.gguf")]
     assert specs[1].options == {"dtype": "float32", "max_model_len": 512}
     assert model_specs(["/m/a=b.gguf"])[0].name is None  # one path, as ever
-    for bad, words in ((["a=x", "/m/y.gguf"], "NAME=PATH"), (["a=x", "a=y"], "twice"),
-                       (["a=x,nope=1", "b=y"], "engine option"), (["a=x,max_model_len=big", "b=y"], "not a int")):  # fmt: skip
+    for bad, words in (
+        (["a=x", "/m/y.gguf"], "NAME=PATH"),
+        (["a=x", "a=y"], "twice"),
+        (["a=x,nope=1", "b=y"], "engine option"),
+        (["a=x,max_model_len=big", "b=y"], "not a int"),
+    ):
         with pytest.raises(TokenmillError, match=words):
             model_specs(bad)

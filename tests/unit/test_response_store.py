@@ -12,7 +12,11 @@ def test_the_store_keeps_the_newest_for_their_owner_only():
     alice, bob = owner_of("Bearer a"), owner_of("Bearer b")
     for i in range(5):
         store.put(alice, {"id": f"resp_{i}"}, [{"role": "user", "content": str(i)}])
-    assert len(store) == 3 and store.get(alice, "resp_1") is None and store.get(alice, "resp_4").messages[0]["content"] == "4"
+    assert (
+        len(store) == 3
+        and store.get(alice, "resp_1") is None
+        and store.get(alice, "resp_4").messages[0]["content"] == "4"
+    )
     assert store.get(bob, "resp_4") is None and not store.delete(bob, "resp_4")  # another key sees nothing
     assert store.delete(alice, "resp_4") and store.get(alice, "resp_4") is None and len(store) == 2
 
@@ -25,14 +29,16 @@ def test_stored_responses_expire():
 
 
 def test_function_call_items_become_one_assistant_message_with_its_text():
-    messages = items_to_messages([
-        {"role": "user", "content": "Weather in Rome and Oslo?"},
-        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
-        {"type": "function_call", "call_id": "c1", "name": "w", "arguments": '{"city": "Rome"}'},
-        {"type": "function_call", "call_id": "c2", "name": "w", "arguments": '{"city": "Oslo"}'},
-        {"type": "function_call_output", "call_id": "c1", "output": "20 C"},
-        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "5 C"}]},
-    ])  # fmt: skip
+    messages = items_to_messages(
+        [
+            {"role": "user", "content": "Weather in Rome and Oslo?"},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+            {"type": "function_call", "call_id": "c1", "name": "w", "arguments": '{"city": "Rome"}'},
+            {"type": "function_call", "call_id": "c2", "name": "w", "arguments": '{"city": "Oslo"}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "20 C"},
+            {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "5 C"}]},
+        ]
+    )
     assert [m["role"] for m in messages] == ["user", "assistant", "tool", "tool"]
     assert messages[1]["content"] == "Checking." and [c["id"] for c in messages[1]["tool_calls"]] == ["c1", "c2"]
     assert (messages[3]["tool_call_id"], messages[3]["content"]) == ("c2", "5 C")

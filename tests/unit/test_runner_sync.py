@@ -86,6 +86,8 @@ def test_drops_are_sent_once_finished_and_preempted_apart():
         out = s.schedule()
         if out.preempted:
             break
-        s.update_from_output(out, ModelOutput(sampled={r.request_id: [SampledToken(1)] for r in (b, c) if r in s.running}))
+        s.update_from_output(
+            out, ModelOutput(sampled={r.request_id: [SampledToken(1)] for r in (b, c) if r in s.running})
+        )
     assert [r.request_id for r in out.preempted] == ["c"]
     assert s.runner_sync.drops().preempted_request_ids == [] and out.model_input.preempted_request_ids == ["c"]

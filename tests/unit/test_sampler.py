@@ -160,11 +160,14 @@ def test_invalid_sampling_values_name_the_parameter(kwargs, param):
 
 def test_integers_that_reach_tensors_are_range_checked():
 
-
     from tokenmill.errors import InvalidRequestError
 
-    for kw, param in [({"top_k": 2**63}, "top_k"), ({"n": 10**6}, "n"), ({"max_tokens": 2**40}, "max_tokens"),
-                      ({"stop_token_ids": (2**40,)}, "stop_token_ids")]:  # fmt: skip
+    for kw, param in [
+        ({"top_k": 2**63}, "top_k"),
+        ({"n": 10**6}, "n"),
+        ({"max_tokens": 2**40}, "max_tokens"),
+        ({"stop_token_ids": (2**40,)}, "stop_token_ids"),
+    ]:
         with pytest.raises(InvalidRequestError) as e:
             SamplingParams(**kw)
         assert e.value.param == param

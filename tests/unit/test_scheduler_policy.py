@@ -17,13 +17,17 @@ BS = 4
 
 def make(num_blocks=64, budget=64, max_seqs=8, spec=None, max_model_len=100, caching=True) -> Scheduler:
     kv = KVCacheManager(BlockPool(num_blocks, enable_caching=caching), BS)
-    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget), kv, max_model_len,
-                     frozenset(), spec)  # fmt: skip
+    return Scheduler(
+        SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget), kv, max_model_len, frozenset(), spec
+    )
 
 
 def add(s: Scheduler, rid: str, prompt_len: int, max_tokens: int = 50, **params) -> Request:
-    req = Request(rid, [(7 * len(rid) + i) % 50 for i in range(prompt_len)],
-                  SamplingParams(max_tokens=max_tokens, temperature=0, **params))  # fmt: skip
+    req = Request(
+        rid,
+        [(7 * len(rid) + i) % 50 for i in range(prompt_len)],
+        SamplingParams(max_tokens=max_tokens, temperature=0, **params),
+    )
     s.add(req)
     return req
 

@@ -66,10 +66,14 @@ def test_random_workloads_keep_blocks_exact(requests, num_blocks, budget, max_se
         runner,
         ToyTokenizer(),
         EngineConfig(
-            num_blocks=num_blocks, block_size=bs, max_model_len=200, enable_prefix_caching=caching, scheduler=cfg,
+            num_blocks=num_blocks,
+            block_size=bs,
+            max_model_len=200,
+            enable_prefix_caching=caching,
+            scheduler=cfg,
             speculative=spec,
         ),
-    )  # fmt: skip
+    )
     prefixes = [list(range(k * 7, k * 7 + 9 * k)) for k in range(4)]
     finished: dict[str, list[int]] = {}
     prompts: dict[str, list[int]] = {}

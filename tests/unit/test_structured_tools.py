@@ -17,10 +17,31 @@ from tokenmill.structured.spec import StructuredOutputs
 
 pytest.importorskip("llguidance")
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}}}  # fmt: skip
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"], "additionalProperties": False}}}  # fmt: skip
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"tz": {"type": "string"}},
+            "required": ["tz"],
+            "additionalProperties": False,
+        },
+    },
+}
 HERMES_TEMPLATE = (
     "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}\nCall them as <tool_call>{...}</tool_call><|im_end|>\n"
     "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -48,8 +69,14 @@ def allows(compiler, tokenizer, spec: StructuredOutputs, text: str) -> bool:
 
 
 def test_parallel_calls_are_allowed_only_when_asked(compiler, tokenizer):
-    two = json.dumps({"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}},
-                                     {"name": "get_time", "arguments": {"tz": "CET"}}]})  # fmt: skip
+    two = json.dumps(
+        {
+            "tool_calls": [
+                {"name": "get_weather", "arguments": {"city": "Oslo"}},
+                {"name": "get_time", "arguments": {"tz": "CET"}},
+            ]
+        }
+    )
     one = json.dumps({"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]})
     parallel = parse_tool_request([WEATHER, TIME], "required", True, None)
     single = parse_tool_request([WEATHER, TIME], "required", False, None)
@@ -71,12 +98,17 @@ def test_generic_format_renders_tools_calls_and_results(tokenizer):
     tools = parse_tool_request([WEATHER], "auto", True, tokenizer.chat_template)
     assert not tools.hermes  # SmolLM2's template knows nothing of tools
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Oslo?"},
-                {"role": "assistant", "content": "", "tool_calls": [call]},
-                {"role": "tool", "tool_call_id": "call_1", "content": "-3 C"}]  # fmt: skip
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "-3 C"},
+    ]
     rendered = tools.render_messages(messages)
     assert rendered[0]["content"].startswith("Be brief.") and '"name": "get_weather"' in rendered[0]["content"]
-    assert json.loads(rendered[2]["content"]) == {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]}
+    assert json.loads(rendered[2]["content"]) == {
+        "tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]
+    }
     assert json.loads(rendered[3]["content"])["tool_response"]["content"] == "-3 C"
     prompt = tokenizer.apply_chat_template(rendered)
     assert "get_weather" in prompt and "-3 C" in prompt
@@ -99,8 +131,12 @@ def test_hermes_format_for_templates_that_take_tools(compiler, tokenizer):
     assert parse_tool_request([WEATHER], "auto", True, HERMES_TEMPLATE).constraint() is None  # free, parsed after
     from tokenmill.model.tokenizer import _render_template
 
-    text = _render_template(HERMES_TEMPLATE, messages=tools.render_messages([{"role": "user", "content": "hi"}]),
-                            add_generation_prompt=True, tools=[t.as_openai() for t in tools.offered])  # fmt: skip
+    text = _render_template(
+        HERMES_TEMPLATE,
+        messages=tools.render_messages([{"role": "user", "content": "hi"}]),
+        add_generation_prompt=True,
+        tools=[t.as_openai() for t in tools.offered],
+    )
     assert '"get_time"' in text and "<|im_start|>assistant" in text
 
 
@@ -143,8 +179,14 @@ def test_structured_outputs_validate_on_construction(kwargs, needle):
 
 
 def test_schema_key_order_is_the_output_order(compiler, tokenizer):
-    spec = StructuredOutputs(json={"type": "object", "properties": {"z": {"type": "integer"}, "a": {"type": "integer"}},
-                                   "required": ["z", "a"], "additionalProperties": False})  # fmt: skip
+    spec = StructuredOutputs(
+        json={
+            "type": "object",
+            "properties": {"z": {"type": "integer"}, "a": {"type": "integer"}},
+            "required": ["z", "a"],
+            "additionalProperties": False,
+        }
+    )
     assert allows(compiler, tokenizer, spec, '{"z": 1, "a": 2}')
     assert not allows(compiler, tokenizer, spec, '{"a": 2, "z": 1}')
 
@@ -181,8 +223,10 @@ def _stream(request, text: str, step: int) -> list[dict]:
 @pytest.mark.parametrize("step", [1, 3, 7, 1000])
 def test_tool_stream_sends_what_parse_finds(step):
     generic = parse_tool_request([WEATHER, TIME], "auto", True, None)
-    calls = ('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Pa\\"ris {x}", "n": [1, {"a": "}"}]}}, '
-             '{"name": "get_time", "arguments": {"tz": "UTC"}}]}')  # fmt: skip
+    calls = (
+        '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Pa\\"ris {x}", "n": [1, {"a": "}"}]}}, '
+        '{"name": "get_time", "arguments": {"tz": "UTC"}}]}'
+    )
     deltas = _stream(generic, calls, step)
     content, streamed = _accumulate(deltas)
     assert content == "" and [(n, json.loads(a)) for n, a in streamed] == [
@@ -209,8 +253,9 @@ def test_a_token_the_grammar_refuses_ends_the_output_as_a_cut_off(tokenizer, com
     from tokenmill.engine.engine import Engine, EngineConfig
     from tokenmill.sampling_params import SamplingParams
 
-    engine = Engine(ScriptedRunner(4), tokenizer, EngineConfig(num_blocks=64, block_size=4, max_model_len=200),
-                    grammars=compiler)  # fmt: skip
+    engine = Engine(
+        ScriptedRunner(4), tokenizer, EngineConfig(num_blocks=64, block_size=4, max_model_len=200), grammars=compiler
+    )
     engine.add_request("r", [30, 31], SamplingParams(max_tokens=30, structured={"regex": "[;+]{1,40}"}))
     outs = [o for _ in range(40) if engine.has_unfinished() for o in engine.step()]
     final = outs[-1].outputs[0]
@@ -223,8 +268,10 @@ def test_the_grammar_cache_is_bounded_by_spec_bytes_as_well_as_count(tokenizer):
     """A compiled grammar's memory grows with its spec (~90x), so distinct big schemas
     must not pile up in the cache until its entry count is reached."""
     small = GrammarCompiler(tokenizer, 49152, cache_size=256, cache_bytes=20_000)
-    specs = [StructuredOutputs(json={"type": "object", "properties": {f"k{n}_{i}": {"type": "integer"} for i in range(200)}})
-             for n in range(6)]  # fmt: skip
+    specs = [
+        StructuredOutputs(json={"type": "object", "properties": {f"k{n}_{i}": {"type": "integer"} for i in range(200)}})
+        for n in range(6)
+    ]
     for spec in specs:
         small.compile(spec)
         assert small.cached_bytes <= 20_000
@@ -232,11 +279,15 @@ def test_the_grammar_cache_is_bounded_by_spec_bytes_as_well_as_count(tokenizer):
     assert small.cached_bytes == sum(s.size_bytes for s in specs if small.cached(s) is not None)
 
 
-GENERIC_ANSWER = ('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "S\\u00e3o \\"Paulo\\" {1}"}}, '
-                  '{"name": "get_time", "arguments": {"tz": "UTC"}}]}')  # fmt: skip
+GENERIC_ANSWER = (
+    '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "S\\u00e3o \\"Paulo\\" {1}"}}, '
+    '{"name": "get_time", "arguments": {"tz": "UTC"}}]}'
+)
 REPLY_ANSWER = '{"response": "It is sunny in S\\u00e3o Paulo, 25 \\u00b0C."}'
-HERMES_ANSWER = ('Checking both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
-                 '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>')  # fmt: skip
+HERMES_ANSWER = (
+    'Checking both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>'
+)
 
 
 def _whole_calls(text: str, hermes: bool) -> list[tuple[str, dict]]:

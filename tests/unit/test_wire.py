@@ -28,15 +28,33 @@ def trip(value):
     return unpack(pack([value]))[0]
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(),
-    SamplingParams(n=3, temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, repetition_penalty=1.2, presence_penalty=0.5,
-                   frequency_penalty=-0.5, seed=11, max_tokens=99, stop=("a", "é\n"), stop_token_ids=(2, 3),
-                   ignore_eos=True, include_stop_str_in_output=True, logprobs=4, skip_special_tokens=False),
-    SamplingParams(structured={"json": {"type": "object", "properties": {"b": {"type": "string"}, "a": {}}}}),
-    SamplingParams(structured={"choice": ["yes", "no"]}),
-    SamplingParams(structured={"json_object": True, "whitespace_pattern": r"[ ]?"}),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(),
+        SamplingParams(
+            n=3,
+            temperature=0.7,
+            top_p=0.9,
+            top_k=5,
+            min_p=0.1,
+            repetition_penalty=1.2,
+            presence_penalty=0.5,
+            frequency_penalty=-0.5,
+            seed=11,
+            max_tokens=99,
+            stop=("a", "é\n"),
+            stop_token_ids=(2, 3),
+            ignore_eos=True,
+            include_stop_str_in_output=True,
+            logprobs=4,
+            skip_special_tokens=False,
+        ),
+        SamplingParams(structured={"json": {"type": "object", "properties": {"b": {"type": "string"}, "a": {}}}}),
+        SamplingParams(structured={"choice": ["yes", "no"]}),
+        SamplingParams(structured={"json_object": True, "whitespace_pattern": r"[ ]?"}),
+    ],
+)
 def test_sampling_params_survive_the_trip(params):
     assert params_from_wire(trip(params_to_wire(params))) == params
 
@@ -56,20 +74,32 @@ def test_invalid_sampling_values_are_refused_on_arrival():
     assert e.value.param == "top_p"
 
 
-@pytest.mark.parametrize("delta", [
-    SeqDelta("r#1", [SampledToken(5), SampledToken(9)], first_scheduled=12.5, num_cached_tokens=32),
-    SeqDelta("r", [SampledToken(5, -0.25, [(5, -0.25), (7, -1.5)])], "stop", 5, None, 1.0, 0),
-    SeqDelta("r", [], "stop", "the end", None, None, 0),
-    SeqDelta("r", [], "error", None, "RuntimeError: boom", 2.0, 0),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "delta",
+    [
+        SeqDelta("r#1", [SampledToken(5), SampledToken(9)], first_scheduled=12.5, num_cached_tokens=32),
+        SeqDelta("r", [SampledToken(5, -0.25, [(5, -0.25), (7, -1.5)])], "stop", 5, None, 1.0, 0),
+        SeqDelta("r", [], "stop", "the end", None, None, 0),
+        SeqDelta("r", [], "error", None, "RuntimeError: boom", 2.0, 0),
+    ],
+)
 def test_deltas_survive_the_trip(delta):
     assert delta_from_wire(trip(delta_to_wire(delta))) == delta
 
 
 def test_a_snapshot_survives_the_trip():
-    s = EngineSnapshot(num_running=3, num_waiting=1, kv_usage=0.25, num_preemptions=2, prefix_cache_queries=100,
-                       prefix_cache_hits=40, max_loras=2, loras={"a": "/x/a"}, lora_requests={"a": 4},
-                       running_loras=["a"])  # fmt: skip
+    s = EngineSnapshot(
+        num_running=3,
+        num_waiting=1,
+        kv_usage=0.25,
+        num_preemptions=2,
+        prefix_cache_queries=100,
+        prefix_cache_hits=40,
+        max_loras=2,
+        loras={"a": "/x/a"},
+        lora_requests={"a": 4},
+        running_loras=["a"],
+    )
     assert snapshot_from_wire(trip(snapshot_to_wire(s))) == s
 
 

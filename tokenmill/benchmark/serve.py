@@ -50,8 +50,13 @@ def synthetic(name: str, n: int, seed: int) -> list[dict]:
     shared-prefix: one ~700-token system text before each short question, 32 tokens."""
     rng = random.Random(seed)
     if name == "mixed":
-        return [{"prompt": _text(rng, int(math.exp(rng.uniform(math.log(12), math.log(700))))),
-                 "max_tokens": rng.randint(16, 128)} for _ in range(n)]  # fmt: skip
+        return [
+            {
+                "prompt": _text(rng, int(math.exp(rng.uniform(math.log(12), math.log(700))))),
+                "max_tokens": rng.randint(16, 128),
+            }
+            for _ in range(n)
+        ]
     if name == "shared-prefix":
         system = _text(random.Random(seed + 1), 520)
         return [{"prompt": f"{system}\n\nQuestion {i}: {_text(rng, 12)}\nAnswer:", "max_tokens": 32} for i in range(n)]
@@ -87,8 +92,15 @@ class RequestResult:
 
 
 async def send(client, url: str, model: str, req: dict, headers: dict, trace: bool) -> RequestResult:
-    body = {"model": model, "prompt": req["prompt"], "max_tokens": req["max_tokens"], "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": req["prompt"],
+        "max_tokens": req["max_tokens"],
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if trace:
         body["return_timings"] = True
     res = RequestResult(ok=False, start=time.perf_counter())
@@ -122,13 +134,21 @@ async def send(client, url: str, model: str, req: dict, headers: dict, trace: bo
         res.e2e = time.perf_counter() - res.start
         res.output_tokens = res.output_tokens or chunks
         res.ok = res.ttft is not None
-    except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash
+    except Exception as e:
         res.error = f"{type(e).__name__}: {e}"
     return res
 
 
-async def run_load(base_url: str, model: str, reqs: list[dict], rate: float, concurrency: int | None,
-                   api_key: str | None, trace: bool, seed: int) -> tuple[list[RequestResult], float]:  # fmt: skip
+async def run_load(
+    base_url: str,
+    model: str,
+    reqs: list[dict],
+    rate: float,
+    concurrency: int | None,
+    api_key: str | None,
+    trace: bool,
+    seed: int,
+) -> tuple[list[RequestResult], float]:
     import httpx
 
     url = base_url.rstrip("/") + "/v1/completions"
@@ -168,7 +188,8 @@ def summarise(results: list[RequestResult], elapsed: float, rate: float, slo_ttf
     good = [r for r in ok if r.ttft <= slo_ttft and (r.tpot is None or r.tpot <= slo_tpot)]
     return {
         "request_rate": rate if math.isfinite(rate) else "inf",
-        "completed": len(ok), "failed": len(results) - len(ok),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if r.error})[:5],
         "duration_s": elapsed,
         "request_throughput": len(ok) / elapsed,
@@ -180,7 +201,7 @@ def summarise(results: list[RequestResult], elapsed: float, rate: float, slo_ttf
         "tpot_s": percentiles([r.tpot for r in ok if r.tpot is not None]),
         "itl_s": percentiles([x for r in ok for x in r.itl]),
         "e2e_s": percentiles([r.e2e for r in ok]),
-    }  # fmt: skip
+    }
 
 
 def _fmt(p: dict, scale: float = 1000) -> str:
@@ -188,9 +209,12 @@ def _fmt(p: dict, scale: float = 1000) -> str:
 
 
 def report(s: dict) -> None:
-    print(f"rate {s['request_rate']} req/s: {s['completed']} ok, {s['failed']} failed in {s['duration_s']:.1f} s | "
-          f"{s['request_throughput']:.2f} req/s, {s['output_token_throughput']:.1f} output tok/s, "
-          f"goodput {s['goodput_req_s']:.2f} req/s", file=sys.stderr)  # fmt: skip
+    print(
+        f"rate {s['request_rate']} req/s: {s['completed']} ok, {s['failed']} failed in {s['duration_s']:.1f} s | "
+        f"{s['request_throughput']:.2f} req/s, {s['output_token_throughput']:.1f} output tok/s, "
+        f"goodput {s['goodput_req_s']:.2f} req/s",
+        file=sys.stderr,
+    )
     for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
         print(f"    {key[:-2]:5s} ms: {_fmt(s[key])}", file=sys.stderr)
 
@@ -208,8 +232,12 @@ def plot(runs: list[dict], raw: dict[str, list[RequestResult]], out: Path, label
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
     for rate, results in raw.items():
         ok = [r for r in results if r.ok]
-        series = {"TTFT": [r.ttft for r in ok], "TPOT": [r.tpot for r in ok if r.tpot is not None],
-                  "ITL": [x for r in ok for x in r.itl], "E2E": [r.e2e for r in ok]}  # fmt: skip
+        series = {
+            "TTFT": [r.ttft for r in ok],
+            "TPOT": [r.tpot for r in ok if r.tpot is not None],
+            "ITL": [x for r in ok for x in r.itl],
+            "E2E": [r.e2e for r in ok],
+        }
         for ax, (name, xs) in zip(axes, series.items(), strict=True):
             xs = sorted(xs)
             if xs:
@@ -265,8 +293,14 @@ def plot_trace(results: list[RequestResult], path: Path, title: str) -> bool:
     ax.set_title(title)
     from matplotlib.patches import Patch
 
-    ax.legend(handles=[Patch(color="#cccccc", label="queued"), Patch(color="#e4572e", label="prefill"),
-                       Patch(color="#29335c", label="decode")], loc="lower right")  # fmt: skip
+    ax.legend(
+        handles=[
+            Patch(color="#cccccc", label="queued"),
+            Patch(color="#e4572e", label="prefill"),
+            Patch(color="#29335c", label="decode"),
+        ],
+        loc="lower right",
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return True
@@ -326,8 +360,11 @@ def run(args: argparse.Namespace) -> int:
     runs, raw = [], {}
     for rate in rates:
         reqs = workload(args, rate)
-        print(f"{len(reqs)} requests at {rate} req/s"
-              + (f", concurrency {args.max_concurrency}" if args.max_concurrency else ""), file=sys.stderr)  # fmt: skip
+        print(
+            f"{len(reqs)} requests at {rate} req/s"
+            + (f", concurrency {args.max_concurrency}" if args.max_concurrency else ""),
+            file=sys.stderr,
+        )
         results, elapsed = asyncio.run(
             run_load(args.base_url, model, reqs, rate, args.max_concurrency, args.api_key, args.trace, args.seed)
         )
@@ -335,12 +372,21 @@ def run(args: argparse.Namespace) -> int:
         report(summary)
         runs.append(summary)
         raw[str(summary["request_rate"])] = results
-        if args.trace and plot_trace(results, out / f"{args.label}_trace_{summary['request_rate']}.png",
-                                     f"{args.label}: {summary['request_rate']} req/s"):  # fmt: skip
+        if args.trace and plot_trace(
+            results,
+            out / f"{args.label}_trace_{summary['request_rate']}.png",
+            f"{args.label}: {summary['request_rate']} req/s",
+        ):
             summary["trace_png"] = str(out / f"{args.label}_trace_{summary['request_rate']}.png")
-    result = {"base_url": args.base_url, "model": model, "num_prompts": args.num_prompts,
-              "dataset": args.dataset_path or args.dataset, "max_concurrency": args.max_concurrency, "runs": runs,
-              "requests": {rate: [asdict(r) for r in rs] for rate, rs in raw.items()}}  # fmt: skip
+    result = {
+        "base_url": args.base_url,
+        "model": model,
+        "num_prompts": args.num_prompts,
+        "dataset": args.dataset_path or args.dataset,
+        "max_concurrency": args.max_concurrency,
+        "runs": runs,
+        "requests": {rate: [asdict(r) for r in rs] for rate, rs in raw.items()},
+    }
     result["plots"] = plot(runs, raw, out, args.label)
     path = out / f"{args.label}.json"
     path.write_text(json.dumps(result, indent=1))

@@ -83,12 +83,16 @@ class Cluster:
             import torch.distributed as dist
 
             if torchrun_rank() != 0:
-                raise TokenmillError("under torchrun only rank 0 builds the engine; the other ranks run "
-                                     "tokenmill.distributed.worker.run_torchrun_worker() (the CLI does this itself)")  # fmt: skip
+                raise TokenmillError(
+                    "under torchrun only rank 0 builds the engine; the other ranks run "
+                    "tokenmill.distributed.worker.run_torchrun_worker() (the CLI does this itself)"
+                )
             store, rank, world = next(dist.rendezvous("env://"))
             if world != world_size:
-                raise TokenmillError(f"torchrun started {world} processes but tensor_parallel_size x "
-                                     f"pipeline_parallel_size = {world_size}")  # fmt: skip
+                raise TokenmillError(
+                    f"torchrun started {world} processes but tensor_parallel_size x "
+                    f"pipeline_parallel_size = {world_size}"
+                )
             return cls(store, world_size, [], int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         store = TCPStore("127.0.0.1", 0, world_size, True, timeout=STORE_TIMEOUT, wait_for_workers=False)
         procs = []
@@ -147,13 +151,15 @@ class Cluster:
                 if self.store.check([key]):
                     last = self.store.get(key).decode().strip().splitlines()[-1]
                     reasons.append(f"worker rank {rank} failed: {last}")
-            except Exception:  # noqa: BLE001 - the store itself may be gone under torchrun
+            except Exception:
                 pass
         for rank, code in self._dead_workers():
             if not any(f"rank {rank} " in r for r in reasons):
                 reasons.append(f"worker rank {rank} exited with code {code}")
         if not reasons:
-            reasons.append(f"{type(cause).__name__}: {cause}" if cause is not None else "a worker did not start in time")  # fmt: skip
+            reasons.append(
+                f"{type(cause).__name__}: {cause}" if cause is not None else "a worker did not start in time"
+            )
         message = "; ".join(reasons) + (f" ({when})" if when else "")
         logger.error("tensor/pipeline-parallel engine stopped: %s", message)
         self.shutdown(timeout=1.0)
@@ -172,7 +178,7 @@ class Cluster:
         if self.control is not None and not self._dead_workers():
             try:
                 self.control.broadcast(Shutdown())
-            except Exception:  # noqa: BLE001 - a worker is gone already: kill the rest below
+            except Exception:
                 pass
         deadline = time.monotonic() + timeout
         for p in self.procs:

@@ -94,7 +94,9 @@ class ControlChannel:
 
     def broadcast(self, message: object) -> None:
         """Driver: send one message (any picklable record) to every worker."""
-        payload = torch.frombuffer(bytearray(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+        payload = torch.frombuffer(
+            bytearray(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8
+        )
         t0 = time.perf_counter()
         self.pg.broadcast(torch.tensor([payload.numel()], dtype=torch.int64), 0).wait()
         self.pg.broadcast(payload, 0).wait()

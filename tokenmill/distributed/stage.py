@@ -45,9 +45,15 @@ def split_microbatches(seqs: list[SeqInput], n: int) -> list[list[SeqInput]]:
 
 class PipelineStage:
     def __init__(
-        self, model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int, device: torch.device,
-        groups: ParallelGroups, hidden_size: int, vocab_size: int,
-    ) -> None:  # fmt: skip
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[KVCache],
+        block_size: int,
+        device: torch.device,
+        groups: ParallelGroups,
+        hidden_size: int,
+        vocab_size: int,
+    ) -> None:
         self.model, self.kv_caches, self.block_size, self.device = model, kv_caches, block_size, device
         self.groups = groups
         self.shard = groups.shard
@@ -100,9 +106,13 @@ class PipelineStage:
 
 
 def parallel_stage(
-    groups: ParallelGroups, model: LlamaForCausalLM, kv_caches: list, block_size: int, device: torch.device,
+    groups: ParallelGroups,
+    model: LlamaForCausalLM,
+    kv_caches: list,
+    block_size: int,
+    device: torch.device,
     config: ModelConfig,
-) -> PipelineStage:  # fmt: skip
+) -> PipelineStage:
     """Wire a rank's shard to its groups: the TP all-reduces, the pipeline's sends."""
     model.tp = groups.tp if groups.shard.tp_size > 1 else None
     return PipelineStage(model, kv_caches, block_size, device, groups, config.hidden_size, config.vocab_size)

@@ -57,14 +57,14 @@ def serve_rank(store: Store, rank: int, world_size: int, local_rank: int, local_
         print(f"tokenmill worker rank {rank} failed:\n{text}", file=sys.stderr, flush=True)
         try:
             store.set(f"error/{rank}", text)
-        except Exception:  # noqa: BLE001 - the driver (and its store) may be gone already
+        except Exception:
             pass
         return 1
 
 
 def _build(
     load: Load, store: Store, control: ControlChannel, rank: int, local_rank: int, local_world_size: int
-) -> ModelRunner:  # fmt: skip
+) -> ModelRunner:
     args, parallel = load.args, load.args.parallel
     device = rank_device(resolve_device(args.load.device), local_rank)
     if device.type == "cpu":
@@ -77,8 +77,9 @@ def _build(
     setup = control.receive()
     assert isinstance(setup, Setup), f"expected Setup, got {type(setup).__name__}"
     cache = args.cache
-    kv_caches = allocate_kv_cache(shard.local_config(config), setup.num_blocks, cache.block_size, load.dtype, device,
-                                  cache.kv_cache_dtype)  # fmt: skip
+    kv_caches = allocate_kv_cache(
+        shard.local_config(config), setup.num_blocks, cache.block_size, load.dtype, device, cache.kv_cache_dtype
+    )
     groups = ParallelGroups(store, shard, device, control.stats)
     stage = parallel_stage(groups, model, kv_caches, cache.block_size, device, config)
     return ModelRunner(model, kv_caches, cache.block_size, device, stage=stage)

@@ -45,8 +45,9 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
         self._thread.start()
 
-    def generate(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
-                 lora: str | None = None) -> AsyncIterator[RequestOutput]:  # fmt: skip
+    def generate(
+        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, lora: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request; leaving the loop early aborts it."""
 
         async def submit(stream: Stream, accepted: asyncio.Future) -> None:
@@ -54,14 +55,22 @@ class AsyncEngine:
 
         return self.streams.follow(request_id, params.n, submit, self.abort, lambda: self.is_dead)
 
-    async def _submit(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, lora: str | None,
-                      stream: Stream, accepted: asyncio.Future) -> None:  # fmt: skip
+    async def _submit(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        lora: str | None,
+        stream: Stream,
+        accepted: asyncio.Future,
+    ) -> None:
         grammar = None
         if params.structured is not None:  # compiled on the engine's compile thread: it stalls no step
             structured = self.engine.structured
             try:  # a timeout cancels a compile still queued; one running goes on, and is cached
-                grammar = await asyncio.wait_for(asyncio.wrap_future(structured.submit(params.structured)),
-                                                 structured.compile_timeout)  # fmt: skip
+                grammar = await asyncio.wait_for(
+                    asyncio.wrap_future(structured.submit(params.structured)), structured.compile_timeout
+                )
             except TimeoutError:
                 raise structured.timeout_error(params.structured) from None
         self._commands.put(("add", request_id, prompt, params, grammar, lora, stream, accepted))
@@ -186,7 +195,7 @@ class AsyncEngine:
                 try:
                     result = fn()
                     loop.call_soon_threadsafe(resolve, done, None, result)
-                except Exception as e:  # noqa: BLE001 - handed to the caller
+                except Exception as e:
                     loop.call_soon_threadsafe(resolve, done, e)
             else:
                 self.engine.abort(cmd[1])

@@ -29,11 +29,11 @@ class BlockTable(list):
         start = index.indices(len(self))[0] if isinstance(index, slice) else index % max(len(self), 1)
         self.synced = min(self.synced, start)
 
-    def __setitem__(self, index, value) -> None:  # noqa: ANN001 - list's own signature
+    def __setitem__(self, index, value) -> None:
         self._changed_from(index)
         super().__setitem__(index, value)
 
-    def __delitem__(self, index) -> None:  # noqa: ANN001
+    def __delitem__(self, index) -> None:
         self._changed_from(index)
         super().__delitem__(index)
 
@@ -41,7 +41,7 @@ class BlockTable(list):
         super().clear()
         self.synced = 0
 
-    def _refuse(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def _refuse(self, *args, **kwargs):
         raise TypeError("a block table changes by index, slice, append, extend or clear only")
 
     insert = pop = remove = reverse = sort = __iadd__ = __imul__ = _refuse

@@ -48,8 +48,9 @@ class ChannelTimeout(TimeoutError):
 
 
 class Channel:
-    def __init__(self, conn: Connection, name: str, heartbeat_s: float = HEARTBEAT_S,
-                 max_queued_bytes: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, conn: Connection, name: str, heartbeat_s: float = HEARTBEAT_S, max_queued_bytes: int | None = None
+    ) -> None:
         self.conn = conn
         self.heartbeat_s = heartbeat_s
         self.max_queued_bytes = max_queued_bytes
@@ -69,8 +70,12 @@ class Channel:
         except with ``max_queued_bytes`` while that much is already queued."""
         data = pack(msg)
         with self._cv:
-            while (self.max_queued_bytes is not None and self._queued_bytes > self.max_queued_bytes
-                   and self._broken is None and not self._closing):  # fmt: skip
+            while (
+                self.max_queued_bytes is not None
+                and self._queued_bytes > self.max_queued_bytes
+                and self._broken is None
+                and not self._closing
+            ):
                 self._cv.wait()
             if self._broken is not None:
                 raise ChannelClosed(f"the pipe is broken ({type(self._broken).__name__})")

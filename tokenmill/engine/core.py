@@ -94,7 +94,11 @@ class EngineCore:
         self.block_pool = BlockPool(config.num_blocks, config.enable_prefix_caching, config.record_kv_events)
         self.kv = KVCacheManager(self.block_pool, config.block_size, config.sliding_window)
         self.scheduler = Scheduler(
-            config.scheduler, self.kv, config.max_model_len, tokenizer.stop_token_ids, config.speculative,
+            config.scheduler,
+            self.kv,
+            config.max_model_len,
+            tokenizer.stop_token_ids,
+            config.speculative,
             config.max_loras or 1 << 30,
         )
         self.loras: dict[str, LoRAInfo] = {}  # adapters requests may name
@@ -168,8 +172,13 @@ class EngineCore:
         vocab = self.vocab_size
         bad = next((t for t in params.token_ids_named()[len(params.stop_token_ids) :] if t >= vocab), None)
         if bad is not None:
-            param = ("allowed_token_ids" if bad in (params.allowed_token_ids or ()) else
-                     "logit_bias" if bad in dict(params.logit_bias) else "bad_words")  # fmt: skip
+            param = (
+                "allowed_token_ids"
+                if bad in (params.allowed_token_ids or ())
+                else "logit_bias"
+                if bad in dict(params.logit_bias)
+                else "bad_words"
+            )
             raise InvalidRequestError(f"token id {bad} in {param} is outside the vocabulary [0, {vocab})", param=param)
         for name in ("prompt_logprobs", "pooling"):
             if getattr(params, name) is not None and not getattr(self.runner, "scores_prompts", True):
@@ -178,8 +187,11 @@ class EngineCore:
             params = replace(params, eos_token_ids=tuple(sorted(self.scheduler.eos_token_ids)))
         held = set(params.eos_token_ids) | set(params.stop_token_ids) if params.min_tokens else set()
         if params.allowed_token_ids is not None and set(params.allowed_token_ids) <= held:
-            raise InvalidRequestError("allowed_token_ids holds only end-of-sequence or stop ids, which min_tokens "
-                                      "holds back: nothing could be sampled", param="allowed_token_ids")  # fmt: skip
+            raise InvalidRequestError(
+                "allowed_token_ids holds only end-of-sequence or stop ids, which min_tokens "
+                "holds back: nothing could be sampled",
+                param="allowed_token_ids",
+            )
         return params
 
     def _validate_prompt(self, ids: list[int]) -> None:
@@ -350,7 +362,9 @@ class EngineCore:
 
     def _stats(self, sched: SchedulerOutput, t0: float) -> StepStats:
         decode = sum(
-            s.num_new_tokens for s in sched.seqs if s.spec_token_ids or (s.num_new_tokens == 1 and s.request.output_token_ids)
+            s.num_new_tokens
+            for s in sched.seqs
+            if s.spec_token_ids or (s.num_new_tokens == 1 and s.request.output_token_ids)
         )
         running = self.scheduler.running
         return StepStats(
@@ -422,14 +436,22 @@ class EngineCore:
         running, waiting = self.lora_usage if self.config.max_loras is not None else ([], [])
         prefix, spec = self.kv.stats, self.scheduler.spec_stats
         return EngineSnapshot(
-            num_running=self.num_running, num_waiting=self.num_waiting, kv_usage=self.kv_usage,
-            num_preemptions=self.num_preemptions, num_step_retries=self.num_step_retries,
-            prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits,
-            spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
-            spec_num_accepted_tokens=spec.num_accepted_tokens, max_loras=self.config.max_loras,
-            loras={name: info.path for name, info in self.loras.items()}, lora_requests=dict(self.lora_requests),
-            running_loras=running, waiting_loras=waiting,
-        )  # fmt: skip
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            kv_usage=self.kv_usage,
+            num_preemptions=self.num_preemptions,
+            num_step_retries=self.num_step_retries,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            spec_num_drafts=spec.num_drafts,
+            spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            max_loras=self.config.max_loras,
+            loras={name: info.path for name, info in self.loras.items()},
+            lora_requests=dict(self.lora_requests),
+            running_loras=running,
+            waiting_loras=waiting,
+        )
 
     @contextmanager
     def borrow_blocks(self, num_blocks: int) -> Iterator[list[int]]:
@@ -448,5 +470,14 @@ class EngineCore:
 
 
 def _delta(req: Request, new_tokens: list[SampledToken], error: str | None) -> SeqDelta:
-    return SeqDelta(req.request_id, new_tokens, req.finish_reason, req.stop_reason, error, req.first_scheduled,
-                    req.num_cached_prompt_tokens, req.take_prompt_logprobs(), req.embedding)  # fmt: skip
+    return SeqDelta(
+        req.request_id,
+        new_tokens,
+        req.finish_reason,
+        req.stop_reason,
+        error,
+        req.first_scheduled,
+        req.num_cached_prompt_tokens,
+        req.take_prompt_logprobs(),
+        req.embedding,
+    )

@@ -60,8 +60,13 @@ class Tokenizer(Decoder, Protocol):
 
 
 class AsyncCoreClient:
-    def __init__(self, target: Callable[[Any], None], tokenizer: Tokenizer, start_timeout: float | None = None,
-                 heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S) -> None:  # fmt: skip
+    def __init__(
+        self,
+        target: Callable[[Any], None],
+        tokenizer: Tokenizer,
+        start_timeout: float | None = None,
+        heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S,
+    ) -> None:
         """Start the core process: ``target(conn)`` runs in it (spawned: a fresh
         interpreter, so no thread or lock of this process is inherited), and this waits
         until it says ready; a core that fails to start raises its error here."""
@@ -102,18 +107,25 @@ class AsyncCoreClient:
             msg = self._channel.recv()
         except (EOFError, OSError):
             self.process.join(5)
-            raise TokenmillError(f"the engine core process exited at start (exit code {self.process.exitcode})") from None
+            raise TokenmillError(
+                f"the engine core process exited at start (exit code {self.process.exitcode})"
+            ) from None
         msg = m.decode(msg)
         if isinstance(msg, m.Failed):
             self.process.join(10)
-            raise error_from_wire(msg.error) if msg.error.get("user") else TokenmillError(f"the engine core failed: {msg.message}")
+            raise (
+                error_from_wire(msg.error)
+                if msg.error.get("user")
+                else TokenmillError(f"the engine core failed: {msg.message}")
+            )
         self._snapshot = snapshot_from_wire(msg.snapshot)
         return msg.info
 
     # ------------------------------------------------------------- asyncio side
 
-    def generate(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
-                 lora: str | None = None) -> AsyncIterator[RequestOutput]:  # fmt: skip
+    def generate(
+        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, lora: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request; leaving the loop early aborts it."""
 
         async def submit(stream: Stream, accepted: asyncio.Future) -> None:
@@ -121,8 +133,15 @@ class AsyncCoreClient:
 
         return self.streams.follow(request_id, params.n, submit, self.abort, lambda: self.is_dead)
 
-    async def _submit(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, lora: str | None,
-                      stream: Stream, accepted: asyncio.Future) -> None:  # fmt: skip
+    async def _submit(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        lora: str | None,
+        stream: Stream,
+        accepted: asyncio.Future,
+    ) -> None:
         if isinstance(prompt, str):
             text, ids = prompt, await asyncio.to_thread(self.tokenizer.encode, prompt)
         else:
@@ -271,11 +290,12 @@ class AsyncCoreClient:
             m.Out: lambda msg: self._on_outputs(msg.deltas),
             m.Accepted: lambda msg: self._settle(self._accepting, msg.request_id, None),
             m.Rejected: rejected,
-            m.Reply: lambda msg: self._settle(self._calls, msg.call_id, None if msg.error is None else error_from_wire(msg.error),
-                                            msg.result),
+            m.Reply: lambda msg: self._settle(
+                self._calls, msg.call_id, None if msg.error is None else error_from_wire(msg.error), msg.result
+            ),
             m.Stats: lambda msg: None,  # the snapshot alone
             m.Dead: dead,
-        }  # fmt: skip
+        }
         try:
             while True:
                 msg = m.decode(self._channel.recv(self.heartbeat_timeout))
@@ -297,7 +317,7 @@ class AsyncCoreClient:
                 return
             self.process.join(2)
             self._fail_all(EngineDeadError(f"the engine core process died (exit code {self.process.exitcode})"))
-        except BaseException as e:  # noqa: BLE001 - the core said it died, or this thread failed
+        except BaseException as e:
             logger.error("engine core: %s", e)
             self._fail_all(e if isinstance(e, EngineDeadError) else EngineDeadError(f"{type(e).__name__}: {e}"))
 

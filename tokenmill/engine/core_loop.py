@@ -67,8 +67,12 @@ class CoreLoop:
         self.running = True
         self.last_snapshot = 0.0  # time.monotonic() of the last gauges sent
         self._handlers: dict[type, Callable[[Any], None]] = {
-            m.Add: self._add, m.Abort: self._abort, m.Stop: self._stop, m.Call: self._call, m.Shutdown: self._shutdown,
-        }  # fmt: skip
+            m.Add: self._add,
+            m.Abort: self._abort,
+            m.Stop: self._stop,
+            m.Call: self._call,
+            m.Shutdown: self._shutdown,
+        }
         # The core's methods an API process may call between steps, by name: args -> result
         # (add_lora is not here: its read runs on the worker thread, see _call).
         self._methods: dict[str, Callable[[list], Any]] = {
@@ -174,7 +178,7 @@ class CoreLoop:
         def add(grammar: Any) -> None:
             try:
                 self.core.add_request(rid, prompt_ids, params, grammar=grammar, lora=lora)
-            except Exception as e:  # noqa: BLE001 - a bad request: its caller gets the error
+            except Exception as e:
                 self.send(m.Rejected(rid, error_to_wire(e), self.snapshot()))
                 return
             self.send(m.Accepted(rid, self.snapshot()))
@@ -222,7 +226,7 @@ class CoreLoop:
             if call is None:
                 raise ValueError(f"unknown engine-core call {method!r}")
             result = call(args)
-        except Exception as e:  # noqa: BLE001 - handed to the caller
+        except Exception as e:
             reply(e)
             return
         reply(None, result)
@@ -250,7 +254,7 @@ class CoreLoop:
                 continue
             try:
                 p.apply(p.future.result())
-            except Exception as e:  # noqa: BLE001 - handed to the caller
+            except Exception as e:
                 p.fail(e)
         return True
 
@@ -260,7 +264,7 @@ def serve_core(build: Callable[[], tuple[EngineCore, dict, Callable[[], None]]],
     the API process should know of it, and how to release it), say ready, loop."""
     try:
         core, info, close = build()
-    except BaseException as e:  # noqa: BLE001 - the API process reports it and exits
+    except BaseException as e:
         channel = Channel(conn, "tokenmill-core")
         try:
             channel.send(m.encode(m.Failed(str(e) or type(e).__name__, error_to_wire(e))))
@@ -272,7 +276,7 @@ def serve_core(build: Callable[[], tuple[EngineCore, dict, Callable[[], None]]],
         channel.send(m.encode(m.Ready(info, snapshot_to_wire(core.snapshot()))))
         CoreLoop(core, channel).run()
         return 0
-    except BaseException:  # noqa: BLE001 - logged and sent by the loop
+    except BaseException:
         return 1
     finally:
         close()

@@ -74,7 +74,9 @@ class IncrementalDetokenizer:
             return None
         best: tuple[int, str] | None = None
         for s in self.stop:
-            idx = window.find(s, max(0, old_len - len(s) + 1))  # (one wholly in the tail was not looked for: min_tokens)
+            idx = window.find(
+                s, max(0, old_len - len(s) + 1)
+            )  # (one wholly in the tail was not looked for: min_tokens)
             if idx != -1 and (best is None or idx < best[0]):
                 best = (idx, s)
         if best is None:

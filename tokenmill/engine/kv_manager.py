@@ -91,7 +91,9 @@ class KVCacheManager:
         num_computed = req.num_computed_tokens + len(cached_prefix) * bs
         have = len(req.block_ids) + len(cached_prefix)
         num_new_blocks = max(0, self.blocks_for(num_computed + num_new_tokens) - have)
-        shared = [i for i in range(num_computed // bs, len(req.block_ids)) if self.pool.blocks[req.block_ids[i]].ref_cnt > 1]
+        shared = [
+            i for i in range(num_computed // bs, len(req.block_ids)) if self.pool.blocks[req.block_ids[i]].ref_cnt > 1
+        ]
         idle_hits = sum(1 for b in cached_prefix if self.pool.blocks[b].ref_cnt == 0)
         if num_new_blocks + len(shared) > self.pool.num_free - idle_hits:
             return None

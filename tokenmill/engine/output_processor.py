@@ -53,15 +53,32 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._seqs: dict[str, SeqOutputState] = {}  # by sequence id
 
-    def add(self, seq_id: str, request_id: str, index: int, prompt: str | None, prompt_ids: list[int],
-            params: SamplingParams) -> None:  # fmt: skip
+    def add(
+        self,
+        seq_id: str,
+        request_id: str,
+        index: int,
+        prompt: str | None,
+        prompt_ids: list[int],
+        params: SamplingParams,
+    ) -> None:
         """Follow a sequence (its arrival time is now)."""
         p = params
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, p.stop, p.include_stop_str_in_output, p.skip_special_tokens)
+        detok = IncrementalDetokenizer(
+            self.tokenizer, prompt_ids, p.stop, p.include_stop_str_in_output, p.skip_special_tokens
+        )
         wants = p.logprobs is not None
-        self._seqs[seq_id] = SeqOutputState(request_id, index, prompt, prompt_ids, detok,
-                                            logprobs=[] if wants else None, top_logprobs=[] if wants else None,
-                                            stop_token_ids=p.stop_token_ids, min_tokens=p.min_tokens)  # fmt: skip
+        self._seqs[seq_id] = SeqOutputState(
+            request_id,
+            index,
+            prompt,
+            prompt_ids,
+            detok,
+            logprobs=[] if wants else None,
+            top_logprobs=[] if wants else None,
+            stop_token_ids=p.stop_token_ids,
+            min_tokens=p.min_tokens,
+        )
         if p.prompt_logprobs is not None and index == 0:
             state = self._seqs[seq_id]
             state.prompt_logprobs, state.prompt_top_logprobs, state.prompt_ranks = [None], [[]], [None]
@@ -118,8 +135,11 @@ class OutputProcessor:
         completion = CompletionOutput(
             index=state.index,
             finish_reason="stop" if state.stop_string is not None else d.finish_reason,
-            stop_reason=state.stop_string if state.stop_string is not None else
-            d.stop_reason if d.stop_reason in state.stop_token_ids else None,  # fmt: skip  (as vLLM: None for EOS)
+            stop_reason=state.stop_string
+            if state.stop_string is not None
+            else d.stop_reason
+            if d.stop_reason in state.stop_token_ids
+            else None,  # (as vLLM: None for EOS)
             _source=state,
             _num_tokens=len(state.token_ids),
             _num_chars=state.detok.num_chars,
@@ -137,7 +157,9 @@ class OutputProcessor:
             delta_text=delta,
             delta_token_ids=new_ids,
             delta_logprobs=None if state.logprobs is None else state.logprobs[len(state.logprobs) - n :],
-            delta_top_logprobs=None if state.top_logprobs is None else state.top_logprobs[len(state.top_logprobs) - n :],
+            delta_top_logprobs=None
+            if state.top_logprobs is None
+            else state.top_logprobs[len(state.top_logprobs) - n :],
             error=d.error,
             num_cached_tokens=d.num_cached_tokens,
             prompt_logprobs=state.prompt_logprobs,

@@ -31,8 +31,12 @@ class RunnerSync:
         elif not preempted and req.num_preemptions:
             self._finished.append(rid)  # the runner keeps a preempted request's generator until it ends
 
-    def model_input(self, scheduled: list[tuple[Request, int, list[int], int]], block_copies: list[tuple[int, int]],
-                    runner_table: Callable[[Request], list[int]]) -> ModelInput:  # fmt: skip
+    def model_input(
+        self,
+        scheduled: list[tuple[Request, int, list[int], int]],
+        block_copies: list[tuple[int, int]],
+        runner_table: Callable[[Request], list[int]],
+    ) -> ModelInput:
         """The step as the runner sees it, for ``scheduled`` (request, new tokens, draft
         tokens, lookahead slots): deltas against what it already holds, and the drops."""
         batch = self.drops()
@@ -42,13 +46,21 @@ class RunnerSync:
             if rid not in self._known:
                 self._known.add(rid)
                 batch.new_requests.append(
-                    NewRequestData(rid, req.prompt_token_ids, list(req.output_token_ids), req.params,
-                                   runner_table(req), req.lora_name)  # fmt: skip
+                    NewRequestData(
+                        rid,
+                        req.prompt_token_ids,
+                        list(req.output_token_ids),
+                        req.params,
+                        runner_table(req),
+                        req.lora_name,
+                    )
                 )
             elif (delta := req.block_ids.unsynced()) is not None:
                 batch.cached_requests.append(CachedRequestData(rid, *delta))
             req.block_ids.mark_synced()
-            batch.scheduled.append(ScheduledTokens(rid, req.num_computed_tokens, num_new, spec_token_ids, num_lookahead))
+            batch.scheduled.append(
+                ScheduledTokens(rid, req.num_computed_tokens, num_new, spec_token_ids, num_lookahead)
+            )
         return batch
 
     def drops(self) -> ModelInput:

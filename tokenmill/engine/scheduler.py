@@ -167,7 +167,11 @@ class Scheduler:
             if forked is not None:  # computes only its last prompt token
                 num_new, lookahead = 1, forked
             else:
-                cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 and not req.computes_whole_prompt else []
+                cached = (
+                    self.kv.find_cached_prefix(req)
+                    if req.num_computed_tokens == 0 and not req.computes_whole_prompt
+                    else []
+                )
                 num_computed = req.num_computed_tokens + len(cached) * self.kv.block_size
                 num_new = min(req.num_tokens - num_computed, budget)
                 lookahead = self._num_lookahead(req, num_new, 0, num_computed)
@@ -198,7 +202,12 @@ class Scheduler:
         last token, speculation is on and not paused, and there is room to use them."""
         spec = self.speculative
         computed = req.num_computed_tokens if num_computed is None else num_computed
-        if spec is None or req.params.pooling is not None or computed + num_real != req.num_tokens or len(self.running) > spec.disable_batch_size:
+        if (
+            spec is None
+            or req.params.pooling is not None
+            or computed + num_real != req.num_tokens
+            or len(self.running) > spec.disable_batch_size
+        ):
             return 0
         room = min(
             req.params.max_tokens - len(req.output_token_ids) - 2,  # this step adds >= 1 token, the next <= k + 1
@@ -339,8 +348,12 @@ class Scheduler:
             p = req.params
             stop_token = t.token_id in p.stop_token_ids or (not p.ignore_eos and t.token_id in self.eos_token_ids)
             if not stop_token and req.grammar is not None and not req.grammar.accept([t.token_id]):
-                logger.warning("request %s: structured output cut off after %d tokens: the grammar matcher stopped (%s)",
-                               req.request_id, len(req.output_token_ids), req.grammar.error or "refused")  # fmt: skip
+                logger.warning(
+                    "request %s: structured output cut off after %d tokens: the grammar matcher stopped (%s)",
+                    req.request_id,
+                    len(req.output_token_ids),
+                    req.grammar.error or "refused",
+                )
                 self.finish(req, "length")
                 return sampled[:i]
             req.output_token_ids.append(t.token_id)

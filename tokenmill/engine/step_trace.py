@@ -106,8 +106,18 @@ class StepTracer:
                 seqs.append(SeqRecord(req.request_id, kind, 0, 0, 0, 0, req.lora_name, req.finish_reason))
                 continue
             accepted = max(0, min(drafts, sampled.get(req.request_id, 0) - 1)) if drafts else 0
-            seqs.append(SeqRecord(req.request_id, kind, s.num_new_tokens - drafts + accepted, drafts, accepted,
-                                  cached, req.lora_name, req.finish_reason))  # fmt: skip
+            seqs.append(
+                SeqRecord(
+                    req.request_id,
+                    kind,
+                    s.num_new_tokens - drafts + accepted,
+                    drafts,
+                    accepted,
+                    cached,
+                    req.lora_name,
+                    req.finish_reason,
+                )
+            )
         ended = [[r.request_id, r.finish_reason] for r in sched.unschedulable]  # ended in schedule(), never run
         self._record(t0, time.perf_counter() - t0, seqs, [r.request_id for r in sched.preempted], ended)
 
@@ -117,11 +127,21 @@ class StepTracer:
         if self._trace is not None and ended:
             self._record(time.perf_counter(), 0.0, [], [], [list(e) for e in ended])
 
-    def _record(self, t0: float, duration: float, seqs: list[SeqRecord], preempted: list[str],
-                ended: list[list[str | None]]) -> None:  # fmt: skip
+    def _record(
+        self, t0: float, duration: float, seqs: list[SeqRecord], preempted: list[str], ended: list[list[str | None]]
+    ) -> None:
         self._num_traced += 1
-        self._trace.append(StepRecord(
-            step=self._num_traced, time=t0, duration=duration, seqs=seqs, preempted=preempted, ended=ended,
-            running=len(self._scheduler.running), waiting=len(self._scheduler.waiting),
-            blocks_used=self._pool.num_used, blocks_cached=self._pool.num_cached_free,
-        ))  # fmt: skip
+        self._trace.append(
+            StepRecord(
+                step=self._num_traced,
+                time=t0,
+                duration=duration,
+                seqs=seqs,
+                preempted=preempted,
+                ended=ended,
+                running=len(self._scheduler.running),
+                waiting=len(self._scheduler.waiting),
+                blocks_used=self._pool.num_used,
+                blocks_cached=self._pool.num_cached_free,
+            )
+        )

@@ -69,8 +69,9 @@ class Streams:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._open
 
-    async def follow(self, request_id: str, n: int, submit: Submit, abort: Callable[[str], None],
-                     is_dead: Callable[[], bool]) -> AsyncIterator[RequestOutput]:  # fmt: skip
+    async def follow(
+        self, request_id: str, n: int, submit: Submit, abort: Callable[[str], None], is_dead: Callable[[], bool]
+    ) -> AsyncIterator[RequestOutput]:
         """The outputs of one request of ``n`` sequences, submitted by ``submit``; leaving
         the loop early calls ``abort``."""
         if is_dead():
@@ -135,8 +136,9 @@ class Streams:
 class StreamingFront(Protocol):
     """What the HTTP app streams from and manages an engine by."""
 
-    def generate(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
-                 lora: str | None = None) -> AsyncIterator[RequestOutput]:  # fmt: skip
+    def generate(
+        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, lora: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request; leaving the loop early aborts it."""
         ...
 

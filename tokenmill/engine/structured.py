@@ -48,7 +48,9 @@ class StructuredOutputManager:
     def __init__(self, compiler: GrammarCompiler | None) -> None:
         self.compiler = compiler
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-grammar")
-        self._compiles = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-grammar-compile", initializer=_low_priority)
+        self._compiles = ThreadPoolExecutor(
+            1, thread_name_prefix="tokenmill-grammar-compile", initializer=_low_priority
+        )
 
     def compile(self, spec: StructuredOutputs) -> CompiledGrammar:
         """Compile (or find in the cache) on the caller's thread; thread-safe, raises
@@ -73,9 +75,11 @@ class StructuredOutputManager:
 
     def timeout_error(self, spec: StructuredOutputs) -> InvalidRequestError:
         """What a request whose grammar did not compile within the timeout gets."""
-        return InvalidRequestError(f"structured output {spec.kind} did not compile within {self.compile_timeout:g} s "
-                                   "(--grammar-compile-timeout); simplify it, or retry when the server is less busy",
-                                   param=spec.kind)  # fmt: skip
+        return InvalidRequestError(
+            f"structured output {spec.kind} did not compile within {self.compile_timeout:g} s "
+            "(--grammar-compile-timeout); simplify it, or retry when the server is less busy",
+            param=spec.kind,
+        )
 
     def _compiler(self) -> GrammarCompiler:
         if self.compiler is None:

@@ -54,8 +54,19 @@ def delta_to_wire(d: SeqDelta) -> list[Any]:
     toks = d.new_tokens
     logprobs = [t.logprob for t in toks] if toks and toks[0].logprob is not None else None
     tops = [t.top_logprobs for t in toks] if logprobs is not None else None
-    return [d.seq_id, [t.token_id for t in toks], logprobs, tops, d.finish_reason, d.stop_reason, d.error,
-            d.first_scheduled, d.num_cached_tokens, d.prompt_logprobs, d.embedding]  # fmt: skip
+    return [
+        d.seq_id,
+        [t.token_id for t in toks],
+        logprobs,
+        tops,
+        d.finish_reason,
+        d.stop_reason,
+        d.error,
+        d.first_scheduled,
+        d.num_cached_tokens,
+        d.prompt_logprobs,
+        d.embedding,
+    ]
 
 
 def delta_from_wire(w: list[Any]) -> SeqDelta:
@@ -79,9 +90,14 @@ def snapshot_from_wire(d: dict[str, Any]) -> EngineSnapshot:
 
 # --------------------------------------------------------------------- errors
 
+
 def error_to_wire(e: BaseException) -> dict[str, Any]:
-    return {"type": type(e).__name__, "message": str(e), "param": getattr(e, "param", None),
-            "user": isinstance(e, TokenmillError)}  # fmt: skip
+    return {
+        "type": type(e).__name__,
+        "message": str(e),
+        "param": getattr(e, "param", None),
+        "user": isinstance(e, TokenmillError),
+    }
 
 
 def error_from_wire(d: dict[str, Any]) -> Exception:

@@ -13,5 +13,7 @@ if __name__ == "__main__":
     print(f"building {build_name()} (cached after the first time) ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     ok = load_native(verbose="-v" in sys.argv)
-    print(f"{'ready' if ok else 'unavailable: the pure-torch path will run'} in {time.perf_counter() - start:.1f} s",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"{'ready' if ok else 'unavailable: the pure-torch path will run'} in {time.perf_counter() - start:.1f} s",
+        file=sys.stderr,
+    )

@@ -13,8 +13,18 @@ import torch
 
 # The flags that matter to an inference engine on x86: vector width, bfloat16 and int8
 # dot products (AVX512_BF16, VNNI) and the AMX tile units.
-INTERESTING_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "avx_vnni",
-                     "amx_tile", "amx_bf16", "amx_int8")  # fmt: skip
+INTERESTING_FLAGS = (
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512bw",
+    "avx512_bf16",
+    "avx512_vnni",
+    "avx_vnni",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,10 @@ from tokenmill.kernels.cpu import cpu_info
 
 log = logging.getLogger("tokenmill")
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("cpu_ops.cpp", "quant_ops.cpp", "ggml_ops.cpp", "ggml_groups.cpp", "decode_loop.cpp", "gemm.cpp")]
+SOURCES = [
+    CSRC / name
+    for name in ("cpu_ops.cpp", "quant_ops.cpp", "ggml_ops.cpp", "ggml_groups.cpp", "decode_loop.cpp", "gemm.cpp")
+]
 # -fopenmp: at::parallel_for is inline OpenMP, compiled into our code (without it, one thread)
 BASE_CFLAGS = ["-O3", "-fopenmp", "-Wno-unused-function"]
 
@@ -40,7 +43,9 @@ def cflags() -> list[str]:
 
 
 def build_name() -> str:
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in [*SOURCES, *sorted(CSRC.glob("*.h"))]) + " ".join(cflags()).encode()).hexdigest()[:10]
+    digest = hashlib.sha256(
+        b"".join(p.read_bytes() for p in [*SOURCES, *sorted(CSRC.glob("*.h"))]) + " ".join(cflags()).encode()
+    ).hexdigest()[:10]
     arch = cpu_info().isa_tag if target_arch() == "native" else target_arch().replace("-", "_")
     return f"tokenmill_cpu_{arch}_{digest}"
 
@@ -59,9 +64,16 @@ def load_native(verbose: bool = False) -> bool:
         try:
             from torch.utils.cpp_extension import load
 
-            load(name=build_name(), sources=[str(p) for p in SOURCES], extra_cflags=cflags(), extra_ldflags=["-fopenmp"], is_python_module=False, verbose=verbose)
+            load(
+                name=build_name(),
+                sources=[str(p) for p in SOURCES],
+                extra_cflags=cflags(),
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=verbose,
+            )
             return True
-        except Exception as e:  # noqa: BLE001 - any build failure means: run the torch path
+        except Exception as e:
             reason = f"build failed ({str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__})"
     log.warning("tokenmill: native CPU kernels unavailable, %s; using the pure-torch path (slower)", reason)
     return False

@@ -40,7 +40,9 @@ from tokenmill.config import ModelConfig
 from tokenmill.errors import TokenmillError
 
 logger = logging.getLogger(__name__)
-NOT_LOADABLE = "no loadable adapter at this path (adapter_config.json and adapter_model.safetensors); see the server log"
+NOT_LOADABLE = (
+    "no loadable adapter at this path (adapter_config.json and adapter_model.safetensors); see the server log"
+)
 MAX_CONFIG_BYTES = 1 << 20  # an adapter_config.json is a few hundred bytes
 MAX_HEADER_BYTES = 16 << 20  # a safetensors header: names, dtypes, shapes, offsets
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -72,18 +74,27 @@ class LoRAAdapter:
 def target_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """(out, in) of each adaptable projection."""
     q, kv, h, i = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
-    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
-            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}  # fmt: skip
+    return {
+        "q_proj": (q, h),
+        "k_proj": (kv, h),
+        "v_proj": (kv, h),
+        "o_proj": (h, q),
+        "gate_proj": (i, h),
+        "up_proj": (i, h),
+        "down_proj": (h, i),
+    }
 
 
-def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int,
-                 root: str | Path | None = None) -> LoRAAdapter:  # fmt: skip
+def load_adapter(
+    name: str, path: str | Path, cfg: ModelConfig, max_rank: int, root: str | Path | None = None
+) -> LoRAAdapter:
     """Read and check a PEFT adapter folder; LoRAError names what is wrong (a path that
     holds no adapter: ``NOT_LOADABLE``, with the reason logged)."""
     folder = Path(path)
     if root is not None and not _inside(folder, Path(root)):
-        raise LoRAError(f"LoRA adapter {name!r}: the path is outside the folder this server loads adapters from "
-                        "(--lora-root)")  # fmt: skip
+        raise LoRAError(
+            f"LoRA adapter {name!r}: the path is outside the folder this server loads adapters from (--lora-root)"
+        )
     config_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
     try:
         _check_file(config_file, MAX_CONFIG_BYTES)
@@ -97,8 +108,9 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int,
     except _FileProblem as e:
         raise _not_loadable(name, folder, str(e)) from None
     if header > MAX_HEADER_BYTES:
-        raise _not_loadable(name, folder, f"{weights_file.name} claims a header of {header} bytes (more than "
-                                          f"{MAX_HEADER_BYTES})")  # fmt: skip
+        raise _not_loadable(
+            name, folder, f"{weights_file.name} claims a header of {header} bytes (more than {MAX_HEADER_BYTES})"
+        )
     if not isinstance(conf, dict):
         raise _not_loadable(name, folder, "adapter_config.json does not hold a JSON object")
     _check_config(name, conf, max_rank)
@@ -108,15 +120,17 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int,
 
     try:
         tensors = load_file(str(weights_file))
-    except Exception as e:  # noqa: BLE001 - a truncated or foreign file
+    except Exception as e:
         raise _not_loadable(name, folder, f"cannot read {weights_file.name}: {type(e).__name__}: {e}") from None
     shapes = target_shapes(cfg)
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         m = _KEY.search(key)
         if m is None:
-            raise LoRAError(f"LoRA adapter {name!r}: unsupported weight {key!r} (only q/k/v/o/gate/up/down "
-                            "projections of the decoder layers can be adapted)")  # fmt: skip
+            raise LoRAError(
+                f"LoRA adapter {name!r}: unsupported weight {key!r} (only q/k/v/o/gate/up/down "
+                "projections of the decoder layers can be adapted)"
+            )
         layer, target, half = int(m.group(1)), m.group(2), m.group(3)
         if target not in shapes or layer >= cfg.num_layers:
             raise LoRAError(f"LoRA adapter {name!r}: weight {key!r} does not match a projection of this model")
@@ -131,8 +145,10 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int,
         a, b = pair["A"], pair["B"]
         out, inp = shapes[target]
         if a.shape != (rank, inp) or b.shape != (out, rank):
-            raise LoRAError(f"LoRA adapter {name!r}: layer {layer} {target} has A {tuple(a.shape)} and B "
-                            f"{tuple(b.shape)}, expected A ({rank}, {inp}) and B ({out}, {rank})")  # fmt: skip
+            raise LoRAError(
+                f"LoRA adapter {name!r}: layer {layer} {target} has A {tuple(a.shape)} and B "
+                f"{tuple(b.shape)}, expected A ({rank}, {inp}) and B ({out}, {rank})"
+            )
         weights[(layer, target)] = (a.contiguous(), (b * scaling).contiguous())
     if not weights:
         raise LoRAError(f"LoRA adapter {name!r}: {weights_file.name} holds no LoRA weights")

@@ -25,8 +25,12 @@ from tokenmill.config import ModelConfig
 from tokenmill.lora.adapter import LoRAAdapter, target_shapes
 
 # each module of a decoder layer that LoRA may touch, and the checkpoint projections fused in it
-FUSED = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "self_attn.o_proj": ("o_proj",),
-         "mlp.gate_up_proj": ("gate_proj", "up_proj"), "mlp.down_proj": ("down_proj",)}  # fmt: skip
+FUSED = {
+    "self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "self_attn.o_proj": ("o_proj",),
+    "mlp.gate_up_proj": ("gate_proj", "up_proj"),
+    "mlp.down_proj": ("down_proj",),
+}
 
 
 PAD_ROWS = 16  # slots with more rows than this in a step are not padded together
@@ -55,7 +59,7 @@ class LoRAMapping:
     @classmethod
     def build(cls, rows: dict[int, list[int]], num_rows: int, dtype: torch.dtype, device: torch.device) -> LoRAMapping:
         if len(rows) == 1:
-            (slot, r), = rows.items()
+            ((slot, r),) = rows.items()
             return cls([(slot, torch.tensor(r, device=device))], whole=slot if len(r) == num_rows else None)
         # a slot with many rows (a prompt chunk) is computed on its own: padding every
         # other slot to its length would multiply the work; the rest (decodes) go together
@@ -80,8 +84,16 @@ class LoRAMapping:
 
 
 class LoRALinear(nn.Module):
-    def __init__(self, base: nn.Module, subs: tuple[str, ...], cfg: ModelConfig, max_loras: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
+    def __init__(
+        self,
+        base: nn.Module,
+        subs: tuple[str, ...],
+        cfg: ModelConfig,
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         super().__init__()
         self.base = base
         self.subs = subs

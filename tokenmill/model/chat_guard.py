@@ -93,8 +93,11 @@ class SpecialTextGuard:
 
         ids, offsets = whole.ids, whole.offsets
         # the template's special tokens (not an unknown character's <unk>, nor one made with a marker)
-        cuts = [(k, a, b) for k, (t, (a, b)) in enumerate(zip(ids, offsets, strict=True))
-                if t in self.special_ids and self.backend.id_to_token(t) in text[a:b] and not marked(a, b)]  # fmt: skip
+        cuts = [
+            (k, a, b)
+            for k, (t, (a, b)) in enumerate(zip(ids, offsets, strict=True))
+            if t in self.special_ids and self.backend.id_to_token(t) in text[a:b] and not marked(a, b)
+        ]
         out: list[int] = []
         tok, char = 0, 0  # where the piece before the next cut begins
         for k, a, b in [*cuts, (len(ids), len(text), len(text))]:

@@ -56,8 +56,9 @@ class Family:
 
 
 def _gemma_hf(raw: dict[str, Any], context: int) -> Fields:
-    types = raw.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
-                                       for i in range(int(raw["num_hidden_layers"]))]  # fmt: skip
+    types = raw.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(int(raw["num_hidden_layers"]))
+    ]
     scalar = raw.get("query_pre_attn_scalar")
     return dict(
         hidden_act="gelu_tanh",
@@ -66,8 +67,9 @@ def _gemma_hf(raw: dict[str, Any], context: int) -> Fields:
         attn_softcap=raw.get("attn_logit_softcapping"),
         final_softcap=raw.get("final_logit_softcapping"),
         query_scale=float(scalar) ** -0.5 if scalar else None,
-        layer_windows=tuple(window_if_shorter(raw.get("sliding_window"), context) if t == "sliding_attention" else None
-                            for t in types),  # fmt: skip
+        layer_windows=tuple(
+            window_if_shorter(raw.get("sliding_window"), context) if t == "sliding_attention" else None for t in types
+        ),
         sliding_window=None,
     )
 
@@ -100,18 +102,33 @@ def _gemma_gguf(arch: str, key: GGUFKey, hidden: int, heads: int, context: int) 
     )
 
 
-_GEMMA_GGUF_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
-                     "post_ffw_norm": "post_feedforward_layernorm"}  # fmt: skip
-_GEMMA = dict(norm_offset=1.0, hf_tied_by_default=True, gguf_layer_names=_GEMMA_GGUF_NAMES, sentencepiece="gemma",
-              hf_fields=_gemma_hf, gguf_fields=_gemma_gguf)  # fmt: skip
+_GEMMA_GGUF_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GEMMA = dict(
+    norm_offset=1.0,
+    hf_tied_by_default=True,
+    gguf_layer_names=_GEMMA_GGUF_NAMES,
+    sentencepiece="gemma",
+    hf_fields=_gemma_hf,
+    gguf_fields=_gemma_gguf,
+)
 
 FAMILIES = (
     Family("llama", ("llama",), ("llama",), permuted_qk=True),
     Family("mistral", ("mistral",), ("mistral",), permuted_qk=True, hf_window=True),
     Family("mixtral", ("mixtral",), (), permuted_qk=True, hf_window=True, hf_experts=True),
     # Phi-3's GGUF holds the fused projections (and "ffn_up" is gate and up together).
-    Family("phi3", ("phi3",), ("phi3",), hf_window=True, sentencepiece="prefix",
-           gguf_layer_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}),  # fmt: skip
+    Family(
+        "phi3",
+        ("phi3",),
+        ("phi3",),
+        hf_window=True,
+        sentencepiece="prefix",
+        gguf_layer_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    ),
     Family("qwen2", ("qwen2",), ("qwen2",), hf_attention_bias=True),
     Family("qwen3", ("qwen3",), ("qwen3",), hf_qk_norm=True),
     Family("gemma2", ("gemma2",), ("gemma2",), **_GEMMA),
@@ -124,15 +141,19 @@ GGUF_FAMILIES: Mapping[str, Family] = {a: f for f in FAMILIES for a in f.gguf_ar
 def hf_family(model_type: Any, path: Path) -> Family:
     family = HF_FAMILIES.get(model_type)
     if family is None:
-        raise ModelLoadError(f"unsupported model_type {model_type!r} in {path / 'config.json'}; "
-                             f"supported: {', '.join(sorted(HF_FAMILIES))}")  # fmt: skip
+        raise ModelLoadError(
+            f"unsupported model_type {model_type!r} in {path / 'config.json'}; "
+            f"supported: {', '.join(sorted(HF_FAMILIES))}"
+        )
     return family
 
 
 def gguf_family(arch: Any, path: Path) -> Family:
     family = GGUF_FAMILIES.get(arch)
     if family is None:
-        raise ModelLoadError(f"unsupported architecture {arch!r} in {path}; supported: {', '.join(sorted(GGUF_FAMILIES))}")
+        raise ModelLoadError(
+            f"unsupported architecture {arch!r} in {path}; supported: {', '.join(sorted(GGUF_FAMILIES))}"
+        )
     return family
 
 

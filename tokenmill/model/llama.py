@@ -101,8 +101,9 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, ops: TorchOps, tp: TensorParallelGroup | None = None,
-                lora: LoRAMapping | None = None) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, x: torch.Tensor, ops: TorchOps, tp: TensorParallelGroup | None = None, lora: LoRAMapping | None = None
+    ) -> torch.Tensor:
         gate_up = project(self.gate_up_proj, x, lora)
         if self.gelu:
             gate, up = gate_up.chunk(2, dim=-1)
@@ -136,9 +137,18 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = MoEMLP(cfg) if cfg.num_experts else LlamaMLP(cfg)
 
     def forward(
-        self, h, x, positions, rotary, kv_cache: KVCache, meta: AttentionMetadata, ops: TorchOps,
-        next_norm: RMSNorm | None, tp: TensorParallelGroup | None = None, lora: LoRAMapping | None = None,
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        h,
+        x,
+        positions,
+        rotary,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        ops: TorchOps,
+        next_norm: RMSNorm | None,
+        tp: TensorParallelGroup | None = None,
+        lora: LoRAMapping | None = None,
+    ) -> torch.Tensor:
         post = self.post_attention_layernorm
         attn = self.self_attn(h, positions, rotary, kv_cache, meta, ops, tp, lora)
         if self.sandwich:
@@ -183,12 +193,21 @@ def _fused_linear(linear: nn.Module, dtype: torch.dtype) -> tuple[list[torch.Ten
         if isinstance(p, BlockWeight):
             return [p.qs, empty, empty], [p.bits, 0]
         return [p.qs, p.scale, empty if p.minv is None else p.minv], [p.bits, p.group]
-    if (isinstance(linear, QuantLinear) and len(linear.parts) == 2 and linear.bias is None and linear.native
-            and all(isinstance(p, BlockWeight) for p in linear.parts)):  # fmt: skip
+    if (
+        isinstance(linear, QuantLinear)
+        and len(linear.parts) == 2
+        and linear.bias is None
+        and linear.native
+        and all(isinstance(p, BlockWeight) for p in linear.parts)
+    ):
         a, b = linear.parts  # two block types (Q4_K_M's qkv): the second part's blocks and type in the scale's place
         return [a.qs, b.qs, empty], [a.bits, b.type_code]
     sixteen = (torch.float16, torch.bfloat16)
-    if type(linear) is NativeLinear and linear.bias is None and (linear.weight.dtype == dtype or linear.weight.dtype in sixteen):
+    if (
+        type(linear) is NativeLinear
+        and linear.bias is None
+        and (linear.weight.dtype == dtype or linear.weight.dtype in sixteen)
+    ):
         return [linear.weight, empty, empty], [0, 0]
     return None
 
@@ -202,7 +221,8 @@ class LlamaForCausalLM(nn.Module):
         # the table to adopt the checkpoint's into, uninitialised: Embedding's own random init on the
         # meta device (where models are built) imports torch._dynamo, ~1 s of every load
         self.embed_tokens: nn.Embedding | None = nn.Embedding(
-            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -239,8 +259,12 @@ class LlamaForCausalLM(nn.Module):
         except RuntimeError as e:  # shapes that do not fit: torch names each tensor
             raise ModelLoadError(f"checkpoint does not fit the model ({cfg.architecture}): {e}") from None
         if missing or unexpected:
-            raise ModelLoadError(f"checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        model.rotary = rotary_for(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, freq_factors)
+            raise ModelLoadError(
+                f"checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
+        model.rotary = rotary_for(
+            cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, freq_factors
+        )
         if cfg.rope_local_theta is not None:
             model.rotary_local = rotary_for(cfg.head_dim, cfg.rope_local_theta, None, cfg.max_position_embeddings)
         return model.to(device).eval()
@@ -262,7 +286,11 @@ class LlamaForCausalLM(nn.Module):
         x = self._embed(input_ids) if residual is None else residual  # updated in place by each layer
         first = layers[0].input_layernorm
         h = ops.rms_norm(x, first.weight, first.eps)
-        plan = self.fused_plan if num_layers is None and tp is None and residual is None and not self.has_lora_slots else None
+        plan = (
+            self.fused_plan
+            if num_layers is None and tp is None and residual is None and not self.has_lora_slots
+            else None
+        )
         if plan is not None:
             out = ops.decoder_layers(x, h, plan, positions, self.rotary, kv_caches, meta)
             if out is not None:
@@ -309,8 +337,14 @@ class LlamaForCausalLM(nn.Module):
         kinds: list[int] = []
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            if (type(mlp) is not LlamaMLP or mlp.gelu or layer.sandwich or attn.q_norm is not None
-                    or attn.window is not None or attn.softcap is not None):  # fmt: skip
+            if (
+                type(mlp) is not LlamaMLP
+                or mlp.gelu
+                or layer.sandwich
+                or attn.q_norm is not None
+                or attn.window is not None
+                or attn.softcap is not None
+            ):
                 return None
             next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             weights += [layer.post_attention_layernorm.weight, next_norm.weight]
@@ -322,16 +356,20 @@ class LlamaForCausalLM(nn.Module):
                 kinds += fused[1]
         attn = self.layers[0].self_attn
         blocks_only = all(bits < 0 for bits in kinds[::2])
-        return FusedPlan(weights, kinds, attn.scale, cfg.rms_norm_eps, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                         blocks_only)  # fmt: skip
+        return FusedPlan(
+            weights, kinds, attn.scale, cfg.rms_norm_eps, attn.num_heads, attn.num_kv_heads, attn.head_dim, blocks_only
+        )
 
     @property
     def head_reads_embedding(self) -> bool:
         """True where the LM head multiplies by the embedding table itself (tied, not copied)."""
         if self.lm_head is None:
             return True
-        return isinstance(self.lm_head, QuantLinear) and isinstance(self.embed_tokens, QuantEmbedding) and any(
-            p is self.embed_tokens.weight for p in self.lm_head.parts)
+        return (
+            isinstance(self.lm_head, QuantLinear)
+            and isinstance(self.embed_tokens, QuantEmbedding)
+            and any(p is self.embed_tokens.weight for p in self.lm_head.parts)
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
         """Split by tensor parallelism, these are this rank's vocabulary columns."""
@@ -372,12 +410,18 @@ def adopt_packed(model: LlamaForCausalLM, weights: dict) -> dict:
     for i, layer in enumerate(model.layers):
         p = f"layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
-        for fused, names in (("qkv_proj", ["q_proj", "k_proj", "v_proj"]), ("qkv_proj", ["qkv_proj"]),
-                             ("o_proj", ["o_proj"])):  # fmt: skip
+        for fused, names in (
+            ("qkv_proj", ["q_proj", "k_proj", "v_proj"]),
+            ("qkv_proj", ["qkv_proj"]),
+            ("o_proj", ["o_proj"]),
+        ):
             install(attn, fused, f"{p}self_attn.", names)
         if isinstance(mlp, LlamaMLP):
-            for fused, names in (("gate_up_proj", ["gate_proj", "up_proj"]), ("gate_up_proj", ["gate_up_proj"]),
-                                 ("down_proj", ["down_proj"])):  # fmt: skip
+            for fused, names in (
+                ("gate_up_proj", ["gate_proj", "up_proj"]),
+                ("gate_up_proj", ["gate_up_proj"]),
+                ("down_proj", ["down_proj"]),
+            ):
                 install(mlp, fused, f"{p}mlp.", names)
     embed = weights.get("embed_tokens.weight")
     if isinstance(embed, PackedWeight):

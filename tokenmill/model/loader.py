@@ -34,9 +34,20 @@ from tokenmill.quant.packed import NATIVE_GGUF_TYPES, PackedWeight
 
 # GGML tensor types we dequantise at load (gguf.quants implements each).
 SUPPORTED_GGUF_TYPES = (
-    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-)  # fmt: skip
+    "F32",
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+)
 
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -95,9 +106,12 @@ def _read_config_json(path: Path) -> dict[str, Any]:
 
 
 def load_checkpoint(
-    model: str | Path | None, dtype: torch.dtype = torch.float32, progress: bool = True, keep_quantized: bool = False,
+    model: str | Path | None,
+    dtype: torch.dtype = torch.float32,
+    progress: bool = True,
+    keep_quantized: bool = False,
     int8_blocks: bool = False,
-) -> Checkpoint:  # fmt: skip
+) -> Checkpoint:
     """Load a .gguf file or a Hugging Face folder (config.json + *.safetensors).
     ``keep_quantized``: a GGUF's quantised linear weights and embedding stay quantised;
     ``int8_blocks``: those of the types quant/blocks.py serves stay in the file's blocks
@@ -184,8 +198,9 @@ def _tensor(arr: np.ndarray, stored: torch.dtype, dtype: torch.dtype) -> torch.T
     return src.view(stored).to(dtype, copy=True)
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, progress: bool, keep_quantized: bool = False,
-               int8_blocks: bool = False) -> Checkpoint:  # fmt: skip
+def _load_gguf(
+    path: Path, dtype: torch.dtype, progress: bool, keep_quantized: bool = False, int8_blocks: bool = False
+) -> Checkpoint:
     from gguf import GGMLQuantizationType, dequantize
 
     metadata, tensors = read_gguf(path)
@@ -203,29 +218,46 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: bool, keep_quantized: b
         name = _gguf_name(t.name, family)
         if name is None:
             if t.name.startswith("rope_factors_"):
-                raise ModelLoadError(f"{path} uses LongRoPE factors ({t.name}), not supported from GGUF yet; "
-                                     "load the Hugging Face folder instead")  # fmt: skip
+                raise ModelLoadError(
+                    f"{path} uses LongRoPE factors ({t.name}), not supported from GGUF yet; "
+                    "load the Hugging Face folder instead"
+                )
             raise ModelLoadError(f"unexpected tensor {t.name} in {path}")
         if keep_quantized and t.type_name in NATIVE_GGUF_TYPES and len(t.shape) == 2 and name.endswith(_PACKABLE):
             weights[name] = _packed(t.type_name, t.data, t.shape, name, config, family, int8_blocks)
             reporter.step()
             continue
         stored = _STORED.get(t.type_name)  # float types: the file's values as they are, not through numpy's float32
-        arr = t.data.view(stored[0]).reshape(t.shape) if stored else dequantize(t.data, GGMLQuantizationType[t.type_name]).reshape(t.shape)
+        arr = (
+            t.data.view(stored[0]).reshape(t.shape)
+            if stored
+            else dequantize(t.data, GGMLQuantizationType[t.type_name]).reshape(t.shape)
+        )
         if family.permuted_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
             arr = unpermute_qk(arr, config.num_heads)
         elif family.permuted_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
             arr = unpermute_qk(arr, config.num_kv_heads)
         keep16 = keep_quantized and t.type_name in _SIXTEEN_BITS and len(t.shape) == 2 and name.endswith(_PACKABLE)
-        weights[name] = _tensor(arr, stored[1] if stored else torch.float32, _SIXTEEN_BITS[t.type_name] if keep16 else dtype)
+        weights[name] = _tensor(
+            arr, stored[1] if stored else torch.float32, _SIXTEEN_BITS[t.type_name] if keep16 else dtype
+        )
         reporter.step()
     reporter.done()
-    tokenizer_metadata = {k: v for k, v in metadata.items() if k.startswith("tokenizer.") or k == "general.architecture"}
+    tokenizer_metadata = {
+        k: v for k, v in metadata.items() if k.startswith("tokenizer.") or k == "general.architecture"
+    }
     return Checkpoint(config=config, weights=weights, path=path, metadata=tokenizer_metadata)
 
 
-def _packed(type_name: str, data: np.ndarray, shape: tuple[int, ...], name: str, config: ModelConfig,
-            family: Family, int8_blocks: bool = False) -> PackedWeight:  # fmt: skip
+def _packed(
+    type_name: str,
+    data: np.ndarray,
+    shape: tuple[int, ...],
+    name: str,
+    config: ModelConfig,
+    family: Family,
+    int8_blocks: bool = False,
+) -> PackedWeight:
     """A quantised GGUF weight for the kernels (its own blocks, or repacked), with llama.cpp's
     Q/K row order undone."""
     kind = BlockWeight if int8_blocks and type_name in BLOCK_TYPES else PackedWeight
@@ -270,8 +302,10 @@ def hf_config(raw: dict[str, Any], path: Path) -> ModelConfig:
     context = int(raw.get("max_position_embeddings", 2048))
     window = window_if_shorter(raw.get("sliding_window"), context) if family.hf_window else None
     if raw.get("use_sliding_window") and not family.hf_window:  # Qwen2: a window on some layers only
-        raise ModelLoadError(f"{path / 'config.json'}: use_sliding_window (a window on layers from "
-                             f"max_window_layers on) is not supported yet")  # fmt: skip
+        raise ModelLoadError(
+            f"{path / 'config.json'}: use_sliding_window (a window on layers from "
+            f"max_window_layers on) is not supported yet"
+        )
     fields = dict(
         vocab_size=int(raw["vocab_size"]),
         hidden_size=int(raw["hidden_size"]),
@@ -298,15 +332,23 @@ def hf_config(raw: dict[str, Any], path: Path) -> ModelConfig:
 
 def _longrope(rope: dict[str, Any], raw: dict[str, Any], path: Path) -> RopeScaling:
     """Phi-3's LongRoPE, with transformers' defaults for the factor and attention factor."""
-    original = int(rope.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings")
-                   or raw["max_position_embeddings"])  # fmt: skip
+    original = int(
+        rope.get("original_max_position_embeddings")
+        or raw.get("original_max_position_embeddings")
+        or raw["max_position_embeddings"]
+    )
     factor = float(rope.get("factor") or raw["max_position_embeddings"] / original)
     attention = rope.get("attention_factor")
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    return RopeScaling(rope_type="longrope", factor=factor, original_max_position_embeddings=original,
-                       short_factor=tuple(map(float, rope["short_factor"])),
-                       long_factor=tuple(map(float, rope["long_factor"])), attention_factor=float(attention))  # fmt: skip
+    return RopeScaling(
+        rope_type="longrope",
+        factor=factor,
+        original_max_position_embeddings=original,
+        short_factor=tuple(map(float, rope["short_factor"])),
+        long_factor=tuple(map(float, rope["long_factor"])),
+        attention_factor=float(attention),
+    )
 
 
 def _load_hf_folder(path: Path, dtype: torch.dtype, progress: bool) -> Checkpoint:
@@ -355,5 +397,4 @@ class _Progress:
 
     def done(self) -> None:
         if self.enabled:
-            print(f"\r{self.what}: {self.total}/{self.total} in {time.perf_counter() - self.t0:.1f}s",
-                  file=sys.stderr)
+            print(f"\r{self.what}: {self.total}/{self.total} in {time.perf_counter() - self.t0:.1f}s", file=sys.stderr)

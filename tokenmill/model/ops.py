@@ -55,18 +55,31 @@ class TorchOps:
         return F.silu(gate) * up
 
     def rotary_write_kv(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-        rotary: RotaryEmbedding, cache: KVCacheLayer, slot_mapping: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        cache: KVCacheLayer,
+        slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE on q and k, then k and v into their cache slots; returns the rotated q, k."""
         q, k = rotary(positions, q, k)
         cache.write(k, v, slot_mapping)
         return q, k
 
     def attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata,
-        scale: float, window: int | None = None, softcap: float | None = None,
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: KVCacheLayer,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
         """Attention of the new tokens (their K/V already in the cache); with ``window``,
         each query sees only the last ``window`` positions up to its own; with ``softcap``,
         scores are soft-capped (Gemma 2)."""
@@ -115,7 +128,9 @@ class NativeOps(TorchOps):
         if not self._native(q) or q.shape[-1] > 512:
             return super().rotary_write_kv(q, k, v, positions, rotary, cache, slot_mapping)
         if cache.quant is None and cache.k.dtype in NATIVE_DTYPES:
-            torch.ops.tokenmill.rotary_write_kv(q, k, v, positions, rotary.cos, rotary.sin, cache.k, cache.v, slot_mapping)
+            torch.ops.tokenmill.rotary_write_kv(
+                q, k, v, positions, rotary.cos, rotary.sin, cache.k, cache.v, slot_mapping
+            )
         else:  # quantised (or float16) storage: rotate natively, quantise in torch
             torch.ops.tokenmill.rotary(q, k, positions, rotary.cos, rotary.sin)
             cache.write(k, v, slot_mapping)
@@ -132,8 +147,20 @@ class NativeOps(TorchOps):
         index = meta.kernel_index(1 if cache.quant and not self.batch_invariant else self._fresh_sdpa_min)
         if index.paged_seq_ids.numel():
             torch.ops.tokenmill.paged_attention(
-                out, q, cache.k, cache.v, cache.k_scale, cache.v_scale, meta.block_tables, index.query_start_loc,
-                index.seq_lens, index.paged_seq_ids, scale, self._partition, window or 0, softcap or 0.0,
+                out,
+                q,
+                cache.k,
+                cache.v,
+                cache.k_scale,
+                cache.v_scale,
+                meta.block_tables,
+                index.query_start_loc,
+                index.seq_lens,
+                index.paged_seq_ids,
+                scale,
+                self._partition,
+                window or 0,
+                softcap or 0.0,
             )
         qsl = meta.query_start_loc
         for i in index.fresh_seqs:  # long fresh prefills: their own K/V, causal, flash SDPA
@@ -146,16 +173,35 @@ class NativeOps(TorchOps):
 
     def decoder_layers(self, x, h, plan, positions, rotary, kv_caches, meta):
         first = kv_caches[0]
-        if x.shape[0] > (BLOCKS_FUSED_MAX_TOKENS if plan.blocks_only else FUSED_MAX_TOKENS) or not self._native(x) or first.quant is not None or first.k.dtype not in NATIVE_DTYPES:
+        if (
+            x.shape[0] > (BLOCKS_FUSED_MAX_TOKENS if plan.blocks_only else FUSED_MAX_TOKENS)
+            or not self._native(x)
+            or first.quant is not None
+            or first.k.dtype not in NATIVE_DTYPES
+        ):
             return None
         index = meta.kernel_index(self._fresh_sdpa_min)
         if index.fresh_seqs or meta.tree_masks:  # a long fresh prefill takes SDPA, a tree its mask: the Python loop
             return None
         return torch.ops.tokenmill.decode_layers(
-            x, h, layer_stack(plan, kv_caches), positions, rotary.cos, rotary.sin, meta.slot_mapping,
-            meta.block_tables, index.query_start_loc, index.seq_lens, index.paged_seq_ids, plan.scale, plan.eps,
-            plan.num_heads, plan.num_kv_heads, plan.head_dim, self._partition,
-        )  # fmt: skip
+            x,
+            h,
+            layer_stack(plan, kv_caches),
+            positions,
+            rotary.cos,
+            rotary.sin,
+            meta.slot_mapping,
+            meta.block_tables,
+            index.query_start_loc,
+            index.seq_lens,
+            index.paged_seq_ids,
+            plan.scale,
+            plan.eps,
+            plan.num_heads,
+            plan.num_kv_heads,
+            plan.head_dim,
+            self._partition,
+        )
 
 
 def layer_stack(plan, kv_caches: list[KVCacheLayer]):
@@ -183,5 +229,7 @@ def select_ops(device: torch.device, kernels: str = "auto", batch_invariant: boo
     if load_native():
         return NativeOps(batch_invariant)
     if kernels == "native":
-        raise RuntimeError("kernels='native' asked for, but the native CPU kernels did not build (see the warning above)")
+        raise RuntimeError(
+            "kernels='native' asked for, but the native CPU kernels did not build (see the warning above)"
+        )
     return TorchOps()

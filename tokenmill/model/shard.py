@@ -108,8 +108,15 @@ def check_parallel_sizes(cfg: ModelConfig, tp: int, pp: int) -> None:
     if cfg.num_layers % pp:
         problems.append(f"pipeline_parallel_size {pp} does not divide the {cfg.num_layers} layers")
     if problems:
-        divisors = [d for d in range(1, cfg.num_heads + 1) if not cfg.num_heads % d and not cfg.intermediate_size % d
-                    and not (cfg.num_kv_heads % d and d % cfg.num_kv_heads)]  # fmt: skip
+        divisors = [
+            d
+            for d in range(1, cfg.num_heads + 1)
+            if not cfg.num_heads % d
+            and not cfg.intermediate_size % d
+            and not (cfg.num_kv_heads % d and d % cfg.num_kv_heads)
+        ]
         layers = [d for d in range(1, cfg.num_layers + 1) if not cfg.num_layers % d]
-        raise TokenmillError("; ".join(problems) + f" (this model splits with tensor_parallel_size in {divisors} "
-                             f"and pipeline_parallel_size in {layers})")  # fmt: skip
+        raise TokenmillError(
+            "; ".join(problems) + f" (this model splits with tensor_parallel_size in {divisors} "
+            f"and pipeline_parallel_size in {layers})"
+        )

@@ -23,8 +23,9 @@ from tokenmill.quant.weights import (
 )
 
 
-def shard_model(full: nn.Module, shard: ModelShard, quantization: str = "none", group_size: int = 32,
-                packed: bool = False) -> nn.Module:  # fmt: skip
+def shard_model(
+    full: nn.Module, shard: ModelShard, quantization: str = "none", group_size: int = 32, packed: bool = False
+) -> nn.Module:
     """This rank's model, cut from the whole one (built on the CPU, unquantised):
     float tensors are sliced (copies, so the whole model can be freed), linears
     quantised whole and then sliced when ``quantization`` asks for it (``packed``: into the
@@ -40,7 +41,9 @@ def shard_model(full: nn.Module, shard: ModelShard, quantization: str = "none", 
     kv_rows = _rows(shard.kv_heads(cfg), hd)
     qkv_rows = torch.cat([q_rows, cfg.num_heads * hd + kv_rows, (cfg.num_heads + cfg.num_kv_heads) * hd + kv_rows])
     inter = shard.intermediate(cfg)
-    gate_up_rows = torch.cat([torch.arange(inter.start, inter.stop), cfg.intermediate_size + torch.arange(inter.start, inter.stop)])
+    gate_up_rows = torch.cat(
+        [torch.arange(inter.start, inter.stop), cfg.intermediate_size + torch.arange(inter.start, inter.stop)]
+    )
     q_cols = range(q_rows[0].item(), q_rows[-1].item() + 1)
 
     def cut(linear: nn.Module, rows: torch.Tensor | None = None, cols: range | None = None) -> nn.Module:
@@ -49,7 +52,12 @@ def shard_model(full: nn.Module, shard: ModelShard, quantization: str = "none", 
 
     for j, i in enumerate(shard.layers(cfg)):
         src, dst = full.layers[i], model.layers[j]
-        for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"):
+        for norm in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        ):
             if hasattr(src, norm):
                 getattr(dst, norm).weight = _param(getattr(src, norm).weight)
         if src.self_attn.q_norm is not None:  # per-head norms: the same on every rank
@@ -76,8 +84,15 @@ def shard_model(full: nn.Module, shard: ModelShard, quantization: str = "none", 
         if local.tie_word_embeddings and quantization == "none":
             model.lm_head = None  # reads this rank's embedding rows, as the whole model does
         else:
-            model.lm_head = _cut_linear(head, torch.arange(vocab.start, min(vocab.stop, cfg.vocab_size)), None,
-                                        quantization, group_size, pad_rows=len(vocab), packed=packed)  # fmt: skip
+            model.lm_head = _cut_linear(
+                head,
+                torch.arange(vocab.start, min(vocab.stop, cfg.vocab_size)),
+                None,
+                quantization,
+                group_size,
+                pad_rows=len(vocab),
+                packed=packed,
+            )
     else:
         model.norm = None
         model.lm_head = None
@@ -101,9 +116,15 @@ def _pad_rows(w: torch.Tensor, rows: range) -> torch.Tensor:
 
 
 def _cut_linear(
-    w: torch.Tensor, rows: torch.Tensor | None, cols: range | None, quantization: str, group_size: int,
-    pad_rows: int | None = None, bias: torch.Tensor | None = None, packed: bool = False,
-) -> nn.Module:  # fmt: skip
+    w: torch.Tensor,
+    rows: torch.Tensor | None,
+    cols: range | None,
+    quantization: str,
+    group_size: int,
+    pad_rows: int | None = None,
+    bias: torch.Tensor | None = None,
+    packed: bool = False,
+) -> nn.Module:
     """A linear layer holding w[rows][:, cols] (quantised as the whole w would be),
     with zero rows appended up to ``pad_rows``, and bias[rows]."""
     if bias is not None:
@@ -125,7 +146,9 @@ def _cut_linear(
     width = k if cols is None else len(cols)
     if quantization == "int4" and not k % group_size and not width % group_size and group_size in INT4_GROUP_SIZES:
         if cols is not None and cols.start % group_size:
-            raise TokenmillError(f"int4 groups of {group_size} do not align with a shard starting at column {cols.start}")
+            raise TokenmillError(
+                f"int4 groups of {group_size} do not align with a shard starting at column {cols.start}"
+            )
         q, scales_and_zeros = quantize_int4(w, group_size)  # [N, K], [K/G, N, 2]
         group_cols = None if cols is None else range(cols.start // group_size, cols.stop // group_size)
         sz = scales_and_zeros if rows is None else scales_and_zeros.index_select(1, rows)
@@ -146,8 +169,9 @@ def _cut_linear(
             s = torch.cat([s, s.new_ones(pad_rows - s.shape[0])])
         layer = packed_linear(take(q), s[:, None], None, 8, width, bias) if packed else None
         return layer if layer is not None else Int8Linear(take(q), s, w.dtype, bias)
-    linear = nn.Linear(width, pad_rows or (len(rows) if rows is not None else w.shape[0]), bias=bias is not None,
-                       device="meta")  # fmt: skip
+    linear = nn.Linear(
+        width, pad_rows or (len(rows) if rows is not None else w.shape[0]), bias=bias is not None, device="meta"
+    )
     linear.weight = _param(take(w))
     if bias is not None:
         linear.bias = _param(bias)

@@ -56,7 +56,10 @@ class Tokenizer:
         return self.backend.id_to_token(token_id) or ""
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """Render messages to the prompt text the model was trained on (``tools``: for
         templates that describe tools themselves)."""
@@ -116,7 +119,9 @@ def _render_template(template: str, **context: Any) -> str:
         raise InvalidRequestError(f"chat template error: {message}")
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent, ensure_ascii=ensure_ascii)
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+        x, indent=indent, ensure_ascii=ensure_ascii
+    )
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     try:
@@ -177,8 +182,10 @@ def tokenizer_from_gguf(metadata: dict[str, Any], path: Path) -> Tokenizer:
 
     kind = metadata.get("tokenizer.ggml.model")
     if kind not in GGUF_TOKENIZER_MODELS:
-        raise ModelLoadError(f"unsupported GGUF tokenizer model {kind!r} in {path}; supported: "
-                             "'gpt2' (byte-level BPE) and 'llama' (SentencePiece)")  # fmt: skip
+        raise ModelLoadError(
+            f"unsupported GGUF tokenizer model {kind!r} in {path}; supported: "
+            "'gpt2' (byte-level BPE) and 'llama' (SentencePiece)"
+        )
     family = GGUF_FAMILIES.get(metadata.get("general.architecture"))  # unknown: the plain SentencePiece split
     sentencepiece = family.sentencepiece if family is not None else "metaspace"
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
@@ -191,10 +198,12 @@ def tokenizer_from_gguf(metadata: dict[str, Any], path: Path) -> Tokenizer:
         if split is None:
             backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         else:
-            backend.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ])  # fmt: skip
+            backend.pre_tokenizer = pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                ]
+            )
         backend.decoder = decoders.ByteLevel()
     elif sentencepiece == "gemma":
         # Gemma: runs of spaces are stored as spaces but looked up as "\u2581"s, merges follow the
@@ -203,8 +212,15 @@ def tokenizer_from_gguf(metadata: dict[str, Any], path: Path) -> Tokenizer:
         vocab = {t: i for i, t in enumerate(tokens)}
         merges = sentencepiece_merges(tokens, [-float(i) for i in range(len(tokens))])
         unk = metadata.get("tokenizer.ggml.unknown_token_id")
-        backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True,
-                                         unk_token=tokens[unk] if unk is not None else None))  # fmt: skip
+        backend = HFTokenizer(
+            models.BPE(
+                vocab=vocab,
+                merges=merges,
+                fuse_unk=True,
+                byte_fallback=True,
+                unk_token=tokens[unk] if unk is not None else None,
+            )
+        )
         backend.normalizer = normalizers.Replace(" ", "\u2581")
         backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
         backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
@@ -213,15 +229,24 @@ def tokenizer_from_gguf(metadata: dict[str, Any], path: Path) -> Tokenizer:
         merges = sentencepiece_merges(tokens, scores)
         backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
         if sentencepiece == "prefix":  # the prefix space from a normalizer (Phi-3)
-            backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+            backend.normalizer = normalizers.Sequence(
+                [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
+            )
         else:
             backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
-        backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                             decoders.Strip(content=" ", left=1)])  # fmt: skip
+        backend.decoder = decoders.Sequence(
+            [
+                decoders.Replace("\u2581", " "),
+                decoders.ByteFallback(),
+                decoders.Fuse(),
+                decoders.Strip(content=" ", left=1),
+            ]
+        )
     special = [i for i, t in enumerate(types) if t in (_GGUF_UNKNOWN, _GGUF_CONTROL)]
     backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
-    backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
-                        for i, t in enumerate(types) if t == _GGUF_USER_DEFINED])  # fmt: skip
+    backend.add_tokens(
+        [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == _GGUF_USER_DEFINED]
+    )
     bos, eos = metadata.get("tokenizer.ggml.bos_token_id"), metadata.get("tokenizer.ggml.eos_token_id")
     add_bos = bos is not None and metadata.get("tokenizer.ggml.add_bos_token", kind == "llama")
     add_eos = eos is not None and metadata.get("tokenizer.ggml.add_eos_token", False)
@@ -246,7 +271,9 @@ def sentencepiece_merges(tokens: list[str], scores: list[float]) -> list[tuple[s
     vocab = {t: i for i, t in enumerate(tokens)}
     merges = []
     for token, score in zip(tokens, scores, strict=True):
-        local = [(token[:k], token[k:], score) for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab]
+        local = [
+            (token[:k], token[k:], score) for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab
+        ]
         merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
     merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
     return [(a, b) for a, b, _ in merges]

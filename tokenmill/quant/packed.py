@@ -136,8 +136,16 @@ def unpack_nibbles(qs: torch.Tensor, k: int) -> torch.Tensor:
 class PackedWeight(nn.Module):
     """One weight [out_features, in_features] in the kernels' layout (buffers: qs, scale, minv)."""
 
-    def __init__(self, qs: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, bits: int, group: int,
-                 in_features: int, source: str) -> None:  # fmt: skip
+    def __init__(
+        self,
+        qs: torch.Tensor,
+        scale: torch.Tensor,
+        minv: torch.Tensor | None,
+        bits: int,
+        group: int,
+        in_features: int,
+        source: str,
+    ) -> None:
         super().__init__()
         self.register_buffer("qs", qs)
         self.register_buffer("scale", scale)
@@ -163,8 +171,15 @@ class PackedWeight(nn.Module):
     def rows(self, index: torch.Tensor) -> PackedWeight:
         """These rows, in this order (llama.cpp's Q/K row permutation undone)."""
         minv = None if self.minv is None else self.minv[index].contiguous()
-        return PackedWeight(self.qs[index].contiguous(), self.scale[index].contiguous(), minv, self.bits, self.group,
-                            self.in_features, self.source)  # fmt: skip
+        return PackedWeight(
+            self.qs[index].contiguous(),
+            self.scale[index].contiguous(),
+            minv,
+            self.bits,
+            self.group,
+            self.in_features,
+            self.source,
+        )
 
     @property
     def device(self) -> torch.device:
@@ -181,8 +196,15 @@ class PackedWeight(nn.Module):
         assert all(p.layout == first.layout and p.in_features == first.in_features for p in parts)
         minv = None if first.minv is None else torch.cat([p.minv for p in parts])
         source = "+".join(dict.fromkeys(p.source for p in parts))
-        return PackedWeight(torch.cat([p.qs for p in parts]), torch.cat([p.scale for p in parts]), minv,
-                            first.bits, first.group, first.in_features, source)  # fmt: skip
+        return PackedWeight(
+            torch.cat([p.qs for p in parts]),
+            torch.cat([p.scale for p in parts]),
+            minv,
+            first.bits,
+            first.group,
+            first.in_features,
+            source,
+        )
 
     def dequantize(self, ids: torch.Tensor | None = None) -> torch.Tensor:
         """The float32 weight (or rows ``ids`` of it), in pure torch: the reference."""
@@ -207,8 +229,9 @@ class PackedWeight(nn.Module):
         """Rows ``ids`` (all when None) as float32, or rounded to bfloat16: the native kernel on
         the CPU, the reference elsewhere."""
         if self.qs.device.type == "cpu" and hasattr(torch.ops.tokenmill, "quant_dequantize"):
-            return torch.ops.tokenmill.quant_dequantize(self.qs, self.scale, self.minv, self.bits, self.group,
-                                                        self.in_features, ids, bf16)  # fmt: skip
+            return torch.ops.tokenmill.quant_dequantize(
+                self.qs, self.scale, self.minv, self.bits, self.group, self.in_features, ids, bf16
+            )
         w = self.dequantize(ids)
         return w.bfloat16() if bf16 else w
 
@@ -235,8 +258,11 @@ class QuantLinear(nn.Module):
         for p in parts:  # neighbours of one layout become one weight (one kernel call), but a view of
             # the mapped file stays a part of its own: copying it into one weight would read the whole
             # file at load (0.75 s of a 1B model's) and hold its bytes twice
-            if merged and merged[-1].layout == p.layout and not (getattr(p, "mapped", False)
-                                                                 or getattr(merged[-1], "mapped", False)):  # fmt: skip
+            if (
+                merged
+                and merged[-1].layout == p.layout
+                and not (getattr(p, "mapped", False) or getattr(merged[-1], "mapped", False))
+            ):
                 merged[-1] = type(p).cat([merged[-1], p])
             else:
                 merged.append(p)

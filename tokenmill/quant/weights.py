@@ -54,7 +54,9 @@ class Int8Linear(nn.Module):
     """Built from quantised parts (``quantize`` makes them from a float weight; a
     tensor-parallel shard cuts them from the whole weight's)."""
 
-    def __init__(self, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.register_buffer("weight", q)
@@ -92,8 +94,9 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 class Int4Linear(nn.Module):
     """Built from quantised parts: q [N, K] in [0, 15] and (scale, zero) [K / group, N, 2]."""
 
-    def __init__(self, q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
-                 bias: torch.Tensor | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, bias: torch.Tensor | None = None
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.group_size = group_size
@@ -111,7 +114,9 @@ class Int4Linear(nn.Module):
         if weight.shape[1] % group_size:
             raise ValueError(f"int4 group size {group_size} does not divide {weight.shape[1]} input features")
         if group_size not in INT4_GROUP_SIZES:  # what torch's packed int4 kernels take
-            raise ValueError(f"int4 group size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, got {group_size}")
+            raise ValueError(
+                f"int4 group size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, got {group_size}"
+            )
         return cls(*quantize_int4(weight, group_size), group_size, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -126,8 +131,9 @@ class Int4Linear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-def packed_linear(q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, bits: int, group: int,
-                  bias: torch.Tensor | None) -> nn.Module | None:
+def packed_linear(
+    q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, bits: int, group: int, bias: torch.Tensor | None
+) -> nn.Module | None:
     """int8/int4 parts (per-row or per-group scales) as a QuantLinear for the native kernels:
     scales repeated to the kernels' groups of 32 (exact), q repacked; None where the width
     is not a whole number of 32s."""

@@ -45,8 +45,10 @@ def import_ray():
         import ray
         from ray import serve
     except ImportError:
-        raise TokenmillError("engine replicas run on Ray Serve, which is not installed: "
-                             "pip install 'tokenmill[ray]' (or pip install 'ray[serve]')") from None  # fmt: skip
+        raise TokenmillError(
+            "engine replicas run on Ray Serve, which is not installed: "
+            "pip install 'tokenmill[ray]' (or pip install 'ray[serve]')"
+        ) from None
     return ray, serve
 
 
@@ -91,8 +93,14 @@ class RayReplicaFront:
     ``StreamingFront`` (engine/streams.py) that never dies: Serve replaces a dead replica,
     and the requests it had fail alone."""
 
-    def __init__(self, handles: dict[str, Any], indexes: dict[str, Any], tokenizer, info: dict,
-                 on_shutdown: Callable[[], None] = lambda: None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        handles: dict[str, Any],
+        indexes: dict[str, Any],
+        tokenizer,
+        info: dict,
+        on_shutdown: Callable[[], None] = lambda: None,
+    ) -> None:
         import ray
 
         self._ray = ray
@@ -111,8 +119,9 @@ class RayReplicaFront:
 
     # ------------------------------------------------------------------ requests
 
-    async def generate(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
-                       lora: str | None = None) -> AsyncIterator[RequestOutput]:  # fmt: skip
+    async def generate(
+        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, lora: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
         ids = list(self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
         if lora is not None and lora not in self.lora_roots:
             raise UnknownModelError(f"the model {lora!r} does not exist", param="model")
@@ -124,8 +133,9 @@ class RayReplicaFront:
         remaining, attempt = params.n, 0
         records: dict[int, OutputRecord] = {}
         while True:
-            gen = handle.options(stream=True).generate.remote(request_id=request_id, prompt=ids, params=params, lora=lora,
-                                                             block_hashes=hashes, kv=kv)  # fmt: skip
+            gen = handle.options(stream=True).generate.remote(
+                request_id=request_id, prompt=ids, params=params, lora=lora, block_hashes=hashes, kv=kv
+            )
             sent = False
             try:
                 async for out in gen:
@@ -144,7 +154,9 @@ class RayReplicaFront:
                 raise RequestFailedError(f"request {request_id}: the replica's stream ended early")
             except self._ray.exceptions.RayActorError as e:
                 if sent or attempt >= RETRIES:
-                    raise RequestFailedError(f"request {request_id}: its engine replica died ({type(e).__name__})") from e
+                    raise RequestFailedError(
+                        f"request {request_id}: its engine replica died ({type(e).__name__})"
+                    ) from e
                 attempt += 1
                 logger.warning("replica died before request %s started; retrying (%d)", request_id, attempt)
             except self._ray.exceptions.RayTaskError as e:
@@ -154,20 +166,22 @@ class RayReplicaFront:
                 if remaining:  # left early (or failed): the replica aborts the request
                     gen.cancel()
 
-    async def _prefill(self, request_id: str, ids: list[int], params: SamplingParams, lora: str | None,
-                       hashes: list[bytes]) -> dict | None:  # fmt: skip
+    async def _prefill(
+        self, request_id: str, ids: list[int], params: SamplingParams, lora: str | None, hashes: list[bytes]
+    ) -> dict | None:
         """The prompt's KV from a prefill replica (None: it failed; the decode replica
         will compute the prompt itself)."""
         try:
-            kv = await self._handles["prefill"].prefill.remote(request_id=f"{request_id}-prefill", prompt=ids,
-                                                               params=params, lora=lora, block_hashes=hashes)  # fmt: skip
+            kv = await self._handles["prefill"].prefill.remote(
+                request_id=f"{request_id}-prefill", prompt=ids, params=params, lora=lora, block_hashes=hashes
+            )
         except self._ray.exceptions.RayTaskError as e:
             if isinstance(e.cause, InvalidRequestError):
                 raise e.cause from None
             logger.warning("prefill of %s failed; decoding from scratch", request_id, exc_info=True)
             self.disaggregation.fallbacks += 1
             return None
-        except Exception:  # noqa: BLE001 - a dead prefill replica: the decode replica computes the prompt
+        except Exception:
             logger.warning("prefill of %s failed; decoding from scratch", request_id, exc_info=True)
             self.disaggregation.fallbacks += 1
             return None
@@ -182,8 +196,11 @@ class RayReplicaFront:
         """Requests are aborted by cancelling their stream (``generate``'s caller leaving)."""
 
     async def add_lora(self, name: str, path: str) -> None:
-        raise InvalidRequestError("adapters are loaded at start with replicas (--lora-modules); runtime loading "
-                                  "is not supported with --data-parallel-size", param="lora_name")  # fmt: skip
+        raise InvalidRequestError(
+            "adapters are loaded at start with replicas (--lora-modules); runtime loading "
+            "is not supported with --data-parallel-size",
+            param="lora_name",
+        )
 
     async def remove_lora(self, name: str) -> None:
         await self.add_lora(name, "")
@@ -201,7 +218,7 @@ class RayReplicaFront:
                     snaps.update(s)
                     stats[role] = r
                 self._view = (snaps, stats)
-            except Exception:  # noqa: BLE001 - shown as stale until the index answers again
+            except Exception:
                 logger.debug("replica view failed", exc_info=True)
 
     def replica_view(self) -> tuple[dict[str, EngineSnapshot], dict[str, RoutingStats], DisaggregationStats | None]:
@@ -265,8 +282,14 @@ def start_replicas(engine_args: EngineArgs, config: ReplicaConfig, start_timeout
             ray.init(address=address, namespace=ray_serve.NAMESPACE, log_to_driver=False)
         else:  # Ray starts workers at nice 15 (its driver first): the replicas are the work here
             os.environ.setdefault("RAY_worker_niceness", "0")
-            ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False,
-                     namespace=ray_serve.NAMESPACE, object_store_memory=512 << 20, log_to_driver=False)  # fmt: skip
+            ray.init(
+                address="local",
+                num_cpus=os.cpu_count() or 1,
+                include_dashboard=False,
+                namespace=ray_serve.NAMESPACE,
+                object_store_memory=512 << 20,
+                log_to_driver=False,
+            )
     indexes: dict[str, Any] = {}
 
     def stop() -> None:
@@ -276,12 +299,12 @@ def start_replicas(engine_args: EngineArgs, config: ReplicaConfig, start_timeout
         def stop_serve() -> None:
             try:
                 serve.shutdown()
-            except Exception:  # noqa: BLE001 - stopping anyway
+            except Exception:
                 logger.debug("serve.shutdown failed", exc_info=True)
             for index in indexes.values():
                 try:
                     ray.kill(index)
-                except Exception:  # noqa: BLE001
+                except Exception:
                     pass
 
         stopper = threading.Thread(target=stop_serve, name="tokenmill-serve-shutdown", daemon=True)
@@ -303,15 +326,29 @@ def start_replicas(engine_args: EngineArgs, config: ReplicaConfig, start_timeout
         handles = {}
         for role, n in pools.items():
             name = ray_serve.index_name(APP, role)
-            indexes[role] = ray_serve.get_index(name, config.routing, engine_args.cache.block_size,
-                                                config.fixed_load_cost)  # fmt: skip
-            app = ray_serve.deployment(role, engine_args, name, n, threads, cpus, config.replica_gpus, config.routing,
-                                       config.max_replicas if role == "engine" else None,
-                                       config.target_ongoing_requests, config.fixed_load_cost)  # fmt: skip
+            indexes[role] = ray_serve.get_index(
+                name, config.routing, engine_args.cache.block_size, config.fixed_load_cost
+            )
+            app = ray_serve.deployment(
+                role,
+                engine_args,
+                name,
+                n,
+                threads,
+                cpus,
+                config.replica_gpus,
+                config.routing,
+                config.max_replicas if role == "engine" else None,
+                config.target_ongoing_requests,
+                config.fixed_load_cost,
+            )
             start = time.perf_counter()
-            (handles[role],) = serve.run_many([serve.RunTarget(app, name=f"{APP}-{role}", route_prefix=None)],
-                                              wait_for_applications_running=False)  # fmt: skip
-            wait_until_running(serve, f"{APP}-{role}", start_timeout, fail_unschedulable=not os.environ.get("RAY_ADDRESS"))
+            (handles[role],) = serve.run_many(
+                [serve.RunTarget(app, name=f"{APP}-{role}", route_prefix=None)], wait_for_applications_running=False
+            )
+            wait_until_running(
+                serve, f"{APP}-{role}", start_timeout, fail_unschedulable=not os.environ.get("RAY_ADDRESS")
+            )
             logger.info("%d %s replica(s) running after %.1f s", n, role, time.perf_counter() - start)
         info = handles["decode" if config.disaggregated else "engine"].info.remote().result(timeout_s=start_timeout)
     except BaseException:
@@ -340,8 +377,10 @@ def wait_until_running(serve, app: str, timeout: float, fail_unschedulable: bool
             logger.info("waiting for %s: %s", app, messages)
             said = messages
         if waited > timeout or (fail_unschedulable and waited > 60 and "to be scheduled" in messages):
-            raise TokenmillError(f"the engine replicas did not start within {waited:.0f} s: {messages or 'no reason given'}"
-                                 " (fewer replicas, or --replica-cpus / --replica-gpus the nodes have)")  # fmt: skip
+            raise TokenmillError(
+                f"the engine replicas did not start within {waited:.0f} s: {messages or 'no reason given'}"
+                " (fewer replicas, or --replica-cpus / --replica-gpus the nodes have)"
+            )
         time.sleep(0.5)
 
 

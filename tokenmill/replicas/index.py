@@ -40,8 +40,9 @@ class KVIndex:
     """``load_cost``: kv routing's price of a request in flight, fixed for every replica
     (None: each replica's measured one, as it reports it)."""
 
-    def __init__(self, routing: str = "kv", block_size: int = 16, seed: int | None = None,
-                 load_cost: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, routing: str = "kv", block_size: int = 16, seed: int | None = None, load_cost: int | None = None
+    ) -> None:
         if routing not in ROUTERS:
             raise ValueError(f"unknown routing {routing!r}; choose one of {', '.join(ROUTERS)}")
         if routing == "kv":
@@ -54,10 +55,18 @@ class KVIndex:
         self.sent_since_report: Counter[str] = Counter()  # requests routed to a replica after its last report
         self.stats = RoutingStats()
 
-    def report(self, replica: str, events: Sequence[tuple[str, bytes]], num_running: int, num_waiting: int,
-               snapshot: EngineSnapshot | None = None, finished: Sequence[tuple[int, int]] = (),
-               reset: bool = False, imported: tuple[int, float] = (0, 0.0),
-               load_cost: float | None = None) -> None:  # fmt: skip
+    def report(
+        self,
+        replica: str,
+        events: Sequence[tuple[str, bytes]],
+        num_running: int,
+        num_waiting: int,
+        snapshot: EngineSnapshot | None = None,
+        finished: Sequence[tuple[int, int]] = (),
+        reset: bool = False,
+        imported: tuple[int, float] = (0, 0.0),
+        load_cost: float | None = None,
+    ) -> None:
         """A replica's news: its KV events in order, its load, and for each request that
         ended (prompt tokens, prompt tokens it found cached). ``reset``: a replica that
         (re)started with an empty cache. ``imported``: KV blocks received from prefill
@@ -118,17 +127,20 @@ def merge_snapshots(snaps: Sequence[EngineSnapshot]) -> EngineSnapshot:
     total = EngineSnapshot()
     for s in snaps:
         total = EngineSnapshot(
-            num_running=total.num_running + s.num_running, num_waiting=total.num_waiting + s.num_waiting,
-            kv_usage=total.kv_usage + s.kv_usage / len(snaps), num_preemptions=total.num_preemptions + s.num_preemptions,
+            num_running=total.num_running + s.num_running,
+            num_waiting=total.num_waiting + s.num_waiting,
+            kv_usage=total.kv_usage + s.kv_usage / len(snaps),
+            num_preemptions=total.num_preemptions + s.num_preemptions,
             num_step_retries=total.num_step_retries + s.num_step_retries,
             prefix_cache_queries=total.prefix_cache_queries + s.prefix_cache_queries,
             prefix_cache_hits=total.prefix_cache_hits + s.prefix_cache_hits,
             spec_num_drafts=total.spec_num_drafts + s.spec_num_drafts,
             spec_num_draft_tokens=total.spec_num_draft_tokens + s.spec_num_draft_tokens,
             spec_num_accepted_tokens=total.spec_num_accepted_tokens + s.spec_num_accepted_tokens,
-            max_loras=s.max_loras, loras={**total.loras, **s.loras},
+            max_loras=s.max_loras,
+            loras={**total.loras, **s.loras},
             lora_requests=dict(Counter(total.lora_requests) + Counter(s.lora_requests)),
             running_loras=sorted(set(total.running_loras) | set(s.running_loras)),
             waiting_loras=sorted(set(total.waiting_loras) | set(s.waiting_loras)),
-        )  # fmt: skip
+        )
     return total

@@ -60,8 +60,9 @@ KVIndexActor = ray.remote(num_cpus=0)(KVIndex)
 def get_index(name: str, routing: str, block_size: int, load_cost: int | None = None):
     """The pool's index actor, created by whoever asks first (the front, or a replica
     deployed by ``serve deploy``, where no front starts first)."""
-    return KVIndexActor.options(name=name, namespace=NAMESPACE, get_if_exists=True).remote(routing, block_size,
-                                                                                           load_cost=load_cost)
+    return KVIndexActor.options(name=name, namespace=NAMESPACE, get_if_exists=True).remote(
+        routing, block_size, load_cost=load_cost
+    )
 
 
 class KVRequestRouter(RequestRouter):
@@ -86,7 +87,7 @@ class KVRequestRouter(RequestRouter):
         loads = [(k, self.replica_queue_len_cache.get(r.replica_id)) for k, r in by_key.items()]
         try:
             chosen = await self._get_index().choose.remote(hashes, loads)
-        except Exception:  # noqa: BLE001 - the index restarting: route by load meanwhile
+        except Exception:
             logger.warning("KV index unreachable; routing by load", exc_info=True)
             self._index = None
             return [candidate_replicas]
@@ -96,7 +97,7 @@ class KVRequestRouter(RequestRouter):
         super().on_replica_actor_died(replica_id)
         try:
             self._get_index().remove.remote(replica_key(replica_id))
-        except Exception:  # noqa: BLE001 - best effort: a replaced replica resets itself anyway
+        except Exception:
             pass
 
 
@@ -107,8 +108,15 @@ class EngineReplica:
     detokenising, reporting) and the engine core's, spawned by it (core_loop.py), so
     that Ray's threads never hold the GIL the model steps need."""
 
-    async def __init__(self, engine_args: EngineArgs, index: str, threads: int, role: str = "engine",
-                       routing: str = "kv", load_cost: int | None = None) -> None:  # fmt: skip
+    async def __init__(
+        self,
+        engine_args: EngineArgs,
+        index: str,
+        threads: int,
+        role: str = "engine",
+        routing: str = "kv",
+        load_cost: int | None = None,
+    ) -> None:
         import functools
         import os
 
@@ -127,9 +135,13 @@ class EngineReplica:
         if routing == "kv" and load_cost is None:  # before start_kv_events: the index never hears of its blocks
             try:
                 self.pricer = LoadPricer(LoadPrice(**await self.engine.call("measure_load_price")))
-                logger.info("replica %s: a request in flight costs %d prompt tokens (%s)", self.name,
-                            self.pricer.tokens, self.pricer.measured)  # fmt: skip
-            except Exception:  # noqa: BLE001 - routing works without it (the default price)
+                logger.info(
+                    "replica %s: a request in flight costs %d prompt tokens (%s)",
+                    self.name,
+                    self.pricer.tokens,
+                    self.pricer.measured,
+                )
+            except Exception:
                 logger.warning("could not measure the load price; the router's default applies", exc_info=True)
         await self.engine.call("start_kv_events")
         self.lora_roots = await self.engine.call("lora_hash_roots")
@@ -145,8 +157,15 @@ class EngineReplica:
         """What the front needs: the context length, the block size, the adapters' hash roots."""
         return {**self.engine.info, "lora_roots": self.lora_roots, "replica": self.name}
 
-    async def generate(self, request_id: str, prompt: Sequence[int], params: SamplingParams, lora: str | None = None,
-                       block_hashes: Sequence[bytes] | None = None, kv: dict | None = None) -> AsyncIterator[RequestOutput]:  # fmt: skip
+    async def generate(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        lora: str | None = None,
+        block_hashes: Sequence[bytes] | None = None,
+        kv: dict | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs. ``kv``: blocks a prefill replica computed
         (``{"hashes": [...], "data": [ObjectRef]}``), imported into the prefix cache first;
         any that fail to arrive are recomputed."""
@@ -164,8 +183,14 @@ class EngineReplica:
             # here; the front rebuilds it from the deltas (front.OutputRecord).
             yield replace(out, outputs=[replace(c, _source=None) for c in out.outputs])
 
-    async def prefill(self, request_id: str, prompt: Sequence[int], params: SamplingParams, lora: str | None = None,
-                      block_hashes: Sequence[bytes] = ()) -> dict:  # fmt: skip
+    async def prefill(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        lora: str | None = None,
+        block_hashes: Sequence[bytes] = (),
+    ) -> dict:
         """Compute the prompt's KV (one token generated, then dropped) and put its full
         blocks in the object store: ``{"hashes", "data": [ObjectRef], "nbytes", "seconds"}``."""
         import numpy as np
@@ -180,8 +205,12 @@ class EngineReplica:
         if n == 0:
             return {"hashes": [], "data": [], "nbytes": 0, "seconds": loop.time() - start}
         array = np.frombuffer(data, dtype=np.uint8)  # Ray keeps numpy arrays in shared memory on a node
-        return {"hashes": list(block_hashes[:n]), "data": [ray.put(array)], "nbytes": array.nbytes,
-                "seconds": loop.time() - start}  # fmt: skip
+        return {
+            "hashes": list(block_hashes[:n]),
+            "data": [ray.put(array)],
+            "nbytes": array.nbytes,
+            "seconds": loop.time() - start,
+        }
 
     async def _import(self, kv: dict) -> None:
         if not kv.get("hashes"):
@@ -194,7 +223,7 @@ class EngineReplica:
                 self._imported = (self._imported[0] + n, self._imported[1] + time.perf_counter() - start)
             if n < len(kv["hashes"]):
                 logger.info("imported %d of %d blocks (too few free); the rest is recomputed", n, len(kv["hashes"]))
-        except Exception:  # noqa: BLE001 - the blocks are an optimisation: recompute them
+        except Exception:
             logger.warning("KV blocks from the prefill replica did not arrive; recomputing", exc_info=True)
 
     def _report(self, finished: Sequence[tuple[int, int]] = (), reset: bool = False):
@@ -203,14 +232,15 @@ class EngineReplica:
             snap = self.engine.snapshot()
             imported, self._imported = self._imported, (0, 0.0)
             price = None if self.pricer is None else self.pricer.tokens
-            return self.index.report.remote(self.name, events, snap.num_running, snap.num_waiting, snap,
-                                            list(finished), reset, imported, price)  # fmt: skip
+            return self.index.report.remote(
+                self.name, events, snap.num_running, snap.num_waiting, snap, list(finished), reset, imported, price
+            )
 
     def _report_periodically(self) -> None:
         while not self._stop.wait(REPORT_PERIOD_S):
             try:
                 self._report()
-            except Exception:  # noqa: BLE001 - the index restarting: the next report will do
+            except Exception:
                 logger.debug("KV report failed", exc_info=True)
 
     def __del__(self) -> None:
@@ -220,27 +250,47 @@ class EngineReplica:
             self.engine.shutdown()
 
 
-def deployment(name: str, engine_args: EngineArgs, index: str, replicas: int, threads: int, cpus: float,
-               gpus: float, routing: str, max_replicas: int | None = None, target_ongoing_requests: float = 8.0,
-               load_cost: int | None = None):  # fmt: skip
+def deployment(
+    name: str,
+    engine_args: EngineArgs,
+    index: str,
+    replicas: int,
+    threads: int,
+    cpus: float,
+    gpus: float,
+    routing: str,
+    max_replicas: int | None = None,
+    target_ongoing_requests: float = 8.0,
+    load_cost: int | None = None,
+):
     """One pool of engine replicas, bound (``name``: its role, "engine", "prefill" or "decode";
     ``load_cost``: kv routing's fixed price of load, None to measure it on each replica)."""
     from ray.serve.config import RequestRouterConfig
 
     scaling: dict[str, Any] = {"num_replicas": replicas}
     if max_replicas is not None:
-        scaling = {"autoscaling_config": {"min_replicas": replicas, "max_replicas": max_replicas,
-                                          "target_ongoing_requests": target_ongoing_requests,
-                                          "upscale_delay_s": 2.0, "downscale_delay_s": 60.0}}  # fmt: skip
-    return serve.deployment(EngineReplica, name=name).options(
-        max_ongoing_requests=1024,  # the engine batches and queues; Serve's default (5) would queue in the router
-        ray_actor_options={"num_cpus": cpus, "num_gpus": gpus},
-        request_router_config=RequestRouterConfig(
-            request_router_class="tokenmill.replicas.ray_serve:KVRequestRouter",
-            request_router_kwargs={"index": index},
-            request_routing_stats_period_s=60.0,  # the index carries what routing needs
-        ),
-        health_check_period_s=2.0,
-        graceful_shutdown_timeout_s=5.0,
-        **scaling,
-    ).bind(replace(engine_args), index, threads, name, routing, load_cost)
+        scaling = {
+            "autoscaling_config": {
+                "min_replicas": replicas,
+                "max_replicas": max_replicas,
+                "target_ongoing_requests": target_ongoing_requests,
+                "upscale_delay_s": 2.0,
+                "downscale_delay_s": 60.0,
+            }
+        }
+    return (
+        serve.deployment(EngineReplica, name=name)
+        .options(
+            max_ongoing_requests=1024,  # the engine batches and queues; Serve's default (5) would queue in the router
+            ray_actor_options={"num_cpus": cpus, "num_gpus": gpus},
+            request_router_config=RequestRouterConfig(
+                request_router_class="tokenmill.replicas.ray_serve:KVRequestRouter",
+                request_router_kwargs={"index": index},
+                request_routing_stats_period_s=60.0,  # the index carries what routing needs
+            ),
+            health_check_period_s=2.0,
+            graceful_shutdown_timeout_s=5.0,
+            **scaling,
+        )
+        .bind(replace(engine_args), index, threads, name, routing, load_cost)
+    )

@@ -40,7 +40,9 @@ def prompt_block_hashes(token_ids: Sequence[int], block_size: int, root: bytes |
     chains them (``root``: an adapter's, whose blocks are shared only among its requests)."""
     hashes: list[bytes] = []
     for i in range(len(token_ids) // block_size):
-        hashes.append(hash_block(hashes[-1] if hashes else root, list(token_ids[i * block_size : (i + 1) * block_size])))
+        hashes.append(
+            hash_block(hashes[-1] if hashes else root, list(token_ids[i * block_size : (i + 1) * block_size]))
+        )
     return hashes
 
 
@@ -83,7 +85,9 @@ class ReplicaState:
 class Choice:
     replica: str
     matched_blocks: int  # the prefix-cache hit the router expects there
-    reason: str  # "prefix", "least_loaded", "balance" (load out of balance overrode the prefix), "random", "round_robin"
+    reason: (
+        str  # "prefix", "least_loaded", "balance" (load out of balance overrode the prefix), "random", "round_robin"
+    )
 
 
 class KVAwareRouter:
@@ -95,8 +99,14 @@ class KVAwareRouter:
     (system prompts) spread over the replicas instead of piling onto the first.
     ``load_cost``: one price for every replica (None: each replica's reported one)."""
 
-    def __init__(self, min_match: float = 0.3, balance_abs: int = 64, balance_rel: float = 1.5,
-                 block_size: int = 16, load_cost: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        min_match: float = 0.3,
+        balance_abs: int = 64,
+        balance_rel: float = 1.5,
+        block_size: int = 16,
+        load_cost: int | None = None,
+    ) -> None:
         self.min_match, self.balance_abs, self.balance_rel = min_match, balance_abs, balance_rel
         self.block_size, self.load_cost = block_size, load_cost
         self.decisions: Counter[str] = Counter()
@@ -118,9 +128,14 @@ class KVAwareRouter:
         if busiest - least.load > self.balance_abs and busiest > self.balance_rel * least.load:
             choice = Choice(least.name, matches[least.name], "balance")
         elif hashes and top >= self.min_match * len(hashes):
+
             def cost(r: ReplicaState) -> tuple:
-                return ((len(hashes) - matches[r.name]) * self.block_size + self.price(r) * r.load,
-                        -matches[r.name], len(r.cached), r.name)  # fmt: skip
+                return (
+                    (len(hashes) - matches[r.name]) * self.block_size + self.price(r) * r.load,
+                    -matches[r.name],
+                    len(r.cached),
+                    r.name,
+                )
 
             pick = min(replicas, key=cost)
             choice = Choice(pick.name, matches[pick.name], "prefix" if matches[pick.name] == top else "least_loaded")

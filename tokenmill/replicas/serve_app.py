@@ -31,11 +31,23 @@ from tokenmill.replicas.front import RayReplicaFront, check_replica_options, rep
 class OpenAIIngress:
     """Our OpenAI-compatible app, served by Ray Serve's proxy, over the engine pools."""
 
-    def __init__(self, server: ServerConfig, model: str, prefix: str, routing: str, block_size: int,
-                 engine=None, prefill=None, decode=None, load_cost: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        server: ServerConfig,
+        model: str,
+        prefix: str,
+        routing: str,
+        block_size: int,
+        engine=None,
+        prefill=None,
+        decode=None,
+        load_cost: int | None = None,
+    ) -> None:
         self.server, self.model, self.prefix, self.routing, self.block_size = server, model, prefix, routing, block_size
         self.load_cost = load_cost
-        self.handles = {k: h for k, h in (("engine", engine), ("prefill", prefill), ("decode", decode)) if h is not None}
+        self.handles = {
+            k: h for k, h in (("engine", engine), ("prefill", prefill), ("decode", decode)) if h is not None
+        }
 
     async def __serve_build_asgi_app__(self):
         from tokenmill.model.paths import resolve_model_path
@@ -45,8 +57,12 @@ class OpenAIIngress:
 
         info = await self.handles.get("decode", self.handles.get("engine")).info.remote()
         tokenizer = load_tokenizer(resolve_model_path(self.model))
-        indexes = {role: ray_serve.get_index(ray_serve.index_name(self.prefix, role), self.routing, self.block_size,
-                                             self.load_cost) for role in self.handles}  # fmt: skip
+        indexes = {
+            role: ray_serve.get_index(
+                ray_serve.index_name(self.prefix, role), self.routing, self.block_size, self.load_cost
+            )
+            for role in self.handles
+        }
         self.front = RayReplicaFront(self.handles, indexes, tokenizer, info)
         name = self.server.served_model_name or model_id(Path(info["model_path"]))
         return build_app(self.front, tokenizer, info["max_model_len"], replace(self.server, served_model_name=name))
@@ -73,13 +89,30 @@ def build(args: dict[str, Any]):
     threads = config.replica_threads or max(1, int(config.replica_cpus or 1))
     cpus = config.replica_cpus if config.replica_cpus is not None else float(threads)
     pools = {
-        role: ray_serve.deployment(role, eargs, ray_serve.index_name(prefix, role), n, threads, cpus,
-                                   config.replica_gpus, config.routing,
-                                   config.max_replicas if role == "engine" else None, config.target_ongoing_requests,
-                                   config.fixed_load_cost)
+        role: ray_serve.deployment(
+            role,
+            eargs,
+            ray_serve.index_name(prefix, role),
+            n,
+            threads,
+            cpus,
+            config.replica_gpus,
+            config.routing,
+            config.max_replicas if role == "engine" else None,
+            config.target_ongoing_requests,
+            config.fixed_load_cost,
+        )
         for role, n in replica_pools(config).items()
-    }  # fmt: skip
+    }
     ingress = serve.deployment(OpenAIIngress, name="openai").options(
-        max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})  # fmt: skip
-    return ingress.bind(server, eargs.load.model, prefix, config.routing, eargs.cache.block_size, **pools,
-                        load_cost=config.fixed_load_cost)
+        max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0}
+    )
+    return ingress.bind(
+        server,
+        eargs.load.model,
+        prefix,
+        config.routing,
+        eargs.cache.block_size,
+        **pools,
+        load_cost=config.fixed_load_cost,
+    )

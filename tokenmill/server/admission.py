@@ -53,17 +53,21 @@ def check_count(config: ServerConfig, count: int, what: str, param: str) -> None
     request's "inputs") than the server takes in one request."""
     limit, flag = _limit(config, what)
     if count > limit:
-        raise InvalidRequestError(f"this request has {count} {what}; the server takes at most {limit} in one request "
-                                  f"({flag}): split it", param=param)  # fmt: skip
+        raise InvalidRequestError(
+            f"this request has {count} {what}; the server takes at most {limit} in one request ({flag}): split it",
+            param=param,
+        )
 
 
 def check_tokens(config: ServerConfig, prompts: Sequence[Sequence[int]], what: str, param: str) -> None:
     """400 when a request's prompts hold more tokens in all than the server takes in one."""
     tokens = sum(len(p) for p in prompts)
     if tokens > config.max_request_tokens:
-        raise InvalidRequestError(f"this request's {what} have {tokens} tokens in all; the server takes at most "
-                                  f"{config.max_request_tokens} in one request (--max-request-tokens): split it",
-                                  param=param)  # fmt: skip
+        raise InvalidRequestError(
+            f"this request's {what} have {tokens} tokens in all; the server takes at most "
+            f"{config.max_request_tokens} in one request (--max-request-tokens): split it",
+            param=param,
+        )
 
 
 BUSY_PLACES = 4  # a client's places while other requests wait for the engine

@@ -59,17 +59,32 @@ def build_models_app(models: list[ServedModel], config: ServerConfig) -> FastAPI
     """The app for several models, each its own engine; ``config.router`` names the routers
     between them. Requests that name no model go to the first."""
     by_name = {m.name: m for m in models}
-    routers = parse_routers(config.router, list(by_name), config.router_threshold, config.router_max_prompt_tokens,
-                            config.router_large_for, config.router_classifier)  # fmt: skip
+    routers = parse_routers(
+        config.router,
+        list(by_name),
+        config.router_threshold,
+        config.router_max_prompt_tokens,
+        config.router_large_for,
+        config.router_classifier,
+    )
     if config.semantic_cache_model is not None and config.semantic_cache_model not in by_name:
-        raise TokenmillError(f"--semantic-cache-model {config.semantic_cache_model!r} is not a served model "
-                             f"({', '.join(by_name)})")  # fmt: skip
+        raise TokenmillError(
+            f"--semantic-cache-model {config.semantic_cache_model!r} is not a served model ({', '.join(by_name)})"
+        )
     cache = None
     if config.response_cache != "off":
-        cache = ResponseCache(config.response_cache == "semantic", parse_memory(config.response_cache_memory),
-                              config.response_cache_ttl, config.semantic_cache_threshold)  # fmt: skip
-    sources = {m.name: EngineSource(m.engine.snapshot, (lambda e=m.engine: not e.is_dead),
-                                    getattr(m.engine, "replica_view", None)) for m in models}  # fmt: skip
+        cache = ResponseCache(
+            config.response_cache == "semantic",
+            parse_memory(config.response_cache_memory),
+            config.response_cache_ttl,
+            config.semantic_cache_threshold,
+        )
+    sources = {
+        m.name: EngineSource(
+            m.engine.snapshot, (lambda e=m.engine: not e.is_dead), getattr(m.engine, "replica_view", None)
+        )
+        for m in models
+    }
     metrics = ServerMetrics(sources, routers=list(routers), cache=cache)
     store = ResponseStore(config.max_stored_responses, config.stored_response_ttl)
     served = Served(by_name, config, metrics, store, routers, cache, LiveView(by_name))
@@ -107,10 +122,18 @@ def api_keys(config: ServerConfig) -> tuple[str, ...]:
 
 ERROR_SCHEMA = {
     "type": "object",
-    "properties": {"error": {"type": "object", "properties": {
-        "message": {"type": "string"}, "type": {"type": "string"},
-        "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}},
-}  # fmt: skip
+    "properties": {
+        "error": {
+            "type": "object",
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": "integer"},
+            },
+        }
+    },
+}
 
 
 def _openapi(app: FastAPI) -> dict:

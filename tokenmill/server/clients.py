@@ -85,8 +85,11 @@ class ClientCounts:
 
 def too_many(message: str) -> JSONResponse:
     """429 in OpenAI's shape, with Retry-After; the connection closes after it."""
-    return JSONResponse(error_body(message, "RateLimitError", 429), status_code=429,
-                        headers={"Retry-After": str(RETRY_AFTER_S), "Connection": "close"})  # fmt: skip
+    return JSONResponse(
+        error_body(message, "RateLimitError", 429),
+        status_code=429,
+        headers={"Retry-After": str(RETRY_AFTER_S), "Connection": "close"},
+    )
 
 
 def _peer(scope: dict) -> str | None:
@@ -109,8 +112,10 @@ class ClientBodyLimitMiddleware:
             return
         key = _peer(scope)
         if not self.bodies.take(key):
-            message = (f"too many request bodies from your address are still arriving ({self.bodies.limit}, "
-                       "--max-unfinished-bodies-per-client); finish them or retry later")  # fmt: skip
+            message = (
+                f"too many request bodies from your address are still arriving ({self.bodies.limit}, "
+                "--max-unfinished-bodies-per-client); finish them or retry later"
+            )
             await too_many(message)(scope, receive, send)
             return
         arriving = True
@@ -143,8 +148,10 @@ def guarded_protocol(connections: ClientCounts, header_timeout: float, base: typ
         from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
         base = AutoHTTPProtocol
-    refused_message = (f"too many connections from your address ({connections.limit} open, "
-                       "--max-connections-per-client); close some or retry later")  # fmt: skip
+    refused_message = (
+        f"too many connections from your address ({connections.limit} open, "
+        "--max-connections-per-client); close some or retry later"
+    )
 
     class GuardedHTTPProtocol(base):  # type: ignore[misc, valid-type]
         _client: str | None = None

@@ -17,10 +17,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenmill.errors import EngineDeadError, InvalidRequestError, UnknownModelError
 from tokenmill.server.protocol import error_body
 
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-               408: "RequestTimeoutError",
-               413: "RequestTooLargeError", 429: "RateLimitError", 500: "InternalServerError",
-               503: "ServiceUnavailableError"}  # fmt: skip
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
+    413: "RequestTooLargeError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
 
 
 class APIError(Exception):
@@ -39,8 +46,9 @@ RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 
 def error_response(status: int, message: str, param: str | None = None, retry_after: bool = False) -> JSONResponse:
     headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 or retry_after else None
-    return JSONResponse(error_body(message, ERROR_TYPES.get(status, "Error"), status, param), status_code=status,
-                        headers=headers)  # fmt: skip
+    return JSONResponse(
+        error_body(message, ERROR_TYPES.get(status, "Error"), status, param), status_code=status, headers=headers
+    )
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -43,11 +43,23 @@ class Job:
     run as one engine request with n sequences; choice i*n + j is sequence j of
     prompt i."""
 
-    def __init__(self, served: Served, target: Target, prefix: str, obj: str, prompts: list[list[int]],
-                 params: list[SamplingParams], include_usage: bool, return_timings: bool, chat: bool,
-                 tools: ToolRequest | None = None, echoes: list[str] | None = None,
-                 prompt_logprobs_asked: bool = False, best_of_keep: int | None = None,
-                 logprobs_asked: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        served: Served,
+        target: Target,
+        prefix: str,
+        obj: str,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        include_usage: bool,
+        return_timings: bool,
+        chat: bool,
+        tools: ToolRequest | None = None,
+        echoes: list[str] | None = None,
+        prompt_logprobs_asked: bool = False,
+        best_of_keep: int | None = None,
+        logprobs_asked: bool = True,
+    ) -> None:
         self.served = served
         self.target = target
         self.id = new_id(prefix)
@@ -74,8 +86,10 @@ class Job:
     def _start(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         first = self.params if self.place is None else self.params[: self.served.windows.size]  # in at once
         check_queue(self.served, self.target, sum(p.n for p in first))  # engine sequences: prompts x n
-        streams = [self.target.engine.generate(f"{self.id}-{i}", ids, p, self.target.lora)
-                   for i, (ids, p) in enumerate(zip(self.prompts, self.params, strict=True))]  # fmt: skip
+        streams = [
+            self.target.engine.generate(f"{self.id}-{i}", ids, p, self.target.lora)
+            for i, (ids, p) in enumerate(zip(self.prompts, self.params, strict=True))
+        ]
         return merge(streams, self.place)
 
     async def respond(self, request: Request, stream: bool) -> Response:
@@ -153,8 +167,14 @@ class Job:
         choices = [self._final_choice(idx, finals[idx], self._scored(idx, finals)) for idx in sorted(finals)]
         if self.best_of_keep is not None:
             choices = self._best_of(choices, finals)
-        body = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": choices, "usage": self._usage(finals.values())}  # fmt: skip
+        body = {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self._usage(finals.values()),
+        }
         if self.chat and choices and "prompt_logprobs" in choices[0]:  # vLLM's chat has it once, at the top
             body["prompt_logprobs"] = choices[0]["prompt_logprobs"]
             for c in choices:
@@ -190,9 +210,15 @@ class Job:
         assert out.prompt_logprobs is not None and out.prompt_top_logprobs is not None
         tok = self.target.tokenizer
         texts = [tok.decode([t], skip_special_tokens=False) for t in out.prompt_token_ids]
-        tops = [None] + [{tok.decode([t], skip_special_tokens=False): v for t, v in top} for top in out.prompt_top_logprobs[1:]]
-        return {"tokens": texts, "token_logprobs": list(out.prompt_logprobs), "top_logprobs": tops,
-                "text_offset": _offsets(texts)}  # fmt: skip
+        tops = [None] + [
+            {tok.decode([t], skip_special_tokens=False): v for t, v in top} for top in out.prompt_top_logprobs[1:]
+        ]
+        return {
+            "tokens": texts,
+            "token_logprobs": list(out.prompt_logprobs),
+            "top_logprobs": tops,
+            "text_offset": _offsets(texts),
+        }
 
     def _prompt_logprobs_vllm(self, out: RequestOutput) -> list[dict | None]:
         """vLLM's prompt_logprobs: per prompt token, null for the first, then a map of token
@@ -202,10 +228,18 @@ class Job:
         result: list[dict | None] = [None]
         for j in range(1, len(out.prompt_logprobs)):  # all of the prompt, unless the request failed
             t = out.prompt_token_ids[j]
-            entry = {str(t): {"logprob": out.prompt_logprobs[j], "rank": out.prompt_ranks[j],
-                              "decoded_token": tok.decode([t], skip_special_tokens=False)}}  # fmt: skip
+            entry = {
+                str(t): {
+                    "logprob": out.prompt_logprobs[j],
+                    "rank": out.prompt_ranks[j],
+                    "decoded_token": tok.decode([t], skip_special_tokens=False),
+                }
+            }
             for rank, (alt, v) in enumerate(out.prompt_top_logprobs[j], start=1):
-                entry.setdefault(str(alt), {"logprob": v, "rank": rank, "decoded_token": tok.decode([alt], skip_special_tokens=False)})
+                entry.setdefault(
+                    str(alt),
+                    {"logprob": v, "rank": rank, "decoded_token": tok.decode([alt], skip_special_tokens=False)},
+                )
             result.append(entry)
         return result
 
@@ -217,8 +251,10 @@ class Job:
         kept = []
         for i in range(len(self.prompts)):
             group = [c for c in choices if c["index"] // per == i]
-            group.sort(key=lambda c: sum(lp for lp in finals[c["index"]].outputs[0].logprobs or [] if lp is not None),
-                       reverse=True)  # fmt: skip
+            group.sort(
+                key=lambda c: sum(lp for lp in finals[c["index"]].outputs[0].logprobs or [] if lp is not None),
+                reverse=True,
+            )
             for k, c in enumerate(group[:keep]):
                 kept.append({**c, "index": i * keep + k, "logprobs": c["logprobs"] if self.logprobs_asked else None})
         return kept
@@ -230,7 +266,11 @@ class Job:
     def _usage(self, finals) -> dict:
         prompt = sum(len(ids) for ids in self.prompts)
         completion = sum(len(o.outputs[0].token_ids) for o in finals)
-        usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        usage: dict[str, Any] = {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
         if self.cached:  # nothing was computed: every token came from the response cache
             usage["prompt_tokens_details"] = {"cached_tokens": prompt}
             usage["completion_tokens_details"] = {"cached_tokens": completion}
@@ -238,8 +278,13 @@ class Job:
 
     def _timings(self, out: RequestOutput) -> dict:
         t = out.timings[0]
-        return {"arrival": t.arrival, "first_scheduled": t.first_scheduled, "first_token": t.first_token,
-                "finished": t.finished, "num_tokens": len(out.outputs[0].token_ids)}  # fmt: skip
+        return {
+            "arrival": t.arrival,
+            "first_scheduled": t.first_scheduled,
+            "first_token": t.first_token,
+            "finished": t.finished,
+            "num_tokens": len(out.outputs[0].token_ids),
+        }
 
     def _logprobs(self, token_ids, logprobs, top_logprobs, start: int) -> dict | None:
         """Logprobs of token_ids[start:] in the completions or the chat shape."""
@@ -251,8 +296,14 @@ class Job:
         if self.chat:
             content = []
             for text, lp, top in zip(texts, lps, tops, strict=True):
-                alts = [{"token": tok.decode([t], skip_special_tokens=False), "logprob": v,
-                         "bytes": list(tok.decode([t], skip_special_tokens=False).encode())} for t, v in top]  # fmt: skip
+                alts = [
+                    {
+                        "token": tok.decode([t], skip_special_tokens=False),
+                        "logprob": v,
+                        "bytes": list(tok.decode([t], skip_special_tokens=False).encode()),
+                    }
+                    for t, v in top
+                ]
                 content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": alts})
             return {"content": content}
         return {
@@ -278,8 +329,16 @@ class Job:
                 if idx not in started:
                     started.add(idx)
                     if self.chat:
-                        yield self._chunk([{"index": idx, "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None, "finish_reason": None}])  # fmt: skip
+                        yield self._chunk(
+                            [
+                                {
+                                    "index": idx,
+                                    "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                }
+                            ]
+                        )
                     head = self._stream_head(idx, out)
                     if head is not None:
                         yield self._chunk([head])
@@ -293,11 +352,23 @@ class Job:
                         yield self._chunk([{"index": idx, "delta": delta, "logprobs": None, "finish_reason": None}])
                     if out.finished:
                         reason = "tool_calls" if stream.calls and c.finish_reason == "stop" else c.finish_reason
-                        yield self._chunk([{"index": idx, "delta": {}, "logprobs": None, "finish_reason": reason,
-                                            "stop_reason": c.stop_reason}])  # fmt: skip
+                        yield self._chunk(
+                            [
+                                {
+                                    "index": idx,
+                                    "delta": {},
+                                    "logprobs": None,
+                                    "finish_reason": reason,
+                                    "stop_reason": c.stop_reason,
+                                }
+                            ]
+                        )
                 elif out.delta_text or out.finished or lps is not None:
-                    choice: dict[str, Any] = {"index": idx, "logprobs": lps,
-                                              "finish_reason": c.finish_reason if out.finished else None}  # fmt: skip
+                    choice: dict[str, Any] = {
+                        "index": idx,
+                        "logprobs": lps,
+                        "finish_reason": c.finish_reason if out.finished else None,
+                    }
                     if self.chat:
                         choice["delta"] = {"content": out.delta_text} if out.delta_text else {}
                     else:
@@ -356,8 +427,12 @@ class Job:
 def _joined(first: dict, then: dict) -> dict:
     """Two legacy logprobs blocks as one (the echoed prompt's, then the completion's)."""
     tokens = first["tokens"] + then["tokens"]
-    return {"tokens": tokens, "token_logprobs": first["token_logprobs"] + then["token_logprobs"],
-            "top_logprobs": first["top_logprobs"] + then["top_logprobs"], "text_offset": _offsets(tokens)}  # fmt: skip
+    return {
+        "tokens": tokens,
+        "token_logprobs": first["token_logprobs"] + then["token_logprobs"],
+        "top_logprobs": first["top_logprobs"] + then["top_logprobs"],
+        "text_offset": _offsets(tokens),
+    }
 
 
 def _offsets(texts: list[str]) -> list[int]:
@@ -368,16 +443,19 @@ def _offsets(texts: list[str]) -> list[int]:
     return out
 
 
-async def beam_response(served: Served, target: Target, prefix: str, prompts: list[list[int]], beam: BeamSearchParams,
-                        body: Any, chat: bool) -> Response:  # fmt: skip
+async def beam_response(
+    served: Served, target: Target, prefix: str, prompts: list[list[int]], beam: BeamSearchParams, body: Any, chat: bool
+) -> Response:
     """A beam-search request (vLLM's use_beam_search): per prompt, the n best of its
     beams as choices. Each round's beams are one-token requests to the engine."""
     rid = new_id(prefix)
     search = BeamSearch(prompts, beam, frozenset(target.tokenizer.stop_token_ids))
     while not search.finished:
         round_ = search.requests()
-        streams = [target.engine.generate(f"{rid}-{search.rounds}-{i}", ids, beam.step_params(), target.lora)
-                   for i, (_, _, ids) in enumerate(round_)]  # fmt: skip
+        streams = [
+            target.engine.generate(f"{rid}-{search.rounds}-{i}", ids, beam.step_params(), target.lora)
+            for i, (_, _, ids) in enumerate(round_)
+        ]
         finals: dict[int, RequestOutput] = {}
         async for i, out in merge(streams):
             if out.finished:
@@ -388,8 +466,12 @@ async def beam_response(served: Served, target: Target, prefix: str, prompts: li
         for k, found in enumerate(result.beams[: body.n]):
             tokens = found.tokens[:-1] if found.finished else found.tokens  # the end-of-sequence token is not text
             text = await asyncio.to_thread(target.tokenizer.decode, tokens, body.skip_special_tokens)
-            choice: dict[str, Any] = {"index": p * body.n + k, "finish_reason": "stop" if found.finished else "length",
-                                      "stop_reason": None, "logprobs": None}  # fmt: skip
+            choice: dict[str, Any] = {
+                "index": p * body.n + k,
+                "finish_reason": "stop" if found.finished else "length",
+                "stop_reason": None,
+                "logprobs": None,
+            }
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
@@ -397,7 +479,17 @@ async def beam_response(served: Served, target: Target, prefix: str, prompts: li
             choices.append(choice)
             completion += len(found.tokens)
     prompt_tokens = sum(len(ids) for ids in prompts)
-    return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": now(),
-                         "model": target.name, "choices": choices,
-                         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                                   "total_tokens": prompt_tokens + completion}})  # fmt: skip
+    return JSONResponse(
+        {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": now(),
+            "model": target.name,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion,
+            },
+        }
+    )

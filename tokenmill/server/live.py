@@ -54,8 +54,15 @@ class _Bucket:
     steps: int = 0
 
     def wire(self, now: float) -> list:
-        return [round(self.start - now, 2), self.running, self.waiting, self.preempted, self.prefill_tokens,
-                self.decode_tokens, self.steps]  # fmt: skip
+        return [
+            round(self.start - now, 2),
+            self.running,
+            self.waiting,
+            self.preempted,
+            self.prefill_tokens,
+            self.decode_tokens,
+            self.steps,
+        ]
 
 
 class ModelLive:
@@ -79,7 +86,7 @@ class ModelLive:
             self.started = False  # concurrent viewers ask once
             try:
                 self.started = await self.model.engine.start_step_trace()
-            except Exception:  # noqa: BLE001 - a dead engine: the view shows what it can
+            except Exception:
                 self.started = None
 
     async def stop(self) -> None:
@@ -87,7 +94,7 @@ class ModelLive:
             self.started = None
             try:
                 await self.model.engine.stop_step_trace()
-            except Exception:  # noqa: BLE001 - a dead engine records nothing anyway
+            except Exception:
                 pass
 
     def label(self, seq_id: str) -> str:
@@ -103,8 +110,10 @@ class ModelLive:
 
     def take_steps(self) -> None:
         for step in self.model.engine.take_step_trace():
-            seqs = [[self.label(sid), kind, tokens, drafts, accepted, cached, lora, finish]
-                    for sid, kind, tokens, drafts, accepted, cached, lora, finish in step["seqs"]]  # fmt: skip
+            seqs = [
+                [self.label(sid), kind, tokens, drafts, accepted, cached, lora, finish]
+                for sid, kind, tokens, drafts, accepted, cached, lora, finish in step["seqs"]
+            ]
             ended = [[self.label(sid), reason] for sid, reason in step["ended"]]
             for reason in [s[7] for s in seqs] + [reason for _, reason in ended]:
                 if reason is not None:
@@ -153,7 +162,7 @@ class ModelLive:
                     states = await asyncio.wait_for(self.model.engine.block_states(), BLOCKS_TIMEOUT_S)
                 except TimeoutError:  # in a long step: the last picture, asked again next time
                     return None if self._blocks is None else self._blocks[1]
-                except Exception:  # noqa: BLE001 - a dead engine has no blocks to show
+                except Exception:
                     states = None
                 if states is None:
                     return None
@@ -166,28 +175,43 @@ class ModelLive:
         recent = [b for b in self.series if now - b.start <= THROUGHPUT_WINDOW_S]  # buckets: any step rate
         decode = sum(b.decode_tokens for b in recent) / THROUGHPUT_WINDOW_S
         prefill = sum(b.prefill_tokens for b in recent) / THROUGHPUT_WINDOW_S
-        steps = [{**s, "time": round(s["time"] - now, 4), "duration": round(s["duration"], 5)}
-                 for s in self.steps if s["step"] > since]  # fmt: skip
+        steps = [
+            {**s, "time": round(s["time"] - now, 4), "duration": round(s["duration"], 5)}
+            for s in self.steps
+            if s["step"] > since
+        ]
         return {
             "name": self.model.name,
             "alive": not self.model.engine.is_dead,
             "traced": bool(self.started),
             "max_model_len": self.model.max_model_len,
             "gauges": {
-                "running": snap.num_running, "waiting": snap.num_waiting, "kv_usage": round(snap.kv_usage, 4),
+                "running": snap.num_running,
+                "waiting": snap.num_waiting,
+                "kv_usage": round(snap.kv_usage, 4),
                 "preemptions": snap.num_preemptions,
                 "prefix_cache_hit_rate": round(snap.prefix_cache_hits / snap.prefix_cache_queries, 4)
-                if snap.prefix_cache_queries else None,
+                if snap.prefix_cache_queries
+                else None,
                 "spec_acceptance": round(snap.spec_num_accepted_tokens / snap.spec_num_draft_tokens, 4)
-                if snap.spec_num_draft_tokens else None,
+                if snap.spec_num_draft_tokens
+                else None,
                 "generation_tokens_per_s": round(decode, 1),
                 "prompt_tokens_per_s": round(prefill, 1),
-            },  # fmt: skip
+            },
             "latency_ms": {"ttft": _percentiles(self.ttft), "itl": _percentiles(self.itl)},
             "finished": dict(self.finished),
-            "adapters": [{"name": name, "running": name in snap.running_loras, "waiting": name in snap.waiting_loras,
-                          "requests": snap.lora_requests.get(name, 0)} for name in sorted(snap.loras)]
-            if snap.max_loras is not None else None,  # fmt: skip
+            "adapters": [
+                {
+                    "name": name,
+                    "running": name in snap.running_loras,
+                    "waiting": name in snap.waiting_loras,
+                    "requests": snap.lora_requests.get(name, 0),
+                }
+                for name in sorted(snap.loras)
+            ]
+            if snap.max_loras is not None
+            else None,
             "series": [b.wire(now) for b in self.series if now - b.start <= SERIES_KEPT * SERIES_BUCKET_S],
             "last_step": self.steps[-1]["step"] if self.steps else 0,
             "steps": steps,

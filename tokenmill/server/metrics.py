@@ -73,8 +73,9 @@ class EngineCollector:
         def counter(name: str, doc: str, value: Callable[[EngineSnapshot], float]) -> CounterMetricFamily:
             return family(CounterMetricFamily, name, doc, value)
 
-        alive = GaugeMetricFamily(P + "engine_alive", "1 while the engine loop runs, 0 once it has died.",
-                                  labels=["model_name"])  # fmt: skip
+        alive = GaugeMetricFamily(
+            P + "engine_alive", "1 while the engine loop runs, 0 once it has died.", labels=["model_name"]
+        )
         for model_name, source in self.engines.items():
             alive.add_metric([model_name], 1.0 if source.alive() else 0.0)
         yield alive
@@ -82,13 +83,19 @@ class EngineCollector:
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", lambda e: e.num_waiting)
         yield gauge("kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", lambda e: e.kv_usage)
         yield counter("num_preemptions", "Cumulative preemptions.", lambda e: e.num_preemptions)
-        yield counter("num_step_retries", "Steps that failed as a batch and were re-run one request at a time.",
-                      lambda e: e.num_step_retries)  # fmt: skip
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", lambda e: e.prefix_cache_queries)
+        yield counter(
+            "num_step_retries",
+            "Steps that failed as a batch and were re-run one request at a time.",
+            lambda e: e.num_step_retries,
+        )
+        yield counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", lambda e: e.prefix_cache_queries
+        )
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", lambda e: e.prefix_cache_hits)
         yield counter("spec_decode_num_drafts", "Speculative verification steps.", lambda e: e.spec_num_drafts)
-        yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
-                      lambda e: e.spec_num_draft_tokens)  # fmt: skip
+        yield counter(
+            "spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", lambda e: e.spec_num_draft_tokens
+        )
         yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", lambda e: e.spec_num_accepted_tokens)
         for model_name, routing, transfer in pools:  # (replicas serve one model: a server refuses several with them)
             if routing:
@@ -101,9 +108,11 @@ class EngineCollector:
         """vLLM's lora_requests_info (labelled by model too when several are served) and
         requests per adapter."""
         several = len(self.engines) > 1
-        info = GaugeMetricFamily(P + "lora_requests_info", "Running stats on LoRA requests (as vLLM's).",
-                                 labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora",
-                                         *(["model_name"] if several else [])])  # fmt: skip
+        info = GaugeMetricFamily(
+            P + "lora_requests_info",
+            "Running stats on LoRA requests (as vLLM's).",
+            labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora", *(["model_name"] if several else [])],
+        )
         per = CounterMetricFamily(P + "lora_requests", "Requests per LoRA adapter.", labels=["model_name", "lora_name"])
         found = False
         for model_name, source in self.engines.items():
@@ -111,8 +120,15 @@ class EngineCollector:
             if e.max_loras is None:
                 continue
             found = True
-            info.add_metric([",".join(e.running_loras), ",".join(e.waiting_loras), str(e.max_loras),
-                             *([model_name] if several else [])], time.time())  # fmt: skip
+            info.add_metric(
+                [
+                    ",".join(e.running_loras),
+                    ",".join(e.waiting_loras),
+                    str(e.max_loras),
+                    *([model_name] if several else []),
+                ],
+                time.time(),
+            )
             for name, count in sorted(e.lora_requests.items()):
                 per.add_metric([model_name, name], count)
         if found:
@@ -123,19 +139,32 @@ class EngineCollector:
 def _routing_metrics(names: list[str], values: list[str], routing: dict) -> Iterator[Metric]:
     """The replica routers' counters, per pool ("engine", or "prefill" and "decode")."""
     labels = [*names, "pool"]
-    decisions = CounterMetricFamily(P + "router_decisions", "Requests routed, by the reason for the replica chosen "
-                                    "(prefix, least_loaded, balance, random, round_robin).", labels=[*labels, "reason"])  # fmt: skip
+    decisions = CounterMetricFamily(
+        P + "router_decisions",
+        "Requests routed, by the reason for the replica chosen (prefix, least_loaded, balance, random, round_robin).",
+        labels=[*labels, "reason"],
+    )
     routed = CounterMetricFamily(P + "router_requests", "Requests routed to each replica.", labels=[*labels, "replica"])
-    predicted = CounterMetricFamily(P + "router_predicted_hit_blocks", "Prompt blocks the router expected cached "
-                                    "on the replica it chose.", labels=labels)  # fmt: skip
-    realised = CounterMetricFamily(P + "router_realised_hit_tokens", "Prompt tokens the chosen replicas found cached "
-                                   "(requests finished).", labels=labels)  # fmt: skip
-    prompts = CounterMetricFamily(P + "router_prompt_tokens", "Prompt tokens of the routed requests that finished.",
-                                  labels=labels)  # fmt: skip
-    load_cost = GaugeMetricFamily(P + "router_load_cost_tokens", "kv routing's price of a request in flight on each "
-                                  "replica, in prompt tokens, by source (measured on its engine at start, fixed by "
-                                  "--route-load-cost, or the default for a replica that reported none).",
-                                  labels=[*labels, "replica", "source"])  # fmt: skip
+    predicted = CounterMetricFamily(
+        P + "router_predicted_hit_blocks",
+        "Prompt blocks the router expected cached on the replica it chose.",
+        labels=labels,
+    )
+    realised = CounterMetricFamily(
+        P + "router_realised_hit_tokens",
+        "Prompt tokens the chosen replicas found cached (requests finished).",
+        labels=labels,
+    )
+    prompts = CounterMetricFamily(
+        P + "router_prompt_tokens", "Prompt tokens of the routed requests that finished.", labels=labels
+    )
+    load_cost = GaugeMetricFamily(
+        P + "router_load_cost_tokens",
+        "kv routing's price of a request in flight on each "
+        "replica, in prompt tokens, by source (measured on its engine at start, fixed by "
+        "--route-load-cost, or the default for a replica that reported none).",
+        labels=[*labels, "replica", "source"],
+    )
     for pool, stats in sorted(routing.items()):
         for reason, n in sorted(stats.decisions.items()):
             decisions.add_metric([*values, pool, reason], n)
@@ -157,11 +186,17 @@ def _transfer_metrics(names: list[str], values: list[str], transfer: Any, decode
         ("kv_transfer_bytes", "Bytes of KV shipped from prefill to decode replicas.", transfer.bytes),
         ("kv_transfer_prefill_seconds", "Seconds prefill replicas spent on shipped prompts.", transfer.prefill_seconds),
         ("kv_transfer_fallbacks", "Prefills that failed: the decode replica computed the prompt.", transfer.fallbacks),
-        ("kv_transfer_imported_blocks", "KV blocks decode replicas received and cached.",
-         decode.imported_blocks if decode else 0),
-        ("kv_transfer_import_seconds", "Seconds decode replicas spent fetching and caching KV blocks.",
-         decode.import_seconds if decode else 0.0),
-    ):  # fmt: skip
+        (
+            "kv_transfer_imported_blocks",
+            "KV blocks decode replicas received and cached.",
+            decode.imported_blocks if decode else 0,
+        ),
+        (
+            "kv_transfer_import_seconds",
+            "Seconds decode replicas spent fetching and caching KV blocks.",
+            decode.import_seconds if decode else 0.0,
+        ),
+    ):
         c = CounterMetricFamily(P + name, doc, labels=names)
         c.add_metric(values, value)
         yield c
@@ -175,8 +210,11 @@ class CacheCollector:
 
     def collect(self) -> Iterator[Metric]:
         stats = self.cache.stats
-        hits = CounterMetricFamily(P + "response_cache_hits", "Requests answered from the response cache, by kind "
-                                   "(exact, semantic).", labels=["kind"])  # fmt: skip
+        hits = CounterMetricFamily(
+            P + "response_cache_hits",
+            "Requests answered from the response cache, by kind (exact, semantic).",
+            labels=["kind"],
+        )
         for kind, n in sorted(stats.hits.items()):
             hits.add_metric([kind], n)
         yield hits
@@ -216,13 +254,20 @@ class ServerMetrics:
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prefill tokens processed.", labels, registry=self.registry)
         self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", labels, registry=self.registry)
         self.success = Counter(
-            P + "request_success", "Finished requests by finish reason.", labels + ["finished_reason"], registry=self.registry
+            P + "request_success",
+            "Finished requests by finish reason.",
+            labels + ["finished_reason"],
+            registry=self.registry,
         )
         self.routes = None
         if routers:
-            self.routes = Counter(P + "model_router_requests", "Requests a model router sent to each model, by reason "
-                                  "(classifier, tools, response_format, logprobs, long_prompt, confident, low_confidence).",
-                                  ["router", "model_name", "reason"], registry=self.registry)  # fmt: skip
+            self.routes = Counter(
+                P + "model_router_requests",
+                "Requests a model router sent to each model, by reason "
+                "(classifier, tools, response_format, logprobs, long_prompt, confident, low_confidence).",
+                ["router", "model_name", "reason"],
+                registry=self.registry,
+            )
 
     def observe_route(self, router: str, route: Any) -> None:
         if self.routes is not None:

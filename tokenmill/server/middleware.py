@@ -47,7 +47,12 @@ class APIKeyMiddleware:
     unwatched."""
 
     def __init__(self, app: Any, keys: tuple[str, ...], sessions: WebSessions, login_page: bool = True) -> None:
-        self.app, self.keys, self.sessions, self.login_page = app, frozenset(k.encode() for k in keys), sessions, login_page
+        self.app, self.keys, self.sessions, self.login_page = (
+            app,
+            frozenset(k.encode() for k in keys),
+            sessions,
+            login_page,
+        )
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         path = scope["path"] if scope["type"] == "http" else ""
@@ -98,7 +103,9 @@ class UnexpectedErrorMiddleware:
                 return  # the client has its whole answer: the connection stays
             if started:
                 raise
-            await error_response(500, "internal error: the server failed on this request (see its log)")(scope, receive, send)
+            await error_response(500, "internal error: the server failed on this request (see its log)")(
+                scope, receive, send
+            )
 
 
 UNCAPPED = ("/health", "/ping", "/metrics")  # a saturated server still answers its probes

@@ -57,8 +57,9 @@ class ModelRouter:
         if self.classifier is not None:
             choice = self.classifier(body)
             if choice not in (None, "small", "large"):
-                raise TokenmillError(f"router {self.name}: the classifier returned {choice!r}, not 'small', 'large' "
-                                     "or None")  # fmt: skip
+                raise TokenmillError(
+                    f"router {self.name}: the classifier returned {choice!r}, not 'small', 'large' or None"
+                )
             if choice is not None:
                 return Route(self.small if choice == "small" else self.large, "classifier")
         for feature in ("tools", "response_format", "logprobs"):
@@ -88,8 +89,10 @@ def _has(body: dict[str, Any], feature: str) -> bool:
     if feature == "response_format":
         fmt = body.get("response_format")
         constrained = isinstance(fmt, dict) and fmt.get("type") not in (None, "text")
-        guided = any(body.get(k) for k in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                                            "guided_grammar"))  # fmt: skip
+        guided = any(
+            body.get(k)
+            for k in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+        )
         return constrained or guided
     return body.get("logprobs") not in (None, False)
 
@@ -108,8 +111,14 @@ def load_classifier(spec: str) -> Classifier:
     return found
 
 
-def parse_routers(specs: Sequence[str], models: Sequence[str], threshold: float, max_prompt_tokens: int | None,
-                  large_for: Sequence[str], classifier: str | None) -> dict[str, ModelRouter]:  # fmt: skip
+def parse_routers(
+    specs: Sequence[str],
+    models: Sequence[str],
+    threshold: float,
+    max_prompt_tokens: int | None,
+    large_for: Sequence[str],
+    classifier: str | None,
+) -> dict[str, ModelRouter]:
     """``--router NAME=SMALL,LARGE`` values, checked against the served models' names."""
     call = load_classifier(classifier) if classifier else None
     rules = frozenset(large_for) - {"none"}

@@ -26,9 +26,12 @@ def max_tokens_for(target: Target, prompt_ids: list[int], requested: int | None)
     limit = target.max_model_len
     if requested is None:
         if len(prompt_ids) >= limit:
-            raise ContextLengthError(400, f"This model's maximum context length is {limit} tokens. However, your "
-                                          f"prompt is {len(prompt_ids)} tokens, leaving no room for the completion.",
-                                     "messages")  # fmt: skip
+            raise ContextLengthError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"prompt is {len(prompt_ids)} tokens, leaving no room for the completion.",
+                "messages",
+            )
         return limit - len(prompt_ids)
     if isinstance(requested, int) and requested >= 1 and len(prompt_ids) + requested > limit:
         raise ContextLengthError(
@@ -41,8 +44,9 @@ def max_tokens_for(target: Target, prompt_ids: list[int], requested: int | None)
     return requested
 
 
-async def chat_prompt(target: Target, body: ChatCompletionRequest,
-                      allow_special_tokens: bool = False) -> tuple[list[int], SamplingParams, ToolRequest | None]:  # fmt: skip
+async def chat_prompt(
+    target: Target, body: ChatCompletionRequest, allow_special_tokens: bool = False
+) -> tuple[list[int], SamplingParams, ToolRequest | None]:
     """A chat request's prompt ids (through the chat template, tools rendered; special-token
     text in the messages tokenised as text unless ``allow_special_tokens``), its sampling
     parameters and its tools."""
@@ -54,8 +58,9 @@ async def chat_prompt(target: Target, body: ChatCompletionRequest,
     described = None
     if tools and tools.hermes:  # the template describes the tools itself
         described = [t.as_openai() for t in tools.offered]
-    ids = await asyncio.to_thread(tokenizer.encode_chat, messages, body.add_generation_prompt, described,
-                                  allow_special_tokens)  # fmt: skip
+    ids = await asyncio.to_thread(
+        tokenizer.encode_chat, messages, body.add_generation_prompt, described, allow_special_tokens
+    )
     ids = truncate_prompt(ids, body.truncate_prompt_tokens, target.max_model_len)
     params = body.sampling_params(max_tokens_for(target, ids, body.requested_max_tokens), tools and tools.constraint())
     return ids, params.with_bad_word_ids(tokenizer), tools

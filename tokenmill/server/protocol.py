@@ -88,13 +88,20 @@ _UNSUPPORTED = ("suffix", "functions", "function_call")
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # vLLM's older names
 
 
-def structured_outputs(response_format: dict[str, Any] | None, structured: dict[str, Any] | None,
-                       guided: dict[str, Any], whitespace_pattern: str | None) -> StructuredOutputs | None:  # fmt: skip
+def structured_outputs(
+    response_format: dict[str, Any] | None,
+    structured: dict[str, Any] | None,
+    guided: dict[str, Any],
+    whitespace_pattern: str | None,
+) -> StructuredOutputs | None:
     """One constraint from OpenAI's response_format, vLLM's structured_outputs or the
     guided_* aliases; more than one of them is a 400 naming them."""
     response_format = _constraining(response_format)
-    given = [name for name, v in (("response_format", response_format), ("structured_outputs", structured),
-                                   *guided.items()) if v is not None]  # fmt: skip
+    given = [
+        name
+        for name, v in (("response_format", response_format), ("structured_outputs", structured), *guided.items())
+        if v is not None
+    ]
     if len(given) > 1:
         raise InvalidRequestError(f"give one constraint, not {' and '.join(given)}", param=given[1])
     if response_format is not None:
@@ -103,8 +110,9 @@ def structured_outputs(response_format: dict[str, Any] | None, structured: dict[
             return StructuredOutputs(json_object=True, whitespace_pattern=whitespace_pattern)
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict | bool):
-            raise InvalidRequestError("response_format json_schema needs a json_schema object with a schema",
-                                      param="response_format")  # fmt: skip
+            raise InvalidRequestError(
+                "response_format json_schema needs a json_schema object with a schema", param="response_format"
+            )
         return StructuredOutputs(json=spec.get("schema", {}), whitespace_pattern=whitespace_pattern)
     if structured is not None:
         body = dict(structured)
@@ -127,8 +135,9 @@ def _constraining(response_format: dict[str, Any] | None) -> dict[str, Any] | No
     if kind == "text":
         return None
     if kind not in ("json_object", "json_schema"):
-        raise InvalidRequestError(f"response_format type must be text, json_object or json_schema, not {kind!r}",
-                                  param="response_format")  # fmt: skip
+        raise InvalidRequestError(
+            f"response_format type must be text, json_object or json_schema, not {kind!r}", param="response_format"
+        )
     return response_format
 
 
@@ -206,12 +215,36 @@ class _SamplingFields(StrictBody):
                     return False
                 return not (name in unset and type(value) is type(unset[name]) and value == unset[name])
 
-            given = [name for name in ("stream", "echo", "return_timings", "include_stop_str_in_output", "top_p", "top_k",
-                                       "min_p", "seed", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty",
-                                       "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words", "min_tokens",
-                                       "response_format", "structured_outputs", *_GUIDED, "logprobs", "prompt_logprobs",
-                                       "tools", "top_logprobs")
-                     if is_set(name)]  # fmt: skip
+            given = [
+                name
+                for name in (
+                    "stream",
+                    "echo",
+                    "return_timings",
+                    "include_stop_str_in_output",
+                    "top_p",
+                    "top_k",
+                    "min_p",
+                    "seed",
+                    "stop",
+                    "stop_token_ids",
+                    "presence_penalty",
+                    "frequency_penalty",
+                    "repetition_penalty",
+                    "logit_bias",
+                    "allowed_token_ids",
+                    "bad_words",
+                    "min_tokens",
+                    "response_format",
+                    "structured_outputs",
+                    *_GUIDED,
+                    "logprobs",
+                    "prompt_logprobs",
+                    "tools",
+                    "top_logprobs",
+                )
+                if is_set(name)
+            ]
             if self.temperature not in (None, 0, 0.0):
                 given.insert(0, "temperature")
             if given:
@@ -224,15 +257,24 @@ class _SamplingFields(StrictBody):
         return self.best_of is not None and self.best_of > self.n and not self.use_beam_search
 
     def beam_params(self, max_tokens: int) -> BeamSearchParams:
-        return BeamSearchParams(beam_width=self.best_of or self.n, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
-                                length_penalty=self.length_penalty)  # fmt: skip
+        return BeamSearchParams(
+            beam_width=self.best_of or self.n,
+            max_tokens=max_tokens,
+            ignore_eos=self.ignore_eos,
+            length_penalty=self.length_penalty,
+        )
 
     def structured(self) -> StructuredOutputs | None:
         guided = {name: getattr(self, name) for name in _GUIDED}
         return structured_outputs(self.response_format, self.structured_outputs, guided, self.guided_whitespace_pattern)
 
-    def _sampling(self, max_tokens: int, logprobs: int | None, structured: StructuredOutputs | None = None,
-                  prompt_logprobs: int | None = None) -> SamplingParams:  # fmt: skip
+    def _sampling(
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        structured: StructuredOutputs | None = None,
+        prompt_logprobs: int | None = None,
+    ) -> SamplingParams:
         def pick(value, default):
             return default if value is None else value
 
@@ -295,8 +337,11 @@ class CompletionRequest(_SamplingFields):
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         if self.echo and self.logprobs is not None and self.stream and self.n > 1:
-            raise InvalidRequestError("echo with logprobs and n > 1 cannot be streamed (each prompt is scored "
-                                      "once, by its first sequence): stream false, or n 1", param="echo")  # fmt: skip
+            raise InvalidRequestError(
+                "echo with logprobs and n > 1 cannot be streamed (each prompt is scored "
+                "once, by its first sequence): stream false, or n 1",
+                param="echo",
+            )
         scored = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
         return self._sampling(max_tokens, self.logprobs, self.structured(), max(scored) if scored else None)
 
@@ -373,10 +418,14 @@ class ChatCompletionRequest(_SamplingFields):
             raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
         own = self.structured()
         if own is not None and structured is not None:
-            raise InvalidRequestError("a constrained output (response_format, structured_outputs, guided_*) cannot be "
-                                      "combined with tools unless tool_choice is none", param="tool_choice")  # fmt: skip
-        return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, own or structured,
-                              self.prompt_logprobs)  # fmt: skip
+            raise InvalidRequestError(
+                "a constrained output (response_format, structured_outputs, guided_*) cannot be "
+                "combined with tools unless tool_choice is none",
+                param="tool_choice",
+            )
+        return self._sampling(
+            max_tokens, (self.top_logprobs or 0) if self.logprobs else None, own or structured, self.prompt_logprobs
+        )
 
     def echoed(self) -> str:
         """What echo puts before the answer: the last message, if it is the assistant's
@@ -398,11 +447,15 @@ def check_tool_results(messages: list[ChatMessage]) -> None:
             calls |= {c["id"] for c in m.tool_calls if isinstance(c, dict) and isinstance(c.get("id"), str)}
         elif m.role == "tool":
             if m.tool_call_id is None:
-                raise InvalidRequestError(f"messages[{i}]: a tool message needs the tool_call_id it answers",
-                                          param="messages")  # fmt: skip
+                raise InvalidRequestError(
+                    f"messages[{i}]: a tool message needs the tool_call_id it answers", param="messages"
+                )
             if m.tool_call_id not in calls:
-                raise InvalidRequestError(f"messages[{i}]: a tool message must answer a tool call of an earlier "
-                                          "assistant message (no such tool_call_id)", param="messages")  # fmt: skip
+                raise InvalidRequestError(
+                    f"messages[{i}]: a tool message must answer a tool call of an earlier "
+                    "assistant message (no such tool_call_id)",
+                    param="messages",
+                )
 
 
 def prompt_list(value: str | list[int] | list[str] | list[list[int]], param: str) -> list[str | list[int]]:
@@ -424,7 +477,9 @@ def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> lis
     if keep == -1:
         keep = max_model_len - 1  # the context's worth, with room for the first token
     if not isinstance(keep, int) or keep < 1:
-        raise InvalidRequestError("truncate_prompt_tokens must be -1 or a positive integer", param="truncate_prompt_tokens")
+        raise InvalidRequestError(
+            "truncate_prompt_tokens must be -1 or a positive integer", param="truncate_prompt_tokens"
+        )
     return ids[-keep:]
 
 

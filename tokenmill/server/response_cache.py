@@ -65,7 +65,8 @@ def semantic_text(body: dict[str, Any]) -> str | None:
         return None
     fmt = body.get("response_format")
     if (isinstance(fmt, dict) and fmt.get("type") not in (None, "text")) or any(
-            body.get(k) for k in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")):  # fmt: skip
+        body.get(k) for k in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+    ):
         return None
     content = messages[-1].get("content")
     return content if isinstance(content, str) and content.strip() else None
@@ -94,16 +95,30 @@ def detach(out: RequestOutput) -> RequestOutput:
     """A finished output as plain data, whole in its delta (a replay streams it as one
     chunk), holding nothing of the engine's."""
     c = out.outputs[0]
-    frozen = _Frozen(list(c.token_ids), c.logprobs and list(c.logprobs), c.top_logprobs and list(c.top_logprobs), c.text)
-    completion = CompletionOutput(c.index, c.finish_reason, c.stop_reason, frozen, len(frozen.token_ids), len(frozen.text))
-    return replace(out, outputs=[completion], timings=list(out.timings), delta_text=frozen.text, delta_token_ids=frozen.token_ids,
-                   delta_logprobs=frozen.logprobs, delta_top_logprobs=frozen.top_logprobs, embedding=None)  # fmt: skip
+    frozen = _Frozen(
+        list(c.token_ids), c.logprobs and list(c.logprobs), c.top_logprobs and list(c.top_logprobs), c.text
+    )
+    completion = CompletionOutput(
+        c.index, c.finish_reason, c.stop_reason, frozen, len(frozen.token_ids), len(frozen.text)
+    )
+    return replace(
+        out,
+        outputs=[completion],
+        timings=list(out.timings),
+        delta_text=frozen.text,
+        delta_token_ids=frozen.token_ids,
+        delta_logprobs=frozen.logprobs,
+        delta_top_logprobs=frozen.top_logprobs,
+        embedding=None,
+    )
 
 
 def replayed(out: RequestOutput) -> RequestOutput:
     """A cached output as a new answer's: its timings are now's (it took no engine time)."""
     t = time.perf_counter()
-    return replace(out, timings=[RequestTimings(arrival=t, first_scheduled=t, first_token=t, token_times=[t], finished=t)])
+    return replace(
+        out, timings=[RequestTimings(arrival=t, first_scheduled=t, first_token=t, token_times=[t], finished=t)]
+    )
 
 
 @dataclass
@@ -127,8 +142,9 @@ class CacheStats:
 
 
 class ResponseCache:
-    def __init__(self, semantic: bool, max_bytes: int, ttl: float, threshold: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self, semantic: bool, max_bytes: int, ttl: float, threshold: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.semantic, self.max_bytes, self.ttl, self.threshold, self.clock = semantic, max_bytes, ttl, threshold, clock
         self.entries: OrderedDict[str, CachedAnswer] = OrderedDict()  # least recently used first
         self.pending: dict[str, Any] = {}  # key -> an asyncio.Future, done once the request answering it has ended
@@ -192,8 +208,9 @@ class ResponseCache:
                 self.buckets.pop(entry.bucket, None)
 
 
-def best_match(candidates: list[tuple[str, list[float]]], embedding: list[float],
-               threshold: float) -> tuple[str, float] | None:  # fmt: skip
+def best_match(
+    candidates: list[tuple[str, list[float]]], embedding: list[float], threshold: float
+) -> tuple[str, float] | None:
     """The most similar candidate at or above ``threshold`` (cosine), with its similarity."""
     best = None
     for key, other in candidates:

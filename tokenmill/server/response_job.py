@@ -34,9 +34,25 @@ class ResponseJob:
     """One /v1/responses request: one engine request, its answer as output items
     (``OutputBuilder``), whole or as OpenAI's typed events; stored when asked."""
 
-    def __init__(self, served: Served, target: Target, shape: ResponseShape, ids: list[int], params: SamplingParams,
-                 tools: ToolRequest | None, owner: str, conversation: list[dict[str, Any]]) -> None:  # fmt: skip
-        self.served, self.target, self.shape, self.ids, self.params, self.tools = served, target, shape, ids, params, tools
+    def __init__(
+        self,
+        served: Served,
+        target: Target,
+        shape: ResponseShape,
+        ids: list[int],
+        params: SamplingParams,
+        tools: ToolRequest | None,
+        owner: str,
+        conversation: list[dict[str, Any]],
+    ) -> None:
+        self.served, self.target, self.shape, self.ids, self.params, self.tools = (
+            served,
+            target,
+            shape,
+            ids,
+            params,
+            tools,
+        )
         self.owner, self.conversation = owner, conversation
         self.observed = False  # its output is in the metrics already (a replay)
 
@@ -51,8 +67,9 @@ class ResponseJob:
     async def run(self) -> list[tuple[int, RequestOutput]]:
         check_queue(self.served, self.target, self.params.n)
         final = None
-        async with contextlib.aclosing(self.target.engine.generate(self.shape.id, self.ids, self.params,
-                                                                   self.target.lora)) as stream:  # fmt: skip
+        async with contextlib.aclosing(
+            self.target.engine.generate(self.shape.id, self.ids, self.params, self.target.lora)
+        ) as stream:
             async for out in stream:
                 if out.finished:
                     self.served.observe_finished(out, self.target.model.name)
@@ -129,8 +146,12 @@ class ResponseJob:
         incomplete = None if reason in ("stop", "tool_calls") else "max_output_tokens" if reason == "length" else reason
         tokens = len(final.token_ids) if final is not None else 0
         cached = final.num_cached_tokens if final is not None else 0
-        body = self.shape.body("incomplete" if incomplete else "completed", output,
-                               responses_usage(len(self.ids), tokens, cached), incomplete)  # fmt: skip
+        body = self.shape.body(
+            "incomplete" if incomplete else "completed",
+            output,
+            responses_usage(len(self.ids), tokens, cached),
+            incomplete,
+        )
         if self.shape.request.store:
             self.served.responses.put(self.owner, body, self.conversation + output_messages(output))
         return body

@@ -27,8 +27,20 @@ from tokenmill.server.protocol import StrictBody, now
 from tokenmill.server.tools import ToolCall, ToolRequest, ToolStream
 
 # Tool types of the Responses API that run on OpenAI's side: refused by name.
-HOSTED_TOOLS = ("web_search", "web_search_preview", "file_search", "computer_use_preview", "computer",
-                "code_interpreter", "image_generation", "mcp", "local_shell", "shell", "apply_patch", "custom")  # fmt: skip
+HOSTED_TOOLS = (
+    "web_search",
+    "web_search_preview",
+    "file_search",
+    "computer_use_preview",
+    "computer",
+    "code_interpreter",
+    "image_generation",
+    "mcp",
+    "local_shell",
+    "shell",
+    "apply_patch",
+    "custom",
+)
 
 
 class ResponsesRequest(StrictBody):
@@ -61,19 +73,24 @@ class ResponsesRequest(StrictBody):
     def refuse_unsupported(self) -> None:
         """The Responses fields whose feature this server does not have: a 400 by name."""
         if self.background:
-            raise InvalidRequestError("background responses are not supported (send background: false)",
-                                      param="background")  # fmt: skip
+            raise InvalidRequestError(
+                "background responses are not supported (send background: false)", param="background"
+            )
         if self.include:
-            raise InvalidRequestError(f"include {self.include!r} is not supported (no hosted tools, reasoning or "
-                                      "output logprobs here)", param="include")  # fmt: skip
+            raise InvalidRequestError(
+                f"include {self.include!r} is not supported (no hosted tools, reasoning or output logprobs here)",
+                param="include",
+            )
         if self.reasoning and any(v is not None for v in self.reasoning.values()):
             raise InvalidRequestError("reasoning is not supported by this model", param="reasoning")
         if self.top_logprobs:
-            raise InvalidRequestError("top_logprobs is not supported on /v1/responses (use /v1/chat/completions)",
-                                      param="top_logprobs")  # fmt: skip
+            raise InvalidRequestError(
+                "top_logprobs is not supported on /v1/responses (use /v1/chat/completions)", param="top_logprobs"
+            )
         if self.max_tool_calls is not None:
-            raise InvalidRequestError("max_tool_calls is not supported (use parallel_tool_calls: false for one)",
-                                      param="max_tool_calls")  # fmt: skip
+            raise InvalidRequestError(
+                "max_tool_calls is not supported (use parallel_tool_calls: false for one)", param="max_tool_calls"
+            )
 
     # ------------------------------------------------------------ to a chat request
 
@@ -84,9 +101,13 @@ class ResponsesRequest(StrictBody):
         messages = ([{"role": "system", "content": self.instructions}] if self.instructions else []) + history
         messages += self.input_messages()
         body: dict[str, Any] = {"messages": messages, "stream": False}
-        for name, value in (("model", self.model), ("max_tokens", self.max_output_tokens),
-                            ("temperature", self.temperature), ("top_p", self.top_p),
-                            ("parallel_tool_calls", self.parallel_tool_calls)):  # fmt: skip
+        for name, value in (
+            ("model", self.model),
+            ("max_tokens", self.max_output_tokens),
+            ("temperature", self.temperature),
+            ("top_p", self.top_p),
+            ("parallel_tool_calls", self.parallel_tool_calls),
+        ):
             if value is not None:
                 body[name] = value
         if self.tools:
@@ -116,12 +137,16 @@ def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
-                raise InvalidRequestError(f"{where}: role must be user, system, developer or assistant, not {role!r}",
-                                          param="input")  # fmt: skip
+                raise InvalidRequestError(
+                    f"{where}: role must be user, system, developer or assistant, not {role!r}", param="input"
+                )
             out.append({"role": role, "content": _item_text(item.get("content"), where)})
         elif kind == "function_call":
-            call = {"id": _string(item, "call_id", where), "type": "function",
-                    "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}  # fmt: skip
+            call = {
+                "id": _string(item, "call_id", where),
+                "type": "function",
+                "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)},
+            }
             if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") is not None:
                 out[-1]["tool_calls"].append(call)
             elif out and out[-1]["role"] == "assistant" and not out[-1].get("tool_calls"):
@@ -133,8 +158,11 @@ def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             text = output if isinstance(output, str) else _item_text(output, where)
             out.append({"role": "tool", "tool_call_id": _string(item, "call_id", where), "content": text})
         else:
-            raise InvalidRequestError(f"{where}: input items of type {kind!r} are not supported (message, "
-                                      "function_call and function_call_output are)", param="input")  # fmt: skip
+            raise InvalidRequestError(
+                f"{where}: input items of type {kind!r} are not supported (message, "
+                "function_call and function_call_output are)",
+                param="input",
+            )
     return out
 
 
@@ -147,8 +175,9 @@ def _item_text(content: Any, where: str) -> str:
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-            raise InvalidRequestError(f"{where}: content parts of type {kind!r} are not supported (text only)",
-                                      param="input")  # fmt: skip
+            raise InvalidRequestError(
+                f"{where}: content parts of type {kind!r} are not supported (text only)", param="input"
+            )
         parts.append(part["text"])
     return "".join(parts)
 
@@ -163,11 +192,13 @@ def _string(item: dict[str, Any], key: str, where: str) -> str:
 def _chat_tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
     kind = tool.get("type")
     if kind in HOSTED_TOOLS or (isinstance(kind, str) and kind.startswith(("web_search", "computer"))):
-        raise InvalidRequestError(f"tools[{i}]: {kind} tools are not supported by this server (function tools are)",
-                                  param="tools")  # fmt: skip
+        raise InvalidRequestError(
+            f"tools[{i}]: {kind} tools are not supported by this server (function tools are)", param="tools"
+        )
     if kind != "function":
-        raise InvalidRequestError(f'tools[{i}] must be {{"type": "function", "name": ..., "parameters": ...}}',
-                                  param="tools")  # fmt: skip
+        raise InvalidRequestError(
+            f'tools[{i}] must be {{"type": "function", "name": ..., "parameters": ...}}', param="tools"
+        )
     fn = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
     return {"type": "function", "function": fn}
 
@@ -177,8 +208,10 @@ def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
         return choice
     if choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise InvalidRequestError(f"tool_choice {choice!r} is not supported: none, auto, required or "
-                              '{"type": "function", "name": ...}', param="tool_choice")  # fmt: skip
+    raise InvalidRequestError(
+        f'tool_choice {choice!r} is not supported: none, auto, required or {{"type": "function", "name": ...}}',
+        param="tool_choice",
+    )
 
 
 def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -217,34 +250,53 @@ class ResponseShape:
     id: str = field(default_factory=lambda: new_item_id("resp"))
     created_at: int = field(default_factory=now)
 
-    def body(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None,
-             incomplete: str | None = None) -> dict[str, Any]:  # fmt: skip
+    def body(
+        self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None, incomplete: str | None = None
+    ) -> dict[str, Any]:
         r = self.request
         return {
-            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-            "background": False, "error": None,
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "background": False,
+            "error": None,
             "incomplete_details": {"reason": incomplete} if incomplete else None,
-            "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "max_tool_calls": None,
-            "model": self.model, "output": output,
+            "instructions": r.instructions,
+            "max_output_tokens": r.max_output_tokens,
+            "max_tool_calls": None,
+            "model": self.model,
+            "output": output,
             "parallel_tool_calls": r.parallel_tool_calls if r.parallel_tool_calls is not None else True,
-            "previous_response_id": r.previous_response_id, "reasoning": None, "service_tier": "default",
-            "store": r.store, "temperature": r.temperature if r.temperature is not None else 1.0,
+            "previous_response_id": r.previous_response_id,
+            "reasoning": None,
+            "service_tier": "default",
+            "store": r.store,
+            "temperature": r.temperature if r.temperature is not None else 1.0,
             "text": {"format": (r.text or {}).get("format") or {"type": "text"}},
             "tool_choice": r.tool_choice if r.tool_choice is not None else "auto",
-            "tools": r.tools or [], "top_logprobs": 0, "top_p": r.top_p if r.top_p is not None else 1.0,
-            "truncation": "disabled", "usage": usage, "user": r.user, "metadata": r.metadata or {},
-        }  # fmt: skip
+            "tools": r.tools or [],
+            "top_logprobs": 0,
+            "top_p": r.top_p if r.top_p is not None else 1.0,
+            "truncation": "disabled",
+            "usage": usage,
+            "user": r.user,
+            "metadata": r.metadata or {},
+        }
 
 
 def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": prompt_tokens + output_tokens}  # fmt: skip
+    return {
+        "input_tokens": prompt_tokens,
+        "input_tokens_details": {"cached_tokens": cached_tokens},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt_tokens + output_tokens,
+    }
 
 
 def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
-    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [text_part(text)]}  # fmt: skip
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": [text_part(text)]}
 
 
 def text_part(text: str) -> dict[str, Any]:
@@ -252,15 +304,24 @@ def text_part(text: str) -> dict[str, Any]:
 
 
 def call_item(item_id: str, call: ToolCall, status: str = "completed") -> dict[str, Any]:
-    return {"type": "function_call", "id": item_id, "call_id": call.id, "name": call.name,
-            "arguments": call.arguments, "status": status}  # fmt: skip
+    return {
+        "type": "function_call",
+        "id": item_id,
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments,
+        "status": status,
+    }
 
 
 def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A response's output items as the chat messages a follow-up turn continues from."""
     text = "".join(p["text"] for item in output if item["type"] == "message" for p in item["content"])
-    calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
-             for i in output if i["type"] == "function_call"]  # fmt: skip
+    calls = [
+        {"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
+        for i in output
+        if i["type"] == "function_call"
+    ]
     message: dict[str, Any] = {"role": "assistant", "content": text or None}
     if calls:
         message["tool_calls"] = calls
@@ -294,9 +355,17 @@ class OutputBuilder:
             for i in self._calls.values():
                 item = self.output[i]
                 item["status"] = "completed"
-                events.append(("response.function_call_arguments.done",
-                               {"item_id": item["id"], "output_index": i, "name": item["name"],
-                                "arguments": item["arguments"]}))  # fmt: skip
+                events.append(
+                    (
+                        "response.function_call_arguments.done",
+                        {
+                            "item_id": item["id"],
+                            "output_index": i,
+                            "name": item["name"],
+                            "arguments": item["arguments"],
+                        },
+                    )
+                )
                 events.append(("response.output_item.done", {"output_index": i, "item": dict(item)}))
         return events
 
@@ -306,15 +375,35 @@ class OutputBuilder:
             self._open_message = len(self.output)
             item = message_item(new_item_id("msg"), "", status="in_progress")
             self.output.append(item)
-            events.append(("response.output_item.added",
-                           {"output_index": self._open_message, "item": {**item, "content": []}}))  # fmt: skip
-            events.append(("response.content_part.added", {"item_id": item["id"], "output_index": self._open_message,
-                                                            "content_index": 0, "part": text_part("")}))  # fmt: skip
+            events.append(
+                ("response.output_item.added", {"output_index": self._open_message, "item": {**item, "content": []}})
+            )
+            events.append(
+                (
+                    "response.content_part.added",
+                    {
+                        "item_id": item["id"],
+                        "output_index": self._open_message,
+                        "content_index": 0,
+                        "part": text_part(""),
+                    },
+                )
+            )
         item = self.output[self._open_message]
         item["content"][0]["text"] += text
         if text:
-            events.append(("response.output_text.delta", {"item_id": item["id"], "output_index": self._open_message,
-                                                          "content_index": 0, "delta": text, "logprobs": []}))  # fmt: skip
+            events.append(
+                (
+                    "response.output_text.delta",
+                    {
+                        "item_id": item["id"],
+                        "output_index": self._open_message,
+                        "content_index": 0,
+                        "delta": text,
+                        "logprobs": [],
+                    },
+                )
+            )
         return events
 
     def _close_message(self) -> list[tuple[str, dict[str, Any]]]:
@@ -324,11 +413,17 @@ class OutputBuilder:
         item = self.output[i]
         item["status"] = "completed"
         part = item["content"][0]
-        return [("response.output_text.done", {"item_id": item["id"], "output_index": i, "content_index": 0,
-                                               "text": part["text"], "logprobs": []}),
-                ("response.content_part.done", {"item_id": item["id"], "output_index": i, "content_index": 0,
-                                                "part": dict(part)}),
-                ("response.output_item.done", {"output_index": i, "item": _copy(item)})]  # fmt: skip
+        return [
+            (
+                "response.output_text.done",
+                {"item_id": item["id"], "output_index": i, "content_index": 0, "text": part["text"], "logprobs": []},
+            ),
+            (
+                "response.content_part.done",
+                {"item_id": item["id"], "output_index": i, "content_index": 0, "part": dict(part)},
+            ),
+            ("response.output_item.done", {"output_index": i, "item": _copy(item)}),
+        ]
 
     def _call(self, delta: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         events = []
@@ -344,8 +439,12 @@ class OutputBuilder:
         piece = delta.get("function", {}).get("arguments", "")
         if piece:
             self.output[i]["arguments"] += piece
-            events.append(("response.function_call_arguments.delta",
-                           {"item_id": self.output[i]["id"], "output_index": i, "delta": piece}))  # fmt: skip
+            events.append(
+                (
+                    "response.function_call_arguments.delta",
+                    {"item_id": self.output[i]["id"], "output_index": i, "delta": piece},
+                )
+            )
         return events
 
 

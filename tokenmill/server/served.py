@@ -62,8 +62,11 @@ def check_queue(served: Served, target: Target, adding: int) -> None:
     """429 (with Retry-After) while ``max_queue`` engine sequences already wait for the model."""
     queue, waiting = served.config.max_queue, target.engine.num_waiting
     if queue and waiting + adding > queue:
-        raise APIError(429, f"server busy: {waiting} sequences are already waiting and this request adds "
-                            f"{adding} (max_queue={queue}, --max-queue); retry later")  # fmt: skip
+        raise APIError(
+            429,
+            f"server busy: {waiting} sequences are already waiting and this request adds "
+            f"{adding} (max_queue={queue}, --max-queue); retry later",
+        )
 
 
 def all_names(served: Served) -> list[str]:
@@ -85,13 +88,19 @@ def resolve(served: Served, model: str | None) -> Target | ModelRouter:
     for m in served.models.values():
         if model in m.engine.snapshot().loras:
             return Target(m, model)
-    raise APIError(404, f"the model `{model}` does not exist; this server serves {', '.join(all_names(served))}", "model")
+    raise APIError(
+        404, f"the model `{model}` does not exist; this server serves {', '.join(all_names(served))}", "model"
+    )
 
 
 def target_of(served: Served, model: str | None, what: str) -> Target:
     """The request's model, for a route that does not route: a router is a 400 there."""
     found = resolve(served, model)
     if isinstance(found, ModelRouter):
-        raise APIError(400, f"`{model}` is a router: it routes chat, completions and responses; for {what} "
-                            f"name one of its models ({found.small}, {found.large})", "model")  # fmt: skip
+        raise APIError(
+            400,
+            f"`{model}` is a router: it routes chat, completions and responses; for {what} "
+            f"name one of its models ({found.small}, {found.large})",
+            "model",
+        )
     return found

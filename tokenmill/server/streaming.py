@@ -55,8 +55,10 @@ async def chain(first: list, rest: AsyncIterator) -> AsyncIterator:
         yield item
 
 
-async def merge(streams: list[AsyncIterator[RequestOutput]], place: Callable[[], AbstractAsyncContextManager] | None = None,
-                ) -> AsyncIterator[tuple[int, RequestOutput]]:  # fmt: skip
+async def merge(
+    streams: list[AsyncIterator[RequestOutput]],
+    place: Callable[[], AbstractAsyncContextManager] | None = None,
+) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several engine streams as (stream index, output). Closing the merged
     stream (or cancelling its reader) cancels every pump, which aborts its request.
     With ``place`` (the client's window: admission.py), each stream starts only once it
@@ -74,7 +76,7 @@ async def merge(streams: list[AsyncIterator[RequestOutput]], place: Callable[[],
                 async for out in s:
                     await queue.put((i, out))
             await queue.put(done)
-        except BaseException as e:  # noqa: BLE001 - handed to the reader
+        except BaseException as e:
             await queue.put(e)
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]

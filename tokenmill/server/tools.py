@@ -40,8 +40,10 @@ class Tool:
     parameters: dict[str, Any]
 
     def as_openai(self) -> dict[str, Any]:
-        return {"type": "function", "function": {"name": self.name, "description": self.description,
-                                                 "parameters": self.parameters}}  # fmt: skip
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
 
 
 @dataclass(frozen=True)
@@ -82,8 +84,10 @@ class ToolRequest:
     def _system_prompt(self) -> str:
         tools = "\n".join(json.dumps(t.as_openai()["function"], ensure_ascii=False) for t in self.offered)
         if self.choice == "auto":
-            shape = ('either with "tool_calls" (a list of calls, each {"name": ..., "arguments": {...}}) '
-                     'or with "response" (your reply to the user)')  # fmt: skip
+            shape = (
+                'either with "tool_calls" (a list of calls, each {"name": ..., "arguments": {...}}) '
+                'or with "response" (your reply to the user)'
+            )
         else:
             shape = 'with "tool_calls": a list of calls, each {"name": ..., "arguments": {...}}'
         return f"You can call these tools:\n{tools}\nRespond in JSON format, {shape}."
@@ -110,12 +114,20 @@ class ToolRequest:
             repeat = "" if self.single_call else f' ("\\n" {block})*'
             return StructuredOutputs(grammar=f"start: {block}{repeat}\n")
         calls = {"type": "array", "items": one_call, "minItems": 1, **({"maxItems": 1} if self.single_call else {})}
-        with_calls = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"],
-                      "additionalProperties": False}  # fmt: skip
+        with_calls = {
+            "type": "object",
+            "properties": {"tool_calls": calls},
+            "required": ["tool_calls"],
+            "additionalProperties": False,
+        }
         if self.choice != "auto":
             return StructuredOutputs(json=with_calls)
-        reply = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
-                 "additionalProperties": False}  # fmt: skip
+        reply = {
+            "type": "object",
+            "properties": {"response": {"type": "string"}},
+            "required": ["response"],
+            "additionalProperties": False,
+        }
         return StructuredOutputs(json={"anyOf": [with_calls, reply]})
 
     # ------------------------------------------------------------ the answer
@@ -175,8 +187,18 @@ class ToolStream:
             if i == len(self.calls):
                 self.calls.append(ToolCall(f"call_{uuid.uuid4().hex[:24]}", head.group(1), ""))
                 call = self.calls[i]
-                out.append({"tool_calls": [{"index": i, "id": call.id, "type": "function",
-                                            "function": {"name": call.name, "arguments": ""}}]})  # fmt: skip
+                out.append(
+                    {
+                        "tool_calls": [
+                            {
+                                "index": i,
+                                "id": call.id,
+                                "type": "function",
+                                "function": {"name": call.name, "arguments": ""},
+                            }
+                        ]
+                    }
+                )
             start = head.end()
             end = _json_value_end(text, start)
             args = text[start : end + 1 if end is not None else len(text)]
@@ -217,8 +239,18 @@ class ToolStream:
         out = self._content("".join(visible))
         for call in calls[len(self.calls) :]:
             self.calls.append(call)
-            out.append({"tool_calls": [{"index": len(self.calls) - 1, "id": call.id, "type": "function",
-                                        "function": {"name": call.name, "arguments": call.arguments}}]})  # fmt: skip
+            out.append(
+                {
+                    "tool_calls": [
+                        {
+                            "index": len(self.calls) - 1,
+                            "id": call.id,
+                            "type": "function",
+                            "function": {"name": call.name, "arguments": call.arguments},
+                        }
+                    ]
+                }
+            )
         return out
 
 
@@ -291,8 +323,9 @@ def render_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [_render_message(m, hermes=False) for m in messages]
 
 
-def parse_tool_request(tools: Any, tool_choice: Any, parallel_tool_calls: bool | None,
-                       template: str | None) -> ToolRequest | None:  # fmt: skip
+def parse_tool_request(
+    tools: Any, tool_choice: Any, parallel_tool_calls: bool | None, template: str | None
+) -> ToolRequest | None:
     """Validate OpenAI's fields; None when no tool may be called (no tools, or "none")."""
     if tools is None or tools == []:
         if tool_choice not in (None, "none", "auto"):
@@ -313,11 +346,15 @@ def parse_tool_request(tools: Any, tool_choice: Any, parallel_tool_calls: bool |
         fn = tool_choice.get("function")
         named = fn.get("name") if isinstance(fn, dict) else None
         if named not in names:
-            raise InvalidRequestError(f"tool_choice names function {named!r}, which is not in tools", param="tool_choice")
+            raise InvalidRequestError(
+                f"tool_choice names function {named!r}, which is not in tools", param="tool_choice"
+            )
         choice = "named"
     else:
-        raise InvalidRequestError('tool_choice must be "none", "auto", "required" or {"type": "function", '
-                                  '"function": {"name": ...}}', param="tool_choice")  # fmt: skip
+        raise InvalidRequestError(
+            'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+            param="tool_choice",
+        )
     if choice == "none":
         return None
     hermes = template is not None and "tools" in template and "<tool_call>" in template
@@ -343,8 +380,12 @@ def _parse_tool(i: int, tool: Any) -> Tool:
 
 
 def _call_schema(tool: Tool) -> dict[str, Any]:
-    return {"type": "object", "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
-            "required": ["name", "arguments"], "additionalProperties": False}  # fmt: skip
+    return {
+        "type": "object",
+        "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
 
 
 def _parse_call(text: str) -> ToolCall | None:
@@ -365,7 +406,9 @@ def _render_message(m: dict[str, Any], hermes: bool) -> dict[str, Any]:
     """An assistant message with tool_calls, or a tool result, as the format's text."""
     calls = m.get("tool_calls")
     if m.get("role") == "assistant" and calls:
-        parsed = [{"name": c["function"]["name"], "arguments": _arguments(c["function"].get("arguments"))} for c in calls]
+        parsed = [
+            {"name": c["function"]["name"], "arguments": _arguments(c["function"].get("arguments"))} for c in calls
+        ]
         if hermes:
             text = "\n".join(f"<tool_call>\n{json.dumps(c, ensure_ascii=False)}\n</tool_call>" for c in parsed)
             content = f"{m.get('content') or ''}{text}"

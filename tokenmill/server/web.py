@@ -45,8 +45,12 @@ SIGNED_IN = "tokenmill_signed_in"  # readable by the page: it shows "Sign out"
 STATIC = {"app.js": "text/javascript", "style.css": "text/css", "favicon.svg": "image/svg+xml"}
 NO_STORE = {"Cache-Control": "no-store"}
 SESSIONS_PER_KEY = 64  # live sign-ins per key; a new one ends the key's oldest
-PAGE_HEADERS = {**NO_STORE, "X-Frame-Options": "DENY", "Content-Security-Policy": "frame-ancestors 'none'",
-                "X-Content-Type-Options": "nosniff"}  # fmt: skip
+PAGE_HEADERS = {
+    **NO_STORE,
+    "X-Frame-Options": "DENY",
+    "Content-Security-Policy": "frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+}
 
 
 class WebSessions:
@@ -55,8 +59,13 @@ class WebSessions:
     after sign-in; a key has at most ``per_key`` (its oldest end first), so the table is
     bounded by the keys and one key's holder cannot sign out another's browsers."""
 
-    def __init__(self, keys: tuple[str, ...], ttl: float, per_key: int = SESSIONS_PER_KEY,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self,
+        keys: tuple[str, ...],
+        ttl: float,
+        per_key: int = SESSIONS_PER_KEY,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._keys, self.ttl, self.per_key, self._clock = frozenset(keys), ttl, per_key, clock
         self._live: OrderedDict[str, tuple[str, float]] = OrderedDict()  # id -> (key, ends at), oldest first
 
@@ -98,8 +107,9 @@ def _static(name: str) -> bytes:
     return resources.files("tokenmill.server").joinpath("static", name).read_bytes()
 
 
-def authorised(headers: list[tuple[bytes, bytes]], keys: frozenset[bytes],
-               sessions: WebSessions) -> tuple[list[tuple[bytes, bytes]] | None, bool]:  # fmt: skip
+def authorised(
+    headers: list[tuple[bytes, bytes]], keys: frozenset[bytes], sessions: WebSessions
+) -> tuple[list[tuple[bytes, bytes]] | None, bool]:
     """The request's headers if it shows a key (``Authorization: Bearer KEY``, or a
     sign-in cookie, which becomes that key's header), else None; and whether the cookie
     was the credential."""
@@ -131,8 +141,9 @@ def cross_site(headers: list[tuple[bytes, bytes]]) -> bool:
 
 def cross_site_refusal() -> JSONResponse:
     """403 in OpenAI's shape for a request that only the cookie authenticates, sent from another site."""
-    message = ("a request from another site's page cannot use this server's sign-in cookie; "
-               "send Authorization: Bearer <key>")  # fmt: skip
+    message = (
+        "a request from another site's page cannot use this server's sign-in cookie; send Authorization: Bearer <key>"
+    )
     return JSONResponse(error_body(message, "PermissionDeniedError", 403), status_code=403)
 
 
@@ -180,8 +191,9 @@ def add_web_routes(app: FastAPI, served: Any, keys: tuple[str, ...], sessions: W
                     return login_page(401, "That key is not one of this server's.")
                 secure = request.url.scheme == "https" or request.headers.get("x-forwarded-proto") == "https"
                 response = RedirectResponse("/", status_code=303)
-                response.set_cookie(COOKIE, sessions.open(key), httponly=True, samesite="strict", path="/",
-                                    secure=secure)  # fmt: skip
+                response.set_cookie(
+                    COOKIE, sessions.open(key), httponly=True, samesite="strict", path="/", secure=secure
+                )
                 response.set_cookie(SIGNED_IN, "1", samesite="strict", path="/", secure=secure)
                 return response
 
@@ -218,8 +230,9 @@ def add_web_routes(app: FastAPI, served: Any, keys: tuple[str, ...], sessions: W
                 except TimeoutError:
                     pass
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})  # fmt: skip
+        return StreamingResponse(
+            events(), media_type="text/event-stream", headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
+        )
 
 
 def _since(text: str | None, names: list[str]) -> dict[str, int]:
@@ -232,9 +245,12 @@ def _since(text: str | None, names: list[str]) -> dict[str, int]:
         pairs = [part.rsplit(":", 1) for part in text.split(",")]
         since = {name: int(n) for name, n in pairs}
     except ValueError:
-        raise InvalidRequestError(f"since must be a step number or NAME:N,NAME:N, got {text!r}", param="since") from None
+        raise InvalidRequestError(
+            f"since must be a step number or NAME:N,NAME:N, got {text!r}", param="since"
+        ) from None
     unknown = sorted(set(since) - set(names))
     if unknown:
-        raise InvalidRequestError(f"since names a model this server does not serve: {', '.join(unknown)}",
-                                  param="since")
+        raise InvalidRequestError(
+            f"since names a model this server does not serve: {', '.join(unknown)}", param="since"
+        )
     return since

@@ -54,9 +54,12 @@ class ModelProposer:
 
     @torch.inference_mode()
     def propose(
-        self, seqs: list[SeqInput], new_tokens: dict[str, list[int]], generator_for: GeneratorFor,
+        self,
+        seqs: list[SeqInput],
+        new_tokens: dict[str, list[int]],
+        generator_for: GeneratorFor,
         hidden: torch.Tensor | None = None,
-    ) -> dict[str, Draft]:  # fmt: skip
+    ) -> dict[str, Draft]:
         first = [f for f in (self._first_input(s, new_tokens) for s in seqs) if f is not None]
         drafts: dict[str, list[int]] = {}
         probs: dict[str, list[torch.Tensor | None]] = {}
@@ -69,8 +72,17 @@ class ModelProposer:
                 self._forward(batch)
                 break
             logits = self._forward(batch)
-            rows = [SampleRow(s.params, s.prompt_ids, s.output_ids, generator_for(s.request_id, s.params.seed),
-                              s.penalties, s.param_row) for s in sampling]  # fmt: skip
+            rows = [
+                SampleRow(
+                    s.params,
+                    s.prompt_ids,
+                    s.output_ids,
+                    generator_for(s.request_id, s.params.seed),
+                    s.penalties,
+                    s.param_row,
+                )
+                for s in sampling
+            ]
             dist, greedy = sampling_distribution(logits, rows)
             nxt = []
             for i, s in enumerate(sampling):

@@ -57,8 +57,9 @@ def _kept_rows(s: SeqInput, gained: list[int]) -> int:
     return max(0, min(kept, known - 1 - s.num_computed_tokens))
 
 
-def _draw(rows: list[SampleRow], logits: torch.Tensor, sampling: list[SeqInput],
-          confidence: bool) -> list[tuple[int, torch.Tensor | None, float]]:  # fmt: skip
+def _draw(
+    rows: list[SampleRow], logits: torch.Tensor, sampling: list[SeqInput], confidence: bool
+) -> list[tuple[int, torch.Tensor | None, float]]:
     """One draft token per row: the argmax for greedy requests, else drawn from the
     request's own sampling distribution (kept as q); with ``confidence``, the head's
     probability of the token (of the argmax under a plain softmax for greedy rows)."""
@@ -77,8 +78,17 @@ def _draw(rows: list[SampleRow], logits: torch.Tensor, sampling: list[SeqInput],
 
 def _sample_rows(seqs: list[SeqInput], generator_for: GeneratorFor, after: dict[str, list[int]]) -> list[SampleRow]:
     """Sampling rows for drafts; ``after``: tokens past ``output_ids`` that penalties count."""
-    return [SampleRow(s.params, s.prompt_ids, s.output_ids + after.get(s.request_id, []),
-                      generator_for(s.request_id, s.params.seed), s.penalties, s.param_row) for s in seqs]  # fmt: skip
+    return [
+        SampleRow(
+            s.params,
+            s.prompt_ids,
+            s.output_ids + after.get(s.request_id, []),
+            generator_for(s.request_id, s.params.seed),
+            s.penalties,
+            s.param_row,
+        )
+        for s in seqs
+    ]
 
 
 def _tree_ok(s: SeqInput) -> bool:
@@ -108,8 +118,16 @@ class _Node:
 class EagleProposer:
     catch_up = True  # its own K/V follows the target's (export/import of KV refuses it)
 
-    def __init__(self, target: LlamaForCausalLM, head: EagleHead, kv_cache: KVCache, block_size: int,
-                 device: torch.device, min_confidence: float = 0.0, tree_width: int = 1) -> None:  # fmt: skip
+    def __init__(
+        self,
+        target: LlamaForCausalLM,
+        head: EagleHead,
+        kv_cache: KVCache,
+        block_size: int,
+        device: torch.device,
+        min_confidence: float = 0.0,
+        tree_width: int = 1,
+    ) -> None:
         self.target, self.head, self.kv_cache = target, head, kv_cache
         self.block_size, self.device = block_size, device
         self.min_confidence = min_confidence  # draft while the product of the drafts' probabilities stays above
@@ -123,9 +141,12 @@ class EagleProposer:
 
     @torch.inference_mode()
     def propose(
-        self, seqs: list[SeqInput], new_tokens: dict[str, list[int]], generator_for: GeneratorFor,
+        self,
+        seqs: list[SeqInput],
+        new_tokens: dict[str, list[int]],
+        generator_for: GeneratorFor,
         hidden: torch.Tensor | None = None,
-    ) -> dict[str, Draft]:  # fmt: skip
+    ) -> dict[str, Draft]:
         assert hidden is not None, "EAGLE drafts from the target's hidden states"
         batch: list[SeqInput] = []
         feats: dict[str, torch.Tensor] = {}
@@ -147,8 +168,9 @@ class EagleProposer:
             n = rows.shape[0]
             if n:
                 tokens = token_slice(s.prompt_ids, s.output_ids + gained, start + 1, start + 1 + n)
-                assert len(s.block_table) * self.block_size > start + n - 1 + (s.num_lookahead - 1 if drafting else 0), \
-                    "no lookahead slots for the head"  # fmt: skip
+                assert len(s.block_table) * self.block_size > start + n - 1 + (
+                    s.num_lookahead - 1 if drafting else 0
+                ), "no lookahead slots for the head"
                 batch.append(continuation(s, tokens, start, s.output_ids + gained, sample=drafting))
                 feats[rid] = rows
         if not batch:
@@ -185,7 +207,9 @@ class EagleProposer:
                 drafts.setdefault(s.request_id, []).append(token)
                 probs.setdefault(s.request_id, []).append(q)
                 if len(drafts[s.request_id]) < s.num_lookahead:
-                    nxt.append(continuation(s, [token], s.num_computed_tokens + len(s.token_ids), s.output_ids + [token]))
+                    nxt.append(
+                        continuation(s, [token], s.num_computed_tokens + len(s.token_ids), s.output_ids + [token])
+                    )
                     nxt_feats[s.request_id] = last[i : i + 1]
             if not nxt:
                 break
@@ -234,12 +258,16 @@ class EagleProposer:
                         tree.append(_Node(t, j, tree[j].score * p, depth + 1, feed=out[row]))
                         children.append(len(tree) - 1)
                     row += 1
-                frontier[rid] = [c for c in sorted(children, key=lambda c: -tree[c].score)[:w] if tree[c].score >= floor]
+                frontier[rid] = [
+                    c for c in sorted(children, key=lambda c: -tree[c].score)[:w] if tree[c].score >= floor
+                ]
             depth += 1
         result = {}
         for rid, tree in nodes.items():
             # a child's score is at most its parent's (ties: the shallower first), so the best are a tree
-            keep = sorted((j for j, n in enumerate(tree) if n.score >= floor), key=lambda j: (-tree[j].score, tree[j].depth))
+            keep = sorted(
+                (j for j, n in enumerate(tree) if n.score >= floor), key=lambda j: (-tree[j].score, tree[j].depth)
+            )
             keep = sorted(keep[: by_id[rid].num_lookahead], key=lambda j: (tree[j].depth, j))  # parents first
             index = {j: i for i, j in enumerate(keep)}
             if keep:
@@ -266,16 +294,20 @@ class EagleProposer:
 class MedusaProposer:
     catch_up = False
 
-    def __init__(self, target: LlamaForCausalLM, heads: MedusaHeads, min_confidence: float = 0.0,
-                 tree_width: int = 1) -> None:  # fmt: skip
+    def __init__(
+        self, target: LlamaForCausalLM, heads: MedusaHeads, min_confidence: float = 0.0, tree_width: int = 1
+    ) -> None:
         self.target, self.heads, self.min_confidence = target, heads, min_confidence
         self.tree_width = tree_width  # > 1: greedy requests draft a tree from each head's top candidates
 
     @torch.inference_mode()
     def propose(
-        self, seqs: list[SeqInput], new_tokens: dict[str, list[int]], generator_for: GeneratorFor,
+        self,
+        seqs: list[SeqInput],
+        new_tokens: dict[str, list[int]],
+        generator_for: GeneratorFor,
         hidden: torch.Tensor | None = None,
-    ) -> dict[str, Draft]:  # fmt: skip
+    ) -> dict[str, Draft]:
         assert hidden is not None, "Medusa drafts from the target's hidden states"
         picked, rows, offset = [], [], 0
         for s in seqs:
@@ -316,8 +348,11 @@ class MedusaProposer:
             if not active:
                 break
             seqs_now = [picked[i] for i in active]
-            sample_rows = _sample_rows(seqs_now, generator_for,
-                                       {s.request_id: new_tokens[s.request_id] + drafts[s.request_id] for s in seqs_now})
+            sample_rows = _sample_rows(
+                seqs_now,
+                generator_for,
+                {s.request_id: new_tokens[s.request_id] + drafts[s.request_id] for s in seqs_now},
+            )
             drawn = _draw(sample_rows, logits[depth, active], seqs_now, self.min_confidence > 0)
             for (token, q, p), s in zip(drawn, seqs_now, strict=True):
                 sure[s.request_id] *= p

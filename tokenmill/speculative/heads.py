@@ -54,8 +54,10 @@ def head_path(method: str, draft_model: str | None, model: str | None) -> Path:
         if not (BUNDLED_EAGLE / "config.json").exists():
             raise ModelLoadError(f"the bundled EAGLE head is missing from {BUNDLED_EAGLE}")
         return BUNDLED_EAGLE
-    raise ModelLoadError(f"speculative method {method!r} needs its head's folder (--draft-model): only the default "
-                         "model has a bundled EAGLE head; `tokenmill train-draft` makes one for another")  # fmt: skip
+    raise ModelLoadError(
+        f"speculative method {method!r} needs its head's folder (--draft-model): only the default "
+        "model has a bundled EAGLE head; `tokenmill train-draft` makes one for another"
+    )
 
 
 def _read_weights(path: Path, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
@@ -101,9 +103,14 @@ class EagleHead(nn.Module):
         self.register_buffer("draft_to_target", torch.zeros(0, dtype=torch.long), persistent=False)
 
     def forward(
-        self, target: LlamaForCausalLM, features: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
-        kv_cache: KVCacheLayer, meta: AttentionMetadata,
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        target: LlamaForCausalLM,
+        features: torch.Tensor,
+        next_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCacheLayer,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         """features [n, h] (f_p), next_ids [n] (t_(p+1)), at positions p -> predicted f_(p+1)."""
         x = self.fc(torch.cat([target._embed(next_ids).to(features.dtype), features], dim=-1))
         assert target.rotary is not None
@@ -124,17 +131,23 @@ def eagle_config(path: Path, target: ModelConfig) -> tuple[EagleConfig, dict]:
     raw = _read_json(path)
     arch = " ".join(raw.get("architectures") or [])
     if "Eagle3" in arch or "midlayer" in json.dumps(raw):
-        raise ModelLoadError(f"{path}: an EAGLE-3 head (fused low/mid/high features) is not supported yet; "
-                             "EAGLE-1/2 heads are")  # fmt: skip
+        raise ModelLoadError(
+            f"{path}: an EAGLE-3 head (fused low/mid/high features) is not supported yet; EAGLE-1/2 heads are"
+        )
     layer = hf_config({**raw, "model_type": raw.get("model_type", "llama")}, path)
     if layer.num_layers != 1:
         raise ModelLoadError(f"{path}: an EAGLE head of {layer.num_layers} layers; one is supported")
     if layer.hidden_size != target.hidden_size:
-        raise ModelLoadError(f"{path}: an EAGLE head of width {layer.hidden_size} for a target of width "
-                             f"{target.hidden_size}: it was trained for another model")  # fmt: skip
+        raise ModelLoadError(
+            f"{path}: an EAGLE head of width {layer.hidden_size} for a target of width "
+            f"{target.hidden_size}: it was trained for another model"
+        )
     draft_vocab = raw.get("draft_vocab_size")
-    cfg = EagleConfig(replace(layer, rope_theta=target.rope_theta) if "rope_theta" not in raw else layer,
-                      bool(raw.get("bias", False)), int(draft_vocab) if draft_vocab else None)  # fmt: skip
+    cfg = EagleConfig(
+        replace(layer, rope_theta=target.rope_theta) if "rope_theta" not in raw else layer,
+        bool(raw.get("bias", False)),
+        int(draft_vocab) if draft_vocab else None,
+    )
     return cfg, raw
 
 
@@ -151,7 +164,9 @@ def load_eagle(path: str | Path, target: LlamaForCausalLM) -> EagleHead:
     weights.pop("t2d", None)  # the inverse map, derived from d2t when needed
     if cfg.draft_vocab_size is not None and d2t is None:
         raise ModelLoadError(f"{path}: a draft LM head of {cfg.draft_vocab_size} tokens without its d2t map")
-    layer_weights = _fuse_layer({k.removeprefix("layers.0."): v for k, v in weights.items() if k.startswith("layers.0.")})
+    layer_weights = _fuse_layer(
+        {k.removeprefix("layers.0."): v for k, v in weights.items() if k.startswith("layers.0.")}
+    )
     state = {f"layer.{k}": v for k, v in layer_weights.items()}
     state.setdefault("layer.input_layernorm.weight", torch.ones(cfg.layer.hidden_size))  # EAGLE's first layer: none
     state.update({k: v for k, v in weights.items() if not k.startswith("layers.")})
@@ -161,11 +176,15 @@ def load_eagle(path: str | Path, target: LlamaForCausalLM) -> EagleHead:
     except RuntimeError as e:
         raise ModelLoadError(f"{path}: the head's tensors do not fit: {e}") from None
     if missing or unexpected:
-        raise ModelLoadError(f"{path}: the head's tensors do not fit: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ModelLoadError(
+            f"{path}: the head's tensors do not fit: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     if d2t is not None:
         ids = torch.arange(len(d2t)) + d2t.long()
         if len(d2t) != cfg.draft_vocab_size or int(ids.max()) >= target.config.vocab_size or int(ids.min()) < 0:
-            raise ModelLoadError(f"{path}: its d2t map does not fit the target's vocabulary of {target.config.vocab_size}")
+            raise ModelLoadError(
+                f"{path}: its d2t map does not fit the target's vocabulary of {target.config.vocab_size}"
+            )
         head.draft_to_target = ids
     ref = target.layers[0].input_layernorm.weight
     return head.to(device=ref.device, dtype=ref.dtype).eval()
@@ -174,8 +193,10 @@ def load_eagle(path: str | Path, target: LlamaForCausalLM) -> EagleHead:
 def _fuse_layer(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """q/k/v and gate/up of one layer's published names -> our fused names."""
     w = dict(w)
-    for parent, names, into in (("self_attn", ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
-                                ("mlp", ("gate_proj", "up_proj"), "gate_up_proj")):  # fmt: skip
+    for parent, names, into in (
+        ("self_attn", ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
+        ("mlp", ("gate_proj", "up_proj"), "gate_up_proj"),
+    ):
         if f"{parent}.{into}.weight" in w:
             continue
         keys = [f"{parent}.{n}.weight" for n in names]
@@ -247,14 +268,18 @@ def load_medusa(path: str | Path, target: LlamaForCausalLM) -> MedusaHeads:
         raise ModelLoadError(f"{path}: no 0.{num_layers}.weight: not the Medusa layout")
     vocab, hidden = first.shape
     if hidden != target.config.hidden_size or vocab != target.config.vocab_size:
-        raise ModelLoadError(f"{path}: Medusa heads of width {hidden} over {vocab} tokens for a target of width "
-                             f"{target.config.hidden_size} over {target.config.vocab_size}")  # fmt: skip
+        raise ModelLoadError(
+            f"{path}: Medusa heads of width {hidden} over {vocab} tokens for a target of width "
+            f"{target.config.hidden_size} over {target.config.vocab_size}"
+        )
     heads = MedusaHeads(hidden, vocab, num_heads, num_layers)
     try:
         missing, unexpected = heads.load_state_dict({f"heads.{k}": v for k, v in weights.items()}, strict=False)
     except RuntimeError as e:
         raise ModelLoadError(f"{path}: the Medusa tensors do not fit: {e}") from None
     if missing or unexpected:
-        raise ModelLoadError(f"{path}: the Medusa tensors do not fit: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ModelLoadError(
+            f"{path}: the Medusa tensors do not fit: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     ref = target.layers[0].input_layernorm.weight
     return heads.to(device=ref.device, dtype=ref.dtype).eval()

@@ -40,9 +40,12 @@ class NgramProposer:
         self.max_n, self.min_n = max_n, min_n
 
     def propose(
-        self, seqs: list[SeqInput], new_tokens: dict[str, list[int]], generator_for: GeneratorFor,
+        self,
+        seqs: list[SeqInput],
+        new_tokens: dict[str, list[int]],
+        generator_for: GeneratorFor,
         hidden: torch.Tensor | None = None,
-    ) -> dict[str, Draft]:  # fmt: skip
+    ) -> dict[str, Draft]:
         drafts = {}
         for s in seqs:
             if wants_draft(s, new_tokens):

@@ -100,8 +100,13 @@ class EagleReference(nn.Module):
         self.register_buffer("draft_to_target", ids.long(), persistent=False)
 
     def unroll(
-        self, features: torch.Tensor, embeds: torch.Tensor, lengths: torch.Tensor, rotary: RotaryEmbedding, steps: int,
-    ) -> list[torch.Tensor]:  # fmt: skip
+        self,
+        features: torch.Tensor,
+        embeds: torch.Tensor,
+        lengths: torch.Tensor,
+        rotary: RotaryEmbedding,
+        steps: int,
+    ) -> list[torch.Tensor]:
         """features [B, n, h] (f_p), embeds [B, n + steps - 1, h] (of t_(p+1)...): the
         head's predicted features [B, n, h] for each of ``steps`` drafting steps (step j
         at origin p sits at position p + j - 1 and predicts f_(p+j)). Positions past a
@@ -131,7 +136,9 @@ class EagleReference(nn.Module):
             else:  # the true keys up to the origin, then this origin's own earlier steps and this one
                 scores = [(q @ keys[0].transpose(-1, -2)) * scale]
                 scores[0] = scores[0].masked_fill(~mask, float("-inf"))
-                own = [(q * kk).sum(-1, keepdim=True) * scale for kk in keys[1:]] + [(q * k).sum(-1, keepdim=True) * scale]
+                own = [(q * kk).sum(-1, keepdim=True) * scale for kk in keys[1:]] + [
+                    (q * k).sum(-1, keepdim=True) * scale
+                ]
                 probs = torch.softmax(torch.cat(scores + own, dim=-1).float(), dim=-1).to(q.dtype)
                 o = probs[..., :n] @ values[0]
                 for i, vv in enumerate(values[1:] + [v]):
@@ -213,9 +220,14 @@ def _pad(batch: list[Conversation], steps: int, device: torch.device) -> tuple[t
 
 
 def eagle_losses(
-    head: EagleReference, target: LlamaForCausalLM, batch: list[Conversation], steps: int, device: torch.device,
-    target_to_draft: torch.Tensor, token_weight: float = 0.1,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    head: EagleReference,
+    target: LlamaForCausalLM,
+    batch: list[Conversation],
+    steps: int,
+    device: torch.device,
+    target_to_draft: torch.Tensor,
+    token_weight: float = 0.1,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, accepted [steps] counts of leading correct drafts summed over answer origins, and
     the origin count last): step j at origin p predicts f_(p+j) and t_(p+j+1)."""
     tokens, feats, lengths, starts = _pad(batch, steps, device)
@@ -252,7 +264,9 @@ def eagle_losses(
     return loss, accepted
 
 
-def medusa_losses(heads: MedusaHeads, batch: list[Conversation], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def medusa_losses(
+    heads: MedusaHeads, batch: list[Conversation], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     tokens, feats, lengths, starts = _pad(batch, heads.num_heads, device)
     B, n, _ = feats.shape
     pos = torch.arange(n, device=device)[None, :]
@@ -330,8 +344,14 @@ def _dequantized_rows(target: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tens
         return target._embed(ids).float()
 
 
-def save_head(head: nn.Module, method: str, target: ModelConfig, out: Path, dtype: torch.dtype = torch.bfloat16,
-              extra: dict | None = None) -> None:  # fmt: skip
+def save_head(
+    head: nn.Module,
+    method: str,
+    target: ModelConfig,
+    out: Path,
+    dtype: torch.dtype = torch.bfloat16,
+    extra: dict | None = None,
+) -> None:
     """The published layout: an EAGLE folder (config.json + model.safetensors) or a
     Medusa folder (config.json + medusa_lm_head.safetensors)."""
     from safetensors.torch import save_file
@@ -341,31 +361,50 @@ def save_head(head: nn.Module, method: str, target: ModelConfig, out: Path, dtyp
         assert isinstance(head, MedusaHeads)
         state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in head.published_state().items()}
         save_file(state, str(out / "medusa_lm_head.safetensors"))
-        config = {"medusa_num_heads": head.num_heads, "medusa_num_layers": head.num_layers,
-                  "hidden_size": target.hidden_size, "vocab_size": target.vocab_size}  # fmt: skip
+        config = {
+            "medusa_num_heads": head.num_heads,
+            "medusa_num_layers": head.num_layers,
+            "hidden_size": target.hidden_size,
+            "vocab_size": target.vocab_size,
+        }
     else:
         assert isinstance(head, EagleReference)
         state = head.published_state()
         state = {k: (v.cpu() if k == "d2t" else v.to("cpu", dtype)).contiguous() for k, v in state.items()}
         save_file(state, str(out / "model.safetensors"))
         config = {
-            "architectures": ["LlamaForCausalLMEagle"], "model_type": "llama", "bias": head.fc.bias is not None,
-            "hidden_size": target.hidden_size, "intermediate_size": target.intermediate_size,
-            "num_attention_heads": target.num_heads, "num_key_value_heads": target.num_kv_heads,
-            "head_dim": target.head_dim, "num_hidden_layers": 1, "rms_norm_eps": target.rms_norm_eps,
-            "rope_theta": target.rope_theta, "max_position_embeddings": target.max_position_embeddings,
-            "vocab_size": target.vocab_size, "draft_vocab_size": len(head.draft_to_target),
-            "hidden_act": "silu", "tie_word_embeddings": False,
-        }  # fmt: skip
+            "architectures": ["LlamaForCausalLMEagle"],
+            "model_type": "llama",
+            "bias": head.fc.bias is not None,
+            "hidden_size": target.hidden_size,
+            "intermediate_size": target.intermediate_size,
+            "num_attention_heads": target.num_heads,
+            "num_key_value_heads": target.num_kv_heads,
+            "head_dim": target.head_dim,
+            "num_hidden_layers": 1,
+            "rms_norm_eps": target.rms_norm_eps,
+            "rope_theta": target.rope_theta,
+            "max_position_embeddings": target.max_position_embeddings,
+            "vocab_size": target.vocab_size,
+            "draft_vocab_size": len(head.draft_to_target),
+            "hidden_act": "silu",
+            "tie_word_embeddings": False,
+        }
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     config.update(extra or {})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def train(
-    method: str, target: LlamaForCausalLM, train_convs: list[Conversation], eval_convs: list[Conversation],
-    opts: TrainOptions, out: Path, device: torch.device, progress: bool = True,
-) -> dict:  # fmt: skip
+    method: str,
+    target: LlamaForCausalLM,
+    train_convs: list[Conversation],
+    eval_convs: list[Conversation],
+    opts: TrainOptions,
+    out: Path,
+    device: torch.device,
+    progress: bool = True,
+) -> dict:
     """Train (resuming from ``out/train_state.pt`` when there is one), evaluate every
     ``eval_every`` steps, save the head in its published layout at each evaluation and
     at the end; returns the history (loss, acceptance by depth, tokens seen)."""
@@ -434,12 +473,23 @@ def train(
         if step % opts.eval_every == 0 or step == total:
             history["eval"].append({"step": step, "tokens": tokens_seen, "depth_hit": evaluate()})
             save_head(head, method, target.config, out)
-            torch.save({"head": head.state_dict(), "optim": optim.state_dict(), "step": step, "tokens": tokens_seen,
-                        "history": history, "gen": gen.get_state(),
-                        "draft_to_target": getattr(head, "draft_to_target", None)}, state_path)  # fmt: skip
+            torch.save(
+                {
+                    "head": head.state_dict(),
+                    "optim": optim.state_dict(),
+                    "step": step,
+                    "tokens": tokens_seen,
+                    "history": history,
+                    "gen": gen.get_state(),
+                    "draft_to_target": getattr(head, "draft_to_target", None),
+                },
+                state_path,
+            )
         last = history["eval"][-1]["depth_hit"] if history["eval"] else []
-        bar.update(step, f"loss {float(loss):.3f} " + (f"hit@1..{len(last)} " + "/".join(f"{x:.2f}" for x in last)
-                                                       if last else ""))  # fmt: skip
+        bar.update(
+            step,
+            f"loss {float(loss):.3f} " + (f"hit@1..{len(last)} " + "/".join(f"{x:.2f}" for x in last) if last else ""),
+        )
     (out / "history.json").write_text(json.dumps(history) + "\n")
     return history
 
@@ -489,9 +539,14 @@ def read_prompts(path: str | None, count: int) -> list[str]:
 
 
 def train_draft(
-    llm, method: str, output: str, texts: list[str], max_tokens: int = 256, opts: TrainOptions | None = None,
+    llm,
+    method: str,
+    output: str,
+    texts: list[str],
+    max_tokens: int = 256,
+    opts: TrainOptions | None = None,
     progress: bool = True,
-) -> Path:  # fmt: skip
+) -> Path:
     """Generate (or resume) the self-distillation data with ``llm`` (an ``LLM`` over the
     target model, made by the caller: this package sits below the offline API), train,
     save the head and its plot under ``output``; returns the head's folder (``output/head``)."""
@@ -504,8 +559,11 @@ def train_draft(
     def report(done: int, total: int, tokens: int) -> None:
         made[0] += tokens
         if progress:
-            print(f"data: {done}/{total} prompts answered, {made[0]} new answer tokens, {time.time() - started:.0f}s",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"data: {done}/{total} prompts answered, {made[0]} new answer tokens, {time.time() - started:.0f}s",
+                file=sys.stderr,
+                flush=True,
+            )
 
     shards = collect(llm, texts, out / "data", max_tokens, on_shard=report)
     convs = load_shards(shards)
@@ -513,8 +571,11 @@ def train_draft(
     train_convs, eval_convs = convs[:-held], convs[-held:]
     if progress:
         n = sum(len(c.tokens) - c.answer_start for c in train_convs)
-        print(f"training a {method} head on {len(train_convs)} answers ({n} tokens), {len(eval_convs)} held out",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"training a {method} head on {len(train_convs)} answers ({n} tokens), {len(eval_convs)} held out",
+            file=sys.stderr,
+            flush=True,
+        )
     target = llm.model
     dev = next(target.parameters()).device
     history = train(method, target, train_convs, eval_convs, opts, out / "head", dev, progress)

@@ -62,9 +62,13 @@ def target_features(model: LlamaForCausalLM, sequences: list[list[int]], block_s
 
 
 def collect(
-    llm, prompts: list[str], out_dir: Path, max_tokens: int, chunk: int = 64,
+    llm,
+    prompts: list[str],
+    out_dir: Path,
+    max_tokens: int,
+    chunk: int = 64,
     on_shard: Callable[[int, int, int], None] | None = None,
-) -> list[Path]:  # fmt: skip
+) -> list[Path]:
     """Generate answers for ``prompts`` with ``llm`` (a ``tokenmill.LLM``) and save
     shards ``shard_00000.pt``... under ``out_dir``: per conversation its token ids, where
     the answer starts and the target's features. Shards already there are kept.

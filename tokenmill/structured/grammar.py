@@ -117,8 +117,14 @@ class CompileStats:
 class GrammarCompiler:
     """Compiles StructuredOutputs for one tokenizer; an LRU cache by content."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, config: StructuredConfig | None = None,
-                 cache_size: int = DEFAULT_CACHE_SIZE, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:  # fmt: skip
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        config: StructuredConfig | None = None,
+        cache_size: int = DEFAULT_CACHE_SIZE,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+    ) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size  # the logits' width
         self.config = config or StructuredConfig()
@@ -142,8 +148,11 @@ class GrammarCompiler:
         """400 for a spec over ``max_grammar_bytes`` (before any work on it)."""
         limit = self.config.max_grammar_bytes
         if spec.size_bytes > limit:
-            raise InvalidRequestError(f"structured output {spec.kind} is {spec.size_bytes} bytes, over the server's "
-                                      f"limit of {limit} (--max-grammar-bytes)", param=spec.kind)  # fmt: skip
+            raise InvalidRequestError(
+                f"structured output {spec.kind} is {spec.size_bytes} bytes, over the server's "
+                f"limit of {limit} (--max-grammar-bytes)",
+                param=spec.kind,
+            )
 
     def cached(self, spec: StructuredOutputs) -> CompiledGrammar | None:
         with self._lock:
@@ -167,7 +176,9 @@ class GrammarCompiler:
             if spec not in self._cache:
                 self._cache[spec] = compiled
                 self._cached_bytes += spec.size_bytes
-            while len(self._cache) > 1 and (len(self._cache) > self.cache_size or self._cached_bytes > self.cache_bytes):
+            while len(self._cache) > 1 and (
+                len(self._cache) > self.cache_size or self._cached_bytes > self.cache_bytes
+            ):
                 evicted, _ = self._cache.popitem(last=False)
                 self._cached_bytes -= evicted.size_bytes
         return compiled
@@ -203,7 +214,7 @@ def grammar_text(spec: StructuredOutputs) -> str:
             literals = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
             return f"start: CHOICE\nCHOICE: {literals}\n"
         return grammar_from("grammar", spec.grammar)  # Lark, or GBNF/EBNF converted to Lark
-    except Exception as e:  # noqa: BLE001 - any failure to read the user's text is their 400
+    except Exception as e:
         raise InvalidRequestError(f"invalid structured output {kind}: {e}", param=kind) from e
 
 
@@ -232,8 +243,11 @@ def _build_matcher(spec: StructuredOutputs, lltok: Any, vocab_size: int) -> Any:
         raise InvalidRequestError(f"invalid structured output {kind}: it matches no text", param=kind)
     error = _probe(matcher, mask)
     if error is not None:
-        raise InvalidRequestError(f"structured output {kind} cannot be enforced: it exceeds the grammar matcher's "
-                                  f"limits ({_first_line([error])}); simplify it", param=kind)  # fmt: skip
+        raise InvalidRequestError(
+            f"structured output {kind} cannot be enforced: it exceeds the grammar matcher's "
+            f"limits ({_first_line([error])}); simplify it",
+            param=kind,
+        )
     return matcher
 
 

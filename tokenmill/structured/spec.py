@@ -37,7 +37,9 @@ class StructuredOutputs:
             try:
                 object.__setattr__(self, "json", _canonical_json(json.loads(self.json)))
             except ValueError as e:
-                raise InvalidRequestError(f"structured output json: the schema is not valid JSON: {e}", param="json") from e
+                raise InvalidRequestError(
+                    f"structured output json: the schema is not valid JSON: {e}", param="json"
+                ) from e
         if self.choice is not None:
             if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice):
                 raise InvalidRequestError("structured output choice must be a list of strings", param="choice")
@@ -53,10 +55,13 @@ class StructuredOutputs:
         kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(kinds) != 1:
             found = ", ".join(kinds) or "none"
-            raise InvalidRequestError(f"structured output needs exactly one of {', '.join(KINDS)} (got {found})",
-                                      param="structured_outputs")  # fmt: skip
+            raise InvalidRequestError(
+                f"structured output needs exactly one of {', '.join(KINDS)} (got {found})", param="structured_outputs"
+            )
         if self.whitespace_pattern is not None and self.kind not in ("json", "json_object"):
-            raise InvalidRequestError("whitespace_pattern applies to json and json_object only", param="whitespace_pattern")
+            raise InvalidRequestError(
+                "whitespace_pattern applies to json and json_object only", param="whitespace_pattern"
+            )
 
     @property
     def kind(self) -> str:
@@ -80,9 +85,13 @@ class StructuredOutputs:
     def from_dict(cls, body: dict[str, Any]) -> StructuredOutputs:
         """vLLM's ``structured_outputs`` object; unknown keys are an error naming them."""
         fields = set(KINDS) | {"whitespace_pattern"}
-        unknown = sorted(set(body) - fields - {"disable_any_whitespace", "disable_fallback", "disable_additional_properties"})
+        unknown = sorted(
+            set(body) - fields - {"disable_any_whitespace", "disable_fallback", "disable_additional_properties"}
+        )
         if unknown:
-            raise InvalidRequestError(f"unknown structured_outputs field(s): {', '.join(unknown)}", param="structured_outputs")
+            raise InvalidRequestError(
+                f"unknown structured_outputs field(s): {', '.join(unknown)}", param="structured_outputs"
+            )
         return cls(**{k: v for k, v in body.items() if k in fields and v is not None})
 
 
@@ -90,4 +99,6 @@ def _canonical_json(value: Any) -> str:
     try:
         return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
     except (TypeError, ValueError) as e:
-        raise InvalidRequestError(f"structured output json: the schema is not JSON-serialisable: {e}", param="json") from e
+        raise InvalidRequestError(
+            f"structured output json: the schema is not JSON-serialisable: {e}", param="json"
+        ) from e

@@ -38,9 +38,13 @@ def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_
 
 
 def allocate_kv_cache(
-    cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str,
+    cfg: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
     kv_cache_dtype: str = "auto",
-) -> list[KVCacheLayer]:  # fmt: skip
+) -> list[KVCacheLayer]:
     """One KVCacheLayer per layer, K and V each [num_blocks, block_size, kv_heads, head_dim]."""
     check_kv_cache_dtype(kv_cache_dtype)
     shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -48,14 +52,23 @@ def allocate_kv_cache(
     for _ in range(cfg.num_layers):
         if kv_cache_dtype in QUANTIZED_KV:
             storage = QUANTIZED_KV[kv_cache_dtype][0]
-            layers.append(KVCacheLayer(
-                torch.zeros(shape, dtype=storage, device=device), torch.zeros(shape, dtype=storage, device=device),
-                dtype, kv_cache_dtype,
-                torch.ones(shape[:3], dtype=SCALE_DTYPE, device=device),
-                torch.ones(shape[:3], dtype=SCALE_DTYPE, device=device),
-            ))  # fmt: skip
+            layers.append(
+                KVCacheLayer(
+                    torch.zeros(shape, dtype=storage, device=device),
+                    torch.zeros(shape, dtype=storage, device=device),
+                    dtype,
+                    kv_cache_dtype,
+                    torch.ones(shape[:3], dtype=SCALE_DTYPE, device=device),
+                    torch.ones(shape[:3], dtype=SCALE_DTYPE, device=device),
+                )
+            )
         else:
             storage = dtype if kv_cache_dtype == "auto" else FLOAT_KV[kv_cache_dtype]
-            layers.append(KVCacheLayer(torch.zeros(shape, dtype=storage, device=device),
-                                       torch.zeros(shape, dtype=storage, device=device), dtype))  # fmt: skip
+            layers.append(
+                KVCacheLayer(
+                    torch.zeros(shape, dtype=storage, device=device),
+                    torch.zeros(shape, dtype=storage, device=device),
+                    dtype,
+                )
+            )
     return layers

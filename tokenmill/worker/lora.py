@@ -37,8 +37,15 @@ class LoRAManager:
         """Read and check an adapter; changes nothing here (callable from any thread)."""
         t0 = time.perf_counter()
         adapter = load_adapter(name, path, self.model.config, self.config.max_lora_rank, self.config.lora_root)
-        logger.info("LoRA adapter %s read from %s: rank %d, %d projections, %.1f MiB, %.0f ms", name, path,
-                    adapter.rank, len(adapter.weights), adapter.num_bytes / 2**20, (time.perf_counter() - t0) * 1e3)  # fmt: skip
+        logger.info(
+            "LoRA adapter %s read from %s: rank %d, %d projections, %.1f MiB, %.0f ms",
+            name,
+            path,
+            adapter.rank,
+            len(adapter.weights),
+            adapter.num_bytes / 2**20,
+            (time.perf_counter() - t0) * 1e3,
+        )
         return adapter
 
     def add(self, name: str, path: str, adapter: LoRAAdapter | None = None) -> LoRAAdapter:
@@ -61,8 +68,9 @@ class LoRAManager:
         if adapter is None:
             if name not in self.paths:
                 raise LoRAError(f"unknown LoRA adapter {name!r}")
-            adapter = load_adapter(name, self.paths[name], self.model.config, self.config.max_lora_rank,
-                                   self.config.lora_root)  # fmt: skip
+            adapter = load_adapter(
+                name, self.paths[name], self.model.config, self.config.max_lora_rank, self.config.lora_root
+            )
         self._remember(adapter)
         return adapter
 

@@ -146,7 +146,9 @@ class ModelRunner:
             return ModelOutput()
         # A failed step is re-sent one request at a time: each seeded request must then
         # draw the same random numbers again, so its generator is rewound on failure.
-        rewind = [(g, g.get_state()) for s in batch.scheduled if (g := self.requests[s.request_id].generator) is not None]
+        rewind = [
+            (g, g.get_state()) for s in batch.scheduled if (g := self.requests[s.request_id].generator) is not None
+        ]
         try:
             seqs = order_seqs([self._seq_input(s) for s in batch.scheduled])
             logits, prompt_scores, pooled, hidden = self._forward(seqs)
@@ -156,7 +158,9 @@ class ModelRunner:
             drafts: dict[str, Draft] = {}
             if self.proposer is not None:
                 new_tokens = {rid: [t.token_id for t in toks] for rid, toks in sampled.items()}
-                asked = seqs if self.pause is None or self.pause.drafting else [replace(s, num_lookahead=0) for s in seqs]
+                asked = (
+                    seqs if self.pause is None or self.pause.drafting else [replace(s, num_lookahead=0) for s in seqs]
+                )
                 drafts = self.proposer.propose(asked, new_tokens, self._generator_or_default, hidden)
         except BaseException:
             for gen, state in rewind:
@@ -170,8 +174,9 @@ class ModelRunner:
         out.embeddings = self._commit_pooled(pooled)
         return out
 
-    def _keep_tree_paths(self, seqs: list[SeqInput], sampled: dict[str, list[SampledToken]],
-                         hidden: torch.Tensor | None) -> torch.Tensor | None:  # fmt: skip
+    def _keep_tree_paths(
+        self, seqs: list[SeqInput], sampled: dict[str, list[SampledToken]], hidden: torch.Tensor | None
+    ) -> torch.Tensor | None:
         """After a tree was verified: its accepted path's K/V moved to the slots of the
         positions they now hold, and the hidden rows put in chain order (real tokens, then
         the path), as a proposer reads them."""
@@ -243,8 +248,13 @@ class ModelRunner:
             held = self.requests.get(rid)  # the same step sent again (the engine's retry)
             generator = held.generator if held is not None else self._parked_generators.pop(rid, None)
             self.requests[rid] = CachedRequestState(
-                rid, new.prompt_token_ids, list(new.output_token_ids), new.params, list(new.block_ids),
-                generator or self._new_generator(new.params.seed), lora_name=new.lora_name,
+                rid,
+                new.prompt_token_ids,
+                list(new.output_token_ids),
+                new.params,
+                list(new.block_ids),
+                generator or self._new_generator(new.params.seed),
+                lora_name=new.lora_name,
                 param_row=held.param_row if held is not None else param_row(new.params, self.device),
             )
         for c in batch.cached_requests:
@@ -283,7 +293,9 @@ class ModelRunner:
             spec_parents=parents,
         )
 
-    def _commit(self, batch: ModelInput, sampled: dict[str, list[SampledToken]], drafts: dict[str, Draft]) -> ModelOutput:
+    def _commit(
+        self, batch: ModelInput, sampled: dict[str, list[SampledToken]], drafts: dict[str, Draft]
+    ) -> ModelOutput:
         """The step succeeded: the requests gain their tokens and new drafts."""
         out = ModelOutput(sampled=sampled)
         for s in batch.scheduled:
@@ -315,8 +327,14 @@ class ModelRunner:
     # row's logits on each of them (distributed.runner turns this off).
     scores_prompts = True
 
-    def _forward(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, dict[str, tuple[int, list[PromptLogprob]]],
-                                                      dict[str, tuple[torch.Tensor, int, bool]], torch.Tensor | None]:  # fmt: skip
+    def _forward(
+        self, seqs: list[SeqInput]
+    ) -> tuple[
+        torch.Tensor,
+        dict[str, tuple[int, list[PromptLogprob]]],
+        dict[str, tuple[torch.Tensor, int, bool]],
+        torch.Tensor | None,
+    ]:
         """``compute_logits``; the scores of the prompt tokens the chunks of
         prompt_logprobs requests predict (logits only for those rows, a slice at a time);
         for embedding requests, their chunk's pooled final hidden state (the last
@@ -379,8 +397,10 @@ class ModelRunner:
         """The flat batch's rows per adapter slot (rows follow ``seqs``)."""
         if self.lora is None:
             return None
-        rows = [(self.requests[s.request_id].lora_name if s.request_id in self.requests else None, len(s.token_ids))
-                for s in seqs]  # fmt: skip
+        rows = [
+            (self.requests[s.request_id].lora_name if s.request_id in self.requests else None, len(s.token_ids))
+            for s in seqs
+        ]
         return self.lora.mapping(rows, self.device)
 
     def load_lora(self, name: str, path: str) -> LoRAAdapter:
@@ -417,8 +437,17 @@ class ModelRunner:
             apply_grammar_bias(logits, masked_rows, masks[0] if len(masks) == 1 else np.concatenate(masks))
         result: dict[str, list[SampledToken]] = {}
         if plain:
-            rows = [SampleRow(s.params, s.prompt_ids, s.output_ids, self.requests[s.request_id].generator, s.penalties,
-                              s.param_row) for s in plain]  # fmt: skip
+            rows = [
+                SampleRow(
+                    s.params,
+                    s.prompt_ids,
+                    s.output_ids,
+                    self.requests[s.request_id].generator,
+                    s.penalties,
+                    s.param_row,
+                )
+                for s in plain
+            ]
             out = sample(_rows(logits, plain_rows), rows, self._default_generator)
             for i, s in enumerate(plain):
                 result[s.request_id] = [SampledToken(out.token_ids[i], out.logprobs[i], out.top_logprobs[i])]
@@ -430,11 +459,17 @@ class ModelRunner:
         """logits: k_i + 1 rows per sequence. Row i is judged with the penalties the
         sequence would have after accepting its first i drafts."""
         rows = [
-            SampleRow(s.params, s.prompt_ids, s.output_ids + drafted, self._generator_or_default(s.request_id),
-                      s.penalties, s.param_row)
+            SampleRow(
+                s.params,
+                s.prompt_ids,
+                s.output_ids + drafted,
+                self._generator_or_default(s.request_id),
+                s.penalties,
+                s.param_row,
+            )
             for s in seqs
             for drafted in _judged_after(s)
-        ]  # fmt: skip
+        ]
         dist, greedy = sampling_distribution(logits, rows)
         greedy_list = greedy.tolist()
         raw = logits.log_softmax(dim=-1) if any(s.params.logprobs is not None for s in seqs) else None

@@ -30,7 +30,9 @@ class Draft:
 
     def __post_init__(self) -> None:
         if self.probs is not None and self.probs.shape[0] != len(self.token_ids):
-            raise ValueError(f"a draft of {len(self.token_ids)} tokens with {self.probs.shape[0]} rows of probabilities")
+            raise ValueError(
+                f"a draft of {len(self.token_ids)} tokens with {self.probs.shape[0]} rows of probabilities"
+            )
         if self.parents is not None:
             if len(self.parents) != len(self.token_ids) or any(not -1 <= p < i for i, p in enumerate(self.parents)):
                 raise ValueError("a draft tree's parents must come before their children")
@@ -40,7 +42,10 @@ class Draft:
 
 class Proposer(Protocol):
     def propose(
-        self, seqs: list[SeqInput], new_tokens: dict[str, list[int]], generator_for: GeneratorFor,
+        self,
+        seqs: list[SeqInput],
+        new_tokens: dict[str, list[int]],
+        generator_for: GeneratorFor,
         hidden: torch.Tensor | None = None,  # the target's final hidden state of every row of the step
     ) -> dict[str, Draft]: ...
 

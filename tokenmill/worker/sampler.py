@@ -75,8 +75,19 @@ def param_row(p: SamplingParams, device: torch.device | str = "cpu") -> torch.Te
     """A request's sampling parameters as one row (top-k 0: none; greedy rows keep
     temperature 1, their choice is the argmax)."""
     top_k = min(p.top_k, _TOP_K_CAP) if p.top_k > 0 else 0
-    return torch.tensor([1.0 if p.greedy else p.temperature, p.top_p, float(top_k), p.min_p, p.repetition_penalty,
-                         p.presence_penalty, p.frequency_penalty, float(p.greedy)], device=device)  # fmt: skip
+    return torch.tensor(
+        [
+            1.0 if p.greedy else p.temperature,
+            p.top_p,
+            float(top_k),
+            p.min_p,
+            p.repetition_penalty,
+            p.presence_penalty,
+            p.frequency_penalty,
+            float(p.greedy),
+        ],
+        device=device,
+    )
 
 
 def param_matrix(rows: list[SampleRow], device: torch.device) -> torch.Tensor:
@@ -215,7 +226,9 @@ def sampling_distribution(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[
     return probs, greedy_tokens
 
 
-def _distribution(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+def _distribution(
+    logits: torch.Tensor, rows: list[SampleRow]
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """``sampling_distribution`` plus the parameter matrix it stacked (None when it read none)."""
     penalised = any(r.params.uses_penalties for r in rows)
     if any(r.params.uses_logit_controls for r in rows):
@@ -251,7 +264,9 @@ def chosen_logprobs(
     return logprobs, top
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch.Generator | None = None) -> SamplerOutput:
+def sample(
+    logits: torch.Tensor, rows: list[SampleRow], default_generator: torch.Generator | None = None
+) -> SamplerOutput:
     """logits: [batch, vocab] float32, one row per entry of ``rows``."""
     assert logits.shape[0] == len(rows)
     raw_logprobs = logits.log_softmax(dim=-1) if any(r.params.logprobs is not None for r in rows) else None
@@ -264,8 +279,13 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch
     return out
 
 
-def _draw(probs: torch.Tensor, rows: list[SampleRow], params: torch.Tensor, greedy_tokens: torch.Tensor,
-          default_generator: torch.Generator | None) -> torch.Tensor:  # fmt: skip
+def _draw(
+    probs: torch.Tensor,
+    rows: list[SampleRow],
+    params: torch.Tensor,
+    greedy_tokens: torch.Tensor,
+    default_generator: torch.Generator | None,
+) -> torch.Tensor:
     """One token per row by the exponential race (greedy rows keep their greedy choice)."""
     noise = torch.empty_like(probs)
     unseeded = [i for i, r in enumerate(rows) if r.generator is None]

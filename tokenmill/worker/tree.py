@@ -75,9 +75,11 @@ def follow(parents: list[int], tokens: list[int], accepted: list[int]) -> list[i
 
 
 def best_first(
-    roots: list[tuple[int, float]], expand: Callable[[list[int], int], list[tuple[int, float]]], size: int,
+    roots: list[tuple[int, float]],
+    expand: Callable[[list[int], int], list[tuple[int, float]]],
+    size: int,
     min_score: float = 0.0,
-) -> tuple[list[int], list[int], list[float]]:  # fmt: skip
+) -> tuple[list[int], list[int], list[float]]:
     """The ``size`` most probable nodes of a tree whose children come from ``expand(path,
     depth)`` [(token, probability)], grown best-first by the product of probabilities
     along the path (a product only falls going down, so the set is parents-closed).

@@ -49,13 +49,19 @@ class DecodeGroup:
             return self.mask
         if window not in self._window_masks:
             positions = torch.arange(self.mask.shape[-1], device=self.mask.device)
-            self._window_masks[window] = self.mask & (positions[None, :] >= self.lens[:, None] - window)[:, None, None, :]
+            self._window_masks[window] = (
+                self.mask & (positions[None, :] >= self.lens[:, None] - window)[:, None, None, :]
+            )
         return self._window_masks[window]
 
 
 def build_decode_groups(
-    seq_lens: list[int], block_tables: list[list[int]], block_size: int, device: torch.device,
-    ratio: float = 1.5, max_groups: int = 6,
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+    ratio: float = 1.5,
+    max_groups: int = 6,
 ) -> list[DecodeGroup]:
     """Split decodes (sorted by context length, or the groups pad more) into groups whose
     longest is at most ``ratio`` x their shortest, so a long context does not pad every
@@ -72,7 +78,9 @@ def build_decode_groups(
         ids = [b for t in block_tables[start:end] for b in (t + [0] * num_blocks)[:num_blocks]]
         lens = torch.tensor(seq_lens[start:end], device=device)
         mask = torch.arange(num_blocks * block_size, device=device)[None, :] < lens[:, None]
-        groups.append(DecodeGroup(start, end, num_blocks, torch.tensor(ids, device=device), mask[:, None, None, :], lens))
+        groups.append(
+            DecodeGroup(start, end, num_blocks, torch.tensor(ids, device=device), mask[:, None, None, :], lens)
+        )
     return groups
 
 
@@ -123,8 +131,11 @@ class AttentionMetadata:
         if fresh_sdpa_min in self._kernel_indexes:
             return self._kernel_indexes[fresh_sdpa_min]
         qsl, lens = self.query_start_loc, self.seq_lens_host
-        fresh = [i for i in range(self.num_decodes, self.num_seqs)
-                 if lens[i] == qsl[i + 1] - qsl[i] and lens[i] >= fresh_sdpa_min and i not in self.tree_masks]  # fmt: skip
+        fresh = [
+            i
+            for i in range(self.num_decodes, self.num_seqs)
+            if lens[i] == qsl[i + 1] - qsl[i] and lens[i] >= fresh_sdpa_min and i not in self.tree_masks
+        ]
         skip = set(fresh) | set(self.tree_masks)  # trees: tree_attention
         index = KernelIndex(
             torch.tensor(qsl, dtype=torch.long),
@@ -164,8 +175,9 @@ def paged_attention(
         if i in meta.tree_masks:
             out[start:end] = tree_attention(q[start:end], cache, meta, i, scale, softcap)
             continue
-        out[start:end] = _prefill_attention(q[start:end], k[start:end], v[start:end], cache, meta, i, scale, window,
-                                            softcap)  # fmt: skip
+        out[start:end] = _prefill_attention(
+            q[start:end], k[start:end], v[start:end], cache, meta, i, scale, window, softcap
+        )
     return out
 
 
@@ -178,7 +190,7 @@ def _gather(cache: KVCacheLayer, block_table: torch.Tensor, length: int) -> tupl
 
 def _decode_attention(
     q, cache: KVCacheLayer, meta: AttentionMetadata, scale: float, window: int | None, softcap: float | None = None
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """One query token per sequence, over its gathered context, group by group.
 
     Within a group the query heads that share a K/V head become that head's "query
@@ -194,13 +206,22 @@ def _decode_attention(
         keys, values = cache.gather(g.block_ids)
         keys = keys.view(shape).transpose(1, 2)  # [n, kv_heads, S, head_dim]
         values = values.view(shape).transpose(1, 2)
-        out = _attend(q[g.start : g.end].view(n, kv_heads, num_heads // kv_heads, head_dim), keys, values,
-                      g.window_mask(window), False, scale, softcap)  # fmt: skip
+        out = _attend(
+            q[g.start : g.end].view(n, kv_heads, num_heads // kv_heads, head_dim),
+            keys,
+            values,
+            g.window_mask(window),
+            False,
+            scale,
+            softcap,
+        )
         outs.append(out.reshape(n, num_heads, head_dim))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def fresh_prefill_attention(q, k, v, scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+def fresh_prefill_attention(
+    q, k, v, scale: float, window: int | None = None, softcap: float | None = None
+) -> torch.Tensor:
     """A chunk with nothing cached before it: causal attention over its own fresh K/V
     (SDPA's flash kernel), [num_new, heads, head_dim]. Shared with the native path."""
     n = q.shape[0]
@@ -216,8 +237,9 @@ def _causal_mask(q_pos: torch.Tensor, length: int, window: int | None) -> torch.
     return mask if window is None else mask & (k_pos > q_pos[:, None] - window)
 
 
-def _prefill_attention(q, k, v, cache: KVCacheLayer, meta: AttentionMetadata, i: int, scale: float, window=None,
-                       softcap=None):  # fmt: skip
+def _prefill_attention(
+    q, k, v, cache: KVCacheLayer, meta: AttentionMetadata, i: int, scale: float, window=None, softcap=None
+):
     num_new = q.shape[0]
     length = meta.seq_lens_host[i]
     if length == num_new:  # nothing cached before this chunk: use the fresh K/V directly
@@ -244,7 +266,9 @@ def tree_attention(q, cache: KVCacheLayer, meta: AttentionMetadata, i: int, scal
 def _attend_chunk(q, keys, values, mask: torch.Tensor | None, causal: bool, scale: float, softcap=None) -> torch.Tensor:
     # q: [1, heads, num_new, head_dim]; keys, values: [1, kv_heads, length, head_dim]
     q4, k4, v4 = q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
-    out = _sdpa(q4, k4, v4, mask, causal, scale) if softcap is None else _attend(q4, k4, v4, mask, causal, scale, softcap)
+    out = (
+        _sdpa(q4, k4, v4, mask, causal, scale) if softcap is None else _attend(q4, k4, v4, mask, causal, scale, softcap)
+    )
     return out[0].transpose(0, 1)
 
 

@@ -105,8 +105,10 @@ def read_blocks(layers: list[KVCacheLayer], block_ids: list[int]) -> torch.Tenso
 def write_blocks(layers: list[KVCacheLayer], block_ids: list[int], data: torch.Tensor) -> None:
     """Inverse of ``read_blocks``: row i of ``data`` into block ``block_ids[i]``."""
     if data.dtype != torch.uint8 or data.shape != (len(block_ids), block_nbytes(layers)):
-        raise ValueError(f"KV rows of shape {tuple(data.shape)} ({data.dtype}) do not fit {len(block_ids)} blocks "
-                         f"of {block_nbytes(layers)} bytes")  # fmt: skip
+        raise ValueError(
+            f"KV rows of shape {tuple(data.shape)} ({data.dtype}) do not fit {len(block_ids)} blocks "
+            f"of {block_nbytes(layers)} bytes"
+        )
     index = torch.tensor(block_ids, dtype=torch.long, device=layers[0].k.device)
     data = data.to(layers[0].k.device)
     start = 0

@@ -71,8 +71,10 @@ def _stack_layer(weights: dict[str, torch.Tensor], p: str, num_experts: int) -> 
     """One layer's experts, stacked in place."""
     if f"{p}block_sparse_moe.gate.weight" in weights:
         weights[f"{p}mlp.gate.weight"] = weights.pop(f"{p}block_sparse_moe.gate.weight")
-        parts = {w: [weights.pop(f"{p}block_sparse_moe.experts.{j}.{w}.weight") for j in range(num_experts)]
-                 for w in ("w1", "w3", "w2")}  # fmt: skip
+        parts = {
+            w: [weights.pop(f"{p}block_sparse_moe.experts.{j}.{w}.weight") for j in range(num_experts)]
+            for w in ("w1", "w3", "w2")
+        }
         weights[f"{p}mlp.w13"] = torch.stack([torch.cat([g, u]) for g, u in zip(parts["w1"], parts["w3"], strict=True)])
         weights[f"{p}mlp.w2"] = torch.stack(parts["w2"])
     elif f"{p}mlp.experts.gate_up_proj" in weights:

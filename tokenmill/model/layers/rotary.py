@@ -40,8 +40,13 @@ def inverse_frequencies(
     raise ValueError(f"unsupported rope_type {scaling.rope_type!r}")
 
 
-def rotary_for(head_dim: int, theta: float, scaling: RopeScaling | None, max_positions: int,
-               freq_factors: torch.Tensor | None = None) -> RotaryEmbedding:  # fmt: skip
+def rotary_for(
+    head_dim: int,
+    theta: float,
+    scaling: RopeScaling | None,
+    max_positions: int,
+    freq_factors: torch.Tensor | None = None,
+) -> RotaryEmbedding:
     """The model's rotary table. LongRoPE (Phi-3) uses its short factors for positions
     within the original context and its long ones beyond (per position, as vLLM does; a
     sequence that stays within the original context sees exactly transformers' RoPE),
@@ -51,15 +56,20 @@ def rotary_for(head_dim: int, theta: float, scaling: RopeScaling | None, max_pos
         return RotaryEmbedding(inv_freq, max_positions)
     base = inverse_frequencies(head_dim, theta, None)
     long = base / torch.tensor(scaling.long_factor, dtype=torch.float32)
-    return RotaryEmbedding(inv_freq, max_positions, long, scaling.original_max_position_embeddings,
-                           scaling.attention_factor)  # fmt: skip
+    return RotaryEmbedding(
+        inv_freq, max_positions, long, scaling.original_max_position_embeddings, scaling.attention_factor
+    )
 
 
 class RotaryEmbedding(nn.Module):
     def __init__(
-        self, inv_freq: torch.Tensor, max_positions: int, long_inv_freq: torch.Tensor | None = None,
-        long_from: int = 0, scale: float = 1.0,
-    ) -> None:  # fmt: skip
+        self,
+        inv_freq: torch.Tensor,
+        max_positions: int,
+        long_inv_freq: torch.Tensor | None = None,
+        long_from: int = 0,
+        scale: float = 1.0,
+    ) -> None:
         super().__init__()
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim / 2]
@@ -69,9 +79,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scale, persistent=False)  # [max_positions, head_dim]
         self.register_buffer("sin", emb.sin() * scale, persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [num_tokens]; q: [num_tokens, heads, head_dim]; k: [num_tokens, kv_heads, head_dim]
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)

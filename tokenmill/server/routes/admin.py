@@ -39,17 +39,49 @@ def register(app: FastAPI, served: Served, keys: tuple[str, ...], sessions: WebS
     async def models() -> dict:
         cards = []
         for m in served.models.values():
-            cards.append({"id": m.name, "object": "model", "created": now(), "owned_by": "tokenmill", "root": m.name,
-                          "parent": None, "max_model_len": m.max_model_len})  # fmt: skip
-            cards += [{"id": name, "object": "model", "created": now(), "owned_by": "tokenmill", "root": path,
-                       "parent": m.name, "max_model_len": m.max_model_len}
-                      for name, path in sorted(m.engine.snapshot().loras.items())]  # fmt: skip
+            cards.append(
+                {
+                    "id": m.name,
+                    "object": "model",
+                    "created": now(),
+                    "owned_by": "tokenmill",
+                    "root": m.name,
+                    "parent": None,
+                    "max_model_len": m.max_model_len,
+                }
+            )
+            cards += [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": now(),
+                    "owned_by": "tokenmill",
+                    "root": path,
+                    "parent": m.name,
+                    "max_model_len": m.max_model_len,
+                }
+                for name, path in sorted(m.engine.snapshot().loras.items())
+            ]
         for r in served.routers.values():
-            cards.append({"id": r.name, "object": "model", "created": now(), "owned_by": "tokenmill", "root": r.name,
-                          "parent": None, "max_model_len": min(served.models[r.small].max_model_len, served.models[r.large].max_model_len),
-                          "router": {"small": r.small, "large": r.large, "threshold": r.threshold,
-                                     "max_prompt_tokens": r.max_prompt_tokens, "large_for": sorted(r.large_for),
-                                     "classifier": served.config.router_classifier}})  # fmt: skip
+            cards.append(
+                {
+                    "id": r.name,
+                    "object": "model",
+                    "created": now(),
+                    "owned_by": "tokenmill",
+                    "root": r.name,
+                    "parent": None,
+                    "max_model_len": min(served.models[r.small].max_model_len, served.models[r.large].max_model_len),
+                    "router": {
+                        "small": r.small,
+                        "large": r.large,
+                        "threshold": r.threshold,
+                        "max_prompt_tokens": r.max_prompt_tokens,
+                        "large_for": sorted(r.large_for),
+                        "classifier": served.config.router_classifier,
+                    },
+                }
+            )
         return {"object": "list", "data": cards}
 
     @app.get("/v1/models/{model_id:path}")
@@ -114,14 +146,19 @@ def _register_tokenizer(app: FastAPI, served: Served) -> None:
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
         if body.messages is not None:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            ids = await asyncio.to_thread(tokenizer.encode_chat, messages, True, None,
-                                          served.config.allow_special_tokens_in_messages)  # fmt: skip
+            ids = await asyncio.to_thread(
+                tokenizer.encode_chat, messages, True, None, served.config.allow_special_tokens_in_messages
+            )
         else:  # off the event loop: a long text must not stall /health or other requests
             ids = await asyncio.to_thread(tokenizer.encode, body.prompt, body.add_special_tokens)
         out: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
         if body.return_token_strs:
-            out["token_strs"] = [tokenizer.token_to_str(t) if hasattr(tokenizer, "token_to_str") else
-                                 tokenizer.decode([t], skip_special_tokens=False) for t in ids]  # fmt: skip
+            out["token_strs"] = [
+                tokenizer.token_to_str(t)
+                if hasattr(tokenizer, "token_to_str")
+                else tokenizer.decode([t], skip_special_tokens=False)
+                for t in ids
+            ]
         return out
 
     @app.get("/tokenizer_info")
@@ -135,10 +172,15 @@ def _register_tokenizer(app: FastAPI, served: Served) -> None:
             return None if token_id is None else tokenizer.decode([token_id], skip_special_tokens=False)
 
         eos = getattr(tokenizer, "eos_token_id", None)
-        return {"tokenizer_class": type(tokenizer).__name__, "eos_token": text(eos),
-                "bos_token": text(getattr(tokenizer, "bos_token_id", None)), "pad_token": text(eos),
-                "chat_template": getattr(tokenizer, "chat_template", None), "model_max_length": max_model_len,
-                "vocab_size": tokenizer.vocab_size}  # fmt: skip
+        return {
+            "tokenizer_class": type(tokenizer).__name__,
+            "eos_token": text(eos),
+            "bos_token": text(getattr(tokenizer, "bos_token_id", None)),
+            "pad_token": text(eos),
+            "chat_template": getattr(tokenizer, "chat_template", None),
+            "model_max_length": max_model_len,
+            "vocab_size": tokenizer.vocab_size,
+        }
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:

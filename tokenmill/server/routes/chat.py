@@ -23,10 +23,22 @@ def register(app: FastAPI, served: Served) -> None:
         async def job(target: Target) -> Job:
             ids, params, tools = await chat_prompt(target, body, served.config.allow_special_tokens_in_messages)
             echo = body.echoed()
-            return Job(served, target, "chatcmpl", "chat.completion", [ids], [params],
-                       body.include_usage, body.return_timings, chat=True, tools=tools, echoes=[echo] if echo else None,
-                       prompt_logprobs_asked=body.prompt_logprobs is not None,
-                       best_of_keep=body.n if body.ranks_best_of else None, logprobs_asked=body.logprobs)  # fmt: skip
+            return Job(
+                served,
+                target,
+                "chatcmpl",
+                "chat.completion",
+                [ids],
+                [params],
+                body.include_usage,
+                body.return_timings,
+                chat=True,
+                tools=tools,
+                echoes=[echo] if echo else None,
+                prompt_logprobs_asked=body.prompt_logprobs is not None,
+                best_of_keep=body.n if body.ranks_best_of else None,
+                logprobs_asked=body.logprobs,
+            )
 
         check_cache_field(served, body)
         if body.use_beam_search:
@@ -34,5 +46,7 @@ def register(app: FastAPI, served: Served) -> None:
             ids, params, _ = await chat_prompt(target, body, served.config.allow_special_tokens_in_messages)
             beam = body.beam_params(params.max_tokens)
             check_queue(served, target, beam.beam_width)
-            return await until_disconnect(request, beam_response(served, target, "chatcmpl", [ids], beam, body, chat=True))
+            return await until_disconnect(
+                request, beam_response(served, target, "chatcmpl", [ids], beam, body, chat=True)
+            )
         return await generate(served, request, body, "/v1/chat/completions", job)

@@ -28,24 +28,44 @@ def register(app: FastAPI, served: Served) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         async def prepare(target: Target) -> tuple[list[list[int]], list[SamplingParams]]:
             check_count(served.config, len(body.prompts()), "prompts", "prompt")  # before tokenising them all
-            prompts = [truncate_prompt(await encode(target, p), body.truncate_prompt_tokens, target.max_model_len)
-                       for p in body.prompts()]  # fmt: skip
+            prompts = [
+                truncate_prompt(await encode(target, p), body.truncate_prompt_tokens, target.max_model_len)
+                for p in body.prompts()
+            ]
             check_tokens(served.config, prompts, "prompts", "prompt")
-            params = [body.sampling_params(max_tokens_for(target, ids, body.max_tokens)).with_bad_word_ids(target.tokenizer)
-                      for ids in prompts]  # fmt: skip
+            params = [
+                body.sampling_params(max_tokens_for(target, ids, body.max_tokens)).with_bad_word_ids(target.tokenizer)
+                for ids in prompts
+            ]
             return prompts, params
 
         async def job(target: Target) -> Job:
             prompts, params = await prepare(target)
             echoes = None
             if body.echo:  # the prompt as text: a token-id prompt decoded
-                echoes = [t if isinstance(t, str) else await asyncio.to_thread(target.tokenizer.decode, t, False)
-                          for t in body.prompts()]  # fmt: skip
-            made = Job(served, target, "cmpl", "text_completion", prompts, params, body.include_usage,
-                       body.return_timings, chat=False, echoes=echoes, prompt_logprobs_asked=body.prompt_logprobs is not None,
-                       best_of_keep=body.n if body.ranks_best_of else None, logprobs_asked=body.logprobs is not None)  # fmt: skip
+                echoes = [
+                    t if isinstance(t, str) else await asyncio.to_thread(target.tokenizer.decode, t, False)
+                    for t in body.prompts()
+                ]
+            made = Job(
+                served,
+                target,
+                "cmpl",
+                "text_completion",
+                prompts,
+                params,
+                body.include_usage,
+                body.return_timings,
+                chat=False,
+                echoes=echoes,
+                prompt_logprobs_asked=body.prompt_logprobs is not None,
+                best_of_keep=body.n if body.ranks_best_of else None,
+                logprobs_asked=body.logprobs is not None,
+            )
             if len(prompts) > 1:  # its prompts enter the engine through the client's window (admission.py)
-                made.place = functools.partial(served.windows.place, client_of(request), lambda: target.engine.num_waiting > 0)
+                made.place = functools.partial(
+                    served.windows.place, client_of(request), lambda: target.engine.num_waiting > 0
+                )
             return made
 
         check_cache_field(served, body)
@@ -54,5 +74,7 @@ def register(app: FastAPI, served: Served) -> None:
             prompts, params = await prepare(target)
             beam = body.beam_params(min(p.max_tokens for p in params))
             check_queue(served, target, beam.beam_width * len(prompts))
-            return await until_disconnect(request, beam_response(served, target, "cmpl", prompts, beam, body, chat=False))
+            return await until_disconnect(
+                request, beam_response(served, target, "cmpl", prompts, beam, body, chat=False)
+            )
         return await generate(served, request, body, "/v1/completions", job)

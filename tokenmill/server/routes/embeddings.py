@@ -26,18 +26,26 @@ def register(app: FastAPI, served: Served) -> None:
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         target = target_of(served, body.model, "/v1/embeddings")
         if body.dimensions is not None:
-            raise APIError(400, "dimensions is not supported: the embeddings have the model's hidden size (no "
-                                "shortening)", "dimensions")  # fmt: skip
+            raise APIError(
+                400,
+                "dimensions is not supported: the embeddings have the model's hidden size (no shortening)",
+                "dimensions",
+            )
         check_count(served.config, len(body.inputs()), "inputs", "input")  # before tokenising them all
-        prompts = [truncate_prompt(await encode(target, p), body.truncate_prompt_tokens, target.max_model_len)
-                   for p in body.inputs()]  # fmt: skip
+        prompts = [
+            truncate_prompt(await encode(target, p), body.truncate_prompt_tokens, target.max_model_len)
+            for p in body.inputs()
+        ]
         check_tokens(served.config, prompts, "inputs", "input")
         for i, ids in enumerate(prompts):
             if not ids:
                 raise APIError(400, f"input[{i}] is empty", "input")
             max_tokens_for(target, ids, 1)  # fits the context
-        place = (functools.partial(served.windows.place, client_of(request), lambda: target.engine.num_waiting > 0)
-                 if len(prompts) > 1 else None)  # fmt: skip
+        place = (
+            functools.partial(served.windows.place, client_of(request), lambda: target.engine.num_waiting > 0)
+            if len(prompts) > 1
+            else None
+        )
         check_queue(served, target, len(prompts) if place is None else min(len(prompts), served.windows.size))
         rid = new_id("embd")
         params = SamplingParams(max_tokens=1, pooling=body.pooling)
@@ -49,12 +57,23 @@ def register(app: FastAPI, served: Served) -> None:
                 if out.finished:
                     served.observe_finished(out, target.model.name)
                     vectors[i] = out.embedding or []
-            data = [{"object": "embedding", "index": i,
-                     "embedding": _base64(vectors[i]) if body.encoding_format == "base64" else vectors[i]}
-                    for i in range(len(prompts))]  # fmt: skip
+            data = [
+                {
+                    "object": "embedding",
+                    "index": i,
+                    "embedding": _base64(vectors[i]) if body.encoding_format == "base64" else vectors[i],
+                }
+                for i in range(len(prompts))
+            ]
             tokens = sum(len(ids) for ids in prompts)
-            return JSONResponse({"object": "list", "data": data, "model": target.name,
-                                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})  # fmt: skip
+            return JSONResponse(
+                {
+                    "object": "list",
+                    "data": data,
+                    "model": target.name,
+                    "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+                }
+            )
 
         return await until_disconnect(request, collect())
 

@@ -74,7 +74,11 @@ def _stored(served: Served, owner: str, response_id: str, param: str) -> Stored:
     found = served.responses.get(owner, response_id)
     if found is None:
         cfg = served.config
-        raise APIError(404, f"no stored response {response_id!r} (kept with store: true, for "
-                            f"{cfg.stored_response_ttl:g} s, the last {cfg.max_stored_responses}, "
-                            "for the API key that made it)", param)  # fmt: skip
+        raise APIError(
+            404,
+            f"no stored response {response_id!r} (kept with store: true, for "
+            f"{cfg.stored_response_ttl:g} s, the last {cfg.max_stored_responses}, "
+            "for the API key that made it)",
+            param,
+        )
     return found
