@@ -53,14 +53,14 @@ def main() -> None:
             greedy_s.append(time.perf_counter() - t0)
             before = llm.prefix_cache_stats
             q0, h0 = before.queries, before.hits
-            llm.engine.step_stats.clear()
+            llm.engine.core.step_stats.clear()
             t0 = time.perf_counter()
             llm.beam_search(prompts, BeamSearchParams(beam_width=args.width, max_tokens=args.tokens, ignore_eos=True))
             beam_s.append(time.perf_counter() - t0)
             after = llm.prefix_cache_stats
             looked_up.append(after.queries - q0)
             shared.append(after.hits - h0)
-            computed.append(sum(s.num_prefill_tokens + s.num_decode_tokens for s in llm.engine.step_stats))
+            computed.append(sum(s.num_prefill_tokens + s.num_decode_tokens for s in llm.engine.core.step_stats))
         g, b = statistics.median(greedy_s), statistics.median(beam_s)
         rows.append(
             {
@@ -70,7 +70,7 @@ def main() -> None:
                 "beam_over_greedy": b / g,
                 "prompt_tokens_requested": looked_up[-1],
                 "tokens_shared_from_cache": shared[-1],
-                "blocks_shared": shared[-1] // llm.engine.block_size,
+                "blocks_shared": shared[-1] // llm.engine.core.block_size,
                 "tokens_computed": computed[-1],
                 "share_rate": shared[-1] / looked_up[-1] if looked_up[-1] else None,
             }

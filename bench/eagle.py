@@ -121,7 +121,7 @@ def main() -> None:
     identical = {c: 0 for c in configs}
     convs = chats()
     for llm in configs.values():
-        llm.engine.reset_spec_decode_stats()
+        llm.engine.core.reset_spec_decode_stats()
     for t in timers.values():
         t.reset()
     for r in range(args.rounds):
@@ -140,7 +140,7 @@ def main() -> None:
     off = tokens["off"] / seconds["off"]
     batch1 = {}
     for c, llm in configs.items():
-        s, t = llm.engine.spec_decode_stats, timers[c]
+        s, t = llm.engine.core.spec_decode_stats, timers[c]
         row = {
             "decode_tok_s": round(tokens[c] / seconds[c], 2),
             "speedup": round(tokens[c] / seconds[c] / off, 3),

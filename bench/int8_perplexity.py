@@ -37,7 +37,7 @@ def windows_perplexity(llm, ids: list[int], ctx: int, step: int = 8) -> tuple[fl
     nll, count = 0.0, 0
     for w in range(len(ids) // ctx):
         window = ids[w * ctx : (w + 1) * ctx]
-        with engine.borrow_blocks(-(-ctx // engine.block_size)) as blocks:
+        with engine.core.borrow_blocks(-(-ctx // engine.core.block_size)) as blocks:
             for start in range(0, ctx - 1, step):
                 piece = window[start : start + step]
                 s = SeqInput("ppl", piece, start, blocks, False, SamplingParams(), [], [])

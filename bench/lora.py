@@ -168,7 +168,7 @@ def main() -> None:
         if n_adapters == 16 and max_loras == 4:
             # TTFT to a cold adapter (evicted from memory: max_cpu_loras is 16, a16 never loaded)
             llm.load_lora("cold", str(paths[16]))
-            llm.engine.runner.lora.loaded.pop("cold", None)
+            llm.engine.core.runner.lora.loaded.pop("cold", None)
             ttft = {}
             for label_, name in (("cold", "cold"), ("warm", "cold")):
                 out = llm.generate(prompts[0], SamplingParams(max_tokens=1), lora=name)[0]

@@ -74,11 +74,11 @@ def run_workload(llm: LLM, name: str, max_new: int) -> dict:
     stats = getattr(getattr(runner, "cluster", None), "stats", None)
     if stats is not None:
         stats.reset()
-    llm.engine.step_stats.clear()
+    llm.engine.core.step_stats.clear()
     t0 = time.perf_counter()
     llm.generate(prompts, params)
     wall = time.perf_counter() - t0
-    steps = list(llm.engine.step_stats)
+    steps = list(llm.engine.core.step_stats)
     tokens = sum(s.num_decode_tokens + s.num_prefill_tokens for s in steps)
     out = {
         "wall_s": wall,

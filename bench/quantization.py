@@ -71,11 +71,11 @@ def main() -> None:
     rows = {}
     for name, llm in llms.items():
         kv = kv_bytes_per_token(llm.config, llm.dtype, llm.kv_cache_dtype)
-        blocks = budget // (kv * llm.engine.block_size)
+        blocks = budget // (kv * llm.engine.core.block_size)
         rows[name] = {
             "weights_MiB": round(weight_bytes(llm.model) / 2**20, 1),
             "kv_bytes_per_token": kv,
-            "max_seqs_in_budget": blocks // -(-args.context // llm.engine.block_size),
+            "max_seqs_in_budget": blocks // -(-args.context // llm.engine.core.block_size),
             "perplexity": round(perplexity(llm, ids), 3),
             "decode_tok_s": 0.0,
             "throughput_32_tok_s": 0.0,

@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tokenmill.benchmark.serve import synthetic  # noqa: E402
+from tokenmill.loadgen.serve import synthetic  # noqa: E402
 
 
 def cpu_name() -> str:

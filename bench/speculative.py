@@ -110,7 +110,7 @@ def main() -> None:
         tokens = {c: 0 for c in configs}
         seconds = {c: 0.0 for c in configs}
         for llm in configs.values():
-            llm.engine.reset_spec_decode_stats()
+            llm.engine.core.reset_spec_decode_stats()
         for rep in range(args.repeats):
             for i, conv in enumerate(convs):
                 ref = None
@@ -130,7 +130,7 @@ def main() -> None:
             c: {
                 "decode_tok_s": round(tokens[c] / seconds[c], 2),
                 "speedup": round(tokens[c] / seconds[c] / rate_off, 2),
-                **({} if c == "off" else stats_dict(llm.engine.spec_decode_stats)),
+                **({} if c == "off" else stats_dict(llm.engine.core.spec_decode_stats)),
             }
             for c, llm in configs.items()
         }
@@ -142,13 +142,13 @@ def main() -> None:
         for rep in range(args.repeats):
             ref = None
             for c, llm in batched.items():
-                llm.engine.reset_spec_decode_stats()
+                llm.engine.core.reset_spec_decode_stats()
                 rate, ids = batch_throughput(llm, convs, b, args.max_tokens // 2)
                 ref = ids if ref is None else ref
                 assert ids == ref, f"{c} changed greedy outputs at batch {b}"
                 row.setdefault(c, []).append(rate)
                 if c != "off":
-                    row["ngram_stats"] = stats_dict(llm.engine.spec_decode_stats)
+                    row["ngram_stats"] = stats_dict(llm.engine.core.spec_decode_stats)
             log(f"batch {b} repeat {rep + 1}: " + ", ".join(f"{c} {row[c][-1]:.1f}" for c in batched) + " tok/s")
         best = {c: max(row[c]) for c in batched}
         results["batched"][str(b)] = {

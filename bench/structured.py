@@ -29,13 +29,13 @@ from pathlib import Path
 
 import jsonschema
 
-import tokenmill.engine.structured as structured_engine
+import tokenmill.engine.grammar_masks as grammar_masks
 import tokenmill.worker.model_runner as model_runner
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.model_input import GrammarMasks
 from tokenmill.kernels.cpu import cpu_info
+from tokenmill.structured.constraint import StructuredOutputs
 from tokenmill.structured.grammar import GrammarCompiler
-from tokenmill.structured.spec import StructuredOutputs
 
 RESULTS = Path(__file__).parent / "results"
 EXTRACTION_SCHEMA = {
@@ -78,7 +78,7 @@ class Timers:
         self.fill: list[float] = []
         self.wait: list[float] = []
         self.apply: list[float] = []
-        fill, apply, get = structured_engine._fill_masks, model_runner.apply_grammar_bias, GrammarMasks.get
+        fill, apply, get = grammar_masks._fill_masks, model_runner.apply_grammar_bias, GrammarMasks.get
 
         def timed_get(masks):
             t0 = time.perf_counter()
@@ -99,7 +99,7 @@ class Timers:
             apply(*args)
             self.apply.append(time.perf_counter() - t0)
 
-        structured_engine._fill_masks = timed_fill
+        grammar_masks._fill_masks = timed_fill
         model_runner.apply_grammar_bias = timed_apply
         GrammarMasks.get = timed_get
 
@@ -140,7 +140,7 @@ def compile_times(llm: LLM) -> dict:
 
 
 def decode_steps(llm: LLM, batch: int) -> list[float]:
-    return [s.duration for s in llm.engine.step_stats if s.num_seqs == batch and s.num_prefill_tokens == 0]
+    return [s.duration for s in llm.engine.core.step_stats if s.num_seqs == batch and s.num_prefill_tokens == 0]
 
 
 def overhead(llm: LLM, timers: Timers, batch: int, tokens: int, rounds: int) -> dict:
@@ -150,7 +150,7 @@ def overhead(llm: LLM, timers: Timers, batch: int, tokens: int, rounds: int) -> 
     free_steps, con_steps, fill, wait, apply, con_tokens = [], [], [], [], [], []
     for r in range(rounds):
         for constrained in (False, True):
-            llm.engine.step_stats.clear()
+            llm.engine.core.step_stats.clear()
             timers.reset()
             # free: exactly `tokens` tokens; constrained: the extraction schema (steps with the
             # whole batch still running are compared: same batch, similar context)

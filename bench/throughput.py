@@ -67,12 +67,12 @@ def write_jsonl(reqs, path: Path) -> None:
 
 def run_ours(llm: LLM, reqs) -> dict:
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in reqs]
-    llm.engine.step_stats.clear()
+    llm.engine.core.step_stats.clear()
     t = time.perf_counter()
     outs = llm.generate([p for p, _ in reqs], params)
     elapsed = time.perf_counter() - t
     out_tokens = sum(len(o.token_ids) for o in outs)
-    stats = list(llm.engine.step_stats)
+    stats = list(llm.engine.core.step_stats)
     slots = sum(s.kv_slots_held for s in stats)
     return {
         "elapsed_s": elapsed,

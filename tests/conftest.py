@@ -64,6 +64,6 @@ def no_leaked_blocks(request):
     for name in ("llm", "float_llm"):
         if name in request.fixturenames:
             llm = request.getfixturevalue(name)
-            pool: BlockPool = llm.engine.block_pool
+            pool: BlockPool = llm.engine.core.block_pool
             assert pool.num_free == pool.num_blocks, f"{pool.num_blocks - pool.num_free} KV blocks leaked"
             assert not llm.engine.has_unfinished()

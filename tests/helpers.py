@@ -40,10 +40,10 @@ def fused_and_python_decode_logits(llm, texts=None) -> dict[bool, tuple[torch.Te
     """Decode logits of one sequence and of three together, with the model's C++ layer loop
     (True) and with the Python loop (False), after the same prefills (of three short prompts,
     or of ``texts``)."""
-    model, runner, pool = llm.parts.model, llm.engine.runner, llm.engine.block_pool
+    model, runner, pool = llm.parts.model, llm.engine.core.runner, llm.engine.core.block_pool
     texts = texts or ("The capital of France is", "def f(x):", "Once upon a time, a fox")
     prompts = [llm.tokenizer.encode(p) for p in texts]
-    block_size = llm.engine.config.block_size
+    block_size = llm.engine.core.config.block_size
     tables = [pool.allocate((len(ids) + 2 + block_size - 1) // block_size) for ids in prompts]
     try:
         for ids, blocks in zip(prompts, tables, strict=True):
@@ -175,6 +175,7 @@ class ScriptedRunner:
                 "blocks": list(new.block_ids),
                 "draft": [],
                 "params": new.params,
+                "pooling": new.pooling,
                 "prompt_len": len(new.prompt_token_ids),
             }
         for c in batch.cached_requests:
@@ -191,7 +192,7 @@ class ScriptedRunner:
             assert end <= len(state["tokens"]), "scheduled past the known tokens"
             samples = end == len(state["tokens"])
             self._prompt_work(s.request_id, state, s.num_computed_tokens, end, out)
-            if state["params"].pooling is not None:
+            if state["pooling"] is not None:
                 samples = False  # an embedding request samples nothing
             need = s.num_computed_tokens + s.num_tokens + (self.lookahead and s.num_lookahead)
             assert len(state["blocks"]) * self.block_size >= need, "block table too short"
@@ -228,7 +229,7 @@ class ScriptedRunner:
                 top = [(best, 0.0)] if p.prompt_logprobs else []
                 scores.append((0.0, 1, top) if prompt[j] == best else (-10.0, 2, top))
             out.prompt_logprobs[rid] = (start + 1, scores)
-        if p.pooling is not None and end == len(prompt):
+        if state["pooling"] is not None and end == len(prompt):
             out.embeddings[rid] = [1.0, 0.0]
 
 

@@ -13,9 +13,10 @@ if TYPE_CHECKING:
     from tokenmill.beam_search import BeamSearchParams
     from tokenmill.config import EngineArgs
     from tokenmill.llm import LLM, RequestOutput
+    from tokenmill.pooling_params import PoolingParams
     from tokenmill.sampling_params import SamplingParams
 
-__all__ = ["LLM", "BeamSearchParams", "EngineArgs", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "BeamSearchParams", "EngineArgs", "PoolingParams", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
 
 _HOMES = {
@@ -24,6 +25,7 @@ _HOMES = {
     "RequestOutput": "tokenmill.llm",
     "EngineArgs": "tokenmill.config",
     "SamplingParams": "tokenmill.sampling_params",
+    "PoolingParams": "tokenmill.pooling_params",
 }
 
 

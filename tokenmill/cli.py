@@ -41,7 +41,7 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 
 def _structured(args: argparse.Namespace):
     """--json-schema / --json-object / --regex / --choice / --grammar as StructuredOutputs (or None)."""
-    from tokenmill.structured.spec import StructuredOutputs
+    from tokenmill.structured.constraint import StructuredOutputs
 
     def text(value: str | None) -> str | None:
         if value is not None and value.startswith("@"):
@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_draft_args(train)
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from tokenmill.benchmark.serve import add_arguments
+    from tokenmill.loadgen.serve import add_arguments
 
     add_arguments(bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server"))
     return parser
@@ -269,7 +269,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from tokenmill.benchmark.serve import run
+    from tokenmill.loadgen.serve import run
 
     return run(args)
 
@@ -279,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command in ("generate", "chat", "serve", "plan") and torchrun_rank() > 0:
         # Under torchrun every rank runs the same command line; only rank 0 drives the
         # engine (and serves), the others hold their shards and follow it.
-        from tokenmill.distributed.worker import run_torchrun_worker
+        from tokenmill.distributed.rank_process import run_torchrun_worker
 
         return run_torchrun_worker()
     try:

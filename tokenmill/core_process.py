@@ -29,17 +29,16 @@ def run_engine_core(args: EngineArgs, conn: Connection) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s (engine core): %(message)s")
 
     def build():
-        from tokenmill.engine.core import EngineCore
         from tokenmill.factory import build_engine
 
-        parts = build_engine(args, progress=False, engine_class=EngineCore)
+        parts = build_engine(args, progress=False, outputs=False)
         info = {
             "max_model_len": parts.max_model_len,
             "num_blocks": parts.num_blocks,
             "block_size": args.cache.block_size,
             "model_path": str(parts.model_path),
         }
-        return parts.engine, info, parts.runner.close
+        return parts.core, info, parts.runner.close
 
     from tokenmill.engine.core_loop import serve_core
 

@@ -24,7 +24,7 @@ def perplexity(llm, token_ids: list[int], chunk: int = 64) -> float:
         raise ValueError(f"text of {len(token_ids)} tokens is longer than the context window ({llm.max_model_len})")
     runner, engine = llm.parts.runner, llm.engine
     nll, count = 0.0, 0
-    with engine.borrow_blocks(-(-len(token_ids) // engine.block_size)) as blocks:
+    with engine.core.borrow_blocks(-(-len(token_ids) // engine.core.block_size)) as blocks:
         for start in range(0, len(token_ids) - 1, chunk):
             piece = token_ids[start : start + chunk]
             s = SeqInput("perplexity", piece, start, blocks, False, SamplingParams(), [], [])

@@ -28,7 +28,7 @@ from tokenmill.memory import parse_memory
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import load_checkpoint, read_config
 from tokenmill.model.ops import NativeOps
-from tokenmill.model.shard import ModelShard, check_parallel_sizes
+from tokenmill.model.shard_plan import ModelShard, check_parallel_sizes
 from tokenmill.model.tokenizer import Tokenizer, load_tokenizer
 from tokenmill.model_setup import load_shard, native_kernels_run, prepare_model, resolve_device
 from tokenmill.speculative.draft import ModelProposer
@@ -40,7 +40,7 @@ from tokenmill.worker.kv_cache import allocate_kv_cache, block_bytes
 from tokenmill.worker.lora import LoRAManager
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.proposer import Proposer
-from tokenmill.worker.spec_pause import PayOrPause
+from tokenmill.worker.speculation_pause import PayOrPause
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,8 @@ class EngineParts:
     """What build_engine made; ``LLM`` keeps it."""
 
     args: EngineArgs
-    engine: Engine  # an EngineCore where build_engine was asked for one
+    core: EngineCore
+    engine: Engine | None  # the core with output processing; None for the engine-core process
     runner: ModelRunner
     model: LlamaForCausalLM
     tokenizer: Tokenizer
@@ -97,9 +98,10 @@ def kv_cache_sizing(
     return per_block, num_blocks
 
 
-def build_engine(args: EngineArgs, progress: bool = True, engine_class: type[EngineCore] = Engine) -> EngineParts:
-    """The model, its runner and an engine over them (``Engine``: with output processing,
-    for one process; ``EngineCore``: the engine-core process of ``tokenmill serve``)."""
+def build_engine(args: EngineArgs, progress: bool = True, outputs: bool = True) -> EngineParts:
+    """The model, its runner, an engine core over them, and (``outputs``) an ``Engine``
+    around the core for one process; the engine-core process of ``tokenmill serve``
+    asks for the core alone (its output processing is in the API process)."""
     load, parallel = args.load, args.parallel
     device = resolve_device(load.device)
     dtype = resolve_dtype(load.dtype, device)
@@ -165,7 +167,7 @@ def build_engine(args: EngineArgs, progress: bool = True, engine_class: type[Eng
         if cluster is not None:
             cluster.shutdown()
         raise
-    engine = engine_class(
+    core = EngineCore(
         runner,
         tokenizer,
         EngineConfig(
@@ -181,9 +183,10 @@ def build_engine(args: EngineArgs, progress: bool = True, engine_class: type[Eng
         grammars=_grammar_compiler(tokenizer, config.vocab_size, args.structured),
     )
     for name, lora_path in args.lora.modules.items():
-        engine.add_lora(name, lora_path)
+        core.add_lora(name, lora_path)
+    engine = Engine(core, tokenizer) if outputs else None
     return EngineParts(
-        args, engine, runner, model, tokenizer, config, path, device, dtype, max_model_len, num_blocks, per_block
+        args, core, engine, runner, model, tokenizer, config, path, device, dtype, max_model_len, num_blocks, per_block
     )
 
 

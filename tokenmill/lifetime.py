@@ -1,7 +1,7 @@
 """A process tokenmill starts ends with its parent, however the parent ends.
 
 The engine-core process (``core_process.py``) and the workers of a split model
-(``distributed/worker.py``) call ``exit_with_parent`` first thing. A clean shutdown
+(``distributed/rank_process.py``) call ``exit_with_parent`` first thing. A clean shutdown
 never needs it (the parent tells its children to stop and waits for them), but a
 parent killed by SIGKILL, or by a SIGTERM it does not handle, cannot; a child left
 behind keeps a model in memory (or a GPU) and serves nobody. Each child watches its

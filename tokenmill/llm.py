@@ -18,7 +18,10 @@ from tokenmill.config import EngineArgs
 from tokenmill.engine.outputs import CompletionOutput, RequestOutput
 from tokenmill.errors import InvalidRequestError
 from tokenmill.factory import build_engine
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
+
+Params = SamplingParams | PoolingParams  # what a prompt runs with: generation, or an embedding
 
 Messages = list[dict[str, Any]]
 
@@ -38,6 +41,7 @@ class LLM:
         parts = build_engine(args, progress=progress)
         self.parts = parts
         self.args = args
+        assert parts.engine is not None  # build_engine makes one unless asked for the core alone
         self.engine = parts.engine
         self.model = parts.model
         self.tokenizer = parts.tokenizer
@@ -70,15 +74,19 @@ class LLM:
     def generate(
         self,
         prompts: str | Sequence[str] | Sequence[Sequence[int]],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: Params | Sequence[Params] | None = None,
         lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order. ``lora``: the
         adapter (name given to ``load_lora`` or ``lora_modules``) for all prompts, or one per
-        prompt (None: the base model)."""
+        prompt (None: the base model). A prompt with ``PoolingParams`` is embedded (its
+        output's ``embedding``), in the same steps as the others."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        params = [p.with_bad_word_ids(self.tokenizer) for p in _per_prompt(sampling_params, len(prompts))]
+        params = [
+            p.with_bad_word_ids(self.tokenizer) if isinstance(p, SamplingParams) else p
+            for p in _per_prompt(sampling_params, len(prompts))
+        ]
         loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
         if len(loras) != len(prompts):
             raise InvalidRequestError(f"got {len(loras)} LoRA adapters for {len(prompts)} prompts")
@@ -109,7 +117,7 @@ class LLM:
         hidden state at the last token (``pooling="last"``, what decoder embedding
         models use) or the mean over all tokens (``"mean"``). The texts run through
         the same engine as generation, prefill only."""
-        outs = self.generate(texts, SamplingParams(max_tokens=1, pooling=pooling), lora)
+        outs = self.generate(texts, PoolingParams(pooling), lora)
         return [o.embedding for o in outs]  # type: ignore[misc]
 
     def beam_search(
@@ -120,7 +128,7 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        search = BeamSearch(ids, params, frozenset(self.engine.scheduler.eos_token_ids))
+        search = BeamSearch(ids, params, frozenset(self.engine.core.scheduler.eos_token_ids))
         while not search.finished:
             round_ = search.requests()
             outs = self.generate([r[2] for r in round_], params.step_params(), lora)
@@ -145,10 +153,10 @@ class LLM:
 
     def load_lora(self, name: str, path: str) -> None:
         """Serve a PEFT adapter folder under ``name`` (needs ``enable_lora=True``)."""
-        self.engine.add_lora(name, path)
+        self.engine.core.add_lora(name, path)
 
     def unload_lora(self, name: str) -> None:
-        self.engine.remove_lora(name)
+        self.engine.core.remove_lora(name)
 
     def stream(
         self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None
@@ -171,20 +179,20 @@ class LLM:
 
     @property
     def prefix_cache_stats(self):
-        return self.engine.prefix_cache_stats
+        return self.engine.core.prefix_cache_stats
 
     @property
     def spec_decode_stats(self):
-        return self.engine.spec_decode_stats
+        return self.engine.core.spec_decode_stats
 
 
-def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+def _per_prompt(params: Params | Sequence[Params] | None, n: int) -> list[Params]:
     if params is None:
         return [SamplingParams()] * n
-    if isinstance(params, SamplingParams):
+    if isinstance(params, SamplingParams | PoolingParams):
         return [params] * n
     if len(params) != n:
-        raise InvalidRequestError(f"got {len(params)} SamplingParams for {n} prompts")
+        raise InvalidRequestError(f"got {len(params)} parameter sets for {n} prompts")
     return list(params)
 
 

@@ -1,5 +1,5 @@
 """A loaded model made ready to run on its device: the one recipe that the one-process
-engine (``factory.build_engine``) and every distributed worker (``distributed/worker.py``)
+engine (``factory.build_engine``) and every distributed worker (``distributed/rank_process.py``)
 share, so the two cannot drift: which per-layer ops run, whether the native kernels do
 (and so whether a GGUF's blocks are kept and int8/int4 are packed), the quantisation, and
 a rank's shard cut from the whole model.
@@ -15,8 +15,8 @@ from tokenmill.kernels.linear import use_native_linears
 from tokenmill.memory import keep_freed_memory
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.ops import NativeOps, select_ops
-from tokenmill.model.shard import ModelShard
-from tokenmill.model.sharding import shard_model
+from tokenmill.model.shard_plan import ModelShard
+from tokenmill.model.shard_weights import shard_model
 from tokenmill.quant.blocks import BlockWeight
 from tokenmill.quant.weights import quantize_model
 

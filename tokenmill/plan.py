@@ -92,9 +92,9 @@ def measure(llm, plan: Plan, tokens: int = 64) -> dict:
     n = plan.max_seqs + 2
     out_len = min(8, plan.context_len // 4)
     prompts = [[1000 + (i * 7 + j) % 20000 for j in range(plan.context_len - out_len)] for i in range(n)]
-    llm.engine.step_stats.clear()
+    llm.engine.core.step_stats.clear()
     llm.generate(prompts, SamplingParams(max_tokens=out_len, ignore_eos=True))
-    peak = max(s.num_running for s in llm.engine.step_stats)
+    peak = max(s.num_running for s in llm.engine.core.step_stats)
     return {"decode_tok_s": decode, "decode_context": len(prompt) + tokens // 2, "max_seqs": peak}
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.structured.spec import StructuredOutputs
+from tokenmill.structured.constraint import StructuredOutputs
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
@@ -41,10 +41,6 @@ class SamplingParams:
     # none; k: each token's, plus the top k. Such a request skips the prefix cache
     # (a cached position has no logits): it computes its whole prompt.
     prompt_logprobs: int | None = None
-    # An embedding request: it computes its prompt (sharing steps with generation) and
-    # ends with the final hidden state pooled ("last" token, or "mean" of all) and
-    # L2-normalised, sampling nothing. A "mean" request skips the prefix cache.
-    pooling: str | None = None
     skip_special_tokens: bool = True
     # The output must match this JSON schema, regex, choice or grammar (a dict of the
     # same keys is accepted: {"json": schema}, {"regex": "..."}, ...).
@@ -128,12 +124,6 @@ class SamplingParams:
             not w or any(not isinstance(t, int) or not 0 <= t <= MAX_INT32 for t in w) for w in self.bad_words_token_ids
         ):
             raise bad("bad_words_token_ids", "must be non-empty lists of token ids")
-        if self.pooling not in (None, "last", "mean"):
-            raise bad("pooling", 'must be "last" or "mean"')
-        if self.pooling is not None and (
-            self.n != 1 or self.structured is not None or self.prompt_logprobs is not None
-        ):
-            raise bad("pooling", "an embedding request has n 1, no structured output and no prompt_logprobs")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or not 0 <= t <= MAX_INT32 for t in self.stop_token_ids):

@@ -48,7 +48,7 @@ def start_async(llm):
     yield start
     for e in engines:
         e.shutdown()
-    llm.engine.runner = getattr(llm.engine.runner, "runner", llm.engine.runner)
+    llm.engine.core.runner = getattr(llm.engine.core.runner, "runner", llm.engine.core.runner)
 
 
 def test_concurrent_streams_match_offline(llm, start_async):
@@ -76,13 +76,13 @@ def test_leaving_early_aborts_and_frees_blocks(llm, start_async):
             await asyncio.sleep(0.05)
 
     asyncio.run(main())
-    assert llm.engine.block_pool.num_free == llm.engine.block_pool.num_blocks
+    assert llm.engine.core.block_pool.num_free == llm.engine.core.block_pool.num_blocks
 
 
 def test_a_failing_request_fails_alone(llm, start_async):
     params = SamplingParams(temperature=0, max_tokens=8)
     expected = llm.generate(PROMPTS[0], params)[0].text
-    llm.engine.runner = FaultInjectingRunner(llm.engine.runner, poisoned="bad")
+    llm.engine.core.runner = FaultInjectingRunner(llm.engine.core.runner, poisoned="bad")
     async_engine = start_async()
 
     async def main():
@@ -129,7 +129,7 @@ def test_a_grammar_slower_than_its_compile_timeout_is_refused_and_a_retry_is_cac
     from tokenmill.config import StructuredConfig
     from tokenmill.structured.grammar import GrammarCompiler
 
-    structured = llm.engine.structured
+    structured = llm.engine.core.structured
     default = structured.compiler
     structured.compiler = GrammarCompiler(
         llm.tokenizer, default.vocab_size, StructuredConfig(grammar_compile_timeout=0.05)

@@ -48,7 +48,7 @@ def test_beam_search_equals_the_reference(float_llm, hf_model, width, ignore_eos
         want = reference(hf_model, prompt, width, 5, eos, ignore_eos, length_penalty)
         assert [b.tokens for b in out.beams] == [t for t, _ in want]
         assert all(abs(b.cum_logprob - c) < 1e-3 for b, (_, c) in zip(out.beams, want, strict=True))
-    assert llm.engine.snapshot().kv_usage == 0.0
+    assert llm.engine.core.snapshot().kv_usage == 0.0
 
 
 def test_the_best_beam_is_never_below_greedy(llm):

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from tokenmill import SamplingParams
+from tokenmill import PoolingParams, SamplingParams
 
 TEXTS = [
     "The cat sat on the mat.",
@@ -35,18 +35,16 @@ def test_embeddings_are_the_pooled_final_hidden_state(float_llm, hf_model, pooli
         assert sum(a * b for a, b in zip(vec, want, strict=True)) > 0.9999  # cosine
     alone = [llm.embed(t, pooling=pooling)[0] for t in TEXTS]
     assert all(max(abs(a - b) for a, b in zip(x, y, strict=True)) < 1e-5 for x, y in zip(got, alone, strict=True))
-    assert llm.engine.snapshot().kv_usage == 0.0
+    assert llm.engine.core.snapshot().kv_usage == 0.0
 
 
 def test_embeddings_share_steps_with_generation_and_use_the_prefix_cache(llm):
     ids = llm.tokenizer.encode(TEXTS[2] * 8)
     greedy = llm.generate(ids, SamplingParams(max_tokens=8, temperature=0))[0].token_ids  # caches the prompt's blocks
-    before = llm.engine.snapshot()
-    mixed = llm.generate(
-        [ids, ids], [SamplingParams(max_tokens=8, temperature=0), SamplingParams(max_tokens=1, pooling="last")]
-    )
+    before = llm.engine.core.snapshot()
+    mixed = llm.generate([ids, ids], [SamplingParams(max_tokens=8, temperature=0), PoolingParams("last")])
     assert mixed[0].token_ids == greedy and mixed[1].token_ids == [] and mixed[1].finish_reason == "stop"
-    assert mixed[1].num_cached_tokens > 0 and llm.engine.snapshot().prefix_cache_hits > before.prefix_cache_hits
+    assert mixed[1].num_cached_tokens > 0 and llm.engine.core.snapshot().prefix_cache_hits > before.prefix_cache_hits
     assert max(abs(a - b) for a, b in zip(mixed[1].embedding, llm.embed([ids])[0], strict=True)) < 1e-5
     with pytest.raises(ValueError, match="pooling"):
-        SamplingParams(pooling="max")
+        PoolingParams("max")

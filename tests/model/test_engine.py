@@ -45,21 +45,21 @@ def engine_llm(**kw):
 def run(llm, **_):
     prompts, params = workload()
     outs = llm.generate(prompts, params)
-    pool = llm.engine.block_pool
+    pool = llm.engine.core.block_pool
     assert pool.num_free == pool.num_blocks, "KV blocks leaked"
     return [o.token_ids for o in outs]
 
 
 def test_continuous_batch_of_32_matches_alone(llm, alone):
     assert run(llm) == alone
-    stats = list(llm.engine.step_stats)[-40:]
+    stats = list(llm.engine.core.step_stats)[-40:]
     assert max(s.num_seqs for s in stats) > 8  # it really batched
 
 
 def test_small_prefill_chunks_and_no_prefix_cache_match_alone(alone):
     llm = engine_llm(max_num_batched_tokens=32, enable_prefix_caching=False, kv_cache_memory="64MiB")
     assert run(llm) == alone
-    assert any(0 < s.num_prefill_tokens and s.num_decode_tokens for s in llm.engine.step_stats)  # mixed steps
+    assert any(0 < s.num_prefill_tokens and s.num_decode_tokens for s in llm.engine.core.step_stats)  # mixed steps
     assert llm.prefix_cache_stats.hits == 0
 
 
@@ -74,7 +74,7 @@ def test_float_arithmetic_matches_alone_in_small_prefill_chunks_and_batched():
         quant_arithmetic="float", max_num_batched_tokens=32, enable_prefix_caching=False, kv_cache_memory="64MiB"
     )
     assert run(llm) == alone and run(chunked) == alone
-    assert any(0 < s.num_prefill_tokens and s.num_decode_tokens for s in chunked.engine.step_stats)
+    assert any(0 < s.num_prefill_tokens and s.num_decode_tokens for s in chunked.engine.core.step_stats)
 
 
 def test_prefix_cache_hits_match_alone(llm, alone):
@@ -88,7 +88,7 @@ def test_preemption_under_a_tiny_kv_pool_matches_alone(alone):
     llm = engine_llm(kv_cache_memory=24 * 16 * 46080, max_num_batched_tokens=64)
     assert llm.num_blocks == 24
     assert run(llm) == alone
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.core.scheduler.num_preemptions > 0
 
 
 def test_static_scheduling_matches_alone(alone):
@@ -100,16 +100,16 @@ def test_parallel_sampling_shares_prompt_blocks(llm):
     """n = 4 completions hold the prompt's blocks once (the same block ids in every table,
     far fewer blocks than four copies) and sample as four seeded single requests would."""
     prompt = SHARED + "Name a fruit:"
-    engine, pool = llm.engine, llm.engine.block_pool
+    engine, pool = llm.engine, llm.engine.core.block_pool
     engine.add_request("share", prompt, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=8))
     try:
         seqs = []
         for _ in range(3):  # the prompt computed once (first sequence), then its siblings fork from it
             engine.step()
-            seqs = [r for r in engine.scheduler.running if r.parent_id == "share"]
+            seqs = [r for r in engine.core.scheduler.running if r.parent_id == "share"]
             if len(seqs) == 4:
                 break
-        prompt_blocks = len(llm.tokenizer.encode(prompt)) // engine.config.block_size
+        prompt_blocks = len(llm.tokenizer.encode(prompt)) // engine.core.config.block_size
         assert len(seqs) == 4 and prompt_blocks >= 2
         assert all(list(r.block_ids[:prompt_blocks]) == list(seqs[0].block_ids[:prompt_blocks]) for r in seqs)
         assert pool.num_blocks - pool.num_free <= prompt_blocks + 4 * 2  # the prompt once, a tail each
@@ -128,7 +128,7 @@ def test_request_larger_than_the_kv_pool_is_refused_at_once():
     assert llm.max_model_len == 64  # clamped to what the pool holds, so a longer request is a 400, not a cut-off
     with pytest.raises(InvalidRequestError, match="context window is 64 tokens"):  # max_model_len fits the pool
         llm.generate([[7] * 70], SamplingParams(max_tokens=4))
-    assert not llm.engine.has_unfinished() and llm.engine.block_pool.num_free == 4
+    assert not llm.engine.has_unfinished() and llm.engine.core.block_pool.num_free == 4
 
 
 def test_abort_frees_every_block(llm):
@@ -137,8 +137,8 @@ def test_abort_frees_every_block(llm):
     engine.add_request("b", "Count to one hundred:", SamplingParams(max_tokens=50, n=2))
     for _ in range(3):
         engine.step()
-    assert engine.block_pool.num_used > 0
+    assert engine.core.block_pool.num_used > 0
     engine.abort("a")
     engine.abort("b")
     assert not engine.has_unfinished()
-    assert engine.block_pool.num_free == engine.block_pool.num_blocks
+    assert engine.core.block_pool.num_free == engine.core.block_pool.num_blocks

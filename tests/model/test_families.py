@@ -105,8 +105,8 @@ def _prefill_and_decode(llm: LLM, prompt: list[int], steps: int) -> tuple[list[i
     """Logits at every prompt position, then one decode step at a time (greedy) through
     the paged cache: [len(prompt) + steps, vocab], and the tokens it chose."""
     tokens = list(prompt)
-    bs = llm.engine.block_size
-    with llm.engine.borrow_blocks(-(-(len(prompt) + steps) // bs)) as blocks:
+    bs = llm.engine.core.block_size
+    with llm.engine.core.borrow_blocks(-(-(len(prompt) + steps) // bs)) as blocks:
         rows = [llm.parts.runner.all_logits([seq(tokens, blocks)])]
         for _ in range(steps):
             tokens.append(int(rows[-1][-1].argmax()))
@@ -185,9 +185,9 @@ def test_sliding_window_matches_transformers_and_frees_blocks(tmp_path, llm):
                 if req.num_computed_tokens > 48 and not req.finished:
                     held = len(req.block_ids) - req.num_freed_blocks
                     assert req.num_freed_blocks > 0 and held <= -(-(24 + 40) // 16) + 1
-                    assert engine.block_pool.num_used == held
+                    assert engine.core.block_pool.num_used == held
             assert req.output_token_ids == tokens[len(prompt) :]
-            assert engine.block_pool.num_free == engine.block_pool.num_blocks
+            assert engine.core.block_pool.num_free == engine.core.block_pool.num_blocks
 
 
 def test_phi3_longrope_matches_transformers(tmp_path, llm):
@@ -288,8 +288,8 @@ def test_family_through_every_engine_feature(family):
         **opts,
     ) as busy:
         assert [[c.token_ids for c in o.outputs] for o in busy.generate(prompts, params)] == expected
-        assert busy.engine.num_preemptions > 0 and busy.engine.prefix_cache_stats.hits > 0
-        assert busy.engine.block_pool.num_free == busy.engine.block_pool.num_blocks
+        assert busy.engine.core.num_preemptions > 0 and busy.engine.core.prefix_cache_stats.hits > 0
+        assert busy.engine.core.block_pool.num_free == busy.engine.core.block_pool.num_blocks
     with LLM(
         str(folder),
         kv_cache_memory="32MiB",
@@ -299,7 +299,7 @@ def test_family_through_every_engine_feature(family):
         **opts,
     ) as drafted:  # the model drafting for itself: every draft accepted
         assert [[c.token_ids for c in o.outputs] for o in drafted.generate(prompts, params)] == expected
-        stats = drafted.engine.spec_decode_stats
+        stats = drafted.engine.core.spec_decode_stats
         assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
     small = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     for quant, kv in (("int4", "fp8"), ("none", "int8")):

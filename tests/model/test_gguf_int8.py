@@ -202,7 +202,7 @@ def test_int8_logits_do_not_depend_on_how_a_prompt_is_cut_into_steps(int8_llm):
 
     def logits(step: int) -> torch.Tensor:
         outs = []
-        with engine.borrow_blocks(-(-len(ids) // engine.block_size)) as blocks:
+        with engine.core.borrow_blocks(-(-len(ids) // engine.core.block_size)) as blocks:
             for start in range(0, len(ids), step):
                 piece = ids[start : start + step]
                 outs.append(runner.all_logits([seq(piece, blocks, start, sample=False)]))
@@ -289,7 +289,7 @@ def test_cpp_layer_loop_takes_block_weight_steps_of_up_to_32_tokens_bit_identica
     llm = LLM(
         dtype="float32", quant_arithmetic="int8", progress=False, kv_cache_memory="64MiB", enable_prefix_caching=False
     )
-    model, runner, pool = llm.parts.model, llm.engine.runner, llm.engine.block_pool
+    model, runner, pool = llm.parts.model, llm.engine.core.runner, llm.engine.core.block_pool
     assert model.fused_plan is not None and model.fused_plan.blocks_only
     ops, calls = model.ops, []
     loop = ops.decoder_layers

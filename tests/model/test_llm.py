@@ -82,7 +82,7 @@ def test_stream_deltas_add_up_and_abort_frees_blocks(llm):
     stream = llm.stream(PROMPT, params)
     next(stream)
     stream.close()  # the consumer walks away: the request is aborted
-    assert llm.engine.block_pool.num_free == llm.engine.block_pool.num_blocks
+    assert llm.engine.core.block_pool.num_free == llm.engine.core.block_pool.num_blocks
 
 
 YES = [{"role": "user", "content": "Say just the word 'yes'."}]

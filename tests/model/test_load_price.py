@@ -58,7 +58,7 @@ def tiny_engine(num_blocks: int = 256, caching: bool = True) -> Engine:
         enable_prefix_caching=caching,
         scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64),
     )
-    return Engine(ModelRunner(model, caches, 4, CPU), ToyTokenizer(64), config)
+    return Engine.create(ModelRunner(model, caches, 4, CPU), ToyTokenizer(64), config)
 
 
 @pytest.mark.parametrize("caching", [True, False])
@@ -68,14 +68,14 @@ def test_measured_on_a_tiny_random_model_the_price_is_a_positive_finite_number_o
     (steps, prefix-cache lookups) are as before, so that /metrics shows only real
     requests; a real request runs as on a fresh engine. A busy engine is refused."""
     engine = tiny_engine(caching=caching)
-    parts = measure_load_price(engine, prompt_tokens=150, batch=4, steps=4)
+    parts = measure_load_price(engine.core, prompt_tokens=150, batch=4, steps=4)
     assert (parts.prompt_tokens, parts.batch) == (150, 4)
     assert all(math.isfinite(x) for x in (parts.decode_step_s, parts.seq_step_s, parts.prefill_token_s))
     assert parts.decode_step_s > 0 and parts.prefill_token_s > 0
     assert PRICE_RANGE[0] <= parts.tokens() <= PRICE_RANGE[1] and isinstance(parts.tokens(), int)
-    assert not engine.has_unfinished() and engine.block_pool.num_used == 0
-    assert len(engine.step_stats) == 0 and engine.prefix_cache_stats.queries == 0
-    assert engine.num_preemptions == 0
+    assert not engine.has_unfinished() and engine.core.block_pool.num_used == 0
+    assert len(engine.core.step_stats) == 0 and engine.core.prefix_cache_stats.queries == 0
+    assert engine.core.num_preemptions == 0
     seqs = [
         *sequence_ids(f"{REQUEST_ID}-warm-up", 2),
         f"{REQUEST_ID}-single",
@@ -88,7 +88,7 @@ def test_measured_on_a_tiny_random_model_the_price_is_a_positive_finite_number_o
     assert [o.outputs[0].token_ids for o in after.values()] == [o.outputs[0].token_ids for o in fresh.values()]
     engine.add_request("busy", [1, 2, 3], SamplingParams(max_tokens=2))
     with pytest.raises(RuntimeError, match="idle engine"):
-        measure_load_price(engine)
+        measure_load_price(engine.core)
 
 
 def test_a_small_kv_cache_gets_a_shorter_prompt_and_the_replicas_core_answers_the_call():
@@ -109,7 +109,7 @@ def test_a_small_kv_cache_gets_a_shorter_prompt_and_the_replicas_core_answers_th
             self.sent.append(unpack(pack(msg)))
 
     engine, pipe = tiny_engine(num_blocks=40), Pipe()
-    loop = CoreLoop(engine, pipe)
+    loop = CoreLoop(engine.core, pipe)
     try:
         loop._call(Call(7, "measure_load_price", []))
     finally:
@@ -118,4 +118,4 @@ def test_a_small_kv_cache_gets_a_shorter_prompt_and_the_replicas_core_answers_th
     assert (kind, call_id, error) == ("reply", 7, None)
     parts = LoadPrice(**result)
     assert parts.prompt_tokens < 256 and PRICE_RANGE[0] <= parts.tokens() <= PRICE_RANGE[1]
-    assert engine.block_pool.num_used == 0
+    assert engine.core.block_pool.num_used == 0

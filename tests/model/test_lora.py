@@ -129,9 +129,9 @@ def test_max_loras_preemption_speculation_and_a_small_cpu_cache(base, adapters):
     )
     got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, lora=loras)]
     assert got == expected
-    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine.core.scheduler.num_preemptions > 0
     assert tight.spec_decode_stats.num_drafts > 0
-    pool = tight.engine.block_pool
+    pool = tight.engine.core.block_pool
     assert pool.num_free == pool.num_blocks
 
 

@@ -32,7 +32,7 @@ def engine_for(model, num_blocks: int) -> Engine:
         max_model_len=200,
         scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64),
     )
-    return Engine(ModelRunner(model, caches, 4, CPU), ToyTokenizer(16), config)
+    return Engine.create(ModelRunner(model, caches, 4, CPU), ToyTokenizer(16), config)
 
 
 def test_seeded_sampling_is_the_same_with_and_without_preemption(model):
@@ -42,9 +42,11 @@ def test_seeded_sampling_is_the_same_with_and_without_preemption(model):
     tight = engine_for(model, 24)  # cannot hold all eight: preemption and recompute
     expected = {k: o.token_ids for k, o in run_to_completion(roomy, prompts, params).items()}
     got = {k: o.token_ids for k, o in run_to_completion(tight, prompts, params).items()}
-    assert tight.num_preemptions > 0
+    assert tight.core.num_preemptions > 0
     assert got == expected
-    assert not tight.runner.requests and not tight.runner._parked_generators  # dropped when the engine went idle
+    assert (
+        not tight.core.runner.requests and not tight.core.runner._parked_generators
+    )  # dropped when the engine went idle
 
 
 def test_scheduled_drafts_must_be_the_ones_the_runner_proposed(model):
@@ -65,17 +67,20 @@ def test_a_draft_and_its_probabilities_must_agree_in_length():
         Draft([1, 2], torch.zeros(1, 16))
 
 
-class FailsAfterSampling(ModelRunner):
-    """Raises right after sampling whenever the poisoned request is in the step (as a
-    draft model running out of memory would, after the target's tokens were drawn)."""
+class FailsAfterSampling:
+    """A proposer that raises whenever the poisoned request is in the step (as a draft
+    model running out of memory would): the runner calls it after the target's tokens
+    were drawn, so the step fails late."""
 
     poisoned = "bad"
 
-    def _sample(self, seqs, logits, grammar_masks=None):
-        sampled = super()._sample(seqs, logits, grammar_masks)
+    def propose(self, seqs, new_tokens, generator_of, hidden):
         if any(s.request_id == self.poisoned for s in seqs):
             raise RuntimeError("late failure")
-        return sampled
+        return {}
+
+    def copy_blocks(self, copies):
+        pass
 
 
 def test_a_step_retried_after_a_late_failure_samples_the_same_tokens(model):
@@ -85,7 +90,7 @@ def test_a_step_retried_after_a_late_failure_samples_the_same_tokens(model):
     params = [SamplingParams(temperature=1.0, seed=7 + i, max_tokens=12, ignore_eos=True) for i in range(4)]
     expected = {k: o.token_ids for k, o in run_to_completion(engine_for(model, 128), prompts, params).items()}
     engine = engine_for(model, 128)
-    engine.runner.__class__ = FailsAfterSampling
+    engine.core.runner.proposer = FailsAfterSampling()
     engine.add_request("bad", [3, 1, 4, 1, 5], SamplingParams(temperature=1.0, seed=1, max_tokens=12))
     done = run_to_completion(engine, prompts, params)
     assert done["bad"].finish_reason == "error" and "late failure" in done["bad"].error
@@ -100,4 +105,4 @@ def test_a_sequence_id_cannot_be_taken_twice(model):
     with pytest.raises(InvalidRequestError, match="duplicate request id"):
         engine.add_request("x", [1, 2, 3], SamplingParams(n=2, max_tokens=2))  # its second sequence is x#1
     run_to_completion(engine)
-    assert engine.block_pool.num_free == engine.block_pool.num_blocks
+    assert engine.core.block_pool.num_free == engine.core.block_pool.num_blocks

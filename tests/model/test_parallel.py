@@ -26,7 +26,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.distributed.stage import split_microbatches
 from tokenmill.errors import EngineDeadError, TokenmillError
 from tokenmill.model.loader import load_checkpoint
-from tokenmill.model.shard import ModelShard, check_parallel_sizes
+from tokenmill.model.shard_plan import ModelShard, check_parallel_sizes
 from tokenmill.worker.kv_cache import block_bytes
 
 PROMPTS = [
@@ -40,8 +40,8 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
 def _logits(llm: LLM, token_lists: list[list[int]]) -> torch.Tensor:
     """Logits at every position of each prompt, all in one batch (borrowed blocks)."""
-    per = [-(-len(t) // llm.engine.block_size) for t in token_lists]
-    with llm.engine.borrow_blocks(sum(per)) as blocks:
+    per = [-(-len(t) // llm.engine.core.block_size) for t in token_lists]
+    with llm.engine.core.borrow_blocks(sum(per)) as blocks:
         seqs, at = [], 0
         for i, (tokens, n) in enumerate(zip(token_lists, per, strict=True)):
             seqs.append(seq(tokens, blocks[at : at + n], request_id=str(i)))
@@ -127,16 +127,16 @@ def test_pipeline_with_every_feature(tiny, tp, pp, quantization):
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     with LLM(path, kv_cache_memory=_kv_memory(path, 14, 1, 1), **opts) as whole:
         expected = _tokens(whole.generate(prompts, params))
-        assert whole.engine.num_preemptions > 0 and whole.engine.prefix_cache_stats.hits > 0
+        assert whole.engine.core.num_preemptions > 0 and whole.engine.core.prefix_cache_stats.hits > 0
     with LLM(
         path, kv_cache_memory=_kv_memory(path, 14, tp, pp), tensor_parallel_size=tp, pipeline_parallel_size=pp, **opts
     ) as split:
         assert split.num_blocks == 14
         assert _tokens(split.generate(prompts, params)) == expected
         engine = split.engine
-        assert engine.num_preemptions > 0 and engine.prefix_cache_stats.hits > 0
-        assert engine.spec_decode_stats.num_accepted_tokens > 0
-        assert engine.block_pool.num_free == engine.block_pool.num_blocks
+        assert engine.core.num_preemptions > 0 and engine.core.prefix_cache_stats.hits > 0
+        assert engine.core.spec_decode_stats.num_accepted_tokens > 0
+        assert engine.core.block_pool.num_free == engine.core.block_pool.num_blocks
 
 
 @pytest.mark.parametrize(("tp", "pp", "quantization", "atol"), [(1, 2, "none", 1e-4), (2, 2, "int8", 2e-2)])

@@ -48,7 +48,7 @@ def test_perplexity_stays_within_its_bound_of_float32(heldout_ids, float_ppl, kw
     q = quantized(quant_arithmetic="float", **kw)
     ppl = perplexity(q, heldout_ids)
     assert abs(ppl / float_ppl - 1) <= bound, (kw, ppl, float_ppl)
-    assert q.engine.block_pool.num_free == q.engine.block_pool.num_blocks
+    assert q.engine.core.block_pool.num_free == q.engine.core.block_pool.num_blocks
 
 
 def test_int8_weights_agree_with_float32_on_most_greedy_tokens(llm):
@@ -63,8 +63,8 @@ def test_int8_weights_agree_with_float32_on_most_greedy_tokens(llm):
     for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params), strict=True):
         ids = llm.tokenizer.encode(prompt)
         full = ids + out.outputs[0].token_ids
-        with int8.engine.borrow_blocks(-(-len(full) // int8.engine.block_size)) as blocks:
-            top = all_logits(int8.engine.runner, [seq(full, blocks)]).argmax(-1)[len(ids) - 1 : -1]
+        with int8.engine.core.borrow_blocks(-(-len(full) // int8.engine.core.block_size)) as blocks:
+            top = all_logits(int8.engine.core.runner, [seq(full, blocks)]).argmax(-1)[len(ids) - 1 : -1]
         same += (top == torch.tensor(out.outputs[0].token_ids)).sum().item()
         total += len(out.outputs[0].token_ids)
     assert same / total >= 0.85, f"int8 top-1 agrees with float32 on {same}/{total} positions"
@@ -99,7 +99,7 @@ def test_a_quantised_kv_cache_gives_a_prompt_the_same_logprobs_with_its_prefix_c
     prompt = "The three rivers of the old town are wide and slow, and the bridges over them are"  # > one block
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=5, ignore_eos=True)
     first, again = (q.generate(prompt, params)[0] for _ in range(2))
-    assert again.num_cached_tokens >= q.engine.block_size
+    assert again.num_cached_tokens >= q.engine.core.block_size
     assert first.outputs[0].token_ids == again.outputs[0].token_ids
     assert first.outputs[0].logprobs == again.outputs[0].logprobs
 
@@ -117,4 +117,4 @@ def test_copy_on_write_of_a_quantised_kv_block_keeps_forks_exact(kv_cache_dtype)
         for i in range(3)
     ]
     assert [c.token_ids for c in forked.outputs] == alone
-    assert q.engine.block_pool.num_free == q.engine.block_pool.num_blocks
+    assert q.engine.core.block_pool.num_free == q.engine.core.block_pool.num_blocks

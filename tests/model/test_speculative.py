@@ -66,12 +66,12 @@ def tiny_engine(
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64),
         speculative=spec,
     )
-    return Engine(runner, ToyTokenizer(target.config.vocab_size), config)
+    return Engine.create(runner, ToyTokenizer(target.config.vocab_size), config)
 
 
 def run(engine: Engine, prompts, params) -> dict[str, list[int]]:
     done = run_to_completion(engine, prompts, params)
-    assert engine.block_pool.num_free == engine.block_pool.num_blocks, "KV blocks leaked"
+    assert engine.core.block_pool.num_free == engine.core.block_pool.num_blocks, "KV blocks leaked"
     return {rid: out.outputs[0].token_ids for rid, out in done.items()}
 
 
@@ -102,8 +102,8 @@ def test_greedy_output_is_identical_in_a_mixed_batch_with_preemption(target, met
     draft = tiny_model(1, vocab=16)
     engine = tiny_engine(target, method, draft=draft, num_blocks=24)  # too few blocks for all: preemption
     assert run(engine, prompts, params) == expected
-    assert engine.scheduler.num_preemptions > 0 and engine.kv.stats.hits > 0
-    assert engine.spec_decode_stats.num_drafts > 0 and engine.spec_decode_stats.num_draft_tokens > 0
+    assert engine.core.scheduler.num_preemptions > 0 and engine.core.kv.stats.hits > 0
+    assert engine.core.spec_decode_stats.num_drafts > 0 and engine.core.spec_decode_stats.num_draft_tokens > 0
 
 
 @pytest.mark.parametrize("method", ["draft", "self"])
@@ -117,9 +117,9 @@ def test_a_draft_identical_to_the_target_is_always_accepted(target, method):
         target, method, draft=copy.deepcopy(target), num_blocks=24, draft_layers=target.config.num_layers
     )
     run(engine, prompts, [SamplingParams(temperature=0, max_tokens=p.max_tokens, ignore_eos=True) for p in params])
-    stats = engine.spec_decode_stats
+    stats = engine.core.spec_decode_stats
     assert stats.num_drafts > 20 and stats.acceptance_rate == 1.0
-    assert engine.scheduler.num_preemptions > 0 and engine.kv.stats.hits > 0
+    assert engine.core.scheduler.num_preemptions > 0 and engine.core.kv.stats.hits > 0
 
 
 @pytest.mark.parametrize(
@@ -137,7 +137,7 @@ def test_sampling_with_speculation_reproduces_the_targets_distribution(method, t
         for s in range(draws)
     ]
     outputs = run(engine, [prompt] * draws, params).values()
-    stats = engine.spec_decode_stats
+    stats = engine.core.spec_decode_stats
     assert stats.num_drafts >= draws  # every request verified drafts for tokens 2 and 3
     assert 0 < stats.acceptance_rate < 1  # and both acceptance and rejection happened
     p1, p23 = exact_first_tokens(target, prompt, temperature, top_k)
@@ -165,11 +165,11 @@ def test_speculation_pauses_above_the_disable_batch_size(target):
     prompts, params = mixed_workload(16)
     engine = tiny_engine(target, "ngram", disable_batch_size=2)
     run(engine, prompts[:2], params[:2])
-    drafted = engine.spec_decode_stats.num_drafts
+    drafted = engine.core.spec_decode_stats.num_drafts
     assert drafted > 0
     run(engine, prompts, params)  # ten at once: no drafting until at most two remain
-    steps_over = [s for s in engine.step_stats if s.num_running > 2]
-    assert steps_over and engine.spec_decode_stats.num_drafts - drafted < len(prompts) * 10
+    steps_over = [s for s in engine.core.step_stats if s.num_running > 2]
+    assert steps_over and engine.core.spec_decode_stats.num_drafts - drafted < len(prompts) * 10
 
 
 def test_logprobs_of_accepted_tokens_match_plain_decoding(target):
@@ -209,8 +209,8 @@ def test_all_proposers_leave_no_state_behind_after_aborts(target):
             if not engine.has_unfinished():
                 break
         engine.step()  # hands the runner the last finished ids
-        assert engine.block_pool.num_free == engine.block_pool.num_blocks
-        assert not engine.runner.requests and not engine.runner._parked_generators
+        assert engine.core.block_pool.num_free == engine.core.block_pool.num_blocks
+        assert not engine.core.runner.requests and not engine.core.runner._parked_generators
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft", "self"])
@@ -224,8 +224,8 @@ def test_n_sequences_fork_and_speculate(target, method):
         outs += [o for o in engine.step() if o.finished]
     assert sorted(o.outputs[0].index for o in outs) == [0, 1, 2]
     assert all(o.error is None and len(o.outputs[0].token_ids) == 12 for o in outs)
-    assert engine.spec_decode_stats.num_drafts > 0
-    assert engine.block_pool.num_free == engine.block_pool.num_blocks
+    assert engine.core.spec_decode_stats.num_drafts > 0
+    assert engine.core.block_pool.num_free == engine.core.block_pool.num_blocks
 
 
 @pytest.mark.parametrize("method", ["draft", "self"])

@@ -127,7 +127,7 @@ def engine_with(target, proposer, method, k=3, num_blocks=64, caching=True, max_
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
         speculative=spec,
     )
-    return Engine(runner, ToyTokenizer(target.config.vocab_size), config)
+    return Engine.create(runner, ToyTokenizer(target.config.vocab_size), config)
 
 
 def eagle_engine(target, path, num_blocks=64, min_confidence=0.0, width=1, **kw):
@@ -144,7 +144,7 @@ def medusa_engine(target, path, num_blocks=64, width=1, **kw):
 
 def run(engine, prompts, params):
     done = run_to_completion(engine, prompts, params)
-    assert engine.block_pool.num_free == engine.block_pool.num_blocks, "KV blocks leaked"
+    assert engine.core.block_pool.num_free == engine.core.block_pool.num_blocks, "KV blocks leaked"
     return {rid: out.outputs[0].token_ids for rid, out in done.items()}
 
 
@@ -230,10 +230,10 @@ def test_eagle_drafts_follow_the_whole_history_through_chunks_sharing_and_preemp
     proposer.log = []
     engine = engine_with(target, proposer, "eagle", num_blocks=24, budget=16)  # too few blocks: preemption
     if paused:
-        engine.runner.pause = Alternating()
+        engine.core.runner.pause = Alternating()
     prompts, params = workload(16)
     run(engine, prompts, [SamplingParams(temperature=0, max_tokens=p.max_tokens) for p in params])
-    assert engine.scheduler.num_preemptions > 0 and engine.kv.stats.hits > 0
+    assert engine.core.scheduler.num_preemptions > 0 and engine.core.kv.stats.hits > 0
     assert len(proposer.log) > 30
     checked = 0
     for known, drafts in proposer.log[::3]:
@@ -267,8 +267,8 @@ def test_greedy_output_is_identical_with_a_head(target, tmp_path, method):
         write_eagle(tmp_path, target, draft_ids=[1, 2, 4, 8, 9, 15] if method == "eagle-draft-vocab" else None)
         engine = eagle_engine(target, tmp_path, num_blocks=24, budget=16)
     assert run(engine, prompts, params) == expected
-    assert engine.scheduler.num_preemptions > 0
-    assert engine.spec_decode_stats.num_drafts > 0
+    assert engine.core.scheduler.num_preemptions > 0
+    assert engine.core.spec_decode_stats.num_drafts > 0
 
 
 def test_a_confidence_floor_drafts_less_and_changes_no_output(target, tmp_path):
@@ -279,7 +279,9 @@ def test_a_confidence_floor_drafts_less_and_changes_no_output(target, tmp_path):
     expected = run(eagle_engine(target, tmp_path), prompts, params)
     always, picky = eagle_engine(target, tmp_path), eagle_engine(target, tmp_path, min_confidence=0.3)
     assert run(always, prompts, params) == expected == run(picky, prompts, params)
-    per_draft = [e.spec_decode_stats.num_draft_tokens / e.spec_decode_stats.num_drafts for e in (always, picky)]
+    per_draft = [
+        e.core.spec_decode_stats.num_draft_tokens / e.core.spec_decode_stats.num_drafts for e in (always, picky)
+    ]
     assert per_draft[0] > 2.5 and per_draft[1] < per_draft[0] - 0.5
 
 
@@ -302,7 +304,7 @@ def test_sampling_with_a_head_reproduces_the_targets_distribution(tmp_path, meth
     prompt = list(range(vocab)) * 2
     params = [SamplingParams(temperature=1.0, max_tokens=4, seed=s, ignore_eos=True) for s in range(draws)]
     outputs = run(engine, [prompt] * draws, params).values()
-    stats = engine.spec_decode_stats
+    stats = engine.core.spec_decode_stats
     assert stats.num_drafts >= draws
     assert 0 < stats.acceptance_rate < 1
     p1, p23 = exact_first_tokens(target, prompt, 1.0)
@@ -408,7 +410,7 @@ def test_tree_verification_is_greedy_identical_through_chunks_sharing_and_preemp
     else:
         write_eagle(tmp_path, target, draft_ids=[1, 2, 4, 8, 9, 15, 3, 0] if method == "eagle-draft-vocab" else None)
         engine = eagle_engine(target, tmp_path, num_blocks=30, width=width, k=5, budget=16, kv=kv)
-    proposer, shapes = engine.runner.proposer, Counter()
+    proposer, shapes = engine.core.runner.proposer, Counter()
     propose = proposer.propose
 
     def counting(*a, **kw):
@@ -424,5 +426,5 @@ def test_tree_verification_is_greedy_identical_through_chunks_sharing_and_preemp
     assert shapes["tree"] > 20 and shapes["chain"] > 5  # greedy requests drafted trees, sampled ones chains
     greedy = [str(i) for i, p in enumerate(params) if p.temperature == 0]
     assert {r: got[r] for r in greedy} == {r: expected[r] for r in greedy}
-    assert engine.scheduler.num_preemptions > 0 and engine.kv.stats.hits > 0
-    assert engine.spec_decode_stats.num_drafts > 0 and engine.spec_decode_stats.num_accepted_tokens > 0
+    assert engine.core.scheduler.num_preemptions > 0 and engine.core.kv.stats.hits > 0
+    assert engine.core.spec_decode_stats.num_drafts > 0 and engine.core.spec_decode_stats.num_accepted_tokens > 0

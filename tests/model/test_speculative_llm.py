@@ -46,8 +46,8 @@ def test_greedy_output_is_token_identical(llm, reference, kwargs):
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
     if kwargs["speculative"] == "draft":
         assert stats.acceptance_rate == 1.0
-    assert spec.engine.scheduler.num_preemptions > 0  # the cache cannot hold all four at once
-    pool = spec.engine.block_pool
+    assert spec.engine.core.scheduler.num_preemptions > 0  # the cache cannot hold all four at once
+    pool = spec.engine.core.block_pool
     assert pool.num_free == pool.num_blocks
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.errors import InvalidRequestError
-from tokenmill.structured.spec import StructuredOutputs
+from tokenmill.structured.constraint import StructuredOutputs
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -212,7 +212,7 @@ def test_prompt_lookup_speculation_gives_the_same_constrained_output(llm):
     )
     for o in sampled:
         jsonschema.validate(json.loads(o.outputs[0].text), SCHEMAS["nested"])
-    assert spec.engine.block_pool.num_free == spec.engine.block_pool.num_blocks
+    assert spec.engine.core.block_pool.num_free == spec.engine.core.block_pool.num_blocks
 
 
 def test_prefix_cache_hits_preemption_n_and_stop_strings(llm):
@@ -229,7 +229,7 @@ def test_prefix_cache_hits_preemption_n_and_stop_strings(llm):
     ]
     small = LLM(dtype="float32", progress=False, kv_cache_memory="9MiB", max_num_seqs=10)  # 12 blocks
     tight = small.generate(prompts, many)
-    assert small.engine.scheduler.num_preemptions > 0
+    assert small.engine.core.scheduler.num_preemptions > 0
     roomy = llm.generate(prompts, many)
     assert [o.outputs[0].token_ids for o in tight] == [o.outputs[0].token_ids for o in roomy]
     # n > 1: each sequence has its own matcher
@@ -266,7 +266,7 @@ def test_bad_constraints_are_refused_and_the_engine_lives(llm, structured, needl
 
 
 def test_compiled_grammars_are_cached_by_content(llm):
-    compiler = llm.engine.structured.compiler
+    compiler = llm.engine.core.structured.compiler
     schema = {"type": "object", "properties": {"cache_probe": {"type": "integer"}}}
     first = compiler.compile(StructuredOutputs(json=schema))
     hits = compiler.stats.hits

@@ -21,8 +21,8 @@ PROMPTS = [
 def test_logits_match_transformers_prefill_and_16_decode_steps(float_llm, hf_model, prompt):
     llm = float_llm  # the exact arithmetic: transformers' numbers
     ids = llm.tokenizer.encode(prompt)
-    runner = llm.engine.runner
-    blocks = llm.engine.block_pool.allocate(-(-(len(ids) + 16) // llm.engine.block_size))
+    runner = llm.engine.core.runner
+    blocks = llm.engine.core.block_pool.allocate(-(-(len(ids) + 16) // llm.engine.core.block_size))
     try:
         ours = [all_logits(runner, [seq(ids, blocks)])]  # prefill: every prompt position
         tokens = list(ids)
@@ -30,7 +30,7 @@ def test_logits_match_transformers_prefill_and_16_decode_steps(float_llm, hf_mod
             tokens.append(int(ours[-1][-1].argmax()))
             ours.append(all_logits(runner, [seq(tokens[-1:], blocks, num_computed=len(tokens) - 1)]))
     finally:
-        llm.engine.block_pool.free(blocks)
+        llm.engine.core.block_pool.free(blocks)
     with torch.no_grad():
         ref = hf_model(torch.tensor([tokens])).logits[0]  # [len(tokens), vocab]
     prefill_diff = (ours[0] - ref[: len(ids)]).abs().max().item()
@@ -62,13 +62,13 @@ def test_bfloat16_agrees_with_float32(llm):
 
     bf16 = LLM(dtype="bfloat16", progress=False, kv_cache_memory="64MiB")
     ids = llm.tokenizer.encode(PROMPTS[2])
-    blocks32 = llm.engine.block_pool.allocate(-(-len(ids) // 16))
-    blocks16 = bf16.engine.block_pool.allocate(-(-len(ids) // 16))
+    blocks32 = llm.engine.core.block_pool.allocate(-(-len(ids) // 16))
+    blocks16 = bf16.engine.core.block_pool.allocate(-(-len(ids) // 16))
     try:
-        ref = all_logits(llm.engine.runner, [seq(ids, blocks32)])
-        got = all_logits(bf16.engine.runner, [seq(ids, blocks16)])
+        ref = all_logits(llm.engine.core.runner, [seq(ids, blocks32)])
+        got = all_logits(bf16.engine.core.runner, [seq(ids, blocks16)])
     finally:
-        llm.engine.block_pool.free(blocks32)
+        llm.engine.core.block_pool.free(blocks32)
     agree = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
     assert got.dtype == torch.float32 and bf16.model.norm.weight.dtype == torch.bfloat16
     assert agree > 0.9, f"bf16 top-1 agrees with fp32 on only {agree:.0%} of positions"

@@ -86,7 +86,7 @@ def test_the_limits_are_on_by_default():
 )
 def test_a_request_over_a_limit_is_a_400_naming_its_flag_and_leaves_nothing_behind(path, body, flag):
     engine = AsyncEngine(
-        Engine(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=64, block_size=4, max_model_len=64))
+        Engine.create(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=64, block_size=4, max_model_len=64))
     )
     config = ServerConfig(
         served_model_name=MODEL, max_prompts_per_request=3, max_embedding_inputs=3, max_request_tokens=10
@@ -97,7 +97,7 @@ def test_a_request_over_a_limit_is_a_400_naming_its_flag_and_leaves_nothing_behi
         err = json.loads(raw)["error"]
         assert status == 400 and err["code"] == 400 and flag in err["message"], err
         assert err["param"] in ("prompt", "input")
-        assert engine.engine.num_unfinished_requests == 0
+        assert engine.engine.core.num_unfinished_requests == 0
         ok = {"prompt": ["abc", "abc"], "max_tokens": 1} if path == "/v1/completions" else {"input": ["abc", "abc"]}
         status, _, raw = asyncio.run(_post(app, "10.0.0.1", path, {"model": MODEL, **ok}))
         assert status == 200, raw
@@ -113,7 +113,7 @@ def test_a_many_prompt_request_shares_the_engine_with_another_clients_request():
     and the first client never holds more than its 2 places."""
     scheduler = SchedulerConfig(max_num_seqs=2)
     engine = AsyncEngine(
-        Engine(
+        Engine.create(
             SlowRunner(4),
             ToyTokenizer(),
             EngineConfig(num_blocks=64, block_size=4, max_model_len=64, scheduler=scheduler),
@@ -136,7 +136,7 @@ def test_a_many_prompt_request_shares_the_engine_with_another_clients_request():
                 await asyncio.sleep(0.001)
 
         watcher = asyncio.create_task(watch())
-        while engine.engine.num_unfinished_requests == 0:
+        while engine.engine.core.num_unfinished_requests == 0:
             await asyncio.sleep(0.001)
         small = await _post(app, "10.0.0.2", "/v1/completions", {"model": MODEL, "prompt": "q", "max_tokens": 4})
         answered_at = time.monotonic()

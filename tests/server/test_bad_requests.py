@@ -23,7 +23,7 @@ MODEL = "toy"
 @pytest.fixture(scope="module")
 def app_engine():
     engine = AsyncEngine(
-        Engine(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=64, block_size=4, max_model_len=64))
+        Engine.create(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=64, block_size=4, max_model_len=64))
     )
     config = ServerConfig(served_model_name=MODEL, api_key=KEY, max_queue=2, max_request_bytes=4096)
     yield build_app(engine, ToyTokenizer(), 64, config), engine
@@ -195,7 +195,7 @@ def test_the_queue_limit_counts_prompts_times_n(app_engine):
     assert_error(call(app, "POST", "/v1/completions", {"prompt": "a", "n": 3, "max_tokens": 2}), 429, "adds 3")
     ok = call(app, "POST", "/v1/completions", {"prompt": ["a", "b"], "max_tokens": 2})
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
-    assert engine.engine.num_unfinished_requests == 0
+    assert engine.engine.core.num_unfinished_requests == 0
 
 
 def test_the_openapi_document_says_400_and_event_stream(app_engine):
@@ -288,7 +288,7 @@ def test_a_body_trickled_past_the_timeout_gets_408():
     """Issue 24 item 11: a client that never finishes its body is answered 408 (OpenAI's
     error shape) after --request-body-timeout, instead of holding its connection."""
     engine = AsyncEngine(
-        Engine(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=16, block_size=4, max_model_len=64))
+        Engine.create(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=16, block_size=4, max_model_len=64))
     )
     app = build_app(engine, ToyTokenizer(), 64, ServerConfig(served_model_name=MODEL, request_body_timeout=0.5))
     sent: list[dict] = []
@@ -363,7 +363,7 @@ def test_requests_past_the_open_request_cap_get_503_and_probes_still_answer():
     finish arriving), a new request is answered 503 at once in OpenAI's shape with
     Retry-After; /health still answers; once they close, requests are served again."""
     engine = AsyncEngine(
-        Engine(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=16, block_size=4, max_model_len=64))
+        Engine.create(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=16, block_size=4, max_model_len=64))
     )
     app = build_app(
         engine,
@@ -449,7 +449,7 @@ def test_an_unknown_field_inside_a_message_is_refused_by_name(app_engine):
 
 def test_a_nul_byte_in_a_lora_path_is_a_400_naming_it():
     engine = AsyncEngine(
-        Engine(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=16, block_size=4, max_model_len=64))
+        Engine.create(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=16, block_size=4, max_model_len=64))
     )
     app = build_app(engine, ToyTokenizer(), 64, ServerConfig(served_model_name=MODEL, allow_runtime_lora_updating=True))
     try:
@@ -485,7 +485,9 @@ def test_an_unexpected_error_is_a_json_500_and_the_connection_serves_the_next_re
     from tests.helpers import wait_until
 
     engine = AsyncEngine(
-        Engine(ScriptedRunner(4), _FailingTokenizer(), EngineConfig(num_blocks=16, block_size=4, max_model_len=64))
+        Engine.create(
+            ScriptedRunner(4), _FailingTokenizer(), EngineConfig(num_blocks=16, block_size=4, max_model_len=64)
+        )
     )
     app = build_app(engine, _FailingTokenizer(), 64, ServerConfig(served_model_name=MODEL))
     listener = socket.socket()

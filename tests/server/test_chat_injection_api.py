@@ -33,7 +33,7 @@ def tokenizer():
 @pytest.fixture(params=[False, True], ids=["default", "allowed"])
 def app(request, tokenizer):
     engine = AsyncEngine(
-        Engine(ScriptedRunner(4), tokenizer, EngineConfig(num_blocks=256, block_size=4, max_model_len=1024))
+        Engine.create(ScriptedRunner(4), tokenizer, EngineConfig(num_blocks=256, block_size=4, max_model_len=1024))
     )
     config = ServerConfig(allow_special_tokens_in_messages=request.param)
     yield request.param, build_app(engine, tokenizer, 1024, config)

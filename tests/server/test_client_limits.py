@@ -30,7 +30,7 @@ PROMPT = json.dumps({"prompt": "ab", "max_tokens": 2}).encode()
 @pytest.fixture
 def engine():
     engine = AsyncEngine(
-        Engine(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=16, block_size=4, max_model_len=64))
+        Engine.create(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=16, block_size=4, max_model_len=64))
     )
     yield engine
     engine.shutdown()

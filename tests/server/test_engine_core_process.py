@@ -16,7 +16,7 @@ import pytest
 
 from tests.helpers import engine_core_pid, loads_torch
 from tests.server.conftest import MODEL, Server
-from tokenmill import SamplingParams
+from tokenmill import PoolingParams, SamplingParams
 from tokenmill.args import engine_args
 from tokenmill.core_process import run_engine_core
 from tokenmill.engine.core_client import AsyncCoreClient
@@ -274,7 +274,7 @@ def test_thousands_of_requests_put_in_at_once_and_dropped_never_lock_the_pipe():
     try:
 
         async def flood() -> None:
-            params = SamplingParams(max_tokens=1, pooling="last")
+            params = PoolingParams("last")
             ids = c.tokenizer.encode("word after word " * 20)
 
             async def one(i: int) -> None:

@@ -37,7 +37,9 @@ class DyingRunner(ScriptedRunner):
 def dying_app():
     """An app over a threaded engine whose loop dies once ``runner.dead`` is set."""
     runner = DyingRunner()
-    engine = AsyncEngine(Engine(runner, ToyTokenizer(), EngineConfig(num_blocks=32, block_size=4, max_model_len=64)))
+    engine = AsyncEngine(
+        Engine.create(runner, ToyTokenizer(), EngineConfig(num_blocks=32, block_size=4, max_model_len=64))
+    )
     return runner, engine, build_app(engine, ToyTokenizer(), 64, ServerConfig(served_model_name=MODEL))
 
 

@@ -23,7 +23,7 @@ KEY = "key-a"
 
 def scripted(name: str) -> ServedModel:
     engine = AsyncEngine(
-        Engine(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=128, block_size=4, max_model_len=512))
+        Engine.create(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=128, block_size=4, max_model_len=512))
     )
     return ServedModel(name, engine, ToyTokenizer(), 512)
 
@@ -209,10 +209,10 @@ def test_the_engines_stop_tracing_when_nobody_looks(make_app, monkeypatch):
 
     async def go() -> None:
         await request(app, "GET", "/tokenmill/live")
-        assert engine.tracer.on
+        assert engine.core.tracer.on
         await asyncio.sleep(0.8)
-        assert not engine.tracer.on and app.state.served.live.models["toy"].started is None
+        assert not engine.core.tracer.on and app.state.served.live.models["toy"].started is None
         await request(app, "GET", "/tokenmill/live")  # a new look starts it again
-        assert engine.tracer.on
+        assert engine.core.tracer.on
 
     asyncio.run(go())

@@ -22,7 +22,7 @@ METRIC = re.compile(r"tokenmill:[a-z0-9_]+")
 
 def exported_names() -> set[str]:
     engine = AsyncEngine(
-        Engine(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=64, block_size=4, max_model_len=64))
+        Engine.create(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=64, block_size=4, max_model_len=64))
     )
     app = build_app(engine, ToyTokenizer(), 64, ServerConfig(served_model_name="toy"))
 

@@ -26,7 +26,7 @@ KEYS = ("key-a", "key-b")
 def scripted(name: str, logprob: float, context: int = 512) -> ServedModel:
     """A model whose every sampled token has probability exp(logprob)."""
     engine = AsyncEngine(
-        Engine(
+        Engine.create(
             ScriptedRunner(4, logprob=logprob),
             ToyTokenizer(),
             EngineConfig(num_blocks=512, block_size=4, max_model_len=context),

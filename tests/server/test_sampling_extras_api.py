@@ -76,7 +76,7 @@ def test_truncate_prompt_tokens_minus_one_keeps_what_the_context_holds():
     from tokenmill.server.app import build_app
 
     engine = AsyncEngine(
-        Engine(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=64, block_size=4, max_model_len=64))
+        Engine.create(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=64, block_size=4, max_model_len=64))
     )
     app = build_app(engine, ToyTokenizer(), 64, ServerConfig(served_model_name="toy"))
 

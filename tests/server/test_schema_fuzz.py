@@ -53,7 +53,7 @@ CAPS = {"max_tokens": 3, "max_completion_tokens": 3, "max_output_tokens": 3, "n"
 @pytest.fixture(scope="module")
 def fuzz_app():
     engine = AsyncEngine(
-        Engine(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=256, block_size=4, max_model_len=64))
+        Engine.create(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=256, block_size=4, max_model_len=64))
     )
     app = build_app(
         engine, ToyTokenizer(), 64, ServerConfig(served_model_name="toy", max_queue=64, max_request_bytes=1 << 16)
@@ -157,7 +157,7 @@ def test_every_route_answers_fuzzed_bodies_without_a_5xx(fuzz_app, data):
     assert r.status_code < 500, (method, path, body, r.text[:500])
     if r.status_code >= 400:
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
-    assert path not in GENERATING or settles(lambda: engine.engine.num_unfinished_requests == 0)
+    assert path not in GENERATING or settles(lambda: engine.engine.core.num_unfinished_requests == 0)
 
 
 # --------------------------------------- structured output, tools and LoRA routes
@@ -258,7 +258,7 @@ def full_fuzz_app(tmp_path_factory):
     pytest.importorskip("llguidance")
     tokenizer = load_tokenizer(default_model_path())
     config = EngineConfig(num_blocks=256, block_size=4, max_model_len=256, max_loras=2)
-    engine = AsyncEngine(Engine(LoRARunner(4), tokenizer, config, grammars=GrammarCompiler(tokenizer, 49152)))
+    engine = AsyncEngine(Engine.create(LoRARunner(4), tokenizer, config, grammars=GrammarCompiler(tokenizer, 49152)))
     app = build_app(
         engine,
         tokenizer,
@@ -308,5 +308,5 @@ def test_structured_tool_and_lora_routes_answer_fuzzed_bodies_without_a_5xx(full
     if r.status_code >= 400:
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
     assert path not in GENERATING or settles(
-        lambda: engine.engine.num_unfinished_requests == 0 and engine.engine.snapshot().kv_usage == 0.0
+        lambda: engine.engine.core.num_unfinished_requests == 0 and engine.engine.core.snapshot().kv_usage == 0.0
     )

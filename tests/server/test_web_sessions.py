@@ -50,7 +50,7 @@ def test_sessions_end_at_sign_out_expiry_and_past_a_keys_cap():
 @pytest.fixture
 def app():
     engine = AsyncEngine(
-        Engine(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=16, block_size=4, max_model_len=64))
+        Engine.create(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=16, block_size=4, max_model_len=64))
     )
     config = ServerConfig(
         served_model_name="toy", api_key=(KEY,), allow_runtime_lora_updating=True, web_session_ttl=0.5

@@ -73,13 +73,13 @@ LAYERS = [
     ["errors", "lifetime"],
     ["config", "memory"],
     ["args", "structured", "quant", "lora"],
-    ["sampling_params", "kernels"],
+    ["sampling_params", "pooling_params", "kernels"],
     ["beam_search", "engine", "model"],  # engine: no torch; model: no requests
     ["model_setup", "worker"],
     ["speculative", "distributed", "evaluate"],  # the proposers plug into the runner, never the reverse
     ["factory"],
     ["llm", "core_process"],
-    ["plan", "benchmark", "server"],  # server: the HTTP app, whoever hosts its engines
+    ["plan", "loadgen", "server"],  # server: the HTTP app, whoever hosts its engines
     ["replicas"],  # Ray Serve replicas: engines hosted there, and the app as a Serve application
     ["launch"],  # tokenmill serve: chooses among the ways to host engines
     ["cli"],

@@ -10,7 +10,7 @@ from tokenmill.sampling_params import SamplingParams
 
 
 def engine(**kw) -> Engine:
-    return Engine(
+    return Engine.create(
         ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=256, block_size=4, max_model_len=1000, **kw)
     )
 
@@ -68,7 +68,7 @@ def test_a_stop_string_inside_a_multi_token_step_ends_the_request_there():
             ref += out.delta_token_ids
     text = ToyTokenizer().decode(ref)
     stop = text[20:23]
-    assert e.spec_decode_stats.num_accepted_tokens > 0  # some steps added several tokens
+    assert e.core.spec_decode_stats.num_accepted_tokens > 0  # some steps added several tokens
     e2 = engine(speculative=spec)
     e2.add_request("s", [1, 2, 3], SamplingParams(max_tokens=50, stop=(stop,)))
     last = None
@@ -77,8 +77,8 @@ def test_a_stop_string_inside_a_multi_token_step_ends_the_request_there():
             last = out
     assert last.finished and last.finish_reason == "stop" and last.outputs[0].stop_reason == stop
     assert last.text == text[: text.index(stop)]
-    assert e2.block_pool.num_free == e2.block_pool.num_blocks
-    assert not e2.runner.requests
+    assert e2.core.block_pool.num_free == e2.core.block_pool.num_blocks
+    assert not e2.core.runner.requests
 
 
 def test_a_stop_string_before_min_tokens_is_not_found_afterwards():

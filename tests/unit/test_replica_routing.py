@@ -6,7 +6,7 @@ from __future__ import annotations
 from tokenmill.engine.block_pool import BlockPool
 from tokenmill.engine.kv_manager import KVCacheManager
 from tokenmill.engine.request import Request
-from tokenmill.replicas.routing import (
+from tokenmill.replicas.replica_router import (
     KVAwareRouter,
     PowerOfTwoRouter,
     ReplicaState,
@@ -91,7 +91,7 @@ def test_an_engine_reports_kv_events_a_router_can_match_prompts_against():
     from tokenmill.engine.engine import Engine, EngineConfig
 
     engines = [
-        Engine(
+        Engine.create(
             ScriptedRunner(BS),
             ToyTokenizer(),
             EngineConfig(num_blocks=32, block_size=BS, max_model_len=64, record_kv_events=True),
@@ -103,11 +103,11 @@ def test_an_engine_reports_kv_events_a_router_can_match_prompts_against():
     run(engines[0])
     states = [ReplicaState(f"r{i}") for i in range(2)]
     for engine, state in zip(engines, states, strict=True):
-        state.apply(engine.kv_transfer.take_events())
+        state.apply(engine.core.kv_transfer.take_events())
     follow_up = prompt_block_hashes(system + [9, 9, 9, 9], BS)
     choice = KVAwareRouter().choose(follow_up, states)
     assert (choice.replica, choice.matched_blocks, choice.reason) == ("r0", 4, "prefix")
-    assert engines[0].kv_transfer.take_events() == [] and engines[0].lora_hash_root("none") is None
+    assert engines[0].core.kv_transfer.take_events() == [] and engines[0].core.lora_hash_root("none") is None
 
 
 def test_the_index_routes_follow_ups_to_the_replica_that_reported_their_prefix():
@@ -235,7 +235,7 @@ def test_kv_routing_prices_load_at_what_each_replica_measured():
     measured (40: its decode steps grow little with the batch) r0 costs 16 + 120 = 136:
     it stays with its prefix. A replica that reported no price is charged the default;
     a fixed price (--route-load-cost) overrides every report."""
-    from tokenmill.replicas.routing import DEFAULT_LOAD_COST
+    from tokenmill.replicas.replica_router import DEFAULT_LOAD_COST
 
     bs, shared = 16, list(range(1000, 1288))
     prompt = prompt_block_hashes(shared + list(range(16)), bs)

@@ -18,21 +18,21 @@ from tokenmill.sampling_params import SamplingParams
 
 
 def check_invariants(engine: Engine, cfg: SchedulerConfig, batch: ModelInput | None) -> None:
-    refs = Counter(b for r in engine.scheduler.running for b in r.block_ids)
-    for r in engine.scheduler.waiting:
+    refs = Counter(b for r in engine.core.scheduler.running for b in r.block_ids)
+    for r in engine.core.scheduler.waiting:
         assert not r.block_ids or r.fork_of is None
         refs.update(r.block_ids)
-    engine.block_pool.check_invariants(dict(refs))
-    for r in engine.scheduler.running:
-        assert len(r.block_ids) * engine.block_size >= r.num_computed_tokens
-        assert len(r.block_ids) <= engine.kv.blocks_for(r.num_tokens), "blocks held past the request's tokens"
+    engine.core.block_pool.check_invariants(dict(refs))
+    for r in engine.core.scheduler.running:
+        assert len(r.block_ids) * engine.core.block_size >= r.num_computed_tokens
+        assert len(r.block_ids) <= engine.core.kv.blocks_for(r.num_tokens), "blocks held past the request's tokens"
         assert len(set(r.block_ids)) == len(r.block_ids), "a block twice in one table"
     if batch is not None:
         assert batch.num_tokens <= cfg.max_num_batched_tokens
         if batch.preempted_request_ids and cfg.scheduling == "continuous":  # blocks are short: nobody joins
             assert not batch.new_requests, "a request was admitted in the step that preempted another"
         assert len(batch.scheduled) <= cfg.max_num_seqs
-    assert len(engine.scheduler.running) <= cfg.max_num_seqs
+    assert len(engine.core.scheduler.running) <= cfg.max_num_seqs
 
 
 request_st = st.tuples(
@@ -62,7 +62,7 @@ def test_random_workloads_keep_blocks_exact(requests, num_blocks, budget, max_se
     if speculative is not None:  # "draft" also reserves lookahead slots
         spec = SpeculativeConfig(speculative, num_speculative_tokens=3, draft_model="scripted", disable_batch_size=6)
     runner = ScriptedRunner(bs, lookahead=spec.num_lookahead_slots if spec else 0)
-    engine = Engine(
+    engine = Engine.create(
         runner,
         ToyTokenizer(),
         EngineConfig(
@@ -101,8 +101,8 @@ def test_random_workloads_keep_blocks_exact(requests, num_blocks, budget, max_se
         if step > 10 and not engine.has_unfinished():
             break
     assert not engine.has_unfinished(), "requests stuck"
-    assert engine.block_pool.num_free == num_blocks, "blocks leaked"
-    assert engine.num_unfinished_requests == 0
+    assert engine.core.block_pool.num_free == num_blocks, "blocks leaked"
+    assert engine.core.num_unfinished_requests == 0
     assert not runner.requests and not runner.parked, "the runner holds state of finished requests"
     for rid, tokens in finished.items():  # preemption, chunking, caching, speculation change no output
         assert tokens == expected_output(prompts[rid], len(tokens))
@@ -111,4 +111,4 @@ def test_random_workloads_keep_blocks_exact(requests, num_blocks, budget, max_se
     room = num_blocks * bs - (spec.num_lookahead_slots if spec else 0)
     drafting = [t for rid, t in finished.items() if len(t) >= 4 and len(prompts[rid]) + len(t) <= room]
     if speculative is not None and max_seqs <= 6 and budget > 4 and drafting:
-        assert engine.spec_decode_stats.num_drafts > 0  # the drafts were verified, not silently dropped
+        assert engine.core.spec_decode_stats.num_drafts > 0  # the drafts were verified, not silently dropped

@@ -12,8 +12,8 @@ from tokenmill.model.gguf_file import read_gguf
 from tokenmill.model.paths import default_model_path
 from tokenmill.model.tokenizer import load_tokenizer
 from tokenmill.server.tools import parse_tool_request
+from tokenmill.structured.constraint import StructuredOutputs
 from tokenmill.structured.grammar import GrammarCompiler
-from tokenmill.structured.spec import StructuredOutputs
 
 pytest.importorskip("llguidance")
 
@@ -253,7 +253,7 @@ def test_a_token_the_grammar_refuses_ends_the_output_as_a_cut_off(tokenizer, com
     from tokenmill.engine.engine import Engine, EngineConfig
     from tokenmill.sampling_params import SamplingParams
 
-    engine = Engine(
+    engine = Engine.create(
         ScriptedRunner(4), tokenizer, EngineConfig(num_blocks=64, block_size=4, max_model_len=200), grammars=compiler
     )
     engine.add_request("r", [30, 31], SamplingParams(max_tokens=30, structured={"regex": "[;+]{1,40}"}))
@@ -261,7 +261,7 @@ def test_a_token_the_grammar_refuses_ends_the_output_as_a_cut_off(tokenizer, com
     final = outs[-1].outputs[0]
     assert (final.text, final.finish_reason) == (";+", "length") and final.token_ids == [43, 27]
     assert any("cut off after 2 tokens" in r.getMessage() and len(r.getMessage()) < 400 for r in caplog.records)
-    assert not engine.has_unfinished() and engine.snapshot().kv_usage == 0.0  # nothing held
+    assert not engine.has_unfinished() and engine.core.snapshot().kv_usage == 0.0  # nothing held
 
 
 def test_the_grammar_cache_is_bounded_by_spec_bytes_as_well_as_count(tokenizer):

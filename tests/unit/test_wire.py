@@ -21,6 +21,7 @@ from tokenmill.engine.wire import (
     unpack,
 )
 from tokenmill.errors import EngineDeadError, InvalidRequestError, TokenmillError, UnknownModelError
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -57,6 +58,14 @@ def trip(value):
 )
 def test_sampling_params_survive_the_trip(params):
     assert params_from_wire(trip(params_to_wire(params))) == params
+
+
+@pytest.mark.parametrize("params", [PoolingParams(), PoolingParams("mean")])
+def test_an_embedding_request_crosses_as_pooling_params_not_as_sampling(params):
+    wire = trip(params_to_wire(params))
+    assert wire == {"pooling_type": params.pooling_type} and params_from_wire(wire) == params
+    with pytest.raises(InvalidRequestError, match="pooling"):
+        params_from_wire({"pooling_type": "max"})
 
 
 def test_an_unknown_sampling_field_is_refused_by_name():

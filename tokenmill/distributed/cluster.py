@@ -1,7 +1,7 @@
 """The driver's side of a split model: its worker processes and what it tells them.
 
 On one machine the driver starts ranks 1..N-1 itself (``python -m
-tokenmill.distributed.worker``, a fresh interpreter each: nothing of the caller's
+tokenmill.distributed.rank_process``, a fresh interpreter each: nothing of the caller's
 process is forked) and hosts the store they meet at. Under ``torchrun`` every rank
 was started by torchrun and the store is its rendezvous; rank 0 is the driver.
 
@@ -35,7 +35,7 @@ from tokenmill.distributed.env import torchrun_rank, under_torchrun
 from tokenmill.distributed.groups import CommStats, ControlChannel, ParallelGroups
 from tokenmill.distributed.messages import Shutdown
 from tokenmill.errors import EngineDeadError, TokenmillError
-from tokenmill.model.shard import ModelShard
+from tokenmill.model.shard_plan import ModelShard
 
 logger = logging.getLogger(__name__)
 STORE_TIMEOUT = timedelta(minutes=5)
@@ -85,7 +85,7 @@ class Cluster:
             if torchrun_rank() != 0:
                 raise TokenmillError(
                     "under torchrun only rank 0 builds the engine; the other ranks run "
-                    "tokenmill.distributed.worker.run_torchrun_worker() (the CLI does this itself)"
+                    "tokenmill.distributed.rank_process.run_torchrun_worker() (the CLI does this itself)"
                 )
             store, rank, world = next(dist.rendezvous("env://"))
             if world != world_size:
@@ -99,7 +99,9 @@ class Cluster:
         try:
             for rank in range(1, world_size):
                 spec = WorkerSpec("127.0.0.1", store.port, rank, world_size, world_size, os.getpid())
-                proc = subprocess.Popen([sys.executable, "-m", "tokenmill.distributed.worker"], stdin=subprocess.PIPE)
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "tokenmill.distributed.rank_process"], stdin=subprocess.PIPE
+                )
                 assert proc.stdin is not None
                 proc.stdin.write(pickle.dumps(spec))
                 proc.stdin.close()

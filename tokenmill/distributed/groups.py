@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo, Store
 
-from tokenmill.model.shard import ModelShard
+from tokenmill.model.shard_plan import ModelShard
 
 CONTROL_TIMEOUT = timedelta(days=30)  # workers wait here between requests
 DATA_TIMEOUT = timedelta(minutes=10)  # one layer's or one stage's compute at most

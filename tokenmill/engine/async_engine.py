@@ -26,6 +26,7 @@ from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.stats import EngineSnapshot
 from tokenmill.engine.streams import Stream, Streams, resolve
 from tokenmill.errors import EngineDeadError
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,11 @@ class AsyncEngine:
         self._thread.start()
 
     def generate(
-        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, lora: str | None = None
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | PoolingParams,
+        lora: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request; leaving the loop early aborts it."""
 
@@ -59,14 +64,16 @@ class AsyncEngine:
         self,
         request_id: str,
         prompt: str | Sequence[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         lora: str | None,
         stream: Stream,
         accepted: asyncio.Future,
     ) -> None:
         grammar = None
-        if params.structured is not None:  # compiled on the engine's compile thread: it stalls no step
-            structured = self.engine.structured
+        if (
+            isinstance(params, SamplingParams) and params.structured is not None
+        ):  # compiled on the engine's compile thread: it stalls no step
+            structured = self.engine.core.structured
             try:  # a timeout cancels a compile still queued; one running goes on, and is cached
                 grammar = await asyncio.wait_for(
                     asyncio.wrap_future(structured.submit(params.structured)), structured.compile_timeout
@@ -82,12 +89,12 @@ class AsyncEngine:
         thread, which owns the engine (requests keep running meanwhile)."""
         if self.is_dead:
             raise EngineDeadError("the engine loop is not running")
-        with self.engine.new_lora_name(name):  # a new name only: of concurrent loads, one goes on
-            loaded = await asyncio.to_thread(self.engine.load_lora, name, path)
-            await self.run_on_loop(lambda: self.engine.add_lora(name, path, loaded))
+        with self.engine.core.new_lora_name(name):  # a new name only: of concurrent loads, one goes on
+            loaded = await asyncio.to_thread(self.engine.core.load_lora, name, path)
+            await self.run_on_loop(lambda: self.engine.core.add_lora(name, path, loaded))
 
     async def remove_lora(self, name: str) -> None:
-        await self.run_on_loop(lambda: self.engine.remove_lora(name))
+        await self.run_on_loop(lambda: self.engine.core.remove_lora(name))
 
     async def run_on_loop(self, fn: Callable[[], T]) -> T:
         """``fn()`` on the loop thread, between steps (that thread owns the engine); its result."""
@@ -115,25 +122,25 @@ class AsyncEngine:
     def snapshot(self) -> EngineSnapshot:
         """The engine's gauges now (read from another thread: each value is current, the
         set is not one instant's)."""
-        return self.engine.snapshot()
+        return self.engine.core.snapshot()
 
     async def start_step_trace(self) -> bool:
-        await self.run_on_loop(self.engine.tracer.start)
+        await self.run_on_loop(self.engine.core.tracer.start)
         return True
 
     async def stop_step_trace(self) -> None:
-        await self.run_on_loop(self.engine.tracer.stop)
+        await self.run_on_loop(self.engine.core.tracer.stop)
 
     def take_step_trace(self) -> list[dict]:
-        return self.engine.tracer.take()  # pops whole steps: safe beside the loop thread
+        return self.engine.core.tracer.take()  # pops whole steps: safe beside the loop thread
 
     async def block_states(self) -> bytes | None:
-        return await self.run_on_loop(self.engine.block_states)
+        return await self.run_on_loop(self.engine.core.block_states)
 
     @property
     def num_waiting(self) -> int:
         """Requests queued and not yet running (an estimate read from another thread)."""
-        return self.engine.num_waiting + self._commands.qsize()
+        return self.engine.core.num_waiting + self._commands.qsize()
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))

@@ -27,16 +27,17 @@ from typing import Protocol
 
 from tokenmill.config import SchedulerConfig, SpeculativeConfig, check_adapter_name
 from tokenmill.engine.block_pool import BlockPool
+from tokenmill.engine.grammar_masks import StructuredOutputManager
 from tokenmill.engine.kv_manager import KVCacheManager, PrefixCacheStats
 from tokenmill.engine.kv_transfer import KVTransfer
 from tokenmill.engine.model_input import GrammarMasks, ModelInput, ModelOutput, SampledToken
 from tokenmill.engine.outputs import SeqDelta
-from tokenmill.engine.request import Request, sequence_ids
+from tokenmill.engine.request import Request, sequence_ids, step_params
 from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
 from tokenmill.engine.stats import EngineSnapshot, SpecDecodeStats, StepStats
 from tokenmill.engine.step_trace import StepTracer, step_kinds
-from tokenmill.engine.structured import StructuredOutputManager
 from tokenmill.errors import EngineDeadError, InvalidRequestError, UnknownModelError
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured.grammar import CompiledGrammar, GrammarCompiler
 
@@ -120,14 +121,22 @@ class EngineCore:
         self,
         request_id: str,
         prompt_ids: Sequence[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         grammar: CompiledGrammar | None = None,
         lora: str | None = None,
     ) -> list[Request]:
         """Queue a request; n > 1 becomes n sequences sharing the prompt's KV blocks.
+        ``PoolingParams``: an embedding request, one sequence that samples nothing.
 
         A request with ``params.structured`` gets its grammar compiled here unless the
         caller compiled it already (``structured.compile``, off the step loop)."""
+        pooling = params if isinstance(params, PoolingParams) else None
+        if pooling is not None:
+            if not getattr(self.runner, "scores_prompts", True):
+                raise InvalidRequestError(
+                    "embeddings are not supported with tensor or pipeline parallelism", param="pooling"
+                )
+            params = step_params(pooling)
         seq_ids = sequence_ids(request_id, params.n)
         if request_id in self._requests or any(sid in self._sequences for sid in seq_ids):
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
@@ -153,6 +162,7 @@ class EngineCore:
                 request_id=sid,
                 prompt_token_ids=ids,
                 params=replace(params, n=1, seed=seed) if params.n > 1 else params,
+                pooling=pooling,
                 parent_id=request_id,
                 index=i,
                 fork_of=seq_ids[0] if i > 0 else None,
@@ -180,9 +190,10 @@ class EngineCore:
                 else "bad_words"
             )
             raise InvalidRequestError(f"token id {bad} in {param} is outside the vocabulary [0, {vocab})", param=param)
-        for name in ("prompt_logprobs", "pooling"):
-            if getattr(params, name) is not None and not getattr(self.runner, "scores_prompts", True):
-                raise InvalidRequestError(f"{name} is not supported with tensor or pipeline parallelism", param=name)
+        if params.prompt_logprobs is not None and not getattr(self.runner, "scores_prompts", True):
+            raise InvalidRequestError(
+                "prompt_logprobs is not supported with tensor or pipeline parallelism", param="prompt_logprobs"
+            )
         if params.min_tokens and not params.ignore_eos and not params.eos_token_ids:
             params = replace(params, eos_token_ids=tuple(sorted(self.scheduler.eos_token_ids)))
         held = set(params.eos_token_ids) | set(params.stop_token_ids) if params.min_tokens else set()

@@ -38,7 +38,7 @@ from tokenmill.engine.channel import Channel, ChannelClosed, ChannelTimeout
 from tokenmill.engine.detokenizer import Decoder
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.outputs import RequestOutput
-from tokenmill.engine.request import sequence_ids
+from tokenmill.engine.request import sequence_ids, step_params
 from tokenmill.engine.stats import EngineSnapshot
 from tokenmill.engine.streams import Stream, Streams, resolve
 from tokenmill.engine.wire import (
@@ -48,6 +48,7 @@ from tokenmill.engine.wire import (
     snapshot_from_wire,
 )
 from tokenmill.errors import EngineDeadError, InvalidRequestError, TokenmillError
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -124,7 +125,11 @@ class AsyncCoreClient:
     # ------------------------------------------------------------- asyncio side
 
     def generate(
-        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, lora: str | None = None
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | PoolingParams,
+        lora: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request; leaving the loop early aborts it."""
 
@@ -137,7 +142,7 @@ class AsyncCoreClient:
         self,
         request_id: str,
         prompt: str | Sequence[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         lora: str | None,
         stream: Stream,
         accepted: asyncio.Future,
@@ -153,7 +158,7 @@ class AsyncCoreClient:
             if request_id in self._seq_ids:
                 raise InvalidRequestError(f"duplicate request id {request_id!r}")
             for i, sid in enumerate(seq_ids):  # before the core can answer: no delta finds nobody
-                self.outputs.add(sid, request_id, i, text, ids, params)
+                self.outputs.add(sid, request_id, i, text, ids, step_params(params))
             self._seq_ids[request_id] = seq_ids
             self.streams.add(request_id, stream)
             self._accepting[request_id] = (stream.loop, accepted)

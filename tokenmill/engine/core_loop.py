@@ -37,6 +37,7 @@ from tokenmill.engine.wire import (
     snapshot_to_wire,
 )
 from tokenmill.errors import InvalidRequestError
+from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_S = 0.01  # how often an idle loop looks at work prepared by its thread
@@ -183,7 +184,7 @@ class CoreLoop:
                 return
             self.send(m.Accepted(rid, self.snapshot()))
 
-        if params.structured is None:
+        if not isinstance(params, SamplingParams) or params.structured is None:  # an embedding has no grammar
             add(None)
             return
 

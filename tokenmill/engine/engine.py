@@ -7,6 +7,10 @@ finish. The offline ``LLM`` and the threaded ``AsyncEngine`` drive this class;
 ``tokenmill serve`` splits the same two halves over two processes (the core in
 core_loop.py, the output processor in core_client.py), so both paths share every
 line that decides a token or a text.
+
+``Engine`` holds its core (``engine.core``) rather than being one: it takes text
+where the core takes token ids, and everything else about scheduling, blocks,
+adapters and statistics is asked of the core by name.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from tokenmill.engine.core import (  # noqa: F401 - re-exported: callers build e
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.request import Request
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured.grammar import CompiledGrammar, GrammarCompiler
 
@@ -33,19 +38,26 @@ class TextTokenizer(TokenizerInfo, Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
-class Engine(EngineCore):
-    def __init__(
-        self, runner: Runner, tokenizer: TextTokenizer, config: EngineConfig, grammars: GrammarCompiler | None = None
-    ) -> None:
-        super().__init__(runner, tokenizer, config, grammars)
+class Engine:
+    """The engine core and the output processor in one process: text in, ``RequestOutput`` out."""
+
+    def __init__(self, core: EngineCore, tokenizer: TextTokenizer) -> None:
+        self.core = core
         self.tokenizer = tokenizer
         self.outputs = OutputProcessor(tokenizer)
 
-    def add_request(  # type: ignore[override] - a text prompt is tokenised first
+    @classmethod
+    def create(
+        cls, runner: Runner, tokenizer: TextTokenizer, config: EngineConfig, grammars: GrammarCompiler | None = None
+    ) -> Engine:
+        """An engine over a new core."""
+        return cls(EngineCore(runner, tokenizer, config, grammars), tokenizer)
+
+    def add_request(
         self,
         request_id: str,
         prompt: str | Sequence[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         add_special_tokens: bool = True,
         grammar: CompiledGrammar | None = None,
         lora: str | None = None,
@@ -56,19 +68,22 @@ class Engine(EngineCore):
             text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         else:
             text, ids = None, list(prompt)
-        reqs = super().add_request(request_id, ids, params, grammar=grammar, lora=lora)
+        reqs = self.core.add_request(request_id, ids, params, grammar=grammar, lora=lora)
         for r in reqs:
             self.outputs.add(r.request_id, request_id, r.index, text, ids, r.params)
         return reqs
 
     def abort(self, request_id: str) -> list[str]:
-        seq_ids = super().abort(request_id)
+        seq_ids = self.core.abort(request_id)
         for sid in seq_ids:
             self.outputs.abort(sid)
         return seq_ids
 
+    def has_unfinished(self) -> bool:
+        return self.core.has_unfinished()
+
     def step(self) -> list[RequestOutput]:
-        outputs, stopped = self.outputs.process(self.run_step())
+        outputs, stopped = self.outputs.process(self.core.run_step())
         for seq_id, stop_string in stopped:
-            self.finish_stopped(seq_id, stop_string)
+            self.core.finish_stopped(seq_id, stop_string)
         return outputs

@@ -1,6 +1,6 @@
 """KV transfer: the part of an engine that engine replicas attach to (replicas/). It
 reports the prefix cache's changes ("stored" / "removed", block hash: what a replica's
-router follows, ``replicas.routing``) and moves cached KV between engines: a prefill
+router follows, ``replicas.replica_router``) and moves cached KV between engines: a prefill
 replica exports the blocks of a prompt, a decode replica imports them into its own
 prefix cache, so that the request starts there as on a cache hit.
 

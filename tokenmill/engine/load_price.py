@@ -1,5 +1,5 @@
 """What one request in flight on this engine costs a newcomer, in prompt tokens: the
-price a KV-aware router (``replicas.routing.KVAwareRouter``) puts on a replica's load,
+price a KV-aware router (``replicas.replica_router.KVAwareRouter``) puts on a replica's load,
 measured once on the replica's own engine when it starts.
 
 The router weighs a cached prefix against load, so it needs both in one unit: prompt
@@ -134,11 +134,11 @@ def measure_load_price(core: EngineCore, prompt_tokens: int = 128, batch: int = 
 
 
 def _run(core: EngineCore, name: str, prompt: list[int], params: SamplingParams) -> list[StepStats]:
-    """One request to its end, alone; the stats of its steps. The core's own
-    ``add_request``: an offline ``Engine``'s output processor never hears of it."""
+    """One request to its end, alone; the stats of its steps (on the core: an offline
+    ``Engine``'s output processor never hears of it)."""
     stats = core.step_stats
     before = len(stats)
-    EngineCore.add_request(core, f"{REQUEST_ID}-{name}", prompt, params)
+    core.add_request(f"{REQUEST_ID}-{name}", prompt, params)
     while core.has_unfinished():
         core.run_step()
     return list(stats)[before:]

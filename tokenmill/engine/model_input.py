@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -31,6 +32,7 @@ class NewRequestData:
     params: SamplingParams
     block_ids: list[int]
     lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
+    pooling: PoolingParams | None = None  # an embedding request: pooled, never sampled
 
 
 @dataclass
@@ -57,7 +59,7 @@ class ScheduledTokens:
 
 @dataclass
 class GrammarMasks:
-    """The step's grammar masks of constrained sequences (``engine.structured``):
+    """The step's grammar masks of constrained sequences (``engine.grammar_masks``):
     request id -> float32 ``[1 + drafts, vocab]`` logit bias, 0 where a token may come
     next and -inf where it may not. Computed while the forward runs; the runner
     waits for them only when it samples. They travel beside the ``ModelInput`` (a

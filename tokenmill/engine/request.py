@@ -15,7 +15,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.engine.block_table import BlockTable
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
+
+# What the scheduler and the output processor count an embedding request by: its prompt,
+# then one step that ends it (the runner pools its hidden states and samples nothing).
+EMBEDDING_STEP = SamplingParams(max_tokens=1)
+
+
+def step_params(params: SamplingParams | PoolingParams) -> SamplingParams:
+    """The parameters the scheduler and the output processor run a request by."""
+    return EMBEDDING_STEP if isinstance(params, PoolingParams) else params
 
 
 class RequestStatus(enum.Enum):
@@ -42,7 +52,8 @@ def token_slice(prompt: list[int], output: list[int], start: int, end: int) -> l
 class Request:
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams  # an embedding request's: one step that samples nothing (``pooling`` says how it ends)
+    pooling: PoolingParams | None = None  # an embedding request: its prompt's hidden states pooled
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: BlockTable = field(default_factory=BlockTable)  # knows how much of it the runner holds
@@ -95,7 +106,7 @@ class Request:
     def computes_whole_prompt(self) -> bool:
         """It needs every prompt position computed: no prefix-cache hit (prompt logprobs,
         mean pooling)."""
-        return self.wants_prompt_logprobs or self.params.pooling == "mean"
+        return self.wants_prompt_logprobs or (self.pooling is not None and self.pooling.pooling_type == "mean")
 
     def add_prompt_logprobs(self, first: int, entries: list[Any]) -> bool:
         """Scores of prompt tokens first, first + 1, ...; those it has (a recompute after

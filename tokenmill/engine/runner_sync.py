@@ -53,6 +53,7 @@ class RunnerSync:
                         req.params,
                         runner_table(req),
                         req.lora_name,
+                        req.pooling,
                     )
                 )
             elif (delta := req.block_ids.unsynced()) is not None:

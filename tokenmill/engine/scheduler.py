@@ -204,7 +204,7 @@ class Scheduler:
         computed = req.num_computed_tokens if num_computed is None else num_computed
         if (
             spec is None
-            or req.params.pooling is not None
+            or req.pooling is not None
             or computed + num_real != req.num_tokens
             or len(self.running) > spec.disable_batch_size
         ):
@@ -332,7 +332,7 @@ class Scheduler:
         if rid in result.prompt_logprobs and not req.add_prompt_logprobs(*result.prompt_logprobs[rid]):
             return "prompt logprobs of a chunk were lost"
         done = req.num_computed_tokens + s.num_new_tokens >= len(req.prompt_token_ids)
-        if req.params.pooling is not None and done and rid not in result.embeddings:
+        if req.pooling is not None and done and rid not in result.embeddings:
             return "the embedding was not computed"
         return None
 

@@ -19,6 +19,7 @@ from typing import Protocol
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.stats import EngineSnapshot
 from tokenmill.errors import EngineDeadError
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -137,7 +138,11 @@ class StreamingFront(Protocol):
     """What the HTTP app streams from and manages an engine by."""
 
     def generate(
-        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, lora: str | None = None
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | PoolingParams,
+        lora: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request; leaving the loop early aborts it."""
         ...

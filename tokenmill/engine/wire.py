@@ -18,6 +18,7 @@ from tokenmill.engine.model_input import SampledToken
 from tokenmill.engine.outputs import SeqDelta
 from tokenmill.engine.stats import EngineSnapshot
 from tokenmill.errors import EngineDeadError, InvalidRequestError, TokenmillError, UnknownModelError
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -32,17 +33,20 @@ def unpack(data: bytes) -> list[Any]:
 # ------------------------------------------------------------------- requests
 
 
-def params_to_wire(p: SamplingParams) -> dict[str, Any]:
-    d = dataclasses.asdict(p)  # the structured spec becomes a map of its fields
+def params_to_wire(p: SamplingParams | PoolingParams) -> dict[str, Any]:
+    """A request's parameters as a map of their fields (an embedding request's: ``pooling_type`` alone)."""
+    d = dataclasses.asdict(p)
+    if isinstance(p, PoolingParams):
+        return d  # the structured spec becomes a map of its fields
     if d["structured"] is not None:
         d["structured"] = {k: v for k, v in d["structured"].items() if v not in (None, False)}
     return d
 
 
-def params_from_wire(d: dict[str, Any]) -> SamplingParams:
+def params_from_wire(d: dict[str, Any]) -> SamplingParams | PoolingParams:
     """Validated again on the way in (an unknown field is an error, never dropped)."""
     try:
-        return SamplingParams(**d)
+        return PoolingParams(**d) if "pooling_type" in d else SamplingParams(**d)
     except TypeError as e:
         raise InvalidRequestError(f"bad sampling parameters: {e}") from e
 

@@ -8,7 +8,7 @@ positions, one paged K/V cache (KVCacheLayer) per layer, and the attention metad
 model knows nothing of requests; it maps tokens to hidden states and hidden states
 to logits.
 
-Split across ranks (``ModelShard``, ``model/shard.py``), a model holds its heads,
+Split across ranks (``ModelShard``, ``model/shard_plan.py``), a model holds its heads,
 columns, vocabulary rows and layers; its ``tp`` group adds the partial sums of the
 row-parallel projections and of the vocabulary-parallel embedding. A pipeline stage
 that is not the first takes the previous stage's residual stream instead of token
@@ -33,7 +33,7 @@ from tokenmill.model.layers.moe import MoEMLP, stack_experts
 from tokenmill.model.layers.norm import RMSNorm
 from tokenmill.model.layers.rotary import RotaryEmbedding, rotary_for
 from tokenmill.model.ops import TorchOps
-from tokenmill.model.shard import ModelShard
+from tokenmill.model.shard_plan import ModelShard
 from tokenmill.quant.blocks import BlockWeight
 from tokenmill.quant.packed import PackedWeight, QuantEmbedding, QuantLinear
 

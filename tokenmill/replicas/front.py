@@ -30,8 +30,9 @@ from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.stats import EngineSnapshot
 from tokenmill.engine.streams import RequestFailedError
 from tokenmill.errors import InvalidRequestError, TokenmillError, UnknownModelError
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.replicas.index import RoutingStats, merge_snapshots
-from tokenmill.replicas.routing import prompt_block_hashes
+from tokenmill.replicas.replica_router import prompt_block_hashes
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -120,14 +121,18 @@ class RayReplicaFront:
     # ------------------------------------------------------------------ requests
 
     async def generate(
-        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, lora: str | None = None
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | PoolingParams,
+        lora: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         ids = list(self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
         if lora is not None and lora not in self.lora_roots:
             raise UnknownModelError(f"the model {lora!r} does not exist", param="model")
         hashes = prompt_block_hashes(ids, self.block_size, self.lora_roots.get(lora))
         kv = None
-        if self.disaggregated and hashes and params.prompt_logprobs is None and params.pooling is None:
+        if self.disaggregated and hashes and isinstance(params, SamplingParams) and params.prompt_logprobs is None:
             kv = await self._prefill(request_id, ids, params, lora, hashes)
         handle = self._handles["decode" if self.disaggregated else "engine"]
         remaining, attempt = params.n, 0

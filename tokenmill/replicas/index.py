@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tokenmill.engine.stats import EngineSnapshot
-from tokenmill.replicas.routing import ROUTERS, KVAwareRouter, ReplicaState
+from tokenmill.replicas.replica_router import ROUTERS, KVAwareRouter, ReplicaState
 
 
 @dataclass

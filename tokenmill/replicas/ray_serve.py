@@ -36,6 +36,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from tokenmill.config import EngineArgs
 from tokenmill.engine.outputs import RequestOutput
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.replicas.index import KVIndex
 from tokenmill.sampling_params import SamplingParams
 
@@ -161,7 +162,7 @@ class EngineReplica:
         self,
         request_id: str,
         prompt: Sequence[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         lora: str | None = None,
         block_hashes: Sequence[bytes] | None = None,
         kv: dict | None = None,
@@ -187,7 +188,7 @@ class EngineReplica:
         self,
         request_id: str,
         prompt: Sequence[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         lora: str | None = None,
         block_hashes: Sequence[bytes] = (),
     ) -> dict:

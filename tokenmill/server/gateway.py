@@ -26,7 +26,7 @@ from starlette.background import BackgroundTask
 
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.streams import RequestFailedError
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.server.errors import APIError, ContextLengthError, error_response
 from tokenmill.server.model_router import ModelRouter, Route
 from tokenmill.server.models import Target
@@ -230,7 +230,7 @@ async def look_up(
 async def _embed(target: Target, text: str, pooling: str) -> list[float]:
     """The model's embedding of ``text`` (the semantic cache compares these)."""
     ids = (await encode(target, text))[-(target.max_model_len - 1) :]
-    stream = target.engine.generate(new_id("cache-embd"), ids, SamplingParams(max_tokens=1, pooling=pooling), None)
+    stream = target.engine.generate(new_id("cache-embd"), ids, PoolingParams(pooling), None)
     embedding: list[float] = []
     async with contextlib.aclosing(stream):
         async for out in stream:

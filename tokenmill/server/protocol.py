@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from tokenmill.beam_search import BeamSearchParams
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import MAX_N, SamplingParams
-from tokenmill.structured.spec import StructuredOutputs
+from tokenmill.structured.constraint import StructuredOutputs
 
 MAX_DEPTH = 64  # JSON nested deeper than this in a field is refused (a schema 129 deep was a 500: issue 40)
 

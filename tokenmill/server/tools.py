@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.errors import InvalidRequestError
+from tokenmill.structured.constraint import StructuredOutputs
 from tokenmill.structured.grammar import JSON_OPTIONS
-from tokenmill.structured.spec import StructuredOutputs
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 

@@ -57,7 +57,7 @@ def _kept_rows(s: SeqInput, gained: list[int]) -> int:
     return max(0, min(kept, known - 1 - s.num_computed_tokens))
 
 
-def _draw(
+def _draw_draft_tokens(
     rows: list[SampleRow], logits: torch.Tensor, sampling: list[SeqInput], confidence: bool
 ) -> list[tuple[int, torch.Tensor | None, float]]:
     """One draft token per row: the argmax for greedy requests, else drawn from the
@@ -197,7 +197,7 @@ class EagleProposer:
         sure = {s.request_id: 1.0 for s in seqs}  # the head's probability that all its drafts so far are right
         while seqs:
             rows = _sample_rows(seqs, generator_for, {})
-            drawn = _draw(rows, self.head.logits(self.target, last), seqs, self.min_confidence > 0)
+            drawn = _draw_draft_tokens(rows, self.head.logits(self.target, last), seqs, self.min_confidence > 0)
             nxt, nxt_feats = [], {}
             for i, (token, q, p) in enumerate(drawn):
                 s = seqs[i]
@@ -353,7 +353,7 @@ class MedusaProposer:
                 generator_for,
                 {s.request_id: new_tokens[s.request_id] + drafts[s.request_id] for s in seqs_now},
             )
-            drawn = _draw(sample_rows, logits[depth, active], seqs_now, self.min_confidence > 0)
+            drawn = _draw_draft_tokens(sample_rows, logits[depth, active], seqs_now, self.min_confidence > 0)
             for (token, q, p), s in zip(drawn, seqs_now, strict=True):
                 sure[s.request_id] *= p
                 if sure[s.request_id] >= self.min_confidence:

@@ -36,7 +36,7 @@ import numpy as np
 
 from tokenmill.config import StructuredConfig
 from tokenmill.errors import InvalidRequestError
-from tokenmill.structured.spec import StructuredOutputs
+from tokenmill.structured.constraint import StructuredOutputs
 
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (LRU) ...
 # ... and at most this much spec text among them: a compiled matcher takes ~90x its

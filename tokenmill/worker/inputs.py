@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from tokenmill.model.layers.attention import AttentionMetadata
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.sampler import PenaltyState
 
@@ -41,6 +42,9 @@ class SeqInput:
     penalties: PenaltyState | None = None  # the request's penalty counts (penalised requests only)
     param_row: torch.Tensor | None = None  # the request's sampling parameters as a tensor row
     spec_token_ids: list[int] = field(default_factory=list)  # drafts at the end of token_ids
+    generator: torch.Generator | None = None  # a seeded request's own (None: the runner's default)
+    draft_probs: torch.Tensor | None = None  # the drafts' probabilities under the proposer (sampled drafts)
+    pooling: PoolingParams | None = None  # an embedding request: its hidden states pooled, nothing sampled
     num_lookahead: int = 0  # after sampling, propose up to this many draft tokens
     # A token tree (``worker/tree.py``): the tokens' positions (a node sits at its parent's + 1,
     # while its K/V take the next slot in order) and what each sees of the last T slots.

@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Protocol
 
-import numpy as np
 import torch
 
 from tokenmill.engine.model_input import (
@@ -36,23 +35,16 @@ from tokenmill.lora.layers import LoRAMapping
 from tokenmill.model.layers.attention import AttentionMetadata
 from tokenmill.model.layers.kv_cache import block_nbytes, copy_blocks, move_slots, read_blocks, write_blocks
 from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.inputs import InputBuffers, SeqInput, order_seqs, prepare_inputs
 from tokenmill.worker.kv_cache import KVCache
 from tokenmill.worker.lora import LoRAManager
 from tokenmill.worker.proposer import Draft, Proposer
-from tokenmill.worker.rejection import verify_greedy, verify_sampled
-from tokenmill.worker.sampler import (
-    PenaltyState,
-    SampleRow,
-    apply_grammar_bias,
-    chosen_logprobs,
-    param_row,
-    sample,
-    sampling_distribution,
-)
-from tokenmill.worker.spec_pause import PayOrPause
-from tokenmill.worker.tree import follow, greedy_path, verification_layout
+from tokenmill.worker.sampler import PenaltyState, param_row
+from tokenmill.worker.speculation_pause import PayOrPause
+from tokenmill.worker.token_choice import choose_tokens
+from tokenmill.worker.tree import follow, verification_layout
 
 # request id -> (tokens the driver sampled for it last step, its new draft or None): what a
 # worker rank of a split model is told of the step before (distributed/messages.py sends it)
@@ -86,6 +78,7 @@ class CachedRequestState:
     lora_name: str | None = None  # its LoRA adapter (None: the base model)
     penalties: PenaltyState | None = None  # its penalty counts, kept up to date (penalised requests only)
     param_row: torch.Tensor | None = None  # its sampling parameters as one tensor row (sampler.param_row)
+    pooling: PoolingParams | None = None  # an embedding request
     pool_sum: torch.Tensor | None = None  # an embedding request: its pooled rows so far (float32)
     pool_count: int = 0
 
@@ -120,7 +113,7 @@ class ModelRunner:
         pause: PayOrPause | None = None,
     ) -> None:
         self.model = model
-        self.pause = pause  # drafting only while it measurably pays (worker/spec_pause.py)
+        self.pause = pause  # drafting only while it measurably pays (worker/speculation_pause.py)
         self.stage = stage  # a split model: this rank's part of each forward (distributed/stage.py)
         self.lora = lora  # multi-LoRA: adapters in memory and in slots
         self.kv_caches = kv_caches
@@ -152,7 +145,9 @@ class ModelRunner:
         try:
             seqs = order_seqs([self._seq_input(s) for s in batch.scheduled])
             logits, prompt_scores, pooled, hidden = self._forward(seqs)
-            sampled = self._sample(seqs, logits, grammar.get() if grammar is not None else None)
+            sampled = choose_tokens(
+                seqs, logits, self._default_generator, grammar.get() if grammar is not None else None
+            )
             if any(s.spec_parents is not None for s in seqs):
                 hidden = self._keep_tree_paths(seqs, sampled, hidden)
             drafts: dict[str, Draft] = {}
@@ -255,6 +250,7 @@ class ModelRunner:
                 list(new.block_ids),
                 generator or self._new_generator(new.params.seed),
                 lora_name=new.lora_name,
+                pooling=new.pooling,
                 param_row=held.param_row if held is not None else param_row(new.params, self.device),
             )
         for c in batch.cached_requests:
@@ -280,13 +276,16 @@ class ModelRunner:
             token_ids=state.token_slice(start, start + num_real) + s.spec_token_ids,
             num_computed_tokens=start,
             block_table=state.block_ids,
-            sample=start + num_real == state.num_tokens and state.params.pooling is None,  # embeddings sample nothing
+            sample=start + num_real == state.num_tokens and state.pooling is None,  # embeddings sample nothing
             params=state.params,
             prompt_ids=state.prompt_ids,
             output_ids=state.output_ids,
             penalties=state.penalties,
             param_row=state.param_row,
             spec_token_ids=s.spec_token_ids,
+            generator=state.generator,
+            draft_probs=state.draft.probs if k and state.draft is not None else None,
+            pooling=state.pooling,
             num_lookahead=s.num_lookahead,
             positions=positions,
             tree_mask=tree_mask,
@@ -345,18 +344,19 @@ class ModelRunner:
             return self.compute_logits(seqs), {}, {}, None
         input_ids, positions, meta, logits_indices = self.prepare(seqs)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, lora=self._lora_mapping(seqs))
-        if not any(_scores_prompt(s) or s.params.pooling for s in seqs):
+        if not any(_scores_prompt(s) or s.pooling for s in seqs):
             return self.model.compute_logits(hidden[logits_indices]), {}, {}, hidden
         scores, pooled, offset = {}, {}, 0
         for s in seqs:
             n = len(s.token_ids)
             if _scores_prompt(s):
                 scores[s.request_id] = self._prompt_scores(s, hidden, offset)
-            if s.params.pooling == "last":
+            pooling = s.pooling.pooling_type if s.pooling is not None else None
+            if pooling == "last":
                 final = s.num_computed_tokens + n == len(s.prompt_ids)
                 if final:
                     pooled[s.request_id] = (hidden[offset + n - 1].float(), 1, True)
-            elif s.params.pooling == "mean":
+            elif pooling == "mean":
                 total = hidden[offset : offset + n].float().sum(dim=0)
                 pooled[s.request_id] = (total, n, s.num_computed_tokens + n == len(s.prompt_ids))
             offset += n
@@ -413,94 +413,6 @@ class ModelRunner:
             raise RuntimeError("this runner was built without LoRA slots (enable_lora)")
         self.lora.add(name, path, loaded)
 
-    def _sample(
-        self, seqs: list[SeqInput], logits: torch.Tensor, grammar_masks: dict[str, Any] | None = None
-    ) -> dict[str, list[SampledToken]]:
-        """Plain sequences go through the batched sampler; speculating ones through
-        verification of their drafts. Rows of constrained sequences get their grammar's
-        bias (-inf for refused tokens) first."""
-        plain_rows, plain, spec_rows, spec = [], [], [], []
-        masked_rows, masks = [], []
-        row = 0
-        for s in seqs:
-            if not s.sample:
-                continue
-            n = 1 + len(s.spec_token_ids)
-            if grammar_masks and s.request_id in grammar_masks:
-                masked_rows.extend(range(row, row + n))
-                masks.append(grammar_masks[s.request_id])
-            (spec_rows if s.spec_token_ids else plain_rows).extend(range(row, row + n))
-            (spec if s.spec_token_ids else plain).append(s)
-            row += n
-        assert row == logits.shape[0]
-        if masks:
-            apply_grammar_bias(logits, masked_rows, masks[0] if len(masks) == 1 else np.concatenate(masks))
-        result: dict[str, list[SampledToken]] = {}
-        if plain:
-            rows = [
-                SampleRow(
-                    s.params,
-                    s.prompt_ids,
-                    s.output_ids,
-                    self.requests[s.request_id].generator,
-                    s.penalties,
-                    s.param_row,
-                )
-                for s in plain
-            ]
-            out = sample(_rows(logits, plain_rows), rows, self._default_generator)
-            for i, s in enumerate(plain):
-                result[s.request_id] = [SampledToken(out.token_ids[i], out.logprobs[i], out.top_logprobs[i])]
-        if spec:
-            result.update(self._verify(spec, _rows(logits, spec_rows)))
-        return result
-
-    def _verify(self, seqs: list[SeqInput], logits: torch.Tensor) -> dict[str, list[SampledToken]]:
-        """logits: k_i + 1 rows per sequence. Row i is judged with the penalties the
-        sequence would have after accepting its first i drafts."""
-        rows = [
-            SampleRow(
-                s.params,
-                s.prompt_ids,
-                s.output_ids + drafted,
-                self._generator_or_default(s.request_id),
-                s.penalties,
-                s.param_row,
-            )
-            for s in seqs
-            for drafted in _judged_after(s)
-        ]
-        dist, greedy = sampling_distribution(logits, rows)
-        greedy_list = greedy.tolist()
-        raw = logits.log_softmax(dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
-        result = {}
-        start = 0
-        for s in seqs:
-            k = len(s.spec_token_ids)
-            if s.spec_parents is not None:  # a tree: greedy only (proposers draft chains for sampled requests)
-                assert s.params.greedy, "a draft tree for a sampled request"
-                argmax = greedy_list[start : start + k + 1]
-                path = greedy_path(s.spec_parents, s.spec_token_ids, argmax)
-                tokens = [s.spec_token_ids[i] for i in path] + [argmax[path[-1] + 1 if path else 0]]
-                taken = [start] + [start + 1 + i for i in path]  # the rows that judged them
-            else:
-                if s.params.greedy:
-                    tokens = verify_greedy(greedy_list[start : start + k + 1], s.spec_token_ids)
-                else:
-                    assert dist is not None
-                    draft = self.requests[s.request_id].draft
-                    assert draft is not None  # checked in _seq_input
-                    q = None if draft.probs is None else draft.probs[:k]
-                    tokens = verify_sampled(dist[start : start + k + 1], s.spec_token_ids, q, rows[start].generator)
-                taken = list(range(start, start + len(tokens)))
-            if raw is not None and s.params.logprobs is not None:
-                lps, tops = chosen_logprobs(raw[taken], tokens, [rows[i] for i in taken])
-            else:
-                lps, tops = [None] * len(tokens), [[] for _ in tokens]
-            result[s.request_id] = [SampledToken(t, lp, top) for t, lp, top in zip(tokens, lps, tops, strict=True)]
-            start += k + 1
-        return result
-
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: block dst gets block src's K/V in every layer, in list order."""
         copy_blocks(self.kv_caches, copies)
@@ -541,23 +453,3 @@ class ModelRunner:
         state = self.requests.get(request_id)
         gen = state.generator if state is not None else None
         return gen or self._default_generator
-
-
-def _judged_after(s: SeqInput) -> list[list[int]]:
-    """The drafts each verification row of ``s`` is judged after (its penalties, min_tokens):
-    row i of a chain after the first i drafts; a tree's node after the path down to it."""
-    drafts = s.spec_token_ids
-    if s.spec_parents is None:
-        return [drafts[:i] for i in range(len(drafts) + 1)]
-    paths: list[list[int]] = [[]]
-    for i, p in enumerate(s.spec_parents):
-        paths.append(paths[p + 1] + [drafts[i]])
-    return paths
-
-
-def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """logits[rows], without copying [batch, vocab] when rows are all of them in order
-    (the usual step: at 64 rows of a 49k vocabulary the copy cost 4 ms)."""
-    if len(rows) == logits.shape[0] and rows[-1] == len(rows) - 1:
-        return logits  # rows are increasing and distinct, so this is range(len(logits))
-    return logits.index_select(0, torch.tensor(rows, device=logits.device))

@@ -271,7 +271,9 @@ def sample(
     assert logits.shape[0] == len(rows)
     raw_logprobs = logits.log_softmax(dim=-1) if any(r.params.logprobs is not None for r in rows) else None
     probs, greedy_tokens, params = _distribution(logits, rows)
-    tokens = greedy_tokens if probs is None else _draw(probs, rows, params, greedy_tokens, default_generator)
+    tokens = (
+        greedy_tokens if probs is None else _draw_next_tokens(probs, rows, params, greedy_tokens, default_generator)
+    )
     token_list = tokens.tolist()
     out = SamplerOutput(token_ids=token_list, logprobs=[None] * len(rows), top_logprobs=[[] for _ in rows])
     if raw_logprobs is not None:
@@ -279,7 +281,7 @@ def sample(
     return out
 
 
-def _draw(
+def _draw_next_tokens(
     probs: torch.Tensor,
     rows: list[SampleRow],
     params: torch.Tensor,

@@ -12,7 +12,7 @@ import struct
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.server.admission import check_count, check_tokens, client_of
 from tokenmill.server.errors import APIError
 from tokenmill.server.prompts import encode, max_tokens_for
@@ -48,7 +48,7 @@ def register(app: FastAPI, served: Served) -> None:
         )
         check_queue(served, target, len(prompts) if place is None else min(len(prompts), served.windows.size))
         rid = new_id("embd")
-        params = SamplingParams(max_tokens=1, pooling=body.pooling)
+        params = PoolingParams(body.pooling)
         streams = [target.engine.generate(f"{rid}-{i}", ids, params, target.lora) for i, ids in enumerate(prompts)]
 
         async def collect() -> Response:

@@ -1,4 +1,4 @@
-"""Which part of the model one rank holds (``ModelShard``); ``model/sharding.py`` cuts a
+"""Which part of the model one rank holds (``ModelShard``); ``model/shard_weights.py`` cuts a
 whole model to it.
 
 Tensor parallelism (Megatron-style) splits each layer across the ``tp_size`` ranks of

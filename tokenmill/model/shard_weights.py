@@ -1,4 +1,4 @@
-"""A whole model cut to one rank's shard (``ModelShard``, ``model/shard.py``).
+"""A whole model cut to one rank's shard (``ModelShard``, ``model/shard_plan.py``).
 
 Quantised weights are quantised whole, then cut, so that a rank's int8 scales (per
 output row) and int4 groups (along the input) are exactly those of the unsplit
@@ -12,7 +12,7 @@ from torch import nn
 
 from tokenmill.errors import TokenmillError
 from tokenmill.model.llama import LlamaForCausalLM
-from tokenmill.model.shard import ModelShard
+from tokenmill.model.shard_plan import ModelShard
 from tokenmill.quant.weights import (
     INT4_GROUP_SIZES,
     Int4Linear,

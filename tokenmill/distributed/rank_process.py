@@ -1,6 +1,6 @@
 """A worker rank of a split model: load a shard, then follow the driver step by step.
 
-Started by the driver on one machine (``python -m tokenmill.distributed.worker``, its
+Started by the driver on one machine (``python -m tokenmill.distributed.rank_process``, its
 ``WorkerSpec`` pickled on stdin), or by torchrun on any machine (``tokenmill serve``
 on a rank other than 0 ends up in ``run_torchrun_worker``). It holds no scheduler, no
 tokenizer and no sampler: a ``ModelRunner`` whose forward is its ``PipelineStage``,
@@ -26,7 +26,7 @@ from tokenmill.distributed.messages import Forward, Load, Setup, Shutdown, Step
 from tokenmill.distributed.stage import parallel_stage
 from tokenmill.lifetime import exit_with_parent
 from tokenmill.model.loader import load_checkpoint
-from tokenmill.model.shard import ModelShard
+from tokenmill.model.shard_plan import ModelShard
 from tokenmill.model_setup import load_shard, resolve_device
 from tokenmill.worker.kv_cache import allocate_kv_cache
 from tokenmill.worker.model_runner import ModelRunner

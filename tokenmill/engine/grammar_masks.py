@@ -33,8 +33,8 @@ import numpy as np
 from tokenmill.engine.model_input import GrammarMasks
 from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.errors import InvalidRequestError
+from tokenmill.structured.constraint import StructuredOutputs
 from tokenmill.structured.grammar import CompiledGrammar, GrammarCompiler, bitmask_words
-from tokenmill.structured.spec import StructuredOutputs
 
 
 class StructuredOutputManager:

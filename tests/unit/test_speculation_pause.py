@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tokenmill.worker.spec_pause import PayOrPause
+from tokenmill.worker.speculation_pause import PayOrPause
 
 
 def run_windows(policy: PayOrPause, rate: dict[bool, float], windows: int) -> list[bool]:

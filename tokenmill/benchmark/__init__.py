@@ -1,1 +1,0 @@
-"""Benchmarks that ship with the package (`tokenmill bench ...`)."""

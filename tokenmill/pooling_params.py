@@ -1,0 +1,35 @@
+"""PoolingParams: an embedding request's controls (vLLM's name), validated on construction.
+
+An embedding request computes its prompt, sharing steps with generation, and ends with
+the model's final hidden state pooled and L2-normalised; it samples nothing. It is a
+request of its own kind, not a one-token generation: the engine core queues it beside
+generating requests and the runner pools instead of sampling. Free of torch, like
+``SamplingParams``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenmill.errors import InvalidRequestError
+
+POOLING_TYPES = ("last", "mean")
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    # "last": the final hidden state at the last token (what decoder embedding models
+    # use); "mean": the mean over all the prompt's tokens (such a request skips the
+    # prefix cache: a cached position has no hidden state to average).
+    pooling_type: str = "last"
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in POOLING_TYPES:
+            raise InvalidRequestError(
+                f"pooling must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}", param="pooling"
+            )
+
+    @property
+    def n(self) -> int:
+        """Sequences the request becomes: one, as for any request a front counts."""
+        return 1
