@@ -117,7 +117,9 @@ class ToyTokenizer:
             "assistant: " if add_generation_prompt else ""
         )
 
-    def encode_chat(self, messages, add_generation_prompt=True, tools=None, allow_special_tokens=False):
+    def encode_chat(
+        self, messages, add_generation_prompt=True, tools=None, allow_special_tokens=False, template_kwargs=None
+    ):
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), False)  # (no special tokens)
 
 
@@ -202,10 +204,10 @@ class ScriptedRunner:
             history = state["tokens"]
             kept = []
             for d in s.spec_token_ids:
-                if d != next_token(history + kept):
+                if d != self.choose(state, history + kept):
                     break
                 kept.append(d)
-            kept.append(next_token(history + kept))
+            kept.append(self.choose(state, history + kept))
             logprob = self.logprob if state["params"].logprobs is not None else None
             out.sampled[s.request_id] = [SampledToken(t, logprob) for t in kept]
             if s.num_lookahead:
@@ -215,6 +217,10 @@ class ScriptedRunner:
                 self.requests[s.request_id]["tokens"].extend(t.token_id for t in out.sampled[s.request_id])
             self.requests[s.request_id]["draft"] = out.draft_token_ids.get(s.request_id, [])
         return out
+
+    def choose(self, state: dict, history: list[int]) -> int:
+        """The token the scripted model samples after ``history`` (a subclass may script it)."""
+        return next_token(history)
 
     @staticmethod
     def _prompt_work(rid: str, state: dict, start: int, end: int, out) -> None:
@@ -521,7 +527,9 @@ def write_gguf(path, hf_model, arch: str, tokenizer: dict, weight_type: str | No
 def run_on_avx2_build(checks: str) -> None:
     """Run ``checks`` (Python, from the repository root) in a fresh interpreter whose native
     kernels are the -march=haswell build: AVX2, FMA and F16C only, what an AVX2-only CPU
-    runs. Fails with the child's stderr unless the checks complete."""
+    runs. Fails with the child's stderr unless the checks complete. Where the build is not
+    in torch's cache yet, the child must say that it compiles, then how long it took (issue
+    43: minutes of silence on first start); where it is, it must say neither."""
     code = (
         "import sys, torch\n"
         "sys.path.insert(0, '.')\n"
@@ -530,8 +538,18 @@ def run_on_avx2_build(checks: str) -> None:
     )
     env = dict(os.environ, TOKENMILL_MARCH="haswell")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    cached = subprocess.run(
+        [sys.executable, "-c", "from tokenmill.kernels.native import _built, build_name; print(_built(build_name()))"],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout.strip()
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    said = "compiling the native CPU kernels" in r.stderr and "native CPU kernels built in" in r.stderr
+    assert said == (cached == "False"), (cached, r.stderr[-3000:])
 
 
 def child_pids(pid: int) -> list[int]:
@@ -711,3 +729,118 @@ def set_viewport(driver, width: int, height: int, mobile: bool = False) -> None:
 def console_errors(driver) -> list[str]:
     """The console's errors (level SEVERE) since the last call (reading the log empties it)."""
     return [entry["message"] for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
+
+
+# ----------------------------------------------------------------- a Qwen3-like vocabulary
+
+# Qwen3's chat template, as published in its tokenizer_config.json (tools, reasoning of the
+# current turn, and the empty think block that enable_thinking=false writes into the prompt).
+QWEN3_TEMPLATE = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\\n\\n' }}
+    {%- endif %}
+    {{- "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.content is string %}
+        {%- set content = message.content %}
+    {%- else %}
+        {%- set content = '' %}
+    {%- endif %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in content %}
+                {%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
+                {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+            {%- endif %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {%- if loop.last or (not loop.last and reasoning_content) %}
+                {{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
+            {%- else %}
+                {{- '<|im_start|>' + message.role + '\\n' + content }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\\n' + content }}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and content) or (not loop.first) %}
+                    {{- '\\n' }}
+                {%- endif %}
+                {%- if tool_call.function %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {{- '<tool_call>\\n{"name": "' }}
+                {{- tool_call.name }}
+                {{- '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' }}
+        {{- content }}
+        {{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}"""
+QWEN3_ADDED = ("<think>", "</think>", "<tool_call>", "</tool_call>")  # added whole, not special (as Qwen's)
+
+
+def write_qwen3_tokenizer(folder):
+    """A Qwen3-like tokenizer folder (tokenizer.json, tokenizer_config.json): SmolLM2's
+    byte-level BPE (its <|im_start|> and <|im_end|> special) with Qwen's thinking and tool
+    tags added, and Qwen3's chat template; its Tokenizer."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from tokenmill.model.paths import default_model_path
+    from tokenmill.model.tokenizer import load_tokenizer, tokenizer_from_folder
+
+    backend = HFTokenizer.from_str(load_tokenizer(default_model_path()).backend.to_str())
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN3_ADDED])
+    folder.mkdir(parents=True, exist_ok=True)
+    backend.save(str(folder / "tokenizer.json"))
+    config = {"chat_template": QWEN3_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": None}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return tokenizer_from_folder(folder)

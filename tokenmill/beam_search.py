@@ -38,9 +38,10 @@ class BeamSearchParams:
         if not isinstance(self.length_penalty, int | float) or not -10 <= self.length_penalty <= 10:
             raise InvalidRequestError("length_penalty must be a number in [-10, 10]", param="length_penalty")
 
-    def step_params(self) -> SamplingParams:
-        """One round of one beam: a single token's top-2W alternatives."""
-        return SamplingParams(max_tokens=1, temperature=0, logprobs=2 * self.beam_width, ignore_eos=True)
+    def step_params(self, logprobs: int = 0) -> SamplingParams:
+        """One round of one beam: a single token's top-2W alternatives (more where the
+        client asked for more top logprobs; only the first 2W are continued)."""
+        return SamplingParams(max_tokens=1, temperature=0, logprobs=max(2 * self.beam_width, logprobs), ignore_eos=True)
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Beam:
     cum_logprob: float = 0.0
     finished: bool = False  # ended by end-of-sequence
     logprobs: list[float] = field(default_factory=list)  # of each output token
+    tops: list[list[tuple[int, float]]] = field(default_factory=list)  # each output token's step: its top (id, logprob)
 
     def score(self, prompt_len: int, eos: frozenset[int], length_penalty: float) -> float:
         length = prompt_len + len(self.tokens) - (1 if self.tokens and self.tokens[-1] in eos and self.finished else 0)
@@ -85,9 +87,10 @@ class BeamSearch:
         width = self.params.beam_width
         for p, beams in enumerate(self.live):
             candidates = [
-                Beam(beam.tokens + [t], beam.cum_logprob + lp, logprobs=beam.logprobs + [lp])
+                Beam(beam.tokens + [t], beam.cum_logprob + lp, logprobs=beam.logprobs + [lp], tops=beam.tops + [top])
                 for b, beam in enumerate(beams)
-                for t, lp in tops[(p, b)]
+                for top in [tops[(p, b)]]
+                for t, lp in top[: 2 * width]
             ]
             candidates.sort(key=lambda c: c.cum_logprob, reverse=True)
             self.live[p] = []

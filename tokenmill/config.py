@@ -193,6 +193,12 @@ class SchedulerConfig:
     scheduling: str = opt(
         "continuous", "continuous batching, or the static-batching baseline", choices=("continuous", "static")
     )
+    scheduling_policy: str = opt(
+        "fcfs",
+        "which waiting request goes first: fcfs (arrival order), or priority (a request's `priority`, lower "
+        "first, then arrival, as vLLM's; preemption takes the running request that comes last by the same order)",
+        choices=("fcfs", "priority"),
+    )
 
     def __post_init__(self) -> None:
         _check(
@@ -202,6 +208,10 @@ class SchedulerConfig:
         _check(
             self.scheduling in ("continuous", "static"),
             f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}",
+        )
+        _check(
+            self.scheduling_policy in ("fcfs", "priority"),
+            f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}",
         )
 
 
@@ -379,6 +389,7 @@ class ParallelConfig:
 
 
 RESPONSE_CACHES = ("off", "exact", "semantic")
+REASONING_PARSERS = ("qwen3", "deepseek_r1")  # server/reasoning.py
 
 
 @dataclass(frozen=True)
@@ -401,7 +412,7 @@ class ServerConfig:
         "answer 429 (with Retry-After) while this many engine sequences wait for a place in the batch; 0: no limit",
     )
     max_prompts_per_request: int = opt(2048, "most prompts in one completions request; more get 400")
-    max_embedding_inputs: int = opt(2048, "most inputs in one embeddings request; more get 400")
+    max_embedding_inputs: int = opt(2048, "most texts in one embeddings, pooling, score or rerank request; more: 400")
     max_request_tokens: int = opt(
         262144, "most prompt tokens in one request, all its prompts or inputs together; more get 400"
     )
@@ -433,12 +444,26 @@ class ServerConfig:
         "seconds a connection has to send a whole request head, from its start or its last response; then it is closed",
     )
     allow_runtime_lora_updating: bool = opt(False, "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    trust_request_chat_template: bool = opt(
+        False,
+        "let a chat request bring its own Jinja template (vLLM's chat_template field; rendered in a "
+        "sandbox, but a client's template can still cost the server time): refused with 400 by default",
+    )
     allow_special_tokens_in_messages: bool = opt(
         False,
         "tokenise special-token text in chat messages (and tools) as "
         "special tokens, as the rendered prompt reads: a client can then "
         "end its turn and forge a system one (default: as plain text; "
         "the template's own markers stay special)",
+    )
+    reasoning_parser: str | None = opt(
+        None,
+        "reasoning models, as vLLM's: split a chat answer's <think>...</think> into "
+        "reasoning_content (a response's reasoning item), the rest into content; tool calls "
+        "and structured output apply after it. qwen3 (no reasoning with "
+        "chat_template_kwargs enable_thinking false) or deepseek_r1; for each served model "
+        "whose vocabulary has the <think> and </think> tokens",
+        choices=REASONING_PARSERS,
     )
     max_stored_responses: int = opt(
         1000, "responses kept for previous_response_id and GET /v1/responses/{id} (store: true; the oldest go first)"
@@ -518,6 +543,10 @@ class ServerConfig:
             f"response_cache must be one of {', '.join(RESPONSE_CACHES)}, got {self.response_cache!r}",
         )
         _check(self.response_cache_ttl > 0, f"response_cache_ttl must be > 0, got {self.response_cache_ttl}")
+        _check(
+            self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS,
+            f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}",
+        )
         for name in (
             "max_prompts_per_request",
             "max_embedding_inputs",

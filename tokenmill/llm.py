@@ -143,12 +143,19 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         lora: str | Sequence[str | None] | None = None,
         allow_special_tokens: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate. Special-token
         text in the messages is tokenised as text (``allow_special_tokens``: as special
-        tokens, as the rendered prompt reads)."""
+        tokens, as the rendered prompt reads). ``chat_template_kwargs``: more variables for
+        the template, as vLLM's (Qwen3's ``{"enable_thinking": False}``)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.encode_chat(c, allow_special_tokens=allow_special_tokens) for c in conversations]
+        prompts = [
+            self.tokenizer.encode_chat(
+                c, allow_special_tokens=allow_special_tokens, template_kwargs=chat_template_kwargs
+            )
+            for c in conversations
+        ]
         return self.generate(prompts, sampling_params, lora)  # type: ignore[arg-type]
 
     def load_lora(self, name: str, path: str) -> None:

@@ -54,6 +54,9 @@ class SamplingParams:
     # output ends with the tokens before it); their token ids, with and without a
     # leading space, are filled in by ``with_bad_word_ids`` where a tokenizer is.
     bad_words: tuple[str, ...] = ()
+    # vLLM's request priority: with --scheduling-policy priority, lower values are admitted
+    # first and preempted last (ties: arrival order); refused unless that policy is on.
+    priority: int = 0
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     # The model's end-of-sequence ids, filled in by the engine (as vLLM's
     # all_stop_token_ids): what min_tokens holds back besides stop_token_ids.
@@ -128,6 +131,8 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or not 0 <= t <= MAX_INT32 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be token ids in [0, 2**31)")
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool) or abs(self.priority) > MAX_INT32:
+            raise bad("priority", "must be an integer in (-2**31, 2**31)")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad("min_tokens", "must be an integer in [0, max_tokens]")
         for t, v in self.logit_bias:

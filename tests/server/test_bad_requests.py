@@ -74,7 +74,7 @@ def test_a_lone_surrogate_is_a_400_not_a_500(app_engine, path, raw):
         ({"top_k": 2**63, "top_p": 0.5}, "top_k"),
         ({"top_k": 2**63}, "top_k"),
         ({"n": 10**6}, "n"),
-        ({"max_tokens": "16"}, "max_tokens"),
+        ({"max_tokens": "sixteen"}, "max_tokens"),
         ({"stream": "yes"}, "stream"),
         ({"stop_token_ids": [2**40]}, "stop_token_ids"),
         ({"logit_bias": {"5": 101}}, "logit_bias"),
@@ -110,7 +110,7 @@ def test_out_of_range_wrongly_typed_or_unsupported_fields_are_400s_naming_the_fi
     ],
 )
 def test_a_field_we_do_not_know_is_refused_by_name_and_no_effect_fields_are_accepted(app_engine, path, body):
-    for name, value in (("foo_unknown", 1), ("min_tokens_typo", 3), ("chat_template_kwargs", {"x": 1})):
+    for name, value in (("foo_unknown", 1), ("min_tokens_typo", 3), ("mm_processor_kwargs", {"x": 1})):
         err = assert_error(
             call(app_engine[0], "POST", path, {**body, name: value}),
             400,

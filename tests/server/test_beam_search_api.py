@@ -35,13 +35,49 @@ def test_use_beam_search_answers_the_offline_beams(client, llm):
     assert len(chat.choices) == 2 and all(c.message.content is not None for c in chat.choices)
 
 
+def test_beam_search_with_logprobs_returns_each_beams_own(client, llm):
+    """vLLM returns each beam's logprobs (issue 43): the tokens of the answered beam, their
+    logprobs summing to the beam's cumulative logprob, and the top k alternatives of each step."""
+    prompt = "The capital of France is"
+    r = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=5,
+        n=2,
+        best_of=2,
+        temperature=0,
+        logprobs=3,
+        extra_body={"use_beam_search": True},
+    )
+    beams = llm.beam_search(prompt, BeamSearchParams(beam_width=2, max_tokens=5))[0].beams
+    for choice, beam in zip(r.choices, beams, strict=True):
+        kept = beam.tokens[:-1] if beam.finished else beam.tokens
+        lp = choice.logprobs
+        assert lp.tokens == [llm.tokenizer.decode([t], skip_special_tokens=False) for t in kept]
+        assert lp.token_logprobs == pytest.approx(beam.logprobs[: len(kept)], abs=1e-4)
+        assert all(
+            len(top) == 3 and max(top.values()) >= v - 1e-6
+            for top, v in zip(lp.top_logprobs, lp.token_logprobs, strict=True)
+        )
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        n=2,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"use_beam_search": True, "return_tokens_as_token_ids": True},
+    )
+    for c in chat.choices:
+        assert c.logprobs.content and all(len(t.top_logprobs) == 2 for t in c.logprobs.content)
+        assert all(t.token.startswith("token_id:") for t in c.logprobs.content)
+
+
 @pytest.mark.parametrize(
     ("extra", "needle"),
     [
         ({"stream": True}, "stream"),
         ({"temperature": 0.7}, "temperature"),
-        ({"logprobs": 1}, "logprobs"),
-        ({"logprobs": 0}, "logprobs"),
         ({"return_timings": True}, "return_timings"),
         ({"n": 3, "best_of": 2}, "best_of must be in [n"),
         ({"n": 11}, "beam_width"),

@@ -210,7 +210,11 @@ def test_previous_response_id_continues_the_conversation_and_is_stored(client):
         ({"truncation": "auto"}, "truncation"),
         ({"foo_unknown": 1}, "Unrecognized request argument supplied: foo_unknown"),
         ({"input": []}, "input is empty"),
-        ({"input": [{"type": "reasoning", "summary": []}]}, "input items of type 'reasoning' are not supported"),
+        (
+            {"input": [{"type": "image_generation_call"}]},
+            "input items of type 'image_generation_call' are not supported",
+        ),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input is empty (a reasoning item alone is no turn)"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "'input_image'"),
         ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, "tool_call_id"),
         ({"text": {"format": {"type": "xml"}}}, "text.format type"),

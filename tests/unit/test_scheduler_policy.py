@@ -15,11 +15,10 @@ from tokenmill.sampling_params import SamplingParams
 BS = 4
 
 
-def make(num_blocks=64, budget=64, max_seqs=8, spec=None, max_model_len=100, caching=True) -> Scheduler:
+def make(num_blocks=64, budget=64, max_seqs=8, spec=None, max_model_len=100, caching=True, policy="fcfs") -> Scheduler:
     kv = KVCacheManager(BlockPool(num_blocks, enable_caching=caching), BS)
-    return Scheduler(
-        SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget), kv, max_model_len, frozenset(), spec
-    )
+    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, scheduling_policy=policy)
+    return Scheduler(config, kv, max_model_len, frozenset(), spec)
 
 
 def add(s: Scheduler, rid: str, prompt_len: int, max_tokens: int = 50, **params) -> Request:
@@ -47,6 +46,38 @@ def step(s: Scheduler, drafts: dict[str, list[int]] | None = None) -> SchedulerO
 
 def ids(out: SchedulerOutput) -> list[str]:
     return [x.request.request_id for x in out.seqs]
+
+
+def test_under_the_priority_policy_lower_priority_values_are_admitted_first_then_arrival():
+    s = make(max_seqs=2, policy="priority")
+    add(s, "late", 4, priority=5), add(s, "first", 4, priority=-1), add(s, "tie1", 4), add(s, "tie2", 4)
+    assert ids(step(s)) == ["first", "tie1"]  # two slots: -1, then the earlier of the two 0s
+    assert [r.request_id for r in s.waiting] == ["tie2", "late"]
+
+
+def test_under_the_priority_policy_preemption_takes_the_lowest_priority_and_requeues_it_in_order():
+    s = make(num_blocks=4, policy="priority")
+    a, b, c = add(s, "a", 4, priority=1), add(s, "b", 4, priority=9), add(s, "c", 4, priority=1)
+    assert ids(step(s)) == ["a", "c", "b"]  # admitted in priority order; one block each, each needs a second
+    out = step(s)
+    assert [r.request_id for r in out.preempted] == ["b"]  # the highest value, not the last admitted
+    add(s, "d", 4, priority=3)
+    assert [r.request_id for r in s.waiting] == ["d", "b"]  # b waits behind a more urgent newcomer
+    assert b.status is RequestStatus.WAITING and a.num_computed_tokens == 5 and c.num_computed_tokens == 5
+
+
+def test_a_priority_under_fcfs_is_refused_by_name():
+    """As vLLM: a priority is refused unless the policy is on, never silently served in arrival order."""
+    import pytest
+
+    from tests.helpers import ScriptedRunner, ToyTokenizer
+    from tokenmill.engine.core import EngineConfig, EngineCore
+    from tokenmill.errors import InvalidRequestError
+
+    core = EngineCore(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=16, block_size=4, max_model_len=64))
+    with pytest.raises(InvalidRequestError, match="--scheduling-policy priority") as e:
+        core.add_request("p", [1, 2, 3], SamplingParams(priority=2))
+    assert e.value.param == "priority" and not core.has_unfinished()
 
 
 def test_the_most_recently_admitted_request_is_preempted():

@@ -190,6 +190,12 @@ class EngineCore:
                 else "bad_words"
             )
             raise InvalidRequestError(f"token id {bad} in {param} is outside the vocabulary [0, {vocab})", param=param)
+        if params.priority and not self.scheduler.by_priority:  # as vLLM: never silently first come, first served
+            raise InvalidRequestError(
+                f"got priority {params.priority}, but priority scheduling is not enabled "
+                "(start the server with --scheduling-policy priority)",
+                param="priority",
+            )
         if params.prompt_logprobs is not None and not getattr(self.runner, "scores_prompts", True):
             raise InvalidRequestError(
                 "prompt_logprobs is not supported with tensor or pipeline parallelism", param="prompt_logprobs"

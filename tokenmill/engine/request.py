@@ -61,6 +61,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # of full blocks of all_token_ids
     num_cached_blocks: int = 0  # leading blocks registered in the prefix cache
     num_preemptions: int = 0
+    arrival: int = 0  # the scheduler's count of requests added before it (the priority policy's tie-break)
     fork_of: str | None = None  # n > 1: the sibling whose prompt blocks this one shares
     parent_id: str = ""  # the user's request id (this sequence is completion `index` of it)
     index: int = 0

@@ -13,6 +13,9 @@ request is given some of the tokens it has not computed yet, within a token budg
 When a running request cannot get a block, the most recently admitted running
 request is preempted: its blocks are freed and it goes back to the front of the
 waiting queue, to recompute its prompt and output so far when readmitted.
+``scheduling_policy="priority"`` (vLLM's) orders the waiting queue by each request's
+``priority`` (lower first), then arrival, and preempts the running request that comes
+last in that order.
 ``scheduling="static"`` admits nothing while a batch is running: the baseline.
 
 Speculative decoding fits the same rule: a decode that carries k draft tokens takes
@@ -29,6 +32,8 @@ runner is told each step is ``RunnerSync``'s (engine/runner_sync.py).
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -96,9 +101,20 @@ class Scheduler:
         self.num_preemptions = 0
         self.spec_stats = SpecDecodeStats()
         self.runner_sync = RunnerSync()  # what the runner holds; each step's deltas
+        self.by_priority = config.scheduling_policy == "priority"
+        self._arrivals = itertools.count()
 
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        req.arrival = next(self._arrivals)
+        self._enqueue(req)
+
+    def _enqueue(self, req: Request) -> None:
+        """Into the waiting queue: at the back (fcfs), or in (priority, arrival) order."""
+        if not self.by_priority:
+            self.waiting.append(req)
+            return
+        keys = [_order(r) for r in self.waiting]  # the queue is kept sorted by this key
+        self.waiting.insert(bisect.bisect(keys, _order(req)), req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -140,7 +156,7 @@ class Scheduler:
                     self.running.remove(req)
                     out.unschedulable.append(req)
                     break
-                victim = self.running[-1]
+                victim = max(self.running, key=_order) if self.by_priority else self.running[-1]
                 budget += self._preempt(victim, out)
                 if victim is req:
                     break
@@ -279,7 +295,10 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        if self.by_priority:
+            self._enqueue(req)
+        else:
+            self.waiting.appendleft(req)
         out.preempted.append(req)
         return given_back
 
@@ -385,3 +404,8 @@ class Scheduler:
         self.runner_sync.forget(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
+
+
+def _order(req: Request) -> tuple[int, int]:
+    """A request's place under the priority policy: its priority (lower first), then arrival."""
+    return (req.params.priority, req.arrival)

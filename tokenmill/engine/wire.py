@@ -20,6 +20,7 @@ from tokenmill.engine.stats import EngineSnapshot
 from tokenmill.errors import EngineDeadError, InvalidRequestError, TokenmillError, UnknownModelError
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured.constraint import StructuredOutputs
 
 
 def pack(msg: list[Any]) -> bytes:
@@ -46,7 +47,11 @@ def params_to_wire(p: SamplingParams | PoolingParams) -> dict[str, Any]:
 def params_from_wire(d: dict[str, Any]) -> SamplingParams | PoolingParams:
     """Validated again on the way in (an unknown field is an error, never dropped)."""
     try:
-        return PoolingParams(**d) if "pooling_type" in d else SamplingParams(**d)
+        if "pooling_type" in d:
+            return PoolingParams(**d)
+        if isinstance(d.get("structured"), dict):  # every field of the spec (a client's dict takes fewer)
+            d = {**d, "structured": StructuredOutputs(**d["structured"])}
+        return SamplingParams(**d)
     except TypeError as e:
         raise InvalidRequestError(f"bad sampling parameters: {e}") from e
 

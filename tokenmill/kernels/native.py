@@ -15,6 +15,8 @@ import hashlib
 import logging
 import os
 import shutil
+import sys
+import time
 from functools import cache
 from pathlib import Path
 
@@ -61,6 +63,14 @@ def load_native(verbose: bool = False) -> bool:
         return True
     reason = _missing_tool()
     if reason is None:
+        name, started = build_name(), time.perf_counter()
+        building = not _built(name)
+        if building:  # minutes of silence otherwise (issue 43): say what, why and how long
+            _say(
+                f"tokenmill: compiling the native CPU kernels for this machine ({name}, {len(SOURCES)} C++ files, "
+                "-march=" + target_arch() + "); once per machine and source, usually 1-2 minutes on two idle "
+                "cores, longer on a busy machine ..."
+            )
         try:
             from torch.utils.cpp_extension import load
 
@@ -72,11 +82,28 @@ def load_native(verbose: bool = False) -> bool:
                 is_python_module=False,
                 verbose=verbose,
             )
+            if building:
+                _say(f"tokenmill: native CPU kernels built in {time.perf_counter() - started:.0f} s (cached)")
             return True
         except Exception as e:
             reason = f"build failed ({str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__})"
     log.warning("tokenmill: native CPU kernels unavailable, %s; using the pure-torch path (slower)", reason)
     return False
+
+
+def _say(line: str) -> None:
+    """A progress line on stderr, whatever the logging set-up (the CLI's, a server's, none)."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def _built(name: str) -> bool:
+    """Whether torch's extension cache holds this build already (then loading takes a second)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory  # no public name for the cache's place
+
+        return (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").is_file()
+    except Exception:  # another torch: say nothing rather than guess
+        return True
 
 
 def _missing_tool() -> str | None:

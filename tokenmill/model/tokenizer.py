@@ -24,6 +24,12 @@ from tokenmill.model.families import GGUF_FAMILIES
 # in the vocabulary, as llama.cpp's end-of-generation set does.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>")
 _GGUF_UNKNOWN, _GGUF_CONTROL, _GGUF_USER_DEFINED = 2, 3, 4
+# What a chat template is given by us (and jinja2's own globals, such as namespace): a
+# request's chat_template_kwargs may not set these.
+TEMPLATE_VARIABLES = frozenset(
+    {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception", "strftime_now"}
+    | {"range", "dict", "lipsum", "cycler", "joiner", "namespace"}
+)
 
 
 @dataclass
@@ -60,15 +66,24 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """Render messages to the prompt text the model was trained on (``tools``: for
-        templates that describe tools themselves)."""
+        templates that describe tools themselves; ``template_kwargs``: more variables for
+        the template, as vLLM's ``chat_template_kwargs``, such as Qwen3's
+        ``enable_thinking``; none may set one of the variables given here)."""
         _validate_messages(messages)
+        taken = sorted(set(template_kwargs or ()) & TEMPLATE_VARIABLES)
+        if taken:
+            raise InvalidRequestError(
+                f"chat_template_kwargs may not set {taken[0]!r}: the server sets it", param="chat_template_kwargs"
+            )
         if self.chat_template is None:
             lines = [f"{m['role']}: {m['content']}" for m in messages]
             return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
         return _render_template(
             self.chat_template,
+            **(template_kwargs or {}),
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self._token_text(self.bos_token_id),
@@ -82,17 +97,18 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         allow_special_tokens: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """The prompt ids of a conversation. Special-token text in the messages or tools is
-        client text and tokenised as such (a user's ``<|im_end|>`` cannot end its turn and
-        forge a system one; model/chat_guard.py); the template's markers stay special.
-        ``allow_special_tokens``: the rendered text tokenised as it reads (for clients that
-        are trusted to write special tokens)."""
+        """The prompt ids of a conversation. Special-token text in the messages, tools or
+        template variables is client text and tokenised as such (a user's ``<|im_end|>``
+        cannot end its turn and forge a system one; model/chat_guard.py); the template's
+        markers stay special. ``allow_special_tokens``: the rendered text tokenised as it
+        reads (for clients that are trusted to write special tokens)."""
         if allow_special_tokens or not self.special_token_ids:
-            text = self.apply_chat_template(messages, add_generation_prompt, tools)
+            text = self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs)
             return self.encode(text, add_special_tokens=False)
-        (messages, tools), nonce, found = self._guard.mark(messages, tools)
-        text = self.apply_chat_template(messages, add_generation_prompt, tools)
+        (messages, tools, template_kwargs), nonce, found = self._guard.mark(messages, tools, template_kwargs)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs)
         return self._guard.encode(text, nonce) if found else self.encode(text, add_special_tokens=False)
 
     @cached_property
@@ -128,6 +144,10 @@ def _render_template(template: str, **context: Any) -> str:
         return env.from_string(template).render(**context)
     except TemplateError as e:
         raise InvalidRequestError(f"chat template error: {e}") from e
+    except (TypeError, ValueError, LookupError, AttributeError) as e:  # the template on a client's values
+        if isinstance(e, InvalidRequestError):
+            raise
+        raise InvalidRequestError(f"chat template error: {type(e).__name__}: {e}") from e
 
 
 def _stop_ids(backend: Any, eos: int | None, extra: Sequence[int] = ()) -> frozenset[int]:

@@ -49,8 +49,8 @@ def _limit(config: ServerConfig, what: str) -> tuple[int, str]:
 
 
 def check_count(config: ServerConfig, count: int, what: str, param: str) -> None:
-    """400 when a request carries more prompts (``what``: "prompts", or an embeddings
-    request's "inputs") than the server takes in one request."""
+    """400 when a request carries more prompts (``what``: "prompts", or the "inputs" of a
+    request that embeds: pooled.py) than the server takes in one request."""
     limit, flag = _limit(config, what)
     if count > limit:
         raise InvalidRequestError(

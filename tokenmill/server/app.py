@@ -4,6 +4,7 @@ engine/streams.py).
     POST /v1/completions, /v1/chat/completions   (stream or not; n; logprobs; usage)
     POST /v1/responses; GET, DELETE /v1/responses/{id}   (OpenAI's Responses API)
     POST /v1/embeddings                          (the served model's pooled final hidden state)
+    POST /score, /rerank, /pooling               (vLLM's scoring: the cosine of those states; /v1/, /v2/ too)
     GET  /v1/models, /v1/models/{id}, /health, /ping, /version, /metrics
     POST /tokenize, /detokenize; GET /tokenizer_info
 
@@ -40,9 +41,10 @@ from tokenmill.server.metrics import EngineSource, ServerMetrics
 from tokenmill.server.middleware import install_middleware
 from tokenmill.server.model_router import parse_routers
 from tokenmill.server.models import ServedModel
+from tokenmill.server.reasoning import apply_reasoning_parser
 from tokenmill.server.response_cache import ResponseCache
 from tokenmill.server.responses import ResponseStore
-from tokenmill.server.routes import admin, chat, completions, embeddings
+from tokenmill.server.routes import admin, chat, completions, embeddings, scoring
 from tokenmill.server.routes import responses as responses_api
 from tokenmill.server.served import Served
 from tokenmill.server.web import WebSessions
@@ -59,6 +61,8 @@ def build_models_app(models: list[ServedModel], config: ServerConfig) -> FastAPI
     """The app for several models, each its own engine; ``config.router`` names the routers
     between them. Requests that name no model go to the first."""
     by_name = {m.name: m for m in models}
+    if config.reasoning_parser is not None:
+        apply_reasoning_parser(models, config.reasoning_parser)
     routers = parse_routers(
         config.router,
         list(by_name),
@@ -98,6 +102,7 @@ def build_models_app(models: list[ServedModel], config: ServerConfig) -> FastAPI
     completions.register(app, served)
     chat.register(app, served)
     embeddings.register(app, served)
+    scoring.register(app, served)  # /score, /rerank, /pooling: on the embeddings' pooled states
     responses_api.register(app, served)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app

@@ -27,6 +27,7 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import error_response
 from tokenmill.server.models import Target
 from tokenmill.server.protocol import error_body, new_id, now
+from tokenmill.server.reasoning import Reasoning, ReasoningSplitter, reasoning_for
 from tokenmill.server.response_cache import detach, replayed
 from tokenmill.server.served import Served, check_queue
 from tokenmill.server.streaming import DrainExpired, chain, merge, until, until_disconnect
@@ -55,14 +56,18 @@ class Job:
         return_timings: bool,
         chat: bool,
         tools: ToolRequest | None = None,
+        reasoning: Reasoning | None = None,
         echoes: list[str] | None = None,
         prompt_logprobs_asked: bool = False,
         best_of_keep: int | None = None,
         logprobs_asked: bool = True,
+        request_id: str | None = None,
+        tokens_as_ids: bool = False,
     ) -> None:
         self.served = served
         self.target = target
-        self.id = new_id(prefix)
+        self.id = f"{prefix}-{request_id}" if request_id else new_id(prefix)  # the client's X-Request-Id, if sent
+        self.tokens_as_ids = tokens_as_ids  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
         self.object = obj
         self.created = now()
         self.prompts = prompts
@@ -71,6 +76,7 @@ class Job:
         self.return_timings = return_timings
         self.chat = chat
         self.tools = tools  # chat with tools: answers are parsed into tool calls
+        self.reasoning = reasoning  # chat, --reasoning-parser: answers split into reasoning_content and content
         self.model = target.name
         self.echoes = echoes  # per prompt: the text echo puts before each of its answers
         self.prompt_logprobs_asked = prompt_logprobs_asked  # vLLM's field (echo alone scores the prompt too)
@@ -82,6 +88,7 @@ class Job:
         # well (every sequence stopped or reached its length): the response cache keeps it.
         self.on_answered: Callable[[list[tuple[int, RequestOutput]]], None] | None = None
         self.place: Callable[[], AbstractAsyncContextManager] | None = None  # the client's window (several prompts)
+        self.prompt_only = False  # echo with max_tokens 0: the prompt scored, the one token run for it dropped
 
     def _start(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         first = self.params if self.place is None else self.params[: self.served.windows.size]  # in at once
@@ -90,7 +97,8 @@ class Job:
             self.target.engine.generate(f"{self.id}-{i}", ids, p, self.target.lora)
             for i, (ids, p) in enumerate(zip(self.prompts, self.params, strict=True))
         ]
-        return merge(streams, self.place)
+        merged = merge(streams, self.place)
+        return _prompt_only(merged) if self.prompt_only else merged
 
     async def respond(self, request: Request, stream: bool) -> Response:
         merged = self._start()
@@ -190,8 +198,11 @@ class Job:
         lps = self._logprobs(c.token_ids, c.logprobs, c.top_logprobs, 0) if self.logprobs_asked else None
         echo = self.echoes[index // self.params[0].n] if self.echoes else ""
         if self.chat:
-            content, calls = self.tools.parse(c.text) if self.tools else (c.text, [])
+            thought, text = self.reasoning.split(c.text) if self.reasoning else (None, c.text)
+            content, calls = self.tools.parse(text) if self.tools and text is not None else (text, [])
             choice["message"] = {"role": "assistant", "content": echo + content if content is not None else content}
+            if self.reasoning:
+                choice["message"]["reasoning_content"] = thought
             if calls:
                 choice["message"]["tool_calls"] = [call.as_openai() for call in calls]
                 choice["finish_reason"] = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
@@ -208,11 +219,8 @@ class Job:
         """The prompt's part of an echoed completion's logprobs: its tokens, their logprobs
         and top alternatives, null for the first token (as OpenAI's legacy API)."""
         assert out.prompt_logprobs is not None and out.prompt_top_logprobs is not None
-        tok = self.target.tokenizer
-        texts = [tok.decode([t], skip_special_tokens=False) for t in out.prompt_token_ids]
-        tops = [None] + [
-            {tok.decode([t], skip_special_tokens=False): v for t, v in top} for top in out.prompt_top_logprobs[1:]
-        ]
+        texts = [self._token(t) for t in out.prompt_token_ids]
+        tops = [None] + [{self._token(t): v for t, v in top} for top in out.prompt_top_logprobs[1:]]
         return {
             "tokens": texts,
             "token_logprobs": list(out.prompt_logprobs),
@@ -286,32 +294,15 @@ class Job:
             "num_tokens": len(out.outputs[0].token_ids),
         }
 
+    def _token(self, t: int) -> str:
+        """A token as logprobs name it: its text, or ``token_id:N`` (vLLM's return_tokens_as_token_ids)."""
+        return f"token_id:{t}" if self.tokens_as_ids else self.target.tokenizer.decode([t], skip_special_tokens=False)
+
     def _logprobs(self, token_ids, logprobs, top_logprobs, start: int) -> dict | None:
         """Logprobs of token_ids[start:] in the completions or the chat shape."""
         if logprobs is None:
             return None
-        tok = self.target.tokenizer
-        ids, lps, tops = token_ids[start:], logprobs[start:], top_logprobs[start:]
-        texts = [tok.decode([t], skip_special_tokens=False) for t in ids]
-        if self.chat:
-            content = []
-            for text, lp, top in zip(texts, lps, tops, strict=True):
-                alts = [
-                    {
-                        "token": tok.decode([t], skip_special_tokens=False),
-                        "logprob": v,
-                        "bytes": list(tok.decode([t], skip_special_tokens=False).encode()),
-                    }
-                    for t, v in top
-                ]
-                content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": alts})
-            return {"content": content}
-        return {
-            "tokens": texts,
-            "token_logprobs": lps,
-            "top_logprobs": [{tok.decode([t], skip_special_tokens=False): v for t, v in top} or None for top in tops],
-            "text_offset": _offsets(texts),
-        }
+        return token_logprobs(self._token, self.chat, token_ids[start:], logprobs[start:], top_logprobs[start:])
 
     # -------------------------------------------------------------------- stream
 
@@ -320,6 +311,7 @@ class Job:
         ended: list[tuple[int, RequestOutput]] = []
         started: set[int] = set()
         tool_streams: dict[int, ToolStream] = {}  # with tools: each choice's answer, as deltas
+        splitters: dict[int, ReasoningSplitter] = {}  # with a reasoning parser: each choice's answer split
         items = [first] if first is not None else []
         try:
             async for i, out in until(chain(items, merged), self.served.drain_expired):
@@ -346,9 +338,24 @@ class Job:
                 lps = None
                 if out.delta_logprobs is not None and n_new and self.logprobs_asked:  # deltas: O(new tokens) per chunk
                     lps = self._logprobs(out.delta_token_ids, out.delta_logprobs, out.delta_top_logprobs, 0)
+                thought, text = "", out.delta_text
+                if self.reasoning is not None:
+                    splitter = splitters.setdefault(idx, self.reasoning.splitter())
+                    thought, text = splitter.feed(out.delta_text, out.finished)
                 if self.tools is not None:
                     stream = tool_streams.setdefault(idx, ToolStream(self.tools))
-                    for delta in stream.feed(out.delta_text, out.finished):
+                    if thought:  # tool calls are parsed from the content after it
+                        yield self._chunk(
+                            [
+                                {
+                                    "index": idx,
+                                    "delta": {"reasoning_content": thought},
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                }
+                            ]
+                        )
+                    for delta in stream.feed(text, out.finished):
                         yield self._chunk([{"index": idx, "delta": delta, "logprobs": None, "finish_reason": None}])
                     if out.finished:
                         reason = "tool_calls" if stream.calls and c.finish_reason == "stop" else c.finish_reason
@@ -363,14 +370,16 @@ class Job:
                                 }
                             ]
                         )
-                elif out.delta_text or out.finished or lps is not None:
+                elif text or thought or out.finished or lps is not None:
                     choice: dict[str, Any] = {
                         "index": idx,
                         "logprobs": lps,
                         "finish_reason": c.finish_reason if out.finished else None,
                     }
                     if self.chat:
-                        choice["delta"] = {"content": out.delta_text} if out.delta_text else {}
+                        choice["delta"] = {"reasoning_content": thought} if thought else {}
+                        if text:
+                            choice["delta"]["content"] = text
                     else:
                         choice["text"] = out.delta_text
                     if out.finished:
@@ -424,6 +433,34 @@ class Job:
         return f"data: {json.dumps(body)}\n\n"
 
 
+async def _prompt_only(merged: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of a prompt-scoring request (echo, max_tokens 0: run with max_tokens 1),
+    without the token generated: no text, token or logprob, and finish_reason length."""
+    async with contextlib.aclosing(merged):
+        async for i, out in merged:
+            kept = [
+                replace(
+                    c,
+                    finish_reason="length" if c.finish_reason in ("stop", "length") else c.finish_reason,
+                    stop_reason=None,
+                    _num_tokens=0,
+                    _num_chars=0,
+                )
+                for c in out.outputs
+            ]
+            yield (
+                i,
+                replace(
+                    out,
+                    outputs=kept,
+                    delta_text="",
+                    delta_token_ids=[],
+                    delta_logprobs=None if out.delta_logprobs is None else [],
+                    delta_top_logprobs=None if out.delta_top_logprobs is None else [],
+                ),
+            )
+
+
 def _joined(first: dict, then: dict) -> dict:
     """Two legacy logprobs blocks as one (the echoed prompt's, then the completion's)."""
     tokens = first["tokens"] + then["tokens"]
@@ -443,6 +480,30 @@ def _offsets(texts: list[str]) -> list[int]:
     return out
 
 
+def token_logprobs(
+    name: Callable[[int], str],
+    chat: bool,
+    ids: list[int],
+    lps: list[float],
+    tops: list[list[tuple[int, float]]],
+) -> dict:
+    """Tokens' logprobs in the chat shape (``content``) or the completions one; ``name``
+    writes a token as the response shows it."""
+    texts = [name(t) for t in ids]
+    if chat:
+        content = []
+        for text, lp, top in zip(texts, lps, tops, strict=True):
+            alts = [{"token": name(t), "logprob": v, "bytes": list(name(t).encode())} for t, v in top]
+            content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": alts})
+        return {"content": content}
+    return {
+        "tokens": texts,
+        "token_logprobs": lps,
+        "top_logprobs": [{name(t): v for t, v in top} or None for top in tops],
+        "text_offset": _offsets(texts),
+    }
+
+
 async def beam_response(
     served: Served, target: Target, prefix: str, prompts: list[list[int]], beam: BeamSearchParams, body: Any, chat: bool
 ) -> Response:
@@ -450,10 +511,17 @@ async def beam_response(
     beams as choices. Each round's beams are one-token requests to the engine."""
     rid = new_id(prefix)
     search = BeamSearch(prompts, beam, frozenset(target.tokenizer.stop_token_ids))
+    # logprobs asked: chat's logprobs (with top_logprobs alternatives), completions' logprobs (that many)
+    top_k = (body.top_logprobs or 0) if chat and body.logprobs else None if chat else body.logprobs
+    tokenizer = target.tokenizer
+
+    def name(t: int) -> str:
+        return f"token_id:{t}" if body.return_tokens_as_token_ids else tokenizer.decode([t], skip_special_tokens=False)
+
     while not search.finished:
         round_ = search.requests()
         streams = [
-            target.engine.generate(f"{rid}-{search.rounds}-{i}", ids, beam.step_params(), target.lora)
+            target.engine.generate(f"{rid}-{search.rounds}-{i}", ids, beam.step_params(top_k or 0), target.lora)
             for i, (_, _, ids) in enumerate(round_)
         ]
         finals: dict[int, RequestOutput] = {}
@@ -472,8 +540,16 @@ async def beam_response(
                 "stop_reason": None,
                 "logprobs": None,
             }
+            if top_k is not None:  # each beam's own tokens (not a final end-of-sequence), their logprobs, the top k
+                n = len(tokens)
+                choice["logprobs"] = token_logprobs(
+                    name, chat, tokens, found.logprobs[:n], [top[:top_k] for top in found.tops[:n]]
+                )
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
+                if (reasoning := reasoning_for(target, body)) is not None:  # --reasoning-parser
+                    thought, choice["message"]["content"] = reasoning.split(text)
+                    choice["message"]["reasoning_content"] = thought
             else:
                 choice["text"] = text
             choices.append(choice)

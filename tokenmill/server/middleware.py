@@ -1,7 +1,7 @@
 """The server's ASGI middlewares, outermost last in ``install_middleware``: the API key
 (and the web page's session cookie), the body's size and arrival time, each client's
-bodies still arriving (clients.py), the open requests, and a JSON 500 for the
-unforeseen. Each is plain ASGI, not Starlette's BaseHTTPMiddleware, so that a handler
+bodies still arriving (clients.py), the open requests, a JSON 500 for the
+unforeseen, and the client's X-Request-Id echoed. Each is plain ASGI, not Starlette's BaseHTTPMiddleware, so that a handler
 still sees its client disconnect.
 """
 
@@ -28,10 +28,12 @@ def install_middleware(app: FastAPI, config: ServerConfig, keys: tuple[str, ...]
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes, timeout=config.request_body_timeout)
     app.add_middleware(ClientBodyLimitMiddleware, limit=config.max_unfinished_bodies_per_client)  # clients.py
     app.add_middleware(OpenRequestLimitMiddleware, limit=config.max_open_requests)  # counts everything
-    app.add_middleware(UnexpectedErrorMiddleware)  # outermost of ours: anything unforeseen is a JSON 500
+    app.add_middleware(UnexpectedErrorMiddleware)  # anything unforeseen is a JSON 500
+    app.add_middleware(RequestIdHeaderMiddleware)  # outermost: every answer, errors too, carries the client's id
 
 
-PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/tokenmill/", "/web/")  # /health and /metrics stay open, as vLLM's
+# /health and /metrics stay open, as vLLM's
+PROTECTED = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/score", "/rerank", "/pooling", "/tokenmill/", "/web/")
 
 
 class APIKeyMiddleware:
@@ -70,6 +72,29 @@ class APIKeyMiddleware:
                 return
             scope = {**scope, "headers": auth}
         await self.app(scope, receive, send)
+
+
+class RequestIdHeaderMiddleware:
+    """A request's ``X-Request-Id`` header is echoed on its response (as vLLM's
+    ``--enable-request-id-headers``): the client's id also names the request inside
+    (chat and completions ids, the engine's request ids, logs, the live view)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        given = next((v for k, v in scope.get("headers", ()) if k == b"x-request-id"), None)
+        if scope["type"] != "http" or given is None:
+            await self.app(scope, receive, send)
+            return
+
+        async def tagged(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", given)]}
+            await send(message)
+
+        await self.app(scope, receive, tagged)
 
 
 class UnexpectedErrorMiddleware:

@@ -24,6 +24,7 @@ class ServedModel:
     # Bumped whenever the model's adapters change, so that an adapter reloaded under the
     # same name never answers from what the old one said (the response cache's keys hold it).
     generation: int = 0
+    reasoning_parser: str | None = None  # --reasoning-parser, where its vocabulary has the markers (reasoning.py)
 
 
 @dataclass(frozen=True)

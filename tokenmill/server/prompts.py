@@ -12,12 +12,14 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import ContextLengthError
 from tokenmill.server.models import Target
 from tokenmill.server.protocol import ChatCompletionRequest, truncate_prompt
+from tokenmill.server.reasoning import reasoning_for
 from tokenmill.server.tools import ToolRequest, parse_tool_request, render_messages
 
 
-async def encode(target: Target, prompt: str | list[int]) -> list[int]:
+async def encode(target: Target, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+    """A text prompt's ids (with the tokenizer's special tokens, a BOS, unless told not to); ids as they are."""
     if isinstance(prompt, str):
-        return await asyncio.to_thread(target.tokenizer.encode, prompt)
+        return await asyncio.to_thread(target.tokenizer.encode, prompt, add_special_tokens)
     return list(prompt)
 
 
@@ -47,9 +49,10 @@ def max_tokens_for(target: Target, prompt_ids: list[int], requested: int | None)
 async def chat_prompt(
     target: Target, body: ChatCompletionRequest, allow_special_tokens: bool = False
 ) -> tuple[list[int], SamplingParams, ToolRequest | None]:
-    """A chat request's prompt ids (through the chat template, tools rendered; special-token
-    text in the messages tokenised as text unless ``allow_special_tokens``), its sampling
-    parameters and its tools."""
+    """A chat request's prompt ids (through the chat template, tools rendered and
+    ``chat_template_kwargs`` given to it; special-token text in the messages tokenised as
+    text unless ``allow_special_tokens``), its sampling parameters (a constraint starts
+    after the reasoning of a model with a reasoning parser: reasoning.py) and its tools."""
     tokenizer = target.tokenizer
     template = getattr(tokenizer, "chat_template", None)
     tools = parse_tool_request(body.tools, body.tool_choice, body.parallel_tool_calls, template)
@@ -58,9 +61,13 @@ async def chat_prompt(
     described = None
     if tools and tools.hermes:  # the template describes the tools itself
         described = [t.as_openai() for t in tools.offered]
+    extra = {"template_kwargs": body.chat_template_kwargs} if body.chat_template_kwargs else {}
     ids = await asyncio.to_thread(
-        tokenizer.encode_chat, messages, body.add_generation_prompt, described, allow_special_tokens
+        tokenizer.encode_chat, messages, body.add_generation_prompt, described, allow_special_tokens, **extra
     )
     ids = truncate_prompt(ids, body.truncate_prompt_tokens, target.max_model_len)
     params = body.sampling_params(max_tokens_for(target, ids, body.requested_max_tokens), tools and tools.constraint())
+    reasoning = reasoning_for(target, body)
+    if reasoning is not None:
+        params = reasoning.constrain(params)
     return ids, params.with_bad_word_ids(tokenizer), tools

@@ -1,7 +1,8 @@
 """Request and response bodies of the OpenAI API, as vLLM accepts them.
 
 Requests are validated twice: shapes and types here (pydantic, strict as OpenAI's
-types are: ``"max_tokens": "16"`` or ``"stream": "yes"`` is a 400), values by
+types are: ``"stream": "yes"`` is a 400; a number written as a string, ``"max_tokens":
+"16"``, is taken as vLLM's validation takes it, the one exception), values by
 ``SamplingParams`` (the same rules as the offline API). Every string must be valid
 Unicode (JSON can carry a lone surrogate such as ``"\ud800"``, which no tokenizer
 can encode). A request field is never silently ignored: one this server does not
@@ -11,7 +12,11 @@ the few OpenAI fields accepted with no effect here are ``NO_EFFECT``, with why.
 
 from __future__ import annotations
 
+import math
+import re
 import time
+import types
+import typing
 import uuid
 from typing import Any, Literal
 
@@ -42,16 +47,52 @@ def _check_unicode(value: Any, depth: int = 0) -> None:
             _check_unicode(v, depth + 1)
 
 
+_INT_TEXT = re.compile(r"\s*[+-]?\d{1,30}\s*")
+
+
+def _number_from_text(value: str, annotation: Any) -> Any:
+    """A number field's value sent as a string (``"16"``, ``"0.7"``) as the number, as vLLM's
+    lax validation takes it; any other string is left for the strict check to refuse."""
+    kinds = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    if str in kinds:
+        return value  # a string is a valid value of this field as it is
+    if int in kinds and _INT_TEXT.fullmatch(value):
+        return int(value)
+    if float in kinds:
+        try:
+            number = float(value)
+        except ValueError:
+            return value
+        return number if math.isfinite(number) else value
+    return value
+
+
 class _Body(BaseModel):
     """Strict types, valid Unicode in every string, unknown fields ignored."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _numbers_sent_as_text(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(isinstance(v, str) for v in data.values()):
+            fields = cls.model_fields
+            data = {
+                k: _number_from_text(v, fields[k].annotation) if isinstance(v, str) and k in fields else v
+                for k, v in data.items()
+            }
+        return data
 
     @field_validator("*", mode="after")
     @classmethod
     def _valid_unicode(cls, value: Any) -> Any:
         _check_unicode(value)
         return value
+
+
+def client_request_id(header: str | None, body_id: str | None) -> str | None:
+    """The id a client gave its request, as vLLM takes it: the X-Request-Id header, else the body's request_id."""
+    return check_request_id(header, "X-Request-Id") if header is not None else body_id
 
 
 # OpenAI fields accepted and then unused, and why: they ask nothing of the output.
@@ -86,6 +127,17 @@ class StreamOptions(StrictBody):
 # OpenAI fields this server does not implement: refused when set, not ignored.
 _UNSUPPORTED = ("suffix", "functions", "function_call")
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # vLLM's older names
+GUIDED_BACKENDS = ("auto", "guidance", "llguidance")  # what guided_decoding_backend may name here
+MAX_REQUEST_ID = 256  # characters of a client's request id (X-Request-Id or request_id)
+
+
+def check_request_id(value: str, param: str) -> str:
+    """A client's request id, as it will appear in ids, logs and the live view: printable ASCII, not too long."""
+    if not value or len(value) > MAX_REQUEST_ID or not all(" " < ch < "\x7f" for ch in value):
+        raise InvalidRequestError(
+            f"{param} must be 1 to {MAX_REQUEST_ID} printable ASCII characters without spaces", param=param
+        )
+    return value
 
 
 def structured_outputs(
@@ -169,6 +221,14 @@ class _SamplingFields(StrictBody):
     allowed_token_ids: list[int] | None = None  # vLLM's: sample only these
     bad_words: list[str] | None = None  # vLLM's: words never generated
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: all the context holds)
+    # vLLM's request fields
+    priority: int = 0  # with --scheduling-policy priority: lower first (refused by the engine otherwise)
+    request_id: str | None = None  # the request's id (the X-Request-Id header wins), in logs and the live view
+    return_tokens_as_token_ids: bool = False  # logprobs name each token "token_id:N" instead of its text
+    # Special tokens kept in the text (skip_special_tokens false) are joined without spaces either way: this
+    # server's tokenizers are all "fast" ones, which vLLM's detokenizer also joins without regard to this field.
+    spaces_between_special_tokens: bool = True
+    guided_decoding_backend: str | None = None  # must name this server's backend (guidance) or auto
     # structured output: OpenAI's response_format, vLLM's structured_outputs and guided_* aliases
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -197,6 +257,20 @@ class _SamplingFields(StrictBody):
                 if data.get(name) not in (None, {}, []):
                     raise ValueError(f"{name} is not supported by this server")
         return data
+
+    @model_validator(mode="after")
+    def _vllm_fields(self) -> _SamplingFields:
+        backend = self.guided_decoding_backend
+        if backend is not None and backend.split(":")[0] not in GUIDED_BACKENDS:
+            raise InvalidRequestError(
+                f"guided_decoding_backend {backend!r}: this server's structured output runs on guidance "
+                f"(llguidance); choose one of {', '.join(GUIDED_BACKENDS)} (as vLLM, a request cannot pick "
+                "another backend than the server's)",
+                param="guided_decoding_backend",
+            )
+        if self.request_id is not None:
+            check_request_id(self.request_id, "request_id")
+        return self
 
     @model_validator(mode="after")
     def _best_of_and_beams(self) -> _SamplingFields:
@@ -238,10 +312,8 @@ class _SamplingFields(StrictBody):
                     "response_format",
                     "structured_outputs",
                     *_GUIDED,
-                    "logprobs",
                     "prompt_logprobs",
                     "tools",
-                    "top_logprobs",
                 )
                 if is_set(name)
             ]
@@ -301,6 +373,7 @@ class _SamplingFields(StrictBody):
             logit_bias=self._logit_bias(),
             allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
             bad_words=tuple(self.bad_words or ()),
+            priority=self.priority,
         )
 
     def _logit_bias(self) -> dict[int, float]:
@@ -322,6 +395,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     echo: bool = False  # the prompt before the completion (with logprobs: its tokens' logprobs, the first null)
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and top-k, in the choice
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens (a BOS) around a text prompt
 
     @model_validator(mode="before")
     @classmethod
@@ -356,7 +430,8 @@ class ChatMessage(StrictBody):
     tool_call_id: str | None = None  # a tool result's call
     private: bool = False  # tokenmill's: a request with a private message is never cached (--response-cache)
     # Fields of an assistant message that clients send back as they got it (from OpenAI or vLLM): accepted
-    # empty, refused with content, since nothing here would render them into the prompt.
+    # empty, refused with content, since nothing here would render them into the prompt; but an assistant's
+    # reasoning_content (a string: what --reasoning-parser split off), which goes to the chat template.
     refusal: Any = None
     audio: Any = None
     function_call: Any = None
@@ -366,6 +441,8 @@ class ChatMessage(StrictBody):
     @model_validator(mode="after")
     def _echoed_fields_empty(self) -> ChatMessage:
         for name in ("refusal", "audio", "function_call", "annotations", "reasoning_content"):
+            if name == "reasoning_content" and self.role == "assistant" and isinstance(self.reasoning_content, str):
+                continue  # an answer's reasoning sent back (--reasoning-parser): the template may render it
             if getattr(self, name) not in (None, [], ""):
                 raise InvalidRequestError(f"messages with {name} are not supported", param="messages")
         return self
@@ -381,6 +458,8 @@ class ChatMessage(StrictBody):
             m["tool_calls"] = self.tool_calls
         if self.tool_call_id is not None:
             m["tool_call_id"] = self.tool_call_id
+        if self.role == "assistant" and self.reasoning_content:
+            m["reasoning_content"] = self.reasoning_content  # (Qwen3's template renders it for the current turn)
         return m
 
     def text(self) -> str:
@@ -406,10 +485,25 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     echo: bool = False  # vLLM's: the last message's content before the answer, when both are the assistant's
     prompt_logprobs: int | None = None  # vLLM's: the rendered prompt's tokens' logprobs, in the response
+    # vLLM's: more variables for the chat template (Qwen3's {"enable_thinking": false}); none may set
+    # one the server sets itself (messages, tools, add_generation_prompt, bos_token, eos_token)
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's special tokens (a BOS) on top of the template's
+    continue_final_message: bool = False  # vLLM's: the last message left open, its text continued
+    chat_template: str | None = None  # vLLM's: this request's own Jinja template (--trust-request-chat-template)
+    documents: list[dict[str, str]] | None = None  # vLLM's: for RAG templates, given to them as `documents`
 
     @model_validator(mode="after")
     def _tool_results_answer_calls(self) -> ChatCompletionRequest:
         check_tool_results(self.messages)
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequestError(
+                "cannot set both continue_final_message and add_generation_prompt to true (as vLLM): "
+                "send add_generation_prompt false to continue the final message",
+                param="continue_final_message",
+            )
+        if self.chat_template is not None and not self.chat_template.strip():
+            raise InvalidRequestError("chat_template is empty", param="chat_template")
         return self
 
     def sampling_params(self, max_tokens: int, structured: StructuredOutputs | None = None) -> SamplingParams:
@@ -496,12 +590,92 @@ class EmbeddingRequest(StrictBody):
         return prompt_list(self.input, "input")
 
 
+class PoolingRequest(StrictBody):
+    """vLLM's /pooling: each input's pooled state (here the embeddings' normalised final hidden state)."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    truncate_prompt_tokens: int | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    pooling: Literal["last", "mean"] = "last"
+
+    def inputs(self) -> list[str | list[int]]:
+        return prompt_list(self.input, "input")
+
+
+class ScoreRequest(StrictBody):
+    """vLLM's /score: text_1 against each text_2 (1:1, 1:N), or pairwise (N:N)."""
+
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: int | None = None
+    pooling: Literal["last", "mean"] = "last"  # tokenmill's, as the embeddings'
+
+    def texts(self) -> tuple[list[str], list[str]]:
+        return _texts(self.text_1), _texts(self.text_2)
+
+    @model_validator(mode="after")
+    def _pairs(self) -> ScoreRequest:
+        first, second = self.texts()
+        for name, texts in (("text_1", first), ("text_2", second)):
+            if not texts:
+                raise InvalidRequestError(f"{name} is empty", param=name)
+        if len(first) > 1 and len(first) != len(second):
+            raise InvalidRequestError(
+                f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1 (scored against "
+                "each text_2) or as many as text_2 (scored pairwise)",
+                param="text_2",
+            )
+        return self
+
+
+def _texts(value: str | list[str]) -> list[str]:
+    return [value] if isinstance(value, str) else list(value)
+
+
+class RerankRequest(StrictBody):
+    """The Jina / Cohere rerank body, as vLLM's /rerank takes it."""
+
+    model: str | None = None
+    query: str
+    documents: list[str | dict[str, Any]]  # texts, or Cohere's {"text": ...}
+    top_n: int | None = None  # the best top_n results (None or 0: all)
+    return_documents: bool = True  # each result's document text
+    truncate_prompt_tokens: int | None = None
+    pooling: Literal["last", "mean"] = "last"  # tokenmill's, as the embeddings'
+
+    @field_validator("documents")
+    @classmethod
+    def _documents(cls, value: list[str | dict[str, Any]]) -> list[str | dict[str, Any]]:
+        if not value:
+            raise InvalidRequestError("documents is empty", param="documents")
+        for i, d in enumerate(value):
+            if isinstance(d, dict) and (set(d) != {"text"} or not isinstance(d["text"], str)):
+                raise InvalidRequestError(
+                    f'documents[{i}] must be a string or an object {{"text": "..."}} with nothing else',
+                    param="documents",
+                )
+        return value
+
+    @field_validator("top_n")
+    @classmethod
+    def _top_n(cls, value: int | None) -> int | None:
+        if value is not None and value < 0:
+            raise InvalidRequestError("top_n must be 0 (all) or more", param="top_n")
+        return value
+
+    def texts(self) -> list[str]:
+        return [d if isinstance(d, str) else d["text"] for d in self.documents]
+
+
 class TokenizeRequest(StrictBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     return_token_strs: bool = False  # vLLM's: each token's string too
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: with messages, as a chat request's
 
 
 class LoRAAdapterRequest(StrictBody):

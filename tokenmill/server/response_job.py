@@ -22,6 +22,7 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import error_response
 from tokenmill.server.jobs import with_logprobs
 from tokenmill.server.models import Target
+from tokenmill.server.reasoning import Reasoning
 from tokenmill.server.response_cache import detach
 from tokenmill.server.responses import OutputBuilder, ResponseShape, output_messages, sse_event
 from tokenmill.server.responses import usage as responses_usage
@@ -44,6 +45,7 @@ class ResponseJob:
         tools: ToolRequest | None,
         owner: str,
         conversation: list[dict[str, Any]],
+        reasoning: Reasoning | None = None,
     ) -> None:
         self.served, self.target, self.shape, self.ids, self.params, self.tools = (
             served,
@@ -54,6 +56,7 @@ class ResponseJob:
             tools,
         )
         self.owner, self.conversation = owner, conversation
+        self.reasoning = reasoning  # --reasoning-parser: a reasoning item, and reasoning_tokens
         self.observed = False  # its output is in the metrics already (a replay)
 
     # a router drives this job as it drives a chat one (gateway.routed)
@@ -113,7 +116,7 @@ class ResponseJob:
             return error_response(500, str(e))
         finally:
             await stream.aclose()
-        builder = OutputBuilder(self.tools)
+        builder = OutputBuilder(self.tools, self.reasoning)
         builder.feed(final.text if final is not None else "", finished=True)
         return JSONResponse(self._finish(builder.output, final))
 
@@ -121,7 +124,7 @@ class ResponseJob:
         sequence = itertools.count()
         yield sse_event("response.created", next(sequence), response=self.shape.body("in_progress", [], None))
         yield sse_event("response.in_progress", next(sequence), response=self.shape.body("in_progress", [], None))
-        builder, final = OutputBuilder(self.tools), None
+        builder, final = OutputBuilder(self.tools, self.reasoning), None
         try:
             async for out in until(chain(first, stream), self.served.drain_expired):
                 for kind, payload in builder.feed(out.delta_text, out.finished):
@@ -146,10 +149,11 @@ class ResponseJob:
         incomplete = None if reason in ("stop", "tool_calls") else "max_output_tokens" if reason == "length" else reason
         tokens = len(final.token_ids) if final is not None else 0
         cached = final.num_cached_tokens if final is not None else 0
+        thought = self.reasoning.reasoning_tokens(list(final.token_ids)) if self.reasoning and final else 0
         body = self.shape.body(
             "incomplete" if incomplete else "completed",
             output,
-            responses_usage(len(self.ids), tokens, cached),
+            responses_usage(len(self.ids), tokens, cached, thought),
             incomplete,
         )
         if self.shape.request.store:

@@ -4,8 +4,9 @@ A Responses request is a chat request in another shape: ``input`` (a string or a
 list of items) and ``instructions`` become chat messages, flat function tools become
 chat tools, ``text.format`` becomes a ``response_format``. The answer is one
 generation, parsed as a chat answer (text and tool calls), and comes back as output
-items: a ``message`` with ``output_text`` and a ``function_call`` per call; streamed
-as OpenAI's typed events. With ``store`` (the default, as OpenAI's) the response and
+items: a ``reasoning`` item first when the model has a reasoning parser (reasoning.py),
+a ``message`` with ``output_text`` and a ``function_call`` per call; streamed as
+OpenAI's typed events. With ``store`` (the default, as OpenAI's) the response and
 its conversation are kept in memory (bounded in count and age, per API key) for
 ``previous_response_id`` and ``GET``/``DELETE /v1/responses/{id}``.
 """
@@ -24,6 +25,7 @@ from pydantic import Field
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.server.protocol import StrictBody, now
+from tokenmill.server.reasoning import Reasoning
 from tokenmill.server.tools import ToolCall, ToolRequest, ToolStream
 
 # Tool types of the Responses API that run on OpenAI's side: refused by name.
@@ -122,18 +124,24 @@ class ResponsesRequest(StrictBody):
     def input_messages(self) -> list[dict[str, Any]]:
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
-        if not self.input:
-            raise InvalidRequestError("input is empty", param="input")
-        return items_to_messages(self.input)
+        messages = items_to_messages(self.input) if self.input else []
+        if not messages:
+            raise InvalidRequestError("input is empty (a reasoning item alone is no turn)", param="input")
+        return messages
 
 
 def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Input items as chat messages: consecutive function calls become one assistant
-    message's tool_calls; a function call's output, a tool message."""
+    message's tool_calls; a function call's output, a tool message; a reasoning item (an
+    earlier response's), the reasoning_content of the assistant message that follows it."""
     out: list[dict[str, Any]] = []
+    thought: str | None = None  # a reasoning item's text, for the next assistant message
     for i, item in enumerate(items):
         where = f"input[{i}]"
         kind = item.get("type", "message")
+        if kind == "reasoning":
+            thought = (thought or "") + _reasoning_text(item, where)
+            continue
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
@@ -160,10 +168,21 @@ def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         else:
             raise InvalidRequestError(
                 f"{where}: input items of type {kind!r} are not supported (message, "
-                "function_call and function_call_output are)",
+                "function_call, function_call_output and reasoning are)",
                 param="input",
             )
+        if thought is not None and out[-1]["role"] == "assistant":
+            out[-1].setdefault("reasoning_content", thought)
+        thought = None  # (one before anything but an assistant's turn has nothing to go with)
     return out
+
+
+def _reasoning_text(item: dict[str, Any], where: str) -> str:
+    """A reasoning item's text: its reasoning_text parts (else its summary's)."""
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts):
+        raise InvalidRequestError(f"{where}: a reasoning item's content must be a list of text parts", param="input")
+    return "".join(p["text"] for p in parts)
 
 
 def _item_text(content: Any, where: str) -> str:
@@ -285,18 +304,26 @@ class ResponseShape:
         }
 
 
-def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int = 0, reasoning_tokens: int = 0) -> dict[str, Any]:
     return {
         "input_tokens": prompt_tokens,
         "input_tokens_details": {"cached_tokens": cached_tokens},
         "output_tokens": output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": prompt_tokens + output_tokens,
     }
 
 
 def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": [text_part(text)]}
+
+
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": [reasoning_part(text)], "status": status}
+
+
+def reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
 
 
 def text_part(text: str) -> dict[str, Any]:
@@ -325,30 +352,43 @@ def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     message: dict[str, Any] = {"role": "assistant", "content": text or None}
     if calls:
         message["tool_calls"] = calls
+    thought = "".join(p["text"] for item in output if item["type"] == "reasoning" for p in item["content"])
+    if thought:
+        message["reasoning_content"] = thought
     return [message]
 
 
 class OutputBuilder:
-    """One answer's output items, built from its text as it grows: a ``message`` item
-    for text, a ``function_call`` item per call, in the order they appear. ``feed``
-    returns the stream events (kind, payload) the new text makes; a whole answer fed at
-    once builds the same items, so streamed and non-streamed responses agree."""
+    """One answer's output items, built from its text as it grows: a ``reasoning`` item
+    for what a reasoning model thinks (with a reasoning parser), a ``message`` item for
+    text, a ``function_call`` item per call, in the order they appear. ``feed`` returns
+    the stream events (kind, payload) the new text makes; a whole answer fed at once
+    builds the same items, so streamed and non-streamed responses agree."""
 
-    def __init__(self, tools: ToolRequest | None) -> None:
+    def __init__(self, tools: ToolRequest | None, reasoning: Reasoning | None = None) -> None:
         self.stream = ToolStream(tools) if tools is not None else None
+        self.splitter = reasoning.splitter() if reasoning is not None else None
         self.output: list[dict[str, Any]] = []
+        self._open_reasoning: int | None = None  # index in output of the reasoning being written
         self._open_message: int | None = None  # index in output of the message being written
         self._calls: dict[int, int] = {}  # tool-call index -> its item's index in output
 
     def feed(self, delta: str, finished: bool) -> list[tuple[str, dict[str, Any]]]:
-        pieces = self.stream.feed(delta, finished) if self.stream is not None else [{"content": delta}] if delta else []
         events: list[tuple[str, dict[str, Any]]] = []
+        if self.splitter is not None:
+            thought, delta = self.splitter.feed(delta, finished)
+            if thought:
+                events += self._reasoning(thought)
+        pieces = self.stream.feed(delta, finished) if self.stream is not None else [{"content": delta}] if delta else []
+        if pieces:
+            events += self._close_reasoning()  # (all of it comes before the answer)
         for piece in pieces:
             if piece.get("content"):
                 events += self._text(piece["content"])
             for call in piece.get("tool_calls", []):
                 events += self._call(call)
         if finished:
+            events += self._close_reasoning()
             if self._open_message is None and not self.output:
                 events += self._text("")  # an empty answer is an empty message, as OpenAI's
             events += self._close_message()
@@ -368,6 +408,40 @@ class OutputBuilder:
                 )
                 events.append(("response.output_item.done", {"output_index": i, "item": dict(item)}))
         return events
+
+    def _reasoning(self, text: str) -> list[tuple[str, dict[str, Any]]]:
+        events = []
+        if self._open_reasoning is None:
+            i = self._open_reasoning = len(self.output)
+            item = reasoning_item(new_item_id("rs"), "", status="in_progress")
+            self.output.append(item)
+            events.append(("response.output_item.added", {"output_index": i, "item": {**item, "content": []}}))
+            part = {"item_id": item["id"], "output_index": i, "content_index": 0, "part": reasoning_part("")}
+            events.append(("response.content_part.added", part))
+        i = self._open_reasoning
+        item = self.output[i]
+        item["content"][0]["text"] += text
+        events.append(
+            (
+                "response.reasoning_text.delta",
+                {"item_id": item["id"], "output_index": i, "content_index": 0, "delta": text},
+            )
+        )
+        return events
+
+    def _close_reasoning(self) -> list[tuple[str, dict[str, Any]]]:
+        if self._open_reasoning is None:
+            return []
+        i, self._open_reasoning = self._open_reasoning, None
+        item = self.output[i]
+        item["status"] = "completed"
+        part = item["content"][0]
+        where = {"item_id": item["id"], "output_index": i, "content_index": 0}
+        return [
+            ("response.reasoning_text.done", {**where, "text": part["text"]}),
+            ("response.content_part.done", {**where, "part": dict(part)}),
+            ("response.output_item.done", {"output_index": i, "item": _copy(item)}),
+        ]
 
     def _text(self, text: str) -> list[tuple[str, dict[str, Any]]]:
         events = []

@@ -403,8 +403,10 @@ def _call(obj: dict[str, Any]) -> ToolCall:
 
 
 def _render_message(m: dict[str, Any], hermes: bool) -> dict[str, Any]:
-    """An assistant message with tool_calls, or a tool result, as the format's text."""
+    """An assistant message with tool_calls, or a tool result, as the format's text (an
+    assistant's reasoning_content kept for the template)."""
     calls = m.get("tool_calls")
+    kept = {"reasoning_content": m["reasoning_content"]} if m.get("reasoning_content") else {}
     if m.get("role") == "assistant" and calls:
         parsed = [
             {"name": c["function"]["name"], "arguments": _arguments(c["function"].get("arguments"))} for c in calls
@@ -414,13 +416,13 @@ def _render_message(m: dict[str, Any], hermes: bool) -> dict[str, Any]:
             content = f"{m.get('content') or ''}{text}"
         else:
             content = json.dumps({"tool_calls": parsed}, ensure_ascii=False)
-        return {"role": "assistant", "content": content}
+        return {"role": "assistant", "content": content, **kept}
     if m.get("role") == "tool":
         if hermes:
             return {"role": "tool", "content": m.get("content") or ""}
         result = {"tool_call_id": m.get("tool_call_id"), "content": m.get("content") or ""}
         return {"role": "tool", "content": json.dumps({"tool_response": result}, ensure_ascii=False)}
-    return {"role": m["role"], "content": m.get("content") or ""}
+    return {"role": m["role"], "content": m.get("content") or "", **kept}
 
 
 def _arguments(arguments: Any) -> Any:

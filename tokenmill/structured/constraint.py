@@ -2,7 +2,8 @@
 
 One of ``json`` (a JSON schema), ``regex``, ``choice``, ``grammar`` (Lark or
 GBNF/EBNF text) or ``json_object`` (any JSON object), plus ``whitespace_pattern``
-for JSON. Free of torch and of the grammar library, so that ``SamplingParams`` and
+for JSON and ``reasoning_end`` (the constraint starts after a reasoning model's
+thinking). Free of torch and of the grammar library, so that ``SamplingParams`` and
 the engine can hold it; the grammar is compiled by ``structured.grammar``.
 
 The JSON schema is kept as compact text (key order kept: it is the order the
@@ -29,6 +30,10 @@ class StructuredOutputs:
     grammar: str | None = None  # Lark (llguidance) or GBNF/EBNF (llama.cpp) syntax
     json_object: bool = False
     whitespace_pattern: str | None = None  # JSON only: the whitespace allowed between tokens
+    # A reasoning model's end-of-reasoning token (``</think>``): the output may open with
+    # any tokens but this one, then this one, and the constraint applies after it. Set by
+    # the server's reasoning parser (server/reasoning.py), never by a client.
+    reasoning_end: str | None = None
 
     def __post_init__(self) -> None:
         if self.json is not None and not isinstance(self.json, str):
@@ -46,7 +51,7 @@ class StructuredOutputs:
             object.__setattr__(self, "choice", tuple(self.choice))
             if not self.choice:
                 raise InvalidRequestError("structured output choice must not be empty", param="choice")
-        for name in ("regex", "grammar", "whitespace_pattern"):
+        for name in ("regex", "grammar", "whitespace_pattern", "reasoning_end"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise InvalidRequestError(f"structured output {name} must be a non-empty string", param=name)

@@ -20,6 +20,10 @@ that explodes: a schema with hundreds of optional properties, ``a{1000000}``, a 
 that never ends). Those limits are llguidance's, and they are found by walking a few
 tokens into the grammar at compile time (``_probe``), not by a user's request halfway
 through its answer. A compiled grammar is a pristine matcher that each sequence copies.
+
+A spec with ``reasoning_end`` (a reasoning model's ``</think>``) compiles to its grammar
+behind a free prefix (``after_reasoning``): the thinking is not constrained, what
+follows it is; the checks above run from where the constraint begins.
 """
 
 from __future__ import annotations
@@ -169,7 +173,7 @@ class GrammarCompiler:
             return hit
         lltok = self.lltokenizer
         t0 = time.perf_counter()
-        compiled = CompiledGrammar(_build_matcher(spec, lltok, self.vocab_size))
+        compiled = CompiledGrammar(_build_matcher(spec, lltok, self.vocab_size, self._reasoning_end_id(spec)))
         with self._lock:
             self.stats.misses += 1
             self.stats.seconds += time.perf_counter() - t0
@@ -182,6 +186,18 @@ class GrammarCompiler:
                 evicted, _ = self._cache.popitem(last=False)
                 self._cached_bytes -= evicted.size_bytes
         return compiled
+
+    def _reasoning_end_id(self, spec: StructuredOutputs) -> int | None:
+        """The token id of ``spec.reasoning_end`` (None: the constraint starts at once)."""
+        if spec.reasoning_end is None:
+            return None
+        found = self._tokenizer.backend.token_to_id(spec.reasoning_end)
+        if found is None:
+            raise InvalidRequestError(
+                f"structured output after reasoning: {spec.reasoning_end!r} is not a token of this vocabulary",
+                param=spec.kind,
+            )
+        return found
 
     @property
     def cached_bytes(self) -> int:
@@ -218,6 +234,22 @@ def grammar_text(spec: StructuredOutputs) -> str:
         raise InvalidRequestError(f"invalid structured output {kind}: {e}", param=kind) from e
 
 
+def after_reasoning(grammar: str, end_id: int) -> str:
+    """``grammar`` (llguidance's JSON or Lark text) with a free prefix: any tokens but
+    ``end_id``, then ``end_id``, then ``grammar`` (a reasoning model's thinking, which
+    the constraint must not touch: server/reasoning.py). Token-level, as the thinking may
+    hold special tokens; the model may also end there (end-of-sequence is allowed
+    throughout the thinking, as vLLM leaves it unconstrained)."""
+    try:
+        inner = json.loads(grammar)["grammars"]
+    except (ValueError, KeyError, TypeError):
+        inner = [{"lark_grammar": grammar}]  # Lark text
+    first = {k: v for k, v in inner[0].items() if v is not None}
+    name = first.setdefault("name", "constraint")
+    prefix = {"lark_grammar": f"start: <[^{end_id}]>* <[{end_id}]> @{name}\n"}
+    return json.dumps({"grammars": [prefix, first, *inner[1:]]})
+
+
 def parser_limits() -> Any:
     """llguidance's default limits, with errors that name the problem and not the whole
     grammar (which can be hundreds of KB, and is the user's)."""
@@ -226,22 +258,28 @@ def parser_limits() -> Any:
     return LLParserLimits(verbose_errors=False)
 
 
-def _build_matcher(spec: StructuredOutputs, lltok: Any, vocab_size: int) -> Any:
+def _build_matcher(spec: StructuredOutputs, lltok: Any, vocab_size: int, reasoning_end: int | None = None) -> Any:
     from llguidance import LLMatcher
 
     kind = spec.kind
     grammar = grammar_text(spec)
+    if reasoning_end is not None:
+        grammar = after_reasoning(grammar, reasoning_end)
     is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, lltok, limits=parser_limits())
     if is_error:
         raise InvalidRequestError(f"invalid structured output {kind}: {_first_line(messages)}", param=kind)
     matcher = LLMatcher(lltok, grammar, log_level=0, limits=parser_limits())
     if matcher.is_error():
         raise InvalidRequestError(f"invalid structured output {kind}: {_first_line([matcher.get_error()])}", param=kind)
+    start = matcher  # where the constraint begins (after the reasoning, if it has a free prefix)
+    if reasoning_end is not None:
+        start = matcher.deep_copy()
+        start.consume_tokens([reasoning_end])
     mask = np.zeros((1, bitmask_words(vocab_size)), dtype=np.int32)
-    GrammarMatcher(matcher).fill_bitmask(mask, 0)
-    if matcher.is_error() or not mask.any():  # a dead end before the first token: no text matches
+    GrammarMatcher(start).fill_bitmask(mask, 0)
+    if start.is_error() or not mask.any():  # a dead end before the first token: no text matches
         raise InvalidRequestError(f"invalid structured output {kind}: it matches no text", param=kind)
-    error = _probe(matcher, mask)
+    error = _probe(start, mask)
     if error is not None:
         raise InvalidRequestError(
             f"structured output {kind} cannot be enforced: it exceeds the grammar matcher's "

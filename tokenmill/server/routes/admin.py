@@ -146,8 +146,9 @@ def _register_tokenizer(app: FastAPI, served: Served) -> None:
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
         if body.messages is not None:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            extra = {"template_kwargs": body.chat_template_kwargs} if body.chat_template_kwargs else {}
             ids = await asyncio.to_thread(
-                tokenizer.encode_chat, messages, True, None, served.config.allow_special_tokens_in_messages
+                tokenizer.encode_chat, messages, True, None, served.config.allow_special_tokens_in_messages, **extra
             )
         else:  # off the event loop: a long text must not stall /health or other requests
             ids = await asyncio.to_thread(tokenizer.encode, body.prompt, body.add_special_tokens)

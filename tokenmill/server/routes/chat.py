@@ -12,7 +12,8 @@ from tokenmill.server.gateway import check_cache_field, generate
 from tokenmill.server.jobs import Job, beam_response
 from tokenmill.server.models import Target
 from tokenmill.server.prompts import chat_prompt
-from tokenmill.server.protocol import ChatCompletionRequest
+from tokenmill.server.protocol import ChatCompletionRequest, client_request_id
+from tokenmill.server.reasoning import reasoning_for
 from tokenmill.server.served import Served, check_queue, target_of
 from tokenmill.server.streaming import until_disconnect
 
@@ -34,10 +35,13 @@ def register(app: FastAPI, served: Served) -> None:
                 body.return_timings,
                 chat=True,
                 tools=tools,
+                reasoning=reasoning_for(target, body),
                 echoes=[echo] if echo else None,
                 prompt_logprobs_asked=body.prompt_logprobs is not None,
                 best_of_keep=body.n if body.ranks_best_of else None,
                 logprobs_asked=body.logprobs,
+                request_id=client_request_id(request.headers.get("x-request-id"), body.request_id),
+                tokens_as_ids=body.return_tokens_as_token_ids,
             )
 
         check_cache_field(served, body)

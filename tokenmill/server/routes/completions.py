@@ -1,7 +1,8 @@
 """``POST /v1/completions``: one or several prompts (text or token ids), each run with
 n sequences as one engine request (several enter through the client's window,
 admission.py), answered by a ``Job`` through the gateway (cache, routers), or by a
-beam search; echo, logprobs and prompt logprobs, best_of.
+beam search; echo, logprobs and prompt logprobs (echo with max_tokens 0: the prompt
+scored, nothing generated), best_of.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from fastapi.responses import Response
 
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.admission import check_count, check_tokens, client_of
+from tokenmill.server.errors import APIError
 from tokenmill.server.gateway import check_cache_field, generate
 from tokenmill.server.jobs import Job, beam_response
 from tokenmill.server.models import Target
 from tokenmill.server.prompts import encode, max_tokens_for
-from tokenmill.server.protocol import CompletionRequest, truncate_prompt
+from tokenmill.server.protocol import CompletionRequest, client_request_id, truncate_prompt
 from tokenmill.server.served import Served, check_queue, target_of
 from tokenmill.server.streaming import until_disconnect
 
@@ -29,12 +31,16 @@ def register(app: FastAPI, served: Served) -> None:
         async def prepare(target: Target) -> tuple[list[list[int]], list[SamplingParams]]:
             check_count(served.config, len(body.prompts()), "prompts", "prompt")  # before tokenising them all
             prompts = [
-                truncate_prompt(await encode(target, p), body.truncate_prompt_tokens, target.max_model_len)
+                truncate_prompt(
+                    await encode(target, p, body.add_special_tokens), body.truncate_prompt_tokens, target.max_model_len
+                )
                 for p in body.prompts()
             ]
             check_tokens(served.config, prompts, "prompts", "prompt")
             params = [
-                body.sampling_params(max_tokens_for(target, ids, body.max_tokens)).with_bad_word_ids(target.tokenizer)
+                body.sampling_params(
+                    max_tokens_for(target, ids, 1 if prompt_only else body.max_tokens)
+                ).with_bad_word_ids(target.tokenizer)
                 for ids in prompts
             ]
             return prompts, params
@@ -61,13 +67,21 @@ def register(app: FastAPI, served: Served) -> None:
                 prompt_logprobs_asked=body.prompt_logprobs is not None,
                 best_of_keep=body.n if body.ranks_best_of else None,
                 logprobs_asked=body.logprobs is not None,
+                request_id=client_request_id(request.headers.get("x-request-id"), body.request_id),
+                tokens_as_ids=body.return_tokens_as_token_ids,
             )
+            made.prompt_only = prompt_only
             if len(prompts) > 1:  # its prompts enter the engine through the client's window (admission.py)
                 made.place = functools.partial(
                     served.windows.place, client_of(request), lambda: target.engine.num_waiting > 0
                 )
             return made
 
+        # max_tokens 0 with echo: the legacy way to score a prompt (its logprobs), nothing generated;
+        # the engine runs it with max_tokens 1 and the job drops that token
+        prompt_only = body.max_tokens == 0
+        if prompt_only and not body.echo:
+            raise APIError(400, "max_tokens 0 generates nothing: it scores the prompt, which needs echo", "max_tokens")
         check_cache_field(served, body)
         if body.use_beam_search:  # one search for all prompts: as many tokens as the tightest allows
             target = target_of(served, body.model, "beam search")

@@ -1,24 +1,18 @@
-"""``POST /v1/embeddings``: each input's pooled final hidden state, one one-token engine
-request per input (several enter through the client's window, admission.py), as
-floats or OpenAI's base64. Never cached, never routed.
+"""``POST /v1/embeddings``: each input's pooled final hidden state, one pooling engine
+request per input (pooled.py: the limits, the client's window, the queue), as floats
+or OpenAI's base64. Never cached, never routed.
 """
 
 from __future__ import annotations
 
-import base64
-import functools
-import struct
-
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenmill.pooling_params import PoolingParams
-from tokenmill.server.admission import check_count, check_tokens, client_of
 from tokenmill.server.errors import APIError
-from tokenmill.server.prompts import encode, max_tokens_for
-from tokenmill.server.protocol import EmbeddingRequest, new_id, truncate_prompt
-from tokenmill.server.served import Served, check_queue, target_of
-from tokenmill.server.streaming import merge, until_disconnect
+from tokenmill.server.pooled import as_encoded, pooled, pooling_prompts
+from tokenmill.server.protocol import EmbeddingRequest
+from tokenmill.server.served import Served, target_of
+from tokenmill.server.streaming import until_disconnect
 
 
 def register(app: FastAPI, served: Served) -> None:
@@ -31,39 +25,14 @@ def register(app: FastAPI, served: Served) -> None:
                 "dimensions is not supported: the embeddings have the model's hidden size (no shortening)",
                 "dimensions",
             )
-        check_count(served.config, len(body.inputs()), "inputs", "input")  # before tokenising them all
-        prompts = [
-            truncate_prompt(await encode(target, p), body.truncate_prompt_tokens, target.max_model_len)
-            for p in body.inputs()
-        ]
-        check_tokens(served.config, prompts, "inputs", "input")
-        for i, ids in enumerate(prompts):
-            if not ids:
-                raise APIError(400, f"input[{i}] is empty", "input")
-            max_tokens_for(target, ids, 1)  # fits the context
-        place = (
-            functools.partial(served.windows.place, client_of(request), lambda: target.engine.num_waiting > 0)
-            if len(prompts) > 1
-            else None
-        )
-        check_queue(served, target, len(prompts) if place is None else min(len(prompts), served.windows.size))
-        rid = new_id("embd")
-        params = PoolingParams(body.pooling)
-        streams = [target.engine.generate(f"{rid}-{i}", ids, params, target.lora) for i, ids in enumerate(prompts)]
+        inputs = [(f"input[{i}]", p) for i, p in enumerate(body.inputs())]
+        prompts = await pooling_prompts(served, target, inputs, body.truncate_prompt_tokens, "input")
 
         async def collect() -> Response:
-            vectors: dict[int, list[float]] = {}
-            async for i, out in merge(streams, place):
-                if out.finished:
-                    served.observe_finished(out, target.model.name)
-                    vectors[i] = out.embedding or []
+            vectors = await pooled(served, request, target, prompts, body.pooling, "embd")
             data = [
-                {
-                    "object": "embedding",
-                    "index": i,
-                    "embedding": _base64(vectors[i]) if body.encoding_format == "base64" else vectors[i],
-                }
-                for i in range(len(prompts))
+                {"object": "embedding", "index": i, "embedding": as_encoded(v, body.encoding_format)}
+                for i, v in enumerate(vectors)
             ]
             tokens = sum(len(ids) for ids in prompts)
             return JSONResponse(
@@ -76,8 +45,3 @@ def register(app: FastAPI, served: Served) -> None:
             )
 
         return await until_disconnect(request, collect())
-
-
-def _base64(vector: list[float]) -> str:
-    """OpenAI's base64 encoding of an embedding: its float32s, little-endian."""
-    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()

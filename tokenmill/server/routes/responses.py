@@ -20,6 +20,7 @@ from tokenmill.server.model_router import ModelRouter
 from tokenmill.server.models import Target
 from tokenmill.server.prompts import chat_prompt
 from tokenmill.server.protocol import ChatCompletionRequest
+from tokenmill.server.reasoning import reasoning_for
 from tokenmill.server.response_job import ResponseJob
 from tokenmill.server.responses import ResponseShape, ResponsesRequest, Stored, owner_of
 from tokenmill.server.served import Served, resolve
@@ -38,7 +39,10 @@ def register(app: FastAPI, served: Served) -> None:
         async def job(target: Target) -> ResponseJob:
             ids, params, tools = await chat_prompt(target, chat, served.config.allow_special_tokens_in_messages)
             shape = ResponseShape(body, target.name)
-            return ResponseJob(served, target, shape, ids, params, tools, owner, history + body.input_messages())
+            conversation = history + body.input_messages()
+            return ResponseJob(
+                served, target, shape, ids, params, tools, owner, conversation, reasoning_for(target, chat)
+            )
 
         if isinstance(found, ModelRouter):  # (not cached: a stored conversation is not a request's to key)
             headers: dict[str, str] = {}
