@@ -188,3 +188,58 @@ def test_under_the_priority_policy_the_lower_priority_value_is_served_first():
         gate.set()
         engine.shutdown()
     assert sorted(scheduled, key=scheduled.get) == ["urgent", "zero", "late"]
+
+
+def test_continue_final_message_continues_the_assistants_text(client, llm):
+    """vLLM's continue_final_message: the prompt ends inside the last (assistant) message and
+    the answer continues it; the same tokens as the offline engine on that prompt."""
+    from tokenmill import SamplingParams
+
+    chat = [{"role": "user", "content": "Describe the sky."}, {"role": "assistant", "content": "The sky is"}]
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=chat,
+        max_tokens=5,
+        temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
+    ids = llm.tokenizer.encode_chat(chat, add_generation_prompt=False, continue_final_message=True)
+    assert llm.tokenizer.decode(ids, skip_special_tokens=False).endswith("<|im_start|>assistant\nThe sky is")
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.choices[0].message.content == llm.generate(ids, SamplingParams(max_tokens=5, temperature=0))[0].text
+    with pytest.raises(openai.BadRequestError, match="add_generation_prompt"):
+        client.chat.completions.create(
+            model=MODEL, messages=chat, max_tokens=2, extra_body={"continue_final_message": True}
+        )
+
+
+def test_a_request_chat_template_needs_the_servers_trust(http):
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 2, "chat_template": "{{ messages[0].content }}"}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
+    assert "--trust-request-chat-template" in r.json()["error"]["message"]
+
+
+def test_a_trusted_request_template_renders_the_prompt_with_its_documents(llm):
+    """With --trust-request-chat-template, the request's template renders the prompt, and
+    ``documents`` reach it as a variable (vLLM's RAG field); in process, on the real tokenizer."""
+    template = "{% for d in documents %}[{{ d.title }}] {{ d.text }}\n{% endfor %}{{ messages[-1].content }}"
+    docs = [{"title": "a", "text": "Paris is in France."}, {"title": "b", "text": "Rome is in Italy."}]
+    engine = AsyncEngine(
+        Engine.create(ScriptedRunner(4), llm.tokenizer, EngineConfig(num_blocks=64, block_size=4, max_model_len=128))
+    )
+    config = ServerConfig(served_model_name="toy", trust_request_chat_template=True)
+    app = build_app(engine, llm.tokenizer, 128, config)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=30) as c:
+            body = {"messages": CHAT, "max_tokens": 1, "chat_template": template, "documents": docs}
+            return await c.post("/v1/chat/completions", json=body)
+
+    try:
+        r = asyncio.run(go())
+    finally:
+        engine.shutdown()
+    want = "[a] Paris is in France.\n[b] Rome is in Italy.\nName a colour."
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(llm.tokenizer.encode(want, add_special_tokens=False))

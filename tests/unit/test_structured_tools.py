@@ -307,6 +307,34 @@ def _whole_calls(text: str, hermes: bool) -> list[tuple[str, dict]]:
     return calls
 
 
+@pytest.mark.parametrize("hermes", [False, True], ids=["generic", "hermes"])
+def test_parallel_calls_cut_by_max_tokens_are_kept_alike_in_both_formats(hermes):
+    """Issue 43: a call cut short keeps the arguments it has once its name is whole (not
+    JSON: the finish_reason says length), in both formats, first call or second; a call cut
+    before its name is whole is dropped. Streamed and whole answers agree."""
+    request = parse_tool_request([WEATHER, TIME], "auto", True, HERMES_TEMPLATE if hermes else None)
+
+    def write(*calls: str) -> str:
+        if hermes:
+            return "\n".join(f"<tool_call>\n{c}" + ("\n</tool_call>" if c.endswith("}}") else "") for c in calls)
+        return '{"tool_calls": [' + ", ".join(calls)
+
+    whole = '{"name": "get_weather", "arguments": {"city": "Rome"}}'
+    for text, want in (
+        (write('{"name": "get_weather", "arguments": {"city": "Ro'), [("get_weather", '{"city": "Ro')]),
+        (
+            write(whole, '{"name": "get_time", "arguments": {"tz'),
+            [("get_weather", '{"city": "Rome"}'), ("get_time", '{"tz')],
+        ),
+        (write('{"name": "get_wea'), []),
+        (write(whole, '{"na'), [("get_weather", '{"city": "Rome"}')]),
+    ):
+        content, calls = request.parse(text)
+        assert [(c.name, c.arguments) for c in calls] == want, text
+        streamed_content, streamed_calls = _accumulate(_stream(request, text, 3))
+        assert not content and not streamed_content.strip() and streamed_calls == want, text
+
+
 @pytest.mark.parametrize("hermes", [False, True])
 @pytest.mark.parametrize("answer", ["calls", "reply"])
 def test_tool_calls_cut_at_every_token_boundary_match_streamed_and_whole(tokenizer, hermes, answer):
@@ -336,7 +364,7 @@ def test_tool_calls_cut_at_every_token_boundary_match_streamed_and_whole(tokeniz
         assert (content or "").strip() == streamed_content.strip(), (k, prefix)
         whole = _whole_calls(prefix, hermes)
         assert [(c.name, json.loads(c.arguments)) for c in calls[: len(whole)]] == whole, (k, prefix)
-        assert len(calls) - len(whole) <= (0 if hermes else 1)  # at most the call being written, streamed so far
+        assert len(calls) - len(whole) <= 1  # at most the call being written, cut short
         assert "tool_call" not in (content or "") and "{" not in (content or ""), (k, prefix)
     if answer == "reply":
         assert request.parse(text) == ("It is sunny in S\u00e3o Paulo, 25 \u00b0C.", [])

@@ -67,29 +67,37 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
     ) -> str:
         """Render messages to the prompt text the model was trained on (``tools``: for
         templates that describe tools themselves; ``template_kwargs``: more variables for
         the template, as vLLM's ``chat_template_kwargs``, such as Qwen3's
-        ``enable_thinking``; none may set one of the variables given here)."""
+        ``enable_thinking``; none may set one of the variables given here).
+        ``continue_final_message``: the text ends with the last message's content, left
+        open for the model to continue (transformers' rule: cut after its last occurrence);
+        ``chat_template``: this call's template instead of the model's."""
         _validate_messages(messages)
         taken = sorted(set(template_kwargs or ()) & TEMPLATE_VARIABLES)
         if taken:
             raise InvalidRequestError(
                 f"chat_template_kwargs may not set {taken[0]!r}: the server sets it", param="chat_template_kwargs"
             )
-        if self.chat_template is None:
+        template = chat_template or self.chat_template
+        if template is None:
             lines = [f"{m['role']}: {m['content']}" for m in messages]
-            return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
-        return _render_template(
-            self.chat_template,
-            **(template_kwargs or {}),
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self._token_text(self.bos_token_id),
-            eos_token=self._token_text(self.eos_token_id),
-            **({"tools": tools} if tools else {}),
-        )
+            text = "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
+        else:
+            text = _render_template(
+                template,
+                **(template_kwargs or {}),
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self._token_text(self.bos_token_id),
+                eos_token=self._token_text(self.eos_token_id),
+                **({"tools": tools} if tools else {}),
+            )
+        return _open_final_message(text, messages[-1]) if continue_final_message else text
 
     def encode_chat(
         self,
@@ -98,18 +106,39 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None = None,
         allow_special_tokens: bool = False,
         template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         """The prompt ids of a conversation. Special-token text in the messages, tools or
         template variables is client text and tokenised as such (a user's ``<|im_end|>``
         cannot end its turn and forge a system one; model/chat_guard.py); the template's
         markers stay special. ``allow_special_tokens``: the rendered text tokenised as it
-        reads (for clients that are trusted to write special tokens)."""
+        reads (for clients that are trusted to write special tokens). ``add_special_tokens``:
+        the tokenizer's own special tokens (a BOS) around the rendered text, as vLLM's field
+        (off by default: the template writes what the model needs)."""
+        rendering = dict(continue_final_message=continue_final_message, chat_template=chat_template)
         if allow_special_tokens or not self.special_token_ids:
-            text = self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs)
-            return self.encode(text, add_special_tokens=False)
+            text = self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs, **rendering)
+            return self.encode(text, add_special_tokens=add_special_tokens)
         (messages, tools, template_kwargs), nonce, found = self._guard.mark(messages, tools, template_kwargs)
-        text = self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs)
-        return self._guard.encode(text, nonce) if found else self.encode(text, add_special_tokens=False)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs, **rendering)
+        if not found:
+            return self.encode(text, add_special_tokens=add_special_tokens)
+        ids = self._guard.encode(text, nonce)
+        if add_special_tokens:
+            before, after = self._special_wrap
+            ids = before + ids + after
+        return ids
+
+    @cached_property
+    def _special_wrap(self) -> tuple[list[int], list[int]]:
+        """The ids the tokenizer's post-processor puts before and after a text (a BOS, an EOS)."""
+        plain, wrapped = self.encode("x", add_special_tokens=False), self.encode("x", add_special_tokens=True)
+        for i in range(len(wrapped) - len(plain) + 1):
+            if wrapped[i : i + len(plain)] == plain:
+                return wrapped[:i], wrapped[i + len(plain) :]
+        return [], []
 
     @cached_property
     def _guard(self) -> SpecialTextGuard:
@@ -117,6 +146,24 @@ class Tokenizer:
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else self.token_to_str(token_id)
+
+
+def _open_final_message(text: str, final: dict[str, Any]) -> str:
+    """``text`` cut right after the final message's content, as transformers' and vLLM's
+    ``continue_final_message``: what the template writes to close the turn is dropped."""
+    content = final.get("content")
+    if isinstance(content, list):
+        content = next((p.get("text") for p in reversed(content) if isinstance(p, dict) and "text" in p), None)
+    if not isinstance(content, str):
+        raise InvalidRequestError("continue_final_message needs a final message with text", param="messages")
+    for piece in (content, content.strip()):
+        at = text.rfind(piece)
+        if at >= 0:
+            return text[: at + len(piece)]
+    raise InvalidRequestError(
+        "continue_final_message is set but the final message does not appear in the rendered chat",
+        param="continue_final_message",
+    )
 
 
 def _validate_messages(messages: Any) -> None:

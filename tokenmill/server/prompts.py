@@ -7,7 +7,9 @@ its large model). Shared by every route that generates or embeds, and the gatewa
 from __future__ import annotations
 
 import asyncio
+import functools
 
+from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import ContextLengthError
 from tokenmill.server.models import Target
@@ -47,12 +49,20 @@ def max_tokens_for(target: Target, prompt_ids: list[int], requested: int | None)
 
 
 async def chat_prompt(
-    target: Target, body: ChatCompletionRequest, allow_special_tokens: bool = False
+    target: Target, body: ChatCompletionRequest, allow_special_tokens: bool = False, trust_chat_template: bool = False
 ) -> tuple[list[int], SamplingParams, ToolRequest | None]:
     """A chat request's prompt ids (through the chat template, tools rendered and
     ``chat_template_kwargs`` given to it; special-token text in the messages tokenised as
     text unless ``allow_special_tokens``), its sampling parameters (a constraint starts
-    after the reasoning of a model with a reasoning parser: reasoning.py) and its tools."""
+    after the reasoning of a model with a reasoning parser: reasoning.py) and its tools.
+    vLLM's rendering fields: ``documents`` (a template variable), ``continue_final_message``,
+    ``add_special_tokens``, and ``chat_template`` where ``trust_chat_template``."""
+    if body.chat_template is not None and not trust_chat_template:
+        raise InvalidRequestError(
+            "chat_template is passed with the request, but the server does not take request templates "
+            "(start it with --trust-request-chat-template)",
+            param="chat_template",
+        )
     tokenizer = target.tokenizer
     template = getattr(tokenizer, "chat_template", None)
     tools = parse_tool_request(body.tools, body.tool_choice, body.parallel_tool_calls, template)
@@ -61,9 +71,25 @@ async def chat_prompt(
     described = None
     if tools and tools.hermes:  # the template describes the tools itself
         described = [t.as_openai() for t in tools.offered]
-    extra = {"template_kwargs": body.chat_template_kwargs} if body.chat_template_kwargs else {}
+    variables = {
+        **({"documents": body.documents} if body.documents is not None else {}),
+        **(body.chat_template_kwargs or {}),
+    }
+    rendering = {  # only what the request sets: the tokenizer's defaults are the plain chat
+        "template_kwargs": variables or None,
+        "continue_final_message": body.continue_final_message,
+        "chat_template": body.chat_template,
+        "add_special_tokens": body.add_special_tokens,
+    }
     ids = await asyncio.to_thread(
-        tokenizer.encode_chat, messages, body.add_generation_prompt, described, allow_special_tokens, **extra
+        functools.partial(
+            tokenizer.encode_chat,
+            messages,
+            body.add_generation_prompt,
+            described,
+            allow_special_tokens,
+            **{k: v for k, v in rendering.items() if v},
+        )
     )
     ids = truncate_prompt(ids, body.truncate_prompt_tokens, target.max_model_len)
     params = body.sampling_params(max_tokens_for(target, ids, body.requested_max_tokens), tools and tools.constraint())

@@ -153,8 +153,10 @@ class ToolStream:
     cut by ``max_tokens`` keeps the arguments it has, as OpenAI's do). The wrapper is
     never content, even cut short. Hermes format: text outside the blocks streams as
     content (holding back what could start ``<tool_call>``); each call is sent whole at
-    its ``</tool_call>``; a block (or tag) cut short is dropped, one that is not a call is
-    content. ``feed`` takes the new text and returns the deltas to send
+    its ``</tool_call>``; one that is not a call is content. In both formats a call cut
+    short by ``max_tokens`` is kept with the arguments it has (not valid JSON; the
+    finish_reason says ``length``) once its name is whole, and dropped before that, as is
+    a tag cut short. ``feed`` takes the new text and returns the deltas to send
     (``{"content": ...}`` or ``{"tool_calls": [...]}``).
     """
 
@@ -228,8 +230,11 @@ class ToolStream:
                 break
             visible.append(text[pos:start])
             end = text.find(_CLOSE, start)
-            if end < 0:
-                break  # a call still being written; cut short if finished: dropped
+            if end < 0:  # a call still being written; cut short if finished: kept once its name is whole
+                cut = _cut_call(text[start + len(_OPEN) :]) if finished else None
+                if cut is not None:
+                    calls.append(cut)
+                break
             call = _parse_call(text[start + len(_OPEN) : end].strip())
             if call is None:
                 visible.append(text[start : end + len(_CLOSE)])  # a block that is not a call: content
@@ -395,6 +400,19 @@ def _parse_call(text: str) -> ToolCall | None:
     except ValueError:
         return None
     return _call(obj) if isinstance(obj, dict) and isinstance(obj.get("name"), str) else None
+
+
+_CUT_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_.-]{1,64})"\s*,\s*"arguments"\s*:\s*(.*)', re.DOTALL)
+
+
+def _cut_call(text: str) -> ToolCall | None:
+    """A Hermes block cut short (``max_tokens``): the call, with the arguments it has (JSON
+    cut short, as the generic format and OpenAI's keep them), once its name is whole; None
+    before that."""
+    head = _CUT_HEAD.match(text)
+    if head is None:
+        return None
+    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", head.group(1), head.group(2).rstrip())
 
 
 def _call(obj: dict[str, Any]) -> ToolCall:

@@ -22,7 +22,9 @@ def register(app: FastAPI, served: Served) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         async def job(target: Target) -> Job:
-            ids, params, tools = await chat_prompt(target, body, served.config.allow_special_tokens_in_messages)
+            ids, params, tools = await chat_prompt(
+                target, body, served.config.allow_special_tokens_in_messages, served.config.trust_request_chat_template
+            )
             echo = body.echoed()
             return Job(
                 served,
@@ -47,7 +49,9 @@ def register(app: FastAPI, served: Served) -> None:
         check_cache_field(served, body)
         if body.use_beam_search:
             target = target_of(served, body.model, "beam search")
-            ids, params, _ = await chat_prompt(target, body, served.config.allow_special_tokens_in_messages)
+            ids, params, _ = await chat_prompt(
+                target, body, served.config.allow_special_tokens_in_messages, served.config.trust_request_chat_template
+            )
             beam = body.beam_params(params.max_tokens)
             check_queue(served, target, beam.beam_width)
             return await until_disconnect(
