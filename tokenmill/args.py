@@ -23,13 +23,12 @@ from tokenmill.config import (
     LoadConfig,
     LoRAConfig,
     ParallelConfig,
-    ReplicaConfig,
     SchedulerConfig,
-    ServerConfig,
     SpeculativeConfig,
     StructuredConfig,
 )
 from tokenmill.errors import TokenmillError
+from tokenmill.serving_config import ReplicaConfig, ServerConfig
 
 ENGINE_SECTIONS: dict[str, type] = {
     "load": LoadConfig,

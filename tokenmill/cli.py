@@ -11,9 +11,9 @@ import sys
 from collections.abc import Sequence
 
 from tokenmill.args import add_config_arguments, add_engine_arguments, engine_args_from_namespace
-from tokenmill.config import ReplicaConfig, ServerConfig
 from tokenmill.distributed.env import torchrun_rank
 from tokenmill.errors import TokenmillError
+from tokenmill.serving_config import ReplicaConfig, ServerConfig
 
 DEFAULT_CHAT_PROMPT = "What is the capital of France? Answer in one sentence."
 

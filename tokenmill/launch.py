@@ -47,7 +47,7 @@ from tokenmill.args import (
     served_models,
     server_config_from_namespace,
 )
-from tokenmill.config import EngineArgs, ServerConfig
+from tokenmill.config import EngineArgs
 from tokenmill.distributed.env import under_torchrun
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.streams import StreamingFront
@@ -57,6 +57,7 @@ from tokenmill.server.app import api_keys, build_models_app
 from tokenmill.server.clients import uvicorn_options
 from tokenmill.server.model_router import parse_routers
 from tokenmill.server.models import ServedModel, model_id
+from tokenmill.serving_config import ServerConfig
 
 EXIT_GRACE_S = 15.0  # after the drain timeout, what stopping the engines may take before the process just exits
 

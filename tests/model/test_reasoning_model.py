@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from tests.helpers import QWEN3_TEMPLATE, write_qwen3_tokenizer
-from tokenmill.config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.errors import InvalidRequestError
 from tokenmill.server.app import build_app
+from tokenmill.serving_config import ServerConfig
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("llguidance")

@@ -72,6 +72,7 @@ def test_the_checker_finds_a_cycle():
 LAYERS = [
     ["errors", "lifetime"],
     ["config", "memory"],
+    ["serving_config"],  # the server's and the replicas' options, in config.py's form
     ["args", "structured", "quant", "lora"],
     ["sampling_params", "pooling_params", "kernels"],
     ["beam_search", "engine", "model"],  # engine: no torch; model: no requests
@@ -124,6 +125,6 @@ def test_the_layer_rule_finds_an_upward_and_a_sideways_arrow():
         "tokenmill.kernels.cpu": set(),
     }
     assert arrows_against_layers(graph) == [
-        "tokenmill.engine.core -> tokenmill.model.llama (engine is in layer 4, model in layer 4)",
-        "tokenmill.quant.packed -> tokenmill.kernels.cpu (quant is in layer 2, kernels in layer 3)",
+        "tokenmill.engine.core -> tokenmill.model.llama (engine is in layer 5, model in layer 5)",
+        "tokenmill.quant.packed -> tokenmill.kernels.cpu (quant is in layer 3, kernels in layer 4)",
     ]

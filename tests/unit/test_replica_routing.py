@@ -208,9 +208,9 @@ def test_replica_options_are_checked_before_anything_starts():
     import pytest
 
     from tokenmill.args import engine_args
-    from tokenmill.config import ReplicaConfig
     from tokenmill.errors import TokenmillError
     from tokenmill.replicas.front import check_replica_options
+    from tokenmill.serving_config import ReplicaConfig
 
     with pytest.raises(ValueError, match="both --prefill-replicas and --decode-replicas"):
         ReplicaConfig(decode_replicas=2)
@@ -295,7 +295,7 @@ def test_the_load_price_is_measured_unless_a_number_is_given():
 
     from tokenmill.args import replica_config_from_namespace
     from tokenmill.cli import build_parser
-    from tokenmill.config import ReplicaConfig
+    from tokenmill.serving_config import ReplicaConfig
 
     assert ReplicaConfig().route_load_cost == "auto" and ReplicaConfig().fixed_load_cost is None
     ns = build_parser().parse_args(["serve", "--data-parallel-size", "2", "--route-load-cost", "64"])

@@ -8,11 +8,16 @@ the token embedding of the types the native kernels serve stay in their blocks, 
 convert them in registers) whatever the compute dtype. GGUF's Q/K row permutation (llama.cpp reorders Q
 and K rows so that its RoPE rotates adjacent pairs) is undone so that one RoPE
 implementation serves both formats.
+
+A folder quantised by AWQ (GEMM) or GPTQ (v1) has its 4-bit linears decoded by quant/hf_quant.py:
+kept as the kernels' int4 blocks under the same ``keep_quantized``, otherwise (and for GPTQ act
+order) dequantised to the compute dtype; other quantisations are refused by name.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import sys
 import time
@@ -30,7 +35,11 @@ from tokenmill.model.families import Family, family_named, gguf_family, hf_famil
 from tokenmill.model.gguf_file import read_gguf
 from tokenmill.model.paths import resolve_model_path
 from tokenmill.quant.blocks import BLOCK_TYPES, BlockWeight
+from tokenmill.quant.hf_quant import QUANT_TENSORS, HFQuant, decode, hf_quantization
 from tokenmill.quant.packed import NATIVE_GGUF_TYPES, PackedWeight
+from tokenmill.quant.weights import packed_weight
+
+logger = logging.getLogger(__name__)
 
 # GGML tensor types we dequantise at load (gguf.quants implements each).
 SUPPORTED_GGUF_TYPES = (
@@ -113,12 +122,13 @@ def load_checkpoint(
     int8_blocks: bool = False,
 ) -> Checkpoint:
     """Load a .gguf file or a Hugging Face folder (config.json + *.safetensors).
-    ``keep_quantized``: a GGUF's quantised linear weights and embedding stay quantised;
+    ``keep_quantized``: a GGUF's quantised linear weights and embedding stay quantised (an
+    AWQ / GPTQ folder's int4 linears too, as the kernels' blocks; otherwise dequantised);
     ``int8_blocks``: those of the types quant/blocks.py serves stay in the file's blocks
     (``BlockWeight``, int8 arithmetic), the others are widened (``PackedWeight``)."""
     path = resolve_model_path(model)
     if path.is_dir():
-        return _load_hf_folder(path, dtype, progress)
+        return _load_hf_folder(path, dtype, progress, keep_quantized)
     return _load_gguf(path, dtype, progress, keep_quantized, int8_blocks)
 
 
@@ -351,10 +361,12 @@ def _longrope(rope: dict[str, Any], raw: dict[str, Any], path: Path) -> RopeScal
     )
 
 
-def _load_hf_folder(path: Path, dtype: torch.dtype, progress: bool) -> Checkpoint:
+def _load_hf_folder(path: Path, dtype: torch.dtype, progress: bool, keep_quantized: bool = False) -> Checkpoint:
     from safetensors.torch import load_file
 
-    config = hf_config(_read_config_json(path), path)
+    raw = _read_config_json(path)
+    config = hf_config(raw, path)
+    quant = hf_quantization(raw, path)  # AWQ / GPTQ: checked before any weights are read
     offset = family_named(config.architecture).norm_offset
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -363,7 +375,8 @@ def _load_hf_folder(path: Path, dtype: torch.dtype, progress: bool) -> Checkpoin
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"no *.safetensors weights in model folder {path}")
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | PackedWeight] = {}
+    quantized: dict[str, dict[str, torch.Tensor]] = {}  # layer -> its qweight, qzeros, scales, g_idx
     reporter = _Progress("loading weights", len(files), progress)
     for name in files:
         try:
@@ -374,12 +387,47 @@ def _load_hf_folder(path: Path, dtype: torch.dtype, progress: bool) -> Checkpoin
             k = k.removeprefix("model.")
             if "rotary_emb" in k:
                 continue
+            layer, _, part = k.rpartition(".")
+            if quant is not None and part in QUANT_TENSORS:
+                quantized.setdefault(layer, {})[part] = v
+                continue
             if offset and k.endswith("norm.weight"):
                 v = v.float() + offset  # stored as w - offset (Gemma's norms multiply by 1 + w)
             weights[k] = v.to(dtype)
         reporter.step()
     reporter.done()
+    if quant is not None:
+        weights.update(_int4_weights(quant, quantized, dtype, keep_quantized))
     return Checkpoint(config=config, weights=weights, path=path)
+
+
+def _int4_weights(
+    quant: HFQuant, layers: dict[str, dict[str, torch.Tensor]], dtype: torch.dtype, keep_quantized: bool
+) -> dict[str, torch.Tensor | PackedWeight]:
+    """An AWQ / GPTQ folder's linear weights: kept as the native kernels' int4 blocks
+    (``keep_quantized``, groups that are runs of 32s), otherwise dequantised to ``dtype``."""
+    out: dict[str, torch.Tensor | PackedWeight] = {}
+    act_order = []
+    for layer, parts in layers.items():
+        groups = decode(quant, parts, layer)
+        packed = (
+            packed_weight(groups.q, groups.scale, groups.minv, 4, groups.group, quant.method)
+            if keep_quantized
+            else None
+        )
+        if keep_quantized and groups.group == 1:
+            act_order.append(layer)
+        out[f"{layer}.weight"] = packed if packed is not None else groups.dequantize().to(dtype)
+    if act_order:
+        logger.info(
+            "%s act order (desc_act): %d layers' groups are not runs of their inputs; "
+            "those weights are dequantised to %s (e.g. %s)",
+            quant.method.upper(),
+            len(act_order),
+            dtype,
+            act_order[0],
+        )
+    return out
 
 
 class _Progress:

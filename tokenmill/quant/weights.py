@@ -17,8 +17,13 @@ falls back to dequantising its weight for the call (correct, not fast).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from tokenmill.quant.packed import PackedWeight
 
 QUANTIZATION_MODES = ("auto", "none", "int8", "int4")  # auto: keep what the checkpoint stores (quant/packed.py)
 
@@ -131,13 +136,13 @@ class Int4Linear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-def packed_linear(
-    q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, bits: int, group: int, bias: torch.Tensor | None
-) -> nn.Module | None:
-    """int8/int4 parts (per-row or per-group scales) as a QuantLinear for the native kernels:
+def packed_weight(
+    q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, bits: int, group: int, source: str
+) -> PackedWeight | None:
+    """int8/int4 parts (per-row or per-group scales) as a PackedWeight for the native kernels:
     scales repeated to the kernels' groups of 32 (exact), q repacked; None where the width
-    is not a whole number of 32s."""
-    from tokenmill.quant.packed import Decomposed, PackedWeight, QuantLinear
+    or the group is not a whole number of 32s."""
+    from tokenmill.quant.packed import Decomposed, PackedWeight
 
     n, k = q.shape
     if k % 32 or group % 32:
@@ -147,7 +152,17 @@ def packed_linear(
     minv = None if minv is None else minv.float().repeat_interleave(reps, dim=1)
     dtype = torch.uint8 if bits == 4 else torch.int8
     parts = Decomposed(q.to(dtype).numpy(), scale.numpy(), None if minv is None else minv.numpy(), bits, 32)
-    return QuantLinear([PackedWeight.from_decomposed(parts, f"int{bits}")], bias)
+    return PackedWeight.from_decomposed(parts, source)
+
+
+def packed_linear(
+    q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, bits: int, group: int, bias: torch.Tensor | None
+) -> nn.Module | None:
+    """``packed_weight``'s weight as a QuantLinear; None where it has none."""
+    from tokenmill.quant.packed import QuantLinear
+
+    weight = packed_weight(q, scale, minv, bits, group, f"int{bits}")
+    return None if weight is None else QuantLinear([weight], bias)
 
 
 def quantize_model(model: nn.Module, mode: str, group_size: int = 32, packed: bool = False) -> nn.Module:

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.config import EngineArgs, ReplicaConfig
+from tokenmill.config import EngineArgs
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.stats import EngineSnapshot
 from tokenmill.engine.streams import RequestFailedError
@@ -34,6 +34,7 @@ from tokenmill.pooling_params import PoolingParams
 from tokenmill.replicas.index import RoutingStats, merge_snapshots
 from tokenmill.replicas.replica_router import prompt_block_hashes
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.serving_config import ReplicaConfig
 
 logger = logging.getLogger(__name__)
 APP = "tokenmill"

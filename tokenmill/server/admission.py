@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from tokenmill.config import ServerConfig
 from tokenmill.errors import InvalidRequestError
+from tokenmill.serving_config import ServerConfig
 
 
 def client_of(request: Request) -> str:

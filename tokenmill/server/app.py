@@ -31,7 +31,6 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from tokenmill.config import ServerConfig
 from tokenmill.engine.streams import StreamingFront
 from tokenmill.errors import TokenmillError
 from tokenmill.memory import parse_memory
@@ -48,6 +47,7 @@ from tokenmill.server.routes import admin, chat, completions, embeddings, scorin
 from tokenmill.server.routes import responses as responses_api
 from tokenmill.server.served import Served
 from tokenmill.server.web import WebSessions
+from tokenmill.serving_config import ServerConfig
 
 
 def build_app(engine: StreamingFront, tokenizer: Any, max_model_len: int, config: ServerConfig) -> FastAPI:

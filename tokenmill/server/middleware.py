@@ -14,10 +14,10 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from tokenmill.config import ServerConfig
 from tokenmill.server.clients import ClientBodyLimitMiddleware
 from tokenmill.server.errors import error_response
 from tokenmill.server.web import WebSessions, authorised, cross_site, cross_site_refusal, login_page
+from tokenmill.serving_config import ServerConfig
 
 logger = logging.getLogger(__name__)
 

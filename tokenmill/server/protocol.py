@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from tokenmill.beam_search import BeamSearchParams
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import MAX_N, SamplingParams
+from tokenmill.server.constraints import structured_outputs
 from tokenmill.structured.constraint import StructuredOutputs
 
 MAX_DEPTH = 64  # JSON nested deeper than this in a field is refused (a schema 129 deep was a 500: issue 40)
@@ -138,59 +139,6 @@ def check_request_id(value: str, param: str) -> str:
             f"{param} must be 1 to {MAX_REQUEST_ID} printable ASCII characters without spaces", param=param
         )
     return value
-
-
-def structured_outputs(
-    response_format: dict[str, Any] | None,
-    structured: dict[str, Any] | None,
-    guided: dict[str, Any],
-    whitespace_pattern: str | None,
-) -> StructuredOutputs | None:
-    """One constraint from OpenAI's response_format, vLLM's structured_outputs or the
-    guided_* aliases; more than one of them is a 400 naming them."""
-    response_format = _constraining(response_format)
-    given = [
-        name
-        for name, v in (("response_format", response_format), ("structured_outputs", structured), *guided.items())
-        if v is not None
-    ]
-    if len(given) > 1:
-        raise InvalidRequestError(f"give one constraint, not {' and '.join(given)}", param=given[1])
-    if response_format is not None:
-        kind = response_format["type"]
-        if kind == "json_object":
-            return StructuredOutputs(json_object=True, whitespace_pattern=whitespace_pattern)
-        spec = response_format.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict | bool):
-            raise InvalidRequestError(
-                "response_format json_schema needs a json_schema object with a schema", param="response_format"
-            )
-        return StructuredOutputs(json=spec.get("schema", {}), whitespace_pattern=whitespace_pattern)
-    if structured is not None:
-        body = dict(structured)
-        if whitespace_pattern is not None:
-            body.setdefault("whitespace_pattern", whitespace_pattern)
-        return StructuredOutputs.from_dict(body)
-    for name, value in guided.items():
-        if value is not None:
-            kind = name.removeprefix("guided_")
-            extra = {"whitespace_pattern": whitespace_pattern} if kind == "json" else {}
-            return StructuredOutputs(**{kind: value}, **extra)
-    return None
-
-
-def _constraining(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
-    """response_format, unless it asks for plain text."""
-    if response_format is None:
-        return None
-    kind = response_format.get("type")
-    if kind == "text":
-        return None
-    if kind not in ("json_object", "json_schema"):
-        raise InvalidRequestError(
-            f"response_format type must be text, json_object or json_schema, not {kind!r}", param="response_format"
-        )
-    return response_format
 
 
 class _SamplingFields(StrictBody):
@@ -575,98 +523,6 @@ def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> lis
             "truncate_prompt_tokens must be -1 or a positive integer", param="truncate_prompt_tokens"
         )
     return ids[-keep:]
-
-
-class EmbeddingRequest(StrictBody):
-    model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
-    truncate_prompt_tokens: int | None = None  # vLLM's: keep each input's last k tokens (-1: the context's worth)
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
-    user: str | None = None
-    pooling: Literal["last", "mean"] = "last"  # tokenmill's: the last token's final hidden state, or the mean
-
-    def inputs(self) -> list[str | list[int]]:
-        return prompt_list(self.input, "input")
-
-
-class PoolingRequest(StrictBody):
-    """vLLM's /pooling: each input's pooled state (here the embeddings' normalised final hidden state)."""
-
-    model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
-    truncate_prompt_tokens: int | None = None
-    encoding_format: Literal["float", "base64"] = "float"
-    pooling: Literal["last", "mean"] = "last"
-
-    def inputs(self) -> list[str | list[int]]:
-        return prompt_list(self.input, "input")
-
-
-class ScoreRequest(StrictBody):
-    """vLLM's /score: text_1 against each text_2 (1:1, 1:N), or pairwise (N:N)."""
-
-    model: str | None = None
-    text_1: str | list[str]
-    text_2: str | list[str]
-    truncate_prompt_tokens: int | None = None
-    pooling: Literal["last", "mean"] = "last"  # tokenmill's, as the embeddings'
-
-    def texts(self) -> tuple[list[str], list[str]]:
-        return _texts(self.text_1), _texts(self.text_2)
-
-    @model_validator(mode="after")
-    def _pairs(self) -> ScoreRequest:
-        first, second = self.texts()
-        for name, texts in (("text_1", first), ("text_2", second)):
-            if not texts:
-                raise InvalidRequestError(f"{name} is empty", param=name)
-        if len(first) > 1 and len(first) != len(second):
-            raise InvalidRequestError(
-                f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1 (scored against "
-                "each text_2) or as many as text_2 (scored pairwise)",
-                param="text_2",
-            )
-        return self
-
-
-def _texts(value: str | list[str]) -> list[str]:
-    return [value] if isinstance(value, str) else list(value)
-
-
-class RerankRequest(StrictBody):
-    """The Jina / Cohere rerank body, as vLLM's /rerank takes it."""
-
-    model: str | None = None
-    query: str
-    documents: list[str | dict[str, Any]]  # texts, or Cohere's {"text": ...}
-    top_n: int | None = None  # the best top_n results (None or 0: all)
-    return_documents: bool = True  # each result's document text
-    truncate_prompt_tokens: int | None = None
-    pooling: Literal["last", "mean"] = "last"  # tokenmill's, as the embeddings'
-
-    @field_validator("documents")
-    @classmethod
-    def _documents(cls, value: list[str | dict[str, Any]]) -> list[str | dict[str, Any]]:
-        if not value:
-            raise InvalidRequestError("documents is empty", param="documents")
-        for i, d in enumerate(value):
-            if isinstance(d, dict) and (set(d) != {"text"} or not isinstance(d["text"], str)):
-                raise InvalidRequestError(
-                    f'documents[{i}] must be a string or an object {{"text": "..."}} with nothing else',
-                    param="documents",
-                )
-        return value
-
-    @field_validator("top_n")
-    @classmethod
-    def _top_n(cls, value: int | None) -> int | None:
-        if value is not None and value < 0:
-            raise InvalidRequestError("top_n must be 0 (all) or more", param="top_n")
-        return value
-
-    def texts(self) -> list[str]:
-        return [d if isinstance(d, str) else d["text"] for d in self.documents]
 
 
 class TokenizeRequest(StrictBody):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from tokenmill.config import ServerConfig
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.server.admission import ClientWindows
 from tokenmill.server.errors import APIError
@@ -20,6 +19,7 @@ from tokenmill.server.model_router import ModelRouter
 from tokenmill.server.models import ServedModel, Target
 from tokenmill.server.response_cache import ResponseCache
 from tokenmill.server.responses import ResponseStore
+from tokenmill.serving_config import ServerConfig
 
 
 @dataclass

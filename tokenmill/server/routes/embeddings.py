@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenmill.server.errors import APIError
 from tokenmill.server.pooled import as_encoded, pooled, pooling_prompts
-from tokenmill.server.protocol import EmbeddingRequest
+from tokenmill.server.pooling_protocol import EmbeddingRequest
 from tokenmill.server.served import Served, target_of
 from tokenmill.server.streaming import until_disconnect
 

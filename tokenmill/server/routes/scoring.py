@@ -15,7 +15,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenmill.server.pooled import as_encoded, cosine, pooled, pooling_prompts
-from tokenmill.server.protocol import PoolingRequest, RerankRequest, ScoreRequest, new_id, now
+from tokenmill.server.pooling_protocol import PoolingRequest, RerankRequest, ScoreRequest
+from tokenmill.server.protocol import new_id, now
 from tokenmill.server.served import Served, target_of
 from tokenmill.server.streaming import until_disconnect
 

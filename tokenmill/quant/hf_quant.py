@@ -1,0 +1,146 @@
+"""Hugging Face folders quantised by AWQ (GEMM layout) or GPTQ (v1): their int4 tensors decoded.
+
+Both store, per linear layer, 4-bit values packed eight to an int32, a float16 scale and a
+4-bit zero per group of ``G`` input channels: ``w[n, k] = (q[k, n] - z[g(k), n]) * s[g(k), n]``.
+
+- **AWQ GEMM** (AutoAWQ's ``WQLinear_GEMM``): ``qweight`` [K, N/8] and ``qzeros`` [K/G, N/8]
+  packed along N in AWQ's interleaved order (nibble ``i`` of word ``c`` holds column
+  ``8c + AWQ_ORDER[i]``); ``scales`` [K/G, N]; group ``g(k) = k // G``.
+- **GPTQ v1** (AutoGPTQ / GPTQModel ``checkpoint_format`` "gptq"): ``qweight`` [K/8, N] packed
+  along K (nibble ``i`` of word row ``r`` is input row ``8r + i``), ``qzeros`` [K/G, N/8] packed
+  along N in plain order and stored as ``zero - 1`` (the kernels add the 1 back, without a mask:
+  zeros 1..16), ``scales`` [K/G, N], ``g_idx`` [K] each input row's group. With act order
+  (``desc_act``) ``g_idx`` is not ``k // G``: the groups are not runs of the input.
+
+``decode`` turns them into ``Int4Groups``: q [N, K] in 0..15, and per group a float32 scale and
+min (``-zero * scale``), so that ``w = q * scale + min`` — the form ``packed_weight`` (quant/
+weights.py) lays out for the native kernels, exact: every product and the sum are float32
+numbers without rounding (4- and 5-bit integers times float16 scales). An act-order weight
+comes back with groups of one input row (its scale and min gathered by ``g_idx``): not
+something the kernels' groups of 32 can hold, so the loader dequantises it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tokenmill.errors import ModelLoadError
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column 8c + AWQ_ORDER[i]
+AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column 8c + j is in nibble AWQ_REVERSE_ORDER[j]
+QUANT_TENSORS = ("qweight", "qzeros", "scales", "g_idx")  # a quantised linear's tensors (beside its bias)
+SUPPORTED = "awq (version gemm, 4-bit) and gptq (checkpoint_format gptq, 4-bit)"
+
+
+@dataclass(frozen=True)
+class HFQuant:
+    """A folder's quantization_config, as far as decoding needs it."""
+
+    method: str  # "awq" or "gptq"
+    bits: int
+    group_size: int  # -1: one group over the whole input
+    sym: bool  # gptq: zeros all 8 (the stored ones say so anyway)
+    desc_act: bool  # gptq: act order (g_idx not sorted)
+
+
+def hf_quantization(raw: dict[str, Any], path: Path) -> HFQuant | None:
+    """The folder's quantisation (None: plain float weights); anything we do not decode
+    exactly is refused here, before any weights are read."""
+    qc = raw.get("quantization_config")
+    if not qc:
+        return None
+    where = path / "config.json"
+    method = str(qc.get("quant_method", "")).lower()
+    if method not in ("awq", "gptq"):
+        raise ModelLoadError(
+            f"{where}: quantization_config quant_method {method or None!r} is not supported; supported: {SUPPORTED}"
+        )
+    bits = int(qc.get("bits", qc.get("w_bit", 0)))
+    if bits != 4:
+        raise ModelLoadError(f"{where}: {method} with {bits} bits is not supported yet; supported: {SUPPORTED}")
+    group = int(qc.get("group_size", qc.get("q_group_size", -1)))
+    if group != -1 and group <= 0:
+        raise ModelLoadError(f"{where}: invalid {method} group_size {group}")
+    if method == "awq":
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise ModelLoadError(f"{where}: AWQ version {version!r} is not supported; supported: {SUPPORTED}")
+        if not qc.get("zero_point", True):
+            raise ModelLoadError(f"{where}: AWQ without zero points is not supported; supported: {SUPPORTED}")
+        return HFQuant("awq", bits, group, sym=False, desc_act=False)
+    fmt = str(qc.get("checkpoint_format", "gptq")).lower()
+    if fmt != "gptq":
+        raise ModelLoadError(f"{where}: GPTQ checkpoint_format {fmt!r} is not supported; supported: {SUPPORTED}")
+    return HFQuant("gptq", bits, group, sym=bool(qc.get("sym", True)), desc_act=bool(qc.get("desc_act", False)))
+
+
+@dataclass
+class Int4Groups:
+    """A weight as ``q * scale + min`` per group of ``group`` input values (``group`` 1: a
+    scale and min per input row, act order)."""
+
+    q: torch.Tensor  # [N, K] uint8 0..15
+    scale: torch.Tensor  # [N, K / group] float32
+    minv: torch.Tensor  # [N, K / group] float32: -zero * scale
+    group: int
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [N, K] (exactly (q - zero) * scale)."""
+        n, k = self.q.shape
+        w = self.q.float().reshape(n, -1, self.group) * self.scale[..., None] + self.minv[..., None]
+        return w.reshape(n, k)
+
+
+def _unpack_last(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [..., C] -> [..., 8 C] nibbles: nibble i of word c at position 8 c + i."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    return ((packed.to(torch.int32)[..., None] >> shifts) & 0xF).reshape(*packed.shape[:-1], -1)
+
+
+def _awq_columns(packed: torch.Tensor) -> torch.Tensor:
+    """AWQ's [R, N/8] words -> [R, N] values in column order."""
+    vals = _unpack_last(packed)
+    return vals.reshape(vals.shape[0], -1, 8)[..., list(AWQ_REVERSE_ORDER)].reshape(vals.shape[0], -1)
+
+
+def decode(quant: HFQuant, parts: dict[str, torch.Tensor], name: str) -> Int4Groups:
+    """One linear layer's stored tensors (``parts``: qweight, qzeros, scales, and GPTQ's g_idx)
+    -> its Int4Groups; shapes that do not fit each other are refused naming the layer."""
+    missing = [p for p in ("qweight", "qzeros", "scales") if p not in parts]
+    if missing:
+        raise ModelLoadError(f"{quant.method} layer {name}: missing {', '.join(missing)}")
+    qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"].float()
+    if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
+        raise ModelLoadError(
+            f"{quant.method} layer {name}: qweight/qzeros are {qweight.dtype}/{qzeros.dtype}, not int32"
+        )
+    if quant.method == "awq":
+        q = _awq_columns(qweight)  # [K, N]
+        zeros = _awq_columns(qzeros)  # [K/G, N]
+    else:
+        k8, n = qweight.shape
+        shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+        q = ((qweight[:, None, :] >> shifts[None, :, None]) & 0xF).reshape(8 * k8, n)  # [K, N]
+        zeros = _unpack_last(qzeros)[:, :n] + 1  # v1: stored as zero - 1
+    k, n = q.shape
+    groups = scales.shape[0]
+    if scales.shape[1] != n or zeros.shape != (groups, n) or k % groups:
+        raise ModelLoadError(
+            f"{quant.method} layer {name}: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)} "
+            f"and scales {tuple(scales.shape)} do not fit together"
+        )
+    group = k // groups
+    if quant.group_size != -1 and quant.group_size != group:
+        raise ModelLoadError(f"{quant.method} layer {name}: groups of {group} inputs, config says {quant.group_size}")
+    minv = -zeros.float() * scales  # exact: a 5-bit integer times a float16
+    g_idx = parts.get("g_idx")
+    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k) // group):
+        if g_idx.shape != (k,) or int(g_idx.min()) < 0 or int(g_idx.max()) >= groups:
+            raise ModelLoadError(f"{quant.method} layer {name}: g_idx does not fit {k} inputs in {groups} groups")
+        rows = g_idx.long()  # act order: each input row its own group's scale and min
+        return Int4Groups(q.T.to(torch.uint8).contiguous(), scales[rows].T.contiguous(), minv[rows].T.contiguous(), 1)
+    return Int4Groups(q.T.to(torch.uint8).contiguous(), scales.T.contiguous(), minv.T.contiguous(), group)
