@@ -97,11 +97,19 @@ def _say(line: str) -> None:
 
 
 def _built(name: str) -> bool:
-    """Whether torch's extension cache holds this build already (then loading takes a second)."""
+    """Whether torch's extension cache holds this build, up to date for these sources (then
+    loading takes a second): its library newer than every source, built from these paths
+    (ninja rebuilds for a new checkout of the same sources, or one with newer files)."""
     try:
         from torch.utils.cpp_extension import _get_build_directory  # no public name for the cache's place
 
-        return (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").is_file()
+        where = Path(_get_build_directory(name, verbose=False))
+        library, rules = where / f"{name}.so", where / "build.ninja"
+        if not library.is_file() or not rules.is_file():
+            return False
+        newest = max(p.stat().st_mtime for p in [*SOURCES, *CSRC.glob("*.h")])
+        text = rules.read_text()
+        return library.stat().st_mtime >= newest and all(str(p) in text for p in SOURCES)
     except Exception:  # another torch: say nothing rather than guess
         return True
 
