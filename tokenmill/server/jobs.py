@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
@@ -295,8 +296,7 @@ class Job:
         }
 
     def _token(self, t: int) -> str:
-        """A token as logprobs name it: its text, or ``token_id:N`` (vLLM's return_tokens_as_token_ids)."""
-        return f"token_id:{t}" if self.tokens_as_ids else self.target.tokenizer.decode([t], skip_special_tokens=False)
+        return token_name(self.target.tokenizer, t, self.tokens_as_ids)
 
     def _logprobs(self, token_ids, logprobs, top_logprobs, start: int) -> dict | None:
         """Logprobs of token_ids[start:] in the completions or the chat shape."""
@@ -480,6 +480,11 @@ def _offsets(texts: list[str]) -> list[int]:
     return out
 
 
+def token_name(tokenizer: Any, t: int, as_id: bool) -> str:
+    """A token as logprobs name it: its text, or ``token_id:N`` (vLLM's return_tokens_as_token_ids)."""
+    return f"token_id:{t}" if as_id else tokenizer.decode([t], skip_special_tokens=False)
+
+
 def token_logprobs(
     name: Callable[[int], str],
     chat: bool,
@@ -513,10 +518,7 @@ async def beam_response(
     search = BeamSearch(prompts, beam, frozenset(target.tokenizer.stop_token_ids))
     # logprobs asked: chat's logprobs (with top_logprobs alternatives), completions' logprobs (that many)
     top_k = (body.top_logprobs or 0) if chat and body.logprobs else None if chat else body.logprobs
-    tokenizer = target.tokenizer
-
-    def name(t: int) -> str:
-        return f"token_id:{t}" if body.return_tokens_as_token_ids else tokenizer.decode([t], skip_special_tokens=False)
+    name = functools.partial(token_name, target.tokenizer, as_id=body.return_tokens_as_token_ids)
 
     while not search.finished:
         round_ = search.requests()
