@@ -9,9 +9,11 @@ convert them in registers) whatever the compute dtype. GGUF's Q/K row permutatio
 and K rows so that its RoPE rotates adjacent pairs) is undone so that one RoPE
 implementation serves both formats.
 
-A folder quantised by AWQ (GEMM) or GPTQ (v1) has its 4-bit linears decoded by quant/hf_quant.py:
-kept as the kernels' int4 blocks under the same ``keep_quantized``, otherwise (and for GPTQ act
-order) dequantised to the compute dtype; other quantisations are refused by name.
+A folder quantised by AWQ (GEMM), GPTQ (v1) (quant/hf_quant.py), compressed-tensors or FP8
+(quant/hf_compressed.py) has its linears decoded: int4 / int8 kept as the kernels' blocks under the
+same ``keep_quantized``, otherwise (and for act order) dequantised to the compute dtype; FP8
+weights kept in their scale's 16 bits (the 16-bit kernels) or dequantised; other quantisations
+are refused by name.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from tokenmill.model.families import Family, family_named, gguf_family, hf_famil
 from tokenmill.model.gguf_file import read_gguf
 from tokenmill.model.paths import resolve_model_path
 from tokenmill.quant.blocks import BLOCK_TYPES, BlockWeight
-from tokenmill.quant.hf_quant import QUANT_TENSORS, HFQuant, decode, hf_quantization
+from tokenmill.quant.hf_quant import FolderQuant, hf_quantization
 from tokenmill.quant.packed import NATIVE_GGUF_TYPES, PackedWeight
 from tokenmill.quant.weights import packed_weight
 
@@ -366,7 +368,7 @@ def _load_hf_folder(path: Path, dtype: torch.dtype, progress: bool, keep_quantiz
 
     raw = _read_config_json(path)
     config = hf_config(raw, path)
-    quant = hf_quantization(raw, path)  # AWQ / GPTQ: checked before any weights are read
+    quant = hf_quantization(raw, path)  # AWQ / GPTQ / compressed-tensors / FP8: checked before any weights are read
     offset = family_named(config.architecture).norm_offset
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -376,7 +378,7 @@ def _load_hf_folder(path: Path, dtype: torch.dtype, progress: bool, keep_quantiz
     if not files:
         raise ModelLoadError(f"no *.safetensors weights in model folder {path}")
     weights: dict[str, torch.Tensor | PackedWeight] = {}
-    quantized: dict[str, dict[str, torch.Tensor]] = {}  # layer -> its qweight, qzeros, scales, g_idx
+    quantized: dict[str, dict[str, torch.Tensor]] = {}  # layer (its stored name) -> its quantised tensors
     reporter = _Progress("loading weights", len(files), progress)
     for name in files:
         try:
@@ -384,49 +386,57 @@ def _load_hf_folder(path: Path, dtype: torch.dtype, progress: bool, keep_quantiz
         except Exception as e:
             raise ModelLoadError(f"cannot read safetensors file {path / name}: {e}") from e
         for k, v in shard.items():
-            k = k.removeprefix("model.")
             if "rotary_emb" in k:
                 continue
             layer, _, part = k.rpartition(".")
-            if quant is not None and part in QUANT_TENSORS:
-                quantized.setdefault(layer, {})[part] = v
+            if quant is not None and quant.takes(part, v):
+                quantized.setdefault(layer, {})[part] = v  # the stored name: what config groups target
                 continue
+            k = k.removeprefix("model.")
             if offset and k.endswith("norm.weight"):
                 v = v.float() + offset  # stored as w - offset (Gemma's norms multiply by 1 + w)
             weights[k] = v.to(dtype)
         reporter.step()
     reporter.done()
     if quant is not None:
-        weights.update(_int4_weights(quant, quantized, dtype, keep_quantized))
+        weights.update(_quantized_weights(quant, quantized, dtype, keep_quantized))
     return Checkpoint(config=config, weights=weights, path=path)
 
 
-def _int4_weights(
-    quant: HFQuant, layers: dict[str, dict[str, torch.Tensor]], dtype: torch.dtype, keep_quantized: bool
+def _quantized_weights(
+    quant: FolderQuant, layers: dict[str, dict[str, torch.Tensor]], dtype: torch.dtype, keep_quantized: bool
 ) -> dict[str, torch.Tensor | PackedWeight]:
-    """An AWQ / GPTQ folder's linear weights: kept as the native kernels' int4 blocks
-    (``keep_quantized``, groups that are runs of 32s), otherwise dequantised to ``dtype``."""
+    """A quantised folder's linear weights: int4 / int8 kept as the native kernels' blocks
+    (``keep_quantized``, groups that are runs of 32s), FP8 in its scale's 16 bits; otherwise
+    dequantised to ``dtype``."""
     out: dict[str, torch.Tensor | PackedWeight] = {}
     act_order = []
     for layer, parts in layers.items():
-        groups = decode(quant, parts, layer)
+        decoded = quant.decode(parts, layer)
+        name = f"{layer.removeprefix('model.')}.weight"
+        if isinstance(decoded, torch.Tensor):  # FP8: the float weight, in its scale's dtype
+            sixteen = keep_quantized and decoded.dtype in (torch.float16, torch.bfloat16)
+            out[name] = decoded if sixteen else decoded.to(dtype)
+            continue
         packed = (
-            packed_weight(groups.q, groups.scale, groups.minv, 4, groups.group, quant.method)
+            packed_weight(decoded.q, decoded.scale, decoded.minv, decoded.bits, decoded.group, quant.method)
             if keep_quantized
             else None
         )
-        if keep_quantized and groups.group == 1:
+        if keep_quantized and decoded.group == 1:
             act_order.append(layer)
-        out[f"{layer}.weight"] = packed if packed is not None else groups.dequantize().to(dtype)
+        out[name] = packed if packed is not None else decoded.dequantize().to(dtype)
     if act_order:
         logger.info(
-            "%s act order (desc_act): %d layers' groups are not runs of their inputs; "
+            "%s act order: %d layers' groups are not runs of their inputs; "
             "those weights are dequantised to %s (e.g. %s)",
-            quant.method.upper(),
+            quant.method,
             len(act_order),
             dtype,
             act_order[0],
         )
+    for note in quant.notes():
+        logger.warning("%s checkpoint with %s", quant.method, note)
     return out
 
 

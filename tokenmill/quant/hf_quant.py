@@ -12,7 +12,7 @@ Both store, per linear layer, 4-bit values packed eight to an int32, a float16 s
   zeros 1..16), ``scales`` [K/G, N], ``g_idx`` [K] each input row's group. With act order
   (``desc_act``) ``g_idx`` is not ``k // G``: the groups are not runs of the input.
 
-``decode`` turns them into ``Int4Groups``: q [N, K] in 0..15, and per group a float32 scale and
+``decode`` turns them into ``IntGroups``: q [N, K] in 0..15, and per group a float32 scale and
 min (``-zero * scale``), so that ``w = q * scale + min`` — the form ``packed_weight`` (quant/
 weights.py) lays out for the native kernels, exact: every product and the sum are float32
 numbers without rounding (4- and 5-bit integers times float16 scales). An act-order weight
@@ -24,16 +24,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
 import torch
 
 from tokenmill.errors import ModelLoadError
 
+if TYPE_CHECKING:
+    from tokenmill.quant.hf_compressed import CompressedTensors, FP8Checkpoint
+
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column 8c + AWQ_ORDER[i]
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column 8c + j is in nibble AWQ_REVERSE_ORDER[j]
 QUANT_TENSORS = ("qweight", "qzeros", "scales", "g_idx")  # a quantised linear's tensors (beside its bias)
-SUPPORTED = "awq (version gemm, 4-bit) and gptq (checkpoint_format gptq, 4-bit)"
+SUPPORTED = (
+    "awq (version gemm, 4-bit), gptq (checkpoint_format gptq, 4-bit), compressed-tensors (int4/int8/fp8) and fp8"
+)
 
 
 @dataclass(frozen=True)
@@ -46,8 +51,23 @@ class HFQuant:
     sym: bool  # gptq: zeros all 8 (the stored ones say so anyway)
     desc_act: bool  # gptq: act order (g_idx not sorted)
 
+    def takes(self, part: str, tensor: torch.Tensor) -> bool:
+        """Whether a stored tensor (a layer's ``part``) belongs to a quantised weight."""
+        return part in QUANT_TENSORS
 
-def hf_quantization(raw: dict[str, Any], path: Path) -> HFQuant | None:
+    def decode(self, parts: dict[str, torch.Tensor], name: str) -> IntGroups:
+        return decode(self, parts, name)
+
+    def notes(self) -> list[str]:
+        return []
+
+
+# What a quantised folder's config decodes to: each has ``method``, ``takes(part, tensor)`` (which
+# stored tensors are its), ``decode(parts, layer)`` (IntGroups or a float weight) and ``notes()``.
+FolderQuant = Union["HFQuant", "CompressedTensors", "FP8Checkpoint"]
+
+
+def hf_quantization(raw: dict[str, Any], path: Path) -> FolderQuant | None:
     """The folder's quantisation (None: plain float weights); anything we do not decode
     exactly is refused here, before any weights are read."""
     qc = raw.get("quantization_config")
@@ -55,12 +75,20 @@ def hf_quantization(raw: dict[str, Any], path: Path) -> HFQuant | None:
         return None
     where = path / "config.json"
     method = str(qc.get("quant_method", "")).lower()
+    if method == "compressed-tensors":
+        from tokenmill.quant.hf_compressed import compressed_tensors_quant
+
+        return compressed_tensors_quant(qc, path)
+    if method == "fp8":
+        from tokenmill.quant.hf_compressed import fp8_quant
+
+        return fp8_quant(qc, path)
     if method not in ("awq", "gptq"):
         raise ModelLoadError(
             f"{where}: quantization_config quant_method {method or None!r} is not supported; supported: {SUPPORTED}"
         )
     bits = int(qc.get("bits", qc.get("w_bit", 0)))
-    if bits != 4:
+    if bits != 4 and not (method == "gptq" and bits == 8):
         raise ModelLoadError(f"{where}: {method} with {bits} bits is not supported yet; supported: {SUPPORTED}")
     group = int(qc.get("group_size", qc.get("q_group_size", -1)))
     if group != -1 and group <= 0:
@@ -79,26 +107,30 @@ def hf_quantization(raw: dict[str, Any], path: Path) -> HFQuant | None:
 
 
 @dataclass
-class Int4Groups:
+class IntGroups:
     """A weight as ``q * scale + min`` per group of ``group`` input values (``group`` 1: a
-    scale and min per input row, act order)."""
+    scale and min per input row, act order). The form ``packed_weight`` (quant/weights.py)
+    lays out for the native kernels."""
 
-    q: torch.Tensor  # [N, K] uint8 0..15
+    q: torch.Tensor  # [N, K]: bits 4: uint8 0..15; bits 8: int8 -128..127
     scale: torch.Tensor  # [N, K / group] float32
-    minv: torch.Tensor  # [N, K / group] float32: -zero * scale
+    minv: torch.Tensor | None  # [N, K / group] float32: -zero * scale (None: symmetric 8-bit, zero 0)
     group: int
+    bits: int = 4
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] (exactly (q - zero) * scale)."""
         n, k = self.q.shape
-        w = self.q.float().reshape(n, -1, self.group) * self.scale[..., None] + self.minv[..., None]
+        w = self.q.float().reshape(n, -1, self.group) * self.scale[..., None]
+        if self.minv is not None:
+            w = w + self.minv[..., None]
         return w.reshape(n, k)
 
 
-def _unpack_last(packed: torch.Tensor) -> torch.Tensor:
-    """int32 [..., C] -> [..., 8 C] nibbles: nibble i of word c at position 8 c + i."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
-    return ((packed.to(torch.int32)[..., None] >> shifts) & 0xF).reshape(*packed.shape[:-1], -1)
+def _unpack_last(packed: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """int32 [..., C] -> [..., 32 / bits * C] values: value i of word c at position 32 / bits * c + i."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    return ((packed.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)).reshape(*packed.shape[:-1], -1)
 
 
 def _awq_columns(packed: torch.Tensor) -> torch.Tensor:
@@ -107,9 +139,9 @@ def _awq_columns(packed: torch.Tensor) -> torch.Tensor:
     return vals.reshape(vals.shape[0], -1, 8)[..., list(AWQ_REVERSE_ORDER)].reshape(vals.shape[0], -1)
 
 
-def decode(quant: HFQuant, parts: dict[str, torch.Tensor], name: str) -> Int4Groups:
+def decode(quant: HFQuant, parts: dict[str, torch.Tensor], name: str) -> IntGroups:
     """One linear layer's stored tensors (``parts``: qweight, qzeros, scales, and GPTQ's g_idx)
-    -> its Int4Groups; shapes that do not fit each other are refused naming the layer."""
+    -> its IntGroups; shapes that do not fit each other are refused naming the layer."""
     missing = [p for p in ("qweight", "qzeros", "scales") if p not in parts]
     if missing:
         raise ModelLoadError(f"{quant.method} layer {name}: missing {', '.join(missing)}")
@@ -122,10 +154,11 @@ def decode(quant: HFQuant, parts: dict[str, torch.Tensor], name: str) -> Int4Gro
         q = _awq_columns(qweight)  # [K, N]
         zeros = _awq_columns(qzeros)  # [K/G, N]
     else:
-        k8, n = qweight.shape
-        shifts = torch.arange(0, 32, 4, dtype=torch.int32)
-        q = ((qweight[:, None, :] >> shifts[None, :, None]) & 0xF).reshape(8 * k8, n)  # [K, N]
-        zeros = _unpack_last(qzeros)[:, :n] + 1  # v1: stored as zero - 1
+        rows, n = qweight.shape
+        shifts = torch.arange(0, 32, quant.bits, dtype=torch.int32)
+        mask = (1 << quant.bits) - 1
+        q = ((qweight[:, None, :] >> shifts[None, :, None]) & mask).reshape(-1, n)  # [K, N]
+        zeros = _unpack_last(qzeros, quant.bits)[:, :n] + 1  # v1: stored as zero - 1
     k, n = q.shape
     groups = scales.shape[0]
     if scales.shape[1] != n or zeros.shape != (groups, n) or k % groups:
@@ -136,11 +169,14 @@ def decode(quant: HFQuant, parts: dict[str, torch.Tensor], name: str) -> Int4Gro
     group = k // groups
     if quant.group_size != -1 and quant.group_size != group:
         raise ModelLoadError(f"{quant.method} layer {name}: groups of {group} inputs, config says {quant.group_size}")
-    minv = -zeros.float() * scales  # exact: a 5-bit integer times a float16
+    if quant.bits == 8:  # the int8 kernels' form: signed q, w = (q + 128 - zero) * scale
+        q, zeros = q - 128, zeros - 128
+    q = q.T.to(torch.uint8 if quant.bits == 4 else torch.int8).contiguous()
+    minv = -zeros.float() * scales  # exact: a 5- (9-) bit integer times a float16
     g_idx = parts.get("g_idx")
     if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k) // group):
         if g_idx.shape != (k,) or int(g_idx.min()) < 0 or int(g_idx.max()) >= groups:
             raise ModelLoadError(f"{quant.method} layer {name}: g_idx does not fit {k} inputs in {groups} groups")
         rows = g_idx.long()  # act order: each input row its own group's scale and min
-        return Int4Groups(q.T.to(torch.uint8).contiguous(), scales[rows].T.contiguous(), minv[rows].T.contiguous(), 1)
-    return Int4Groups(q.T.to(torch.uint8).contiguous(), scales.T.contiguous(), minv.T.contiguous(), group)
+        return IntGroups(q, scales[rows].T.contiguous(), minv[rows].T.contiguous(), 1, quant.bits)
+    return IntGroups(q, scales.T.contiguous(), minv.T.contiguous(), group, quant.bits)
