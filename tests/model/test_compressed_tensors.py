@@ -16,8 +16,8 @@ from safetensors.torch import save_file
 
 from tests.helpers import write_qwen3_tokenizer
 from tokenmill.errors import ModelLoadError
-from tokenmill.model.loader import load_checkpoint
 from tokenmill.kernels.native import load_native
+from tokenmill.model.loader import load_checkpoint
 from tokenmill.quant.packed import PackedWeight, QuantLinear
 
 transformers = pytest.importorskip("transformers")
