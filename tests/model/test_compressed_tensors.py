@@ -320,3 +320,31 @@ def test_what_we_cannot_decode_is_refused_by_name(tmp_path, llama_folder, change
     with pytest.raises(ModelLoadError, match="not supported") as e:
         load_checkpoint(dst, progress=False)
     assert named in str(e.value)
+
+
+def test_lora_on_top_of_the_quantised_weights(tmp_path, llama_folder):
+    """A LoRA adapter applies on top of a compressed-tensors W4A16 model served from the
+    kernels' blocks: its greedy tokens are the dequantised folder's with the same adapter,
+    and differ from the model's without it."""
+    from tests.helpers import write_adapter
+    from tokenmill import LLM, SamplingParams
+
+    dst = tmp_path / "w4"
+    write_ct_folder(llama_folder, dst, "w4a16-asym-g32")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(llama_folder, dtype=torch.float32)
+    adapter = write_adapter(tmp_path / "adapter", hf, rank=4, alpha=8, seed=1)
+    common = dict(
+        dtype="float32",
+        progress=False,
+        kv_cache_memory="16MiB",
+        enable_lora=True,
+        lora_modules=[f"a={adapter}"],
+        max_lora_rank=8,
+    )
+    native = LLM(str(dst), **common)
+    ref = LLM(str(dst), quantization="none", **common)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = ["Hello there, how are you today? I am", "1, 2, 3, 4,"]
+    with_adapter = [o.outputs[0].token_ids for o in native.generate(prompts, params, lora=["a", "a"])]
+    assert with_adapter == [o.outputs[0].token_ids for o in ref.generate(prompts, params, lora=["a", "a"])]
+    assert with_adapter != [o.outputs[0].token_ids for o in native.generate(prompts, params)]
