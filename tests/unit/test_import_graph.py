@@ -70,14 +70,14 @@ def test_the_checker_finds_a_cycle():
 # import whom"): a module imports its own folder and the layers below its own, nothing level with it
 # or above. A new folder or top-level module must be placed here before it can be imported.
 LAYERS = [
-    ["errors", "lifetime"],
+    ["errors", "lifetime", "energy"],
     ["config", "memory"],
     ["serving_config"],  # the server's and the replicas' options, in config.py's form
     ["args", "structured", "quant", "lora"],
     ["sampling_params", "pooling_params", "kernels"],
     ["beam_search", "engine", "model"],  # engine: no torch; model: no requests
     ["model_setup", "worker"],
-    ["speculative", "distributed", "evaluate"],  # the proposers plug into the runner, never the reverse
+    ["speculative", "distributed", "evaluate", "quantize"],  # the proposers plug into the runner, never the reverse
     ["factory"],
     ["llm", "core_process"],
     ["plan", "loadgen", "server"],  # server: the HTTP app, whoever hosts its engines

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from tokenmill.errors import ModelLoadError
-from tokenmill.quant.hf_quant import IntGroups
+from tokenmill.quant.int_groups import IntGroups
 
 CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
 CT_TENSORS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx", "input_scale")

@@ -24,14 +24,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any, Union
 
 import torch
 
 from tokenmill.errors import ModelLoadError
-
-if TYPE_CHECKING:
-    from tokenmill.quant.hf_compressed import CompressedTensors, FP8Checkpoint
+from tokenmill.quant.hf_compressed import CompressedTensors, FP8Checkpoint, compressed_tensors_quant, fp8_quant
+from tokenmill.quant.int_groups import IntGroups
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column 8c + AWQ_ORDER[i]
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column 8c + j is in nibble AWQ_REVERSE_ORDER[j]
@@ -64,7 +63,7 @@ class HFQuant:
 
 # What a quantised folder's config decodes to: each has ``method``, ``takes(part, tensor)`` (which
 # stored tensors are its), ``decode(parts, layer)`` (IntGroups or a float weight) and ``notes()``.
-FolderQuant = Union["HFQuant", "CompressedTensors", "FP8Checkpoint"]
+FolderQuant = Union["HFQuant", CompressedTensors, FP8Checkpoint]
 
 
 def hf_quantization(raw: dict[str, Any], path: Path) -> FolderQuant | None:
@@ -76,12 +75,8 @@ def hf_quantization(raw: dict[str, Any], path: Path) -> FolderQuant | None:
     where = path / "config.json"
     method = str(qc.get("quant_method", "")).lower()
     if method == "compressed-tensors":
-        from tokenmill.quant.hf_compressed import compressed_tensors_quant
-
         return compressed_tensors_quant(qc, path)
     if method == "fp8":
-        from tokenmill.quant.hf_compressed import fp8_quant
-
         return fp8_quant(qc, path)
     if method not in ("awq", "gptq"):
         raise ModelLoadError(
@@ -104,27 +99,6 @@ def hf_quantization(raw: dict[str, Any], path: Path) -> FolderQuant | None:
     if fmt != "gptq":
         raise ModelLoadError(f"{where}: GPTQ checkpoint_format {fmt!r} is not supported; supported: {SUPPORTED}")
     return HFQuant("gptq", bits, group, sym=bool(qc.get("sym", True)), desc_act=bool(qc.get("desc_act", False)))
-
-
-@dataclass
-class IntGroups:
-    """A weight as ``q * scale + min`` per group of ``group`` input values (``group`` 1: a
-    scale and min per input row, act order). The form ``packed_weight`` (quant/weights.py)
-    lays out for the native kernels."""
-
-    q: torch.Tensor  # [N, K]: bits 4: uint8 0..15; bits 8: int8 -128..127
-    scale: torch.Tensor  # [N, K / group] float32
-    minv: torch.Tensor | None  # [N, K / group] float32: -zero * scale (None: symmetric 8-bit, zero 0)
-    group: int
-    bits: int = 4
-
-    def dequantize(self) -> torch.Tensor:
-        """The float32 weight [N, K] (exactly (q - zero) * scale)."""
-        n, k = self.q.shape
-        w = self.q.float().reshape(n, -1, self.group) * self.scale[..., None]
-        if self.minv is not None:
-            w = w + self.minv[..., None]
-        return w.reshape(n, k)
 
 
 def _unpack_last(packed: torch.Tensor, bits: int = 4) -> torch.Tensor:
