@@ -156,10 +156,27 @@ class ServerConfig:
     web_session_ttl: float = opt(
         43200.0, "with --api-key: seconds a sign-in to the web page lasts (then it asks for the key again)"
     )
+    watts_per_cpu: float | None = opt(
+        None,
+        "energy: estimate joules as this power per busy logical CPU times the server's CPU seconds, "
+        "even where RAPL is readable (default: RAPL's measured joules where readable, else this "
+        "estimate at 3 W per busy CPU); /metrics' tokenmill:energy_joules_total says which",
+    )
+    price_per_hour: float | None = opt(
+        None, "cost: what the machine costs per hour; the live page shows $ per 1M tokens at the current load"
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.api_key, str):  # one key, as a keyword
             object.__setattr__(self, "api_key", (self.api_key,))
+        require(
+            self.watts_per_cpu is None or self.watts_per_cpu > 0,
+            f"watts_per_cpu must be > 0, got {self.watts_per_cpu}",
+        )
+        require(
+            self.price_per_hour is None or self.price_per_hour >= 0,
+            f"price_per_hour must be >= 0, got {self.price_per_hour}",
+        )
         require(
             self.response_cache in RESPONSE_CACHES,
             f"response_cache must be one of {', '.join(RESPONSE_CACHES)}, got {self.response_cache!r}",

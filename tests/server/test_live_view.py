@@ -216,3 +216,27 @@ def test_the_engines_stop_tracing_when_nobody_looks(make_app, monkeypatch):
         assert engine.core.tracer.on
 
     asyncio.run(go())
+
+
+def test_energy_and_price_in_metrics_and_the_live_state(make_app):
+    """/metrics counts the server's joules labelled by source (this machine's VM has no
+    readable RAPL, so: estimated, at the given watts per CPU) and exports the price; the live
+    state carries the power over the window and the price for the page's tiles."""
+    import re
+
+    app = make_app(watts_per_cpu=10.0, price_per_hour=2.5)
+    for _ in range(3):
+        chat(app, "a prompt that costs a little energy")
+    text = call(app, "GET", "/metrics").text
+    (joules,) = re.findall(r'^tokenmill:energy_joules_total\{source="estimated"\} (\S+)$', text, re.M)
+    assert float(joules) > 0
+    assert re.search(r"^tokenmill:price_per_hour_dollars 2\.5$", text, re.M)
+    first = call(app, "GET", "/tokenmill/live").json()["energy"]
+    chat(app, "another")
+    energy = call(app, "GET", "/tokenmill/live").json()["energy"]
+    assert first["source"] == energy["source"] == "estimated" and energy["how"].startswith("10 W per busy CPU")
+    assert energy["price_per_hour"] == 2.5 and energy["joules"] >= first["joules"] > 0
+    assert energy["watts"] is not None and energy["watts"] >= 0
+    plain = make_app()
+    assert "tokenmill:price_per_hour_dollars" not in call(app := plain, "GET", "/metrics").text
+    assert call(app, "GET", "/tokenmill/live").json()["energy"]["price_per_hour"] is None

@@ -31,6 +31,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from tokenmill.energy import EnergyMeter
 from tokenmill.engine.streams import StreamingFront
 from tokenmill.errors import TokenmillError
 from tokenmill.memory import parse_memory
@@ -89,9 +90,10 @@ def build_models_app(models: list[ServedModel], config: ServerConfig) -> FastAPI
         )
         for m in models
     }
-    metrics = ServerMetrics(sources, routers=list(routers), cache=cache)
+    energy = EnergyMeter(config.watts_per_cpu)
+    metrics = ServerMetrics(sources, list(routers), cache, energy, config.price_per_hour)
     store = ResponseStore(config.max_stored_responses, config.stored_response_ttl)
-    served = Served(by_name, config, metrics, store, routers, cache, LiveView(by_name))
+    served = Served(by_name, config, metrics, store, routers, cache, LiveView(by_name, energy, config.price_per_hour))
     keys = api_keys(config)
     sessions = WebSessions(keys, config.web_session_ttl)
     app = FastAPI(title="tokenmill", version="0.1")

@@ -25,6 +25,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.energy import EnergyMeter
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.stats import percentiles
 from tokenmill.server.models import ServedModel
@@ -219,12 +220,40 @@ class ModelLive:
         }
 
 
+class EnergyWindow:
+    """The server's power over the last THROUGHPUT_WINDOW_S (the throughput tiles' window),
+    from the energy meter read at each look, and the machine's price: the page divides them
+    by the tokens per second for joules per token and $ per 1M tokens."""
+
+    def __init__(self, meter: EnergyMeter, price_per_hour: float | None) -> None:
+        self.meter, self.price_per_hour = meter, price_per_hour
+        self.samples: deque[tuple[float, float]] = deque()  # (monotonic time, joules)
+
+    def state(self) -> dict[str, Any]:
+        reading = self.meter.read()
+        now = time.monotonic()
+        self.samples.append((now, reading.joules))
+        while len(self.samples) > 2 and now - self.samples[1][0] >= THROUGHPUT_WINDOW_S:
+            self.samples.popleft()
+        (t0, j0), (t1, j1) = self.samples[0], self.samples[-1]
+        return {
+            "source": reading.source,
+            "how": reading.how,
+            "joules": round(reading.joules, 1),
+            "watts": round((j1 - j0) / (t1 - t0), 2) if t1 > t0 else None,
+            "price_per_hour": self.price_per_hour,
+        }
+
+
 class LiveView:
     """Every served model's ``ModelLive``; ``epoch`` changes with each server start, so
     that a page left open learns that step numbers start afresh."""
 
-    def __init__(self, models: dict[str, ServedModel]) -> None:
+    def __init__(
+        self, models: dict[str, ServedModel], energy: EnergyMeter | None = None, price_per_hour: float | None = None
+    ) -> None:
         self.models = {name: ModelLive(m) for name, m in models.items()}
+        self.energy = EnergyWindow(energy, price_per_hour) if energy is not None else None
         self.epoch = uuid.uuid4().hex[:12]
         self.last_read = 0.0  # time.monotonic() of the latest state asked for
         self._watch: asyncio.Task | None = None
@@ -243,7 +272,12 @@ class LiveView:
         now = time.perf_counter()  # the clock the engines stamp steps with (monotonic, shared by processes)
         since = since or {}
         models = await asyncio.gather(*(live.state(since.get(name, 0), now) for name, live in self.models.items()))
-        return {"epoch": self.epoch, "series_bucket_s": SERIES_BUCKET_S, "models": list(models)}
+        return {
+            "epoch": self.epoch,
+            "series_bucket_s": SERIES_BUCKET_S,
+            "models": list(models),
+            "energy": self.energy.state() if self.energy is not None else None,
+        }
 
     async def _stop_when_unwatched(self) -> None:
         """Tracing costs the engines a little every step: once nobody has looked for

@@ -19,6 +19,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from tokenmill.energy import EnergyMeter
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.stats import EngineSnapshot
 
@@ -234,10 +235,41 @@ class CacheCollector:
         yield entries
 
 
+class EnergyCollector:
+    """The server's energy since it started (its process and the engine processes it
+    started), read at scrape time, labelled measured (RAPL, NVML) or estimated; and the
+    machine's price per hour where one was given."""
+
+    def __init__(self, meter: EnergyMeter, price_per_hour: float | None) -> None:
+        self.meter, self.price_per_hour = meter, price_per_hour
+
+    def collect(self) -> Iterator[Metric]:
+        reading = self.meter.read()
+        energy = CounterMetricFamily(
+            P + "energy_joules",
+            "Energy the server used since it started: measured (RAPL, NVML; machine-wide) or estimated "
+            "(W per busy CPU x its processes' CPU seconds).",
+            labels=["source"],
+        )
+        energy.add_metric([reading.source], reading.joules)
+        yield energy
+        if self.price_per_hour is not None:
+            yield GaugeMetricFamily(P + "price_per_hour_dollars", "The machine's price per hour.", self.price_per_hour)
+
+
 class ServerMetrics:
-    def __init__(self, engines: dict[str, EngineSource], routers: list[str] | None = None, cache: Any = None) -> None:
+    def __init__(
+        self,
+        engines: dict[str, EngineSource],
+        routers: list[str] | None = None,
+        cache: Any = None,
+        energy: EnergyMeter | None = None,
+        price_per_hour: float | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(engines))
+        if energy is not None:
+            self.registry.register(EnergyCollector(energy, price_per_hour))
         if cache is not None:
             self.registry.register(CacheCollector(cache))
         labels = ["model_name"]

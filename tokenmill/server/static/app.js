@@ -283,7 +283,7 @@
   let lastEvent = 0;      // performance.now() of the last event
   let retryMs = 1000;
   let reconnectTimer = null;
-  const live = { epoch: null, models: new Map(), selected: null };
+  const live = { epoch: null, models: new Map(), selected: null, energy: null };
 
   function setStatus(state, text) {
     const el = $("conn-status");
@@ -362,6 +362,7 @@
       live.epoch = state.epoch;
       live.models.clear();
     }
+    live.energy = state.energy;
     const names = state.models.map((m) => m.name);
     for (const name of [...live.models.keys()]) if (!names.includes(name)) live.models.delete(name);
     for (const m of state.models) {
@@ -450,6 +451,24 @@
   const pct = (x) => (x === null || x === undefined ? "–" : `${(100 * x).toFixed(1)}%`);
   const num = (x, digits = 0) => (x === null || x === undefined ? "–" : Number(x).toFixed(digits));
 
+  // The server's power (all its models) over the throughput window, per generated token of
+  // all models, and the machine's price per 1M generated tokens; "est." where estimated.
+  function energyGauges() {
+    const e = live.energy;
+    if (!e) return [];
+    let tokens = 0;
+    for (const d of live.models.values()) if (d.info) tokens += d.info.gauges.generation_tokens_per_s || 0;
+    const est = e.source === "estimated" ? " (est.)" : "";
+    const out = [
+      ["power", `Power${est}`, e.watts === null ? "–" : `${num(e.watts, 1)} W`],
+      ["joules", `J / token${est}`, e.watts !== null && tokens > 0 ? num(e.watts / tokens, 3) : "–"],
+    ];
+    if (e.price_per_hour !== null && e.price_per_hour !== undefined) {
+      out.push(["cost", "$ / 1M tokens", tokens > 0 ? `$${num(e.price_per_hour / 3600 / tokens * 1e6, 2)}` : "–"]);
+    }
+    return out;
+  }
+
   function draw() {
     const d = live.models.get(live.selected);
     if (!d || !d.info) return;
@@ -462,6 +481,7 @@
       ["prompt", "Prompt tok/s", num(g.prompt_tokens_per_s, 1)],
       ["ttft", "TTFT p50", m.latency_ms.ttft ? `${num(m.latency_ms.ttft.p50)} ms` : "–"],
       ["itl", "ITL p50", m.latency_ms.itl ? `${num(m.latency_ms.itl.p50, 1)} ms` : "–"],
+      ...energyGauges(),
     ];
     $("gauges").replaceChildren(...gauges.map(([key, label, value]) => {
       const div = document.createElement("div");
