@@ -10,6 +10,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from tests.helpers import wait_until
 from tests.server.conftest import free_port
@@ -73,6 +74,8 @@ def test_bench_serve_measures_an_independent_openai_style_server(tmp_path):
             str(tmp_path),
             "--label",
             "peer",
+            "--price-per-hour",
+            "3",
         ]
         started = time.time()
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -82,6 +85,14 @@ def test_bench_serve_measures_an_independent_openai_style_server(tmp_path):
         assert run["completed"] == 8 and run["failed"] == 0, run
         assert run["output_token_throughput"] > 0 and time.time() - started < 300
         assert (tmp_path / "peer_latency_cdf.png").stat().st_size > 1000
+        # no energy on the stub's /metrics: this machine's, labelled; the cost at $3 an hour
+        energy, cost = run["energy"], run["cost"]
+        assert energy["source"] in ("measured", "estimated") and energy["joules"] >= 0
+        assert energy["source"] == "measured" or energy["how"].endswith("(whole machine)")
+        out_tokens = round(run["output_token_throughput"] * run["duration_s"])
+        want = 3 * run["duration_s"] / 3600 / out_tokens * 1e6
+        assert cost["dollars_per_million_output_tokens"] == pytest.approx(want)
+        assert (tmp_path / "peer_energy_cost.png").stat().st_size > 1000
     finally:
         stub.terminate()
         stub.wait(10)

@@ -197,3 +197,22 @@ def test_fifty_concurrent_streams_all_finish_with_the_right_text(server, http):
     texts = asyncio.run(main())
     assert texts == [expected[prompts[i % 5]] for i in range(50)]
     assert server.metric("tokenmill:request_success_total", finished_reason="length") >= 50
+
+
+def test_energy_counter_rises_with_the_engine_processes_work(server, client):
+    """bench serve reads the server's own joules from /metrics; they rise with a request's
+    work, which the engine core does in its own process (counted: a child of the server)."""
+    from tokenmill.energy import process_tree_cpu_seconds
+    from tokenmill.loadgen.energy_probe import EnergyProbe
+
+    probe = EnergyProbe(server.url, API_KEY)
+    assert probe.from_server and probe.local is None
+    before = probe.read()
+    cpu_before = process_tree_cpu_seconds(server.proc.pid)
+    client.completions.create(model=MODEL, prompt="The river mill", max_tokens=24, temperature=0)
+    after = probe.read()
+    assert after[1] == before[1] in ("measured", "estimated") and after[2] == "the server's /metrics"
+    assert after[0] > before[0]
+    if after[1] == "estimated":  # 3 W per busy CPU over the server's tree (the core process included)
+        cpu = process_tree_cpu_seconds(server.proc.pid) - cpu_before
+        assert after[0] - before[0] == pytest.approx(3.0 * cpu, rel=0.5, abs=0.1)

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tokenmill.engine.stats import percentiles
+from tokenmill.loadgen.energy_probe import EnergyProbe, run_energy
 
 WORDS = (
     "the mill river water stone wheel grain flour miller village valley bridge road market town farm field "
@@ -217,6 +218,20 @@ def report(s: dict) -> None:
     )
     for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
         print(f"    {key[:-2]:5s} ms: {_fmt(s[key])}", file=sys.stderr)
+    e, c = s.get("energy"), s.get("cost")
+    if e:
+        per_token = e["joules_per_output_token"]
+        print(
+            f"    energy ({e['source']}, {e['how']}): {e['joules']:.1f} J, {e['watts']} W, "
+            + (f"{per_token:.3f} J per output token" if per_token is not None else "no output tokens"),
+            file=sys.stderr,
+        )
+    if c and c["dollars_per_million_output_tokens"] is not None:
+        print(
+            f"    cost at ${c['price_per_hour']}/h: ${c['dollars_per_million_output_tokens']:.2f} per 1M output "
+            f"tokens, ${c['dollars_per_million_tokens']:.2f} per 1M tokens (input + output)",
+            file=sys.stderr,
+        )
 
 
 def plot(runs: list[dict], raw: dict[str, list[RequestResult]], out: Path, label: str) -> list[str]:
@@ -251,6 +266,9 @@ def plot(runs: list[dict], raw: dict[str, list[RequestResult]], out: Path, label
     path = out / f"{label}_latency_cdf.png"
     fig.savefig(path, dpi=110)
     files.append(str(path))
+    path = _plot_energy(plt, runs, out, label)
+    if path:
+        files.append(path)
     finite = [r for r in runs if r["request_rate"] != "inf"]
     if len(finite) > 1:
         fig, ax1 = plt.subplots(figsize=(6.5, 4))
@@ -267,6 +285,31 @@ def plot(runs: list[dict], raw: dict[str, list[RequestResult]], out: Path, label
         fig.savefig(path, dpi=110)
         files.append(str(path))
     return files
+
+
+def _plot_energy(plt, runs: list[dict], out: Path, label: str) -> str | None:
+    """Joules per output token (and $ per 1M output tokens with a price) at each rate."""
+    per_token = [r["energy"]["joules_per_output_token"] for r in runs if r.get("energy")]
+    if not per_token or any(x is None for x in per_token):
+        return None
+    names = [str(r["request_rate"]) for r in runs]
+    costs = [(r.get("cost") or {}).get("dollars_per_million_output_tokens") for r in runs]
+    fig, axes = plt.subplots(1, 2 if all(c is not None for c in costs) else 1, figsize=(10, 3.8), squeeze=False)
+    source = runs[0]["energy"]["source"]
+    axes[0][0].bar(names, per_token, color="C2")
+    axes[0][0].set_title(f"energy per output token ({source})")
+    axes[0][0].set_xlabel("request rate (req/s)")
+    axes[0][0].set_ylabel("J / token")
+    if axes.shape[1] == 2:
+        axes[0][1].bar(names, costs, color="C1")
+        axes[0][1].set_title(f"cost at ${runs[0]['cost']['price_per_hour']}/h")
+        axes[0][1].set_xlabel("request rate (req/s)")
+        axes[0][1].set_ylabel("$ per 1M output tokens")
+    fig.suptitle(label)
+    fig.tight_layout()
+    path = out / f"{label}_energy_cost.png"
+    fig.savefig(path, dpi=110)
+    return str(path)
 
 
 def plot_trace(results: list[RequestResult], path: Path, title: str) -> bool:
@@ -321,6 +364,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", action="store_true", help="Gantt chart of request lifetimes (tokenmill servers)")
     p.add_argument("--label", default="bench_serve", help="file name stem of the outputs")
     p.add_argument("--output-dir", default=".", help="where the JSON and PNGs go")
+    p.add_argument(
+        "--price-per-hour", type=float, default=None, help="the server machine's $ per hour: reports $ per 1M tokens"
+    )
+    p.add_argument(
+        "--watts-per-cpu",
+        type=float,
+        default=None,
+        help="a server that exports no energy: estimate this machine's as W per busy CPU (default: RAPL, else 3 W)",
+    )
 
 
 def _model_id(base_url: str, api_key: str | None) -> str:
@@ -358,6 +410,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rates = [float(r) for r in str(args.request_rate).split(",")]
     runs, raw = [], {}
+    probe = EnergyProbe(args.base_url, args.api_key, args.watts_per_cpu)
     for rate in rates:
         reqs = workload(args, rate)
         print(
@@ -365,10 +418,13 @@ def run(args: argparse.Namespace) -> int:
             + (f", concurrency {args.max_concurrency}" if args.max_concurrency else ""),
             file=sys.stderr,
         )
+        before = probe.read()
         results, elapsed = asyncio.run(
             run_load(args.base_url, model, reqs, rate, args.max_concurrency, args.api_key, args.trace, args.seed)
         )
         summary = summarise(results, elapsed, rate, args.slo_ttft, args.slo_tpot)
+        prompt_tokens = sum(r.prompt_tokens for r in results if r.ok)
+        summary.update(run_energy(before, probe.read(), summary, prompt_tokens, args.price_per_hour))
         report(summary)
         runs.append(summary)
         raw[str(summary["request_rate"])] = results
