@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 
 def run(*args):
     return subprocess.run([sys.executable, "-m", "tokenmill", *args], capture_output=True, text=True, timeout=300)
@@ -82,11 +84,23 @@ def test_an_unknown_option_or_a_bad_value_names_the_problem():
 def test_plan_sizes_the_kv_cache_as_the_engine_does():
     """fp32 SmolLM2: 2 x 30 layers x 3 KV heads x 64 x 4 B = 46,080 B a token; 64 MiB
     buys 91 blocks of 16, two sequences of 512 tokens (32 blocks each)."""
-    r = run("plan", "--dtype", "float32", "--kv-cache-memory", "64MiB", "--context-len", "512", "--bandwidth", "20")
+    r = run(
+        "plan",
+        *("--dtype", "float32", "--kv-cache-memory", "64MiB", "--context-len", "512", "--bandwidth", "20"),
+        *("--price-per-hour", "2", "--watts-per-cpu", "5"),
+    )
     assert r.returncode == 0, r.stderr
     assert "46,080 B" in r.stdout and "= 91 blocks of 16" in r.stdout
     assert "CPU: " in r.stdout and "native bfloat16: " in r.stdout  # every plan records the machine
     assert [ln.split()[-1] for ln in r.stdout.splitlines() if "max sequences of 512 tokens" in ln] == ["2"]
+    # energy and cost follow from the decode bound: threads x 5 W per token-rate, $2 an hour over 3600 x rate
+    row = {ln[:47].strip(): ln[47:].strip() for ln in r.stdout.splitlines() if ln.startswith("  ")}
+    bound = float(row["decode bound, 1 sequence at 512 tokens"].split()[0])
+    joules, watts = row["energy per token at the bound, 1 sequence"].split(" J (estimated, ")
+    assert float(joules) == pytest.approx(float(watts.removesuffix(" W)")) / bound, abs=1e-3)
+    assert float(watts.removesuffix(" W)")) % 5 == 0
+    dollars = float(row["$ per 1M tokens at the bound, 1 sequence"].removeprefix("$"))
+    assert dollars == pytest.approx(2 / 3600 / bound * 1e6, abs=0.01)
 
 
 def test_plan_of_several_models_splits_the_kv_budget_as_serve_does():

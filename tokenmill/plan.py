@@ -8,8 +8,13 @@ KV bytes per token k and context C:
     batch of B             <= B * BW / (W + B * k * C)          tokens/s
     sequences that fit      = floor(KV budget / (k * C)), in whole blocks
 
+Energy and cost follow from the decode rate: with every compute thread busy at P watts
+each (``--watts-per-cpu``, tokenmill/energy.py's default otherwise) a token costs
+``threads * P / rate`` joules, and at ``--price-per-hour`` dollars the machine's hour buys
+``3600 * rate`` tokens.
+
 ``--measure`` runs the engine with the same configuration and prints the measured
-figures beside the predicted ones.
+figures beside the predicted ones (joules from RAPL where readable, else the estimate).
 """
 
 from __future__ import annotations
@@ -77,16 +82,19 @@ def make_plan(llm, kv_budget: int, context_len: int, bandwidth: float) -> Plan:
     )
 
 
-def measure(llm, plan: Plan, tokens: int = 64) -> dict:
+def measure(llm, plan: Plan, tokens: int = 64, watts_per_cpu: float | None = None) -> dict:
     """Single-stream decode tok/s (at a short context) and the most sequences of
     `context_len` tokens that ran at once when two more than predicted were sent
     (`tokenmill plan --measure` lifts the token budget so that prefill speed does
     not limit how many are admitted together)."""
     from tokenmill import SamplingParams
+    from tokenmill.energy import EnergyMeter
 
     prompt = list(range(1000, 1032))
     llm.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True))  # warm up
+    meter = EnergyMeter(watts_per_cpu)
     out = llm.generate(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0))[0]
+    energy = meter.read()
     t = out.timings[0]
     decode = (len(t.token_times) - 1) / (t.token_times[-1] - t.first_token)
     n = plan.max_seqs + 2
@@ -95,13 +103,26 @@ def measure(llm, plan: Plan, tokens: int = 64) -> dict:
     llm.engine.core.step_stats.clear()
     llm.generate(prompts, SamplingParams(max_tokens=out_len, ignore_eos=True))
     peak = max(s.num_running for s in llm.engine.core.step_stats)
-    return {"decode_tok_s": decode, "decode_context": len(prompt) + tokens // 2, "max_seqs": peak}
+    return {
+        "decode_tok_s": decode,
+        "decode_context": len(prompt) + tokens // 2,
+        "max_seqs": peak,
+        "joules_per_token": energy.joules / tokens,
+        "energy_source": energy.source,
+    }
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-len", type=int, default=2048, help="tokens per sequence (prompt + output)")
     p.add_argument("--bandwidth", type=float, default=None, help="memory bandwidth in GB/s (default: measured now)")
     p.add_argument("--measure", action="store_true", help="run the engine and print measured beside predicted")
+    p.add_argument(
+        "--watts-per-cpu",
+        type=float,
+        default=None,
+        help="power per busy logical CPU for the energy figures (default 3)",
+    )
+    p.add_argument("--price-per-hour", type=float, default=None, help="the machine's $ per hour: adds $ per 1M tokens")
 
 
 def run_several(args: argparse.Namespace, planned: list) -> int:
@@ -148,6 +169,14 @@ def report(args: argparse.Namespace, llm, bw: float) -> Plan:
         (f"decode bound, 1 sequence at {plan.context_len} tokens", f"{plan.decode_bound(1):.1f} tok/s"),
         (f"decode bound, {max(plan.max_seqs, 1)} sequences", f"{plan.decode_bound(max(plan.max_seqs, 1)):.1f} tok/s"),
     ]
+    from tokenmill.energy import DEFAULT_WATTS_PER_CPU
+
+    watts = (args.watts_per_cpu or DEFAULT_WATTS_PER_CPU) * _threads(llm)
+    seqs = max(plan.max_seqs, 1)
+    for label, rate in (("1 sequence", plan.decode_bound(1)), (f"{seqs} sequences", plan.decode_bound(seqs))):
+        rows.append((f"energy per token at the bound, {label}", f"{watts / rate:.3f} J (estimated, {watts:g} W)"))
+        if args.price_per_hour is not None:
+            rows.append((f"$ per 1M tokens at the bound, {label}", f"${args.price_per_hour / 3600 / rate * 1e6:.2f}"))
     from tokenmill.kernels.cpu import cpu_info
 
     print(
@@ -159,7 +188,7 @@ def report(args: argparse.Namespace, llm, bw: float) -> Plan:
         print(f"  {k:45s} {v}")
     if args.measure:
         print("measuring ...", file=sys.stderr, flush=True)
-        m = measure(llm, plan)
+        m = measure(llm, plan, watts_per_cpu=args.watts_per_cpu)
         predicted = plan.decode_bound(1, m["decode_context"])
         print(f"  {'':45s} {'predicted':>12s} {'measured':>12s}")
         print(
@@ -167,4 +196,18 @@ def report(args: argparse.Namespace, llm, bw: float) -> Plan:
             f"   ({m['decode_tok_s'] / predicted:.0%} of the bound)"
         )
         print(f"  {f'max sequences of {plan.context_len} tokens':45s} {plan.max_seqs:12d} {m['max_seqs']:12d}")
+        print(
+            f"  {'single-stream J per token':45s} {watts / predicted:12.3f} {m['joules_per_token']:12.3f}"
+            f"   (measured: {m['energy_source']})"
+        )
+        if args.price_per_hour is not None:
+            cost = args.price_per_hour / 3600 * 1e6
+            print(f"  {'single-stream $ per 1M tokens':45s} {cost / predicted:12.2f} {cost / m['decode_tok_s']:12.2f}")
     return plan
+
+
+def _threads(llm) -> int:
+    """The compute threads a decode step keeps busy."""
+    import torch
+
+    return torch.get_num_threads() if llm.device.type == "cpu" else 1
