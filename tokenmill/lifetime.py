@@ -36,6 +36,9 @@ import time
 POLL_S = 0.5
 EXIT_STATUS = 1
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# A tokenmill command started by another as a plain subprocess (tune's servers) finds its
+# parent's pid here and calls exit_with_parent first thing.
+EXIT_WITH_PARENT_ENV = "TOKENMILL_EXIT_WITH_PARENT"
 
 
 def exit_with_parent(parent_pid: int) -> None:

@@ -81,6 +81,7 @@ LAYERS = [
     ["factory"],
     ["llm", "core_process"],
     ["plan", "loadgen", "server"],  # server: the HTTP app, whoever hosts its engines
+    ["tune"],  # starts servers (tokenmill serve) and drives them with loadgen
     ["replicas"],  # Ray Serve replicas: engines hosted there, and the app as a Serve application
     ["launch"],  # tokenmill serve: chooses among the ways to host engines
     ["cli"],
