@@ -45,6 +45,7 @@ CANDIDATES: dict[str, tuple[str, ...]] = {
     "ngram speculation": ("--speculative", "ngram", "--num-speculative-tokens", "3"),
 }
 METRICS = ("ttft", "tpot", "itl", "e2e")
+RUN_TIMEOUT_FACTOR = 3  # a run longer than 3x (its arrivals + the SLO's longest limit) has broken it
 STATS = ("mean", "p50", "p90", "p99")
 UNITS = {"ms": 1e-3, "s": 1.0, "": 1.0}
 
@@ -82,6 +83,14 @@ class Slo:
                 out.append(f"{key} {value * 1000:.0f} ms > {limit * 1000:.0f} ms")
         return out
 
+    def longest(self) -> float:
+        """The longest a request may take within the SLO (ttft + 256 tokens at tpot, or e2e)."""
+        lim = self.limits
+        by_parts = max((v for k, v in lim.items() if k.startswith("ttft")), default=10.0) + 256 * max(
+            (v for k, v in lim.items() if k.startswith(("tpot", "itl"))), default=0.1
+        )
+        return max([by_parts] + [v for k, v in lim.items() if k.startswith("e2e")])
+
     def __str__(self) -> str:
         return ",".join(f"{k}={v * 1000:g}ms" for k, v in self.limits.items())
 
@@ -101,10 +110,16 @@ class Trial:
         return self.best["request_rate"] if self.best else 0.0
 
     @property
+    def cheapest(self) -> dict | None:
+        """The run that met the SLO at the lowest $ per 1M output tokens (short runs are noisy:
+        the highest rate is not always the cheapest measured)."""
+        met = [r for r in self.runs if not r["slo_violations"] and _cost(r) < math.inf]
+        return min(met, key=_cost) if met else None
+
+    @property
     def cost(self) -> float:
-        """$ per 1M output tokens at the best rate (inf: none met the SLO)."""
-        c = (self.best or {}).get("cost") or {}
-        return c.get("dollars_per_million_output_tokens") or math.inf
+        """$ per 1M output tokens at the SLO, the cheapest run's (inf: none met the SLO)."""
+        return _cost(self.cheapest) if self.cheapest else math.inf
 
     def key(self) -> tuple[float, float]:
         """Lower is better: cost at the SLO, then the higher goodput."""
@@ -112,6 +127,10 @@ class Trial:
 
 
 Measure = Callable[[str, list[float], int], Trial]
+
+
+def _cost(run: dict) -> float:
+    return ((run.get("cost") or {}).get("dollars_per_million_output_tokens")) or math.inf
 
 
 def successive_halving(
@@ -202,7 +221,14 @@ def measure_candidate(args: argparse.Namespace, slo: Slo, name: str, rates: list
         for rate in rates:
             reqs = _workload(args, prompts, rate, synthetic)
             before = probe.read()
-            results, elapsed = asyncio.run(run_load(server.url, model, reqs, rate, None, None, False, args.seed))
+            limit = RUN_TIMEOUT_FACTOR * (prompts / rate + slo.longest())
+            try:
+                load = run_load(server.url, model, reqs, rate, None, None, False, args.seed)
+                results, elapsed = asyncio.run(asyncio.wait_for(load, limit))
+            except TimeoutError:  # the requests are dropped: the server aborts what it still runs
+                trial.runs.append({"request_rate": rate, "slo_violations": [f"the run took over {limit:.0f} s"]})
+                print(f"  {name}: {rate:g} req/s took over {limit:.0f} s: SLO broken", file=sys.stderr)
+                break
             summary = summarise(
                 results, elapsed, rate, slo.limits.get("ttft_p99", math.inf), slo.limits.get("tpot_p99", math.inf)
             )
@@ -265,6 +291,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=int, default=12, help="prompts per rate in the first round (doubled each round)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of halving at most (default 3)")
     p.add_argument(
+        "--time-budget",
+        type=float,
+        default=14.0,
+        help="minutes: candidates not started by then are left unmeasured (default %(default)s)",
+    )
+    p.add_argument(
         "--candidate",
         action="append",
         default=[],
@@ -288,13 +320,16 @@ def run(args: argparse.Namespace) -> int:
     args.serve_flags = [*args.serve_args.split(), "--served-model-name", "tune"]
     t0 = time.monotonic()
     print(f"SLO {slo}; {len(candidates)} candidates; rates {rates} req/s; ${args.price_per_hour}/h", file=sys.stderr)
+    budget = args.time_budget * 60
+
+    def measure(c: str, r: list[float], n: int) -> Trial:
+        if time.monotonic() - t0 > budget:
+            print(f"  {c}: not measured, over --time-budget {args.time_budget:g} min", file=sys.stderr)
+            return Trial(c, n, error="not measured: over the time budget")
+        return measure_candidate(args, slo, c, r, n)
+
     history = successive_halving(
-        candidates,
-        rates,
-        args.prompts,
-        lambda c, r, n: measure_candidate(args, slo, c, r, n),
-        args.rounds,
-        log=lambda m: print(m, file=sys.stderr),
+        candidates, rates, args.prompts, measure, args.rounds, log=lambda m: print(m, file=sys.stderr)
     )
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -329,23 +364,26 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _trial_json(t: Trial) -> dict:
-    best = t.best or {}
+    """A trial's figures: goodput (the highest rate meeting the SLO), and the cheapest run
+    meeting it: its rate, throughput, cost and energy."""
+    run = t.cheapest or {}
     return {
         "candidate": t.candidate,
         "prompts": t.prompts,
         "error": t.error,
         "goodput_req_s": t.goodput_rate,
-        "output_tok_s": best.get("output_token_throughput"),
+        "cheapest_at_req_s": run.get("request_rate"),
+        "output_tok_s": run.get("output_token_throughput"),
         "dollars_per_million_output_tokens": None if math.isinf(t.cost) else t.cost,
-        "joules_per_output_token": (best.get("energy") or {}).get("joules_per_output_token"),
-        "energy_source": (best.get("energy") or {}).get("source"),
+        "joules_per_output_token": (run.get("energy") or {}).get("joules_per_output_token"),
+        "energy_source": (run.get("energy") or {}).get("source"),
         "runs": t.runs,
     }
 
 
 def _report(history: list[list[Trial]], pick: Trial, defaults: Trial | None, args: argparse.Namespace) -> None:
     print(
-        f"\n{'candidate':22s} {'round':>5s} {'prompts':>7s} {'SLO rate':>9s} {'out tok/s':>9s} "
+        f"\n{'candidate':22s} {'round':>5s} {'prompts':>7s} {'goodput':>8s} {'at req/s':>8s} {'out tok/s':>9s} "
         f"{'$/1M out':>9s} {'J/token':>9s}"
     )
     for r, trials in enumerate(history):
@@ -354,7 +392,8 @@ def _report(history: list[list[Trial]], pick: Trial, defaults: Trial | None, arg
             cost = j["dollars_per_million_output_tokens"]
             jt = j["joules_per_output_token"]
             print(
-                f"{t.candidate:22s} {r + 1:5d} {t.prompts:7d} {t.goodput_rate:9g} {j['output_tok_s'] or 0:9.1f} "
+                f"{t.candidate:22s} {r + 1:5d} {t.prompts:7d} {t.goodput_rate:8g} {j['cheapest_at_req_s'] or 0:8g} "
+                f"{j['output_tok_s'] or 0:9.1f} "
                 f"{'-' if cost is None else f'{cost:.2f}':>9s} "
                 f"{'-' if jt is None else f'{jt:.3f}':>9s}" + (f"  ({j['energy_source']})" if jt else "")
             )

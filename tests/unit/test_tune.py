@@ -11,7 +11,7 @@ from tokenmill.tune import DEFAULTS, Slo, Trial, successive_halving
 pytestmark = pytest.mark.unit
 
 
-def summary(failed=0, completed=8, ttft_p99=0.5, tpot_p99=0.05, rate=1.0, cost=1.0) -> dict:
+def summary(failed=0, completed=8, ttft_p99=0.5, tpot_p99=0.05, rate=1.0, cost=1.0, broken=()) -> dict:
     pct = lambda p99: {"mean": p99 / 2, "p50": p99 / 2, "p90": p99 * 0.9, "p99": p99}  # noqa: E731
     return {
         "failed": failed,
@@ -22,6 +22,7 @@ def summary(failed=0, completed=8, ttft_p99=0.5, tpot_p99=0.05, rate=1.0, cost=1
         "itl_s": pct(tpot_p99),
         "e2e_s": pct(3.0),
         "cost": {"dollars_per_million_output_tokens": cost},
+        "slo_violations": list(broken),
     }
 
 
@@ -46,9 +47,9 @@ def fake_measure(capacity: dict[str, float], cost_at: dict[str, float], calls: l
         calls.append((name, rates[0], prompts))
         t = Trial(name, prompts)
         for r in rates:
-            s = summary(rate=r, cost=cost_at[name] / r)
+            s = summary(rate=r, cost=cost_at[name] / r, broken=["too fast"] if r > capacity[name] else [])
             t.runs.append(s)
-            if r > capacity[name]:
+            if s["slo_violations"]:
                 break
             t.best = s
         return t
@@ -77,7 +78,22 @@ def test_halving_keeps_the_cheapest_half_and_always_measures_the_defaults():
 
 def test_a_candidate_that_never_meets_the_slo_ranks_last():
     never = Trial("x", 4)
-    never.runs.append(summary(failed=3))
+    never.runs.append(summary(failed=3, broken=["3 failed requests"]))
     met = Trial("y", 4)
-    met.best = summary(rate=0.5, cost=9.0)
+    met.runs.append(summary(rate=0.5, cost=9.0))
+    met.best = met.runs[0]
     assert sorted([never, met], key=Trial.key)[0] is met and never.cost == float("inf")
+
+
+def test_the_cost_is_the_cheapest_run_that_met_the_slo():
+    """Short runs are noisy: the highest rate meeting the SLO is the goodput, but the cost is
+    the cheapest run that met it; a run that broke the SLO never counts, however cheap."""
+    t = Trial("x", 4)
+    t.runs += [summary(rate=1, cost=0.7), summary(rate=2, cost=1.1), summary(rate=4, cost=0.2, broken=["ttft"])]
+    t.best = t.runs[1]
+    assert t.goodput_rate == 2 and t.cost == pytest.approx(0.7)
+
+
+def test_slo_longest_bounds_a_run():
+    assert Slo.parse("ttft_p99=2s,tpot_p99=100ms").longest() == pytest.approx(2 + 25.6)
+    assert Slo.parse("e2e_p99=40s,ttft_p50=1s").longest() == pytest.approx(40)
