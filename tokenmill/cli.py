@@ -1,4 +1,5 @@
-"""The `tokenmill` command: generate and chat, streaming tokens as they come.
+"""The `tokenmill` command: generate and chat, streaming tokens as they come; serve, plan,
+benchmark, train a draft head, quantise a model.
 
 Engine options are flags with the same names as the `LLM` keywords, generated from
 the config dataclasses (``tokenmill.args``).
@@ -7,12 +8,14 @@ the config dataclasses (``tokenmill.args``).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
 from tokenmill.args import add_config_arguments, add_engine_arguments, engine_args_from_namespace
 from tokenmill.distributed.env import torchrun_rank
 from tokenmill.errors import TokenmillError
+from tokenmill.lifetime import EXIT_WITH_PARENT_ENV
 from tokenmill.serving_config import ReplicaConfig, ServerConfig
 
 DEFAULT_CHAT_PROMPT = "What is the capital of France? Answer in one sentence."
@@ -85,11 +88,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(plan, several_models=True)
     train = sub.add_parser("train-draft", help="train an EAGLE or Medusa head for the model on its own answers")
     _add_train_draft_args(train)
+    quantize = sub.add_parser(
+        "quantize", help="quantise a model's linears (RTN, GPTQ, AWQ) into a compressed-tensors folder"
+    )
+    _add_quantize_args(quantize)
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from tokenmill.loadgen.serve import add_arguments
 
     add_arguments(bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server"))
+    from tokenmill.tune import add_arguments as add_tune_arguments
+
+    add_tune_arguments(
+        sub.add_parser("tune", help="find the serve settings that meet a latency SLO at the lowest cost per token")
+    )
     return parser
 
 
@@ -134,6 +146,77 @@ def _add_train_draft_args(p: argparse.ArgumentParser) -> None:
         help=f"steps between held-out evaluations (default {d.eval_every})",
     )
     p.add_argument("--seed", type=int, default=d.seed)
+
+
+def _add_quantize_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "paths",
+        nargs="+",
+        metavar="[MODEL] OUT",
+        help="the model (.gguf or folder; default: SmolLM2-135M-Instruct) and the folder to write",
+    )
+    p.add_argument("--method", choices=("rtn", "gptq", "awq"), default="gptq", help="(default gptq)")
+    p.add_argument("--bits", type=int, choices=(4, 8), default=4, help="weight bits: W4A16 or W8A16 (default 4)")
+    p.add_argument(
+        "--group-size",
+        type=int,
+        default=128,
+        help="input channels per scale (default 128; a layer it does not divide takes the largest "
+        "power of two from 32 that does)",
+    )
+    p.add_argument("--calibration", default=None, metavar="FILE", help="a text file (default: the bundled text)")
+    p.add_argument("--samples", type=int, default=128, help="calibration samples, as the text allows (default 128)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sample (default 512)")
+    sym = p.add_mutually_exclusive_group()
+    sym.add_argument(
+        "--sym", dest="symmetric", action="store_true", default=True, help="symmetric, no zero points (default)"
+    )
+    sym.add_argument(
+        "--asym",
+        dest="symmetric",
+        action="store_false",
+        help="with zero points (vLLM and tokenmill load it; transformers 5.24 does not)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16", "float32"),
+        default="bfloat16",
+        help="of the scales and the unquantised tensors (default bfloat16)",
+    )
+    p.add_argument("--no-clip", dest="clip", action="store_false", help="AWQ: skip the clipping-range search")
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    import torch
+
+    from tokenmill.quantize.run import QuantizeOptions, quantize
+
+    if len(args.paths) > 2:
+        raise TokenmillError(f"quantize takes [MODEL] OUT, got {len(args.paths)} paths")
+    model, out = (None, args.paths[0]) if len(args.paths) == 1 else args.paths
+    for name in ("samples", "seq_len", "group_size"):
+        if getattr(args, name) < 1:
+            raise TokenmillError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    opts = QuantizeOptions(
+        method=args.method,
+        bits=args.bits,
+        group_size=args.group_size,
+        symmetric=args.symmetric,
+        samples=args.samples,
+        seq_len=args.seq_len,
+        calibration=args.calibration,
+        dtype=getattr(torch, args.dtype),
+        clip=args.clip,
+    )
+    report = quantize(model, out, opts)
+    errors = [r.error for r in report.linears]
+    baseline = [r.rtn_error for r in report.linears]
+    print(
+        f"{out}: {len(errors)} linears, mean relative output error {sum(errors) / len(errors):.4f} "
+        f"(round to nearest: {sum(baseline) / len(baseline):.4f})\n"
+        f"use it: tokenmill chat --model {out}"
+    )
+    return 0
 
 
 def cmd_train_draft(args: argparse.Namespace) -> int:
@@ -274,7 +357,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    from tokenmill.tune import run
+
+    return run(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    if os.environ.get(EXIT_WITH_PARENT_ENV):  # started by a tokenmill process (tune's servers): end with it
+        from tokenmill.lifetime import exit_with_parent
+
+        exit_with_parent(int(os.environ.pop(EXIT_WITH_PARENT_ENV)))
     args = build_parser().parse_args(argv)
     if args.command in ("generate", "chat", "serve", "plan") and torchrun_rank() > 0:
         # Under torchrun every rank runs the same command line; only rank 0 drives the
@@ -290,6 +383,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "plan": cmd_plan,
             "bench": cmd_bench,
             "train-draft": cmd_train_draft,
+            "quantize": cmd_quantize,
+            "tune": cmd_tune,
         }
         return commands[args.command](args)
     except TokenmillError as e:

@@ -1,0 +1,100 @@
+"""GPTQ (Frantar et al., 2022): round a linear's weight column by column, each column's
+rounding error pushed onto the columns not yet rounded, weighted by the inverse Hessian of
+the layer's squared output error on the calibration inputs.
+
+For ``Y = X W^T`` the error ``||X (W - Ŵ)^T||²`` has Hessian ``H = 2 X^T X`` (the same for
+every row of W, so rows are independent and a fused projection, q/k/v in one matrix, gives
+each part the result it would get alone). ``H`` is dampened by 1% of its mean diagonal, and
+its inverse's upper Cholesky factor ``U`` gives the updates: after rounding column i,
+``W[:, j] -= (w_i - ŵ_i) / U[i, i] * U[i, j]`` for j > i. Updates are applied lazily: within
+a block of 128 columns at once, to the rest of the matrix once per block. A group's scale
+and zero point are chosen when its first column comes up, from the columns as updated so
+far (a block holds whole groups, so they are up to date). No act order: columns are taken
+in their own order (``weight_g_idx`` is never written).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.quant.calibrate.rtn import QuantizedWeight, QuantSpec, group_params
+from tokenmill.quant.calibrate.threads import single_thread
+
+DAMPENING = 0.01  # of the mean of H's diagonal
+BLOCK = 128  # columns updated together
+
+
+class Hessian:
+    """``2 X^T X / T`` accumulated over batches of calibration inputs (float32)."""
+
+    def __init__(self, k: int) -> None:
+        self.h = torch.zeros(k, k)
+        self.tokens = 0
+
+    def add(self, x: torch.Tensor) -> None:  # x: [T, K]
+        x = x.reshape(-1, x.shape[-1]).float()
+        t = x.shape[0]
+        self.h.mul_(self.tokens / (self.tokens + t))
+        self.tokens += t
+        x = x * (2.0 / self.tokens) ** 0.5
+        self.h.addmm_(x.T, x)
+
+
+def gptq(w: torch.Tensor, h: torch.Tensor, spec: QuantSpec, dtype: torch.dtype) -> QuantizedWeight:
+    """``w`` [N, K] quantised against Hessian ``h`` [K, K]; scales stored in ``dtype``."""
+    with single_thread():
+        return _gptq(w, h, spec, dtype)
+
+
+def _gptq(w: torch.Tensor, h: torch.Tensor, spec: QuantSpec, dtype: torch.dtype) -> QuantizedWeight:
+    n, k = w.shape
+    g = spec.group_size
+    assert k % g == 0, f"group size {g} does not divide the weight's {k} input channels"
+    w = w.float().clone()
+    h = h.float().clone()
+    dead = torch.diag(h) == 0  # inputs never active: any value is exact, take 0
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    h.diagonal().add_(DAMPENING * torch.diag(h).mean())
+    u = _inverse_cholesky(h)
+    block = max(BLOCK // g, 1) * g if g <= BLOCK else g  # whole groups per block
+    q = torch.empty(n, k)  # the integers, as floats until the end (one conversion, not one per column)
+    scales: list[torch.Tensor] = []
+    zeros: list[torch.Tensor | None] = []
+    for b0 in range(0, k, block):
+        b1 = min(b0 + block, k)
+        w1 = w[:, b0:b1].clone()
+        err = torch.zeros_like(w1)
+        u1 = u[b0:b1, b0:b1]
+        for i in range(b1 - b0):
+            if (b0 + i) % g == 0:
+                scale, zero = group_params(w1[:, i : i + g], spec, dtype)
+                scales.append(scale)
+                zeros.append(zero)
+                s = scale.float()
+                z = torch.zeros_like(s) if zero is None else zero.float()
+            col = w1[:, i]
+            qi = (torch.round(col / s) + z).clamp_(spec.qmin, spec.qmax)
+            q[:, b0 + i] = qi
+            e = (col - (qi - z) * s) / u1[i, i]
+            w1[:, i:] -= e[:, None] * u1[i, i:][None, :]
+            err[:, i] = e
+        w[:, b1:] -= err @ u[b0:b1, b1:]
+    q = q.to(torch.int8)
+    zero_t = None if spec.symmetric else torch.stack(zeros, dim=1)  # type: ignore[arg-type]
+    return QuantizedWeight(q, torch.stack(scales, dim=1), zero_t, spec)
+
+
+def _inverse_cholesky(h: torch.Tensor) -> torch.Tensor:
+    """The upper Cholesky factor of ``h``'s inverse; more dampening if ``h`` is not
+    positive definite in float32 (a few near-duplicate inputs)."""
+    damp = DAMPENING * torch.diag(h).mean()
+    for _ in range(8):
+        try:
+            inv = torch.cholesky_inverse(torch.linalg.cholesky(h))
+            return torch.linalg.cholesky(inv, upper=True)
+        except torch.linalg.LinAlgError:
+            h = h.clone()
+            h.diagonal().add_(damp)
+            damp *= 2
+    raise ValueError("GPTQ: the calibration Hessian is not positive definite even after dampening")
