@@ -18,18 +18,28 @@ from tokenmill.worker.inputs import SeqInput
 @torch.inference_mode()
 def perplexity(llm, token_ids: list[int], chunk: int = 64) -> float:
     """exp(mean negative log-likelihood of token_ids[1:] given the tokens before)."""
+    return score(llm, token_ids, chunk)[0]
+
+
+@torch.inference_mode()
+def score(llm, token_ids: list[int], chunk: int = 64) -> tuple[float, list[int]]:
+    """Perplexity of token_ids[1:] given the tokens before, and the model's top-1 token at
+    each of those positions (teacher-forced greedy predictions: compare two models' lists
+    for their top-1 agreement)."""
     if len(token_ids) < 2:
         raise ValueError("perplexity needs at least two tokens")
     if len(token_ids) > llm.max_model_len:
         raise ValueError(f"text of {len(token_ids)} tokens is longer than the context window ({llm.max_model_len})")
     runner, engine = llm.parts.runner, llm.engine
-    nll, count = 0.0, 0
+    nll, count, top1 = 0.0, 0, []
     with engine.core.borrow_blocks(-(-len(token_ids) // engine.core.block_size)) as blocks:
         for start in range(0, len(token_ids) - 1, chunk):
             piece = token_ids[start : start + chunk]
             s = SeqInput("perplexity", piece, start, blocks, False, SamplingParams(), [], [])
             targets = token_ids[start + 1 : start + 1 + len(piece)]
-            logprobs = runner.all_logits([s])[: len(targets)].log_softmax(dim=-1)
+            logits = runner.all_logits([s])[: len(targets)]
+            top1 += logits.argmax(dim=-1).tolist()
+            logprobs = logits.log_softmax(dim=-1)
             nll -= logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None]).sum().item()
             count += len(targets)
-    return math.exp(nll / count)
+    return math.exp(nll / count), top1
