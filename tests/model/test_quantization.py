@@ -118,3 +118,19 @@ def test_copy_on_write_of_a_quantised_kv_block_keeps_forks_exact(kv_cache_dtype)
     ]
     assert [c.token_ids for c in forked.outputs] == alone
     assert q.engine.core.block_pool.num_free == q.engine.core.block_pool.num_blocks
+
+
+def test_int4_layers_the_group_does_not_divide_are_int8_and_the_log_says_so(caplog):
+    """SmolLM2's 576-wide inputs at groups of 128: those layers are int8 (the down projection,
+    1536 wide, stays int4), and a warning names the widths instead of doing it silently."""
+    import logging
+
+    from tokenmill.kernels.native import load_native
+
+    with caplog.at_level(logging.WARNING, logger="tokenmill.quant.weights"):
+        llm = quantized(quantization="int4", quantization_group_size=128)
+    assert "group size 128 does not divide input widths 576" in caplog.text
+    if load_native():
+        layer = llm.parts.model.layers[0]
+        assert [p.bits for p in layer.self_attn.qkv_proj.parts] == [8]
+        assert [p.bits for p in layer.mlp.down_proj.parts] == [4]

@@ -17,6 +17,7 @@ falls back to dequantising its weight for the call (correct, not fast).
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
     from tokenmill.quant.packed import PackedWeight
 
 QUANTIZATION_MODES = ("auto", "none", "int8", "int4")  # auto: keep what the checkpoint stores (quant/packed.py)
+
+logger = logging.getLogger(__name__)
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,12 +197,23 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 32, packed: bo
             return Int4Linear.quantize(weight, group_size, bias)
         return Int8Linear.quantize(weight, dtype, bias)
 
+    widths = set()
     for layer in model.layers:
         for parent, name in linear_layers(layer):
             linear = getattr(parent, name)
+            widths.add(linear.weight.shape[1])
             setattr(parent, name, make(linear.weight.data, None if linear.bias is None else linear.bias.data))
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    widths.add(head.shape[1])
     model.lm_head = make(head.data)
+    odd = sorted(k for k in widths if k % group_size)
+    if mode == "int4" and odd:
+        logger.warning(
+            "quantization int4: group size %d does not divide input widths %s: those layers are int8 "
+            "(per output channel); a group size that divides them keeps them int4",
+            group_size,
+            ", ".join(map(str, odd)),
+        )
     model.reset_fused_plan()
     return model
 
