@@ -126,7 +126,21 @@ class Trial:
         return (self.cost, -self.goodput_rate)
 
 
-Measure = Callable[[str, list[float], int], Trial]
+Measure = Callable[[str, list[float], int, int], Trial]  # (candidate, rates, start index, prompts per rate)
+
+
+def climb(rates: list[float], start: int, meets: Callable[[float], bool]) -> None:
+    """Run ``meets`` at ``rates[start]`` and upward until the SLO breaks; if it breaks at
+    the first, downward until a rate meets it (a round starts one below the last best,
+    and a longer run may find even that too fast)."""
+    if meets(rates[start]):
+        for rate in rates[start + 1 :]:
+            if not meets(rate):
+                return
+    else:
+        for rate in reversed(rates[:start]):
+            if meets(rate):
+                return
 
 
 def _cost(run: dict) -> float:
@@ -145,7 +159,7 @@ def successive_halving(
     for r in range(rounds):
         n = prompts * 2**r
         log(f"round {r + 1}: {len(alive)} candidates, {n} prompts per rate")
-        trials = [measure(c, rates[start[c] :], n) for c in alive]
+        trials = [measure(c, rates, start[c], n) for c in alive]
         history.append(trials)
         others = sorted((t for t in trials if t.candidate != DEFAULTS), key=Trial.key)
         if len(others) <= 1:
@@ -201,8 +215,10 @@ class ServerProcess:
         self.log.close()
 
 
-def measure_candidate(args: argparse.Namespace, slo: Slo, name: str, rates: list[float], prompts: int) -> Trial:
-    """Start the candidate's server and raise the request rate until the SLO breaks."""
+def measure_candidate(
+    args: argparse.Namespace, slo: Slo, name: str, rates: list[float], start: int, prompts: int
+) -> Trial:
+    """Start the candidate's server and find the highest rate that meets the SLO (``climb``)."""
     from tokenmill.loadgen.energy_probe import EnergyProbe, run_energy
     from tokenmill.loadgen.serve import run_load, summarise, synthetic, warm_up
 
@@ -214,40 +230,43 @@ def measure_candidate(args: argparse.Namespace, slo: Slo, name: str, rates: list
         trial.error = str(e)
         print(f"  {name}: {e}", file=sys.stderr)
         return trial
+    model = "tune"
+
+    def meets(rate: float) -> bool:
+        reqs = _workload(args, prompts, rate, synthetic)
+        before = probe.read()
+        limit = RUN_TIMEOUT_FACTOR * (prompts / rate + slo.longest())
+        try:
+            load = run_load(server.url, model, reqs, rate, None, None, False, args.seed)
+            results, elapsed = asyncio.run(asyncio.wait_for(load, limit))
+        except TimeoutError:  # the requests are dropped: the server aborts what it still runs
+            trial.runs.append({"request_rate": rate, "slo_violations": [f"the run took over {limit:.0f} s"]})
+            print(f"  {name}: {rate:g} req/s took over {limit:.0f} s: SLO broken", file=sys.stderr)
+            return False
+        summary = summarise(
+            results, elapsed, rate, slo.limits.get("ttft_p99", math.inf), slo.limits.get("tpot_p99", math.inf)
+        )
+        tokens = sum(r.prompt_tokens for r in results if r.ok)
+        summary.update(run_energy(before, probe.read(), summary, tokens, args.price_per_hour))
+        broken = slo.violations(summary)
+        summary["slo_violations"] = broken
+        trial.runs.append(summary)
+        cost = (summary.get("cost") or {}).get("dollars_per_million_output_tokens")
+        print(
+            f"  {name}: {rate:g} req/s -> {summary['output_token_throughput']:.0f} out tok/s, "
+            f"ttft p99 {summary['ttft_s']['p99'] or 0:.2f} s, tpot p99 {(summary['tpot_s']['p99'] or 0) * 1000:.0f} ms"
+            + (f", ${cost:.2f}/1M out" if cost else "")
+            + (f"  SLO broken: {'; '.join(broken)}" if broken else "  meets the SLO"),
+            file=sys.stderr,
+        )
+        if not broken and (trial.best is None or rate > trial.best["request_rate"]):
+            trial.best = summary
+        return not broken
+
     try:
-        model = "tune"
         warm_up(server.url, model, None)
         probe = EnergyProbe(server.url, None)
-        for rate in rates:
-            reqs = _workload(args, prompts, rate, synthetic)
-            before = probe.read()
-            limit = RUN_TIMEOUT_FACTOR * (prompts / rate + slo.longest())
-            try:
-                load = run_load(server.url, model, reqs, rate, None, None, False, args.seed)
-                results, elapsed = asyncio.run(asyncio.wait_for(load, limit))
-            except TimeoutError:  # the requests are dropped: the server aborts what it still runs
-                trial.runs.append({"request_rate": rate, "slo_violations": [f"the run took over {limit:.0f} s"]})
-                print(f"  {name}: {rate:g} req/s took over {limit:.0f} s: SLO broken", file=sys.stderr)
-                break
-            summary = summarise(
-                results, elapsed, rate, slo.limits.get("ttft_p99", math.inf), slo.limits.get("tpot_p99", math.inf)
-            )
-            tokens = sum(r.prompt_tokens for r in results if r.ok)
-            summary.update(run_energy(before, probe.read(), summary, tokens, args.price_per_hour))
-            broken = slo.violations(summary)
-            summary["slo_violations"] = broken
-            trial.runs.append(summary)
-            cost = (summary.get("cost") or {}).get("dollars_per_million_output_tokens")
-            print(
-                f"  {name}: {rate:g} req/s -> {summary['output_token_throughput']:.0f} out tok/s, "
-                f"ttft p99 {summary['ttft_s']['p99'] or 0:.2f} s, tpot p99 {(summary['tpot_s']['p99'] or 0) * 1000:.0f} ms"
-                + (f", ${cost:.2f}/1M out" if cost else "")
-                + (f"  SLO broken: {'; '.join(broken)}" if broken else "  meets the SLO"),
-                file=sys.stderr,
-            )
-            if broken:
-                break
-            trial.best = summary
+        climb(rates, start, meets)
     finally:
         server.stop()
     print(f"  {name}: {time.monotonic() - t0:.0f} s", file=sys.stderr)
@@ -322,11 +341,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"SLO {slo}; {len(candidates)} candidates; rates {rates} req/s; ${args.price_per_hour}/h", file=sys.stderr)
     budget = args.time_budget * 60
 
-    def measure(c: str, r: list[float], n: int) -> Trial:
+    def measure(c: str, r: list[float], start: int, n: int) -> Trial:
         if time.monotonic() - t0 > budget:
             print(f"  {c}: not measured, over --time-budget {args.time_budget:g} min", file=sys.stderr)
             return Trial(c, n, error="not measured: over the time budget")
-        return measure_candidate(args, slo, c, r, n)
+        return measure_candidate(args, slo, c, r, start, n)
 
     history = successive_halving(
         candidates, rates, args.prompts, measure, args.rounds, log=lambda m: print(m, file=sys.stderr)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill.tune import DEFAULTS, Slo, Trial, successive_halving
+from tokenmill.tune import DEFAULTS, Slo, Trial, climb, successive_halving
 
 pytestmark = pytest.mark.unit
 
@@ -43,15 +43,18 @@ def test_slo_parses_units_and_names_what_is_broken():
 def fake_measure(capacity: dict[str, float], cost_at: dict[str, float], calls: list):
     """A candidate meets the SLO at every rate up to its capacity; its cost there is fixed."""
 
-    def measure(name: str, rates: list[float], prompts: int) -> Trial:
-        calls.append((name, rates[0], prompts))
+    def measure(name: str, rates: list[float], start: int, prompts: int) -> Trial:
+        calls.append((name, rates[start], prompts))
         t = Trial(name, prompts)
-        for r in rates:
+
+        def meets(r: float) -> bool:
             s = summary(rate=r, cost=cost_at[name] / r, broken=["too fast"] if r > capacity[name] else [])
             t.runs.append(s)
-            if s["slo_violations"]:
-                break
-            t.best = s
+            if not s["slo_violations"] and (t.best is None or r > t.best["request_rate"]):
+                t.best = s
+            return not s["slo_violations"]
+
+        climb(rates, start, meets)
         return t
 
     return measure
@@ -97,3 +100,24 @@ def test_the_cost_is_the_cheapest_run_that_met_the_slo():
 def test_slo_longest_bounds_a_run():
     assert Slo.parse("ttft_p99=2s,tpot_p99=100ms").longest() == pytest.approx(2 + 25.6)
     assert Slo.parse("e2e_p99=40s,ttft_p50=1s").longest() == pytest.approx(40)
+
+
+def test_climb_goes_up_until_the_slo_breaks_and_down_when_it_breaks_at_once():
+    tried = []
+
+    def meets_up_to(cap):
+        def meets(rate):
+            tried.append(rate)
+            return rate <= cap
+
+        return meets
+
+    rates = [0.5, 1, 2, 4, 8]
+    climb(rates, 1, meets_up_to(4))
+    assert tried == [1, 2, 4, 8]
+    tried.clear()
+    climb(rates, 3, meets_up_to(1))  # a longer run finds the last best too fast: down to the first that meets
+    assert tried == [4, 2, 1]
+    tried.clear()
+    climb(rates, 2, meets_up_to(0.1))
+    assert tried == [2, 1, 0.5]
