@@ -216,7 +216,7 @@ def test_default_model_quantised_from_its_gguf_answers_a_chat_prompt(tmp_path):
 
     out = tmp_path / "smol-gptq"
     cmd = [sys.executable, "-m", "tokenmill", "quantize", str(out), "--method", "gptq", "--bits", "4"]
-    cmd += ["--group-size", "128", "--samples", "8", "--seq-len", "256"]
+    cmd += ["--group-size", "128", "--samples", "4", "--seq-len", "128"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "layer 30/30" in done.stderr
