@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from tokenmill.errors import ModelLoadError
-from tokenmill.quant.int_groups import IntGroups
+from tokenmill.quant.int_groups import IntGroups, unpack_last
 
 CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
 CT_TENSORS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx", "input_scale")
@@ -232,13 +232,6 @@ def _per_group(t: torch.Tensor, n: int, k: int, name: str, what: str) -> tuple[t
     return t.expand(n, t.shape[1]), k // t.shape[1]
 
 
-def _unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    """int32 [R, W] packed densely (low bits first; 4 or 8 bits) -> [R, count] unsigned values."""
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
-    vals = (packed.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)
-    return vals.reshape(packed.shape[0], -1)[:, :count]
-
-
 def _packed_ints(parts: dict[str, torch.Tensor], args: WeightArgs, name: str) -> IntGroups:
     _need(parts, name, "weight_packed", "weight_scale")
     packed = parts["weight_packed"]
@@ -249,7 +242,7 @@ def _packed_ints(parts: dict[str, torch.Tensor], args: WeightArgs, name: str) ->
     k = shape[1]
     if shape[0] != n or k > room:
         raise ModelLoadError(f"quantised layer {name}: weight_packed {tuple(packed.shape)} does not hold {shape}")
-    raw = _unpack(packed, args.num_bits, k)  # q + 2^(bits-1)
+    raw = unpack_last(packed, args.num_bits)[:, :k]  # q + 2^(bits-1)
     scale, group = _per_group(parts["weight_scale"].float(), n, k, name, "weight_scale")
     offset = 1 << (args.num_bits - 1)
     zero = None
@@ -257,7 +250,7 @@ def _packed_ints(parts: dict[str, torch.Tensor], args: WeightArgs, name: str) ->
         _need(parts, name, "weight_zero_point")
         zp = parts["weight_zero_point"]
         if zp.dtype == torch.int32 and args.strategy in ("group", "channel"):  # packed along N
-            zp = _unpack(zp.T.contiguous(), args.num_bits, n).T - offset
+            zp = unpack_last(zp.T, args.num_bits)[:, :n].T - offset
         zero, _ = _per_group(zp.to(torch.int32), n, k, name, "weight_zero_point")
     if args.num_bits == 4:  # the kernels' 4-bit form: q 0..15, min = -(zero + 8) * scale
         q = raw.to(torch.uint8)

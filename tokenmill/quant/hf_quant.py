@@ -30,7 +30,7 @@ import torch
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.quant.hf_compressed import CompressedTensors, FP8Checkpoint, compressed_tensors_quant, fp8_quant
-from tokenmill.quant.int_groups import IntGroups
+from tokenmill.quant.int_groups import IntGroups, unpack_last
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column 8c + AWQ_ORDER[i]
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column 8c + j is in nibble AWQ_REVERSE_ORDER[j]
@@ -101,15 +101,9 @@ def hf_quantization(raw: dict[str, Any], path: Path) -> FolderQuant | None:
     return HFQuant("gptq", bits, group, sym=bool(qc.get("sym", True)), desc_act=bool(qc.get("desc_act", False)))
 
 
-def _unpack_last(packed: torch.Tensor, bits: int = 4) -> torch.Tensor:
-    """int32 [..., C] -> [..., 32 / bits * C] values: value i of word c at position 32 / bits * c + i."""
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
-    return ((packed.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)).reshape(*packed.shape[:-1], -1)
-
-
 def _awq_columns(packed: torch.Tensor) -> torch.Tensor:
     """AWQ's [R, N/8] words -> [R, N] values in column order."""
-    vals = _unpack_last(packed)
+    vals = unpack_last(packed)
     return vals.reshape(vals.shape[0], -1, 8)[..., list(AWQ_REVERSE_ORDER)].reshape(vals.shape[0], -1)
 
 
@@ -132,7 +126,7 @@ def decode(quant: HFQuant, parts: dict[str, torch.Tensor], name: str) -> IntGrou
         shifts = torch.arange(0, 32, quant.bits, dtype=torch.int32)
         mask = (1 << quant.bits) - 1
         q = ((qweight[:, None, :] >> shifts[None, :, None]) & mask).reshape(-1, n)  # [K, N]
-        zeros = _unpack_last(qzeros, quant.bits)[:, :n] + 1  # v1: stored as zero - 1
+        zeros = unpack_last(qzeros, quant.bits)[:, :n] + 1  # v1: stored as zero - 1
     k, n = q.shape
     groups = scales.shape[0]
     if scales.shape[1] != n or zeros.shape != (groups, n) or k % groups:

@@ -28,3 +28,10 @@ class IntGroups:
         if self.minv is not None:
             w = w + self.minv[..., None]
         return w.reshape(n, k)
+
+
+def unpack_last(packed: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """int32 [..., C] -> [..., 32 / bits * C] unsigned values, low bits first: value i of word c
+    at position 32 / bits * c + i (GPTQ's zeros, compressed-tensors' weights and zeros)."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    return ((packed.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)).reshape(*packed.shape[:-1], -1)
