@@ -169,14 +169,19 @@ def report(args: argparse.Namespace, llm, bw: float) -> Plan:
         (f"decode bound, 1 sequence at {plan.context_len} tokens", f"{plan.decode_bound(1):.1f} tok/s"),
         (f"decode bound, {max(plan.max_seqs, 1)} sequences", f"{plan.decode_bound(max(plan.max_seqs, 1)):.1f} tok/s"),
     ]
-    from tokenmill.energy import DEFAULT_WATTS_PER_CPU
+    from tokenmill.energy import DEFAULT_WATTS_PER_CPU, dollars_per_million
 
     watts = (args.watts_per_cpu or DEFAULT_WATTS_PER_CPU) * _threads(llm)
     seqs = max(plan.max_seqs, 1)
     for label, rate in (("1 sequence", plan.decode_bound(1)), (f"{seqs} sequences", plan.decode_bound(seqs))):
         rows.append((f"energy per token at the bound, {label}", f"{watts / rate:.3f} J (estimated, {watts:g} W)"))
         if args.price_per_hour is not None:
-            rows.append((f"$ per 1M tokens at the bound, {label}", f"${args.price_per_hour / 3600 / rate * 1e6:.2f}"))
+            rows.append(
+                (
+                    f"$ per 1M tokens at the bound, {label}",
+                    f"${dollars_per_million(args.price_per_hour, 1.0, rate):.2f}",
+                )
+            )
     from tokenmill.kernels.cpu import cpu_info
 
     print(
@@ -201,8 +206,11 @@ def report(args: argparse.Namespace, llm, bw: float) -> Plan:
             f"   (measured: {m['energy_source']})"
         )
         if args.price_per_hour is not None:
-            cost = args.price_per_hour / 3600 * 1e6
-            print(f"  {'single-stream $ per 1M tokens':45s} {cost / predicted:12.2f} {cost / m['decode_tok_s']:12.2f}")
+            price = args.price_per_hour
+            print(
+                f"  {'single-stream $ per 1M tokens':45s} {dollars_per_million(price, 1.0, predicted):12.2f} "
+                f"{dollars_per_million(price, 1.0, m['decode_tok_s']):12.2f}"
+            )
     return plan
 
 
