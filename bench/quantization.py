@@ -22,7 +22,9 @@ Columns: checkpoint size on disk (the file or folder loaded; for ``rtn-*`` and `
 the source file, the quantisation happens at load), weights in memory, KV bytes per
 token, perplexity on held-out English (tests/data/heldout.txt, the head of the Apache-2.0
 licence), **top-1 agreement** with float32 (teacher-forced: at each of the held-out
-text's positions, does the row's most likely next token equal float32's), **greedy
+text's positions, does the row's most likely next token equal float32's), **KL vs
+float32** (the mean KL divergence of the row's next-token distribution from float32's over
+the same positions: the fidelity measure with the least noise, as llama.cpp's KLD), **greedy
 prefix** (free-running: 3 prompts x 64 greedy tokens, the mean fraction of tokens before
 the first divergence from float32's continuation), single-stream decode tok/s (64 tokens
 after a short prompt), prefill tok/s (a 512-token prompt, prefix caching off), throughput
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import subprocess
@@ -44,7 +47,7 @@ from pathlib import Path
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.evaluate import score
+from tokenmill.evaluate import chunk_logprobs
 from tokenmill.memory import parse_memory
 from tokenmill.quant.weights import weight_bytes
 from tokenmill.worker.kv_cache import kv_bytes_per_token
@@ -99,6 +102,24 @@ def cpu_name() -> str:
         return "unknown"
 
 
+def score_against(
+    llm: LLM, ids: list[int], ref: list[torch.Tensor] | None
+) -> tuple[float, list[int], float, list[torch.Tensor]]:
+    """Perplexity of ``ids``, the top-1 token at each position, and the mean KL divergence
+    KL(ref || this model) per position against the reference's log-probabilities (``ref``:
+    float32's chunks; None: this is the reference, its chunks are returned to keep)."""
+    nll, count, kl, top1, kept = 0.0, 0, 0.0, [], []
+    for i, (targets, lp) in enumerate(chunk_logprobs(llm, ids)):
+        top1 += lp.argmax(dim=-1).tolist()
+        nll -= lp.gather(1, targets[:, None]).sum().item()
+        count += len(targets)
+        if ref is None:
+            kept.append(lp)
+        else:
+            kl += float((ref[i].exp() * (ref[i] - lp)).sum())
+    return math.exp(nll / count), top1, kl / count, kept
+
+
 def greedy(llm: LLM) -> list[list[int]]:
     outs = llm.generate(list(GREEDY_PROMPTS), SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
     return [list(o.outputs[0].token_ids) for o in outs]
@@ -149,6 +170,7 @@ def main() -> None:
     rows: dict[str, dict] = {}
     ref_top1: list[int] = []
     ref_greedy: list[list[int]] = []
+    ref_logprobs: list[torch.Tensor] | None = None
     heldout: list[int] = []
     prefill_prompt: list[int] = []
     for name, kw in wanted.items():
@@ -169,10 +191,10 @@ def main() -> None:
         if not heldout:
             heldout = llm.tokenizer.encode(HELDOUT.read_text())[:1024]
             prefill_prompt = heldout[:PREFILL_TOKENS]
-        ppl, top1 = score(llm, heldout)
+        ppl, top1, kl, logprobs = score_against(llm, heldout, ref_logprobs)
         outs = greedy(llm)
         if name == "float32":
-            ref_top1, ref_greedy = top1, outs
+            ref_top1, ref_greedy, ref_logprobs = top1, outs, logprobs
         kv = kv_bytes_per_token(llm.config, llm.dtype, llm.kv_cache_dtype)
         blocks = budget // (kv * llm.engine.core.block_size)
         rows[name] = {
@@ -184,6 +206,7 @@ def main() -> None:
             "max_seqs_in_budget": blocks // -(-args.context // llm.engine.core.block_size),
             "perplexity": round(ppl, 3),
             "top1_agreement": round(sum(a == b for a, b in zip(top1, ref_top1, strict=True)) / len(top1), 4),
+            "kl_vs_float32": round(kl, 4),
             "greedy_prefix": round(sum(map(prefix_fraction, outs, ref_greedy)) / len(outs), 3),
             "decode_tok_s": 0.0,
             "prefill_tok_s": 0.0,
@@ -266,6 +289,7 @@ def markdown(result: dict) -> str:
         ("kv_bytes_per_token", "KV B/token"),
         ("perplexity", "perplexity"),
         ("top1_agreement", "top-1 agree"),
+        ("kl_vs_float32", "KL vs float32"),
         ("greedy_prefix", "greedy prefix"),
         ("decode_tok_s", "decode tok/s"),
         ("prefill_tok_s", "prefill tok/s"),

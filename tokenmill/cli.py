@@ -164,7 +164,12 @@ def _add_quantize_args(p: argparse.ArgumentParser) -> None:
         help="input channels per scale (default 128; a layer it does not divide takes the largest "
         "power of two from 32 that does)",
     )
-    p.add_argument("--calibration", default=None, metavar="FILE", help="a text file (default: the bundled text)")
+    p.add_argument(
+        "--calibration",
+        default=None,
+        metavar="FILE",
+        help="a text file (default: the bundled prose mixed with the Python standard library's documentation)",
+    )
     p.add_argument("--samples", type=int, default=128, help="calibration samples, as the text allows (default 128)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sample (default 512)")
     sym = p.add_mutually_exclusive_group()
@@ -184,6 +189,13 @@ def _add_quantize_args(p: argparse.ArgumentParser) -> None:
         help="of the scales and the unquantised tensors (default bfloat16)",
     )
     p.add_argument("--no-clip", dest="clip", action="store_false", help="AWQ: skip the clipping-range search")
+    p.add_argument(
+        "--no-act-order",
+        dest="act_order",
+        action="store_false",
+        help="GPTQ: take columns in their own order, not by falling activation energy (the default, as "
+        "llm-compressor's actorder static: same format, groups unchanged)",
+    )
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
@@ -207,6 +219,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         calibration=args.calibration,
         dtype=getattr(torch, args.dtype),
         clip=args.clip,
+        act_order=args.act_order,
     )
     report = quantize(model, out, opts)
     errors = [r.error for r in report.linears]

@@ -30,7 +30,7 @@ from tokenmill.quant.calibrate.awq import MAX_TOKENS, ActivationStats, fake_quan
 from tokenmill.quant.calibrate.gptq import Hessian, gptq
 from tokenmill.quant.calibrate.rtn import QuantizedWeight, QuantSpec, relative_errors, rtn
 from tokenmill.quant.compressed import Scheme, linear_tensors, require_library, save_weights, write_quantization_config
-from tokenmill.quantize.calibration import calibration_samples, calibration_text
+from tokenmill.quantize.calibration import calibration_samples, calibration_texts
 from tokenmill.quantize.layer_inputs import LayerInputs, linears_of
 
 METHODS = ("rtn", "gptq", "awq")
@@ -51,9 +51,10 @@ class QuantizeOptions:
     symmetric: bool = True  # transformers 5.24 cannot load asymmetric pack-quantized folders
     samples: int = 128
     seq_len: int = 512
-    calibration: str | None = None  # a text file; None: the bundled text
+    calibration: str | None = None  # a text file; None: the default sources (quantize/calibration.py)
     dtype: torch.dtype = torch.bfloat16  # of the scales and the float tensors written
     clip: bool = True  # AWQ: search each group's clipping range
+    act_order: bool = True  # GPTQ: columns by falling Hessian diagonal (llm-compressor's "static")
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -107,7 +108,7 @@ def quantize(
     ckpt = load_checkpoint(model, torch.float32, progress=False)
     check_exportable(ckpt.config, ckpt.path, set(ckpt.weights))
     tokenizer = load_tokenizer(ckpt.path, ckpt.metadata)
-    samples = calibration_samples(tokenizer, calibration_text(opts.calibration), opts.samples, opts.seq_len)
+    samples = calibration_samples(tokenizer, calibration_texts(opts.calibration), opts.samples, opts.seq_len)
     net = LlamaForCausalLM.from_weights(ckpt.config, ckpt.weights)
     inputs = LayerInputs(net, samples)
     log(
@@ -162,7 +163,7 @@ def _quantize_layer(
         s = in_scales.get(name)
         x = stats[name].x()
         if opts.method == "gptq":
-            qw = gptq(w, hessians[name].h, spec, opts.dtype)
+            qw = gptq(w, hessians[name].h, spec, opts.dtype, opts.act_order)
         elif opts.method == "awq":  # w is folded already: RTN within the clipping ranges found on x / s
             shrink = search_clip(w, x if s is None else x / s, spec, opts.dtype) if opts.clip else None
             qw = rtn(w, spec, opts.dtype, shrink)

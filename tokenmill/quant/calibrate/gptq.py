@@ -7,10 +7,17 @@ every row of W, so rows are independent and a fused projection, q/k/v in one mat
 each part the result it would get alone). ``H`` is dampened by 1% of its mean diagonal, and
 its inverse's upper Cholesky factor ``U`` gives the updates: after rounding column i,
 ``W[:, j] -= (w_i - ŵ_i) / U[i, i] * U[i, j]`` for j > i. Updates are applied lazily: within
-a block of 128 columns at once, to the rest of the matrix once per block. A group's scale
-and zero point are chosen when its first column comes up, from the columns as updated so
-far (a block holds whole groups, so they are up to date). No act order: columns are taken
-in their own order (``weight_g_idx`` is never written).
+a block of 128 columns at once, to the rest of the matrix once per block.
+
+Two orders, as llm-compressor's ``actorder``:
+- ``act_order=True`` (its default, ``"static"``/``"weight"``): columns taken by falling
+  Hessian diagonal (the inputs with the most energy first, while the most columns remain to
+  absorb their error), each group's scale and zero point fixed up front from the original
+  weights, so groups stay contiguous in the stored order and nothing (no ``weight_g_idx``)
+  changes in the format or the kernels.
+- ``act_order=False``: columns in their own order, a group's scale and zero point chosen
+  when its first column comes up, from the columns as updated so far (a block holds whole
+  groups, so they are up to date): the original paper's procedure.
 """
 
 from __future__ import annotations
@@ -40,13 +47,15 @@ class Hessian:
         self.h.addmm_(x.T, x)
 
 
-def gptq(w: torch.Tensor, h: torch.Tensor, spec: QuantSpec, dtype: torch.dtype) -> QuantizedWeight:
+def gptq(
+    w: torch.Tensor, h: torch.Tensor, spec: QuantSpec, dtype: torch.dtype, act_order: bool = True
+) -> QuantizedWeight:
     """``w`` [N, K] quantised against Hessian ``h`` [K, K]; scales stored in ``dtype``."""
     with single_thread():
-        return _gptq(w, h, spec, dtype)
+        return _gptq(w, h, spec, dtype, act_order)
 
 
-def _gptq(w: torch.Tensor, h: torch.Tensor, spec: QuantSpec, dtype: torch.dtype) -> QuantizedWeight:
+def _gptq(w: torch.Tensor, h: torch.Tensor, spec: QuantSpec, dtype: torch.dtype, act_order: bool) -> QuantizedWeight:
     n, k = w.shape
     g = spec.group_size
     assert k % g == 0, f"group size {g} does not divide the weight's {k} input channels"
@@ -56,6 +65,8 @@ def _gptq(w: torch.Tensor, h: torch.Tensor, spec: QuantSpec, dtype: torch.dtype)
     h[dead, dead] = 1
     w[:, dead] = 0
     h.diagonal().add_(DAMPENING * torch.diag(h).mean())
+    if act_order:
+        return _gptq_act_order(w, h, spec, dtype)
     u = _inverse_cholesky(h)
     block = max(BLOCK // g, 1) * g if g <= BLOCK else g  # whole groups per block
     q = torch.empty(n, k)  # the integers, as floats until the end (one conversion, not one per column)
@@ -83,6 +94,37 @@ def _gptq(w: torch.Tensor, h: torch.Tensor, spec: QuantSpec, dtype: torch.dtype)
     q = q.to(torch.int8)
     zero_t = None if spec.symmetric else torch.stack(zeros, dim=1)  # type: ignore[arg-type]
     return QuantizedWeight(q, torch.stack(scales, dim=1), zero_t, spec)
+
+
+def _gptq_act_order(w: torch.Tensor, h: torch.Tensor, spec: QuantSpec, dtype: torch.dtype) -> QuantizedWeight:
+    """Columns by falling ``diag(h)``, every group's parameters from the original weights."""
+    n, k = w.shape
+    g = spec.group_size
+    scale, zero = group_params(w.reshape(n, k // g, g), spec, dtype)  # [N, K / G]
+    perm = torch.argsort(torch.diag(h), descending=True)
+    group = perm // g  # the group of each column, in the order they are taken
+    col_scale = scale.float()[:, group]  # [N, K], permuted
+    col_zero = torch.zeros_like(col_scale) if zero is None else zero.float()[:, group]
+    w = w[:, perm]
+    u = _inverse_cholesky(h[perm][:, perm])
+    q = torch.empty(n, k)
+    for b0 in range(0, k, BLOCK):
+        b1 = min(b0 + BLOCK, k)
+        w1 = w[:, b0:b1].clone()
+        err = torch.zeros_like(w1)
+        u1 = u[b0:b1, b0:b1]
+        for i in range(b1 - b0):
+            s, z = col_scale[:, b0 + i], col_zero[:, b0 + i]
+            col = w1[:, i]
+            qi = (torch.round(col / s) + z).clamp_(spec.qmin, spec.qmax)
+            q[:, b0 + i] = qi
+            e = (col - (qi - z) * s) / u1[i, i]
+            w1[:, i:] -= e[:, None] * u1[i, i:][None, :]
+            err[:, i] = e
+        w[:, b1:] -= err @ u[b0:b1, b1:]
+    out = torch.empty_like(q)
+    out[:, perm] = q
+    return QuantizedWeight(out.to(torch.int8), scale, zero, spec)
 
 
 def _inverse_cholesky(h: torch.Tensor) -> torch.Tensor:

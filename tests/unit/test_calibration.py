@@ -1,0 +1,84 @@
+"""`tokenmill quantize`'s calibration: samples spread over unlike texts, and GPTQ's act order
+(columns by falling Hessian diagonal, groups' scales fixed from the original weights)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.errors import TokenmillError
+from tokenmill.quant.calibrate.gptq import Hessian, gptq
+from tokenmill.quant.calibrate.rtn import QuantSpec, relative_errors, rtn
+from tokenmill.quantize.calibration import MIN_DOCS_CHARS, bundled_text, calibration_samples, calibration_texts
+
+
+class Words:
+    """Token ids = the integers a text is made of (each window's origin is then readable)."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [int(w) for w in text.split()]
+
+
+def text(start: int, n: int) -> str:
+    return " ".join(str(i) for i in range(start, start + n))
+
+
+def test_samples_are_shared_between_texts_and_spread_over_each():
+    a, b = text(0, 1000), text(10_000, 1000)
+    windows = calibration_samples(Words(), [a, b], 6, 100)
+    assert len(windows) == 6
+    for w in windows:
+        assert len(w) == 100 and w == list(range(w[0], w[0] + 100))  # consecutive, from one text
+    assert sorted(w[0] for w in windows) == [0, 450, 900, 10_000, 10_450, 10_900]  # 3 each, first to last
+
+
+def test_a_small_text_weighs_as_much_as_a_large_one():
+    windows = calibration_samples(Words(), [text(0, 250), text(10_000, 5000)], 8, 100)
+    small = sorted(w[0] for w in windows if w[0] < 10_000)
+    assert small == [0, 50, 100, 150]  # its share, at overlapping offsets
+    assert len(windows) == 8 and all(len(w) == 100 for w in windows)
+
+
+def test_a_text_shorter_than_a_window_gives_itself_once():
+    windows = calibration_samples(Words(), [text(0, 30), text(10_000, 1000)], 4, 100)
+    assert windows[0] == list(range(30)) and len(windows) == 4
+    assert calibration_samples(Words(), [text(0, 5), text(100, 30)], 4, 100) == [list(range(100, 130))]
+    with pytest.raises(TokenmillError, match="fewer than 2 tokens"):
+        calibration_samples(Words(), ["7"], 4, 100)
+
+
+def test_default_sources_are_the_bundled_prose_and_the_stdlib_docs(tmp_path):
+    texts = calibration_texts(None)
+    assert texts[0] == bundled_text() and "Declaration of Independence" in texts[0]
+    assert len(texts) == 2 and len(texts[1]) >= MIN_DOCS_CHARS and "class OrderedDict" in texts[1]
+    mine = tmp_path / "mine.txt"
+    mine.write_text("my own words")
+    assert calibration_texts(mine) == ["my own words"]
+    mine.write_text("  \n")
+    with pytest.raises(TokenmillError, match="is empty"):
+        calibration_texts(mine)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_gptq_act_order_keeps_the_groups_and_beats_rtn_on_its_inputs(symmetric):
+    """Act order takes columns in another order but stores the usual contiguous groups, each
+    with the scale (and zero point) RTN gives the original weights; GPTQ in either order
+    reconstructs ``X W^T`` better than RTN on correlated inputs of unequal loudness (as a
+    layer's are: on independent inputs there is no other column to absorb an error)."""
+    torch.manual_seed(0)
+    k, n, g = 128, 48, 32
+    x = torch.randn(2048, 16) @ torch.randn(16, k) + 0.1 * torch.randn(2048, k)
+    x = x * torch.linspace(0.2, 3.0, k)[torch.randperm(k)]
+    w = torch.randn(n, k)
+    h = Hessian(k)
+    h.add(x)
+    spec = QuantSpec(4, g, symmetric)
+    base = rtn(w, spec, torch.float32)
+    ordered = gptq(w, h.h, spec, torch.float32, act_order=True)
+    plain = gptq(w, h.h, spec, torch.float32, act_order=False)
+    assert torch.equal(ordered.scale, base.scale)
+    if not symmetric:
+        assert torch.equal(ordered.zero, base.zero)
+    assert ordered.q.shape == (n, k) and int(ordered.q.min()) >= spec.qmin and int(ordered.q.max()) <= spec.qmax
+    e_rtn, e_ordered, e_plain = relative_errors(x, w, [base.dequantize(), ordered.dequantize(), plain.dequantize()])
+    assert e_ordered < 0.5 * e_rtn and e_plain < 0.5 * e_rtn
