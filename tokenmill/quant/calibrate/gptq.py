@@ -22,6 +22,8 @@ Two orders, as llm-compressor's ``actorder``:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from tokenmill.quant.calibrate.rtn import QuantizedWeight, QuantSpec, group_params
@@ -67,33 +69,21 @@ def _gptq(w: torch.Tensor, h: torch.Tensor, spec: QuantSpec, dtype: torch.dtype,
     h.diagonal().add_(DAMPENING * torch.diag(h).mean())
     if act_order:
         return _gptq_act_order(w, h, spec, dtype)
-    u = _inverse_cholesky(h)
-    block = max(BLOCK // g, 1) * g if g <= BLOCK else g  # whole groups per block
-    q = torch.empty(n, k)  # the integers, as floats until the end (one conversion, not one per column)
     scales: list[torch.Tensor] = []
-    zeros: list[torch.Tensor | None] = []
-    for b0 in range(0, k, block):
-        b1 = min(b0 + block, k)
-        w1 = w[:, b0:b1].clone()
-        err = torch.zeros_like(w1)
-        u1 = u[b0:b1, b0:b1]
-        for i in range(b1 - b0):
-            if (b0 + i) % g == 0:
-                scale, zero = group_params(w1[:, i : i + g], spec, dtype)
-                scales.append(scale)
-                zeros.append(zero)
-                s = scale.float()
-                z = torch.zeros_like(s) if zero is None else zero.float()
-            col = w1[:, i]
-            qi = (torch.round(col / s) + z).clamp_(spec.qmin, spec.qmax)
-            q[:, b0 + i] = qi
-            e = (col - (qi - z) * s) / u1[i, i]
-            w1[:, i:] -= e[:, None] * u1[i, i:][None, :]
-            err[:, i] = e
-        w[:, b1:] -= err @ u[b0:b1, b1:]
-    q = q.to(torch.int8)
-    zero_t = None if spec.symmetric else torch.stack(zeros, dim=1)  # type: ignore[arg-type]
-    return QuantizedWeight(q, torch.stack(scales, dim=1), zero_t, spec)
+    zeros: list[torch.Tensor] = []
+
+    def chosen_at_group_start(j: int, rest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if j % g == 0:  # rest[:, :g] is the group, as updated so far
+            scale, zero = group_params(rest[:, :g], spec, dtype)
+            scales.append(scale.float())
+            zeros.append(torch.zeros_like(scales[-1]) if zero is None else zero.float())
+        return scales[-1], zeros[-1]
+
+    block = max(BLOCK // g, 1) * g if g <= BLOCK else g  # whole groups per block
+    q = _sweep(w, _inverse_cholesky(h), block, spec, chosen_at_group_start)
+    scale = torch.stack(scales, dim=1).to(dtype)
+    zero = None if spec.symmetric else torch.stack(zeros, dim=1).to(torch.int8)
+    return QuantizedWeight(q.to(torch.int8), scale, zero, spec)
 
 
 def _gptq_act_order(w: torch.Tensor, h: torch.Tensor, spec: QuantSpec, dtype: torch.dtype) -> QuantizedWeight:
@@ -105,16 +95,35 @@ def _gptq_act_order(w: torch.Tensor, h: torch.Tensor, spec: QuantSpec, dtype: to
     group = perm // g  # the group of each column, in the order they are taken
     col_scale = scale.float()[:, group]  # [N, K], permuted
     col_zero = torch.zeros_like(col_scale) if zero is None else zero.float()[:, group]
-    w = w[:, perm]
-    u = _inverse_cholesky(h[perm][:, perm])
+    q = _sweep(
+        w[:, perm], _inverse_cholesky(h[perm][:, perm]), BLOCK, spec, lambda j, _: (col_scale[:, j], col_zero[:, j])
+    )
+    out = torch.empty_like(q)
+    out[:, perm] = q
+    return QuantizedWeight(out.to(torch.int8), scale, zero, spec)
+
+
+def _sweep(
+    w: torch.Tensor,
+    u: torch.Tensor,
+    block: int,
+    spec: QuantSpec,
+    params: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+) -> torch.Tensor:
+    """GPTQ's pass over the columns of ``w`` (in the order to take them; updated in place)
+    with ``u``, the upper Cholesky factor of the inverse Hessian in that order: the integers
+    [N, K] as floats (one conversion at the end, not one per column). ``params(j, rest)``
+    gives column j's scale and zero point [N] (``rest``: columns j onwards of its block, as
+    updated so far)."""
+    n, k = w.shape
     q = torch.empty(n, k)
-    for b0 in range(0, k, BLOCK):
-        b1 = min(b0 + BLOCK, k)
+    for b0 in range(0, k, block):
+        b1 = min(b0 + block, k)
         w1 = w[:, b0:b1].clone()
         err = torch.zeros_like(w1)
         u1 = u[b0:b1, b0:b1]
         for i in range(b1 - b0):
-            s, z = col_scale[:, b0 + i], col_zero[:, b0 + i]
+            s, z = params(b0 + i, w1[:, i:])
             col = w1[:, i]
             qi = (torch.round(col / s) + z).clamp_(spec.qmin, spec.qmax)
             q[:, b0 + i] = qi
@@ -122,9 +131,7 @@ def _gptq_act_order(w: torch.Tensor, h: torch.Tensor, spec: QuantSpec, dtype: to
             w1[:, i:] -= e[:, None] * u1[i, i:][None, :]
             err[:, i] = e
         w[:, b1:] -= err @ u[b0:b1, b1:]
-    out = torch.empty_like(q)
-    out[:, perm] = q
-    return QuantizedWeight(out.to(torch.int8), scale, zero, spec)
+    return q
 
 
 def _inverse_cholesky(h: torch.Tensor) -> torch.Tensor:
