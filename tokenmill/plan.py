@@ -13,8 +13,17 @@ each (``--watts-per-cpu``, tokenmill/energy.py's default otherwise) a token cost
 ``threads * P / rate`` joules, and at ``--price-per-hour`` dollars the machine's hour buys
 ``3600 * rate`` tokens.
 
-``--measure`` runs the engine with the same configuration and prints the measured
-figures beside the predicted ones (joules from RAPL where readable, else the estimate).
+The bound is a bound: on a CPU with a small model the steps' fixed and per-sequence costs
+dominate and real decoding runs at a fraction of it. What predicts is a *profile*, a step
+model calibrated on this machine with this configuration (tokenmill/engine/step_model.py):
+``--calibrate`` probes the engine for some seconds and writes it (``--profile FILE``, or
+the default path printed), later plans read it. From it: single-stream decode tok/s, decode
+tok/s of ``--concurrency`` sequences, and for a load (``--rate``, ``--input-len``,
+``--output-len``) the output tok/s, time per output token, J per token and $ per 1M tokens.
+
+``--measure`` runs the engine with the same configuration, apart from the probe
+(tokenmill/engine/load_measure.py), and prints the measured figures beside the predicted ones
+with their ratio (joules from RAPL where readable, else the estimate).
 """
 
 from __future__ import annotations
@@ -82,34 +91,59 @@ def make_plan(llm, kv_budget: int, context_len: int, bandwidth: float) -> Plan:
     )
 
 
-def measure(llm, plan: Plan, tokens: int = 64, watts_per_cpu: float | None = None) -> dict:
-    """Single-stream decode tok/s (at a short context) and the most sequences of
-    `context_len` tokens that ran at once when two more than predicted were sent
-    (`tokenmill plan --measure` lifts the token budget so that prefill speed does
-    not limit how many are admitted together)."""
+def measure_max_seqs(llm, plan: Plan) -> int:
+    """The most sequences of `context_len` tokens that ran at once when two more than
+    predicted were sent (`tokenmill plan --measure` lifts the token budget, unless given,
+    so that prefill speed does not limit how many are admitted together)."""
     from tokenmill import SamplingParams
-    from tokenmill.energy import EnergyMeter
 
-    prompt = list(range(1000, 1032))
-    llm.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True))  # warm up
-    meter = EnergyMeter(watts_per_cpu)
-    out = llm.generate(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0))[0]
-    energy = meter.read()
-    t = out.timings[0]
-    decode = (len(t.token_times) - 1) / (t.token_times[-1] - t.first_token)
     n = plan.max_seqs + 2
     out_len = min(8, plan.context_len // 4)
     prompts = [[1000 + (i * 7 + j) % 20000 for j in range(plan.context_len - out_len)] for i in range(n)]
     llm.engine.core.step_stats.clear()
     llm.generate(prompts, SamplingParams(max_tokens=out_len, ignore_eos=True))
-    peak = max(s.num_running for s in llm.engine.core.step_stats)
+    return max(s.num_running for s in llm.engine.core.step_stats)
+
+
+def fingerprint(llm) -> dict:
+    """What a step profile depends on: a profile made for another is not this one's."""
+    from tokenmill.kernels.cpu import cpu_info
+
     return {
-        "decode_tok_s": decode,
-        "decode_context": len(prompt) + tokens // 2,
-        "max_seqs": peak,
-        "joules_per_token": energy.joules / tokens,
-        "energy_source": energy.source,
+        "model": llm.model_path.name,
+        "dtype": str(llm.dtype).removeprefix("torch."),
+        "weights": llm.quantization,
+        "kv_cache_dtype": llm.kv_cache_dtype,
+        "kernels": llm.parts.model.ops.name,
+        "device": str(llm.device),
+        "threads": _threads(llm),
+        "cpu": cpu_info().model,
     }
+
+
+def load_profile(args: argparse.Namespace, llm):
+    """The profile for this configuration: probed now (``--calibrate``, or ``--measure``
+    with none saved) and written, or read from ``--profile`` / the default path; None
+    where there is none, or where the file is another configuration's (refused, and left
+    as it is unless ``--calibrate`` says to replace it)."""
+    from pathlib import Path
+
+    from tokenmill.engine.step_model import Profile, default_profile_path, probe
+
+    fp = fingerprint(llm)
+    path = Path(args.profile) if args.profile else default_profile_path(fp)
+    if not args.calibrate and path.exists():
+        profile = Profile.load(path)
+        if not profile.mismatch(fp):
+            return profile, path, "read"
+        print(f"  profile {path} is another configuration's: {'; '.join(profile.mismatch(fp))}", file=sys.stderr)
+        return None, path, "mismatch"  # not overwritten: `--calibrate` does that, when asked
+    if not args.calibrate and not args.measure:
+        return None, path, "none"
+    print("calibrating the step model ...", file=sys.stderr, flush=True)
+    profile = probe(llm.engine, watts_per_cpu=args.watts_per_cpu).profile(fp)
+    profile.save(path)
+    return profile, path, "written"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -123,6 +157,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="power per busy logical CPU for the energy figures (default 3)",
     )
     p.add_argument("--price-per-hour", type=float, default=None, help="the machine's $ per hour: adds $ per 1M tokens")
+    p.add_argument(
+        "--profile",
+        default=None,
+        metavar="FILE",
+        help="the calibrated step model to read (with --calibrate: to write); default: one per configuration "
+        "under $XDG_CACHE_HOME/tokenmill/profiles (~/.cache/...)",
+    )
+    p.add_argument("--calibrate", action="store_true", help="probe the engine (seconds) and write the profile")
+    p.add_argument(
+        "--concurrency", type=int, default=16, help="sequences decoding together, predicted (default %(default)s)"
+    )
+    p.add_argument(
+        "--rate", type=float, default=None, help="a load: requests/s (default: the predicted capacity's load)"
+    )
+    p.add_argument("--input-len", type=int, default=256, help="a load's prompt tokens (default %(default)s)")
+    p.add_argument("--output-len", type=int, default=128, help="a load's output tokens (default %(default)s)")
+    p.add_argument(
+        "--measure-seconds",
+        type=float,
+        default=30,
+        help="--measure: seconds of arrivals for the load (default %(default)s)",
+    )
 
 
 def run_several(args: argparse.Namespace, planned: list) -> int:
@@ -191,27 +247,102 @@ def report(args: argparse.Namespace, llm, bw: float) -> Plan:
     print(f"  CPU: {cpu_info().describe()}; native bfloat16: {'yes' if cpu_info().native_bf16 else 'no'}")
     for k, v in rows:
         print(f"  {k:45s} {v}")
-    if args.measure:
-        print("measuring ...", file=sys.stderr, flush=True)
-        m = measure(llm, plan, watts_per_cpu=args.watts_per_cpu)
-        predicted = plan.decode_bound(1, m["decode_context"])
-        print(f"  {'':45s} {'predicted':>12s} {'measured':>12s}")
-        print(
-            f"  {'single-stream decode tok/s':45s} {predicted:12.1f} {m['decode_tok_s']:12.1f}"
-            f"   ({m['decode_tok_s'] / predicted:.0%} of the bound)"
-        )
-        print(f"  {f'max sequences of {plan.context_len} tokens':45s} {plan.max_seqs:12d} {m['max_seqs']:12d}")
-        print(
-            f"  {'single-stream J per token':45s} {watts / predicted:12.3f} {m['joules_per_token']:12.3f}"
-            f"   (measured: {m['energy_source']})"
-        )
-        if args.price_per_hour is not None:
-            price = args.price_per_hour
-            print(
-                f"  {'single-stream $ per 1M tokens':45s} {dollars_per_million(price, 1.0, predicted):12.2f} "
-                f"{dollars_per_million(price, 1.0, m['decode_tok_s']):12.2f}"
-            )
+    profile, path, how = load_profile(args, llm)
+    if profile is None:
+        hint = "another configuration's" if how == "mismatch" else "none yet"
+        print(f"  step profile: {hint} at {path}; `--calibrate` probes the engine and writes one")
+        if args.measure:
+            print(f"  {'max sequences, measured':45s} {measure_max_seqs(llm, plan)}")
+        return plan
+    predict(args, llm, plan, profile, path, how)
     return plan
+
+
+def predict(args: argparse.Namespace, llm, plan: Plan, profile, path, how: str) -> None:
+    """The step model's rows, and with --measure the measured ones beside them."""
+    import math
+
+    from tokenmill.engine.step_model import predict_load
+
+    m = profile.model
+    dec_err, pre_err = profile.fit_errors()
+    watts = None if args.watts_per_cpu is None else args.watts_per_cpu * m.busy_cpus
+    busy_w = m.busy_watts if watts is None else watts
+    print(
+        f"  step profile ({how} {path}, {profile.created}, probe {profile.probe_seconds:.1f} s): decode step "
+        f"{m.a * 1e3:.2f} ms + {m.b * 1e3:.3f} ms/seq + {m.c * 1e6:.4f} us/KV token (fit +-{dec_err:.0%}); "
+        f"prefill {m.p * 1e6:.1f} us/token + {m.q * 1e9:.2f} ns/token/context (fit +-{pre_err:.0%}); "
+        f"{busy_w:.1f} W busy ({profile.energy_source if watts is None else 'estimated'}, "
+        f"{m.busy_cpus:.2f} CPUs)"
+    )
+    ctx = plan.context_len
+    sched = llm.args.scheduler
+    conc = max(1, min(args.concurrency, plan.max_seqs or 1, sched.max_num_seqs))
+    blocks = -(-(args.input_len + args.output_len) // plan.block_size)
+    load_seqs = max(1, min(sched.max_num_seqs, plan.num_blocks // blocks))
+    cap = predict_load(m, math.inf, args.input_len, args.output_len, load_seqs, args.price_per_hour, watts)
+    rate = args.rate if args.rate is not None else math.inf
+    load = predict_load(m, rate, args.input_len, args.output_len, load_seqs, args.price_per_hour, watts)
+    single_ctx = ctx - 32  # --measure decodes 64 tokens after a prompt of context - 32
+    rows = [
+        (f"single-stream decode tok/s at {ctx} tokens", m.decode_tok_s(1, single_ctx)),
+        (f"decode tok/s, {conc} sequences at {ctx} tokens", m.decode_tok_s(conc, single_ctx)),
+    ]
+    label = f"{args.input_len}+{args.output_len} tokens at " + (
+        f"{rate:g} req/s" if math.isfinite(rate) else "capacity"
+    )
+    print(
+        f"  load of {args.input_len} prompt + {args.output_len} output tokens: capacity "
+        f"{cap.capacity_rate:.2f} req/s ({load_seqs} sequences at most); "
+        + (f"{rate:g} req/s is {'below' if load.stable else 'ABOVE'} it" if math.isfinite(rate) else "at capacity")
+        + f", {load.concurrency:.1f} decoding at once, busy {load.busy:.0%}"
+    )
+    rows += [
+        (f"output tok/s, {label}", load.output_tok_s),
+        (f"time per output token (ms), {label}", load.tpot * 1e3),
+        (f"J per output token, {label}", load.joules_per_token),
+    ]
+    if args.price_per_hour is not None:
+        rows.append((f"$ per 1M output tokens, {label}", load.dollars_per_million))
+    measured: list[float | None] = [None] * len(rows)
+    if args.measure:
+        from tokenmill.engine.load_measure import measure_decode, measure_load
+
+        print("measuring ...", file=sys.stderr, flush=True)
+        measured[0] = measure_decode(llm.engine, 1, ctx)
+        measured[1] = measure_decode(llm.engine, conc, ctx)
+        # a finite rate for --measure-seconds; at capacity, twice the sequences it holds or capacity's seconds' worth
+        n = (
+            round(rate * args.measure_seconds)
+            if math.isfinite(rate)
+            else round(cap.capacity_rate * args.measure_seconds)
+        )
+        n = n if math.isfinite(rate) else max(n, 2 * load_seqs)
+        got = measure_load(llm.engine, n, rate, args.input_len, args.output_len, args.watts_per_cpu)
+        measured[2:5] = [got.output_tok_s, got.tpot * 1e3, got.joules_per_token]
+        if args.price_per_hour is not None:
+            from tokenmill.energy import dollars_per_million
+
+            measured[5] = dollars_per_million(args.price_per_hour, 1.0, got.output_tok_s)
+        print(
+            f"  load measured: {got.requests} requests in {got.seconds:.1f} s, TTFT p50 {got.ttft_p50:.2f} s, "
+            f"energy {got.energy_source}"
+        )
+    print(f"  {'':52s} {'predicted':>10s}" + (f" {'measured':>10s} {'ratio':>6s}" if args.measure else ""))
+    for (label, value), got in zip(rows, measured, strict=True):
+        line = f"  {label:52s} {_num(value):>10s}"
+        if args.measure:
+            ratio = f"{value / got:.2f}" if got and value is not None and math.isfinite(got) else "-"
+            line += f" {_num(got):>10s} {ratio:>6s}"
+        print(line)
+    if args.measure:
+        print(f"  {f'max sequences of {ctx} tokens':52s} {plan.max_seqs:10d} {measure_max_seqs(llm, plan):10d}")
+
+
+def _num(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.3f}" if abs(x) < 10 else f"{x:.1f}"
 
 
 def _threads(llm) -> int:

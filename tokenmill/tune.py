@@ -9,10 +9,21 @@ a million output tokens there: ``--price-per-hour`` times the run's duration ove
 tokens, so a candidate that sustains more traffic on the same machine costs less per token;
 joules per token come from the server's /metrics (measured or estimated, as it says).
 
-Successive halving instead of a grid: every candidate gets a short probe (``--prompts`` per
-rate); the better half is measured again with twice the prompts, from one rate below its
-best; and so on until one is left. The defaults are measured in every round beside the
-others, so that the last round compares the pick and the defaults on equal runs.
+Successive halving instead of a grid: every candidate gets a short probe at each rate
+(``--seconds`` of arrivals, so ``rate x seconds`` requests: a round measured by prompt count
+ran for a second at a high rate and saw none of the queue that builds near capacity); the
+better half is measured again for twice the seconds, from its best rate (down where the
+longer run breaks it); and so on (``--rounds``, 2 by default: two rounds and the validation
+fit 15 minutes on a 2-core machine). The defaults are measured in every round beside the
+others. A run stops as soon as its SLO is certainly broken (``doomed``: enough requests
+already over a limit), so that a rate too high costs seconds, not the whole drain of its
+queue.
+
+Short runs still flatter a rate near capacity, so what the report states comes from a last
+**validation**: the pick and the defaults, each in a fresh server, for ``--validate-seconds``
+at the rate the search found, with prompts of another seed; a rate that fails is stepped
+down until one meets the SLO. The pick is named only if its validated cost beats the
+defaults' validated cost; otherwise the defaults are (or, if neither validates, nothing).
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ import asyncio
 import json
 import math
 import os
+import random
 import re
 import subprocess
 import sys
@@ -47,6 +59,9 @@ CANDIDATES: dict[str, tuple[str, ...]] = {
 METRICS = ("ttft", "tpot", "itl", "e2e")
 RUN_TIMEOUT_FACTOR = 3  # a run longer than 3x (its arrivals + the SLO's longest limit) has broken it
 STATS = ("mean", "p50", "p90", "p99")
+QUANTILES = {"p50": 0.5, "p90": 0.9, "p99": 0.99}
+VALIDATION_SEED = 7919  # added to --seed: the validation's prompts are none the search saw
+SERVER_START_S = 30  # what starting a server and warming it takes, for the time budget's reserve
 UNITS = {"ms": 1e-3, "s": 1.0, "": 1.0}
 
 
@@ -97,10 +112,10 @@ class Slo:
 
 @dataclass
 class Trial:
-    """One candidate's measurements in one round."""
+    """One candidate's measurements in one round (or its validation)."""
 
     candidate: str
-    prompts: int
+    seconds: float  # of arrivals per rate
     runs: list[dict] = field(default_factory=list)  # bench serve summaries, rising rates
     best: dict | None = None  # the highest-rate run that met the SLO
     error: str | None = None
@@ -126,7 +141,53 @@ class Trial:
         return (self.cost, -self.goodput_rate)
 
 
-Measure = Callable[[str, list[float], int, int], Trial]  # (candidate, rates, start index, prompts per rate)
+Measure = Callable[[str, list[float], int, float], Trial]  # (candidate, rates, start index, seconds per rate)
+RunAt = Callable[[str, float], dict]  # (candidate, rate) -> a validation run's summary, with "slo_violations"
+
+
+def requests_for(rate: float, seconds: float, minimum: int = 8) -> int:
+    """A run of ``seconds`` of arrivals at ``rate``: rate x seconds requests (at least
+    ``minimum``, so that a p99 is more than one request's luck)."""
+    return max(minimum, round(rate * seconds))
+
+
+def doomed(slo: Slo, n: int, finished: list, inflight: list[tuple[float, int]]) -> str | None:
+    """Why a run of ``n`` requests has certainly broken the SLO already, or None.
+
+    ``finished``: the results so far (``RequestResult``s: a failed one breaks every limit);
+    ``inflight``: (seconds since sent, max_tokens) of the others. A percentile limit ``pQ``
+    is broken once ``n - floor(Q * (n - 1))`` requests are over it (the interpolated pQ lies
+    between the top ones). A request in flight for longer than ttft + (max_tokens - 1) x
+    tpot has broken one of the two; longer than e2e, that one. Means can still recover: not
+    judged early."""
+    over: dict[str, int] = {}
+    need: dict[str, int] = {}
+    for key, limit in slo.limits.items():
+        metric, stat = key.split("_")
+        if stat not in QUANTILES or metric == "itl":
+            continue
+        need[key] = n - math.floor(QUANTILES[stat] * (n - 1))
+        bad = 0
+        for r in finished:
+            value = getattr(r, metric, None) if r.ok else math.inf
+            bad += value is not None and value > limit
+        over[key] = bad
+        if bad >= need[key]:
+            return f"{key}: {bad} of {n} requests already over {limit * 1000:.0f} ms"
+    e2e = next((k for k in need if k.startswith("e2e")), None)
+    if e2e is not None:
+        late = sum(1 for age, _ in inflight if age > slo.limits[e2e])
+        if over[e2e] + late >= need[e2e]:
+            return f"{e2e}: {over[e2e] + late} of {n} requests over {slo.limits[e2e] * 1000:.0f} ms"
+    ttft = next((k for k in need if k.startswith("ttft")), None)
+    tpot = next((k for k in need if k.startswith("tpot")), None)
+    if ttft and tpot:
+        bound = lambda tokens: slo.limits[ttft] + (tokens - 1) * slo.limits[tpot]  # noqa: E731
+        late = sum(1 for age, tokens in inflight if age > bound(tokens))
+        room = (need[ttft] - 1 - over[ttft]) + (need[tpot] - 1 - over[tpot])  # late ones that fit under both
+        if late > room:
+            return f"{ttft} or {tpot}: {late} requests in flight past ttft + tokens x tpot"
+    return None
 
 
 def climb(rates: list[float], start: int, meets: Callable[[float], bool]) -> None:
@@ -148,18 +209,29 @@ def _cost(run: dict) -> float:
 
 
 def successive_halving(
-    candidates: list[str], rates: list[float], prompts: int, measure: Measure, rounds: int = 3, log=print
+    candidates: list[str],
+    rates: list[float],
+    seconds: float,
+    measure: Measure,
+    rounds: int = 3,
+    log=print,
+    first: int = 0,
 ) -> list[list[Trial]]:
-    """Round r measures the survivors with ``prompts * 2**r`` prompts per rate, each from one
-    rate below its last best; the better half (by cost at the SLO, then goodput) goes on.
-    The defaults are measured every round but take no survivor's place."""
+    """Round r measures the survivors for ``seconds * 2**r`` seconds per rate, the first
+    round from ``rates[first]``, later ones from each one's last best (``climb`` steps down
+    where the longer run breaks it); the
+    better half (by cost at the SLO, then goodput) goes on. The defaults are measured every
+    round but take no survivor's place. A round whose trials were all left unmeasured (the
+    time budget) ends the search."""
     history: list[list[Trial]] = []
     alive = list(candidates)
-    start = {c: 0 for c in candidates}  # index into rates
+    start = {c: first for c in candidates}  # index into rates
     for r in range(rounds):
-        n = prompts * 2**r
-        log(f"round {r + 1}: {len(alive)} candidates, {n} prompts per rate")
+        n = seconds * 2**r
+        log(f"round {r + 1}: {len(alive)} candidates, {n:g} s per rate")
         trials = [measure(c, rates, start[c], n) for c in alive]
+        if all(t.error and not t.runs for t in trials):
+            break
         history.append(trials)
         others = sorted((t for t in trials if t.candidate != DEFAULTS), key=Trial.key)
         if len(others) <= 1:
@@ -168,8 +240,63 @@ def successive_halving(
         alive = [t.candidate for t in keep] + ([DEFAULTS] if DEFAULTS in alive else [])
         for t in trials:
             if t.best:
-                start[t.candidate] = max(0, rates.index(t.best["request_rate"]) - 1)
+                start[t.candidate] = rates.index(t.best["request_rate"])
     return history
+
+
+def latest(history: list[list[Trial]]) -> dict[str, Trial]:
+    """Each candidate's last measured trial (a later round left unmeasured does not hide it)."""
+    out: dict[str, Trial] = {}
+    for trials in history:
+        for t in trials:
+            if t.runs or t.candidate not in out:
+                out[t.candidate] = t
+    return out
+
+
+def validate(
+    name: str, rate: float, rates: list[float], run_at: RunAt, seconds: float, log=print, time_left=lambda: True
+) -> Trial:
+    """``name`` at ``rate`` for a long run; if it breaks the SLO, the next lower rate, and so
+    on until one meets it (the trial's best), none is left or ``time_left()`` says no more
+    (the trial then says so in ``error``)."""
+    t = Trial(name, seconds)
+    for i, r in enumerate([rate] + sorted((x for x in rates if x < rate), reverse=True)):
+        if i and not time_left():
+            t.error = f"validation stopped at {r:g} req/s: over the time budget"
+            log(f"  validation: {name}: {t.error}")
+            return t
+        summary = run_at(name, r)
+        t.runs.append(summary)
+        if not summary["slo_violations"]:
+            t.best = summary
+            return t
+        log(f"  validation: {name} broke the SLO at {r:g} req/s")
+    return t
+
+
+def choose(pick: Trial | None, defaults: Trial | None) -> tuple[Trial | None, str]:
+    """What the report states, from the validation runs: the searched pick only where it
+    met the SLO and its validated cost beats the defaults' validated cost."""
+    if pick is not None and pick.best and (defaults is None or pick.key() < defaults.key()):
+        if defaults is None:
+            return pick, f"pick: {pick.candidate}, validated at {pick.goodput_rate:g} req/s"
+        versus = (
+            f"the defaults' ${defaults.cost:.3f} at {defaults.goodput_rate:g} req/s"
+            if defaults.best
+            else "the defaults meeting the SLO at no rate tried"
+        )
+        return pick, (
+            f"pick: {pick.candidate}, validated: ${pick.cost:.3f} per 1M output tokens at "
+            f"{pick.goodput_rate:g} req/s, against {versus}"
+        )
+    if defaults is not None and defaults.best:
+        why = "" if pick is None or pick is defaults else f" ({pick.candidate} validated no cheaper)"
+        return defaults, (
+            f"pick: the defaults are already best here{why}: validated ${defaults.cost:.3f} per 1M output tokens "
+            f"at {defaults.goodput_rate:g} req/s"
+        )
+    return None, "no candidate met the SLO in validation at any rate tried: lower --rates, or relax the SLO"
 
 
 class ServerProcess:
@@ -215,61 +342,157 @@ class ServerProcess:
         self.log.close()
 
 
-def measure_candidate(
-    args: argparse.Namespace, slo: Slo, name: str, rates: list[float], start: int, prompts: int
-) -> Trial:
-    """Start the candidate's server and find the highest rate that meets the SLO (``climb``)."""
-    from tokenmill.loadgen.energy_probe import EnergyProbe, run_energy
-    from tokenmill.loadgen.serve import run_load, summarise, synthetic, warm_up
+async def load_until_broken(
+    url: str, model: str, reqs: list[dict], rate: float, slo: Slo, seed: int, limit: float, every: float = 0.5
+) -> tuple[list, float, str | None]:
+    """bench serve's load (Poisson arrivals at ``rate``, each request streamed by its
+    ``send``), stopped as soon as ``doomed`` says the SLO is broken or after ``limit``
+    seconds: (the finished results, seconds, why it stopped early or None). Stopping
+    closes the streams: the server aborts what it still runs."""
+    import httpx
 
-    trial = Trial(name, prompts)
-    t0 = time.monotonic()
-    try:
-        server = ServerProcess([*args.serve_flags, *candidates_of(args)[name]])
-    except RuntimeError as e:
-        trial.error = str(e)
-        print(f"  {name}: {e}", file=sys.stderr)
-        return trial
-    model = "tune"
+    from tokenmill.loadgen.serve import send
 
-    def meets(rate: float) -> bool:
-        reqs = _workload(args, prompts, rate, synthetic)
-        before = probe.read()
-        limit = RUN_TIMEOUT_FACTOR * (prompts / rate + slo.longest())
+    rng = random.Random(seed)
+    started: list[tuple[asyncio.Task, float, int]] = []
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(limits=limits, timeout=None) as client:
+
+        async def arrivals() -> None:
+            for req in reqs:
+                task = asyncio.create_task(send(client, url + "/v1/completions", model, req, {}, False))
+                started.append((task, time.perf_counter(), req["max_tokens"]))
+                await asyncio.sleep(rng.expovariate(rate))
+
+        t0 = time.perf_counter()
+        feeder = asyncio.create_task(arrivals())
+        why = None
+        while not (feeder.done() and all(t.done() for t, _, _ in started)):
+            await asyncio.sleep(every)
+            now = time.perf_counter()
+            finished = [t.result() for t, _, _ in started if t.done()]
+            why = doomed(slo, len(reqs), finished, [(now - s, m) for t, s, m in started if not t.done()])
+            if why is None and now - t0 > limit:
+                why = f"the run took over {limit:.0f} s"
+            if why:
+                break
+        elapsed = time.perf_counter() - t0
+        if why:
+            feeder.cancel()
+            for t, _, _ in started:
+                t.cancel()
+            await asyncio.gather(feeder, *(t for t, _, _ in started), return_exceptions=True)
+        results = [t.result() for t, _, _ in started if t.done() and not t.cancelled()]
+    return results, elapsed, why
+
+
+class Session:
+    """One candidate's server, warmed, and its runs at a rate: each a summary with its
+    energy, cost and the SLO's verdict (``slo_violations``)."""
+
+    def __init__(self, args: argparse.Namespace, slo: Slo, name: str) -> None:
+        from tokenmill.loadgen.energy_probe import EnergyProbe
+        from tokenmill.loadgen.serve import warm_up
+
+        self.args, self.slo, self.name = args, slo, name
+        self.server = ServerProcess([*args.serve_flags, *candidates_of(args)[name]])
         try:
-            load = run_load(server.url, model, reqs, rate, None, None, False, args.seed)
-            results, elapsed = asyncio.run(asyncio.wait_for(load, limit))
-        except TimeoutError:  # the requests are dropped: the server aborts what it still runs
-            trial.runs.append({"request_rate": rate, "slo_violations": [f"the run took over {limit:.0f} s"]})
-            print(f"  {name}: {rate:g} req/s took over {limit:.0f} s: SLO broken", file=sys.stderr)
-            return False
+            warm_up(self.server.url, "tune", None)
+            self.probe = EnergyProbe(self.server.url, None)
+        except BaseException:
+            self.server.stop()
+            raise
+
+    def run(self, rate: float, seconds: float, seed_offset: int = 0) -> dict:
+        from tokenmill.loadgen.energy_probe import run_energy
+        from tokenmill.loadgen.serve import summarise, synthetic
+
+        args, slo = self.args, self.slo
+        reqs = _workload(args, requests_for(rate, seconds, args.prompts), rate, synthetic, seed_offset)
+        limit = RUN_TIMEOUT_FACTOR * (len(reqs) / rate + slo.longest())
+        before = self.probe.read()
+        load = load_until_broken(self.server.url, "tune", reqs, rate, slo, args.seed + seed_offset, limit)
+        results, elapsed, why = asyncio.run(load)
+        if why:
+            print(
+                f"  {self.name}: {rate:g} req/s ({len(reqs)} requests) stopped after {elapsed:.0f} s: {why}",
+                file=sys.stderr,
+            )
+            return {"request_rate": rate, "requests": len(reqs), "duration_s": elapsed, "slo_violations": [why]}
         summary = summarise(
             results, elapsed, rate, slo.limits.get("ttft_p99", math.inf), slo.limits.get("tpot_p99", math.inf)
         )
         tokens = sum(r.prompt_tokens for r in results if r.ok)
-        summary.update(run_energy(before, probe.read(), summary, tokens, args.price_per_hour))
-        broken = slo.violations(summary)
-        summary["slo_violations"] = broken
-        trial.runs.append(summary)
+        summary.update(run_energy(before, self.probe.read(), summary, tokens, args.price_per_hour))
+        summary["requests"] = len(reqs)
+        summary["slo_violations"] = slo.violations(summary)
         cost = (summary.get("cost") or {}).get("dollars_per_million_output_tokens")
+        broken = summary["slo_violations"]
         print(
-            f"  {name}: {rate:g} req/s -> {summary['output_token_throughput']:.0f} out tok/s, "
-            f"ttft p99 {summary['ttft_s']['p99'] or 0:.2f} s, tpot p99 {(summary['tpot_s']['p99'] or 0) * 1000:.0f} ms"
-            + (f", ${cost:.2f}/1M out" if cost else "")
+            f"  {self.name}: {rate:g} req/s x {len(reqs)} in {elapsed:.0f} s -> "
+            f"{summary['output_token_throughput']:.0f} out tok/s, ttft p99 {summary['ttft_s']['p99'] or 0:.2f} s, "
+            f"tpot p99 {(summary['tpot_s']['p99'] or 0) * 1000:.0f} ms"
+            + (f", ${cost:.3f}/1M out" if cost else "")
             + (f"  SLO broken: {'; '.join(broken)}" if broken else "  meets the SLO"),
             file=sys.stderr,
         )
-        if not broken and (trial.best is None or rate > trial.best["request_rate"]):
+        return summary
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def measure_candidate(
+    args: argparse.Namespace, slo: Slo, name: str, rates: list[float], start: int, seconds: float
+) -> Trial:
+    """Start the candidate's server and find the highest rate that meets the SLO (``climb``)."""
+    trial = Trial(name, seconds)
+    t0 = time.monotonic()
+    try:
+        session = Session(args, slo, name)
+    except RuntimeError as e:
+        trial.error = str(e)
+        print(f"  {name}: {e}", file=sys.stderr)
+        return trial
+
+    def meets(rate: float) -> bool:
+        summary = session.run(rate, seconds)
+        trial.runs.append(summary)
+        if not summary["slo_violations"] and (trial.best is None or rate > trial.best["request_rate"]):
             trial.best = summary
-        return not broken
+        return not summary["slo_violations"]
 
     try:
-        warm_up(server.url, model, None)
-        probe = EnergyProbe(server.url, None)
         climb(rates, start, meets)
     finally:
-        server.stop()
+        session.stop()
     print(f"  {name}: {time.monotonic() - t0:.0f} s", file=sys.stderr)
+    return trial
+
+
+def validate_candidate(
+    args: argparse.Namespace, slo: Slo, name: str, rate: float, rates: list[float], time_left=lambda: True
+) -> Trial:
+    """``validate`` in a fresh server of the candidate's, with prompts of another seed."""
+    t0 = time.monotonic()
+    try:
+        session = Session(args, slo, name)
+    except RuntimeError as e:
+        print(f"  {name}: {e}", file=sys.stderr)
+        return Trial(name, args.validate_seconds, error=str(e))
+    try:
+        trial = validate(
+            name,
+            rate,
+            rates,
+            lambda _, r: session.run(r, args.validate_seconds, VALIDATION_SEED),
+            args.validate_seconds,
+            log=lambda m: print(m, file=sys.stderr),
+            time_left=time_left,
+        )
+    finally:
+        session.stop()
+    print(f"  {name}: validated in {time.monotonic() - t0:.0f} s", file=sys.stderr)
     return trial
 
 
@@ -287,15 +510,17 @@ def candidates_of(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
     return out
 
 
-def _workload(args: argparse.Namespace, n: int, rate: float, synthetic) -> list[dict]:
+def _workload(args: argparse.Namespace, n: int, rate: float, synthetic, seed_offset: int = 0) -> list[dict]:
+    """``n`` requests: synthetic ones drawn afresh per rate (and per ``seed_offset``: the
+    validation's), or the file's, from a place that ``seed_offset`` moves."""
     if args.workload in ("mixed", "shared-prefix"):
-        return synthetic(args.workload, n, args.seed + round(rate * 1000))
+        return synthetic(args.workload, n, args.seed + seed_offset + round(rate * 1000))
     from tokenmill.loadgen.serve import load_jsonl
 
     reqs = load_jsonl(args.workload)
     if not reqs:
         raise ValueError(f"--workload {args.workload}: no requests")
-    return [reqs[i % len(reqs)] for i in range(n)]
+    return [reqs[(i + seed_offset) % len(reqs)] for i in range(n)]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -306,14 +531,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="mixed or shared-prefix (bench serve's synthetic sets), or a JSONL of {prompt, max_tokens}",
     )
     p.add_argument("--price-per-hour", type=float, required=True, help="the machine's $ per hour")
-    p.add_argument("--rates", default="0.25,0.5,1,2,4,8", help="request rates to climb, req/s (default %(default)s)")
-    p.add_argument("--prompts", type=int, default=12, help="prompts per rate in the first round (doubled each round)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of halving at most (default 3)")
+    p.add_argument("--rates", default="0.5,1,1.5,2,3,4,6", help="request rates to climb, req/s (default %(default)s)")
+    p.add_argument(
+        "--start-rate",
+        type=float,
+        default=None,
+        help="the first round's first rate, climbed up or down from (default: the middle of --rates)",
+    )
+    p.add_argument(
+        "--seconds", type=float, default=10, help="seconds of arrivals per rate in the first round (doubled each round)"
+    )
+    p.add_argument("--prompts", type=int, default=8, help="requests per run at least (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=2, help="rounds of halving at most (default %(default)s)")
+    p.add_argument(
+        "--validate-seconds",
+        type=float,
+        default=60,
+        help="seconds of arrivals of the final validation of the pick and the defaults (default %(default)s)",
+    )
     p.add_argument(
         "--time-budget",
         type=float,
         default=14.0,
-        help="minutes: candidates not started by then are left unmeasured (default %(default)s)",
+        help="minutes in all: the search leaves unmeasured what it cannot start in this less the validation's "
+        "reserve (default %(default)s)",
     )
     p.add_argument(
         "--candidate",
@@ -333,53 +574,80 @@ def run(args: argparse.Namespace) -> int:
         slo = Slo.parse(args.slo)
         rates = sorted(float(r) for r in args.rates.split(","))
         candidates = list(candidates_of(args))
+        first = (len(rates) - 1) // 2 if args.start_rate is None else rates.index(args.start_rate)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        msg = "--start-rate must be one of --rates" if "not in list" in str(e) else str(e)
+        print(f"error: {msg}", file=sys.stderr)
         return 2
     args.serve_flags = [*args.serve_args.split(), "--served-model-name", "tune"]
     t0 = time.monotonic()
     print(f"SLO {slo}; {len(candidates)} candidates; rates {rates} req/s; ${args.price_per_hour}/h", file=sys.stderr)
-    budget = args.time_budget * 60
+    # the validation's reserve: two servers, each a long run and a step down's drain
+    reserve = 2 * (SERVER_START_S + args.validate_seconds + slo.longest())
+    search_budget = args.time_budget * 60 - reserve
+    step_down_by = args.time_budget * 60 - (args.validate_seconds + slo.longest())  # a step down must end in time
 
-    def measure(c: str, r: list[float], start: int, n: int) -> Trial:
-        if time.monotonic() - t0 > budget:
-            print(f"  {c}: not measured, over --time-budget {args.time_budget:g} min", file=sys.stderr)
+    def measure(c: str, r: list[float], start: int, n: float) -> Trial:
+        if time.monotonic() - t0 > search_budget:
+            print(
+                f"  {c}: not measured, over --time-budget {args.time_budget:g} min less the validation", file=sys.stderr
+            )
             return Trial(c, n, error="not measured: over the time budget")
         return measure_candidate(args, slo, c, r, start, n)
 
     history = successive_halving(
-        candidates, rates, args.prompts, measure, args.rounds, log=lambda m: print(m, file=sys.stderr)
+        candidates, rates, args.seconds, measure, args.rounds, log=lambda m: print(m, file=sys.stderr), first=first
     )
+    searched = latest(history)
+    final = [searched[c] for c in candidates if c in searched]
+    best = min(final, key=Trial.key) if final else None
+    defaults = searched.get(DEFAULTS)
+    searched_minutes = (time.monotonic() - t0) / 60
+    print(
+        f"validation: {args.validate_seconds:g} s at the searched rate, fresh prompts (seed +{VALIDATION_SEED})",
+        file=sys.stderr,
+    )
+    validated: dict[str, Trial] = {}
+    for t in (best, defaults):
+        if t is not None and t.best and t.candidate not in validated:
+            validated[t.candidate] = validate_candidate(
+                args, slo, t.candidate, t.goodput_rate, rates, time_left=lambda: time.monotonic() - t0 < step_down_by
+            )
+    pick, verdict = choose(validated.get(best.candidate) if best is not None else None, validated.get(DEFAULTS))
+    if not validated:
+        verdict = "no candidate met the SLO in the search at any rate tried: lower --rates, or relax the SLO"
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    final = history[-1]
-    ranked = sorted(final, key=Trial.key)
-    pick = ranked[0]
-    defaults = next((t for t in final if t.candidate == DEFAULTS), None)
     result = {
         "slo": slo.limits,
         "price_per_hour": args.price_per_hour,
         "workload": args.workload,
         "minutes": (time.monotonic() - t0) / 60,
-        "pick": pick.candidate,
-        "pick_flags": list(candidates_of(args)[pick.candidate]),
+        "search_minutes": searched_minutes,
+        "searched_pick": best.candidate if best else None,
+        "pick": pick.candidate if pick else None,
+        "pick_flags": list(candidates_of(args)[pick.candidate]) if pick else None,
+        "pick_rate": pick.goodput_rate if pick else None,
+        "verdict": verdict,
         "rounds": [[_trial_json(t) for t in trials] for trials in history],
+        "validation": [_trial_json(t) for t in validated.values()],
     }
     (out / "tune.json").write_text(json.dumps(result, indent=1))
-    _report(history, pick, defaults, args)
-    plot = _plot(history, pick, out / "tune_frontier.png")
+    _report(history, list(validated.values()), verdict)
+    plot = _plot(history, list(validated.values()), pick, out / "tune_frontier.png")
     print(
         json.dumps(
             {
-                "pick": pick.candidate,
+                "pick": result["pick"],
                 "flags": result["pick_flags"],
+                "rate": result["pick_rate"],
                 "minutes": round(result["minutes"], 1),
                 "plot": plot,
                 "json": str(out / "tune.json"),
             }
         )
     )
-    return 0 if pick.best else 1
+    return 0 if pick is not None else 1
 
 
 def _trial_json(t: Trial) -> dict:
@@ -388,7 +656,8 @@ def _trial_json(t: Trial) -> dict:
     run = t.cheapest or {}
     return {
         "candidate": t.candidate,
-        "prompts": t.prompts,
+        "seconds": t.seconds,
+        "requests": [r.get("requests") for r in t.runs],
         "error": t.error,
         "goodput_req_s": t.goodput_rate,
         "cheapest_at_req_s": run.get("request_rate"),
@@ -400,40 +669,29 @@ def _trial_json(t: Trial) -> dict:
     }
 
 
-def _report(history: list[list[Trial]], pick: Trial, defaults: Trial | None, args: argparse.Namespace) -> None:
+def _report(history: list[list[Trial]], validated: list[Trial], verdict: str) -> None:
     print(
-        f"\n{'candidate':22s} {'round':>5s} {'prompts':>7s} {'goodput':>8s} {'at req/s':>8s} {'out tok/s':>9s} "
+        f"\n{'candidate':22s} {'round':>5s} {'s/rate':>6s} {'goodput':>8s} {'at req/s':>8s} {'out tok/s':>9s} "
         f"{'$/1M out':>9s} {'J/token':>9s}"
     )
-    for r, trials in enumerate(history):
+    stages = [(str(r + 1), trials) for r, trials in enumerate(history)] + [("val", validated)]
+    for stage, trials in stages:
         for t in sorted(trials, key=Trial.key):
             j = _trial_json(t)
             cost = j["dollars_per_million_output_tokens"]
             jt = j["joules_per_output_token"]
             print(
-                f"{t.candidate:22s} {r + 1:5d} {t.prompts:7d} {t.goodput_rate:8g} {j['cheapest_at_req_s'] or 0:8g} "
+                f"{t.candidate:22s} {stage:>5s} {t.seconds:6g} {t.goodput_rate:8g} {j['cheapest_at_req_s'] or 0:8g} "
                 f"{j['output_tok_s'] or 0:9.1f} "
-                f"{'-' if cost is None else f'{cost:.2f}':>9s} "
+                f"{'-' if cost is None else f'{cost:.3f}':>9s} "
                 f"{'-' if jt is None else f'{jt:.3f}':>9s}" + (f"  ({j['energy_source']})" if jt else "")
             )
-    if pick.best is None:
-        print("no candidate met the SLO at any rate tried: lower --rates, or relax the SLO")
-    elif defaults is not None and pick.candidate != DEFAULTS and pick.key() < defaults.key():
-        print(
-            f"pick: {pick.candidate} ({' '.join(candidates_of(args)[pick.candidate])}): ${pick.cost:.2f} per 1M output "
-            f"tokens at {pick.goodput_rate:g} req/s, against the defaults' "
-            + (
-                f"${defaults.cost:.2f} at {defaults.goodput_rate:g} req/s"
-                if defaults.best
-                else "no rate meeting the SLO"
-            )
-        )
-    else:
-        print("pick: the defaults are already best here")
+    print(verdict)
 
 
-def _plot(history: list[list[Trial]], pick: Trial, path: Path) -> str | None:
-    """Each candidate's last measurement: goodput (req/s at the SLO) against $ per 1M tokens."""
+def _plot(history: list[list[Trial]], validated: list[Trial], pick: Trial | None, path: Path) -> str | None:
+    """Each candidate's last search measurement (blue) and the validation's (red ring: the
+    pick): goodput (req/s at the SLO) against $ per 1M output tokens."""
     try:
         import matplotlib
 
@@ -441,17 +699,17 @@ def _plot(history: list[list[Trial]], pick: Trial, path: Path) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    last: dict[str, Trial] = {}
-    for trials in history:
-        for t in trials:
-            last[t.candidate] = t
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for t in last.values():
-        if not t.best:
-            continue
-        ax.scatter(t.cost, t.goodput_rate, s=60 if t is pick else 30, color="C3" if t is pick else "C0")
-        label = f"{t.candidate} (n={t.prompts})"
-        ax.annotate(label, (t.cost, t.goodput_rate), fontsize=7, xytext=(4, 3), textcoords="offset points")
+    for t in latest(history).values():
+        if t.best:
+            ax.scatter(t.cost, t.goodput_rate, s=30, color="C0")
+            label = f"{t.candidate} ({t.seconds:g} s/rate)"
+            ax.annotate(label, (t.cost, t.goodput_rate), fontsize=7, xytext=(4, 3), textcoords="offset points")
+    for t in validated:
+        if t.best:
+            ax.scatter(t.cost, t.goodput_rate, s=60 if t is pick else 30, color="C3", marker="o" if t is pick else "x")
+            label = f"{t.candidate}, validated ({t.seconds:g} s)"
+            ax.annotate(label, (t.cost, t.goodput_rate), fontsize=7, xytext=(4, -9), textcoords="offset points")
     ax.set_xlabel("$ per 1M output tokens at the SLO (lower is better)")
     ax.set_ylabel("goodput: highest request rate meeting the SLO (req/s)")
     ax.set_title("tokenmill tune: goodput against cost")

@@ -1,12 +1,25 @@
-"""`tokenmill tune`'s arithmetic and search: the SLO as written, which runs break it, and
-successive halving over candidates measured by a function of the test's (the search is
-what is tested here; the servers it starts are measured in bench/RESULTS.md)."""
+"""`tokenmill tune`'s arithmetic and search: the SLO as written, which runs break it (and
+when a run has certainly broken it already), successive halving over candidates measured
+by a function of the test's, and the validation that decides what the report states (the
+search is what is tested here; the servers it starts are measured in bench/RESULTS.md)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tokenmill.tune import DEFAULTS, Slo, Trial, climb, successive_halving
+from tokenmill.loadgen.serve import RequestResult
+from tokenmill.tune import (
+    DEFAULTS,
+    Slo,
+    Trial,
+    choose,
+    climb,
+    doomed,
+    latest,
+    requests_for,
+    successive_halving,
+    validate,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -43,9 +56,9 @@ def test_slo_parses_units_and_names_what_is_broken():
 def fake_measure(capacity: dict[str, float], cost_at: dict[str, float], calls: list):
     """A candidate meets the SLO at every rate up to its capacity; its cost there is fixed."""
 
-    def measure(name: str, rates: list[float], start: int, prompts: int) -> Trial:
-        calls.append((name, rates[start], prompts))
-        t = Trial(name, prompts)
+    def measure(name: str, rates: list[float], start: int, seconds: float) -> Trial:
+        calls.append((name, rates[start], seconds))
+        t = Trial(name, seconds)
 
         def meets(r: float) -> bool:
             s = summary(rate=r, cost=cost_at[name] / r, broken=["too fast"] if r > capacity[name] else [])
@@ -72,9 +85,9 @@ def test_halving_keeps_the_cheapest_half_and_always_measures_the_defaults():
         {DEFAULTS, "a", "c"},  # the cheaper half of a..d (c: $0.50, a: $1, b: $4, d: none), and the defaults
         {DEFAULTS, "c"},
     ]
-    assert [t.prompts for t in history[-1]] == [24, 24]  # prompts double each round
-    # each round starts one rate below the candidate's last best: c's best was 8 -> from 4
-    assert ("c", 4, 24) in calls and (DEFAULTS, 1, 12) in calls
+    assert [t.seconds for t in history[-1]] == [24, 24]  # a round's seconds per rate double
+    # each round starts at the candidate's last best (a longer run that breaks it steps down)
+    assert ("c", 8, 24) in calls and (DEFAULTS, 2, 12) in calls
     best = min(history[-1], key=Trial.key)
     assert best.candidate == "c" and best.goodput_rate == 8 and best.cost == pytest.approx(0.5)
 
@@ -121,3 +134,95 @@ def test_climb_goes_up_until_the_slo_breaks_and_down_when_it_breaks_at_once():
     tried.clear()
     climb(rates, 2, meets_up_to(0.1))
     assert tried == [2, 1, 0.5]
+
+
+def test_halving_starts_the_first_round_where_told_and_stops_when_nothing_was_measured():
+    capacity = {DEFAULTS: 2, "a": 4, "b": 1}
+    calls: list = []
+    measure = fake_measure(capacity, dict.fromkeys(capacity, 4.0), calls)
+    successive_halving(list(capacity), [0.5, 1, 2, 4, 8], 5, measure, 1, log=lambda m: None, first=2)
+    assert [c for c in calls if c[0] == "b"] == [("b", 2, 5)]  # from the middle rate; b climbs down from there
+    rounds = []
+
+    def out_of_time(name, rates, start, seconds):
+        if seconds > 5:
+            return Trial(name, seconds, error="not measured: over the time budget")
+        return measure(name, rates, start, seconds)
+
+    history = successive_halving(list(capacity), [0.5, 1, 2, 4, 8], 5, out_of_time, 3, log=rounds.append)
+    assert len(history) == 1 and len(rounds) == 2  # round 2 was left unmeasured: the search ends at round 1
+    assert latest(history)["a"].goodput_rate == 4
+
+
+def test_a_round_is_measured_by_its_seconds():
+    assert requests_for(2.0, 30) == 60 and requests_for(0.5, 8) == 8 and requests_for(0.25, 8, minimum=1) == 2
+
+
+def result(ttft=0.5, e2e=2.0, tokens=16, ok=True) -> RequestResult:
+    return RequestResult(ok=ok, ttft=ttft, e2e=e2e, output_tokens=tokens) if ok else RequestResult(ok=False)
+
+
+def test_a_run_is_doomed_once_enough_requests_are_over_a_percentile_limit():
+    slo = Slo.parse("ttft_p99=2s,tpot_p99=100ms")
+    # p99 of 40 lies between the two highest: two over the limit break it, one does not
+    assert doomed(slo, 40, [result(ttft=3.0)] + [result()] * 5, []) is None
+    assert (
+        doomed(slo, 40, [result(ttft=3.0), result(ttft=2.5)], []) == "ttft_p99: 2 of 40 requests already over 2000 ms"
+    )
+    assert doomed(slo, 200, [result(ttft=3.0)] * 2, []) is None  # 200: three must be over
+    assert doomed(slo, 40, [result(ok=False), result(ok=False)], []).startswith("ttft_p99")  # failures break all
+    # tpot of a finished request: (e2e - ttft) / (tokens - 1)
+    assert doomed(slo, 40, [result(ttft=0.1, e2e=3.1, tokens=16)] * 2, []).startswith("tpot_p99")
+    # in flight past ttft + (tokens - 1) x tpot (2 + 15 x 0.1 = 3.5 s): broke one of the two, but which is
+    # unknown: one more than both limits can still absorb (1 + 1) dooms the run
+    assert doomed(slo, 40, [], [(3.6, 16), (3.6, 16)]) is None
+    assert doomed(slo, 40, [], [(3.6, 16), (3.6, 16), (3.6, 16)]).startswith("ttft_p99 or tpot_p99")
+    assert doomed(slo, 40, [], [(3.4, 16)] * 10) is None  # not yet past the bound
+    assert doomed(slo, 40, [result(ttft=3.0)], [(3.6, 16)] * 2).startswith("ttft_p99 or")
+    # a mean can recover: never judged early; an e2e limit counts requests in flight past it
+    assert doomed(Slo.parse("ttft_mean=1s"), 10, [result(ttft=9.0)] * 9, []) is None
+    assert doomed(Slo.parse("e2e_p90=5s"), 10, [], [(6.0, 16)] * 2).startswith("e2e_p90: 2 of 10")
+
+
+def test_validation_steps_down_until_a_rate_meets_the_slo():
+    ran = []
+
+    def run_at(name, rate):
+        ran.append(rate)
+        return summary(rate=rate, cost=8.0 / rate, broken=["ttft"] if rate > 1 else [])
+
+    t = validate("x", 4, [0.5, 1, 2, 4, 8], run_at, 60, log=lambda m: None)
+    assert ran == [4, 2, 1] and t.goodput_rate == 1 and t.cost == pytest.approx(8.0)
+    ran.clear()
+    t = validate("y", 2, [0.5, 1, 2], lambda n, r: summary(rate=r, broken=["tpot"]), 60, log=lambda m: None)
+    assert t.best is None and len(t.runs) == 3 and t.cost == float("inf")
+    ran.clear()
+    t = validate("z", 4, [0.5, 1, 2, 4, 8], run_at, 60, log=lambda m: None, time_left=lambda: len(ran) < 2)
+    assert ran == [4, 2] and t.best is None and "over the time budget" in t.error  # no time for a third run
+
+
+def validated(name, rate, cost):
+    t = Trial(name, 60)
+    t.runs.append(summary(rate=rate, cost=cost, broken=[] if cost else ["ttft"]))
+    t.best = t.runs[0] if cost else None
+    return t
+
+
+def test_the_report_states_the_pick_only_if_its_validation_beats_the_defaults():
+    pick, defaults = validated("a", 4, 0.2), validated(DEFAULTS, 2, 0.4)
+    chosen, verdict = choose(pick, defaults)
+    assert chosen is pick and verdict.startswith("pick: a, validated: $0.200") and "defaults' $0.400 at 2" in verdict
+    # the search's pick validated dearer (or equal): the defaults, and why
+    chosen, verdict = choose(validated("a", 2, 0.4), defaults)
+    assert chosen is defaults and "already best" in verdict and "(a validated no cheaper)" in verdict
+    # the pick failed its validation at every rate: the defaults, if they met it
+    chosen, _ = choose(validated("a", 4, None), defaults)
+    assert chosen is defaults
+    # the defaults failed theirs: the pick, if it met it
+    chosen, verdict = choose(pick, validated(DEFAULTS, 2, None))
+    assert chosen is pick and "meeting the SLO at no rate tried" in verdict
+    chosen, verdict = choose(validated("a", 4, None), validated(DEFAULTS, 2, None))
+    assert chosen is None and verdict.startswith("no candidate met the SLO")
+    # the search picked the defaults themselves
+    chosen, verdict = choose(defaults, defaults)
+    assert chosen is defaults and "already best" in verdict and "no cheaper" not in verdict
