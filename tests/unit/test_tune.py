@@ -226,3 +226,11 @@ def test_the_report_states_the_pick_only_if_its_validation_beats_the_defaults():
     # the search picked the defaults themselves
     chosen, verdict = choose(defaults, defaults)
     assert chosen is defaults and "already best" in verdict and "no cheaper" not in verdict
+
+
+def test_validation_margin_tightens_every_limit():
+    slo = Slo.parse("ttft_p99=2s,tpot_p99=100ms")
+    tight = slo.with_margin(0.1)
+    assert tight.limits == pytest.approx({"ttft_p99": 1.8, "tpot_p99": 0.09})
+    summary = {"failed": 0, "completed": 60, "ttft_s": {"p99": 1.9}, "tpot_s": {"p99": 0.05}}
+    assert slo.violations(summary) == [] and tight.violations(summary) == ["ttft_p99 1900 ms > 1800 ms"]
