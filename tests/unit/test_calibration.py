@@ -9,7 +9,13 @@ import torch
 from tokenmill.errors import TokenmillError
 from tokenmill.quant.calibrate.gptq import Hessian, gptq
 from tokenmill.quant.calibrate.rtn import QuantSpec, relative_errors, rtn
-from tokenmill.quantize.calibration import MIN_DOCS_CHARS, bundled_text, calibration_samples, calibration_texts
+from tokenmill.quantize.calibration import (
+    MIN_DOCS_CHARS,
+    bundled_text,
+    calibration_samples,
+    calibration_texts,
+    stdlib_docs,
+)
 
 
 class Words:
@@ -57,6 +63,16 @@ def test_default_sources_are_the_bundled_prose_and_the_stdlib_docs(tmp_path):
     mine.write_text("  \n")
     with pytest.raises(TokenmillError, match="is empty"):
         calibration_texts(mine)
+
+
+def test_stdlib_docs_hold_no_live_values(monkeypatch):
+    """The same text on every call: no environment, no addresses (the quantisation of a
+    model must not depend on what else ran before it, nor leak the environment)."""
+    first = stdlib_docs()
+    keep = [object() for _ in range(1000)]  # move the allocator along
+    monkeypatch.setenv("TOKENMILL_CALIBRATION_PROBE", "secret-value")
+    assert stdlib_docs() == first and keep
+    assert "secret-value" not in first and " at 0x" not in first and "\nDATA\n" not in first
 
 
 @pytest.mark.parametrize("symmetric", [True, False])

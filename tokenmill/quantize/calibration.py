@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import pydoc
+import re
 from importlib.resources import files
 from pathlib import Path
 from typing import Protocol
@@ -37,6 +38,9 @@ STDLIB_MODULES = (
     "inspect", "dataclasses", "typing", "contextlib", "abc", "enum", "io", "os", "socket", "http.client",
     "urllib.parse", "email.message", "hashlib", "hmac", "secrets", "base64", "struct", "array", "queue", "sched",
 )  # fmt: skip
+SECTION_START = re.compile(r"(?m)^(?=[A-Z][A-Z ]*$)")  # pydoc's section headings: NAME, CLASSES, DATA...
+LIVE_SECTIONS = ("DATA", "FILE")
+ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 MIN_DOCS_CHARS = 100_000  # less than this and the docstrings were stripped (python -OO)
 
 
@@ -49,13 +53,18 @@ def bundled_text() -> str:
 
 
 def stdlib_docs() -> str:
-    """pydoc's plain-text pages of STDLIB_MODULES, as this interpreter renders them."""
+    """pydoc's plain-text pages of STDLIB_MODULES, as this interpreter renders them, less
+    what is live rather than written: the DATA and FILE sections (``os.environ``'s contents,
+    ``tempfile.tempdir``, install paths) and memory addresses (``<object at 0x...>``
+    defaults), so that the text, and the quantisation, are the same on every call."""
     pages = []
     for name in STDLIB_MODULES:
         try:
-            pages.append(pydoc.render_doc(importlib.import_module(name), renderer=pydoc.plaintext))
+            page = pydoc.render_doc(importlib.import_module(name), renderer=pydoc.plaintext)
         except ImportError:  # a build without the module (sqlite3, say)
             continue
+        sections = SECTION_START.split(page)
+        pages.append(ADDRESS.sub("", "".join(p for p in sections if not p.startswith(LIVE_SECTIONS))))
     return "\n\n".join(pages)
 
 
