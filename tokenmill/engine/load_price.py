@@ -118,7 +118,7 @@ def measure_load_price(core: EngineCore, prompt_tokens: int = 128, batch: int = 
         raise RuntimeError("the engine's KV cache or context is too small to measure a load price on")
     rng = random.Random()  # prompts no cache holds (a prefix-cache hit would time no prefill)
     prompt = [rng.randrange(core.vocab_size) for _ in range(p)]
-    with _unrecorded(core):
+    with unrecorded(core):
         other = [rng.randrange(core.vocab_size) for _ in range(p)]
         warm_up = _run(core, "warm-up", other, SamplingParams(max_tokens=2, n=2, ignore_eos=True))  # first calls
         single = _run(core, "single", prompt, SamplingParams(max_tokens=steps + 1, ignore_eos=True, seed=0))
@@ -159,7 +159,7 @@ def _median(xs: list[float]) -> float:
 
 
 @contextmanager
-def _unrecorded(core: EngineCore) -> Iterator[None]:
+def unrecorded(core: EngineCore) -> Iterator[None]:
     """The measurement's steps, prefix-cache lookups and drafts taken back out of the
     engine's counters: /metrics and the benchmarks see only real requests."""
     steps = len(core.step_stats)

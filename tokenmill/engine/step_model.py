@@ -329,7 +329,7 @@ def probe(
     cache holds for the largest batch are left out or shrunk. The probe's steps and
     prefix-cache lookups are taken back out of the core's counters."""
     from tokenmill.energy import EnergyMeter, process_tree_cpu_seconds
-    from tokenmill.engine.load_price import _unrecorded
+    from tokenmill.engine.load_price import unrecorded
     from tokenmill.sampling_params import SamplingParams
 
     core = engine.core
@@ -368,7 +368,7 @@ def probe(
     prefill: list[PrefillPoint] = []
     busy = 0.0
     t0 = time.perf_counter()
-    with _unrecorded(core):
+    with unrecorded(core):
         run([rng.randrange(core.vocab_size) for _ in range(64)], SamplingParams(max_tokens=4, n=2, ignore_eos=True))
         meter = EnergyMeter(watts_per_cpu)  # after the warm-up: its first calls are no step's cost
         cpu0 = process_tree_cpu_seconds()
