@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import inspect
+import logging
+
 import pytest
 import torch
 
@@ -66,13 +69,18 @@ def test_default_sources_are_the_bundled_prose_and_the_stdlib_docs(tmp_path):
 
 
 def test_stdlib_docs_hold_no_live_values(monkeypatch):
-    """The same text on every call: no environment, no addresses (the quantisation of a
+    """The same text on every call: no environment, no addresses, nothing this process
+    imported or patched (transformers adds methods to logging.Logger; the quantisation of a
     model must not depend on what else ran before it, nor leak the environment)."""
     first = stdlib_docs()
     keep = [object() for _ in range(1000)]  # move the allocator along
     monkeypatch.setenv("TOKENMILL_CALIBRATION_PROBE", "secret-value")
+    monkeypatch.setattr(logging.Logger, "probe_once", lambda self: None, raising=False)
+    monkeypatch.setattr(inspect, "getfile", lambda obj: "patched", raising=True)
+    logging.getLogger("tokenmill.calibration-probe").addHandler(logging.NullHandler())
     assert stdlib_docs() == first and keep
     assert "secret-value" not in first and " at 0x" not in first and "\nDATA\n" not in first
+    assert "probe_once" not in first and "getfile(object)" in first
 
 
 @pytest.mark.parametrize("symmetric", [True, False])

@@ -9,7 +9,7 @@ int4 lost to plain rounding on Python documentation and on the held-out license 
   of Independence, the Constitution's preamble and first three articles, the Bill of
   Rights and the Gettysburg Address): English prose;
 - the plain-text documentation of some fifty Python standard-library modules, rendered at
-  run time by ``pydoc`` from this interpreter's own docstrings: technical prose, signatures
+  run time by ``pydoc`` in a fresh interpreter of this Python: technical prose, signatures
   and examples, with nothing downloaded and nothing more in the package (under ``python
   -OO`` the docstrings are gone and the bundled text is used alone).
 
@@ -21,14 +21,16 @@ Neither source is the held-out text the perplexity tests and the bench read
 
 from __future__ import annotations
 
-import importlib
-import pydoc
+import os
 import re
+import subprocess
+import sys
 from importlib.resources import files
 from pathlib import Path
 from typing import Protocol
 
 from tokenmill.errors import TokenmillError
+from tokenmill.quantize.stdlib_pages import SEPARATOR
 
 BUNDLED = "data/calibration.txt"
 STDLIB_MODULES = (
@@ -42,6 +44,7 @@ SECTION_START = re.compile(r"(?m)^(?=[A-Z][A-Z ]*$)")  # pydoc's section heading
 LIVE_SECTIONS = ("DATA", "FILE")
 ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 MIN_DOCS_CHARS = 100_000  # less than this and the docstrings were stripped (python -OO)
+RENDER_TIMEOUT_S = 300
 
 
 class Encoder(Protocol):
@@ -53,16 +56,23 @@ def bundled_text() -> str:
 
 
 def stdlib_docs() -> str:
-    """pydoc's plain-text pages of STDLIB_MODULES, as this interpreter renders them, less
-    what is live rather than written: the DATA and FILE sections (``os.environ``'s contents,
-    ``tempfile.tempdir``, install paths) and memory addresses (``<object at 0x...>``
-    defaults), so that the text, and the quantisation, are the same on every call."""
+    """pydoc's plain-text pages of STDLIB_MODULES as a fresh interpreter of this Python
+    renders them (``stdlib_pages.py``, run isolated: not this process's imports and
+    patches), less what is live rather than written: the DATA and FILE sections
+    (``os.environ``'s contents, ``tempfile.tempdir``, install paths) and memory addresses
+    (``<object at 0x...>`` defaults), so that the text, and the quantisation, are the same
+    on every call, whatever ran before it."""
+    script = files("tokenmill.quantize").joinpath("stdlib_pages.py")
+    flags = ["-OO"] if sys.flags.optimize >= 2 else []  # docstrings stripped here: stripped there
+    cmd = [sys.executable, "-I", *flags, "-X", "utf8", str(script), str(os.getpid()), *STDLIB_MODULES]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, encoding="utf-8", timeout=RENDER_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise TokenmillError(f"could not render the standard library's docs for calibration: {e}") from None
+    if done.returncode != 0:
+        raise TokenmillError(f"rendering the standard library's docs for calibration failed: {done.stderr[-2000:]}")
     pages = []
-    for name in STDLIB_MODULES:
-        try:
-            page = pydoc.render_doc(importlib.import_module(name), renderer=pydoc.plaintext)
-        except ImportError:  # a build without the module (sqlite3, say)
-            continue
+    for page in done.stdout.split(SEPARATOR)[:-1]:
         sections = SECTION_START.split(page)
         pages.append(ADDRESS.sub("", "".join(p for p in sections if not p.startswith(LIVE_SECTIONS))))
     return "\n\n".join(pages)
