@@ -187,18 +187,38 @@ def test_a_run_is_doomed_once_enough_requests_are_over_a_percentile_limit():
 def test_validation_steps_down_until_a_rate_meets_the_slo():
     ran = []
 
-    def run_at(name, rate):
+    def run_at(name, rate, prompt_set):
         ran.append(rate)
         return summary(rate=rate, cost=8.0 / rate, broken=["ttft"] if rate > 1 else [])
 
     t = validate("x", 4, [0.5, 1, 2, 4, 8], run_at, 60, log=lambda m: None)
     assert ran == [4, 2, 1] and t.goodput_rate == 1 and t.cost == pytest.approx(8.0)
     ran.clear()
-    t = validate("y", 2, [0.5, 1, 2], lambda n, r: summary(rate=r, broken=["tpot"]), 60, log=lambda m: None)
+    t = validate("y", 2, [0.5, 1, 2], lambda n, r, k: summary(rate=r, broken=["tpot"]), 60, log=lambda m: None)
     assert t.best is None and len(t.runs) == 3 and t.cost == float("inf")
     ran.clear()
     t = validate("z", 4, [0.5, 1, 2, 4, 8], run_at, 60, log=lambda m: None, time_left=lambda: len(ran) < 2)
     assert ran == [4, 2] and t.best is None and "over the time budget" in t.error  # no time for a third run
+
+
+def test_validation_needs_every_prompt_set_to_meet_the_slo():
+    """A rate that one prompt set meets and another breaks is no validated rate: the next
+    lower one is tried with every set, and the cost stated is never read from the broken
+    rate's passing run."""
+    ran = []
+
+    def run_at(name, rate, prompt_set):
+        ran.append((rate, prompt_set))
+        broken = ["ttft_p99"] if rate == 2 and prompt_set == 1 else []
+        return summary(rate=rate, cost=1.0 / rate + 0.01 * prompt_set, broken=broken)
+
+    t = validate("x", 2, [0.5, 1, 2], run_at, 60, sets=2, log=lambda m: None)
+    assert ran == [(2, 0), (2, 1), (1, 0), (1, 1)]
+    assert t.goodput_rate == 1 and t.cost == pytest.approx(1.0) and t.best is t.runs[2]
+    assert all(r["slo_violations"] for r in t.runs[:2])  # set 0 met 2 req/s, but the rate is broken
+    ran.clear()
+    validate("y", 2, [0.5, 1, 2], lambda n, r, k: run_at(n, r * 4, k), 60, sets=3, log=lambda m: None)
+    assert ran == [(8, 0), (8, 1), (8, 2)]  # every set met the first rate: no step down
 
 
 def validated(name, rate, cost):
