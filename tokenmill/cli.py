@@ -353,9 +353,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     if args.kv_cache_memory is None:
         args.kv_cache_memory = "1GiB"
-    if args.measure:  # admit as many as the KV cache holds in one step, unless the user set the limits
-        args.max_num_batched_tokens = args.max_num_batched_tokens or 1 << 17
-        args.max_num_seqs = args.max_num_seqs or 4096
     planned = served_models(args)  # several --model NAME=PATH: as `tokenmill serve` would split the KV budget
     if len(planned) > 1:
         return run_several(args, planned)

@@ -91,20 +91,6 @@ def make_plan(llm, kv_budget: int, context_len: int, bandwidth: float) -> Plan:
     )
 
 
-def measure_max_seqs(llm, plan: Plan) -> int:
-    """The most sequences of `context_len` tokens that ran at once when two more than
-    predicted were sent (`tokenmill plan --measure` lifts the token budget, unless given,
-    so that prefill speed does not limit how many are admitted together)."""
-    from tokenmill import SamplingParams
-
-    n = plan.max_seqs + 2
-    out_len = min(8, plan.context_len // 4)
-    prompts = [[1000 + (i * 7 + j) % 20000 for j in range(plan.context_len - out_len)] for i in range(n)]
-    llm.engine.core.step_stats.clear()
-    llm.generate(prompts, SamplingParams(max_tokens=out_len, ignore_eos=True))
-    return max(s.num_running for s in llm.engine.core.step_stats)
-
-
 def fingerprint(llm) -> dict:
     """What a step profile depends on: a profile made for another is not this one's."""
     from tokenmill.kernels.cpu import cpu_info
@@ -252,7 +238,7 @@ def report(args: argparse.Namespace, llm, bw: float) -> Plan:
         hint = "another configuration's" if how == "mismatch" else "none yet"
         print(f"  step profile: {hint} at {path}; `--calibrate` probes the engine and writes one")
         if args.measure:
-            print(f"  {'max sequences, measured':45s} {measure_max_seqs(llm, plan)}")
+            print(f"  {'max sequences, measured':45s} {_max_seqs_measured(llm, plan)}")
         return plan
     predict(args, llm, plan, profile, path, how)
     return plan
@@ -336,7 +322,13 @@ def predict(args: argparse.Namespace, llm, plan: Plan, profile, path, how: str) 
             line += f" {_num(got):>10s} {ratio:>6s}"
         print(line)
     if args.measure:
-        print(f"  {f'max sequences of {ctx} tokens':52s} {plan.max_seqs:10d} {measure_max_seqs(llm, plan):10d}")
+        print(f"  {f'max sequences of {ctx} tokens':52s} {plan.max_seqs:10d} {_max_seqs_measured(llm, plan):10d}")
+
+
+def _max_seqs_measured(llm, plan: Plan) -> int:
+    from tokenmill.engine.load_measure import measure_max_seqs
+
+    return measure_max_seqs(llm.engine, plan.max_seqs + 2, plan.context_len)
 
 
 def _num(x: float | None) -> str:

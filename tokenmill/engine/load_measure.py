@@ -14,6 +14,10 @@ output processing included), not by the steps' durations the probe fitted.
   tokens arriving evenly at ``rate`` per second (``inf``: all at once);
   the output rate is taken between the 20th and the 80th percentile of the requests'
   ends, away from the start (the queue filling) and the tail (the last ones draining).
+- ``measure_max_seqs``: how many sequences of ``context`` tokens the KV cache holds at
+  once, with the step's limits lifted for the measurement (a 512-token budget admits a
+  sequence or two per step while the first ones finish: it measured 5-8 where the cache
+  holds 45-88).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 WINDOW = (0.2, 0.8)  # the share of requests finished that bounds the steady window
 
@@ -58,6 +62,31 @@ def measure_decode(engine, batch: int, context: int, tokens: int = 64) -> float:
     end = min(t.token_times[-1] for t in timings)
     n = sum(1 for t in timings for x in t.token_times if start < x <= end)
     return n / (end - start) if end > start else math.nan
+
+
+def measure_max_seqs(engine, requests: int, context: int) -> int:
+    """The most sequences that ran at once when ``requests`` prompts of ``context`` tokens
+    (and one output token: a sequence that grew after admission would be preempted, not
+    refused, and the count would be admission's) were sent together to this idle engine, its
+    scheduler's sequence cap and token budget lifted meanwhile (the KV cache's capacity is
+    what is measured, not the step's limits) and restored after."""
+    from tokenmill.sampling_params import SamplingParams
+
+    scheduler = engine.core.scheduler
+    limits = scheduler.config
+    vocab = engine.core.vocab_size
+    prompts = [[(i * 7 + j) % vocab for j in range(context)] for i in range(requests)]
+    scheduler.config = replace(
+        limits,
+        max_num_seqs=max(limits.max_num_seqs, requests),
+        max_num_batched_tokens=max(limits.max_num_batched_tokens, requests * context),
+    )
+    try:
+        engine.core.step_stats.clear()
+        _drive(engine, [0.0] * requests, prompts, SamplingParams(max_tokens=1))
+        return max(s.num_seqs for s in engine.core.step_stats)
+    finally:
+        scheduler.config = limits
 
 
 @dataclass(frozen=True)
