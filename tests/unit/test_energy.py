@@ -4,6 +4,7 @@ under /sys/class/powercap, /proc's stat files), and the price per million tokens
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -109,3 +110,48 @@ def test_dollars_per_million_tokens():
     # the lecture's worked example: $64 an hour at 3,000 tokens a second
     assert dollars_per_million(64.0, 3600.0, 3000 * 3600) == pytest.approx(5.93, abs=0.005)
     assert dollars_per_million(2.0, 10.0, 0) is None
+
+
+class FakeNvml:
+    """pynvml's surface that the meter reads (nvmlInit, device handles, millijoules since the
+    driver loaded), over counters the test moves; ``unsupported``: a GPU without a counter
+    (pre-Volta), where NVML raises."""
+
+    def __init__(self, millijoules: list[int], unsupported: bool = False) -> None:
+        self.mj, self.unsupported = millijoules, unsupported
+
+    def nvmlInit(self) -> None:
+        pass
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.mj)
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: int) -> int:
+        if self.unsupported:
+            raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+        return self.mj[handle]
+
+
+def test_nvml_adds_every_gpus_millijoules_to_the_cpus_joules(tmp_path, monkeypatch):
+    nvml = FakeNvml([1_000_000, 250_000])
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    rapl_domain(tmp_path, "intel-rapl:0", "package-0", 0)
+    meter = EnergyMeter(powercap=tmp_path, gpus=True)
+    nvml.mj[0] += 120_500  # +120.5 J
+    nvml.mj[1] += 30_000  # +30 J
+    set_uj(tmp_path, "intel-rapl:0", 2_000_000)  # +2 J
+    reading = meter.read()
+    assert reading.joules == pytest.approx(152.5)
+    assert reading.source == MEASURED and reading.how == "RAPL package-0 + NVML 2 GPUs"
+    assert EnergyMeter(powercap=tmp_path, gpus=False).read().how == "RAPL package-0"
+
+
+def test_a_gpu_without_an_energy_counter_is_left_out_not_guessed(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml([5_000], unsupported=True))
+    busy = iter([0.0, 4.0])
+    meter = EnergyMeter(powercap=tmp_path, gpus=True, cpu_seconds=lambda: next(busy))
+    reading = meter.read()
+    assert not meter.gpu and reading.joules == pytest.approx(12.0) and "NVML" not in reading.how
