@@ -24,9 +24,13 @@ Short runs still flatter a rate near capacity, so what the report states comes f
 at the rate the search found with each of ``--validate-sets`` prompt sets none of the search
 saw (2: the worst decides), against the SLO tightened by ``--validation-margin`` (10%: a p99
 over a minute's requests is one or two requests' luck, and which prompts arrive together is
-another: at 1 req/s the default model's TTFT p99 was 1.7-1.8 s with one set and
-2.2-2.4 s with another); a rate that fails with any set is stepped down until one meets it with all. The pick is named only if its validated cost beats the
-defaults' validated cost; otherwise the defaults are (or, if neither validates, nothing).
+another: at 1 req/s the default model's TTFT p99 was 1.7-1.8 s with one set and 2.2-2.4 s
+with another); a rate that fails with any set is stepped down until one meets it with all.
+The search's pick must be cheaper than the defaults by ``--min-gain`` (5%) to be validated
+at all: candidates that meet the SLO at the same rate cost the same (the rate sets the
+cost), and their order is noise. The defaults are validated after the pick only as far as
+beating it needs (``defaults_ladder``). The pick is named only if its validated cost beats
+the defaults' validated cost; otherwise the defaults are (or, if neither validates, nothing).
 """
 
 from __future__ import annotations
@@ -272,18 +276,22 @@ def validate(
     sets: int = 1,
     log=print,
     time_left=lambda: True,
+    floor: float = 0.0,
 ) -> Trial:
     """``name`` at ``rate`` for a long run with each of ``sets`` prompt sets; if any breaks
-    the SLO, the next lower rate, and so on until one meets it with every set (the trial's
-    best: the cheapest of that rate's runs, as ``Trial.cost`` reads it), none is left or ``time_left()`` says no more
-    (the trial then says so in ``error``). The runs of a rate that one set broke are all
-    marked broken, so that no cost is read from them."""
+    the SLO, the next lower rate (none under ``floor``), and so on until one meets it with
+    every set (the trial's best: the cheapest of that rate's runs, as ``Trial.cost`` reads
+    it), none is left or ``time_left()`` says no more (the trial then says so in
+    ``error``). The runs of a rate that one set broke, or that time cut short, are all
+    marked so, and no cost is read from them."""
     t = Trial(name, seconds)
-    for i, r in enumerate([rate] + sorted((x for x in rates if x < rate), reverse=True)):
+    for i, r in enumerate([rate] + sorted((x for x in rates if floor <= x < rate), reverse=True)):
         at_rate = []
         for k in range(sets):
             if (i or k) and not time_left():
                 t.error = f"validation stopped at {r:g} req/s: over the time budget"
+                for s in at_rate:
+                    s["slo_violations"] = s["slo_violations"] or [f"not run with every prompt set at {r:g} req/s"]
                 log(f"  validation: {name}: {t.error}")
                 return t
             summary = run_at(name, r, k)
@@ -303,16 +311,44 @@ def validate(
     return t
 
 
+def searched_pick(final: list[Trial], defaults: Trial | None, min_gain: float, log=print) -> Trial | None:
+    """The search's cheapest candidate, unless it is not ``min_gain`` cheaper than the
+    defaults (which then go on to the validation in its place)."""
+    best = min(final, key=Trial.key) if final else None
+    if best is None or defaults is None or not defaults.best or best is defaults:
+        return best
+    if best.cost > defaults.cost * (1 - min_gain):
+        log(
+            f"search: {best.candidate} (${best.cost:.3f}) is not {min_gain:.0%} cheaper than the defaults "
+            f"(${defaults.cost:.3f}): the defaults go on"
+        )
+        return defaults
+    return best
+
+
+def defaults_ladder(searched: float, pick: Trial, rates: list[float]) -> tuple[float, float]:
+    """Where the defaults' validation starts and stops once the pick has validated: the
+    question left is only whether they beat it. Start at the lowest rate the pick broke
+    in validation (or at their searched rate, if lower): the search rated both alike, and
+    a rate the pick broke on these prompts is one the defaults would need minutes to be
+    refused at. Stop at the pick's validated rate: below it the defaults cannot win."""
+    broke = [r["request_rate"] for r in pick.runs if r["request_rate"] > pick.goodput_rate]
+    start = min([searched, *broke]) if broke else searched
+    return start, min(pick.goodput_rate, start)
+
+
 def choose(pick: Trial | None, defaults: Trial | None) -> tuple[Trial | None, str]:
     """What the report states, from the validation runs: the searched pick only where it
     met the SLO and its validated cost beats the defaults' validated cost."""
     if pick is not None and pick.best and (defaults is None or pick.key() < defaults.key()):
         if defaults is None:
             return pick, f"pick: {pick.candidate}, validated at {pick.goodput_rate:g} req/s"
+        tried = ", ".join(f"{r:g}" for r in sorted({r["request_rate"] for r in defaults.runs}, reverse=True))
         versus = (
             f"the defaults' ${defaults.cost:.3f} at {defaults.goodput_rate:g} req/s"
             if defaults.best
-            else "the defaults meeting the SLO at no rate tried"
+            else f"the defaults meeting the SLO at no rate tried ({tried or 'none'} req/s"
+            + (f"; {defaults.error})" if defaults.error else ")")
         )
         return pick, (
             f"pick: {pick.candidate}, validated: ${pick.cost:.3f} per 1M output tokens at "
@@ -499,7 +535,13 @@ def measure_candidate(
 
 
 def validate_candidate(
-    args: argparse.Namespace, slo: Slo, name: str, rate: float, rates: list[float], time_left=lambda: True
+    args: argparse.Namespace,
+    slo: Slo,
+    name: str,
+    rate: float,
+    rates: list[float],
+    time_left=lambda: True,
+    floor: float = 0.0,
 ) -> Trial:
     """``validate`` in a fresh server of the candidate's, with prompts of another seed."""
     t0 = time.monotonic()
@@ -518,6 +560,7 @@ def validate_candidate(
             sets=args.validate_sets,
             log=lambda m: print(m, file=sys.stderr),
             time_left=time_left,
+            floor=floor,
         )
     finally:
         session.stop()
@@ -586,6 +629,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "with every one (default %(default)s)",
     )
     p.add_argument(
+        "--min-gain",
+        type=float,
+        default=0.05,
+        help="how much cheaper than the defaults the search's pick must be to be validated against them "
+        "(default %(default)s: 5%%; closer is the search's noise)",
+    )
+    p.add_argument(
         "--validation-margin",
         type=float,
         default=0.1,
@@ -645,8 +695,8 @@ def run(args: argparse.Namespace) -> int:
     )
     searched = latest(history)
     final = [searched[c] for c in candidates if c in searched]
-    best = min(final, key=Trial.key) if final else None
     defaults = searched.get(DEFAULTS)
+    best = searched_pick(final, defaults, args.min_gain, log=lambda m: print(m, file=sys.stderr))
     searched_minutes = (time.monotonic() - t0) / 60
     print(
         f"validation: {args.validate_seconds:g} s at the searched rate with each of {args.validate_sets} fresh "
@@ -655,10 +705,21 @@ def run(args: argparse.Namespace) -> int:
     )
     validated: dict[str, Trial] = {}
     for t in (best, defaults):
-        if t is not None and t.best and t.candidate not in validated:
-            validated[t.candidate] = validate_candidate(
-                args, slo, t.candidate, t.goodput_rate, rates, time_left=lambda: time.monotonic() - t0 < step_down_by
-            )
+        if t is None or not t.best or t.candidate in validated:
+            continue
+        start, floor = t.goodput_rate, 0.0
+        pick = validated.get(best.candidate) if best is not None else None
+        if pick is not None and pick.best:  # the defaults after the pick: only whether they beat it
+            start, floor = defaults_ladder(t.goodput_rate, pick, rates)
+        validated[t.candidate] = validate_candidate(
+            args,
+            slo,
+            t.candidate,
+            start,
+            rates,
+            time_left=lambda: time.monotonic() - t0 < step_down_by,
+            floor=floor,
+        )
     pick, verdict = choose(validated.get(best.candidate) if best is not None else None, validated.get(DEFAULTS))
     if not validated:
         verdict = "no candidate met the SLO in the search at any rate tried: lower --rates, or relax the SLO"

@@ -14,9 +14,11 @@ from tokenmill.tune import (
     Trial,
     choose,
     climb,
+    defaults_ladder,
     doomed,
     latest,
     requests_for,
+    searched_pick,
     successive_halving,
     validate,
 )
@@ -219,6 +221,47 @@ def test_validation_needs_every_prompt_set_to_meet_the_slo():
     ran.clear()
     validate("y", 2, [0.5, 1, 2], lambda n, r, k: run_at(n, r * 4, k), 60, sets=3, log=lambda m: None)
     assert ran == [(8, 0), (8, 1), (8, 2)]  # every set met the first rate: no step down
+
+
+def test_a_rate_cut_short_by_the_time_budget_is_not_validated():
+    """One prompt set met the rate, then time ran out before the other: no validated rate,
+    and no cost read from the run that met it (it would have beaten every validated one)."""
+    t = validate("x", 1, [0.5, 1], lambda n, r, k: summary(rate=r, cost=0.1), 60, sets=2, log=lambda m: None,
+                 time_left=lambda: False)  # fmt: skip
+    assert t.best is None and t.cost == float("inf") and "over the time budget" in t.error
+    assert len(t.runs) == 1 and t.runs[0]["slo_violations"] == ["not run with every prompt set at 1 req/s"]
+
+
+def test_the_defaults_are_validated_only_as_far_as_beating_the_pick_needs():
+    """After the pick validated at 0.5 req/s, having broken 2, 1.5 and 1: the defaults (searched
+    at 2, as the pick was) start at 1 and stop at 0.5, not below."""
+    pick = Trial("a", 60)
+    pick.runs = [summary(rate=r, broken=["ttft"]) for r in (2, 1.5, 1)] + [summary(rate=0.5)]
+    pick.best = pick.runs[-1]
+    rates = [0.25, 0.5, 1, 1.5, 2, 3]
+    assert defaults_ladder(2, pick, rates) == (1, 0.5)
+    assert defaults_ladder(0.5, pick, rates) == (0.5, 0.5)
+    ran = []
+    t = validate(DEFAULTS, 1, rates, lambda n, r, k: ran.append(r) or summary(rate=r, broken=["ttft"]), 60,
+                 log=lambda m: None, floor=0.5)  # fmt: skip
+    assert ran == [1, 0.5] and t.best is None
+    chosen, verdict = choose(pick, t)
+    assert chosen is pick and "no rate tried (1, 0.5 req/s)" in verdict
+    direct = Trial("b", 60)  # validated at its searched rate: the defaults from theirs, down to it
+    direct.runs = [summary(rate=2)]
+    direct.best = direct.runs[0]
+    assert defaults_ladder(3, direct, rates) == (3, 2)
+
+
+def test_the_search_keeps_the_defaults_unless_a_candidate_is_clearly_cheaper():
+    """Candidates meeting the SLO at the same rate cost the same up to noise (0.256 against
+    0.261): the defaults go on to the validation; one at a higher rate, 25% cheaper, does."""
+    defaults, close, clear = validated(DEFAULTS, 2, 0.261), validated("a", 2, 0.256), validated("b", 2.5, 0.196)
+    assert searched_pick([defaults, close], defaults, 0.05, log=lambda m: None) is defaults
+    assert searched_pick([defaults, close, clear], defaults, 0.05, log=lambda m: None) is clear
+    assert searched_pick([close], None, 0.05) is close  # no defaults measured: nothing to keep
+    assert searched_pick([defaults, close], validated(DEFAULTS, 2, None), 0.05) is close  # defaults never met it
+    assert searched_pick([], None, 0.05) is None
 
 
 def validated(name, rate, cost):
