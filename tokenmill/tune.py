@@ -132,6 +132,7 @@ class Trial:
     runs: list[dict] = field(default_factory=list)  # bench serve summaries, rising rates
     best: dict | None = None  # the highest-rate run that met the SLO
     error: str | None = None
+    pooled_cost: float | None = None  # a validated rate's runs together (``pooled_cost``)
 
     @property
     def goodput_rate(self) -> float:
@@ -146,7 +147,10 @@ class Trial:
 
     @property
     def cost(self) -> float:
-        """$ per 1M output tokens at the SLO, the cheapest run's (inf: none met the SLO)."""
+        """$ per 1M output tokens at the SLO: the validated rate's prompt sets together, or
+        in the search the cheapest run's (inf: none met the SLO)."""
+        if self.pooled_cost is not None:
+            return self.pooled_cost
         return _cost(self.cheapest) if self.cheapest else math.inf
 
     def key(self) -> tuple[float, float]:
@@ -221,6 +225,15 @@ def _cost(run: dict) -> float:
     return ((run.get("cost") or {}).get("dollars_per_million_output_tokens")) or math.inf
 
 
+def pooled_cost(runs: list[dict]) -> float:
+    """$ per 1M output tokens of several runs at one price taken as one: all their seconds
+    over all their tokens. A run's cost is k x seconds / tokens, so its tokens are
+    k x seconds / cost, and the pool's cost is sum(seconds) / sum(seconds / cost). (The
+    prompt sets of a workload differ in output length: one set's $0.70 and another's $0.99
+    at the same rate are one workload's $0.82.)"""
+    return sum(r["duration_s"] for r in runs) / sum(r["duration_s"] / _cost(r) for r in runs)
+
+
 def successive_halving(
     candidates: list[str],
     rates: list[float],
@@ -280,8 +293,7 @@ def validate(
 ) -> Trial:
     """``name`` at ``rate`` for a long run with each of ``sets`` prompt sets; if any breaks
     the SLO, the next lower rate (none under ``floor``), and so on until one meets it with
-    every set (the trial's best: the cheapest of that rate's runs, as ``Trial.cost`` reads
-    it), none is left or ``time_left()`` says no more (the trial then says so in
+    every set (the trial's best, its cost the sets' pooled), none is left or ``time_left()`` says no more (the trial then says so in
     ``error``). The runs of a rate that one set broke, or that time cut short, are all
     marked so, and no cost is read from them."""
     t = Trial(name, seconds)
@@ -302,6 +314,7 @@ def validate(
         broken = [s for s in at_rate if s["slo_violations"]]
         if not broken:
             t.best = min(at_rate, key=_cost)
+            t.pooled_cost = pooled_cost(at_rate)
             return t
         for s in at_rate:
             s["slo_violations"] = s["slo_violations"] or [

@@ -17,6 +17,7 @@ from tokenmill.tune import (
     defaults_ladder,
     doomed,
     latest,
+    pooled_cost,
     requests_for,
     searched_pick,
     successive_halving,
@@ -32,6 +33,7 @@ def summary(failed=0, completed=8, ttft_p99=0.5, tpot_p99=0.05, rate=1.0, cost=1
         "failed": failed,
         "completed": completed,
         "request_rate": rate,
+        "duration_s": 60.0,
         "ttft_s": pct(ttft_p99),
         "tpot_s": pct(tpot_p99),
         "itl_s": pct(tpot_p99),
@@ -216,11 +218,20 @@ def test_validation_needs_every_prompt_set_to_meet_the_slo():
 
     t = validate("x", 2, [0.5, 1, 2], run_at, 60, sets=2, log=lambda m: None)
     assert ran == [(2, 0), (2, 1), (1, 0), (1, 1)]
-    assert t.goodput_rate == 1 and t.cost == pytest.approx(1.0) and t.best is t.runs[2]
+    assert t.goodput_rate == 1 and t.best is t.runs[2]
+    assert t.cost == pytest.approx(2 / (1 / 1.0 + 1 / 1.01))  # both sets' seconds over both sets' tokens
     assert all(r["slo_violations"] for r in t.runs[:2])  # set 0 met 2 req/s, but the rate is broken
     ran.clear()
     validate("y", 2, [0.5, 1, 2], lambda n, r, k: run_at(n, r * 4, k), 60, sets=3, log=lambda m: None)
     assert ran == [(8, 0), (8, 1), (8, 2)]  # every set met the first rate: no step down
+
+
+def test_pooled_cost_is_all_the_seconds_over_all_the_tokens():
+    """At $0.1/h: 61 s for 1,755 tokens and 59 s for 2,355 tokens cost $0.965 and $0.696 per
+    1M; together 120 s for 4,110 tokens, $0.811."""
+    runs = [dict(summary(cost=0.1 * s / 3600 / n * 1e6), duration_s=s) for s, n in ((61, 1755), (59, 2355))]
+    assert pooled_cost(runs) == pytest.approx(0.1 * 120 / 3600 / 4110 * 1e6)
+    assert pooled_cost(runs[:1]) == pytest.approx(runs[0]["cost"]["dollars_per_million_output_tokens"])
 
 
 def test_a_rate_cut_short_by_the_time_budget_is_not_validated():

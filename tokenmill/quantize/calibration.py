@@ -62,9 +62,9 @@ def stdlib_docs() -> str:
     (``os.environ``'s contents, ``tempfile.tempdir``, install paths) and memory addresses
     (``<object at 0x...>`` defaults), so that the text, and the quantisation, are the same
     on every call, whatever ran before it."""
-    script = files("tokenmill.quantize").joinpath("stdlib_pages.py")
+    script = files("tokenmill.quantize").joinpath("stdlib_pages.py").read_text(encoding="utf-8")  # a zip too
     flags = ["-OO"] if sys.flags.optimize >= 2 else []  # docstrings stripped here: stripped there
-    cmd = [sys.executable, "-I", *flags, "-X", "utf8", str(script), str(os.getpid()), *STDLIB_MODULES]
+    cmd = [sys.executable, "-I", *flags, "-X", "utf8", "-c", script, str(os.getpid()), *STDLIB_MODULES]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, encoding="utf-8", timeout=RENDER_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as e:
