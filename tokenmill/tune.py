@@ -231,7 +231,8 @@ def pooled_cost(runs: list[dict]) -> float:
     k x seconds / cost, and the pool's cost is sum(seconds) / sum(seconds / cost). (The
     prompt sets of a workload differ in output length: one set's $0.70 and another's $0.99
     at the same rate are one workload's $0.82.)"""
-    return sum(r["duration_s"] for r in runs) / sum(r["duration_s"] / _cost(r) for r in runs)
+    tokens = sum(r["duration_s"] / _cost(r) for r in runs)  # in units of 1/k
+    return sum(r["duration_s"] for r in runs) / tokens if tokens > 0 else math.inf
 
 
 def successive_halving(
@@ -293,9 +294,9 @@ def validate(
 ) -> Trial:
     """``name`` at ``rate`` for a long run with each of ``sets`` prompt sets; if any breaks
     the SLO, the next lower rate (none under ``floor``), and so on until one meets it with
-    every set (the trial's best, its cost the sets' pooled), none is left or ``time_left()`` says no more (the trial then says so in
-    ``error``). The runs of a rate that one set broke, or that time cut short, are all
-    marked so, and no cost is read from them."""
+    every set (the trial's best, its cost the sets' pooled), none is left or ``time_left()``
+    says no more (the trial then says so in ``error``). The runs of a rate that one set
+    broke, or that time cut short, are all marked so, and no cost is read from them."""
     t = Trial(name, seconds)
     for i, r in enumerate([rate] + sorted((x for x in rates if floor <= x < rate), reverse=True)):
         at_rate = []
@@ -556,7 +557,7 @@ def validate_candidate(
     time_left=lambda: True,
     floor: float = 0.0,
 ) -> Trial:
-    """``validate`` in a fresh server of the candidate's, with prompts of another seed."""
+    """``validate`` in a fresh server of the candidate's, with prompt sets the search never saw."""
     t0 = time.monotonic()
     try:
         session = Session(args, slo.with_margin(args.validation_margin), name)

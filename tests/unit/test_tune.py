@@ -232,6 +232,7 @@ def test_pooled_cost_is_all_the_seconds_over_all_the_tokens():
     runs = [dict(summary(cost=0.1 * s / 3600 / n * 1e6), duration_s=s) for s, n in ((61, 1755), (59, 2355))]
     assert pooled_cost(runs) == pytest.approx(0.1 * 120 / 3600 / 4110 * 1e6)
     assert pooled_cost(runs[:1]) == pytest.approx(runs[0]["cost"]["dollars_per_million_output_tokens"])
+    assert pooled_cost([summary(cost=None)]) == float("inf")  # no output tokens: no price per token
 
 
 def test_a_rate_cut_short_by_the_time_budget_is_not_validated():
