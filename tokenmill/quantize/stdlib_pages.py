@@ -1,11 +1,11 @@
 """Print pydoc's plain-text pages of the modules named on the command line, NUL-separated.
 
 Run by ``calibration.stdlib_docs`` as ``python -I -c SOURCE PARENT_PID MODULE...`` (this
-file's text) in a fresh, isolated interpreter: a page renders the live objects of its module, so in the
-caller's process it shows whatever that process imported or patched (transformers adds
-methods to ``logging.Logger``, another library wraps ``inspect.getfile``, handlers pile up
-in ``logging.shutdown``'s default), and the calibration text, so the quantisation, would
-depend on what ran before. Standard library only, on purpose: importing tokenmill here would
+file's text) in a fresh, isolated interpreter: a page renders the live objects of its
+module, so in the caller's process it shows whatever that process imported or patched
+(transformers adds methods to ``logging.Logger``, another library wraps
+``inspect.getfile``, handlers pile up in ``logging.shutdown``'s default), and the
+calibration text, so the quantisation, would depend on what ran before. Standard library only, on purpose: importing tokenmill here would
 bring those patches back. It ends with its parent: each page is written as soon as it is
 rendered (a closed pipe ends it) and the parent's pid is checked between pages.
 """
