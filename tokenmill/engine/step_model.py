@@ -40,6 +40,8 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from tokenmill.energy import dollars_per_million
+
 PROFILE_VERSION = 1
 PROBE_BATCHES = (1, 2, 4, 8, 16)
 PROBE_CONTEXTS = (128, 1024)
@@ -310,7 +312,7 @@ def predict_load(
         out = capacity * output_len
         busy = 1.0
     w = m.busy_watts if watts is None else watts
-    dollars = price_per_hour / 3600 / out * 1e6 if price_per_hour is not None and out > 0 else None
+    dollars = None if price_per_hour is None else dollars_per_million(price_per_hour, 1.0, out)  # one second's tokens
     return LoadPrediction(rate, capacity, stable, out, n, tpot, busy, w * busy / out if out > 0 else math.inf, dollars)
 
 
