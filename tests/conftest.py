@@ -12,7 +12,14 @@ from tokenmill.engine.block_pool import BlockPool
 
 TESTS = Path(__file__).parent
 # tests that start other processes (servers, torch.distributed workers, the CLI, other builds)
-SUBPROCESS_FILES = {"test_cli.py", "test_parallel.py", "test_imports.py", "test_lifetime.py", "test_malloc_options.py"}
+SUBPROCESS_FILES = {
+    "test_cli.py",
+    "test_parallel.py",
+    "test_imports.py",
+    "test_lifetime.py",
+    "test_malloc_options.py",
+    "test_template_sandbox.py",
+}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -245,7 +245,11 @@ def _run_server(models: list[ServedModel], config: ServerConfig, sock: socket.so
             for w in watchers:
                 w.cancel()
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    finally:  # a request template's render still in flight has had its drain: its worker goes now
+        if app.state.served.templates is not None:
+            app.state.served.templates.close()
 
 
 def serve(args: argparse.Namespace) -> int:

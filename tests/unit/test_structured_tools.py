@@ -129,13 +129,15 @@ def test_hermes_format_for_templates_that_take_tools(compiler, tokenizer):
     content, calls = tools.parse("Let me check.\n" + block)
     assert content == "Let me check." and [c.name for c in calls] == ["get_time"]
     assert parse_tool_request([WEATHER], "auto", True, HERMES_TEMPLATE).constraint() is None  # free, parsed after
-    from tokenmill.model.tokenizer import _render_template
+    from tokenmill.model.chat_template import render_chat_template
 
-    text = _render_template(
+    text = render_chat_template(
         HERMES_TEMPLATE,
-        messages=tools.render_messages([{"role": "user", "content": "hi"}]),
-        add_generation_prompt=True,
-        tools=[t.as_openai() for t in tools.offered],
+        {
+            "messages": tools.render_messages([{"role": "user", "content": "hi"}]),
+            "add_generation_prompt": True,
+            "tools": [t.as_openai() for t in tools.offered],
+        },
     )
     assert '"get_time"' in text and "<|im_start|>assistant" in text
 

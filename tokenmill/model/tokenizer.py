@@ -3,15 +3,15 @@
 A GGUF vocabulary (byte-level BPE, or SentencePiece) becomes a ``tokenizers.Tokenizer``
 the way transformers converts it, so both encode alike.
 Chat templates are rendered with a sandboxed jinja2 environment configured as
-transformers configures it.
+transformers configures it (model/chat_template.py), a request's own template by the
+caller's ``render`` (the server's: in a worker process, with limits).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,9 @@ TEMPLATE_VARIABLES = frozenset(
     {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception", "strftime_now"}
     | {"range", "dict", "lipsum", "cycler", "joiner", "namespace"}
 )
+# How a template becomes text: ``render(template, variables)`` (chat_template.py's, in process,
+# unless the caller gives another).
+Render = Callable[[str, dict[str, Any]], str]
 
 
 @dataclass
@@ -69,6 +72,7 @@ class Tokenizer:
         template_kwargs: dict[str, Any] | None = None,
         continue_final_message: bool = False,
         chat_template: str | None = None,
+        render: Render | None = None,
     ) -> str:
         """Render messages to the prompt text the model was trained on (``tools``: for
         templates that describe tools themselves; ``template_kwargs``: more variables for
@@ -76,7 +80,8 @@ class Tokenizer:
         ``enable_thinking``; none may set one of the variables given here).
         ``continue_final_message``: the text ends with the last message's content, left
         open for the model to continue (transformers' rule: cut after its last occurrence);
-        ``chat_template``: this call's template instead of the model's."""
+        ``chat_template``: this call's template instead of the model's; ``render``: what
+        renders it (default: in this process, without limits)."""
         _validate_messages(messages)
         taken = sorted(set(template_kwargs or ()) & TEMPLATE_VARIABLES)
         if taken:
@@ -88,15 +93,17 @@ class Tokenizer:
             lines = [f"{m['role']}: {m['content']}" for m in messages]
             text = "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
         else:
-            text = _render_template(
-                template,
+            from tokenmill.model.chat_template import render_chat_template
+
+            variables = {
                 **(template_kwargs or {}),
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self._token_text(self.bos_token_id),
-                eos_token=self._token_text(self.eos_token_id),
+                "messages": messages,
+                "add_generation_prompt": add_generation_prompt,
+                "bos_token": self._token_text(self.bos_token_id),
+                "eos_token": self._token_text(self.eos_token_id),
                 **({"tools": tools} if tools else {}),
-            )
+            }
+            text = (render or render_chat_template)(template, variables)
         return _open_final_message(text, messages[-1]) if continue_final_message else text
 
     def encode_chat(
@@ -109,6 +116,7 @@ class Tokenizer:
         continue_final_message: bool = False,
         chat_template: str | None = None,
         add_special_tokens: bool = False,
+        render: Render | None = None,
     ) -> list[int]:
         """The prompt ids of a conversation. Special-token text in the messages, tools or
         template variables is client text and tokenised as such (a user's ``<|im_end|>``
@@ -116,8 +124,9 @@ class Tokenizer:
         markers stay special. ``allow_special_tokens``: the rendered text tokenised as it
         reads (for clients that are trusted to write special tokens). ``add_special_tokens``:
         the tokenizer's own special tokens (a BOS) around the rendered text, as vLLM's field
-        (off by default: the template writes what the model needs)."""
-        rendering = dict(continue_final_message=continue_final_message, chat_template=chat_template)
+        (off by default: the template writes what the model needs). ``render``: as
+        ``apply_chat_template``'s."""
+        rendering = dict(continue_final_message=continue_final_message, chat_template=chat_template, render=render)
         if allow_special_tokens or not self.special_token_ids:
             text = self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs, **rendering)
             return self.encode(text, add_special_tokens=add_special_tokens)
@@ -172,29 +181,6 @@ def _validate_messages(messages: Any) -> None:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str):
             raise InvalidRequestError(f"messages[{i}] must have a 'role' and a string 'content'")
-
-
-def _render_template(template: str, **context: Any) -> str:
-    from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise InvalidRequestError(f"chat template error: {message}")
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
-        x, indent=indent, ensure_ascii=ensure_ascii
-    )
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        return env.from_string(template).render(**context)
-    except TemplateError as e:
-        raise InvalidRequestError(f"chat template error: {e}") from e
-    except (TypeError, ValueError, LookupError, AttributeError) as e:  # the template on a client's values
-        if isinstance(e, InvalidRequestError):
-            raise
-        raise InvalidRequestError(f"chat template error: {type(e).__name__}: {e}") from e
 
 
 def _stop_ids(backend: Any, eos: int | None, extra: Sequence[int] = ()) -> frozenset[int]:

@@ -15,6 +15,7 @@ from tokenmill.server.errors import ContextLengthError
 from tokenmill.server.models import Target
 from tokenmill.server.protocol import ChatCompletionRequest, truncate_prompt
 from tokenmill.server.reasoning import reasoning_for
+from tokenmill.server.template_sandbox import RequestTemplates
 from tokenmill.server.tools import ToolRequest, parse_tool_request, render_messages
 
 
@@ -49,15 +50,20 @@ def max_tokens_for(target: Target, prompt_ids: list[int], requested: int | None)
 
 
 async def chat_prompt(
-    target: Target, body: ChatCompletionRequest, allow_special_tokens: bool = False, trust_chat_template: bool = False
+    target: Target,
+    body: ChatCompletionRequest,
+    allow_special_tokens: bool = False,
+    request_templates: RequestTemplates | None = None,
 ) -> tuple[list[int], SamplingParams, ToolRequest | None]:
     """A chat request's prompt ids (through the chat template, tools rendered and
     ``chat_template_kwargs`` given to it; special-token text in the messages tokenised as
     text unless ``allow_special_tokens``), its sampling parameters (a constraint starts
     after the reasoning of a model with a reasoning parser: reasoning.py) and its tools.
     vLLM's rendering fields: ``documents`` (a template variable), ``continue_final_message``,
-    ``add_special_tokens``, and ``chat_template`` where ``trust_chat_template``."""
-    if body.chat_template is not None and not trust_chat_template:
+    ``add_special_tokens``, and ``chat_template`` where the server takes request templates
+    (``request_templates``: rendered there, in a worker process with limits; the model's
+    own template renders here, off the event loop)."""
+    if body.chat_template is not None and request_templates is None:
         raise InvalidRequestError(
             "chat_template is passed with the request, but the server does not take request templates "
             "(start it with --trust-request-chat-template)",
@@ -81,16 +87,18 @@ async def chat_prompt(
         "chat_template": body.chat_template,
         "add_special_tokens": body.add_special_tokens,
     }
-    ids = await asyncio.to_thread(
-        functools.partial(
-            tokenizer.encode_chat,
-            messages,
-            body.add_generation_prompt,
-            described,
-            allow_special_tokens,
-            **{k: v for k, v in rendering.items() if v},
-        )
+    encode = functools.partial(
+        tokenizer.encode_chat,
+        messages,
+        body.add_generation_prompt,
+        described,
+        allow_special_tokens,
+        **{k: v for k, v in rendering.items() if v},
     )
+    if body.chat_template is not None and request_templates is not None:
+        ids = await request_templates.run(lambda render: encode(render=render))
+    else:
+        ids = await asyncio.to_thread(encode)
     ids = truncate_prompt(ids, body.truncate_prompt_tokens, target.max_model_len)
     params = body.sampling_params(max_tokens_for(target, ids, body.requested_max_tokens), tools and tools.constraint())
     reasoning = reasoning_for(target, body)
