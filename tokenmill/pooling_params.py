@@ -22,12 +22,15 @@ class PoolingParams:
     # use); "mean": the mean over all the prompt's tokens (such a request skips the
     # prefix cache: a cached position has no hidden state to average).
     pooling_type: str = "last"
+    client: str = ""  # whom it is for, opaque: as SamplingParams.client
 
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:
             raise InvalidRequestError(
                 f"pooling must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}", param="pooling"
             )
+        if not isinstance(self.client, str):
+            raise InvalidRequestError(f"client must be a string, got {self.client!r}", param="client")
 
     @property
     def n(self) -> int:

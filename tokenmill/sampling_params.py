@@ -61,6 +61,10 @@ class SamplingParams:
     # The model's end-of-sequence ids, filled in by the engine (as vLLM's
     # all_stop_token_ids): what min_tokens holds back besides stop_token_ids.
     eos_token_ids: tuple[int, ...] = ()
+    # Whom the request is for, opaque (the server's API-key digest or client address;
+    # offline requests share ""): while several clients have prompt tokens to compute,
+    # each gets a share of a step's token budget (engine/fairness.py).
+    client: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.structured, dict):
@@ -133,6 +137,8 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be token ids in [0, 2**31)")
         if not isinstance(self.priority, int) or isinstance(self.priority, bool) or abs(self.priority) > MAX_INT32:
             raise bad("priority", "must be an integer in (-2**31, 2**31)")
+        if not isinstance(self.client, str):
+            raise bad("client", "must be a string")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad("min_tokens", "must be an integer in [0, max_tokens]")
         for t, v in self.logit_bias:

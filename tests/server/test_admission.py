@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 
 import pytest
@@ -29,14 +30,15 @@ class SlowRunner(ScriptedRunner):
         return super().execute(batch, grammar)
 
 
-def _scope(client: str, path: str) -> dict:
+def _scope(client: str, path: str, headers: dict[str, str] | None = None) -> dict:
+    extra = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     return {
         "type": "http",
         "method": "POST",
         "path": path,
         "raw_path": path.encode(),
         "query_string": b"",
-        "headers": [(b"content-type", b"application/json")],
+        "headers": [(b"content-type", b"application/json"), *extra],
         "http_version": "1.1",
         "scheme": "http",
         "server": ("t", 80),
@@ -45,9 +47,11 @@ def _scope(client: str, path: str) -> dict:
     }
 
 
-async def _post(app, client: str, path: str, body: dict, events: list | None = None) -> tuple[int, dict, bytes]:
-    """POST ``body`` from ``client``; each body part sent is appended to ``events`` with
-    the time it was sent. The client never disconnects."""
+async def _post(
+    app, client: str, path: str, body: dict, events: list | None = None, headers: dict[str, str] | None = None
+) -> tuple[int, dict, bytes]:
+    """POST ``body`` from ``client`` (with ``headers``); each body part sent is appended to
+    ``events`` with the time it was sent. The client never disconnects."""
     first = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
     sent: list[dict] = []
 
@@ -62,7 +66,7 @@ async def _post(app, client: str, path: str, body: dict, events: list | None = N
         if events is not None and message["type"] == "http.response.body":
             events.append((time.monotonic(), message.get("body", b"")))
 
-    await app(_scope(client, path), receive, send)
+    await app(_scope(client, path, headers), receive, send)
     headers = {k.decode(): v.decode() for k, v in sent[0].get("headers", [])}
     return sent[0]["status"], headers, b"".join(m.get("body", b"") for m in sent[1:])
 
@@ -195,3 +199,117 @@ def test_a_window_shrinks_to_a_few_places_while_others_wait():
     busy, idle = asyncio.run(main())
     assert busy == BUSY_PLACES and idle == 10
     assert windows.in_use("addr:a") == 0
+
+
+# Issue 57: the client is who it really is, fairness by tokens, priority by permission.
+
+
+def _app(scheduler: SchedulerConfig, runner: ScriptedRunner | None = None, **server):
+    engine = AsyncEngine(
+        Engine.create(
+            runner or ScriptedRunner(4),
+            ToyTokenizer(),
+            EngineConfig(num_blocks=256, block_size=4, max_model_len=128, scheduler=scheduler),
+        )
+    )
+    return engine, build_app(engine, ToyTokenizer(), 128, ServerConfig(served_model_name=MODEL, **server))
+
+
+def test_a_bearer_token_no_one_configured_does_not_make_a_new_client():
+    """No --api-key: two many-prompt requests from one address, each with a random
+    bearer token of its own, share that address's window (2 places), rather than each
+    opening a window as a client of its own (the engine held 4 of their prompts)."""
+    engine, app = _app(SchedulerConfig(max_num_seqs=8), SlowRunner(4), max_inflight_prompts_per_client=2)
+    body = {"model": MODEL, "prompt": [f"p{i}" for i in range(6)], "max_tokens": 8, "ignore_eos": True}
+
+    async def main():
+        peak = 0
+
+        async def one(token: str):
+            return await _post(app, "10.0.0.1", "/v1/completions", body, headers={"Authorization": f"Bearer {token}"})
+
+        both = asyncio.gather(one(secrets.token_hex(8)), one(secrets.token_hex(8)))
+        while not both.done():
+            peak = max(peak, engine.engine.core.num_unfinished_requests)
+            await asyncio.sleep(0.001)
+        return await both, peak
+
+    try:
+        answers, peak = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert [status for status, _, _ in answers] == [200, 200]
+    assert all(len(json.loads(raw)["choices"]) == 6 for _, _, raw in answers)
+    assert peak == 2, f"{peak} prompts of one address were in the engine at once (its window has 2 places)"
+
+
+def test_another_clients_embedding_is_computed_beside_a_heavy_request_not_behind_it():
+    """One client's embedding request of 8 long inputs, 4 of them in the engine, then
+    another client's one input: while both have prompt tokens to compute, each gets half
+    of a step's budget (64 tokens), so the other client's input is computed in the first
+    step, not after the 4 ahead of it in the queue (FCFS: 4 x 60 tokens, 4 steps)."""
+    import threading
+
+    runner = ScriptedRunner(4)
+    engine, app = _app(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), runner)
+    heavy = {"model": MODEL, "input": [chr(65 + i) * 60 for i in range(8)]}
+    light = {"model": MODEL, "input": "z" * 40}
+    gate, entered = threading.Event(), threading.Event()
+
+    def hold() -> None:  # the engine's loop waits here, so that both requests are queued when it steps
+        entered.set()
+        gate.wait()
+
+    async def main():
+        held = asyncio.create_task(engine.run_on_loop(hold))
+        while not entered.is_set():
+            await asyncio.sleep(0.01)
+        big = asyncio.create_task(_post(app, "10.0.0.1", "/v1/embeddings", heavy))
+        for _ in range(500):  # its first 4 inputs queued (the window's places while others wait)
+            if engine.num_waiting >= 4:
+                break
+            await asyncio.sleep(0.01)
+        small = asyncio.create_task(_post(app, "10.0.0.2", "/v1/embeddings", light))
+        for _ in range(500):
+            if engine.num_waiting >= 5:
+                break
+            await asyncio.sleep(0.01)
+        gate.set()
+        await held
+        return await big, await small
+
+    try:
+        (big_status, _, _), (small_status, _, _) = asyncio.run(main())
+    finally:
+        gate.set()
+        engine.shutdown()
+    assert big_status == 200 and small_status == 200
+    first = runner.batches[0]
+    prompt_len = {r.request_id: len(r.prompt_token_ids) for r in first.new_requests}
+    chunks = sorted((prompt_len[s.request_id], s.num_tokens) for s in first.scheduled)
+    assert chunks == [(40, 32), (60, 32)], chunks  # each client half the budget; before: [(60, 60), (60, 4)]
+
+
+def test_a_priority_ahead_of_the_default_needs_the_operators_leave():
+    """--scheduling-policy priority: any client may put itself behind (priority > 0), but
+    ahead (below --min-priority, 0) only with a --priority-api-key: otherwise a 400 that
+    names the flags, and nothing is queued; a bearer token no one configured is no key."""
+    engine, app = _app(SchedulerConfig(scheduling_policy="priority"), priority_api_key=("prio-key",))
+    cases = [
+        ({}, -3, 400),
+        ({"Authorization": "Bearer a-random-token"}, -3, 400),
+        ({"Authorization": "Bearer prio-key"}, -3, 200),
+        ({}, 3, 200),
+    ]
+    try:
+        for headers, priority, status in cases:
+            body = {"model": MODEL, "prompt": "abc", "max_tokens": 2, "priority": priority}
+            got, _, raw = asyncio.run(_post(app, "10.0.0.1", "/v1/completions", body, headers=headers))
+            assert got == status, (headers, priority, raw)
+            if status == 400:
+                err = json.loads(raw)["error"]
+                assert err["param"] == "priority" and err["type"] == "BadRequestError"
+                assert "--priority-api-key" in err["message"] and "--min-priority" in err["message"]
+            assert engine.engine.core.num_unfinished_requests == 0
+    finally:
+        engine.shutdown()

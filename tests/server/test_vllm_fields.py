@@ -40,7 +40,7 @@ def test_a_request_id_that_cannot_name_a_request_is_refused_by_name(http):
         "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, headers={"X-Request-Id": "a b"}
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "X-Request-Id"
-    assert r.headers["x-request-id"] == "a b"  # echoed on the error too
+    assert "x-request-id" not in r.headers  # an id that cannot name a request is not echoed (a valid one is)
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, "request_id": "x" * 300})
     assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
 
@@ -121,7 +121,7 @@ class _BosToy(ToyTokenizer):
         return ([1] if add_special_tokens else []) + super().encode(text, add_special_tokens)
 
 
-def _toy_app(policy: str = "fcfs"):
+def _toy_app(policy: str = "fcfs", **server):
     config = EngineConfig(
         num_blocks=64,
         block_size=4,
@@ -129,7 +129,7 @@ def _toy_app(policy: str = "fcfs"):
         scheduler=SchedulerConfig(max_num_seqs=1, scheduling_policy=policy),
     )
     engine = AsyncEngine(Engine.create(ScriptedRunner(4), _BosToy(), config))
-    return engine, build_app(engine, _BosToy(), 64, ServerConfig(served_model_name="toy"))
+    return engine, build_app(engine, _BosToy(), 64, ServerConfig(served_model_name="toy", **server))
 
 
 def test_add_special_tokens_on_completions_adds_the_bos_or_not():
@@ -155,7 +155,7 @@ def test_under_the_priority_policy_the_lower_priority_value_is_served_first():
     arrive, so that they wait together: they are served by priority value, not arrival."""
     import threading
 
-    engine, app = _toy_app("priority")
+    engine, app = _toy_app("priority", min_priority=-3)  # (below 0 only where the operator allows it)
     scheduled: dict[str, float] = {}
     gate, entered = threading.Event(), threading.Event()
 

@@ -52,7 +52,7 @@ def trip(value):
             skip_special_tokens=False,
         ),
         SamplingParams(structured={"json": {"type": "object", "properties": {"b": {"type": "string"}, "a": {}}}}),
-        SamplingParams(structured={"choice": ["yes", "no"]}),
+        SamplingParams(structured={"choice": ["yes", "no"]}, client="key:0123abcd", priority=-3),
         SamplingParams(structured={"json_object": True, "whitespace_pattern": r"[ ]?"}),
     ],
 )
@@ -60,10 +60,10 @@ def test_sampling_params_survive_the_trip(params):
     assert params_from_wire(trip(params_to_wire(params))) == params
 
 
-@pytest.mark.parametrize("params", [PoolingParams(), PoolingParams("mean")])
+@pytest.mark.parametrize("params", [PoolingParams(), PoolingParams("mean", "addr:10.0.0.1")])
 def test_an_embedding_request_crosses_as_pooling_params_not_as_sampling(params):
     wire = trip(params_to_wire(params))
-    assert wire == {"pooling_type": params.pooling_type} and params_from_wire(wire) == params
+    assert wire == {"pooling_type": params.pooling_type, "client": params.client} and params_from_wire(wire) == params
     with pytest.raises(InvalidRequestError, match="pooling"):
         params_from_wire({"pooling_type": "max"})
 

@@ -131,6 +131,7 @@ class EngineCore:
         A request with ``params.structured`` gets its grammar compiled here unless the
         caller compiled it already (``structured.compile``, off the step loop)."""
         pooling = params if isinstance(params, PoolingParams) else None
+        client = params.client
         if pooling is not None:
             if not getattr(self.runner, "scores_prompts", True):
                 raise InvalidRequestError(
@@ -169,6 +170,7 @@ class EngineCore:
                 grammar=grammar.matcher() if grammar is not None else None,
                 lora_name=lora,
                 hash_root=None if lora is None else self.lora_hash_root(lora),
+                client=client,
             )
             self.scheduler.add(req)
             self._sequences[sid] = req

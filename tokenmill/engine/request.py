@@ -62,6 +62,8 @@ class Request:
     num_cached_blocks: int = 0  # leading blocks registered in the prefix cache
     num_preemptions: int = 0
     arrival: int = 0  # the scheduler's count of requests added before it (the priority policy's tie-break)
+    arrival_step: int = 0  # the scheduler's count of steps before it was added (the priority policy's aging)
+    client: str = ""  # whom it is for, opaque: a step's prompt tokens are shared between clients (engine/fairness.py)
     fork_of: str | None = None  # n > 1: the sibling whose prompt blocks this one shares
     parent_id: str = ""  # the user's request id (this sequence is completion `index` of it)
     index: int = 0

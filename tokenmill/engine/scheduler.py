@@ -15,7 +15,15 @@ request is preempted: its blocks are freed and it goes back to the front of the
 waiting queue, to recompute its prompt and output so far when readmitted.
 ``scheduling_policy="priority"`` (vLLM's) orders the waiting queue by each request's
 ``priority`` (lower first), then arrival, and preempts the running request that comes
-last in that order.
+last in that order; but it cannot starve a request: one that arrived
+``priority_aging_steps`` steps ago goes ahead of all that arrived since, oldest first,
+whatever their priorities, and once running is preempted only after them. Aging, not
+a share of each step kept for lower classes: it bounds the wait itself (in steps: the
+same schedule whatever the machine's speed) whatever the gap between priorities
+(-1000 against 0 is no worse than -1 against 0), and one order serves admission and
+preemption, so a request let in by age is not thrown out again by priority (no thrash).
+Between clients the unit of fairness is the token: while several have prompt tokens to
+compute, one client's prompt chunks take at most its share of the step (fairness.py).
 ``scheduling="static"`` admits nothing while a batch is running: the baseline.
 
 Speculative decoding fits the same rule: a decode that carries k draft tokens takes
@@ -39,6 +47,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tokenmill.config import SchedulerConfig, SpeculativeConfig
+from tokenmill.engine.fairness import TokenShares
 from tokenmill.engine.kv_manager import KVCacheManager
 from tokenmill.engine.model_input import ModelInput, ModelOutput, SampledToken
 from tokenmill.engine.request import Request, RequestStatus
@@ -103,18 +112,42 @@ class Scheduler:
         self.runner_sync = RunnerSync()  # what the runner holds; each step's deltas
         self.by_priority = config.scheduling_policy == "priority"
         self._arrivals = itertools.count()
+        self._step = 0  # steps scheduled so far (the priority policy's clock)
 
     def add(self, req: Request) -> None:
         req.arrival = next(self._arrivals)
+        req.arrival_step = self._step
         self._enqueue(req)
 
     def _enqueue(self, req: Request) -> None:
-        """Into the waiting queue: at the back (fcfs), or in (priority, arrival) order."""
+        """Into the waiting queue: at the back (fcfs), or in ``_order``."""
         if not self.by_priority:
             self.waiting.append(req)
             return
-        keys = [_order(r) for r in self.waiting]  # the queue is kept sorted by this key
-        self.waiting.insert(bisect.bisect(keys, _order(req)), req)
+        keys = [self._order(r) for r in self.waiting]  # the queue is kept sorted by this key
+        self.waiting.insert(bisect.bisect(keys, self._order(req)), req)
+
+    def _order(self, req: Request) -> tuple[int, int, int]:
+        """A request's place under the priority policy: those that arrived ``priority_aging_steps``
+        ago or more first, oldest first; then the others by priority (lower first), then arrival."""
+        if self._step - req.arrival_step >= self.config.priority_aging_steps:
+            return (0, 0, req.arrival)
+        return (1, req.params.priority, req.arrival)
+
+    def _age(self) -> None:
+        """A new step: waiting requests that have just come of age move ahead (sorted by ``_order``)."""
+        self._step += 1
+        of_age = self._step - self.config.priority_aging_steps
+        if self.by_priority and any(r.arrival_step == of_age for r in self.waiting):
+            ordered = sorted(self.waiting, key=self._order)
+            self.waiting.clear()
+            self.waiting.extend(ordered)
+
+    def _shares(self) -> TokenShares:
+        """This step's prompt-token share of each client with prompt tokens to compute."""
+        prompts = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1] + list(self.waiting)
+        level = (lambda r: self._order(r)[:2]) if self.by_priority else (lambda r: 0)
+        return TokenShares(self.config.max_num_batched_tokens, prompts, level)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -123,19 +156,22 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._age()
         if self.config.scheduling == "static" and not self.running:
             self._admit_static_batch()
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        shares = self._shares()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens, shares)
         if self.config.scheduling == "continuous" and not out.preempted:
-            self._schedule_waiting(out, budget)
+            self._schedule_waiting(out, budget, shares)
         for req in out.unschedulable:
             self.finish(req, "length")
         scheduled = [(s.request, s.num_new_tokens, s.spec_token_ids, s.num_lookahead) for s in out.seqs]
         out.model_input = self.runner_sync.model_input(scheduled, out.block_copies, self.kv.runner_table)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        """Decodes first, then unfinished prompts, each in admission order."""
+    def _schedule_running(self, out: SchedulerOutput, budget: int, shares: TokenShares) -> int:
+        """Decodes first, then unfinished prompts (each within its client's share), each
+        in admission order."""
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         for req in decodes + prefills:
@@ -143,7 +179,10 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_real = min(req.num_tokens - req.num_computed_tokens, budget)
+            prompt = req.num_tokens - req.num_computed_tokens > 1
+            num_real = min(req.num_tokens - req.num_computed_tokens, budget, shares.left(req.client) if prompt else 1)
+            if num_real == 0:  # its client has had its share of this step
+                continue
             spec = req.spec_token_ids[: budget - num_real] if num_real == 1 else []
             lookahead = self._num_lookahead(req, num_real, len(spec))
             copies = self.kv.allocate_slots(req, num_real + len(spec) + self._lookahead_slots(lookahead))
@@ -156,7 +195,7 @@ class Scheduler:
                     self.running.remove(req)
                     out.unschedulable.append(req)
                     break
-                victim = max(self.running, key=_order) if self.by_priority else self.running[-1]
+                victim = max(self.running, key=self._order) if self.by_priority else self.running[-1]
                 budget += self._preempt(victim, out)
                 if victim is req:
                     break
@@ -165,16 +204,21 @@ class Scheduler:
                 continue
             out.seqs.append(ScheduledSeq(req, num_new, spec, lookahead))
             out.block_copies.extend(copies)
+            if prompt:
+                shares.take(req.client, num_real)
             budget -= num_new
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, shares: TokenShares) -> None:
         skipped: list[Request] = []
         adapters = {r.lora_name for r in self.running if r.lora_name is not None}
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.popleft()
             if req.lora_name is not None and req.lora_name not in adapters and len(adapters) >= self.max_loras:
                 skipped.append(req)  # every adapter slot is taken this step: wait for one to free up
+                continue
+            if shares.left(req.client) == 0:  # its client has had its share of this step
+                skipped.append(req)
                 continue
             forked = self._try_fork(req, out) if req.fork_of is not None else None
             if forked is None and req.fork_of is not None:  # its sibling's prompt is not computed yet
@@ -189,7 +233,7 @@ class Scheduler:
                     else []
                 )
                 num_computed = req.num_computed_tokens + len(cached) * self.kv.block_size
-                num_new = min(req.num_tokens - num_computed, budget)
+                num_new = min(req.num_tokens - num_computed, budget, shares.left(req.client))
                 lookahead = self._num_lookahead(req, num_new, 0, num_computed)
                 copies = self.kv.allocate_slots(req, num_new + self._lookahead_slots(lookahead), cached)
                 if copies is None and lookahead:  # admit it without drafting rather than not at all
@@ -210,6 +254,7 @@ class Scheduler:
             if req.lora_name is not None:
                 adapters.add(req.lora_name)
             out.seqs.append(ScheduledSeq(req, num_new, [], lookahead))
+            shares.take(req.client, num_new)
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
 
@@ -404,8 +449,3 @@ class Scheduler:
         self.runner_sync.forget(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
-
-
-def _order(req: Request) -> tuple[int, int]:
-    """A request's place under the priority policy: its priority (lower first), then arrival."""
-    return (req.params.priority, req.arrival)

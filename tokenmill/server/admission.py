@@ -1,4 +1,16 @@
-"""What one request or one client may put into the engine at once.
+"""Who a client is, and what one request or one client may put into the engine at once.
+
+``Clients`` says who is asking (``client_of``): a configured API key (``--api-key``,
+``--priority-api-key``) when the request presents one, else its address (an IPv6
+address by its /64, as clients.py counts connections). A bearer token nobody
+configured is no identity: on a server without keys, a fresh random token per request
+made each request a client of its own, with a window of its own (8 sequences in the
+engine became 39, issue 57). The identity is also the engine request's ``client``,
+between which the scheduler shares each step's prompt tokens (engine/fairness.py).
+``Clients`` also says who may raise its priority: a priority below ``--min-priority``
+(0: ahead of the default) only with a ``--priority-api-key``; from anyone else it is a
+400 naming those flags, rather than clamped, so that a client is never silently served
+otherwise than it asked.
 
 The per-request limits (prompts, embedding inputs, prompt tokens) are checked by the
 routes with ``check_count`` and ``check_tokens``; a request over one is a 400 that names the limit
@@ -9,7 +21,7 @@ and its flag. The queue limit (``max_queue``: 429 with Retry-After) is served.py
 first come, first served, so a completions request with 2,000 prompts, put in whole,
 would run ahead of every request that comes after it (other clients' time to first
 token went from 0.9 s to over 60 s). Instead, the prompts of a request that has
-several enter the engine through a window per client (its API key, else its address):
+several enter the engine through a window per client (``client_of``):
 at most ``size`` of them are in the engine at once, the next one entering as one
 ends. And while other requests wait for the engine (``busy``), a client's window shrinks
 to ``BUSY_PLACES``: its prompts past those wait until the engine's queue is empty, so that
@@ -24,22 +36,48 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from fastapi import Request
 
 from tokenmill.errors import InvalidRequestError
+from tokenmill.server.clients import client_key
 from tokenmill.serving_config import ServerConfig
 
 
-def client_of(request: Request) -> str:
-    """Who is asking, for fairness: the API key (a digest of it: never the key itself),
-    else the peer's address."""
-    auth = request.headers.get("authorization")
-    if auth:
-        return "key:" + hashlib.sha256(auth.encode()).hexdigest()[:16]
-    return "addr:" + (request.client.host if request.client is not None else "?")
+class Clients:
+    """Who is asking, and whether it may raise its priority (see the module's docstring)."""
+
+    def __init__(self, keys: Iterable[str], priority_keys: Iterable[str], min_priority: int) -> None:
+        self.priority_keys = frozenset(priority_keys)
+        self.keys = frozenset(keys) | self.priority_keys
+        self.min_priority = min_priority
+
+    def key_of(self, request: Request) -> str | None:
+        """The configured key the request presents (``Authorization: Bearer KEY``, the
+        scheme in any case, as the key check reads it), else None."""
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        token = token.strip()
+        return token if scheme.lower() == "bearer" and token in self.keys else None
+
+    def client_of(self, request: Request) -> str:
+        """Who is asking, for fairness: its configured key (a digest of it: never the key
+        itself), else its address."""
+        key = self.key_of(request)
+        if key is not None:
+            return "key:" + hashlib.sha256(key.encode()).hexdigest()[:16]
+        return "addr:" + (client_key(request.client.host if request.client is not None else None) or "?")
+
+    def check_priority(self, request: Request, priority: int) -> None:
+        """400 for a priority below ``--min-priority`` from a request without a priority key."""
+        if priority >= self.min_priority or (self.priority_keys and self.key_of(request) in self.priority_keys):
+            return
+        raise InvalidRequestError(
+            f"priority {priority} would put this request ahead of others: below {self.min_priority} "
+            "(--min-priority), only a request with a --priority-api-key may set one",
+            param="priority",
+        )
 
 
 def _limit(config: ServerConfig, what: str) -> tuple[int, str]:

@@ -93,8 +93,9 @@ def build_models_app(models: list[ServedModel], config: ServerConfig) -> FastAPI
     energy = EnergyMeter(config.watts_per_cpu)
     metrics = ServerMetrics(sources, list(routers), cache, energy, config.price_per_hour)
     store = ResponseStore(config.max_stored_responses, config.stored_response_ttl)
-    served = Served(by_name, config, metrics, store, routers, cache, LiveView(by_name, energy, config.price_per_hour))
     keys = api_keys(config)
+    live = LiveView(by_name, energy, config.price_per_hour)
+    served = Served(by_name, config, metrics, store, routers, cache, live, api_keys=keys)
     sessions = WebSessions(keys, config.web_session_ttl)
     app = FastAPI(title="tokenmill", version="0.1")
     app.state.served = served
@@ -121,9 +122,13 @@ def api_keys(config: ServerConfig) -> tuple[str, ...]:
         keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
         if not keys:
             raise TokenmillError(f"--api-key-file {config.api_key_file} holds no key")
-    bad = [k for k in keys if not k or any(c.isspace() for c in k)]
+    bad = [k for k in (*keys, *config.priority_api_key) if not k or any(c.isspace() for c in k)]
     if bad:
         raise TokenmillError("an API key must be non-empty and hold no spaces")
+    if keys and not set(config.priority_api_key) <= set(keys):  # (the key itself is never printed)
+        raise TokenmillError(
+            "a --priority-api-key is not one of --api-key's (or --api-key-file's) keys: requests with it would be refused"
+        )
     return tuple(keys)
 
 

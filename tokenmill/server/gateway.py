@@ -198,7 +198,8 @@ async def look_up(
             embedder = Target(served.models[found.small]) if isinstance(found, ModelRouter) else Target(found.model)
         check_queue(served, embedder, 1)
         try:
-            embedding = await _embed(embedder, text, served.config.semantic_cache_pooling)
+            client = served.clients.client_of(request)
+            embedding = await _embed(embedder, text, served.config.semantic_cache_pooling, client)
         except RequestFailedError as e:
             raise APIError(500, f"the semantic cache could not embed the message: {e}") from None
         candidates = cache.candidates(bucket) if embedding else []
@@ -227,10 +228,10 @@ async def look_up(
     return lease
 
 
-async def _embed(target: Target, text: str, pooling: str) -> list[float]:
-    """The model's embedding of ``text`` (the semantic cache compares these)."""
+async def _embed(target: Target, text: str, pooling: str, client: str) -> list[float]:
+    """The model's embedding of ``text`` (the semantic cache compares these), for ``client``."""
     ids = (await encode(target, text))[-(target.max_model_len - 1) :]
-    stream = target.engine.generate(new_id("cache-embd"), ids, PoolingParams(pooling), None)
+    stream = target.engine.generate(new_id("cache-embd"), ids, PoolingParams(pooling, client), None)
     embedding: list[float] = []
     async with contextlib.aclosing(stream):
         async for out in stream:

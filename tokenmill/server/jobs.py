@@ -510,20 +510,29 @@ def token_logprobs(
 
 
 async def beam_response(
-    served: Served, target: Target, prefix: str, prompts: list[list[int]], beam: BeamSearchParams, body: Any, chat: bool
+    served: Served,
+    target: Target,
+    prefix: str,
+    prompts: list[list[int]],
+    beam: BeamSearchParams,
+    body: Any,
+    chat: bool,
+    client: str = "",
 ) -> Response:
     """A beam-search request (vLLM's use_beam_search): per prompt, the n best of its
-    beams as choices. Each round's beams are one-token requests to the engine."""
+    beams as choices. Each round's beams are one-token requests to the engine, for
+    ``client`` (admission.Clients.client_of)."""
     rid = new_id(prefix)
     search = BeamSearch(prompts, beam, frozenset(target.tokenizer.stop_token_ids))
     # logprobs asked: chat's logprobs (with top_logprobs alternatives), completions' logprobs (that many)
     top_k = (body.top_logprobs or 0) if chat and body.logprobs else None if chat else body.logprobs
     name = functools.partial(token_name, target.tokenizer, as_id=body.return_tokens_as_token_ids)
 
+    step_params = replace(beam.step_params(top_k or 0), client=client)
     while not search.finished:
         round_ = search.requests()
         streams = [
-            target.engine.generate(f"{rid}-{search.rounds}-{i}", ids, beam.step_params(top_k or 0), target.lora)
+            target.engine.generate(f"{rid}-{search.rounds}-{i}", ids, step_params, target.lora)
             for i, (_, _, ids) in enumerate(round_)
         ]
         finals: dict[int, RequestOutput] = {}

@@ -11,7 +11,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from tokenmill.engine.outputs import RequestOutput
-from tokenmill.server.admission import ClientWindows
+from tokenmill.server.admission import Clients, ClientWindows
 from tokenmill.server.errors import APIError
 from tokenmill.server.live import LiveView
 from tokenmill.server.metrics import ServerMetrics
@@ -19,6 +19,7 @@ from tokenmill.server.model_router import ModelRouter
 from tokenmill.server.models import ServedModel, Target
 from tokenmill.server.response_cache import ResponseCache
 from tokenmill.server.responses import ResponseStore
+from tokenmill.server.template_sandbox import RequestTemplates
 from tokenmill.serving_config import ServerConfig
 
 
@@ -38,10 +39,15 @@ class Served:
     # an error event and [DONE] rather than being cut mid-body.
     drain_expired: asyncio.Event = field(default_factory=asyncio.Event)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)  # a shutdown has begun
+    api_keys: tuple[str, ...] = ()  # --api-key's and --api-key-file's (app.api_keys)
     windows: ClientWindows = field(init=False)  # each client's place in the engine for many-prompt requests
+    clients: Clients = field(init=False)  # who is asking, and who may raise its priority
+    templates: RequestTemplates | None = field(init=False)  # request chat templates' renderers, when trusted
 
     def __post_init__(self) -> None:
         self.windows = ClientWindows(self.config.max_inflight_prompts_per_client)
+        self.clients = Clients(self.api_keys, self.config.priority_api_key, self.config.min_priority)
+        self.templates = RequestTemplates.from_config(self.config)
 
     @property
     def default(self) -> ServedModel:

@@ -5,6 +5,8 @@ a ``Job`` through the gateway (cache, routers), or by a beam search.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
@@ -21,9 +23,11 @@ from tokenmill.server.streaming import until_disconnect
 def register(app: FastAPI, served: Served) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        client = served.clients.client_of(request)
+
         async def job(target: Target) -> Job:
             ids, params, tools = await chat_prompt(
-                target, body, served.config.allow_special_tokens_in_messages, served.config.trust_request_chat_template
+                target, body, served.config.allow_special_tokens_in_messages, served.templates
             )
             echo = body.echoed()
             return Job(
@@ -32,7 +36,7 @@ def register(app: FastAPI, served: Served) -> None:
                 "chatcmpl",
                 "chat.completion",
                 [ids],
-                [params],
+                [replace(params, client=client)],
                 body.include_usage,
                 body.return_timings,
                 chat=True,
@@ -47,14 +51,15 @@ def register(app: FastAPI, served: Served) -> None:
             )
 
         check_cache_field(served, body)
+        served.clients.check_priority(request, body.priority)
         if body.use_beam_search:
             target = target_of(served, body.model, "beam search")
             ids, params, _ = await chat_prompt(
-                target, body, served.config.allow_special_tokens_in_messages, served.config.trust_request_chat_template
+                target, body, served.config.allow_special_tokens_in_messages, served.templates
             )
             beam = body.beam_params(params.max_tokens)
             check_queue(served, target, beam.beam_width)
             return await until_disconnect(
-                request, beam_response(served, target, "chatcmpl", [ids], beam, body, chat=True)
+                request, beam_response(served, target, "chatcmpl", [ids], beam, body, chat=True, client=client)
             )
         return await generate(served, request, body, "/v1/chat/completions", job)

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server.admission import check_count, check_tokens, client_of
+from tokenmill.server.admission import check_count, check_tokens
 from tokenmill.server.errors import APIError
 from tokenmill.server.gateway import check_cache_field, generate
 from tokenmill.server.jobs import Job, beam_response
@@ -28,6 +29,8 @@ from tokenmill.server.streaming import until_disconnect
 def register(app: FastAPI, served: Served) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        client = served.clients.client_of(request)
+
         async def prepare(target: Target) -> tuple[list[list[int]], list[SamplingParams]]:
             check_count(served.config, len(body.prompts()), "prompts", "prompt")  # before tokenising them all
             prompts = [
@@ -38,8 +41,9 @@ def register(app: FastAPI, served: Served) -> None:
             ]
             check_tokens(served.config, prompts, "prompts", "prompt")
             params = [
-                body.sampling_params(
-                    max_tokens_for(target, ids, 1 if prompt_only else body.max_tokens)
+                replace(
+                    body.sampling_params(max_tokens_for(target, ids, 1 if prompt_only else body.max_tokens)),
+                    client=client,
                 ).with_bad_word_ids(target.tokenizer)
                 for ids in prompts
             ]
@@ -72,9 +76,7 @@ def register(app: FastAPI, served: Served) -> None:
             )
             made.prompt_only = prompt_only
             if len(prompts) > 1:  # its prompts enter the engine through the client's window (admission.py)
-                made.place = functools.partial(
-                    served.windows.place, client_of(request), lambda: target.engine.num_waiting > 0
-                )
+                made.place = functools.partial(served.windows.place, client, lambda: target.engine.num_waiting > 0)
             return made
 
         # max_tokens 0 with echo: the legacy way to score a prompt (its logprobs), nothing generated;
@@ -83,12 +85,13 @@ def register(app: FastAPI, served: Served) -> None:
         if prompt_only and not body.echo:
             raise APIError(400, "max_tokens 0 generates nothing: it scores the prompt, which needs echo", "max_tokens")
         check_cache_field(served, body)
+        served.clients.check_priority(request, body.priority)
         if body.use_beam_search:  # one search for all prompts: as many tokens as the tightest allows
             target = target_of(served, body.model, "beam search")
             prompts, params = await prepare(target)
             beam = body.beam_params(min(p.max_tokens for p in params))
             check_queue(served, target, beam.beam_width * len(prompts))
             return await until_disconnect(
-                request, beam_response(served, target, "cmpl", prompts, beam, body, chat=False)
+                request, beam_response(served, target, "cmpl", prompts, beam, body, chat=False, client=client)
             )
         return await generate(served, request, body, "/v1/completions", job)

@@ -7,6 +7,7 @@ router when one is named; never cached), ``GET`` and ``DELETE /v1/responses/{id}
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -35,11 +36,13 @@ def register(app: FastAPI, served: Served) -> None:
         if body.previous_response_id is not None:
             history = _stored(served, owner, body.previous_response_id, "previous_response_id").messages
         chat = _chat_body(body.chat_body(history))
+        client = served.clients.client_of(request)
 
         async def job(target: Target) -> ResponseJob:
             ids, params, tools = await chat_prompt(target, chat, served.config.allow_special_tokens_in_messages)
             shape = ResponseShape(body, target.name)
             conversation = history + body.input_messages()
+            params = replace(params, client=client)
             return ResponseJob(
                 served, target, shape, ids, params, tools, owner, conversation, reasoning_for(target, chat)
             )
