@@ -161,3 +161,25 @@ def test_generate_held_to_a_json_schema_or_a_regex(tmp_path):
     assert r.returncode == 0 and r.stdout.strip() in ("yes", "no"), r.stderr
     r = run("generate", "x", "--regex", "(unclosed")
     assert r.returncode == 2 and "invalid structured output regex" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_bad_flags_of_issue_57_are_one_line_and_exit_2(tmp_path):
+    """The real process: no traceback, the flag named, exit 2, before anything loads or
+    starts. (The model path and the tune settings around each bad value would keep the
+    commands short, and start no server, were the value let through.)"""
+    nothing = ("--model", str(tmp_path / "none.gguf"))
+    tune = ("tune", "--slo", "ttft_p99=2s", "--price-per-hour", "1", "--time-budget", "0.05")
+    tune += ("--serve-args=--no-such-flag", "--output-dir", str(tmp_path))
+    for argv, flag in [
+        (("plan", *nothing, "--context-len", "0"), "--context-len"),
+        (("serve", *nothing, "--port", "99999"), "--port"),
+        ((*tune, "--workload", "/nonexistent.jsonl"), "--workload"),
+        ((*tune, "--price-per-hour", "-1"), "--price-per-hour"),
+        ((*tune, "--validate-seconds=-1"), "--validate-seconds"),
+        (("serve", *nothing, "--max-request-bytes", "-5"), "--max-request-bytes"),
+        ((*tune, "--time-budget", "0"), "--time-budget"),
+    ]:
+        r = run(*argv)
+        assert r.returncode == 2, (argv, r.stderr)
+        assert r.stderr.startswith(f"tokenmill {argv[0]}: error: argument {flag}: "), r.stderr
+        assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr

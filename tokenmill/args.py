@@ -114,7 +114,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, several_models: bool =
 
 def add_config_arguments(group: Any, cls: type, several_models: bool = False) -> None:
     """One flag per field of ``cls``. Flags default to None ("not given"), so that the
-    dataclass's own default applies: defaults live only in the dataclass."""
+    dataclass's own default applies: defaults live only in the dataclass; a field's
+    check (``opt(..., check=...)``) is its flag's type, so a bad value fails at parsing."""
     hints = typing.get_type_hints(cls)
     for f in _fields(cls):
         kw = keyword(f)
@@ -151,7 +152,8 @@ def add_config_arguments(group: Any, cls: type, several_models: bool = False) ->
         choices = meta.get("choices")
         if cls is SpeculativeConfig and f.name == "method":
             choices, shown = ("none", *choices), " (default: none)"
-        group.add_argument(flag, dest=kw, type=base, choices=choices, default=None, help=meta["help"] + shown)
+        kind = meta.get("check") or base  # a declared check: the flag's value is refused as it is parsed
+        group.add_argument(flag, dest=kw, type=kind, choices=choices, default=None, help=meta["help"] + shown)
 
 
 def _base_type(hint: Any) -> type:

@@ -11,14 +11,25 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from tokenmill.args import add_config_arguments, add_engine_arguments, engine_args_from_namespace
 from tokenmill.distributed.env import torchrun_rank
 from tokenmill.errors import TokenmillError
+from tokenmill.flag_types import NON_NEGATIVE_FLOAT, POSITIVE_FLOAT, POSITIVE_INT, existing_file, text_or_file
 from tokenmill.lifetime import EXIT_WITH_PARENT_ENV
 from tokenmill.serving_config import ReplicaConfig, ServerConfig
 
 DEFAULT_CHAT_PROMPT = "What is the capital of France? Answer in one sentence."
+
+
+class Parser(argparse.ArgumentParser):
+    """A bad argument is one line, ``tokenmill serve: error: argument --port: ...``, and
+    exit 2: not argparse's usage first, which for `serve` is a hundred lines of flags
+    above the one that matters. (Subcommands' parsers are this class too.)"""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -35,30 +46,26 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     c = p.add_argument_group("structured output (one of)")
-    c.add_argument("--json-schema", default=None, metavar="SCHEMA", help="a JSON schema, as text or @file")
+    c.add_argument(
+        "--json-schema", type=text_or_file, default=None, metavar="SCHEMA", help="a JSON schema, as text or @file"
+    )
     c.add_argument("--json-object", action="store_true", help="any JSON object")
     c.add_argument("--regex", default=None)
     c.add_argument("--choice", action="append", default=None, help="an allowed output (repeatable)")
-    c.add_argument("--grammar", default=None, metavar="GRAMMAR", help="Lark or GBNF text, or @file")
+    c.add_argument("--grammar", type=text_or_file, default=None, metavar="GRAMMAR", help="Lark or GBNF text, or @file")
 
 
 def _structured(args: argparse.Namespace):
-    """--json-schema / --json-object / --regex / --choice / --grammar as StructuredOutputs (or None)."""
+    """--json-schema / --json-object / --regex / --choice / --grammar as StructuredOutputs (or None);
+    an @file's text was read as the flag was parsed."""
     from tokenmill.structured.constraint import StructuredOutputs
 
-    def text(value: str | None) -> str | None:
-        if value is not None and value.startswith("@"):
-            from pathlib import Path
-
-            return Path(value[1:]).read_text()
-        return value
-
     given = {
-        "json": text(args.json_schema),
+        "json": args.json_schema,
         "json_object": args.json_object,
         "regex": args.regex,
         "choice": args.choice,
-        "grammar": text(args.grammar),
+        "grammar": args.grammar,
     }
     if not any(given.values()):
         return None
@@ -66,7 +73,7 @@ def _structured(args: argparse.Namespace):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference engine")
+    parser = Parser(prog="tokenmill", description="LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete a prompt, streaming the text")
     gen.add_argument("prompt")
@@ -114,34 +121,44 @@ def _add_train_draft_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="the target (.gguf or folder); default: SmolLM2-135M-Instruct")
     p.add_argument("--device", default="auto", help="cpu, cuda, or auto (a GPU where there is one)")
     p.add_argument(
-        "--prompts", default=None, help="a text file, one prompt per line (default: the bundled chat prompts)"
+        "--prompts",
+        type=existing_file,
+        default=None,
+        help="a text file, one prompt per line (default: the bundled chat prompts)",
     )
-    p.add_argument("--num-prompts", type=int, default=1024, help="prompts to answer (default 1024)")
-    p.add_argument("--max-tokens", type=int, default=256, help="tokens per answer (default 256)")
-    p.add_argument("--epochs", type=float, default=d.epochs, help=f"passes over the answers (default {d.epochs})")
+    p.add_argument("--num-prompts", type=POSITIVE_INT, default=1024, help="prompts to answer (default 1024)")
+    p.add_argument("--max-tokens", type=POSITIVE_INT, default=256, help="tokens per answer (default 256)")
     p.add_argument(
-        "--batch-size", type=int, default=d.batch_size, help=f"conversations per step (default {d.batch_size})"
+        "--epochs", type=POSITIVE_FLOAT, default=d.epochs, help=f"passes over the answers (default {d.epochs})"
     )
-    p.add_argument("--lr", type=float, default=d.lr, help=f"peak learning rate (default {d.lr})")
     p.add_argument(
-        "--unroll", type=int, default=d.unroll, help=f"EAGLE: drafting steps trained together (default {d.unroll})"
+        "--batch-size", type=POSITIVE_INT, default=d.batch_size, help=f"conversations per step (default {d.batch_size})"
+    )
+    p.add_argument("--lr", type=POSITIVE_FLOAT, default=d.lr, help=f"peak learning rate (default {d.lr})")
+    p.add_argument(
+        "--unroll",
+        type=POSITIVE_INT,
+        default=d.unroll,
+        help=f"EAGLE: drafting steps trained together (default {d.unroll})",
     )
     p.add_argument(
         "--draft-vocab-size",
-        type=int,
+        type=POSITIVE_INT,
         default=d.draft_vocab_size,
         help=f"EAGLE: tokens its LM head drafts (default {d.draft_vocab_size})",
     )
     p.add_argument(
         "--token-loss-weight",
-        type=float,
+        type=NON_NEGATIVE_FLOAT,
         default=d.token_loss_weight,
         help=f"EAGLE: weight of the token cross-entropy next to the feature loss (default {d.token_loss_weight})",
     )
-    p.add_argument("--medusa-heads", type=int, default=d.medusa_heads, help=f"Medusa: heads (default {d.medusa_heads})")
+    p.add_argument(
+        "--medusa-heads", type=POSITIVE_INT, default=d.medusa_heads, help=f"Medusa: heads (default {d.medusa_heads})"
+    )
     p.add_argument(
         "--eval-every",
-        type=int,
+        type=POSITIVE_INT,
         default=d.eval_every,
         help=f"steps between held-out evaluations (default {d.eval_every})",
     )
@@ -159,19 +176,22 @@ def _add_quantize_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bits", type=int, choices=(4, 8), default=4, help="weight bits: W4A16 or W8A16 (default 4)")
     p.add_argument(
         "--group-size",
-        type=int,
+        type=POSITIVE_INT,
         default=128,
         help="input channels per scale (default 128; a layer it does not divide takes the largest "
         "power of two from 32 that does)",
     )
     p.add_argument(
         "--calibration",
+        type=existing_file,
         default=None,
         metavar="FILE",
         help="a text file (default: the bundled prose mixed with the Python standard library's documentation)",
     )
-    p.add_argument("--samples", type=int, default=128, help="calibration samples, as the text allows (default 128)")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sample (default 512)")
+    p.add_argument(
+        "--samples", type=POSITIVE_INT, default=128, help="calibration samples, as the text allows (default 128)"
+    )
+    p.add_argument("--seq-len", type=POSITIVE_INT, default=512, help="tokens per calibration sample (default 512)")
     sym = p.add_mutually_exclusive_group()
     sym.add_argument(
         "--sym", dest="symmetric", action="store_true", default=True, help="symmetric, no zero points (default)"
@@ -206,9 +226,6 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     if len(args.paths) > 2:
         raise TokenmillError(f"quantize takes [MODEL] OUT, got {len(args.paths)} paths")
     model, out = (None, args.paths[0]) if len(args.paths) == 1 else args.paths
-    for name in ("samples", "seq_len", "group_size"):
-        if getattr(args, name) < 1:
-            raise TokenmillError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     opts = QuantizeOptions(
         method=args.method,
         bits=args.bits,
@@ -237,11 +254,6 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     from tokenmill.speculative.train import read_prompts, train_draft
     from tokenmill.speculative.train_options import TrainOptions
 
-    for name in ("num_prompts", "max_tokens", "batch_size", "unroll", "draft_vocab_size", "medusa_heads", "eval_every"):
-        if getattr(args, name) < 1:
-            raise TokenmillError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.epochs <= 0 or args.lr <= 0 or args.token_loss_weight < 0:
-        raise TokenmillError("--epochs and --lr must be > 0, --token-loss-weight >= 0")
     opts = TrainOptions(
         method=args.method,
         epochs=args.epochs,

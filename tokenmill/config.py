@@ -14,6 +14,7 @@ the factory; nothing is mutated after construction.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,12 +29,15 @@ def opt(
     choices: tuple[str, ...] | None = None,
     negative: str | None = None,
     repeat: bool = False,
+    check: Callable[[Any], Any] | None = None,
 ) -> Any:
     """A config field: its default, help text, and (optionally) the keyword/flag name
     when it differs from the field's, its choices, for a boolean that defaults to True
-    the name of the flag that turns it off, and for a tuple whether its flag is given
-    once per value (``--api-key A --api-key B``) rather than once with several."""
-    meta = {"help": help, "flag": flag, "choices": choices, "negative": negative, "repeat": repeat}
+    the name of the flag that turns it off, for a tuple whether its flag is given
+    once per value (``--api-key A --api-key B``) rather than once with several, and the
+    check of its value (``tokenmill.flag_types``): its flag's type, and what the class's
+    ``check_fields`` runs."""
+    meta = {"help": help, "flag": flag, "choices": choices, "negative": negative, "repeat": repeat, "check": check}
     return field(default=default, metadata=meta)
 
 
@@ -196,8 +200,15 @@ class SchedulerConfig:
     scheduling_policy: str = opt(
         "fcfs",
         "which waiting request goes first: fcfs (arrival order), or priority (a request's `priority`, lower "
-        "first, then arrival, as vLLM's; preemption takes the running request that comes last by the same order)",
+        "first, then arrival, as vLLM's; preemption takes the running request that comes last by the same order; "
+        "aged by priority_aging_steps)",
         choices=("fcfs", "priority"),
+    )
+    priority_aging_steps: int = opt(
+        100,
+        "scheduling_policy priority: a request that arrived this many steps ago goes ahead of every "
+        "request that arrived since, whatever their priorities (oldest first), and is preempted only "
+        "after them: priority orders the queue but cannot starve it",
     )
 
     def __post_init__(self) -> None:
@@ -205,6 +216,7 @@ class SchedulerConfig:
             self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 1,
             "max_num_seqs and max_num_batched_tokens must be >= 1",
         )
+        require(self.priority_aging_steps >= 1, f"priority_aging_steps must be >= 1, got {self.priority_aging_steps}")
         require(
             self.scheduling in ("continuous", "static"),
             f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}",

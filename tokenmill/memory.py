@@ -7,6 +7,7 @@ import ctypes
 import os
 
 from tokenmill.errors import TokenmillError
+from tokenmill.flag_types import BadValue
 
 
 def available_memory() -> int:
@@ -37,6 +38,18 @@ def parse_memory(value: int | float | str | None) -> int:
         return parse_memory(float(text) if "." in text else int(text))
     except ValueError:
         raise TokenmillError(f"cannot read memory size {value!r}; use e.g. 1GiB, 512MiB or bytes") from None
+
+
+def memory_size(value: int | float | str) -> int | float | str:
+    """A memory size flag's or config field's check (``opt(..., check=memory_size)``):
+    readable by ``parse_memory`` and above 0 bytes. The value is kept as written."""
+    try:
+        size = parse_memory(value)
+    except (TokenmillError, ValueError, OverflowError):  # (also 'nanGiB', '1e999GiB')
+        raise BadValue(f"cannot read memory size {value!r}; use e.g. 1GiB, 512MiB or bytes") from None
+    if size <= 0:
+        raise BadValue(f"must be above 0 bytes, got {value}")
+    return value
 
 
 # glibc's malloc gives freed blocks over 128 KiB back to the system (munmap, or trimming the

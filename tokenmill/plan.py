@@ -33,6 +33,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from tokenmill.flag_types import NON_NEGATIVE_FLOAT, POSITIVE_FLOAT, POSITIVE_INT
+
 
 def measure_bandwidth(size_mib: int = 256, repeats: int = 5) -> float:
     """Copy bandwidth in bytes/s (bytes read + bytes written), best of a few copies."""
@@ -133,16 +135,23 @@ def load_profile(args: argparse.Namespace, llm):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--context-len", type=int, default=2048, help="tokens per sequence (prompt + output)")
-    p.add_argument("--bandwidth", type=float, default=None, help="memory bandwidth in GB/s (default: measured now)")
+    p.add_argument("--context-len", type=POSITIVE_INT, default=2048, help="tokens per sequence (prompt + output)")
+    p.add_argument(
+        "--bandwidth", type=POSITIVE_FLOAT, default=None, help="memory bandwidth in GB/s (default: measured now)"
+    )
     p.add_argument("--measure", action="store_true", help="run the engine and print measured beside predicted")
     p.add_argument(
         "--watts-per-cpu",
-        type=float,
+        type=POSITIVE_FLOAT,
         default=None,
         help="power per busy logical CPU for the energy figures (default 3)",
     )
-    p.add_argument("--price-per-hour", type=float, default=None, help="the machine's $ per hour: adds $ per 1M tokens")
+    p.add_argument(
+        "--price-per-hour",
+        type=NON_NEGATIVE_FLOAT,
+        default=None,
+        help="the machine's $ per hour: adds $ per 1M tokens",
+    )
     p.add_argument(
         "--profile",
         default=None,
@@ -152,16 +161,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--calibrate", action="store_true", help="probe the engine (seconds) and write the profile")
     p.add_argument(
-        "--concurrency", type=int, default=16, help="sequences decoding together, predicted (default %(default)s)"
+        "--concurrency",
+        type=POSITIVE_INT,
+        default=16,
+        help="sequences decoding together, predicted (default %(default)s)",
     )
     p.add_argument(
-        "--rate", type=float, default=None, help="a load: requests/s (default: the predicted capacity's load)"
+        "--rate", type=POSITIVE_FLOAT, default=None, help="a load: requests/s (default: the predicted capacity's load)"
     )
-    p.add_argument("--input-len", type=int, default=256, help="a load's prompt tokens (default %(default)s)")
-    p.add_argument("--output-len", type=int, default=128, help="a load's output tokens (default %(default)s)")
+    p.add_argument("--input-len", type=POSITIVE_INT, default=256, help="a load's prompt tokens (default %(default)s)")
+    p.add_argument("--output-len", type=POSITIVE_INT, default=128, help="a load's output tokens (default %(default)s)")
     p.add_argument(
         "--measure-seconds",
-        type=float,
+        type=POSITIVE_FLOAT,
         default=30,
         help="--measure: seconds of arrivals for the load (default %(default)s)",
     )

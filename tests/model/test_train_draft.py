@@ -97,7 +97,11 @@ def test_a_medusa_head_is_trained_and_served(tmp_path, float_llm):
 
 
 def test_bad_train_draft_options_are_clear_errors(tmp_path, capsys):
-    assert main(["train-draft", "--output", str(tmp_path), "--epochs", "0"]) == 2
-    assert "--epochs and --lr must be > 0" in capsys.readouterr().err
-    assert main(["train-draft", "--output", str(tmp_path), "--prompts", str(tmp_path / "none.txt")]) == 2
-    assert "none.txt" in capsys.readouterr().err
+    """Refused as the flags are parsed (exit 2, one line), before any model loads."""
+    for flags, said in (
+        (["--epochs", "0"], "argument --epochs: must be > 0, got 0"),
+        (["--prompts", str(tmp_path / "none.txt")], "argument --prompts: no such file: "),
+    ):
+        with pytest.raises(SystemExit) as e:
+            main(["train-draft", "--output", str(tmp_path), *flags])
+        assert e.value.code == 2 and said in capsys.readouterr().err

@@ -70,7 +70,7 @@ def test_the_checker_finds_a_cycle():
 # import whom"): a module imports its own folder and the layers below its own, nothing level with it
 # or above. A new folder or top-level module must be placed here before it can be imported.
 LAYERS = [
-    ["errors", "lifetime", "energy"],
+    ["errors", "lifetime", "energy", "flag_types"],  # flag_types: argparse types that check a flag as it is parsed
     ["config", "memory"],
     ["serving_config"],  # the server's and the replicas' options, in config.py's form
     ["args", "structured", "quant", "lora"],
