@@ -26,6 +26,11 @@ saw (2: the worst decides), against the SLO tightened by ``--validation-margin``
 over a minute's requests is one or two requests' luck, and which prompts arrive together is
 another: at 1 req/s the default model's TTFT p99 was 1.7-1.8 s with one set and 2.2-2.4 s
 with another); a rate that fails with any set is stepped down until one meets it with all.
+A workload file's rows are dealt into the search's set and each validation set's, and no
+server is sent a prompt twice: a run that needs more than its set's rows gets them again
+varied (``loadgen.prompt_sets``), since a repeat is a prefix-cache hit the user's traffic
+would not have (cycled, 64 rows made three quarters of a run's requests hits, and the
+validated rate missed the SLO on the user's own prompts).
 The search's pick must be cheaper than the defaults by ``--min-gain`` (5%) to be validated
 at all: candidates that meet the SLO at the same rate cost the same (the rate sets the
 cost), and their order is noise. The defaults are validated after the pick only as far as
@@ -67,7 +72,7 @@ METRICS = ("ttft", "tpot", "itl", "e2e")
 RUN_TIMEOUT_FACTOR = 3  # a run longer than 3x (its arrivals + the SLO's longest limit) has broken it
 STATS = ("mean", "p50", "p90", "p99")
 QUANTILES = {"p50": 0.5, "p90": 0.9, "p99": 0.99}
-VALIDATION_SEED = 7919  # added to --seed: the validation's prompts are none the search saw
+VALIDATION_SEED = 7919  # added to --seed per validation set: its arrival times (its prompts: PromptSets)
 SERVER_START_S = 30  # what starting a server and warming it takes, for the time budget's reserve
 UNITS = {"ms": 1e-3, "s": 1.0, "": 1.0}
 
@@ -470,9 +475,12 @@ class Session:
 
     def __init__(self, args: argparse.Namespace, slo: Slo, name: str) -> None:
         from tokenmill.loadgen.energy_probe import EnergyProbe
+        from tokenmill.loadgen.prompt_sets import PromptSets
         from tokenmill.loadgen.serve import warm_up
 
         self.args, self.slo, self.name = args, slo, name
+        # set 0 the search's, 1.. the validation's; a server of its own: no prompt sent twice
+        self.prompts = PromptSets(args.workload, 1 + args.validate_sets, args.seed)
         self.server = ServerProcess([*args.serve_flags, *candidates_of(args)[name]])
         try:
             warm_up(self.server.url, "tune", None)
@@ -481,33 +489,39 @@ class Session:
             self.server.stop()
             raise
 
-    def run(self, rate: float, seconds: float, seed_offset: int = 0) -> dict:
+    def run(self, rate: float, seconds: float, prompt_set: int = 0) -> dict:
+        """A run at ``rate`` with the next prompts of ``prompt_set`` (0: the search's)."""
         from tokenmill.loadgen.energy_probe import run_energy
-        from tokenmill.loadgen.serve import summarise, synthetic
+        from tokenmill.loadgen.serve import summarise
 
         args, slo = self.args, self.slo
-        reqs = _workload(args, requests_for(rate, seconds, args.prompts), rate, synthetic, seed_offset)
+        reqs, varied = self.prompts.take(requests_for(rate, seconds, args.prompts), rate, prompt_set)
         limit = RUN_TIMEOUT_FACTOR * (len(reqs) / rate + slo.longest())
         before = self.probe.read()
-        load = load_until_broken(self.server.url, "tune", reqs, rate, slo, args.seed + seed_offset, limit)
-        results, elapsed, why = asyncio.run(load)
+        seed = args.seed + VALIDATION_SEED * prompt_set
+        results, elapsed, why = asyncio.run(load_until_broken(self.server.url, "tune", reqs, rate, slo, seed, limit))
+        n = f"{len(reqs)}" + (f", {varied} varied" if varied else "")
         if why:
-            print(
-                f"  {self.name}: {rate:g} req/s ({len(reqs)} requests) stopped after {elapsed:.0f} s: {why}",
-                file=sys.stderr,
-            )
-            return {"request_rate": rate, "requests": len(reqs), "duration_s": elapsed, "slo_violations": [why]}
+            print(f"  {self.name}: {rate:g} req/s ({n} requests) stopped after {elapsed:.0f} s: {why}", file=sys.stderr)
+            return {
+                "request_rate": rate,
+                "requests": len(reqs),
+                "varied_prompts": varied,
+                "duration_s": elapsed,
+                "slo_violations": [why],
+            }
         summary = summarise(
             results, elapsed, rate, slo.limits.get("ttft_p99", math.inf), slo.limits.get("tpot_p99", math.inf)
         )
         tokens = sum(r.prompt_tokens for r in results if r.ok)
         summary.update(run_energy(before, self.probe.read(), summary, tokens, args.price_per_hour))
         summary["requests"] = len(reqs)
+        summary["varied_prompts"] = varied
         summary["slo_violations"] = slo.violations(summary)
         cost = (summary.get("cost") or {}).get("dollars_per_million_output_tokens")
         broken = summary["slo_violations"]
         print(
-            f"  {self.name}: {rate:g} req/s x {len(reqs)} in {elapsed:.0f} s -> "
+            f"  {self.name}: {rate:g} req/s x {n} in {elapsed:.0f} s -> "
             f"{summary['output_token_throughput']:.0f} out tok/s, ttft p99 {summary['ttft_s']['p99'] or 0:.2f} s, "
             f"tpot p99 {(summary['tpot_s']['p99'] or 0) * 1000:.0f} ms"
             + (f", ${cost:.3f}/1M out" if cost else "")
@@ -557,7 +571,8 @@ def validate_candidate(
     time_left=lambda: True,
     floor: float = 0.0,
 ) -> Trial:
-    """``validate`` in a fresh server of the candidate's, with prompt sets the search never saw."""
+    """``validate`` in a fresh server of the candidate's, with prompt sets the search never saw
+    (set k + 1 for the validation's k-th: set 0 is the search's)."""
     t0 = time.monotonic()
     try:
         session = Session(args, slo.with_margin(args.validation_margin), name)
@@ -569,7 +584,7 @@ def validate_candidate(
             name,
             rate,
             rates,
-            lambda _, r, k: session.run(r, args.validate_seconds, VALIDATION_SEED * (k + 1)),
+            lambda _, r, k: session.run(r, args.validate_seconds, k + 1),
             args.validate_seconds,
             sets=args.validate_sets,
             log=lambda m: print(m, file=sys.stderr),
@@ -596,69 +611,90 @@ def candidates_of(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
     return out
 
 
-def _workload(args: argparse.Namespace, n: int, rate: float, synthetic, seed_offset: int = 0) -> list[dict]:
-    """``n`` requests: synthetic ones drawn afresh per rate (and per ``seed_offset``: the
-    validation's), or the file's, from a place that ``seed_offset`` moves."""
-    if args.workload in ("mixed", "shared-prefix"):
-        return synthetic(args.workload, n, args.seed + seed_offset + round(rate * 1000))
-    from tokenmill.loadgen.serve import load_jsonl
+def _slo_flag(text: str) -> str:
+    """``--slo``'s check (the text is kept: ``run`` parses it): readable, and every limit
+    above 0, which no run could meet."""
+    from tokenmill.flag_types import BadValue
 
-    reqs = load_jsonl(args.workload)
-    if not reqs:
-        raise ValueError(f"--workload {args.workload}: no requests")
-    return [reqs[(i + seed_offset) % len(reqs)] for i in range(n)]
+    try:
+        slo = Slo.parse(text)
+    except ValueError as e:
+        raise BadValue(str(e).removeprefix("--slo ")) from None
+    zero = [k for k, v in slo.limits.items() if not v > 0]
+    if zero:
+        raise BadValue(f"{zero[0]} must be above 0, got {text!r}")
+    return text
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--slo", required=True, help="latency limits, e.g. ttft_p99=2s,tpot_p99=100ms")
+    from tokenmill.flag_types import (
+        NON_NEGATIVE_FLOAT,
+        POSITIVE_FLOAT,
+        POSITIVE_INT,
+        NameOrFile,
+        Number,
+        NumberList,
+    )
+
+    share = Number(float, 0, 1, open_high=True)  # a fraction of a cost or a limit: [0, 1)
+    p.add_argument("--slo", type=_slo_flag, required=True, help="latency limits, e.g. ttft_p99=2s,tpot_p99=100ms")
     p.add_argument(
         "--workload",
+        type=NameOrFile(("mixed", "shared-prefix")),
         default="mixed",
         help="mixed or shared-prefix (bench serve's synthetic sets), or a JSONL of {prompt, max_tokens}",
     )
-    p.add_argument("--price-per-hour", type=float, required=True, help="the machine's $ per hour")
-    p.add_argument("--rates", default="0.5,1,1.5,2,3,4,6", help="request rates to climb, req/s (default %(default)s)")
+    p.add_argument("--price-per-hour", type=NON_NEGATIVE_FLOAT, required=True, help="the machine's $ per hour")
+    p.add_argument(
+        "--rates",
+        type=NumberList(POSITIVE_FLOAT),
+        default="0.5,1,1.5,2,3,4,6",
+        help="request rates to climb, req/s (default %(default)s)",
+    )
     p.add_argument(
         "--start-rate",
-        type=float,
+        type=POSITIVE_FLOAT,
         default=None,
         help="the first round's first rate, climbed up or down from (default: the middle of --rates)",
     )
     p.add_argument(
-        "--seconds", type=float, default=10, help="seconds of arrivals per rate in the first round (doubled each round)"
+        "--seconds",
+        type=POSITIVE_FLOAT,
+        default=10,
+        help="seconds of arrivals per rate in the first round (doubled each round)",
     )
-    p.add_argument("--prompts", type=int, default=8, help="requests per run at least (default %(default)s)")
-    p.add_argument("--rounds", type=int, default=2, help="rounds of halving at most (default %(default)s)")
+    p.add_argument("--prompts", type=POSITIVE_INT, default=8, help="requests per run at least (default %(default)s)")
+    p.add_argument("--rounds", type=POSITIVE_INT, default=2, help="rounds of halving at most (default %(default)s)")
     p.add_argument(
         "--validate-seconds",
-        type=float,
+        type=POSITIVE_FLOAT,
         default=60,
         help="seconds of arrivals of the final validation of the pick and the defaults (default %(default)s)",
     )
     p.add_argument(
         "--validate-sets",
-        type=int,
+        type=POSITIVE_INT,
         default=2,
         help="prompt sets the validation runs at a rate, none of them the search's; a rate must meet the SLO "
         "with every one (default %(default)s)",
     )
     p.add_argument(
         "--min-gain",
-        type=float,
+        type=share,
         default=0.05,
         help="how much cheaper than the defaults the search's pick must be to be validated against them "
         "(default %(default)s: 5%%; closer is the search's noise)",
     )
     p.add_argument(
         "--validation-margin",
-        type=float,
+        type=share,
         default=0.1,
         help="the validation holds every SLO limit this much tighter (default %(default)s: 10%% under it), so that "
         "what it reports meets the SLO in the next run too",
     )
     p.add_argument(
         "--time-budget",
-        type=float,
+        type=POSITIVE_FLOAT,
         default=14.0,
         help="minutes in all: the search leaves unmeasured what it cannot start in this less the validation's "
         "reserve (default %(default)s)",
@@ -688,6 +724,14 @@ def run(args: argparse.Namespace) -> int:
         msg = "--start-rate must be one of --rates" if "not in list" in str(e) else str(e)
         print(f"error: {msg}", file=sys.stderr)
         return 2
+    from tokenmill.loadgen.prompt_sets import PromptSets
+
+    try:  # read once here, so that a bad file is said before any server starts
+        workload = PromptSets(args.workload, 1 + args.validate_sets, args.seed)
+    except ValueError as e:
+        print(f"error: --workload {e}", file=sys.stderr)
+        return 2
+    print(f"workload {workload.describe()}", file=sys.stderr)
     args.serve_flags = [*args.serve_args.split(), "--served-model-name", "tune"]
     t0 = time.monotonic()
     print(f"SLO {slo}; {len(candidates)} candidates; rates {rates} req/s; ${args.price_per_hour}/h", file=sys.stderr)
@@ -713,8 +757,8 @@ def run(args: argparse.Namespace) -> int:
     best = searched_pick(final, defaults, args.min_gain, log=lambda m: print(m, file=sys.stderr))
     searched_minutes = (time.monotonic() - t0) / 60
     print(
-        f"validation: {args.validate_seconds:g} s at the searched rate with each of {args.validate_sets} fresh "
-        f"prompt sets (seed +{VALIDATION_SEED} x 1..{args.validate_sets})",
+        f"validation: {args.validate_seconds:g} s at the searched rate with each of {args.validate_sets} prompt "
+        "sets of its own (none of the search's)",
         file=sys.stderr,
     )
     validated: dict[str, Trial] = {}

@@ -65,11 +65,18 @@ def synthetic(name: str, n: int, seed: int) -> list[dict]:
 
 
 def load_jsonl(path: str) -> list[dict]:
+    """One ``{prompt, max_tokens}`` per line (max_tokens 64 where absent); a line that is
+    not one is a ValueError naming the file and the line, not a KeyError from deep inside."""
     reqs = []
-    for line in Path(path).read_text().splitlines():
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         if line.strip():
-            r = json.loads(line)
-            reqs.append({"prompt": r["prompt"], "max_tokens": int(r.get("max_tokens", 64))})
+            try:
+                r = json.loads(line)
+                reqs.append({"prompt": r["prompt"], "max_tokens": int(r.get("max_tokens", 64))})
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ValueError(
+                    f"{path}:{n}: expected a JSON object with a prompt ({type(e).__name__}: {e})"
+                ) from None
     return reqs
 
 
@@ -350,26 +357,38 @@ def plot_trace(results: list[RequestResult], path: Path, title: str) -> bool:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from tokenmill.flag_types import NON_NEGATIVE_FLOAT, POSITIVE_FLOAT, POSITIVE_INT, NumberList, existing_file
+
     p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
     p.add_argument("--dataset", choices=["mixed", "shared-prefix"], default="mixed")
-    p.add_argument("--dataset-path", default=None, help="JSONL of {prompt, max_tokens} (overrides --dataset)")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--request-rate", default="inf", help="req/s, comma-separated for a sweep; inf sends all at once")
-    p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
-    p.add_argument("--slo-ttft", type=float, default=2.0, help="goodput SLO on TTFT, seconds")
-    p.add_argument("--slo-tpot", type=float, default=0.25, help="goodput SLO on TPOT, seconds")
+    p.add_argument(
+        "--dataset-path", type=existing_file, default=None, help="JSONL of {prompt, max_tokens} (overrides --dataset)"
+    )
+    p.add_argument("--num-prompts", type=POSITIVE_INT, default=64)
+    p.add_argument(
+        "--request-rate",
+        type=NumberList(POSITIVE_FLOAT, allow_inf=True),
+        default="inf",
+        help="req/s, comma-separated for a sweep; inf sends all at once",
+    )
+    p.add_argument("--max-concurrency", type=POSITIVE_INT, default=None, help="at most this many requests in flight")
+    p.add_argument("--slo-ttft", type=POSITIVE_FLOAT, default=2.0, help="goodput SLO on TTFT, seconds")
+    p.add_argument("--slo-tpot", type=POSITIVE_FLOAT, default=0.25, help="goodput SLO on TPOT, seconds")
     p.add_argument("--api-key", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trace", action="store_true", help="Gantt chart of request lifetimes (tokenmill servers)")
     p.add_argument("--label", default="bench_serve", help="file name stem of the outputs")
     p.add_argument("--output-dir", default=".", help="where the JSON and PNGs go")
     p.add_argument(
-        "--price-per-hour", type=float, default=None, help="the server machine's $ per hour: reports $ per 1M tokens"
+        "--price-per-hour",
+        type=NON_NEGATIVE_FLOAT,
+        default=None,
+        help="the server machine's $ per hour: reports $ per 1M tokens",
     )
     p.add_argument(
         "--watts-per-cpu",
-        type=float,
+        type=POSITIVE_FLOAT,
         default=None,
         help="a server that exports no energy: estimate this machine's as W per busy CPU (default: RAPL, else 3 W)",
     )
