@@ -30,14 +30,22 @@ def app_engine():
     engine.shutdown()
 
 
-def call(app, method: str, path: str, body=None, raw: bytes | None = None, auth: str | None = f"Bearer {KEY}"):
+def call(
+    app,
+    method: str,
+    path: str,
+    body=None,
+    raw: bytes | None = None,
+    auth: str | None = f"Bearer {KEY}",
+    headers: dict[str, str | bytes] | None = None,
+):
     async def go():
-        headers = {"content-type": "application/json"}
+        sent = {"content-type": "application/json", **(headers or {})}
         if auth is not None:
-            headers["authorization"] = auth
+            sent["authorization"] = auth
         content = raw if raw is not None else (None if body is None else json.dumps(body).encode())
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=30) as c:
-            return await c.request(method, path, content=content, headers=headers)
+            return await c.request(method, path, content=content, headers=sent)
 
     return asyncio.run(go())
 
@@ -178,6 +186,66 @@ def test_the_key_guards_tokenize_and_its_scheme_is_case_insensitive(app_engine):
     assert call(app, "POST", "/tokenize", {"prompt": "hi"}, auth=f"bearer {KEY}").json()["count"] == 2
     assert call(app, "GET", "/health", auth=None).status_code == 200  # health and metrics stay open
     assert call(app, "GET", "/metrics", auth=None).status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"])
+def test_with_a_key_the_api_description_needs_it_too(app_engine, path):
+    """Every route and field of the API is in /openapi.json (and the pages that draw it):
+    with --api-key it is no more public than the API."""
+    app = app_engine[0]
+    assert_error(call(app, "GET", path, auth=None), 401, "API key")
+    assert_error(call(app, "GET", path, auth="Bearer wrong"), 401, "API key")
+    assert call(app, "GET", path).status_code == 200
+
+    async def signed_in() -> int:  # the web page's sign-in cookie is a browser's key: /docs opens
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            assert (await c.post("/login", data={"key": KEY})).status_code == 303
+            return (await c.get(path)).status_code
+
+    assert asyncio.run(signed_in()) == 200
+
+
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    ],
+)
+@pytest.mark.parametrize("bad", [b"x" * 100_000, b"a b", "caf\u00e9".encode()])
+def test_an_invalid_request_id_is_refused_by_name_and_not_echoed(app_engine, path, body, bad):
+    """A 400 that names the header and its rule, with neither the value in its body nor the
+    header sent back: a 100 KB id came back whole on the error's X-Request-Id."""
+    app, engine = app_engine
+    r = call(app, "POST", path, body, headers={"X-Request-Id": bad})
+    err = assert_error(r, 400, "X-Request-Id", "printable ASCII")
+    assert err["param"] == "X-Request-Id"
+    assert "x-request-id" not in r.headers, r.headers.get("x-request-id", "")[:80]
+    assert bad not in r.content and len(r.content) < 1000
+    assert engine.engine.core.num_unfinished_requests == 0
+    # nor on a route that does not read it; a valid id still comes back everywhere
+    assert "x-request-id" not in call(app, "GET", "/v1/models", headers={"X-Request-Id": bad[:300]}).headers
+    assert call(app, "GET", "/v1/models", headers={"X-Request-Id": "trace-7"}).headers["x-request-id"] == "trace-7"
+
+
+def test_the_rerank_limit_counts_the_documents_not_the_query():
+    """--max-embedding-inputs 3 takes a query and 3 documents; 4 documents are a 400 that
+    counts 4 (it said 5: the query was counted as an input)."""
+    engine = AsyncEngine(
+        Engine.create(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=64, block_size=4, max_model_len=64))
+    )
+    app = build_app(engine, ToyTokenizer(), 64, ServerConfig(served_model_name=MODEL, max_embedding_inputs=3))
+    try:
+        body = {"model": MODEL, "query": "abc", "documents": ["ab", "cd", "ef"]}
+        ok = call(app, "POST", "/v1/rerank", body, auth=None)
+        assert ok.status_code == 200, ok.text
+        assert sorted(r["index"] for r in ok.json()["results"]) == [0, 1, 2]
+        r = call(app, "POST", "/v1/rerank", {**body, "documents": ["ab", "cd", "ef", "gh"]}, auth=None)
+        err = assert_error(r, 400, "has 4 inputs", "at most 3", "--max-embedding-inputs")
+        assert err["param"] == "documents"
+        assert engine.engine.core.num_unfinished_requests == 0
+    finally:
+        engine.shutdown()
 
 
 def test_a_body_over_the_limit_is_a_413_before_it_is_parsed(app_engine):

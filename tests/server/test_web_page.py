@@ -226,6 +226,15 @@ def test_a_chat_streams_an_answer(page, server, http):
     assert content == direct.json()["choices"][0]["message"]["content"]
 
 
+def request_rows(driver) -> dict[str, tuple[str, list[str]]]:
+    """Each request row on the page: its state, and the states it says the request passed through."""
+    rows = driver.execute_script(
+        "return [...document.querySelectorAll('#requests tr[data-request]')]"
+        ".map((tr) => [tr.dataset.request, tr.dataset.state, (tr.dataset.history || '').split(' ').filter(Boolean)])"
+    )
+    return {key: (state, history) for key, state, history in rows}
+
+
 def test_the_live_view_shows_the_requests(page, server):
     open_page(page, server, "chat")
     page.find_element(By.ID, "tab-live").click()
@@ -235,34 +244,47 @@ def test_the_live_view_shows_the_requests(page, server):
     before = block_counts(page)
     assert before["free"] + before["cached"] + before["used"] + before["shared"] == before["blocks"], before
     record(page)
+    earlier = set(request_rows(page))
 
-    def rows() -> dict[str, list[str]]:
-        """Each request row's states, in order."""
-        states: dict[str, list[str]] = {}
-        for key, state in seen(page, "row"):
-            if not states.get(key) or states[key][-1] != state:
-                states.setdefault(key, []).append(state)
-        return states
+    def new_rows() -> dict[str, tuple[str, list[str]]]:
+        return {key: row for key, row in request_rows(page).items() if key not in earlier}
 
-    # a prompt of its own (its blocks are new to the cache), long enough to be seen running;
-    # then the same again: a prefix-cache hit
+    def running_rows() -> int:
+        return page.execute_script("return document.querySelectorAll('#requests tr[data-state=running]').length")
+
+    # A prompt of its own (its blocks are new to the cache) that runs until the page has seen
+    # it running with its blocks in use, then is ended by closing its stream: long enough by
+    # construction, whatever the machine's speed (its max_tokens alone would take seconds).
     prompt = f"[{uuid.uuid4()}] Tell me about the history of lighthouses, their keepers and their lamps."
-    earlier = set(rows())
-    stream_chat(server, prompt, max_tokens=64)
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 6000,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as c:
+        with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200, r.read()  # (its stream is not read: it stays open until the `with` ends)
+            assert wait_until(lambda: running_rows() == 1 and block_counts(page)["used"] > 0, timeout=30), (
+                f"the running request's row or its blocks never showed: {new_rows()}; blocks {block_counts(page)}"
+            )
+    # then the same prompt again, a few tokens: a prefix-cache hit, and a request that may well
+    # start and end between two of the stream's events
     stream_chat(server, prompt, max_tokens=4)
 
     def settled():  # the steps may arrive an event after the block counts
         counts = block_counts(page)
-        new = {key: states for key, states in rows().items() if key not in earlier}
-        finished = [s for s in new.values() if s[-1] == "finished"]
-        running = page.execute_script("return document.querySelectorAll('#requests tr[data-state=running]').length")
-        return counts["used"] == 0 and counts != before and len(finished) >= 2 and not running
+        finished = [key for key, (state, _) in new_rows().items() if state == "finished"]
+        return counts["used"] == 0 and counts != before and len(finished) >= 2 and not running_rows()
 
     assert wait_until(settled, timeout=10, interval=0.1), (
-        f"the two requests' rows did not both finish, or a row still runs: {rows()}; blocks {block_counts(page)}"
+        f"the two requests' rows did not both finish, or a row still runs: {new_rows()}; blocks {block_counts(page)}"
     )
-    # the first one ran for several of the stream's events: seen running, then finished
-    assert any(s[-1] == "finished" and "running" in s for k, s in rows().items() if k not in earlier), rows()
+    # each row says that its request ran, then finished: the short one too, though the page
+    # may never have drawn it running
+    assert [history for _, history in new_rows().values()] == [["running", "finished"]] * 2, new_rows()
     after = block_counts(page)
     counts = [c for _, c in seen(page, "blocks")]
     assert max(c["used"] for c in counts) > 0, "no block was in use while the requests ran"
@@ -399,5 +421,43 @@ def test_thousands_of_steps_keep_the_page_bounded(page, server):
     assert kept == [{"name": "fed", "steps": 240, "requests": 200}], kept
     time.sleep(0.3)  # a drawing frame
     assert int(page.find_element(By.ID, "gantt").get_attribute("data-steps")) > 0
+    page.execute_script("window.tokenmill.reconnect()")  # back to the server's own stream
+    assert wait_until(lambda: conn_state(page) == "open", timeout=10)
+
+
+def test_a_request_that_ran_between_two_events_still_shows_it_ran(page, server):
+    """One event of the live stream carries every step since the last, so a request that
+    started and ended between two (a short one, or any on a fast machine) is drawn only
+    finished: its row still carries the states it passed through. Fed as the stream's
+    states, so that the steps fall between two events whatever the machine's speed."""
+    open_page(page, server, "live")
+    assert wait_until(lambda: conn_state(page) == "open", timeout=10)
+    page.execute_script("window.tokenmill.liveSource.close()")  # only the fed state from here on
+    page.execute_script("""
+        const seq = (label, kind, tokens, finish) => [label, kind, tokens, 0, 0, 0, null, finish];
+        const step = (n, seqs, preempted = [], ended = []) => ({step: n, time: -0.1, duration: 0.01, running: 1,
+          waiting: 0, blocks_used: 1, blocks_cached: 0, seqs, preempted, ended});
+        const steps = [
+          step(1, [seq("r1", "prefill", 12, null)]),
+          step(2, [seq("r1", "decode", 1, null), seq("r2", "prefill", 8, null)]),
+          step(3, [seq("r1", "decode", 1, "length")], ["r2"]),  // r2 preempted
+          step(4, [seq("r2", "prefill", 9, null)]),
+          step(5, [seq("r2", "decode", 1, "stop")]),
+          step(6, [], [], [["r3", "abort"]]),  // r3 ended before it ever ran
+        ];
+        window.tokenmill.onState({epoch: "fed-epoch", series_bucket_s: 0.5, models: [{
+          name: "fed", alive: true, traced: true, max_model_len: 512, blocks: "0000",
+          gauges: {running: 0, waiting: 0, kv_usage: 0, preemptions: 1, prefix_cache_hit_rate: null,
+                   spec_acceptance: null, generation_tokens_per_s: 1, prompt_tokens_per_s: 1},
+          latency_ms: {ttft: null, itl: null}, finished: {}, adapters: null, series: [], last_step: 6, steps}]});
+    """)
+    expected = {
+        "r1": ("finished", ["running", "finished"]),
+        "r2": ("finished", ["running", "preempted", "running", "finished"]),
+        "r3": ("finished", ["finished"]),
+    }
+    assert wait_until(lambda: request_rows(page) == expected, timeout=5), request_rows(page)
+    title = page.find_element(By.CSS_SELECTOR, "#requests tr[data-request=r2]").get_attribute("title")
+    assert title == "running → preempted → running → finished", title
     page.execute_script("window.tokenmill.reconnect()")  # back to the server's own stream
     assert wait_until(lambda: conn_state(page) == "open", timeout=10)

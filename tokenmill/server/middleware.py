@@ -1,8 +1,8 @@
 """The server's ASGI middlewares, outermost last in ``install_middleware``: the API key
 (and the web page's session cookie), the body's size and arrival time, each client's
-bodies still arriving (clients.py), the open requests, a JSON 500 for the
-unforeseen, and the client's X-Request-Id echoed. Each is plain ASGI, not Starlette's BaseHTTPMiddleware, so that a handler
-still sees its client disconnect.
+bodies still arriving (clients.py), the open requests, a JSON 500 for the unforeseen,
+and the client's X-Request-Id echoed (a valid one). Each is plain ASGI, not Starlette's
+BaseHTTPMiddleware, so that a handler still sees its client disconnect.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from fastapi import FastAPI
 
 from tokenmill.server.clients import ClientBodyLimitMiddleware
 from tokenmill.server.errors import error_response
+from tokenmill.server.protocol import valid_request_id
 from tokenmill.server.web import WebSessions, authorised, cross_site, cross_site_refusal, login_page
 from tokenmill.serving_config import ServerConfig
 
@@ -32,8 +33,23 @@ def install_middleware(app: FastAPI, config: ServerConfig, keys: tuple[str, ...]
     app.add_middleware(RequestIdHeaderMiddleware)  # outermost: every answer, errors too, carries the client's id
 
 
-# /health and /metrics stay open, as vLLM's
-PROTECTED = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/score", "/rerank", "/pooling", "/tokenmill/", "/web/")
+# /health and /metrics stay open, as vLLM's; the API's description (FastAPI's /docs, /redoc
+# and /openapi.json) does not: it lists every route and field, and with a key nothing of
+# the API is public (a signed-in browser still opens /docs: the cookie is its key)
+PROTECTED = (
+    "/v1/",
+    "/v2/",
+    "/tokenize",
+    "/detokenize",
+    "/score",
+    "/rerank",
+    "/pooling",
+    "/tokenmill/",
+    "/web/",
+    "/docs",
+    "/redoc",
+    "/openapi.json",
+)
 
 
 class APIKeyMiddleware:
@@ -77,14 +93,17 @@ class APIKeyMiddleware:
 class RequestIdHeaderMiddleware:
     """A request's ``X-Request-Id`` header is echoed on its response (as vLLM's
     ``--enable-request-id-headers``): the client's id also names the request inside
-    (chat and completions ids, the engine's request ids, logs, the live view)."""
+    (chat and completions ids, the engine's request ids, logs, the live view). An id that
+    could not name a request (``protocol.valid_request_id``: too long, spaces, control
+    characters) is not echoed: the routes that read it answer a 400 naming the header,
+    and a 100 KB header would otherwise come back on every answer, errors included."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         given = next((v for k, v in scope.get("headers", ()) if k == b"x-request-id"), None)
-        if scope["type"] != "http" or given is None:
+        if scope["type"] != "http" or given is None or not valid_request_id(given.decode("latin-1")):
             await self.app(scope, receive, send)
             return
 

@@ -16,7 +16,7 @@ import struct
 from fastapi import Request
 
 from tokenmill.pooling_params import PoolingParams
-from tokenmill.server.admission import check_count, check_tokens, client_of
+from tokenmill.server.admission import check_count, check_tokens
 from tokenmill.server.errors import APIError
 from tokenmill.server.models import Target
 from tokenmill.server.prompts import encode, max_tokens_for
@@ -28,12 +28,13 @@ Input = tuple[str, str | list[int]]  # where it is in the request ("input[2]", "
 
 
 async def pooling_prompts(
-    served: Served, target: Target, inputs: list[Input], truncate: int | None, param: str
+    served: Served, target: Target, inputs: list[Input], truncate: int | None, param: str, counted: int | None = None
 ) -> list[list[int]]:
     """The inputs' prompt ids, truncated when asked (vLLM's truncate_prompt_tokens); a 400
     for too many inputs or tokens (naming ``param``), an empty one or one over the context
-    (naming its field)."""
-    check_count(served.config, len(inputs), "inputs", param)  # before tokenising them all
+    (naming its field). ``counted``: how many of the inputs ``--max-embedding-inputs``
+    counts, when not all (a rerank's documents: its query is not one of them)."""
+    check_count(served.config, len(inputs) if counted is None else counted, "inputs", param)  # before tokenising
     prompts = [truncate_prompt(await encode(target, p), truncate, target.max_model_len) for _, p in inputs]
     check_tokens(served.config, prompts, "inputs", param)
     for (where, _), ids in zip(inputs, prompts, strict=True):
@@ -48,14 +49,15 @@ async def pooled(
 ) -> list[list[float]]:
     """Each prompt's pooled, normalised final hidden state, in order; ``prefix`` names
     its engine requests (``embd``, ``score``, ...)."""
+    client = served.clients.client_of(request)
     place = (
-        functools.partial(served.windows.place, client_of(request), lambda: target.engine.num_waiting > 0)
+        functools.partial(served.windows.place, client, lambda: target.engine.num_waiting > 0)
         if len(prompts) > 1
         else None
     )
     check_queue(served, target, len(prompts) if place is None else min(len(prompts), served.windows.size))
     rid = new_id(prefix)
-    params = PoolingParams(pooling)
+    params = PoolingParams(pooling, client)
     streams = [target.engine.generate(f"{rid}-{i}", ids, params, target.lora) for i, ids in enumerate(prompts)]
     vectors: dict[int, list[float]] = {}
     async for i, out in merge(streams, place):

@@ -132,9 +132,16 @@ GUIDED_BACKENDS = ("auto", "guidance", "llguidance")  # what guided_decoding_bac
 MAX_REQUEST_ID = 256  # characters of a client's request id (X-Request-Id or request_id)
 
 
+def valid_request_id(value: str) -> bool:
+    """A client's request id that may appear in ids, logs, the live view and the response's
+    X-Request-Id header: 1 to MAX_REQUEST_ID printable ASCII characters without spaces."""
+    return 0 < len(value) <= MAX_REQUEST_ID and all(" " < ch < "\x7f" for ch in value)
+
+
 def check_request_id(value: str, param: str) -> str:
-    """A client's request id, as it will appear in ids, logs and the live view: printable ASCII, not too long."""
-    if not value or len(value) > MAX_REQUEST_ID or not all(" " < ch < "\x7f" for ch in value):
+    """A client's request id, as it will appear in ids, logs and the live view: printable ASCII, not too long
+    (the 400 names the rule, not the value: it may be long, or hold what a log or a header should not)."""
+    if not valid_request_id(value):
         raise InvalidRequestError(
             f"{param} must be 1 to {MAX_REQUEST_ID} printable ASCII characters without spaces", param=param
         )

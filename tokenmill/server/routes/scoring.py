@@ -55,7 +55,9 @@ def register(app: FastAPI, served: Served) -> None:
         target = target_of(served, body.model, "/rerank")
         documents = body.texts()
         inputs = [("query", body.query), *((f"documents[{i}]", d) for i, d in enumerate(documents))]
-        prompts = await pooling_prompts(served, target, inputs, body.truncate_prompt_tokens, "documents")
+        prompts = await pooling_prompts(
+            served, target, inputs, body.truncate_prompt_tokens, "documents", counted=len(documents)
+        )  # the limit counts the documents (2,048 by default); the query's tokens count with theirs
 
         async def collect() -> Response:
             query, *docs = await pooled(served, request, target, prompts, body.pooling, "rerank")

@@ -11,6 +11,7 @@
   const STEPS_KEPT = 240;          // steps the Gantt can show
   const REQUESTS_KEPT = 200;       // requests followed (the oldest are forgotten first)
   const REQUESTS_SHOWN = 12;
+  const HISTORY_KEPT = 16;         // a request's states (its first and the latest; preemptions can repeat)
   const WATCHDOG_MS = 4000;        // no event for this long: the stream is dead, reconnect
   const css = getComputedStyle(document.documentElement);
   const color = (name) => css.getPropertyValue("--" + name).trim();
@@ -377,11 +378,20 @@
       }
       if (d.steps.length > STEPS_KEPT) d.steps.splice(0, d.steps.length - STEPS_KEPT);
       if (m.gauges.running === 0 && m.gauges.waiting === 0) {  // idle: nothing can still run (aborted ones end so)
-        for (const r of d.requests.values()) if (r.state === "running" || r.state === "preempted") r.state = "ended";
+        for (const r of d.requests.values()) if (r.state === "running" || r.state === "preempted") become(r, "ended");
       }
     }
     updateModelPicker(names);
     scheduleDraw();
+  }
+
+  // A request's state, and the states it passed through: one event carries every step
+  // since the last, so a request that started and ended between two events is drawn only
+  // finished, but its history still says that it ran.
+  function become(r, state) {
+    r.state = state;
+    if (r.history[r.history.length - 1] !== state) r.history.push(state);
+    if (r.history.length > HISTORY_KEPT) r.history.splice(1, 1);
   }
 
   function follow(d, step) {
@@ -389,7 +399,7 @@
     const touch = (label) => {
       let r = d.requests.get(label);
       if (r) d.requests.delete(label);  // re-inserted: the Map's order is recency
-      else r = { label, state: "running", prompt: 0, generated: 0, cached: 0, steps: 0, lora: null };
+      else r = { label, state: null, history: [], prompt: 0, generated: 0, cached: 0, steps: 0, lora: null };
       d.requests.set(label, r);
       return r;
     };
@@ -399,13 +409,14 @@
       r.lora = lora;
       r.cached += cached;
       if (kind === "prefill") r.prompt += tokens; else r.generated += tokens;
-      r.state = finish ? "finished" : "running";
+      become(r, "running");  // it ran in this step (and may have ended with it)
+      if (finish) become(r, "finished");
       r.finish = finish;
     }
-    for (const label of step.preempted) touch(label).state = "preempted";
+    for (const label of step.preempted) become(touch(label), "preempted");
     for (const [label, reason] of step.ended || []) {  // ended between steps: aborted, a stop string
       const r = touch(label);
-      r.state = "finished";
+      become(r, "finished");
       r.finish = reason;
     }
     while (d.requests.size > REQUESTS_KEPT) d.requests.delete(d.requests.keys().next().value);
@@ -691,10 +702,14 @@
 
   function drawRequests(d) {
     const recent = [...d.requests.values()].slice(-REQUESTS_SHOWN).reverse();
-    $("requests").tBodies[0].replaceChildren(...recent.map((r) => row(
-      [r.label, r.state === "finished" ? `finished (${r.finish})` : r.state,
-        `${r.prompt} prompt${r.cached ? ` (+${r.cached} cached)` : ""} + ${r.generated}`, r.steps, r.lora || "–"],
-      { request: r.label, state: r.state })));
+    $("requests").tBodies[0].replaceChildren(...recent.map((r) => {
+      const tr = row(
+        [r.label, r.state === "finished" ? `finished (${r.finish})` : r.state,
+          `${r.prompt} prompt${r.cached ? ` (+${r.cached} cached)` : ""} + ${r.generated}`, r.steps, r.lora || "–"],
+        { request: r.label, state: r.state, history: r.history.join(" ") });
+      tr.title = r.history.join(" → ");  // (between two events a short request is seen only finished)
+      return tr;
+    }));
   }
 
   function drawLatency(latency) {
