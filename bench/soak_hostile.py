@@ -55,7 +55,7 @@ TEMPLATES = {
     "range_overflow": "{% for i in range(100001) %}{% endfor %}x",
 }
 NESTED_AT_ONCE = 7
-PRIORITY_LOOPS, UNPRIVILEGED_LOOPS, PRIORITY_FLOOD_S = 8, 32, 45.0
+PRIORITY_LOOPS, UNPRIVILEGED_LOOPS, PRIORITY_FLOOD_S = 8, 8, 45.0
 FORGED_REQUESTS, FORGED_PROMPTS = 8, 8
 HEAVY_INPUTS, HEAVY_TIMEOUT_S = 2048, 900.0
 WORDS = (
@@ -121,7 +121,7 @@ async def priority_flood(url: str, ev: dict, rng: random.Random) -> None:
             except httpx.HTTPError as e:
                 into.append(type(e).__name__)
             if into is refused:
-                await asyncio.sleep(0.05)  # a refusal is instant: a loop, not a spin
+                await asyncio.sleep(0.5)  # a refusal is instant: a loop, not a spin
 
     async def probe(c: httpx.AsyncClient) -> None:
         await asyncio.sleep(PRIORITY_FLOOD_S / 3)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -58,6 +59,15 @@ def test_a_render_past_the_timeout_is_stopped_and_the_next_gets_a_fresh_worker(p
     wait_gone(first[0])
     assert render(pool, "{{ messages[0].content }}!") == "Hi!"
     assert worker_pids(pool) != first
+
+
+def test_a_worker_runs_at_the_lowest_cpu_priority(pool):
+    """A render is one client's input: a template that loops until its timeout must take
+    only the CPU the engine's steps leave (nice 19), not a core from them."""
+    assert render(pool, "{{ messages[0].content }}") == "Hi"
+    stat = Path(f"/proc/{worker_pids(pool)[0]}/stat").read_text()
+    assert int(stat.rsplit(")", 1)[1].split()[16]) == 19  # field 19 of stat: nice
+    assert os.nice(0) < 19  # and the server's own priority is left as it was
 
 
 def test_memory_past_the_limit_is_a_400_and_the_worker_is_replaced(pool):
