@@ -120,6 +120,7 @@ async def priority_flood(url: str, ev: dict, rng: random.Random) -> None:
                 into.append(resp.status_code if named else "400 without the flag's name")
             except httpx.HTTPError as e:
                 into.append(type(e).__name__)
+                await asyncio.sleep(0.5)  # the server is down (the core killed): no spin
             if into is refused:
                 await asyncio.sleep(0.5)  # a refusal is instant: a loop, not a spin
 
