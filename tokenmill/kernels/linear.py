@@ -6,7 +6,7 @@ GB/s where a read streams at 16-20, bench/RESULTS.md). ``small_linear`` (the nat
 kernel: 4x4 register tiles, weights prefetched a tile ahead) takes over up to a few
 rows, where it was measured faster; bigger float32 batches and prefill go to ``tile_gemm``
 (our own 6x16 GEMM tiles, see TILE_ROWS), bfloat16 ones to PyTorch's GEMM (in float32 for
-big batches where that is faster, see UPCAST_ROWS).
+big batches where this machine measured that faster: kernels/gemm_choice.py).
 The swap happens once at load, on the CPU, when the native kernels are in use.
 """
 
@@ -23,11 +23,6 @@ from tokenmill.quant.weights import Int8Linear, linear_layers
 # (30 layers of SmolLM2 shapes, weights streamed from memory): float32/bfloat16 to
 # 8 rows, int8 to 4.
 FLOAT_ROWS, INT8_ROWS = 8, 4
-# From this many rows a bfloat16 GEMM runs faster as float32 on CPUs whose bfloat16
-# matmul is not AMX: oneDNN reached 161-168 GFLOP/s in bfloat16 vs 203-306 in float32 on
-# an AVX512_BF16 Xeon, and upcasting the weight for the call won 1.3-1.45x from 128 rows
-# (SmolLM2's 3072x576 at 512 rows: 12.6 -> 9.1 ms; at 64 rows it was even).
-UPCAST_ROWS = 128
 # A 16-bit weight multiplied in float32 is upcast a slab of this many bytes (as float32) at a time
 # (8 MiB: measured best, 512 KiB-32 MiB, on a 1B F16 prefill; from 32 MiB glibc maps each afresh):
 # upcasting the whole matrix each call allocated and faulted in 4 fresh bytes a weight per call
@@ -84,12 +79,13 @@ def upcast_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out_t.t().contiguous()
 
 
-def use_native_linears(model: nn.Module) -> None:
+def use_native_linears(model: nn.Module, upcast: int | None = None) -> None:
     """Swap the decoder's float linears (and the LM head, sharing a tied embedding's
-    weight) for NativeLinear, and let int8 layers use the kernel for small batches."""
+    weight) for NativeLinear, and let int8 layers use the kernel for small batches;
+    ``upcast``: from how many rows bfloat16 batches multiply in float32 (None: never;
+    the machine's measured answer is gemm_choice.upcast_rows)."""
     if next(model.parameters()).device.type != "cpu":
         return
-    upcast = None if "amx_bf16" in cpu_info().flags else UPCAST_ROWS
 
     def swap(module: nn.Module) -> nn.Module:
         if type(module) is nn.Linear:

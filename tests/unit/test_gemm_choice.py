@@ -1,0 +1,80 @@
+"""The bfloat16 GEMM choice (kernels/gemm_choice.py): measured once per machine and kept,
+an override honoured, and the choice followed by NativeLinear without changing what
+either path computes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tokenmill.kernels import gemm_choice
+from tokenmill.kernels.linear import NativeLinear, upcast_linear
+
+
+@pytest.fixture
+def cache_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("TOKENMILL_UPCAST_ROWS", raising=False)
+    return tmp_path
+
+
+def test_the_probe_runs_once_per_machine_and_its_answer_is_kept(cache_home, monkeypatch):
+    calls = []
+
+    def fake_probe() -> dict:  # the timing itself is the machine's: here only the bookkeeping is tested
+        calls.append(1)
+        return {"upcast_rows": 256, "ms": {}, "measured": "now"}
+
+    monkeypatch.setattr(gemm_choice, "probe", fake_probe)
+    assert gemm_choice.upcast_rows() == 256
+    assert gemm_choice.upcast_rows() == 256
+    assert len(calls) == 1
+    kept = json.loads((cache_home / "tokenmill" / "gemm_choice.json").read_text())
+    assert kept[gemm_choice.machine_key()]["upcast_rows"] == 256
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 97)  # another thread count is another machine
+    assert gemm_choice.upcast_rows() == 256
+    assert len(calls) == 2
+
+
+def test_a_broken_cache_file_is_measured_again_not_an_error(cache_home, monkeypatch):
+    (cache_home / "tokenmill").mkdir()
+    (cache_home / "tokenmill" / "gemm_choice.json").write_text("{not json")
+    monkeypatch.setattr(gemm_choice, "probe", lambda: {"upcast_rows": None, "ms": {}, "measured": "now"})
+    assert gemm_choice.upcast_rows() is None
+    assert json.loads((cache_home / "tokenmill" / "gemm_choice.json").read_text())
+
+
+def test_the_override_wins_over_the_probe(cache_home, monkeypatch):
+    monkeypatch.setattr(gemm_choice, "probe", lambda: pytest.fail("probed despite the override"))
+    monkeypatch.setenv("TOKENMILL_UPCAST_ROWS", "never")
+    assert gemm_choice.upcast_rows() is None
+    monkeypatch.setenv("TOKENMILL_UPCAST_ROWS", "64")
+    assert gemm_choice.upcast_rows() == 64
+
+
+def test_the_probe_picks_the_smallest_batch_from_which_the_upcast_always_wins(monkeypatch):
+    """Timings stood in for the GEMMs: the rule reads them as documented."""
+    table = {32: (1.0, 1.0), 64: (2.0, 1.7), 128: (4.0, 4.1), 256: (8.0, 6.0), 512: (16.0, 10.0)}
+    seen = iter(v for rows in gemm_choice.PROBE_ROWS for v in table[rows])
+    monkeypatch.setattr(gemm_choice, "best_ms", lambda call: next(seen))
+    assert gemm_choice.probe()["upcast_rows"] == 256  # 64 wins, but 128 does not: from 256 on
+    seen = iter(v for rows in gemm_choice.PROBE_ROWS for v in (1.0, 2.0))
+    monkeypatch.setattr(gemm_choice, "best_ms", lambda call: next(seen))
+    assert gemm_choice.probe()["upcast_rows"] is None
+
+
+def test_native_linear_follows_the_choice_and_each_path_computes_what_it_did():
+    """Past the chosen row count the layer multiplies in float32 (upcast_linear, rounded
+    once); with no upcast it is PyTorch's bfloat16 GEMM, bit for bit, at every size."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(96, 64, generator=g).bfloat16()
+    for rows in (16, 200):
+        x = torch.randn(rows, 64, generator=g).bfloat16()
+        assert torch.equal(NativeLinear(w, upcast_rows=None)(x), torch.nn.functional.linear(x, w))
+        upcast = NativeLinear(w, upcast_rows=100)(x)
+        if rows >= 100:
+            assert torch.equal(upcast, upcast_linear(x, w).bfloat16())
+        else:
+            assert torch.equal(upcast, torch.nn.functional.linear(x, w))
