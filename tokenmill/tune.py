@@ -93,7 +93,10 @@ class Slo:
                     f"--slo {part!r}: expected METRIC_STAT=VALUE[ms|s], METRIC one of {', '.join(METRICS)}, "
                     f"STAT one of {', '.join(STATS)} (e.g. ttft_p99=2s,tpot_p99=100ms)"
                 )
-            limits[f"{m.group(1)}_{m.group(2)}"] = float(m.group(3)) * UNITS[m.group(4) or ""]
+            limit = float(m.group(3)) * UNITS[m.group(4) or ""]
+            if not limit > 0:  # no run could meet it
+                raise ValueError(f"--slo {part!r}: a limit must be above 0")
+            limits[f"{m.group(1)}_{m.group(2)}"] = limit
         if not limits:
             raise ValueError("--slo names no limit (e.g. ttft_p99=2s,tpot_p99=100ms)")
         return cls(limits)
@@ -475,12 +478,11 @@ class Session:
 
     def __init__(self, args: argparse.Namespace, slo: Slo, name: str) -> None:
         from tokenmill.loadgen.energy_probe import EnergyProbe
-        from tokenmill.loadgen.prompt_sets import PromptSets
         from tokenmill.loadgen.serve import warm_up
 
         self.args, self.slo, self.name = args, slo, name
         # set 0 the search's, 1.. the validation's; a server of its own: no prompt sent twice
-        self.prompts = PromptSets(args.workload, 1 + args.validate_sets, args.seed)
+        self.prompts = args.prompt_sets.for_server()
         self.server = ServerProcess([*args.serve_flags, *candidates_of(args)[name]])
         try:
             warm_up(self.server.url, "tune", None)
@@ -612,17 +614,13 @@ def candidates_of(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
 
 
 def _slo_flag(text: str) -> str:
-    """``--slo``'s check (the text is kept: ``run`` parses it): readable, and every limit
-    above 0, which no run could meet."""
+    """``--slo``'s check: ``Slo.parse``'s (the text is kept: ``run`` parses it)."""
     from tokenmill.flag_types import BadValue
 
     try:
-        slo = Slo.parse(text)
+        Slo.parse(text)
     except ValueError as e:
         raise BadValue(str(e).removeprefix("--slo ")) from None
-    zero = [k for k, v in slo.limits.items() if not v > 0]
-    if zero:
-        raise BadValue(f"{zero[0]} must be above 0, got {text!r}")
     return text
 
 
@@ -718,8 +716,6 @@ def run(args: argparse.Namespace) -> int:
         rates = sorted(float(r) for r in args.rates.split(","))
         candidates = list(candidates_of(args))
         first = (len(rates) - 1) // 2 if args.start_rate is None else rates.index(args.start_rate)
-        if args.validate_sets < 1:
-            raise ValueError(f"--validate-sets must be at least 1, got {args.validate_sets}")
     except ValueError as e:
         msg = "--start-rate must be one of --rates" if "not in list" in str(e) else str(e)
         print(f"error: {msg}", file=sys.stderr)
@@ -727,11 +723,11 @@ def run(args: argparse.Namespace) -> int:
     from tokenmill.loadgen.prompt_sets import PromptSets
 
     try:  # read once here, so that a bad file is said before any server starts
-        workload = PromptSets(args.workload, 1 + args.validate_sets, args.seed)
+        args.prompt_sets = PromptSets(args.workload, 1 + args.validate_sets, args.seed)
     except ValueError as e:
         print(f"error: --workload {e}", file=sys.stderr)
         return 2
-    print(f"workload {workload.describe()}", file=sys.stderr)
+    print(f"workload {args.prompt_sets.describe()}", file=sys.stderr)
     args.serve_flags = [*args.serve_args.split(), "--served-model-name", "tune"]
     t0 = time.monotonic()
     print(f"SLO {slo}; {len(candidates)} candidates; rates {rates} req/s; ${args.price_per_hour}/h", file=sys.stderr)

@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 from itertools import combinations
+from pathlib import Path
 
 import pytest
 
@@ -115,3 +116,13 @@ def test_a_workload_file_tune_cannot_use_is_said_before_any_server_starts(tmp_pa
     err = capsys.readouterr().err
     assert err.startswith("error: --workload ") and said in err
     assert not (tmp_path / "tune.json").exists()
+
+
+def test_a_new_server_gets_the_same_sets_from_the_start_without_reading_the_file_again(tmp_path):
+    path = write_jsonl(tmp_path / "w.jsonl", [f"Question {i}: why?" for i in range(9)])
+    first = PromptSets(path, 3, seed=0)
+    sent = first.take(3, 1.0, 0)[0]
+    Path(path).unlink()  # a second server's sets come from what was read
+    second = first.for_server()
+    assert second.take(3, 1.0, 0)[0] == sent
+    assert first.take(3, 1.0, 0)[0] != sent  # the first server's stream goes on

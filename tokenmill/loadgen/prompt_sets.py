@@ -22,12 +22,13 @@ and a file of the user's 64 real prompts is what they have; what decides latency
 prompts' lengths and what the server can reuse, and varying keeps both. A file with fewer
 rows than sets is refused (``ValueError``): a set with no row has nothing to vary.
 
-``PromptSets`` is what tune holds per server: a file's sets as above, or bench serve's
+``PromptSets`` is what tune reads once and holds per server (``for_server``): a file's sets as above, or bench serve's
 synthetic workloads drawn per (set, rate) from seeds no other set uses.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 
 SYNTHETIC = ("mixed", "shared-prefix")
@@ -123,6 +124,13 @@ class PromptSets:
             self.sets = prompt_sets(rows, k)
         except ValueError as e:
             raise ValueError(f"{workload}: {e}") from None
+
+    def for_server(self) -> PromptSets:
+        """The same sets, none of their prompts sent yet: a new server's (the file read once)."""
+        fresh = copy.copy(self)
+        if self.sets is not None:
+            fresh.sets = [PromptStream(s.rows, s.cuts) for s in self.sets]
+        return fresh
 
     def take(self, n: int, rate: float, prompt_set: int) -> tuple[list[dict], int]:
         """``n`` requests of set ``prompt_set`` for a run at ``rate``, and how many of them
