@@ -11,7 +11,7 @@ import torch
 
 from tokenmill.config import LoadConfig, ModelConfig
 from tokenmill.errors import TokenmillError
-from tokenmill.kernels.gemm_choice import upcast_rows
+from tokenmill.kernels.gemm_choice import prepacked, upcast_rows
 from tokenmill.kernels.linear import use_native_linears
 from tokenmill.memory import keep_freed_memory
 from tokenmill.model.llama import LlamaForCausalLM
@@ -62,7 +62,7 @@ def prepare_model(
     if isinstance(model.ops, NativeOps):
         # from how many rows bfloat16 batches multiply faster in float32: this machine's measured answer
         sixteen = any(p.dtype == torch.bfloat16 for p in model.parameters())
-        use_native_linears(model, upcast_rows() if sixteen else None)
+        use_native_linears(model, upcast_rows() if sixteen else None, prepacked() if sixteen else False)
         keep_freed_memory()  # this process runs CPU steps: no page faults for their activations
     return model
 

@@ -132,6 +132,37 @@ def test_sliding_windows_and_soft_capping(window, softcap):
     check_attention([(500, 1), (90, 7)], heads=9, kv_heads=3, kind="int8", window=window, softcap=softcap)
 
 
+@pytest.mark.parametrize("block_size", [8, 32, 48])
+def test_block_sizes_other_than_one_vector_of_keys(block_size, monkeypatch):
+    """The kernel scores keys 16 at a time (one AVX-512 vector): blocks of 8 (a part vector), 32
+    (two) and 48 tokens, with windows and chunks cutting them anywhere, against the reference."""
+    monkeypatch.setattr(sys.modules[__name__], "BS", block_size)
+    specs = [(1, 1), (15, 1), (17, 1), (300, 1), (47, 5), (1100, 90), (33, 33)]
+    check_attention(specs, heads=9, kv_heads=3, kind="bfloat16", dtype=torch.bfloat16)
+    check_attention(specs, heads=9, kv_heads=3, window=20)
+
+
+def test_attention_of_a_query_does_not_depend_on_its_step():
+    """Batch invariance of the kernel: a query's output is bit-identical whether it is a lone
+    decode or one row of a long prefill chunk beside other sequences (NativeOps(batch_invariant))."""
+    ops = NativeOps(batch_invariant=True)
+    q, k, v, cache, meta = batch([(40, 1), (600, 100), (300, 1)], 9, 3, 64, "bfloat16", torch.bfloat16, seed=3)
+    together = ops.attention(q, k, v, cache, meta, 0.125)
+    # the chunk's last query alone: the same cache, a one-query step
+    width = meta.block_tables.shape[1]
+    alone = AttentionMetadata(
+        slot_mapping=meta.slot_mapping[100:101],
+        block_tables=meta.block_tables[1:2, :width],
+        query_start_loc=[0, 1],
+        seq_lens_host=[600],
+        num_decodes=1,
+        block_size=BS,
+        block_tables_host=[meta.block_tables_host[1]],
+    )
+    single = ops.attention(q[100:101], k[100:101], v[100:101], cache, alone, 0.125)
+    assert torch.equal(single[0], together[100])
+
+
 def test_fresh_prefills_long_and_short():
     check_attention([(10, 10), (200, 200), (63, 63), (64, 64)], heads=9, kv_heads=3)
 

@@ -1,6 +1,6 @@
 """The bfloat16 GEMM choice (kernels/gemm_choice.py): measured once per machine and kept,
 an override honoured, and the choice followed by NativeLinear without changing what
-either path computes."""
+either path computes (the upcast rounds once; the packed weight is the plain GEMM bit for bit)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,15 @@ import pytest
 import torch
 
 from tokenmill.kernels import gemm_choice
-from tokenmill.kernels.linear import NativeLinear, upcast_linear
+from tokenmill.kernels import linear as native_linear
+from tokenmill.kernels.linear import NativeLinear, pack, packed_linear, upcast_linear
 
 
 @pytest.fixture
 def cache_home(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("TOKENMILL_UPCAST_ROWS", raising=False)
+    monkeypatch.delenv("TOKENMILL_PREPACK", raising=False)
     return tmp_path
 
 
@@ -25,7 +27,7 @@ def test_the_probe_runs_once_per_machine_and_its_answer_is_kept(cache_home, monk
 
     def fake_probe() -> dict:  # the timing itself is the machine's: here only the bookkeeping is tested
         calls.append(1)
-        return {"upcast_rows": 256, "ms": {}, "measured": "now"}
+        return {"upcast_rows": 256, "prepacked": False, "ms": {}, "measured": "now"}
 
     monkeypatch.setattr(gemm_choice, "probe", fake_probe)
     assert gemm_choice.upcast_rows() == 256
@@ -41,7 +43,7 @@ def test_the_probe_runs_once_per_machine_and_its_answer_is_kept(cache_home, monk
 def test_a_broken_cache_file_is_measured_again_not_an_error(cache_home, monkeypatch):
     (cache_home / "tokenmill").mkdir()
     (cache_home / "tokenmill" / "gemm_choice.json").write_text("{not json")
-    monkeypatch.setattr(gemm_choice, "probe", lambda: {"upcast_rows": None, "ms": {}, "measured": "now"})
+    monkeypatch.setattr(gemm_choice, "probe", lambda: {"upcast_rows": None, "prepacked": True, "ms": {}, "measured": "now"})
     assert gemm_choice.upcast_rows() is None
     assert json.loads((cache_home / "tokenmill" / "gemm_choice.json").read_text())
 
@@ -56,13 +58,18 @@ def test_the_override_wins_over_the_probe(cache_home, monkeypatch):
 
 def test_the_probe_picks_the_smallest_batch_from_which_the_upcast_always_wins(monkeypatch):
     """Timings stood in for the GEMMs: the rule reads them as documented."""
-    table = {32: (1.0, 1.0), 64: (2.0, 1.7), 128: (4.0, 4.1), 256: (8.0, 6.0), 512: (16.0, 10.0)}
+    # (plain bfloat16, upcast, packed) ms at each probed batch
+    table = {32: (1.0, 1.0, 0.5), 64: (2.0, 1.7, 1.0), 128: (4.0, 4.1, 3.0), 256: (8.0, 6.0, 9.0), 512: (16.0, 10.0, 20.0)}
     seen = iter(v for rows in gemm_choice.PROBE_ROWS for v in table[rows])
     monkeypatch.setattr(gemm_choice, "best_ms", lambda call: next(seen))
-    assert gemm_choice.probe()["upcast_rows"] == 256  # 64 wins, but 128 does not: from 256 on
-    seen = iter(v for rows in gemm_choice.PROBE_ROWS for v in (1.0, 2.0))
+    answer = gemm_choice.probe()
+    assert answer["upcast_rows"] == 256  # 64 wins, but 128 does not: from 256 on
+    assert answer["prepacked"]  # judged below the upcast only: 0.5, 0.5, 0.75 of the plain GEMM's time
+    seen = iter(v for rows in gemm_choice.PROBE_ROWS for v in (1.0, 2.0, 0.98))
     monkeypatch.setattr(gemm_choice, "best_ms", lambda call: next(seen))
-    assert gemm_choice.probe()["upcast_rows"] is None
+    answer = gemm_choice.probe()
+    assert answer["upcast_rows"] is None
+    assert not answer["prepacked"]  # 2% faster is within the noise: not worth a second copy
 
 
 def test_native_linear_follows_the_choice_and_each_path_computes_what_it_did():
@@ -78,3 +85,32 @@ def test_native_linear_follows_the_choice_and_each_path_computes_what_it_did():
             assert torch.equal(upcast, upcast_linear(x, w).bfloat16())
         else:
             assert torch.equal(upcast, torch.nn.functional.linear(x, w))
+
+
+def test_the_packed_weight_is_the_plain_gemm_bit_for_bit_at_every_batch():
+    """What makes packing an optimisation that changes no output: oneDNN's GEMM on its own
+    layout gives the plain bfloat16 GEMM's results exactly, row by row, whatever the batch."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(1536, 576, generator=g).bfloat16()
+    layer = NativeLinear(w, packed=pack(w))
+    for rows in (9, 16, 33, 64, 200, 513):
+        x = torch.randn(rows, 576, generator=g).bfloat16()
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, w))
+        assert torch.equal(packed_linear(x, layer.packed), torch.nn.functional.linear(x, w))
+
+
+def test_weights_are_packed_only_where_memory_allows(monkeypatch):
+    """A packed copy doubles a weight's memory: past PACKED_MEMORY_SHARE of what is free, the
+    model keeps the plain GEMM (and still computes the same)."""
+    from tests.helpers import tiny_model
+
+    for free, expect_packed in ((64 << 30, True), (1 << 10, False)):
+        monkeypatch.setattr(native_linear, "available_memory", lambda free=free: free)
+        model = tiny_model(3).bfloat16()
+        native_linear.use_native_linears(model, None, prepack=True)
+        layers = [m for m in model.modules() if isinstance(m, NativeLinear)]
+        assert len(layers) == 2 * 4 + 1  # qkv, o, gate_up, down a layer, and the head
+        assert all((m.packed is not None) == expect_packed for m in layers)
+        for m in layers:  # 20 rows: past the small-batch kernel, the packed (or plain) GEMM
+            x = torch.randn(20, m.in_features).bfloat16()
+            assert torch.equal(m(x), torch.nn.functional.linear(x, m.weight))

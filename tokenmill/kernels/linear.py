@@ -5,8 +5,10 @@ bandwidth; PyTorch's CPU matmul reaches about half of it for bfloat16 weights (8
 GB/s where a read streams at 16-20, bench/RESULTS.md). ``small_linear`` (the native
 kernel: 4x4 register tiles, weights prefetched a tile ahead) takes over up to a few
 rows, where it was measured faster; bigger float32 batches and prefill go to ``tile_gemm``
-(our own 6x16 GEMM tiles, see TILE_ROWS), bfloat16 ones to PyTorch's GEMM (in float32 for
-big batches where this machine measured that faster: kernels/gemm_choice.py).
+(our own 6x16 GEMM tiles, see TILE_ROWS), bfloat16 ones to PyTorch's (oneDNN's) GEMM: on a
+weight packed once in oneDNN's layout where this machine measured that faster and memory
+allows a second copy, in float32 for big batches where it measured that faster
+(kernels/gemm_choice.py).
 The swap happens once at load, on the CPU, when the native kernels are in use.
 """
 
@@ -15,7 +17,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import logging
+
 from tokenmill.kernels.cpu import cpu_info
+from tokenmill.memory import available_memory
 from tokenmill.quant.packed import QuantLinear
 from tokenmill.quant.weights import Int8Linear, linear_layers
 
@@ -34,17 +39,28 @@ SLAB_BYTES = 1 << 23
 # (SmolLM2 and Llama-1B shapes, 2 threads: 1.3-2.0x at 9-64 rows, 1.02-1.17x at 256; at 512-1024
 # rows 0.91-1.06x).
 TILE_ROWS = 256
+log = logging.getLogger("tokenmill")
+# A packed copy doubles a bfloat16 weight's memory: packed only while every packed copy together
+# takes at most this share of the memory available at load (an 8B model's 16 GB is not copied).
+PACKED_MEMORY_SHARE = 0.25
 
 
 class NativeLinear(nn.Module):
     """nn.Linear whose small-batch calls go to the native kernel (the bias, if any, added after)."""
 
-    def __init__(self, weight: torch.Tensor, upcast_rows: int | None = None, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        upcast_rows: int | None = None,
+        bias: torch.Tensor | None = None,
+        packed: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         self.bias = bias
         self.out_features, self.in_features = weight.shape
         self.upcast_rows = upcast_rows  # bfloat16 batches this big multiply in float32 (None: never)
+        self.packed = packed  # the weight in oneDNN's layout (pack()), for bfloat16 batches; None: the plain GEMM
         self.tiles = hasattr(torch.ops.tokenmill, "tile_gemm")  # (looked up once: not on every call)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -59,6 +75,8 @@ class NativeLinear(nn.Module):
             out = upcast_linear(flat, self.weight).to(flat.dtype)
         elif self.upcast_rows is not None and rows >= self.upcast_rows and same and flat.dtype == torch.bfloat16:
             out = upcast_linear(flat, self.weight).to(flat.dtype)
+        elif self.packed is not None and same and flat.dtype == torch.bfloat16:
+            out = packed_linear(flat, self.packed)
         else:
             out = nn.functional.linear(flat, self.weight)
         if self.bias is not None:
@@ -79,17 +97,58 @@ def upcast_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out_t.t().contiguous()
 
 
-def use_native_linears(model: nn.Module, upcast: int | None = None) -> None:
+def packing_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's blocked copy of a bfloat16 [out, in] weight for ``packed_linear`` (its layout
+    chosen for 64 rows; any batch may use it, with the plain GEMM's results bit for bit)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def linears_to_swap(model: nn.Module) -> list[nn.Module]:
+    """The plain nn.Linear layers use_native_linears turns into NativeLinear (a tied head: the embedding)."""
+    found = [getattr(p, n) for layer in model.layers for p, n in linear_layers(layer)]
+    if model.lm_head is None and model.config.tie_word_embeddings:
+        found.append(model.embed_tokens)
+    elif model.lm_head is not None:
+        found.append(model.lm_head)
+    return [m for m in found if type(m) is nn.Linear or m is getattr(model, "embed_tokens", None)]
+
+
+def use_native_linears(model: nn.Module, upcast: int | None = None, prepack: bool = False) -> None:
     """Swap the decoder's float linears (and the LM head, sharing a tied embedding's
     weight) for NativeLinear, and let int8 layers use the kernel for small batches;
     ``upcast``: from how many rows bfloat16 batches multiply in float32 (None: never;
-    the machine's measured answer is gemm_choice.upcast_rows)."""
+    the machine's measured answer is gemm_choice.upcast_rows); ``prepack``: bfloat16
+    weights also packed in oneDNN's layout (gemm_choice.prepacked), where memory allows."""
     if next(model.parameters()).device.type != "cpu":
         return
+    if prepack and packing_available():
+        weights = [m.weight for m in linears_to_swap(model) if m.weight.dtype == torch.bfloat16]
+        total = sum(w.numel() * w.element_size() for w in weights)
+        if total > PACKED_MEMORY_SHARE * available_memory():
+            log.info(
+                "tokenmill: bfloat16 weights not packed for oneDNN: a %.1f GB copy is over %d%% of free memory",
+                total / 1e9,
+                PACKED_MEMORY_SHARE * 100,
+            )
+            prepack = False
+    else:
+        prepack = False
+
+    def native(weight: torch.Tensor, bias: torch.Tensor | None = None) -> NativeLinear:
+        packed = pack(weight) if prepack and weight.dtype == torch.bfloat16 else None
+        return NativeLinear(weight, upcast, bias, packed)
 
     def swap(module: nn.Module) -> nn.Module:
         if type(module) is nn.Linear:
-            return NativeLinear(module.weight, upcast, module.bias)
+            return native(module.weight, module.bias)
         if isinstance(module, Int8Linear):
             module.enable_small_batch_kernel(INT8_ROWS)
         if isinstance(module, QuantLinear):
@@ -101,7 +160,7 @@ def use_native_linears(model: nn.Module, upcast: int | None = None) -> None:
             setattr(parent, name, swap(getattr(parent, name)))
     if model.lm_head is None:
         if model.config.tie_word_embeddings:  # the head reads the embedding table (shared, not copied)
-            model.lm_head = NativeLinear(model.embed_tokens.weight, upcast)
+            model.lm_head = native(model.embed_tokens.weight)
     else:  # (a pipeline stage before the last has no head at all)
         model.lm_head = swap(model.lm_head)
     model.reset_fused_plan()

@@ -141,6 +141,89 @@ inline __m256 load8(const int8_t* p) {
 
 // ---------------------------------------------------------------- paged attention
 
+#ifdef TOKENMILL_AVX512
+// s[t] = the sum of a[t]'s 16 lanes, t = 0..15: a chunk of 16 keys' dot products as one vector
+// (a transposing add tree: 14 adds and 28 shuffles where 16 horizontal sums take ~130 ops).
+inline __m512 sum16x16(const __m512* a) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int j = 0; j < 4; ++j) {  // each 128-bit quarter: the quarter's sums of a[4j .. 4j+3]
+    const __m512d x = _mm512_castps_pd(b[2 * j]), y = _mm512_castps_pd(b[2 * j + 1]);
+    c[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 e0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+  const __m512 e1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, 0x88), _mm512_shuffle_f32x4(e0, e1, 0xDD));
+}
+
+// fast_exp on 16 lanes (the same series; lanes the caller masks off may hold anything).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(t, _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23));
+  return _mm512_castsi512_ps(bits);
+}
+
+// One query row against the keys [lo, visible) of a block (float rows `stride` apart), 16 keys
+// at a time: the 16 dot products summed as one vector, the online softmax on 16 lanes, the
+// row's accumulator (`ar`, with its running max `m` and sum `l`) in registers across the block.
+// The same arithmetic for a row whatever the other rows of its step (batch invariance).
+template <int HD>
+inline void attend_row16(const float* qr, const float* kbase, const float* vbase, int64_t stride, int64_t lo,
+                         int64_t visible, float softcap, float* ar, float& m, float& l) {
+  constexpr int C = HD / 16;
+  alignas(64) static const float zeros[HD] = {};
+  alignas(64) float p16[16];
+  __m512 qv[C], accv[C];
+  for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(qr + 16 * c), accv[c] = _mm512_loadu_ps(ar + 16 * c);
+  for (int64_t c0 = lo / 16 * 16; c0 < visible; c0 += 16) {
+    __m512 dots[16];
+    for (int t = 0; t < 16; ++t) {
+      const float* kr = c0 + t < visible ? kbase + (c0 + t) * stride : zeros;
+      __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
+      for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), acc);
+      dots[t] = acc;
+    }
+    __m512 s = sum16x16(dots);
+    const int64_t t_lo = std::max<int64_t>(lo - c0, 0), t_hi = std::min<int64_t>(visible - c0, 16);
+    const __mmask16 valid = static_cast<__mmask16>(((1u << t_hi) - 1) & ~((1u << t_lo) - 1));
+    if (softcap > 0.f) {  // Gemma 2's soft cap, lane by lane
+      _mm512_storeu_ps(p16, s);
+      for (int64_t t = t_lo; t < t_hi; ++t) p16[t] = softcap * std::tanh(p16[t] / softcap);
+      s = _mm512_loadu_ps(p16);
+    }
+    const float chunk_max = _mm512_mask_reduce_max_ps(valid, s);
+    const float new_max = std::max(m, chunk_max);
+    if (new_max > m) {
+      const float correction = std::exp(m - new_max);  // exp(-inf) = 0 on the first keys
+      l *= correction;
+      const __m512 cv = _mm512_set1_ps(correction);
+      for (int c = 0; c < C; ++c) accv[c] = _mm512_mul_ps(accv[c], cv);
+      m = new_max;
+    }
+    const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
+    l += _mm512_reduce_add_ps(p);
+    _mm512_store_ps(p16, p);
+    for (int64_t t = t_lo; t < t_hi; ++t) {
+      const __m512 pt = _mm512_set1_ps(p16[t]);
+      const float* vr = vbase + (c0 + t) * stride;
+      for (int c = 0; c < C; ++c) accv[c] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vr + 16 * c), accv[c]);
+    }
+  }
+  for (int c = 0; c < C; ++c) _mm512_storeu_ps(ar + 16 * c, accv[c]);
+}
+#endif
+
 // One unit of work: queries [q_begin, q_end) of sequence `seq`, the rows of them that share KV
 // head `head`, against the keys [key_begin, key_end) of its context (a FlashDecoding split).
 struct WorkItem {
@@ -272,6 +355,15 @@ void attention_work(AttnPlan& plan, const void* q, const void* k_cache, const vo
       const int64_t n = std::min(block_size, it.key_end - t0);
       const C* kb = kp + blk * blk_stride + h * d;
       const C* vb = vp + blk * blk_stride + h * d;
+      if (t0 + block_size < it.key_end) {  // the next block's rows of this head on their way meanwhile
+        const int64_t next = table[t0 / block_size + 1] * blk_stride + h * d;
+        const int64_t bytes = d * static_cast<int64_t>(sizeof(C)), m = std::min(block_size, it.key_end - t0 - block_size);
+        for (int64_t t = 0; t < m; ++t)
+          for (int64_t b = 0; b < bytes; b += 64) {
+            __builtin_prefetch(reinterpret_cast<const char*>(kp + next + t * tok_stride) + b);
+            __builtin_prefetch(reinterpret_cast<const char*>(vp + next + t * tok_stride) + b);
+          }
+      }
       // A float32 cache is read where it lies; any other is converted (and scaled) into kf/vf first.
       constexpr bool in_place = std::is_same_v<C, float>;
       const float* kbase = kf.data();
@@ -315,6 +407,15 @@ void attention_work(AttnPlan& plan, const void* q, const void* k_cache, const vo
         const int64_t visible = std::min(n, len - nq + j - t0 + 1);
         const int64_t lo = window > 0 ? std::max<int64_t>(0, len - nq + j - window + 1 - t0) : 0;
         if (visible <= lo) continue;
+#ifdef TOKENMILL_AVX512
+        if constexpr (fixed_d && HD % 16 == 0) {
+          for (int64_t g = 0; g < groups; ++g) {
+            const int64_t r = (j - jb) * groups + g;
+            attend_row16<HD>(qf.data() + r * d, kbase, vbase, kv_stride, lo, visible, softcap, a + r * d, m[r], l[r]);
+          }
+          continue;
+        }
+#endif
         for (int64_t g = 0; g < groups; ++g) {
           const int64_t r = (j - jb) * groups + g;
           const float* qr = qf.data() + r * d;
