@@ -288,15 +288,19 @@ void plan_attention(AttnPlan& p, const Tensor& q, const Tensor& k_cache, const T
       part = (part + block_size - 1) / block_size * block_size;
       const int64_t num_parts = (keys - first_key + part - 1) / part;
       p.splits.push_back({s, jb, je, num_parts, num_partials});
-      for (int64_t h = 0; h < p.kv_heads; ++h) {
-        for (int64_t j = 0; j < num_parts; ++j) {
-          const int64_t kb = first_key + j * part, ke = std::min(keys, kb + part);
-          p.items.push_back({s, jb, je, h, kb, ke, num_partials, (ke - kb) * rows});
-          p.partial_offset.push_back(partial_rows);
-          partial_rows += rows;
-          ++num_partials;
-        }
+      // partial (h, j) at num_partials + h * num_parts + j; the items of one partition's heads
+      // next to each other: run one after another (the order below keeps equal costs in this
+      // order), they read the same blocks' token rows while those are in the caches
+      for (int64_t x = 0; x < p.kv_heads * num_parts; ++x) {
+        p.partial_offset.push_back(partial_rows);
+        partial_rows += rows;
       }
+      for (int64_t j = 0; j < num_parts; ++j) {
+        const int64_t kb = first_key + j * part, ke = std::min(keys, kb + part);
+        for (int64_t h = 0; h < p.kv_heads; ++h)
+          p.items.push_back({s, jb, je, h, kb, ke, num_partials + h * num_parts + j, (ke - kb) * rows});
+      }
+      num_partials += p.kv_heads * num_parts;
     }
   }
   p.acc.resize(partial_rows * p.d), p.row_max.resize(partial_rows), p.row_sum.resize(partial_rows);
@@ -355,15 +359,6 @@ void attention_work(AttnPlan& plan, const void* q, const void* k_cache, const vo
       const int64_t n = std::min(block_size, it.key_end - t0);
       const C* kb = kp + blk * blk_stride + h * d;
       const C* vb = vp + blk * blk_stride + h * d;
-      if (t0 + block_size < it.key_end) {  // the next block's rows of this head on their way meanwhile
-        const int64_t next = table[t0 / block_size + 1] * blk_stride + h * d;
-        const int64_t bytes = d * static_cast<int64_t>(sizeof(C)), m = std::min(block_size, it.key_end - t0 - block_size);
-        for (int64_t t = 0; t < m; ++t)
-          for (int64_t b = 0; b < bytes; b += 64) {
-            __builtin_prefetch(reinterpret_cast<const char*>(kp + next + t * tok_stride) + b);
-            __builtin_prefetch(reinterpret_cast<const char*>(vp + next + t * tok_stride) + b);
-          }
-      }
       // A float32 cache is read where it lies; any other is converted (and scaled) into kf/vf first.
       constexpr bool in_place = std::is_same_v<C, float>;
       const float* kbase = kf.data();
