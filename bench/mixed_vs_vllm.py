@@ -116,8 +116,10 @@ def main() -> None:
     write_workload(args.model, args.num_requests)
     reqs = [json.loads(line) for line in WORKLOAD.read_text().splitlines()]
     print(f"CPU: {cpu_info().describe()}; GEMM choice: {measured()}")
-    print(f"workload: {len(reqs)} requests, {sum(len(r['prompt_token_ids']) for r in reqs)} prompt and "
-          f"{sum(r['max_tokens'] for r in reqs)} output tokens")
+    print(
+        f"workload: {len(reqs)} requests, {sum(len(r['prompt_token_ids']) for r in reqs)} prompt and "
+        f"{sum(r['max_tokens'] for r in reqs)} output tokens"
+    )
     runs: dict[str, list[dict]] = {k: [] for k in SETTINGS}
     dtypes = [d for d in args.vllm_dtypes.split(",") if d] if args.vllm else []
     runs.update({f"vLLM-CPU {d}": [] for d in dtypes})
@@ -125,8 +127,11 @@ def main() -> None:
         for name, env in SETTINGS.items():
             res = run_tokenmill(args.model, env)
             runs[name].append(res)
-            print(f"round {r + 1}: {name}: {res['output_tok_s']:.1f} output tok/s ({res['elapsed_s']:.1f} s, "
-                  f"{res['steps']} steps)", flush=True)
+            print(
+                f"round {r + 1}: {name}: {res['output_tok_s']:.1f} output tok/s ({res['elapsed_s']:.1f} s, "
+                f"{res['steps']} steps)",
+                flush=True,
+            )
         for d in dtypes:
             res = run_vllm(args.vllm, args.model, d)
             if res:

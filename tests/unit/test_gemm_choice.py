@@ -43,7 +43,9 @@ def test_the_probe_runs_once_per_machine_and_its_answer_is_kept(cache_home, monk
 def test_a_broken_cache_file_is_measured_again_not_an_error(cache_home, monkeypatch):
     (cache_home / "tokenmill").mkdir()
     (cache_home / "tokenmill" / "gemm_choice.json").write_text("{not json")
-    monkeypatch.setattr(gemm_choice, "probe", lambda: {"upcast_rows": None, "prepacked": True, "ms": {}, "measured": "now"})
+    monkeypatch.setattr(
+        gemm_choice, "probe", lambda: {"upcast_rows": None, "prepacked": True, "ms": {}, "measured": "now"}
+    )
     assert gemm_choice.upcast_rows() is None
     assert json.loads((cache_home / "tokenmill" / "gemm_choice.json").read_text())
 
@@ -59,7 +61,13 @@ def test_the_override_wins_over_the_probe(cache_home, monkeypatch):
 def test_the_probe_picks_the_smallest_batch_from_which_the_upcast_always_wins(monkeypatch):
     """Timings stood in for the GEMMs: the rule reads them as documented."""
     # (plain bfloat16, upcast, packed) ms at each probed batch
-    table = {32: (1.0, 1.0, 0.5), 64: (2.0, 1.7, 1.0), 128: (4.0, 4.1, 3.0), 256: (8.0, 6.0, 9.0), 512: (16.0, 10.0, 20.0)}
+    table = {
+        32: (1.0, 1.0, 0.5),
+        64: (2.0, 1.7, 1.0),
+        128: (4.0, 4.1, 3.0),
+        256: (8.0, 6.0, 9.0),
+        512: (16.0, 10.0, 20.0),
+    }
     seen = iter(v for rows in gemm_choice.PROBE_ROWS for v in table[rows])
     monkeypatch.setattr(gemm_choice, "best_ms", lambda call: next(seen))
     answer = gemm_choice.probe()

@@ -119,7 +119,10 @@ def probe() -> dict:
         ms[str(r)]["packed"] = round(t, 3)
     log.info(
         "tokenmill: bfloat16 GEMM probe (%s): upcast from %s rows, packed weights %s; ms %s",
-        machine_key(), chosen, use_packed, ms,
+        machine_key(),
+        chosen,
+        use_packed,
+        ms,
     )
     return {"upcast_rows": chosen, "prepacked": use_packed, "ms": ms, "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
 

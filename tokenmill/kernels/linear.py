@@ -14,10 +14,10 @@ The swap happens once at load, on the CPU, when the native kernels are in use.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
-
-import logging
 
 from tokenmill.kernels.cpu import cpu_info
 from tokenmill.memory import available_memory
