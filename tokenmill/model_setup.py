@@ -60,7 +60,7 @@ def prepare_model(
     except ValueError as e:  # e.g. a group size that does not divide a layer's width
         raise TokenmillError(str(e)) from None
     if isinstance(model.ops, NativeOps):
-        # from how many rows bfloat16 batches multiply faster in float32: this machine's measured answer
+        # how bfloat16 batches multiply fastest (upcast from how many rows, packed weights): this machine's answers
         sixteen = any(p.dtype == torch.bfloat16 for p in model.parameters())
         use_native_linears(model, upcast_rows() if sixteen else None, prepacked() if sixteen else False)
         keep_freed_memory()  # this process runs CPU steps: no page faults for their activations

@@ -111,16 +111,6 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
-def linears_to_swap(model: nn.Module) -> list[nn.Module]:
-    """The plain nn.Linear layers use_native_linears turns into NativeLinear (a tied head: the embedding)."""
-    found = [getattr(p, n) for layer in model.layers for p, n in linear_layers(layer)]
-    if model.lm_head is None and model.config.tie_word_embeddings:
-        found.append(model.embed_tokens)
-    elif model.lm_head is not None:
-        found.append(model.lm_head)
-    return [m for m in found if type(m) is nn.Linear or m is getattr(model, "embed_tokens", None)]
-
-
 def use_native_linears(model: nn.Module, upcast: int | None = None, prepack: bool = False) -> None:
     """Swap the decoder's float linears (and the LM head, sharing a tied embedding's
     weight) for NativeLinear, and let int8 layers use the kernel for small batches;
@@ -129,26 +119,10 @@ def use_native_linears(model: nn.Module, upcast: int | None = None, prepack: boo
     weights also packed in oneDNN's layout (gemm_choice.prepacked), where memory allows."""
     if next(model.parameters()).device.type != "cpu":
         return
-    if prepack and packing_available():
-        weights = [m.weight for m in linears_to_swap(model) if m.weight.dtype == torch.bfloat16]
-        total = sum(w.numel() * w.element_size() for w in weights)
-        if total > PACKED_MEMORY_SHARE * available_memory():
-            log.info(
-                "tokenmill: bfloat16 weights not packed for oneDNN: a %.1f GB copy is over %d%% of free memory",
-                total / 1e9,
-                PACKED_MEMORY_SHARE * 100,
-            )
-            prepack = False
-    else:
-        prepack = False
-
-    def native(weight: torch.Tensor, bias: torch.Tensor | None = None) -> NativeLinear:
-        packed = pack(weight) if prepack and weight.dtype == torch.bfloat16 else None
-        return NativeLinear(weight, upcast, bias, packed)
 
     def swap(module: nn.Module) -> nn.Module:
         if type(module) is nn.Linear:
-            return native(module.weight, module.bias)
+            return NativeLinear(module.weight, upcast, module.bias)
         if isinstance(module, Int8Linear):
             module.enable_small_batch_kernel(INT8_ROWS)
         if isinstance(module, QuantLinear):
@@ -160,7 +134,25 @@ def use_native_linears(model: nn.Module, upcast: int | None = None, prepack: boo
             setattr(parent, name, swap(getattr(parent, name)))
     if model.lm_head is None:
         if model.config.tie_word_embeddings:  # the head reads the embedding table (shared, not copied)
-            model.lm_head = native(model.embed_tokens.weight)
+            model.lm_head = NativeLinear(model.embed_tokens.weight, upcast)
     else:  # (a pipeline stage before the last has no head at all)
         model.lm_head = swap(model.lm_head)
+    if prepack:
+        pack_bfloat16_weights(model)
     model.reset_fused_plan()
+
+
+def pack_bfloat16_weights(model: nn.Module) -> None:
+    """Give the model's bfloat16 NativeLinears their oneDNN-packed copies, where that second
+    copy of every weight takes at most PACKED_MEMORY_SHARE of the memory free now."""
+    layers = [m for m in model.modules() if isinstance(m, NativeLinear) and m.weight.dtype == torch.bfloat16]
+    total = sum(m.weight.numel() * m.weight.element_size() for m in layers)
+    if not packing_available() or total > PACKED_MEMORY_SHARE * available_memory():
+        log.info(
+            "tokenmill: bfloat16 weights not packed for oneDNN (%.1f GB; packing available: %s)",
+            total / 1e9,
+            packing_available(),
+        )
+        return
+    for m in layers:
+        m.packed = pack(m.weight)

@@ -418,14 +418,7 @@ void attention_work(AttnPlan& plan, const void* q, const void* k_cache, const vo
           for (int64_t t = lo; t < visible; ++t) {
             const float* kr = kbase + t * kv_stride;
             float dot = 0.f;
-#ifdef TOKENMILL_AVX512
-            if constexpr (fixed_d && HD % 16 == 0) {
-              __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qr), _mm512_loadu_ps(kr));
-              for (int c = 1; c < HD / 16; ++c)
-                acc = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * c), _mm512_loadu_ps(kr + 16 * c), acc);
-              dot = _mm512_reduce_add_ps(acc);
-            } else
-#elif defined(TOKENMILL_AVX2)
+#ifdef TOKENMILL_AVX2  // (the AVX-512 build scores 64- and 128-wide heads in attend_row16 above)
             if constexpr (fixed_d && HD % 8 == 0) {
               __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qr), _mm256_loadu_ps(kr));
               for (int c = 1; c < HD / 8; ++c)
@@ -456,20 +449,7 @@ void attention_work(AttnPlan& plan, const void* q, const void* k_cache, const vo
             scores[t] = fast_exp(scores[t] - new_max);
             sum += scores[t];
           }
-#ifdef TOKENMILL_AVX512
-          if constexpr (fixed_d && HD % 16 == 0) {
-            // the row's accumulator stays in registers across the block's keys
-            // (accumulating through memory chains every key's FMAs through a store)
-            __m512 accv[HD / 16];
-            for (int c = 0; c < HD / 16; ++c) accv[c] = _mm512_loadu_ps(ar + 16 * c);
-            for (int64_t t = lo; t < visible; ++t) {
-              const __m512 p = _mm512_set1_ps(scores[t]);
-              const float* vr = vbase + t * kv_stride;
-              for (int c = 0; c < HD / 16; ++c) accv[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16 * c), accv[c]);
-            }
-            for (int c = 0; c < HD / 16; ++c) _mm512_storeu_ps(ar + 16 * c, accv[c]);
-          } else
-#elif defined(TOKENMILL_AVX2)
+#ifdef TOKENMILL_AVX2
           if constexpr (fixed_d && HD % 8 == 0) {
             // the row's accumulator in registers across the block's keys, 64 values at a time
             constexpr int CH = HD / 8 < 8 ? HD / 8 : 8;
