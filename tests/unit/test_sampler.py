@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.worker.sampler import PenaltyState, SampleRow, apply_penalties, sample, sampling_distribution
+from tokenmill.worker.sampler import (
+    PenaltyState,
+    SampleRow,
+    apply_penalties,
+    inverse_transform,
+    sample,
+    sampling_distribution,
+)
 
 V = 50
 
@@ -172,3 +179,18 @@ def test_integers_that_reach_tensors_are_range_checked():
             SamplingParams(**kw)
         assert e.value.param == param
     SamplingParams(top_k=2**31 - 1, n=256)  # the largest allowed
+
+
+def test_inverse_transform_gives_each_token_its_probability_and_never_a_zero():
+    """u swept evenly over [0, 1): each token is picked for a share of the sweep equal to its
+    probability (to the sweep's step), tokens of probability 0 (inside, first and last) never,
+    and u at its extremes gives the first and the last token that has a probability."""
+    p = torch.tensor([0.0, 0.25, 0.0, 0.0, 0.125, 1e-9, 0.5, 0.125 - 1e-9, 0.0])
+    n = 80_000
+    u = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+    picks = inverse_transform(p.expand(n, -1), u)
+    share = torch.bincount(picks, minlength=len(p)).double() / n
+    assert (share[p == 0] == 0).all()
+    assert torch.allclose(share, p.double(), atol=2 / n)
+    ends = inverse_transform(p.expand(2, -1), torch.tensor([0.0, 1 - 2**-53], dtype=torch.float64))
+    assert ends.tolist() == [1, 7]
