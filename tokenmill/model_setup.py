@@ -11,7 +11,7 @@ import torch
 
 from tokenmill.config import LoadConfig, ModelConfig
 from tokenmill.errors import TokenmillError
-from tokenmill.kernels.gemm_choice import prepacked, upcast_rows
+from tokenmill.kernels.gemm_choice import block_gemm_rows, prepacked, upcast_rows
 from tokenmill.kernels.linear import use_native_linears
 from tokenmill.memory import keep_freed_memory
 from tokenmill.model.llama import LlamaForCausalLM
@@ -60,9 +60,16 @@ def prepare_model(
     except ValueError as e:  # e.g. a group size that does not divide a layer's width
         raise TokenmillError(str(e)) from None
     if isinstance(model.ops, NativeOps):
-        # how bfloat16 batches multiply fastest (upcast from how many rows, packed weights): this machine's answers
+        # how bfloat16 batches multiply fastest (upcast from how many rows, packed weights, GGUF
+        # blocks dequantised from how many rows): this machine's answers
         sixteen = any(p.dtype == torch.bfloat16 for p in model.parameters())
-        use_native_linears(model, upcast_rows() if sixteen else None, prepacked() if sixteen else False)
+        types = {m.source for m in model.modules() if isinstance(m, BlockWeight)} if sixteen else set()
+        use_native_linears(
+            model,
+            upcast_rows() if sixteen else None,
+            prepacked() if sixteen else False,
+            {t: block_gemm_rows(t) for t in sorted(types)},
+        )
         keep_freed_memory()  # this process runs CPU steps: no page faults for their activations
     return model
 

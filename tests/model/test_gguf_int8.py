@@ -27,7 +27,8 @@ from tokenmill.quant.packed import QuantLinear
 pytestmark = pytest.mark.skipif(not load_native(), reason="native kernels did not build")
 
 SHAPES = {t: [(37, 512), (6, 768)] if t.endswith("_K") else [(37, 576), (9, 224)] for t in BLOCK_TYPES}
-ROWS = (1, 2, 3, 4, 5, 8, 13, INT8_MAX_ROWS, INT8_MAX_ROWS + 1, 70)  # tiles of 1-4, and the GEMM past the limit
+ROWS = (1, 2, 3, 4, 5, 8, 13, INT8_MAX_ROWS, INT8_MAX_ROWS + 1, 70)  # tiles of 1-4, chunks of 32, the GEMM
+GEMM_ROWS = INT8_MAX_ROWS + 1  # bfloat16 batches dequantised into the GEMM from here, where asked
 
 
 def blocks(type_name: str, n: int, k: int, seed: int = 0, grouped: bool = False) -> tuple[BlockWeight, np.ndarray]:
@@ -68,19 +69,22 @@ def test_blocks_hold_gguf_dequantized_values(type_name):
 def check_block_linear(type_name: str, dtype: torch.dtype = torch.float32, grouped: bool = False) -> None:
     """The kernel against int8_reference (the same arithmetic in torch, float64 sums): 1e-5 of
     the output's scale in float32; and the int8 arithmetic within 3% of the float product.
-    Each activation row's outputs are the same bits computed alone as in any batch."""
+    Each activation row's outputs are the same bits computed alone as in any batch, but for a
+    bfloat16 batch told to dequantise into the GEMM (gemm_rows, here INT8_MAX_ROWS + 1)."""
+    gemm_choices = (0, GEMM_ROWS) if dtype == torch.bfloat16 else (0,)
     for n, k in SHAPES[type_name]:
         w, ref = blocks(type_name, n, k, seed=n, grouped=grouped)
         for rows in ROWS:
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
-            got = torch.ops.tokenmill.block_linear(x, w.qs, w.type_code)
             want = int8_reference(x, w)
-            assert got.dtype == dtype and got.shape == (rows, n)
-            if dtype == torch.float32 or rows <= INT8_MAX_ROWS:
-                alone = torch.ops.tokenmill.block_linear(x[-1:], w.qs, w.type_code)
-                assert torch.equal(alone, got[-1:]), f"{type_name} {n}x{k}: row {rows - 1} differs in a batch of {rows}"
-            err = ((got.double() - want.double()).abs().max() / want.abs().max()).item()
-            assert err < (1e-5 if dtype == torch.float32 else 8e-3), f"{type_name} {n}x{k} rows={rows}: {err}"
+            for gemm_rows in gemm_choices:
+                got = torch.ops.tokenmill.block_linear(x, w.qs, w.type_code, gemm_rows)
+                assert got.dtype == dtype and got.shape == (rows, n)
+                if gemm_rows == 0 or rows < gemm_rows:
+                    alone = torch.ops.tokenmill.block_linear(x[-1:], w.qs, w.type_code, gemm_rows)
+                    assert torch.equal(alone, got[-1:]), f"{type_name} {n}x{k}: row {rows - 1} differs in {rows}"
+                err = ((got.double() - want.double()).abs().max() / want.abs().max()).item()
+                assert err < (1e-5 if dtype == torch.float32 else 8e-3), f"{type_name} {n}x{k} rows={rows}: {err}"
             exact = x.double() @ torch.from_numpy(ref).double().T
             assert ((want.double() - exact).abs().max() / exact.abs().max()).item() < 0.03
 
@@ -89,6 +93,27 @@ def check_block_linear(type_name: str, dtype: torch.dtype = torch.float32, group
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_block_linear_matches_the_int8_reference(type_name, dtype):
     check_block_linear(type_name, dtype)
+
+
+def test_a_quant_linear_gives_each_block_type_its_measured_gemm_rows():
+    """QuantLinear.use_native hands each part the row count measured for its type (absent or
+    None: never), and a bfloat16 batch from there is the GEMM's numbers, below it the dots'."""
+    q4, _ = blocks("Q4_K", 16, 512)
+    q6, _ = blocks("Q6_K", 8, 512, seed=1)
+    layer = QuantLinear([q4, q6])
+    layer.use_native(True, {"Q6_K": 40, "Q4_K": None})
+    assert [p.gemm_rows for p in layer.parts] == [0, 40]
+    x = torch.randn(48, 512, generator=torch.Generator().manual_seed(0)).bfloat16()
+    six = layer.parts[1]
+    assert torch.equal(layer(x)[:, 16:], torch.ops.tokenmill.block_linear(x, six.qs, six.type_code, 1))
+    assert torch.equal(layer(x[:39])[:, 16:], torch.ops.tokenmill.block_linear(x[:39], six.qs, six.type_code, 0))
+    assert not torch.equal(
+        torch.ops.tokenmill.block_linear(x, six.qs, six.type_code, 1),
+        torch.ops.tokenmill.block_linear(x, six.qs, six.type_code, 0),
+    )
+    plain = QuantLinear([blocks("Q4_K", 16, 512)[0]])  # no choices given: never
+    plain.use_native(True)
+    assert plain.parts[0].gemm_rows == 0
 
 
 def check_grouped_rows(type_name: str) -> None:

@@ -19,6 +19,7 @@ def cache_home(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("TOKENMILL_UPCAST_ROWS", raising=False)
     monkeypatch.delenv("TOKENMILL_PREPACK", raising=False)
+    monkeypatch.delenv("TOKENMILL_BLOCK_GEMM_ROWS", raising=False)
     return tmp_path
 
 
@@ -122,3 +123,47 @@ def test_weights_are_packed_only_where_memory_allows(monkeypatch):
         for m in layers:  # 20 rows: past the small-batch kernel, the packed (or plain) GEMM
             x = torch.randn(20, m.in_features).bfloat16()
             assert torch.equal(m(x), torch.nn.functional.linear(x, m.weight))
+
+
+def test_each_block_type_is_probed_once_and_kept_beside_the_gemm_answers(cache_home, monkeypatch):
+    probed = []
+    monkeypatch.setattr(gemm_choice, "probe", lambda: {"upcast_rows": None, "prepacked": True, "ms": {}})
+
+    def fake_probe_blocks(type_name: str) -> dict:
+        probed.append(type_name)
+        return {"gemm_rows": 512 if type_name == "Q6_K" else None, "ms": {}}
+
+    monkeypatch.setattr(gemm_choice, "probe_blocks", fake_probe_blocks)
+    assert gemm_choice.block_gemm_rows("Q6_K") == 512
+    assert gemm_choice.block_gemm_rows("Q4_K") is None
+    assert gemm_choice.block_gemm_rows("Q6_K") == 512 and gemm_choice.block_gemm_rows("Q4_K") is None
+    assert probed == ["Q6_K", "Q4_K"]
+    kept = json.loads((cache_home / "tokenmill" / "gemm_choice.json").read_text())[gemm_choice.machine_key()]
+    assert kept["blocks"]["Q6_K"]["gemm_rows"] == 512 and kept["prepacked"]  # the earlier answers kept too
+    monkeypatch.setenv("TOKENMILL_BLOCK_GEMM_ROWS", "never")
+    assert gemm_choice.block_gemm_rows("Q6_K") is None
+    monkeypatch.setenv("TOKENMILL_BLOCK_GEMM_ROWS", "48")
+    assert gemm_choice.block_gemm_rows("Q8_0") == 48 and probed == ["Q6_K", "Q4_K"]
+
+
+def test_the_block_probe_picks_the_smallest_batch_from_which_the_gemm_always_wins(monkeypatch):
+    """(integer dots, dequantised GEMM) ms stood in at each probed batch."""
+    monkeypatch.setattr(torch.ops.tokenmill, "block_linear", lambda *a: None, raising=False)
+    monkeypatch.setattr(torch.ops.tokenmill, "block_has_groups", lambda code: False, raising=False)
+    for table, want in (
+        ({64: (1.0, 3.0), 128: (2.0, 1.5), 256: (4.0, 4.0), 512: (8.0, 6.0)}, 512),  # 128 wins, 256 does not
+        ({64: (1.0, 0.5), 128: (2.0, 1.0), 256: (4.0, 2.0), 512: (8.0, 4.0)}, 64),
+        ({64: (1.0, 3.0), 128: (2.0, 3.0), 256: (4.0, 5.0), 512: (8.0, 7.5)}, None),  # 6% is not a win
+    ):
+        seen = iter(v for rows in gemm_choice.BLOCK_PROBE_ROWS for v in table[rows])
+        monkeypatch.setattr(gemm_choice, "best_ms", lambda call, seen=seen: next(seen))
+        assert gemm_choice.probe_blocks("Q4_K")["gemm_rows"] == want
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_the_probe_blocks_hold_finite_weights(type_name):
+    from tokenmill.quant.blocks import BlockWeight
+
+    k = 512
+    w = BlockWeight(gemm_choice.random_blocks(type_name, 8, k), type_name, k)
+    assert torch.isfinite(w.dequantize()).all()

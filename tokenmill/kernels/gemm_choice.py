@@ -17,6 +17,15 @@ the whole weight, which weighs most at decode's few rows: on a Zen 4 EPYC, 1.1-1
 rows on SmolLM2's shapes, a few percent from 256. Its results are PyTorch's bfloat16 GEMM's, bit
 for bit (the same kernels; tests/unit/test_gemm_choice.py). ``TOKENMILL_PREPACK`` (``0``/``1``)
 overrides the measured answer.
+
+A GGUF file's blocks in a bfloat16 model ask a third question: from how many rows a batch
+dequantises the weight into the bfloat16 GEMM rather than multiplying in the integer dots
+(``block_gemm_rows``, per block type, probed the first time a model of that type loads and
+kept beside the rest). The rule it replaces, "past 32 rows", was measured where the bfloat16
+GEMM is fast and the dequantisation cheap; on a Zen 4 EPYC the integer dots won at every
+batch to 512 rows (Q4_1 at 33 rows: 0.15 ms against 1.28) but Q6_K's at 512, and a step with
+a few prompt tokens beside 28 decodes cost 4x a decode step. ``TOKENMILL_BLOCK_GEMM_ROWS``
+(a row count, or ``never``) overrides it.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import torch
 
 from tokenmill.kernels.cpu import cpu_info
 from tokenmill.kernels.linear import pack, packed_linear, packing_available, upcast_linear
+from tokenmill.quant.blocks import BLOCK_TYPES, GROUPED, block_format
 
 log = logging.getLogger("tokenmill")
 PROBE_ROWS = (32, 64, 128, 256, 512)
@@ -38,6 +48,8 @@ PROBE_SHAPE = (4096, 1024)  # (out, in) features: an 8 MiB bfloat16 weight, a 1B
 WIN = 0.9  # the upcast must take at most this fraction of the bfloat16 GEMM's time to be chosen
 PACKED_WIN = 0.95  # the packed weight: at most this fraction of the plain GEMM's time, the mean over the batches
 REPEATS = 3
+BLOCK_PROBE_ROWS = (64, 128, 256, 512)
+BLOCK_PROBE_SHAPE = (2048, 2048)  # (out, in): a 1B model's attention projection
 
 
 def cache_file() -> Path:
@@ -66,18 +78,42 @@ def prepacked() -> bool:
     return bool(measured().get("prepacked")) and packing_available()
 
 
+def block_gemm_rows(type_name: str) -> int | None:
+    """From how many rows a bfloat16 batch multiplies a weight in GGUF blocks of ``type_name``
+    by dequantising it into the bfloat16 GEMM, on this machine (None: never)."""
+    forced = os.environ.get("TOKENMILL_BLOCK_GEMM_ROWS")
+    if forced:
+        return None if forced.lower() == "never" else int(forced)
+    answers = measured()
+    blocks = answers.get("blocks") if isinstance(answers.get("blocks"), dict) else {}
+    if not (isinstance(blocks.get(type_name), dict) and "gemm_rows" in blocks[type_name]):
+        blocks = {**blocks, type_name: probe_blocks(type_name)}
+        keep({**answers, "blocks": blocks})
+    return blocks[type_name]["gemm_rows"]
+
+
+def _known() -> dict:
+    try:
+        known = json.loads(cache_file().read_text())
+    except (OSError, ValueError):
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
 def measured() -> dict:
     """This machine's probe answers: from the cache file, else measured now and kept there."""
-    path, key = cache_file(), machine_key()
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if isinstance(known, dict) and isinstance(known.get(key), dict) and "prepacked" in known[key]:
-        return known[key]
+    known = _known().get(machine_key())
+    if isinstance(known, dict) and "prepacked" in known:
+        return known
     choice = probe()
-    known = known if isinstance(known, dict) else {}
-    known[key] = choice
+    keep(choice)
+    return choice
+
+
+def keep(answers: dict) -> None:
+    """This machine's answers into the cache file (the other machines' entries kept)."""
+    path, known = cache_file(), _known()
+    known[machine_key()] = answers
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -85,7 +121,6 @@ def measured() -> dict:
         os.replace(tmp, path)  # whole, or not at all: another process may read it meanwhile
     except OSError as e:
         log.warning("tokenmill: could not keep the GEMM choice in %s (%s); measured again next time", path, e)
-    return choice
 
 
 def probe() -> dict:
@@ -135,3 +170,47 @@ def best_ms(call) -> float:
         call()
         best = min(best, time.perf_counter() - start)
     return best * 1e3
+
+
+def probe_blocks(type_name: str) -> dict:
+    """Time a bfloat16 batch through ``block_linear``'s integer dots and through its dequantised
+    GEMM at BLOCK_PROBE_ROWS on random blocks of ``type_name`` (laid out as a model's are); the
+    smallest batch from which the GEMM wins at every size probed, and the timings (ms)."""
+    code = BLOCK_TYPES[type_name]
+    out, k = BLOCK_PROBE_SHAPE
+    weight = random_blocks(type_name, out, k)
+    if torch.ops.tokenmill.block_has_groups(code):
+        weight, code = torch.ops.tokenmill.block_interleave([weight], code), code | GROUPED
+    g = torch.Generator().manual_seed(0)
+    timings = {}
+    for rows in BLOCK_PROBE_ROWS:
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        timings[rows] = (
+            best_ms(lambda x=x: torch.ops.tokenmill.block_linear(x, weight, code, 0)),
+            best_ms(lambda x=x: torch.ops.tokenmill.block_linear(x, weight, code, 1)),
+        )
+    chosen = None
+    for rows in reversed(BLOCK_PROBE_ROWS):
+        dots, gemm = timings[rows]
+        if gemm > WIN * dots:
+            break
+        chosen = rows
+    ms = {str(r): {"int8": round(a, 3), "bfloat16 gemm": round(b, 3)} for r, (a, b) in timings.items()}
+    log.info("tokenmill: %s blocks probe: bfloat16 GEMM from %s rows; ms %s", type_name, chosen, ms)
+    return {"gemm_rows": chosen, "ms": ms}
+
+
+def random_blocks(type_name: str, out: int, k: int) -> torch.Tensor:
+    """[out, bytes per row] blocks of ``type_name``: random bytes, every float16 scale a small
+    finite number (random bytes there could be inf or NaN, which no file holds)."""
+    elems, size = block_format(type_name)
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (out, k // elems, size), dtype=torch.uint8, generator=g)
+    scale = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
+    for at in SCALE_BYTES[type_name]:
+        blocks[:, :, at : at + 2] = scale
+    return blocks.reshape(out, -1).contiguous()
+
+
+# where each type's float16 scales (d, and the min or dmin) sit in its block
+SCALE_BYTES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}

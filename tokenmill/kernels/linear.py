@@ -111,12 +111,19 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
-def use_native_linears(model: nn.Module, upcast: int | None = None, prepack: bool = False) -> None:
+def use_native_linears(
+    model: nn.Module,
+    upcast: int | None = None,
+    prepack: bool = False,
+    block_gemm_rows: dict[str, int | None] | None = None,
+) -> None:
     """Swap the decoder's float linears (and the LM head, sharing a tied embedding's
     weight) for NativeLinear, and let int8 layers use the kernel for small batches;
     ``upcast``: from how many rows bfloat16 batches multiply in float32 (None: never;
     the machine's measured answer is gemm_choice.upcast_rows); ``prepack``: bfloat16
-    weights also packed in oneDNN's layout (gemm_choice.prepacked), where memory allows."""
+    weights also packed in oneDNN's layout (gemm_choice.prepacked), where memory allows;
+    ``block_gemm_rows``: per GGUF block type, from how many rows a bfloat16 batch dequantises
+    the blocks into the GEMM (gemm_choice.block_gemm_rows; absent: never)."""
     if next(model.parameters()).device.type != "cpu":
         return
 
@@ -126,7 +133,7 @@ def use_native_linears(model: nn.Module, upcast: int | None = None, prepack: boo
         if isinstance(module, Int8Linear):
             module.enable_small_batch_kernel(INT8_ROWS)
         if isinstance(module, QuantLinear):
-            module.use_native(cpu_info().native_bf16)
+            module.use_native(cpu_info().native_bf16, block_gemm_rows)
         return module
 
     for layer in model.layers:

@@ -31,7 +31,14 @@ _FORMATS = {
     "Q5_K": (QK_K, 176),
     "Q6_K": (QK_K, 210),
 }
-INT8_MAX_ROWS = 32  # csrc/ggml_ops.cpp: bfloat16 calls with more rows dequantise the weight into a GEMM
+
+
+def block_format(type_name: str) -> tuple[int, int]:
+    """(weights, bytes) per block of a GGML type served in its own blocks."""
+    return _FORMATS[type_name]
+
+
+INT8_MAX_ROWS = 32  # csrc/ggml_common.h: activation rows per pass of the integer kernel over a weight
 
 
 class BlockWeight(PackedWeight):
@@ -44,6 +51,9 @@ class BlockWeight(PackedWeight):
         super().__init__(blocks, torch.empty(0), None, -BLOCK_TYPES[type_name], elems, in_features, type_name)
         self.mapped = mapped  # a view of the memory-mapped file (QuantLinear keeps it a part of its own)
         self.grouped = False  # rows interleaved eight by eight for the native group kernels (for_native)
+        # bfloat16 batches of this many rows or more dequantise into a GEMM (0: never), where the
+        # machine measured that faster than the integer dots (kernels/gemm_choice.block_gemm_rows)
+        self.gemm_rows = 0
 
     @classmethod
     def from_gguf(cls, type_name: str, data: np.ndarray, shape: tuple[int, int]) -> BlockWeight:
@@ -110,7 +120,7 @@ class BlockWeight(PackedWeight):
     def matmul(self, x: torch.Tensor, native: bool, bf16_gemm: bool = False) -> torch.Tensor:
         """x [rows, in] @ W^T in x's dtype: the integer kernel (native), else int8_reference."""
         if native and x.dtype in (torch.float32, torch.bfloat16):
-            return torch.ops.tokenmill.block_linear(x, self.qs, self.type_code)
+            return torch.ops.tokenmill.block_linear(x, self.qs, self.type_code, self.gemm_rows)
         return int8_reference(x, self).to(x.dtype)
 
     def extra_repr(self) -> str:
@@ -129,7 +139,7 @@ def quantise_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, tor
 def int8_reference(x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
     """What the integer kernel computes, in pure torch: the dequantised weight times the
     activations quantised to 8-bit blocks, summed in float64 (the kernel sums the integer
-    products exactly; a bfloat16 call of more than ``INT8_MAX_ROWS`` rows multiplies the same
+    products exactly; a bfloat16 call of ``gemm_rows`` rows or more multiplies the same
     rounded activations in a bfloat16 GEMM)."""
     w = weight.dequantize().to(x.device)
     q, d = quantise_activations(x, weight.group)

@@ -24,6 +24,7 @@ blocks (and a tied LM head reads them too).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -273,9 +274,10 @@ class QuantLinear(nn.Module):
         self.native = False  # use_native(): the native kernels, else the torch reference
         self.bf16_gemm = False  # bfloat16 batches past EXACT_BF16_ROWS: a bfloat16 weight
 
-    def use_native(self, bf16_gemm: bool) -> None:
+    def use_native(self, bf16_gemm: bool, block_gemm_rows: Mapping[str, int | None] | None = None) -> None:
         """Run on the native kernels; ``bf16_gemm``: the CPU multiplies bfloat16 natively
-        (kernels/cpu.py says, from above this package)."""
+        (kernels/cpu.py says, from above this package); ``block_gemm_rows``: per GGUF block type,
+        from how many rows a bfloat16 batch dequantises into a GEMM (None or absent: never)."""
         self.native = True
         self.bf16_gemm = bf16_gemm
         runs: list[list[PackedWeight]] = []  # neighbours of one layout
@@ -285,6 +287,9 @@ class QuantLinear(nn.Module):
             else:
                 runs.append([p])
         self.parts = nn.ModuleList(q for run in runs for q in type(run[0]).for_native(run))
+        for p in self.parts:
+            if hasattr(p, "gemm_rows"):  # a BlockWeight
+                p.gemm_rows = (block_gemm_rows or {}).get(p.source) or 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)

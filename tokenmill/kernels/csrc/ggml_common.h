@@ -21,7 +21,7 @@ namespace tokenmill::ggml {
 // GGML's type codes.
 constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14;
 constexpr int64_t QK = 32, QK_K = 256;
-constexpr int64_t INT8_MAX_ROWS = 32;  // activation rows per pass over the weight; bfloat16 past it: GEMM
+constexpr int64_t INT8_MAX_ROWS = 32;  // activation rows per pass over the weight
 
 struct Format {
   int64_t elems;  // weights per block

@@ -18,10 +18,13 @@
 //
 // Every call runs the integer dots, threads splitting the output rows, activation rows in chunks
 // of INT8_MAX_ROWS; an output depends on its own activation row alone, so a request's tokens are
-// the same whatever it is batched with or however its prompt is chunked. One exception, for
-// speed: a bfloat16 call of more rows (a prefill) dequantises the weight, a slab of rows at a
-// time, into PyTorch's bfloat16 GEMM with the activations rounded to the same 8-bit grid
+// the same whatever it is batched with or however its prompt is chunked. One exception, where
+// the machine measured it faster (kernels/gemm_choice.py's block_gemm_rows, passed as gemm_rows):
+// a bfloat16 call of gemm_rows rows or more (a prefill) dequantises the weight, a slab of rows at
+// a time, into PyTorch's bfloat16 GEMM with the activations rounded to the same 8-bit grid
 // (on_int8_grid): the same numbers to bfloat16 rounding, as the float arithmetic's bfloat16 is.
+// (On a Zen 4 EPYC the integer dots won at every batch to 512 rows but Q6_K's at 512: the
+// dequantisation costs more than the bfloat16 GEMM saves.)
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -520,8 +523,9 @@ Tensor on_int8_grid(const Tensor& xf, int64_t block) {
   return (at::round(xb * inv).clamp(-127, 127) * d).view({rows, k});
 }
 
-// x [rows, k] (float32 or bfloat16) @ W^T for a block weight W [n, k] -> [rows, n] in x's dtype.
-Tensor block_linear(Tensor x, Tensor blocks, int64_t type) {
+// x [rows, k] (float32 or bfloat16) @ W^T for a block weight W [n, k] -> [rows, n] in x's dtype;
+// gemm_rows > 0: bfloat16 calls of that many rows or more dequantise into a GEMM (above).
+Tensor block_linear(Tensor x, Tensor blocks, int64_t type, int64_t gemm_rows) {
   TORCH_CHECK(x.dim() == 2, "block_linear: x must be [rows, k]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "block_linear: x must be float32 or bfloat16");
@@ -529,7 +533,7 @@ Tensor block_linear(Tensor x, Tensor blocks, int64_t type) {
   const int64_t n = check_blocks(blocks, type, k);
   if (rows == 0 || n == 0) return at::empty({rows, n}, x.options());
   const Format f = format_of(type);
-  if (rows > INT8_MAX_ROWS && x.scalar_type() == at::kBFloat16) {
+  if (gemm_rows > 0 && rows >= gemm_rows && x.scalar_type() == at::kBFloat16) {
     // a bfloat16 model's prefill: slabs of weight rows dequantised to bfloat16 into PyTorch's GEMM
     // (twice the integer dots' speed where the CPU multiplies bfloat16), the activations on the grid
     constexpr int64_t SLAB = 256;
@@ -559,12 +563,12 @@ Tensor block_linear(Tensor x, Tensor blocks, int64_t type) {
 
 }  // namespace
 
-at::Tensor tokenmill::block_linear(at::Tensor x, at::Tensor blocks, int64_t type) {
-  return ::block_linear(x, blocks, type);
+at::Tensor tokenmill::block_linear(at::Tensor x, at::Tensor blocks, int64_t type, int64_t gemm_rows) {
+  return ::block_linear(x, blocks, type, gemm_rows);
 }
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
-  m.def("block_linear(Tensor x, Tensor blocks, int type) -> Tensor");
+  m.def("block_linear(Tensor x, Tensor blocks, int type, int gemm_rows=0) -> Tensor");
   m.def("block_dequantize(Tensor blocks, int type, int k, Tensor? ids, bool bf16=False) -> Tensor");
 }
 

@@ -47,7 +47,7 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
 at::Tensor small_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> scale);
 at::Tensor quant_linear(at::Tensor x, at::Tensor qs, at::Tensor scale, c10::optional<at::Tensor> minv, int64_t bits,
                         int64_t group, bool bf16);
-at::Tensor block_linear(at::Tensor x, at::Tensor blocks, int64_t type);
+at::Tensor block_linear(at::Tensor x, at::Tensor blocks, int64_t type, int64_t gemm_rows = 0);
 
 // paged_attention for one step's sequences, planned once (its splits, their order, the scratch) and
 // run for every layer of the step by one team of threads (decode_loop.cpp): restart() on one
