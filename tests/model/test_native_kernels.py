@@ -309,6 +309,26 @@ def test_small_linear_float16_weights(rows):
         torch.testing.assert_close(out, x @ w.float().T, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("wtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
+def test_small_linear_row_alone_is_the_same_bits_as_in_a_batch(wtype):
+    """One activation row streams the weight rows one by one; more rows go through 4x4 tiles:
+    each output is the same sum in the same order either way (a decode's logits do not depend
+    on whether it was batched), the masked tail included (k not a multiple of 16)."""
+    g = torch.Generator().manual_seed(3)
+    for n, k in ((7, 100), (1539, 1536), (64, 576)):
+        w = torch.randn(n, k, generator=g)
+        scale = None
+        if wtype == torch.int8:
+            scale = w.abs().amax(1) / 127
+            w = (w / scale[:, None]).round().to(torch.int8)
+        else:
+            w = w.to(wtype)
+        x = torch.randn(8, k, generator=g)
+        batched = torch.ops.tokenmill.small_linear(x, w, scale)
+        for i in (0, 5, 7):
+            assert torch.equal(torch.ops.tokenmill.small_linear(x[i : i + 1], w, scale), batched[i : i + 1])
+
+
 def test_big_bfloat16_batches_upcast_to_float32_gemm():
     """Prefill-sized bfloat16 batches (>= upcast_rows) multiply in float32 and round once:
     at least as close to the exact product as the bfloat16 GEMM, and below the threshold
@@ -439,6 +459,8 @@ def test_avx2_only_build_matches_the_reference():
         "    t.test_small_linear_matches_torch(torch.float32, rows)\n"
         "t.test_int8_small_linear_matches_the_int8_reference(1)\n"
         "t.test_small_linear_float16_weights(3)\n"
+        "for wtype in (torch.float32, torch.bfloat16, torch.float16, torch.int8):\n"
+        "    t.test_small_linear_row_alone_is_the_same_bits_as_in_a_batch(wtype)\n"
         "for dtype in (torch.float32, torch.float16):\n"
         "    t.test_float32_batches_past_the_small_kernel_run_on_the_gemm_tiles_batch_invariant(dtype)\n"
         "t.test_cpp_layer_loop_is_bit_identical_to_the_python_loop('float32', 'auto')\n"
