@@ -95,6 +95,26 @@ def test_block_linear_matches_the_int8_reference(type_name, dtype):
     check_block_linear(type_name, dtype)
 
 
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_two_groups_at_once_are_the_same_bits_as_one_group(type_name):
+    """24 rows are three groups of eight: AVX-512 builds run the first two as a pair (one zmm
+    register) in batches of 16 rows or more, and the third alone; with the rows rotated by a
+    group the third's rows run in the pair. Each row's outputs are the same bits either way, and
+    the same as in a batch of a few rows (no pairs); on builds with no pairs too."""
+    k = 576
+    raw = random_gguf_blocks(type_name, 24, k, seed=5)
+    rotated = np.concatenate([raw[16:], raw[:16]])
+    x = torch.randn(20, k, generator=torch.Generator().manual_seed(1))
+    outs = []
+    for r in (raw, rotated):
+        (w,) = BlockWeight.for_native([BlockWeight.from_gguf(type_name, r, (24, k))])
+        assert w.grouped
+        outs.append(torch.ops.tokenmill.block_linear(x, w.qs, w.type_code))
+    assert torch.equal(outs[0], torch.cat([outs[1][:, 8:], outs[1][:, :8]], dim=1))
+    few = torch.ops.tokenmill.block_linear(x[:3], w.qs, w.type_code)
+    assert torch.equal(few, outs[1][:3])
+
+
 def test_a_quant_linear_gives_each_block_type_its_measured_gemm_rows():
     """QuantLinear.use_native hands each part the row count measured for its type (absent or
     None: never), and a bfloat16 batch from there is the GEMM's numbers, below it the dots'."""

@@ -71,6 +71,8 @@ void quantise_into(Act& a, const float* x, int64_t rows, int64_t k, int64_t bloc
 
 // A kernel: weight rows (one, or a group of eight) times MR activation rows from m0.
 using DotFn = void (*)(const uint8_t*, const Act&, int64_t, float*);
+// Two groups of eight rows (the second `next` bytes after the first) times MR activation rows.
+using WideDotFn = void (*)(const uint8_t*, int64_t, const Act&, int64_t, float*);
 
 // A block weight [n, k] times a few activation rows, as units of work that threads share: the
 // weight's groups of eight interleaved rows, then its single rows. block_linear hands the units
@@ -90,6 +92,7 @@ class BlockProduct {
   const uint8_t* w_;
   int64_t type_, n_, k_, row_bytes_, groups_;
   DotFn dots_[4] = {}, group_dots_[4] = {};
+  WideDotFn wide_dots_[4] = {};
   Act act_;
 };
 
@@ -102,6 +105,10 @@ class BlockProduct {
 bool has_groups(int64_t type);
 // The kernel for one group of `type` (plain) times MR (1..4) activation rows: out[m * 8 + r].
 DotFn group_dot(int64_t type, int mr);
+// Two groups at once (AVX-512 builds with VNNI, the blocks-of-32 types): the second group
+// `group_bytes` after the first, out[m * 16 + r] (r < 8: the first group's rows). Each lane's
+// arithmetic is group_dot's, so the outputs are the same bits; nullptr where there is none.
+WideDotFn wide_group_dot(int64_t type, int mr);
 // Row r of a weight of `type` (X8 or not) as plain blocks: a pointer into the weight, or `scratch`
 // (row_bytes) holding the row taken out of its group.
 const uint8_t* plain_row(const uint8_t* w, int64_t type, int64_t n, int64_t row_bytes, int64_t r, uint8_t* scratch);

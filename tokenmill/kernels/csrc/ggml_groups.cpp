@@ -15,7 +15,9 @@
 // interleaved in units: unit e of row r at 8 * (the sizes of the fields before it) + (8 * e + r) *
 // unit. The rest of the rows (n % 8) follow as they are. The integers each output sums are those
 // of the row-at-a-time kernels; only the order of the float additions differs (each output's own,
-// whatever the batch). Q6_K has no group kernel: one (6-bit values from a nibble plane and a 2-bit
+// whatever the batch). On AVX-512 builds with VNNI the blocks-of-32 types take two groups at
+// a time, one in each half of a zmm register (wide_dot_32: the same arithmetic per lane in half
+// the instructions; 1.2-1.3x at 32-512 rows in cache on a Zen 4 EPYC; batches of 16 rows or more). Q6_K has no group kernel: one (6-bit values from a nibble plane and a 2-bit
 // plane) was no faster in cache and slower from DRAM (bench/RESULTS.md).
 
 #include <ATen/ATen.h>
@@ -304,7 +306,96 @@ DotFn group_dot_of(int64_t type) {
 
 #endif  // TM_AVX2
 
+#if defined(TM_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define TM_WIDE 1
+// Two groups in one zmm register: lanes 0-7 the first group's rows, 8-15 the second's. Every
+// lane does what group_dot_32 does to it (the same integer sums, the same float operations in
+// the same order), in half the instructions: a 32-byte load of each group joined, the
+// activations' 4 bytes broadcast to all 16 lanes.
+inline __m512i join(const uint8_t* a, const uint8_t* b) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(load32(a)), load32(b), 1);
+}
+inline __m512 halves16(const uint8_t* a, const uint8_t* b) {  // 8 float16 of each group -> 16 float32
+  return _mm512_cvtph_ps(_mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)),
+                                          _mm_loadu_si128(reinterpret_cast<const __m128i*>(a))));
+}
+inline __m512i bcast4w(const int8_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  return _mm512_set1_epi32(v);
+}
+
+template <int64_t TYPE, int MR>
+void wide_dot_32(const uint8_t* g, int64_t next, const Act& a, int64_t m0, float* out) {
+  constexpr int64_t bytes = TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : 34, head = TYPE == Q4_1 ? 4 : 2;
+  const int64_t nb = a.k / QK;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
+  __m512 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, g += 8 * bytes) {
+    const uint8_t* h = g + next;
+    const __m512 d = halves16(g, h);
+    const uint8_t *qs = g + 8 * head, *qh = h + 8 * head;
+    __m512i sum[MR];
+    if constexpr (TYPE == Q8_0) {
+      for (int m = 0; m < MR; ++m) sum[m] = _mm512_setzero_si512();
+      for (int w = 0; w < 8; ++w) {  // signed weights: |w| times x with w's sign (and 0 where w is)
+        const __m512i qw = join(qs + 32 * w, qh + 32 * w), uw = _mm512_abs_epi8(qw);
+        const __mmask64 neg = _mm512_movepi8_mask(qw);
+        for (int m = 0; m < MR; ++m) {
+          const __m512i x = bcast4w(a.qrow(m0 + m) + b * QK + 4 * w);
+          sum[m] = _mm512_dpbusd_epi32(sum[m], uw, _mm512_mask_sub_epi8(x, neg, zero, x));
+        }
+      }
+    } else {
+      __m512i lo[MR], hi[MR];
+      for (int m = 0; m < MR; ++m) lo[m] = hi[m] = _mm512_setzero_si512();
+      for (int w = 0; w < 4; ++w) {
+        const __m512i bits = join(qs + 32 * w, qh + 32 * w);
+        const __m512i l = _mm512_and_si512(bits, low4), hb = _mm512_and_si512(_mm512_srli_epi16(bits, 4), low4);
+        for (int m = 0; m < MR; ++m) {
+          const int8_t* x = a.qrow(m0 + m) + b * QK + 4 * w;
+          lo[m] = _mm512_dpbusd_epi32(lo[m], l, bcast4w(x));
+          hi[m] = _mm512_dpbusd_epi32(hi[m], hb, bcast4w(x + 16));
+        }
+      }
+      for (int m = 0; m < MR; ++m) sum[m] = _mm512_add_epi32(lo[m], hi[m]);
+    }
+    for (int m = 0; m < MR; ++m) {
+      acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a.drow(m0 + m)[b])), _mm512_cvtepi32_ps(sum[m]), acc[m]);
+      if constexpr (TYPE == Q4_1)
+        acc[m] = _mm512_fmadd_ps(halves16(g + 16, h + 16), _mm512_set1_ps(a.srow(m0 + m)[b]), acc[m]);
+      if constexpr (TYPE == Q4_0) acc[m] = _mm512_fmadd_ps(d, _mm512_set1_ps(-8.f * a.srow(m0 + m)[b]), acc[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(out + 16 * m, acc[m]);
+}
+
+template <int MR>
+WideDotFn wide_dot_of(int64_t type) {
+  switch (type) {
+    case Q4_0: return wide_dot_32<Q4_0, MR>;
+    case Q4_1: return wide_dot_32<Q4_1, MR>;
+    case Q8_0: return wide_dot_32<Q8_0, MR>;
+    default: return nullptr;
+  }
+}
+#endif  // TM_WIDE
+
 }  // namespace
+
+#if defined(TM_WIDE)
+WideDotFn wide_group_dot(int64_t type, int mr) {
+  switch (mr) {
+    case 1: return wide_dot_of<1>(type);
+    case 2: return wide_dot_of<2>(type);
+    case 3: return wide_dot_of<3>(type);
+    default: return wide_dot_of<4>(type);
+  }
+}
+#else
+WideDotFn wide_group_dot(int64_t, int) { return nullptr; }
+#endif
 
 #if defined(TM_AVX2)
 bool has_groups(int64_t type) { return !fields_of(type).empty(); }
