@@ -105,7 +105,7 @@ class BlockProduct {
 bool has_groups(int64_t type);
 // The kernel for one group of `type` (plain) times MR (1..4) activation rows: out[m * 8 + r].
 DotFn group_dot(int64_t type, int mr);
-// Two groups at once (AVX-512 builds with VNNI, the blocks-of-32 types): the second group
+// Two groups at once (AVX-512 builds with VNNI; every grouped type): the second group
 // `group_bytes` after the first, out[m * 16 + r] (r < 8: the first group's rows). Each lane's
 // arithmetic is group_dot's, so the outputs are the same bits; nullptr where there is none.
 WideDotFn wide_group_dot(int64_t type, int mr);

@@ -15,7 +15,7 @@
 // interleaved in units: unit e of row r at 8 * (the sizes of the fields before it) + (8 * e + r) *
 // unit. The rest of the rows (n % 8) follow as they are. The integers each output sums are those
 // of the row-at-a-time kernels; only the order of the float additions differs (each output's own,
-// whatever the batch). On AVX-512 builds with VNNI the blocks-of-32 types take two groups at
+// whatever the batch). On AVX-512 builds with VNNI every grouped type takes two groups at
 // a time, one in each half of a zmm register (wide_dot_32: the same arithmetic per lane in half
 // the instructions; 1.2-1.3x at 32-512 rows in cache on a Zen 4 EPYC; batches of 16 rows or more). Q6_K has no group kernel: one (6-bit values from a nibble plane and a 2-bit
 // plane) was no faster in cache and slower from DRAM (bench/RESULTS.md).
@@ -371,12 +371,99 @@ void wide_dot_32(const uint8_t* g, int64_t next, const Act& a, int64_t m0, float
   for (int m = 0; m < MR; ++m) _mm512_storeu_ps(out + 16 * m, acc[m]);
 }
 
+// The K-quants' 8 scales and 8 mins of each of a group's rows, unpacked from the group's 96
+// bytes (group_dot_q45_k's shuffle): sub-block j's scale (min) of row r at sc[8j + r] (mn[8j + r]).
+inline void scales_mins_group(const uint8_t* g, uint8_t* sc, uint8_t* mn) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), low6 = _mm256_set1_epi8(0x3F), bits45 = _mm256_set1_epi8(0x30);
+  const __m256i t0 = load32(g + 32), t4 = load32(g + 64), t8 = load32(g + 96);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc), _mm256_and_si256(t0, low6));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc + 32),
+                      _mm256_or_si256(_mm256_and_si256(t8, low4), _mm256_and_si256(srli8(t0, 2), bits45)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(mn), _mm256_and_si256(t4, low6));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(mn + 32),
+                      _mm256_or_si256(_mm256_and_si256(srli8(t8, 4), low4), _mm256_and_si256(srli8(t4, 2), bits45)));
+}
+
+inline __m128i pick8(const uint8_t* a, const uint8_t* b) {  // 8 bytes of each group
+  return _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)),
+                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
+}
+
+// Q4_K and Q5_K, two groups at once: group_dot_q45_k's integer sums (with VNNI, every chain in
+// int32) and its float operations, lane by lane.
+template <bool FIVE, int MR>
+void wide_dot_q45_k(const uint8_t* g, int64_t next, const Act& a, int64_t m0, float* out) {
+  constexpr int64_t bytes = FIVE ? 176 : 144;
+  const int64_t nb = a.k / QK_K;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(1);
+  __m512 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  alignas(32) uint8_t sc[2][64], mn[2][64];
+  for (int64_t b = 0; b < nb; ++b, g += 8 * bytes) {
+    const uint8_t* h = g + next;
+    const __m512 d = halves16(g, h), dmin = halves16(g + 16, h + 16);
+    scales_mins_group(g, sc[0], mn[0]);
+    scales_mins_group(h, sc[1], mn[1]);
+    const uint8_t *qh0 = g + 8 * 16, *qh1 = h + 8 * 16;
+    const uint8_t *qs0 = g + 8 * (FIVE ? 48 : 16), *qs1 = h + 8 * (FIVE ? 48 : 16);
+    __m512i tot[MR];
+    for (int m = 0; m < MR; ++m) tot[m] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      __m512i lo[MR], hi[MR];
+      for (int m = 0; m < MR; ++m) lo[m] = hi[m] = _mm512_setzero_si512();
+      for (int w = 0; w < 8; ++w) {
+        const __m512i bits = join(qs0 + 32 * (8 * c + w), qs1 + 32 * (8 * c + w));
+        __m512i l = _mm512_and_si512(bits, low4), hb = _mm512_and_si512(_mm512_srli_epi16(bits, 4), low4);
+        if constexpr (FIVE) {
+          const __m512i fifth = join(qh0 + 32 * w, qh1 + 32 * w);
+          l = _mm512_or_si512(l, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(fifth, 2 * c), one), 4));
+          hb = _mm512_or_si512(hb, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(fifth, 2 * c + 1), one), 4));
+        }
+        for (int m = 0; m < MR; ++m) {
+          const int8_t* x = a.qrow(m0 + m) + b * QK_K + 64 * c + 4 * w;
+          lo[m] = _mm512_dpbusd_epi32(lo[m], l, bcast4w(x));
+          hi[m] = _mm512_dpbusd_epi32(hi[m], hb, bcast4w(x + 32));
+        }
+      }
+      const __m512i s0 = _mm512_cvtepu8_epi32(pick8(sc[0] + 16 * c, sc[1] + 16 * c));
+      const __m512i s1 = _mm512_cvtepu8_epi32(pick8(sc[0] + 16 * c + 8, sc[1] + 16 * c + 8));
+      for (int m = 0; m < MR; ++m)
+        tot[m] = _mm512_add_epi32(tot[m], _mm512_add_epi32(_mm512_mullo_epi32(lo[m], s0), _mm512_mullo_epi32(hi[m], s1)));
+    }
+    __m512i mpair[4];  // (sub-blocks 2i, 2i + 1) of each row's mins, as int16 pairs, both groups
+    for (int i = 0; i < 4; ++i) {
+      const __m256i p0 = _mm256_cvtepu8_epi16(
+          _mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn[0] + 16 * i)),
+                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn[0] + 16 * i + 8))));
+      const __m256i p1 = _mm256_cvtepu8_epi16(
+          _mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn[1] + 16 * i)),
+                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn[1] + 16 * i + 8))));
+      mpair[i] = _mm512_inserti64x4(_mm512_castsi256_si512(p0), p1, 1);
+    }
+    for (int m = 0; m < MR; ++m) {
+      const int16_t* bs = a.bsrow(m0 + m) + 16 * b;
+      const __m128i s32 = _mm_hadd_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bs)),
+                                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(bs + 8)));
+      __m512i mins = _mm512_madd_epi16(mpair[0], _mm512_broadcastd_epi32(s32));
+      mins = _mm512_add_epi32(mins, _mm512_madd_epi16(mpair[1], _mm512_broadcastd_epi32(_mm_shuffle_epi32(s32, 1))));
+      mins = _mm512_add_epi32(mins, _mm512_madd_epi16(mpair[2], _mm512_broadcastd_epi32(_mm_shuffle_epi32(s32, 2))));
+      mins = _mm512_add_epi32(mins, _mm512_madd_epi16(mpair[3], _mm512_broadcastd_epi32(_mm_shuffle_epi32(s32, 3))));
+      const __m512 dx = _mm512_set1_ps(a.drow(m0 + m)[b]);
+      acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(tot[m]), acc[m]);
+      acc[m] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(mins), acc[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(out + 16 * m, acc[m]);
+}
+
 template <int MR>
 WideDotFn wide_dot_of(int64_t type) {
   switch (type) {
     case Q4_0: return wide_dot_32<Q4_0, MR>;
     case Q4_1: return wide_dot_32<Q4_1, MR>;
     case Q8_0: return wide_dot_32<Q8_0, MR>;
+    case Q4_K: return wide_dot_q45_k<false, MR>;
+    case Q5_K: return wide_dot_q45_k<true, MR>;
     default: return nullptr;
   }
 }

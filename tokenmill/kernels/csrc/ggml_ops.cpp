@@ -381,7 +381,7 @@ BlockProduct::BlockProduct(const Tensor& blocks, int64_t type, int64_t k)
   if (groups_ > 0)
     for (int mr = 1; mr <= 4; ++mr) {
       group_dots_[mr - 1] = group_dot(plain, mr);
-      wide_dots_[mr - 1] = wide_group_dot(plain, mr);  // (none on AVX2 builds, nor for the K-quants)
+      wide_dots_[mr - 1] = wide_group_dot(plain, mr);  // (none on AVX2 builds)
     }
 }
 
