@@ -139,7 +139,7 @@ class LoadConfig:
     quant_arithmetic: str = opt(
         "int8",
         "a GGUF's quantised weights, kept by quantization auto: int8 "
-        "(Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K kept at the file's own bytes, activations "
+        "(Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K kept at the file's own bytes, activations "
         "quantised to 8-bit blocks per step and integer dot products: llama.cpp's "
         "arithmetic and perplexity) or float (widened at load to float-scaled "
         "groups, multiplied in float: the dequantised weights' numbers, the "

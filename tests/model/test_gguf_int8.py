@@ -174,7 +174,7 @@ def test_activations_are_quantised_per_block_to_the_nearest_even():
 def test_bad_block_arguments_are_refused_by_name():
     w, _ = blocks("Q4_K", 4, 512)
     with pytest.raises(RuntimeError, match="is not served in its own blocks"):
-        torch.ops.tokenmill.block_linear(torch.randn(1, 512), w.qs, 6)
+        torch.ops.tokenmill.block_linear(torch.randn(1, 512), w.qs, 10)  # Q2_K
     with pytest.raises(RuntimeError, match="bytes, not"):
         torch.ops.tokenmill.block_linear(torch.randn(1, 256), w.qs, w.type_code)
     with pytest.raises(RuntimeError, match="out of range"):

@@ -140,10 +140,12 @@ def test_each_block_type_is_probed_once_and_kept_beside_the_gemm_answers(cache_h
     assert probed == ["Q6_K", "Q4_K"]
     kept = json.loads((cache_home / "tokenmill" / "gemm_choice.json").read_text())[gemm_choice.machine_key()]
     assert kept["blocks"]["Q6_K"]["gemm_rows"] == 512 and kept["prepacked"]  # the earlier answers kept too
+    monkeypatch.setattr(gemm_choice, "build_name", lambda: "another build")  # new kernels: measured again
+    assert gemm_choice.block_gemm_rows("Q6_K") == 512 and probed == ["Q6_K", "Q4_K", "Q6_K"]
     monkeypatch.setenv("TOKENMILL_BLOCK_GEMM_ROWS", "never")
     assert gemm_choice.block_gemm_rows("Q6_K") is None
     monkeypatch.setenv("TOKENMILL_BLOCK_GEMM_ROWS", "48")
-    assert gemm_choice.block_gemm_rows("Q8_0") == 48 and probed == ["Q6_K", "Q4_K"]
+    assert gemm_choice.block_gemm_rows("Q8_0") == 48 and probed == ["Q6_K", "Q4_K", "Q6_K"]
 
 
 def test_the_block_probe_picks_the_smallest_batch_from_which_the_gemm_always_wins(monkeypatch):

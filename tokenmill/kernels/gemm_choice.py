@@ -21,7 +21,7 @@ overrides the measured answer.
 A GGUF file's blocks in a bfloat16 model ask a third question: from how many rows a batch
 dequantises the weight into the bfloat16 GEMM rather than multiplying in the integer dots
 (``block_gemm_rows``, per block type, probed the first time a model of that type loads and
-kept beside the rest). The rule it replaces, "past 32 rows", was measured where the bfloat16
+kept beside the rest, with the kernels' build: a new build measures again). The rule it replaces, "past 32 rows", was measured where the bfloat16
 GEMM is fast and the dequantisation cheap; on a Zen 4 EPYC the integer dots won at every
 batch to 512 rows (Q4_1 at 33 rows: 0.15 ms against 1.28) but Q6_K's at 512, and a step with
 a few prompt tokens beside 28 decodes cost 4x a decode step. ``TOKENMILL_BLOCK_GEMM_ROWS``
@@ -40,6 +40,7 @@ import torch
 
 from tokenmill.kernels.cpu import cpu_info
 from tokenmill.kernels.linear import pack, packed_linear, packing_available, upcast_linear
+from tokenmill.kernels.native import build_name
 from tokenmill.quant.blocks import BLOCK_TYPES, GROUPED, block_format
 
 log = logging.getLogger("tokenmill")
@@ -84,11 +85,13 @@ def block_gemm_rows(type_name: str) -> int | None:
     forced = os.environ.get("TOKENMILL_BLOCK_GEMM_ROWS")
     if forced:
         return None if forced.lower() == "never" else int(forced)
-    answers = measured()
+    answers, build = measured(), build_name()
     blocks = answers.get("blocks") if isinstance(answers.get("blocks"), dict) else {}
+    if answers.get("blocks_build") != build:  # the kernels changed: their answers are measured again
+        blocks = {}
     if not (isinstance(blocks.get(type_name), dict) and "gemm_rows" in blocks[type_name]):
         blocks = {**blocks, type_name: probe_blocks(type_name)}
-        keep({**answers, "blocks": blocks})
+        keep({**answers, "blocks": blocks, "blocks_build": build})
     return blocks[type_name]["gemm_rows"]
 
 
@@ -213,4 +216,13 @@ def random_blocks(type_name: str, out: int, k: int) -> torch.Tensor:
 
 
 # where each type's float16 scales (d, and the min or dmin) sit in its block
-SCALE_BYTES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+SCALE_BYTES = {
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q8_0": (0,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+}

@@ -21,11 +21,13 @@ import torch
 from tokenmill.quant.packed import QK_K, PackedWeight, decompose
 
 # GGML type codes, and each type's (weights, bytes) per block.
-BLOCK_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+BLOCK_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 GROUPED = 256  # csrc/ggml_common.h's X8: the type code's flag for rows interleaved eight by eight
 _FORMATS = {
     "Q4_0": (32, 18),
     "Q4_1": (32, 20),
+    "Q5_0": (32, 22),
+    "Q5_1": (32, 24),
     "Q8_0": (32, 34),
     "Q4_K": (QK_K, 144),
     "Q5_K": (QK_K, 176),

@@ -19,7 +19,7 @@
 namespace tokenmill::ggml {
 
 // GGML's type codes.
-constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14;
+constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14;
 constexpr int64_t QK = 32, QK_K = 256;
 constexpr int64_t INT8_MAX_ROWS = 32;  // activation rows per pass over the weight
 
@@ -34,6 +34,8 @@ inline Format format_of(int64_t type) {  // (the same for a type's interleaved f
   switch (type & ~X8) {
     case Q4_0: return {QK, 18};
     case Q4_1: return {QK, 20};
+    case Q5_0: return {QK, 22};
+    case Q5_1: return {QK, 24};
     case Q8_0: return {QK, 34};
     case Q4_K: return {QK_K, 144};
     case Q5_K: return {QK_K, 176};
@@ -53,7 +55,8 @@ inline float f16(const uint8_t* p) {
 }
 
 // Rows of activations quantised for one weight type: q [rows, k] int8; d [rows, k / block];
-// s [rows, k / 32] (d times the block's sum: Q4_1's min, Q4_0's -8); bsums [rows, k / 16] (K-quants' mins).
+// s [rows, k / 32] (d times the block's sum: Q4_1's and Q5_1's min, Q4_0's -8, Q5_0's -16); bsums [rows, k / 16]
+// (K-quants' mins).
 struct Act {
   int64_t k = 0, block = 0;
   std::vector<int8_t> q;

@@ -25,6 +25,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -47,6 +48,8 @@ std::vector<Field> fields_of(int64_t type) {
   switch (type) {
     case Q4_0: f = {{0, 2, 2}, {2, 16, 4}}; break;             // d, 16 bytes of nibbles
     case Q4_1: f = {{0, 2, 2}, {2, 2, 2}, {4, 16, 4}}; break;  // d, min, nibbles
+    case Q5_0: f = {{0, 2, 2}, {2, 4, 4}, {6, 16, 4}}; break;             // d, fifth bits, nibbles
+    case Q5_1: f = {{0, 2, 2}, {2, 2, 2}, {4, 4, 4}, {8, 16, 4}}; break;  // d, min, fifth bits, nibbles
     case Q8_0: f = {{0, 2, 2}, {2, 32, 4}}; break;             // d, 32 bytes
     case Q4_K: f = {{0, 2, 2}, {2, 2, 2}, {4, 12, 1}, {16, 128, 4}}; break;  // d, dmin, 6-bit scales and mins, nibbles
     case Q5_K: f = {{0, 2, 2}, {2, 2, 2}, {4, 12, 1}, {16, 32, 4}, {48, 128, 4}}; break;  // the same and fifth bits
@@ -217,6 +220,58 @@ void group_dot_32(const uint8_t* g, const Act& a, int64_t m0, float* out) {
   for (int m = 0; m < MR; ++m) _mm256_storeu_ps(out + 8 * m, acc[m]);
 }
 
+// Q5_0 and Q5_1: a group's block index is d[8] (and Q5_1's m[8]) as float16, the eight rows' 32
+// fifth bits (lane r of one register: row r's), then the nibbles as Q4_0's. Bit 16 * HALF + 4 * W + j
+// of a row (the fifth bit of value 16 * HALF + 4 * W + j) as byte j's 0x10 in the row's lane: its
+// byte of the word copied to the lane's four bytes, each tested for its own bit.
+template <int W, int HALF>
+inline __m256i fifth_bits_group(__m256i hq) {
+  constexpr char B = 2 * HALF + W / 2, S = 4 * (W % 2);
+  const __m256i pick = _mm256_setr_epi8(B, B, B, B, 4 + B, 4 + B, 4 + B, 4 + B, 8 + B, 8 + B, 8 + B, 8 + B, 12 + B, 12 + B,
+                                        12 + B, 12 + B, B, B, B, B, 4 + B, 4 + B, 4 + B, 4 + B, 8 + B, 8 + B, 8 + B, 8 + B,
+                                        12 + B, 12 + B, 12 + B, 12 + B);
+  const __m256i bit = _mm256_set1_epi32(static_cast<int>((1u << S) | (2u << S) << 8 | (4u << S) << 16 | (8u << S) << 24));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(hq, pick), bit), bit);
+  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+template <int64_t TYPE, int MR>
+void group_dot_5(const uint8_t* g, const Act& a, int64_t m0, float* out) {
+  constexpr int64_t bytes = TYPE == Q5_0 ? 22 : 24, head = TYPE == Q5_0 ? 2 : 4;
+  const int64_t nb = a.k / QK;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, g += 8 * bytes) {
+    const __m256 d = halves8(g);
+    const __m256i hq = load32(g + 8 * head);
+    const uint8_t* qs = g + 8 * (head + 4);
+    Nibble4Sums lo[MR], hi[MR];  // (four registers of 5-bit weights: no int16 saturation on plain AVX2)
+    auto step = [&](auto w_const) {
+      constexpr int w = decltype(w_const)::value;
+      const __m256i bits = load32(qs + 32 * w);
+      const __m256i l = _mm256_or_si256(_mm256_and_si256(bits, low4), fifth_bits_group<w, 0>(hq));
+      const __m256i h = _mm256_or_si256(_mm256_and_si256(srli8(bits, 4), low4), fifth_bits_group<w, 1>(hq));
+      for (int m = 0; m < MR; ++m) {
+        const int8_t* x = a.qrow(m0 + m) + b * QK + 4 * w;
+        lo[m].add(l, bcast4(x));
+        hi[m].add(h, bcast4(x + 16));
+      }
+    };
+    step(std::integral_constant<int, 0>{});
+    step(std::integral_constant<int, 1>{});
+    step(std::integral_constant<int, 2>{});
+    step(std::integral_constant<int, 3>{});
+    for (int m = 0; m < MR; ++m) {
+      const __m256i sum = _mm256_add_epi32(lo[m].sum(), hi[m].sum());
+      acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a.drow(m0 + m)[b])), _mm256_cvtepi32_ps(sum), acc[m]);
+      if constexpr (TYPE == Q5_1) acc[m] = _mm256_fmadd_ps(halves8(g + 16), _mm256_set1_ps(a.srow(m0 + m)[b]), acc[m]);
+      if constexpr (TYPE == Q5_0) acc[m] = _mm256_fmadd_ps(d, _mm256_set1_ps(-16.f * a.srow(m0 + m)[b]), acc[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm256_storeu_ps(out + 8 * m, acc[m]);
+}
+
 // Q4_K and Q5_K: a group's super-block index is d[8], dmin[8] (float16), the 12 scale bytes of the
 // 8 rows (byte t of row r at 8t + r: one 32-byte load unpacks four sub-blocks' scales or mins of
 // all rows), Q5_K's fifth bits (32 bytes a row, 4 at a time: bit j of byte l is value l's of
@@ -298,6 +353,8 @@ DotFn group_dot_of(int64_t type) {
   switch (type) {
     case Q4_0: return group_dot_32<Q4_0, MR>;
     case Q4_1: return group_dot_32<Q4_1, MR>;
+    case Q5_0: return group_dot_5<Q5_0, MR>;
+    case Q5_1: return group_dot_5<Q5_1, MR>;
     case Q8_0: return group_dot_32<Q8_0, MR>;
     case Q4_K: return group_dot_q45_k<false, MR>;
     default: return group_dot_q45_k<true, MR>;

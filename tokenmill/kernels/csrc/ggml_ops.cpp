@@ -7,8 +7,8 @@
 // per call to signed 8-bit blocks, so each dot product is integer multiply-adds (AVX2 maddubs/madd,
 // or VNNI's vpdpbusd/vpdpwssd where the build has AVX512_VNNI or AVX-VNNI) with one float multiply
 // per block:
-//   - Q4_0, Q4_1, Q8_0 (blocks of 32): activations in blocks of 32 with a float scale d (and, for
-//     Q4_1's min, d times the block's sum);
+//   - Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of 32): activations in blocks of 32 with a float scale d
+//     (and, for the mins and offsets, d times the block's sum);
 //   - Q4_K, Q5_K, Q6_K (super-blocks of 256): activations in blocks of 256 with a float scale and
 //     the int16 sums of each 16 (for the K-quants' mins).
 // An activation block's scale is its largest magnitude / 127 and its values are x / scale rounded
@@ -110,19 +110,41 @@ inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& mn) {
 
 #if defined(TM_AVX2)
 
-// Blocks of 32 (Q4_0, Q4_1, Q8_0): the block's 32 weights as bytes (signed unless Q4_1's).
-// Q4_0's are its unsigned nibbles: its -8 is taken off once per block, as -8 d times the
-// activations' block sum (Act::s), so that its dot is the unsigned one (one vpdpbusd with VNNI).
+// Bit j of 4 bytes as byte j's 0x10 (the fifth bits of Q5_0 and Q5_1, value j's at bit j):
+// each byte of the word copied to eight lanes, every bit but its own set in each lane, and the
+// lanes that are then all ones are those whose bit was set.
+inline __m256i fifth_bits32(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000));
+  const __m256i others = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);  // lane i of 8: every bit but bit i
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, others), _mm256_set1_epi8(-1));
+  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+// Blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): the block's 32 weights as bytes (signed only for
+// Q8_0). Q4_0's and Q5_0's are unsigned (their nibbles, and Q5's fifth bits): the -8 or -16 is
+// taken off once per block, as -8 (-16) d times the activations' block sum (Act::s), so that
+// the dot is the unsigned one (one vpdpbusd with VNNI); Q4_1's and Q5_1's min likewise, added.
 template <int64_t TYPE>
 inline __m256i weights32(const uint8_t* blk) {
   if constexpr (TYPE == Q4_0) return nibbles32(blk + 2);
   if constexpr (TYPE == Q4_1) return nibbles32(blk + 4);
+  if constexpr (TYPE == Q5_0) return _mm256_or_si256(nibbles32(blk + 6), fifth_bits32(blk + 2));
+  if constexpr (TYPE == Q5_1) return _mm256_or_si256(nibbles32(blk + 8), fifth_bits32(blk + 4));
   return load32(blk + 2);
+}
+
+template <int64_t TYPE>
+constexpr int64_t bytes32() {  // a block's bytes, for the blocks of 32
+  return TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : TYPE == Q5_0 ? 22 : TYPE == Q5_1 ? 24 : 34;
 }
 
 template <int64_t TYPE, int MR>
 void dot_32(const uint8_t* w, const Act& a, int64_t m0, float* out) {
-  constexpr int64_t bytes = TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : 34;
+  constexpr int64_t bytes = bytes32<TYPE>();
   const int64_t nb = a.k / QK;
   __m256 acc[MR];
   float mins[MR];
@@ -134,8 +156,9 @@ void dot_32(const uint8_t* w, const Act& a, int64_t m0, float* out) {
       const __m256i qx = load32(a.qrow(m0 + m) + b * QK);
       const __m256i p = TYPE == Q8_0 ? dot_ss(qw, qx) : dot_us(qw, qx);
       acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(dw * a.drow(m0 + m)[b]), _mm256_cvtepi32_ps(p), acc[m]);
-      if constexpr (TYPE == Q4_1) mins[m] += f16(w + 2) * a.srow(m0 + m)[b];
+      if constexpr (TYPE == Q4_1 || TYPE == Q5_1) mins[m] += f16(w + 2) * a.srow(m0 + m)[b];
       if constexpr (TYPE == Q4_0) mins[m] -= 8.f * dw * a.srow(m0 + m)[b];
+      if constexpr (TYPE == Q5_0) mins[m] -= 16.f * dw * a.srow(m0 + m)[b];
     }
   }
   for (int m = 0; m < MR; ++m) out[m] = tokenmill::hsum8(acc[m]) + mins[m];
@@ -274,7 +297,7 @@ void dot_q6_k(const uint8_t* w, const Act& a, int64_t m0, float* out) {
 
 template <int64_t TYPE, int MR>
 void dot_32(const uint8_t* w0, const Act& a, int64_t m0, float* out) {
-  constexpr int64_t bytes = TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : 34;
+  constexpr int64_t bytes = TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : TYPE == Q5_0 ? 22 : TYPE == Q5_1 ? 24 : 34;
   for (int m = 0; m < MR; ++m) {
     const int8_t* q = a.qrow(m0 + m);
     const float* d = a.drow(m0 + m);
@@ -286,11 +309,19 @@ void dot_32(const uint8_t* w0, const Act& a, int64_t m0, float* out) {
         int lo, hi;
         if constexpr (TYPE == Q8_0) lo = static_cast<int8_t>(w[2 + i]), hi = static_cast<int8_t>(w[18 + i]);
         else if constexpr (TYPE == Q4_0) lo = (w[2 + i] & 0xF) - 8, hi = (w[2 + i] >> 4) - 8;
-        else lo = w[4 + i] & 0xF, hi = w[4 + i] >> 4;
+        else if constexpr (TYPE == Q4_1) lo = w[4 + i] & 0xF, hi = w[4 + i] >> 4;
+        else {  // Q5_0 (values - 16) and Q5_1: the fifth bits in the 4 bytes before the nibbles
+          const int64_t at = TYPE == Q5_0 ? 2 : 4;
+          uint32_t qh;
+          std::memcpy(&qh, w + at, 4);
+          lo = (w[at + 4 + i] & 0xF) | (((qh >> i) & 1) << 4);
+          hi = (w[at + 4 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
+          if constexpr (TYPE == Q5_0) lo -= 16, hi -= 16;
+        }
         t += lo * q[b * QK + i] + hi * q[b * QK + 16 + i];
       }
       sum += f16(w) * d[b] * static_cast<float>(t);
-      if constexpr (TYPE == Q4_1) sum += f16(w + 2) * a.srow(m0 + m)[b];
+      if constexpr (TYPE == Q4_1 || TYPE == Q5_1) sum += f16(w + 2) * a.srow(m0 + m)[b];
     }
     out[m] = sum;
   }
@@ -359,6 +390,8 @@ DotFn dot_of(int64_t type) {
   switch (type) {
     case Q4_0: return dot_32<Q4_0, MR>;
     case Q4_1: return dot_32<Q4_1, MR>;
+    case Q5_0: return dot_32<Q5_0, MR>;
+    case Q5_1: return dot_32<Q5_1, MR>;
     case Q8_0: return dot_32<Q8_0, MR>;
     case Q4_K: return dot_q45_k<false, MR>;
     case Q5_K: return dot_q45_k<true, MR>;
@@ -387,7 +420,7 @@ BlockProduct::BlockProduct(const Tensor& blocks, int64_t type, int64_t k)
 
 void BlockProduct::quantise(const float* x, int64_t rows) {
   const int64_t plain = type_ & ~X8;
-  quantise_into(act_, x, rows, k_, format_of(type_).elems, plain == Q4_1 || plain == Q4_0);
+  quantise_into(act_, x, rows, k_, format_of(type_).elems, plain == Q4_1 || plain == Q4_0 || plain == Q5_0 || plain == Q5_1);
 }
 
 constexpr int64_t WIDE_MIN_ROWS = 16;
@@ -447,6 +480,17 @@ void dequantize_row(const uint8_t* w, int64_t type, int64_t k, Out* y) {
       for (int i = 0; i < 16; ++i) {
         y[b * QK + i] = static_cast<Out>(d * (qs[i] & 0xF) + mn);
         y[b * QK + 16 + i] = static_cast<Out>(d * (qs[i] >> 4) + mn);
+      }
+    } else if (type == Q5_0 || type == Q5_1) {
+      const bool one = type == Q5_1;
+      const uint8_t* blk = w + b * (one ? 24 : 22);
+      const float d = f16(blk), mn = one ? f16(blk + 2) : -16.f * d;
+      uint32_t qh;
+      std::memcpy(&qh, blk + (one ? 4 : 2), 4);
+      const uint8_t* qs = blk + (one ? 8 : 6);
+      for (int i = 0; i < 16; ++i) {
+        y[b * QK + i] = static_cast<Out>(d * ((qs[i] & 0xF) | (((qh >> i) & 1) << 4)) + mn);
+        y[b * QK + 16 + i] = static_cast<Out>(d * ((qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) + mn);
       }
     } else if (type == Q8_0) {
       const uint8_t* blk = w + b * 34;
