@@ -799,15 +799,6 @@ inline void tile_n(const float* x, const W* w, int64_t k, float out[4][4]) {
     for (int m = 0; m < MR; ++m) out[r][m] = r < NR ? _mm512_reduce_add_ps(acc[r][m]) : 0.f;
 }
 
-template <typename W, int MR>
-inline void tile(const float* x, const W* w, int64_t k, int64_t nr, float out[4][4]) {
-  switch (nr) {
-    case 1: tile_n<W, MR, 1>(x, w, k, out); break;
-    case 2: tile_n<W, MR, 2>(x, w, k, out); break;
-    case 3: tile_n<W, MR, 3>(x, w, k, out); break;
-    default: tile_n<W, MR, 4>(x, w, k, out); break;
-  }
-}
 #endif
 
 #ifdef TOKENMILL_AVX2
@@ -833,6 +824,10 @@ inline void tile_n(const float* x, const W* w, int64_t k, float out[4][4]) {
     for (int m = 0; m < MR; ++m) out[r][m] = r < NR ? tokenmill::hsum8(acc[r][m]) : 0.f;
 }
 
+#endif
+
+#if defined(TOKENMILL_AVX512) || defined(TOKENMILL_AVX2)
+// A tile of nr (1..4) weight rows: tile_n with the row count as a template argument.
 template <typename W, int MR>
 inline void tile(const float* x, const W* w, int64_t k, int64_t nr, float out[4][4]) {
   switch (nr) {
