@@ -21,25 +21,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from serve_vs_offline import cpu_name, wait_up  # noqa: E402  (a sibling bench script: its server start-up check)
+
 TEXT = [ROOT / "tests" / "data" / "heldout.txt", ROOT / "bench" / "prompt.txt"]
 WORDS_PER_PROMPT = 170  # ~230 tokens of English with SmolLM2's tokenizer
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def prompts(tag: str, n: int, max_tokens: int) -> list[dict]:
@@ -50,19 +44,6 @@ def prompts(tag: str, n: int, max_tokens: int) -> list[dict]:
         text = " ".join(words[start : start + WORDS_PER_PROMPT])
         rows.append({"prompt": f"Note {tag}-{i}. {text}\nSummary:", "max_tokens": max_tokens})
     return rows
-
-
-def wait_up(base: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
-        try:
-            urllib.request.urlopen(base + "/v1/models", timeout=2).read()
-            return
-        except OSError:
-            time.sleep(0.5)
-    raise RuntimeError("the server did not come up")
 
 
 def bench(base: str, rows: list[dict], outdir: Path, label: str, rate: str, concurrency: int | None) -> dict:
