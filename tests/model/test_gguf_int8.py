@@ -115,6 +115,24 @@ def test_two_groups_at_once_are_the_same_bits_as_one_group(type_name):
     assert torch.equal(few, outs[1][:3])
 
 
+def test_q6_k_batches_in_bands_are_the_same_bits_as_each_row_alone():
+    """Q6_K batches of 8 rows or more run sixteen activation rows to a register (the band kernel,
+    AVX-512 builds with VNNI) and what is left of a chunk a row at a time: every output is the
+    same bits as its row's alone, whatever the batch (45 rows: a chunk of two bands, then a short
+    band; 23: a band, then 7 rows a row at a time), for weights of fewer rows than a pass takes
+    (5), split by the threads within a pass (21), and of whole passes (64)."""
+    k = 1024
+    x = torch.randn(45, k, generator=torch.Generator().manual_seed(3))
+    for n in (5, 21, 64):
+        w = BlockWeight.from_gguf("Q6_K", random_gguf_blocks("Q6_K", n, k, seed=n), (n, k))
+        alone = torch.cat([torch.ops.tokenmill.block_linear(x[i : i + 1], w.qs, w.type_code) for i in range(45)])
+        for rows in (8, 16, 23, 32, 45):
+            got = torch.ops.tokenmill.block_linear(x[:rows], w.qs, w.type_code)
+            assert torch.equal(got, alone[:rows]), f"{n} weight rows, a batch of {rows}"
+        want = int8_reference(x, w)
+        assert ((alone.double() - want.double()).abs().max() / want.abs().max()).item() < 1e-5
+
+
 def test_a_quant_linear_gives_each_block_type_its_measured_gemm_rows():
     """QuantLinear.use_native hands each part the row count measured for its type (absent or
     None: never), and a bfloat16 batch from there is the GEMM's numbers, below it the dots'."""
@@ -295,7 +313,11 @@ def test_tiny_gguf_in_blocks_scores_like_its_float_twin(tmp_path, int8_llm, weig
         LLM(str(path), quant_arithmetic="int8", **common),
         LLM(str(path), quant_arithmetic="float", **common),
     )
-    assert isinstance(blocks_llm.parts.model.layers[1].mlp.down_proj.parts[0], BlockWeight)
+    layer = blocks_llm.parts.model.layers[1]
+    assert isinstance(layer.mlp.down_proj.parts[0], BlockWeight)
+    # q, k and v (gate and up) one weight, whichever the type: the C++ layer loop takes the model
+    assert len(layer.self_attn.qkv_proj.parts) == len(layer.mlp.gate_up_proj.parts) == 1
+    assert blocks_llm.parts.model.fused_plan is not None
     prompt = "Hello there, how are you today? I am fine, thank you, and 1, 2, 3, 4, 5"
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
     a, b = blocks_llm.generate([prompt], params)[0], float_llm.generate([prompt], params)[0]

@@ -39,7 +39,15 @@ log = logging.getLogger("tokenmill")
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [
     CSRC / name
-    for name in ("cpu_ops.cpp", "quant_ops.cpp", "ggml_ops.cpp", "ggml_groups.cpp", "decode_loop.cpp", "gemm.cpp")
+    for name in (
+        "cpu_ops.cpp",
+        "quant_ops.cpp",
+        "ggml_ops.cpp",
+        "ggml_groups.cpp",
+        "ggml_bands.cpp",
+        "decode_loop.cpp",
+        "gemm.cpp",
+    )
 ]
 # -fopenmp: at::parallel_for is inline OpenMP, compiled into our code (without it, one thread)
 BASE_CFLAGS = ["-O3", "-fopenmp", "-Wno-unused-function"]

@@ -78,14 +78,19 @@ class BlockWeight(PackedWeight):
         file's bytes (the same bytes), where this build has group kernels for the type: one
         register then holds eight rows' weights and their scales unpack once for all eight
         (csrc/ggml_groups.cpp). A single part is regrouped in place (a tied head and its
-        embedding share it). Other types keep their parts as they are (mapped, unjoined), and so
-        does a weight grouped already (use_native called again)."""
+        embedding share it). A type with no group kernels (Q6_K) has its parts joined row after
+        row, one copy too: one kernel call and one C++ layer loop (decode_layers takes a linear of
+        at most two parts) where three calls and a concatenation ran the Python loop. A single
+        part of such a type stays as it is (mapped), and so does a weight grouped already
+        (use_native called again)."""
         first = run[0]
         assert all(isinstance(p, BlockWeight) and p.source == first.source and p.grouped == first.grouped for p in run)
         base = BLOCK_TYPES[first.source]
         n = sum(p.out_features for p in run)
-        if first.grouped or n < 8 or not torch.ops.tokenmill.block_has_groups(base):
+        if first.grouped or n < 8:
             return run
+        if not torch.ops.tokenmill.block_has_groups(base):
+            return run if len(run) == 1 else [cls.cat(run)]
         blocks = torch.ops.tokenmill.block_interleave([p.qs for p in run], base)
         target = first if len(run) == 1 else BlockWeight(blocks, first.source, first.in_features)
         target.qs, target.out_features = blocks, n

@@ -77,6 +77,26 @@ using DotFn = void (*)(const uint8_t*, const Act&, int64_t, float*);
 // Two groups of eight rows (the second `next` bytes after the first) times MR activation rows.
 using WideDotFn = void (*)(const uint8_t*, int64_t, const Act&, int64_t, float*);
 
+// ------------------------------------------------------------------ Q6_K in bands (ggml_bands.cpp)
+
+// A batch's activation rows (quantised for a K-quant) in bands of BAND rows, each band's values
+// transposed so that one 64-byte load holds the same 4 values of its 16 rows (the last band's
+// missing rows zero).
+constexpr int64_t BAND = 16;
+struct Bands {
+  int64_t k = 0, count = 0;
+  std::vector<int8_t> q;       // band c's word w (values 4w..4w+3) of its row i at c * BAND * k + 64 * w + 4 * i
+  std::vector<int32_t> bsums;  // (c * (k / 16) + j) * BAND + i: row i's sum of its values 16j..16j+15
+  std::vector<float> d;        // (c * (k / 256) + b) * BAND + i: row i's scale of super-block b
+};
+// Whether this build has the band kernel (AVX-512 with VNNI).
+bool has_bands();
+void make_bands(Bands& bands, const Act& a, int64_t rows);
+// Q6_K weight rows [0, nr) (plain rows of row_bytes) times the bands' activation rows [m0, m1)
+// (m0 a multiple of BAND): out[m * ld + r]. The same bits as the row kernel's, output by output.
+void q6_k_bands(const uint8_t* w, int64_t row_bytes, int64_t nr, const Bands& bands, int64_t m0, int64_t m1, float* out,
+                int64_t ld);
+
 // A block weight [n, k] times a few activation rows, as units of work that threads share: the
 // weight's groups of eight interleaved rows, then its single rows. block_linear hands the units
 // to at::parallel_for; the decode loop (decode_loop.cpp) to the threads of its one team.
@@ -97,6 +117,7 @@ class BlockProduct {
   DotFn dots_[4] = {}, group_dots_[4] = {};
   WideDotFn wide_dots_[4] = {};
   Act act_;
+  Bands bands_;  // Q6_K batches on builds with the band kernel (bands_.count == 0: none)
 };
 
 // ------------------------------------------------------------------ eight rows interleaved (ggml_groups.cpp)

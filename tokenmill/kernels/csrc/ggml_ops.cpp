@@ -23,8 +23,8 @@
 // a bfloat16 call of gemm_rows rows or more (a prefill) dequantises the weight, a slab of rows at
 // a time, into PyTorch's bfloat16 GEMM with the activations rounded to the same 8-bit grid
 // (on_int8_grid): the same numbers to bfloat16 rounding, as the float arithmetic's bfloat16 is.
-// (On a Zen 4 EPYC the integer dots won at every batch to 512 rows but Q6_K's at 512: the
-// dequantisation costs more than the bfloat16 GEMM saves.)
+// (On a Zen 4 EPYC the integer dots win at every batch to 512 rows, Q6_K's since its band
+// kernel, ggml_bands.cpp: the dequantisation costs more than the bfloat16 GEMM saves.)
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -47,6 +47,37 @@ Act quantise(const float* x, int64_t rows, int64_t k, int64_t block, bool sums) 
   return a;
 }
 
+// Row m of x into a (its buffers sized for all the rows).
+static void quantise_row(Act& a, const float* x, int64_t m, int64_t k, int64_t block, bool sums) {
+  const float* xr = x + m * k;
+  int8_t* qr = a.q.data() + m * k;
+  for (int64_t b = 0; b < k / block; ++b) {
+    const float* xb = xr + b * block;
+    float amax = 0.f;
+    for (int64_t i = 0; i < block; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float d = amax / 127.f;
+    const float id = d != 0.f ? 1.f / d : 0.f;
+    int8_t* qb = qr + b * block;
+    for (int64_t i = 0; i < block; ++i) {
+      const float v = std::nearbyint(xb[i] * id);  // half to even (the default rounding mode)
+      qb[i] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, v)));
+    }
+    a.d[m * (k / block) + b] = d;
+  }
+  if (sums)
+    for (int64_t b = 0; b < k / QK; ++b) {
+      int sum = 0;
+      for (int64_t i = 0; i < QK; ++i) sum += qr[b * QK + i];
+      a.s[m * (k / QK) + b] = a.d[m * (k / block) + b] * static_cast<float>(sum);
+    }
+  if (block == QK_K)
+    for (int64_t b = 0; b < k / 16; ++b) {
+      int sum = 0;
+      for (int64_t i = 0; i < 16; ++i) sum += qr[b * 16 + i];
+      a.bsums[m * (k / 16) + b] = static_cast<int16_t>(sum);
+    }
+}
+
 void quantise_into(Act& a, const float* x, int64_t rows, int64_t k, int64_t block, bool sums) {
   a.k = k;
   a.block = block;
@@ -54,35 +85,12 @@ void quantise_into(Act& a, const float* x, int64_t rows, int64_t k, int64_t bloc
   a.d.resize(rows * (k / block));
   if (sums) a.s.resize(rows * (k / QK));
   if (block == QK_K) a.bsums.resize(rows * (k / 16));
-  for (int64_t m = 0; m < rows; ++m) {
-    const float* xr = x + m * k;
-    int8_t* qr = a.q.data() + m * k;
-    for (int64_t b = 0; b < k / block; ++b) {
-      const float* xb = xr + b * block;
-      float amax = 0.f;
-      for (int64_t i = 0; i < block; ++i) amax = std::max(amax, std::fabs(xb[i]));
-      const float d = amax / 127.f;
-      const float id = d != 0.f ? 1.f / d : 0.f;
-      int8_t* qb = qr + b * block;
-      for (int64_t i = 0; i < block; ++i) {
-        const float v = std::nearbyint(xb[i] * id);  // half to even (the default rounding mode)
-        qb[i] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, v)));
-      }
-      a.d[m * (k / block) + b] = d;
-    }
-    if (sums)
-      for (int64_t b = 0; b < k / QK; ++b) {
-        int sum = 0;
-        for (int64_t i = 0; i < QK; ++i) sum += qr[b * QK + i];
-        a.s[m * (k / QK) + b] = a.d[m * (k / block) + b] * static_cast<float>(sum);
-      }
-    if (block == QK_K)
-      for (int64_t b = 0; b < k / 16; ++b) {
-        int sum = 0;
-        for (int64_t i = 0; i < 16; ++i) sum += qr[b * 16 + i];
-        a.bsums[m * (k / 16) + b] = static_cast<int16_t>(sum);
-      }
-  }
+  // rows apart on the threads (a prefill's 512 rows of 8192: 3.1 ms on one core of a Zen 4 EPYC,
+  // 1.6-2.4 on two, beside 40-50 ms for the product with a 1B model's down projection);
+  // inside a parallel region (the decode loop's team) this runs on the calling thread alone
+  at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
+    for (int64_t m = r0; m < r1; ++m) quantise_row(a, x, m, k, block, sums);
+  });
 }
 
 }  // namespace tokenmill::ggml
@@ -248,13 +256,13 @@ alignas(32) constexpr uint8_t Q6_PICK[4][32] = {
 
 // Q6_K: super-blocks of 16 sub-blocks of 16, signed 8-bit scales; w = d * sc * (q - 32). The
 // unsigned q (0..63) multiply the activations; the -32 is one correction per super-block,
-// 32 * sum(sc * the activations' sums of 16), as llama.cpp takes it from the bsums.
+// 32 * sum(sc * the activations' sums of 16), as llama.cpp takes it from the bsums. Each
+// super-block's integer sum is exact, then one float step: acc = fma(d * dx, sum, acc).
 template <int MR>
 void dot_q6_k(const uint8_t* w, const Act& a, int64_t m0, float* out) {
   const int64_t nb = a.k / QK_K;
   const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3);
-  __m256 acc[MR];
-  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  float acc[MR] = {};
   for (int64_t b = 0; b < nb; ++b, w += 210) {
     const uint8_t *ql = w, *qh = w + 128;
     const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192));
@@ -286,11 +294,20 @@ void dot_q6_k(const uint8_t* w, const Act& a, int64_t m0, float* out) {
         }
       }
     }
-    for (int m = 0; m < MR; ++m)
-      acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.drow(m0 + m)[b]),
-                               _mm256_cvtepi32_ps(_mm256_add_epi32(sumi[0][m], sumi[1][m])), acc[m]);
+    // each row's exact sum (four rows' at once), then the band kernel's float step: the same bits
+    if constexpr (MR == 1) {
+      const float sum = static_cast<float>(hsum_i32(_mm256_add_epi32(sumi[0][0], sumi[1][0])));
+      acc[0] = std::fma(d * a.drow(m0)[b], sum, acc[0]);
+      continue;
+    }
+    __m256i tot[4];
+    for (int m = 0; m < 4; ++m) tot[m] = m < MR ? _mm256_add_epi32(sumi[0][m], sumi[1][m]) : _mm256_setzero_si256();
+    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(tot[0], tot[1]), _mm256_hadd_epi32(tot[2], tot[3]));
+    alignas(16) float sums[4];
+    _mm_store_ps(sums, _mm_cvtepi32_ps(_mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1))));
+    for (int m = 0; m < MR; ++m) acc[m] = std::fma(d * a.drow(m0 + m)[b], sums[m], acc[m]);
   }
-  for (int m = 0; m < MR; ++m) out[m] = tokenmill::hsum8(acc[m]);
+  for (int m = 0; m < MR; ++m) out[m] = acc[m];
 }
 
 #else  // no AVX2: the same integer sums, one activation row at a time
@@ -376,7 +393,7 @@ void dot_q6_k(const uint8_t* w0, const Act& a, int64_t m0, float* out) {
           t += sc[is] * v0 * q[128 * h + l] + sc[is + 2] * v1 * q[128 * h + 32 + l] +
                sc[is + 4] * v2 * q[128 * h + 64 + l] + sc[is + 6] * v3 * q[128 * h + 96 + l];
         }
-      sum += f16(w + 208) * d[b] * static_cast<float>(t);
+      sum = std::fma(f16(w + 208) * d[b], static_cast<float>(t), sum);  // (the AVX2 kernel's steps)
     }
     out[m] = sum;
   }
@@ -418,14 +435,25 @@ BlockProduct::BlockProduct(const Tensor& blocks, int64_t type, int64_t k)
     }
 }
 
+// Q6_K chunks of at least this many activation rows take the band kernel (ggml_bands.cpp), a last
+// band with fewer left to the row kernel: the same bits either way.
+constexpr int64_t BAND_MIN_ROWS = 8;
+
 void BlockProduct::quantise(const float* x, int64_t rows) {
   const int64_t plain = type_ & ~X8;
   quantise_into(act_, x, rows, k_, format_of(type_).elems, plain == Q4_1 || plain == Q4_0 || plain == Q5_0 || plain == Q5_1);
+  bands_.count = 0;
+  if (type_ == Q6_K && rows >= BAND_MIN_ROWS && has_bands()) make_bands(bands_, act_, rows);
 }
 
 constexpr int64_t WIDE_MIN_ROWS = 16;
 
 void BlockProduct::run(float* out, int64_t ld, int64_t m0, int64_t m1, int64_t u0, int64_t u1) const {
+  if (bands_.count > 0 && m0 % BAND == 0 && u1 > u0) {  // (Q6_K: its units are its rows)
+    const int64_t whole = m0 + (m1 - m0) / BAND * BAND, banded = m1 - whole >= BAND_MIN_ROWS ? m1 : whole;
+    if (banded > m0) q6_k_bands(w_ + u0 * row_bytes_, row_bytes_, u1 - u0, bands_, m0, banded, out + u0, ld);
+    m0 = banded;
+  }
   float part[4 * 16];
   for (int64_t u = u0; u < u1; ++u) {
     // two groups in one pass, for batches: at decode's few rows a pass reads two streams of
