@@ -313,9 +313,10 @@ def test_small_linear_float16_weights(rows):
 def test_small_linear_row_alone_is_the_same_bits_as_in_a_batch(wtype):
     """One activation row streams the weight rows one by one; more rows go through 4x4 tiles:
     each output is the same sum in the same order either way (a decode's logits do not depend
-    on whether it was batched), the masked tail included (k not a multiple of 16)."""
+    on whether it was batched), the masked tail included (k not a multiple of 16); a bfloat16
+    row is read as it is (widened exactly, in L1 where its float32 copy was not) to the same bits."""
     g = torch.Generator().manual_seed(3)
-    for n, k in ((7, 100), (1539, 1536), (64, 576)):
+    for n, k in ((7, 100), (1539, 1536), (64, 576), (40, 8192)):
         w = torch.randn(n, k, generator=g)
         scale = None
         if wtype == torch.int8:
@@ -324,9 +325,10 @@ def test_small_linear_row_alone_is_the_same_bits_as_in_a_batch(wtype):
         else:
             w = w.to(wtype)
         x = torch.randn(8, k, generator=g)
-        batched = torch.ops.tokenmill.small_linear(x, w, scale)
-        for i in (0, 5, 7):
-            assert torch.equal(torch.ops.tokenmill.small_linear(x[i : i + 1], w, scale), batched[i : i + 1])
+        for xt in (x, x.bfloat16()):
+            batched = torch.ops.tokenmill.small_linear(xt, w, scale)
+            for i in (0, 5, 7):
+                assert torch.equal(torch.ops.tokenmill.small_linear(xt[i : i + 1], w, scale), batched[i : i + 1])
 
 
 def test_big_bfloat16_batches_upcast_to_float32_gemm():

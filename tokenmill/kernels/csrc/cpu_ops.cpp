@@ -776,8 +776,8 @@ void rotary_write_kv(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor cos,
 // a run-time row count the accumulators went through the stack (a 576x1536 bfloat16 weight in
 // L3 ran at 36 GB/s, 2.4 weights a cycle). PF: prefetch the next tile's rows (see
 // small_linear_impl for when a single stream runs faster without).
-template <typename W, int MR, int NR, bool PF = true>
-inline void tile_n(const float* x, const W* w, int64_t k, float out[4][4]) {
+template <typename W, int MR, int NR, bool PF = true, typename X = float>
+inline void tile_n(const X* x, const W* w, int64_t k, float out[4][4]) {
   __m512 acc[NR][MR];
   for (int r = 0; r < NR; ++r)
     for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();
@@ -806,14 +806,14 @@ inline void tile_n(const float* x, const W* w, int64_t k, float out[4][4]) {
 // shift): what most laptops and cloud VMs run. k must be a multiple of 8 (small_linear
 // takes the portable loop otherwise). (load8: above, with attention's.)
 
-template <typename W, int MR, int NR, bool PF = true>
-inline void tile_n(const float* x, const W* w, int64_t k, float out[4][4]) {
+template <typename W, int MR, int NR, bool PF = true, typename X = float>
+inline void tile_n(const X* x, const W* w, int64_t k, float out[4][4]) {
   __m256 acc[NR][MR];
   for (int r = 0; r < NR; ++r)
     for (int m = 0; m < MR; ++m) acc[r][m] = _mm256_setzero_ps();
   for (int64_t i = 0; i < k; i += 8) {
     __m256 xv[MR];
-    for (int m = 0; m < MR; ++m) xv[m] = _mm256_loadu_ps(x + m * k + i);
+    for (int m = 0; m < MR; ++m) xv[m] = load8(x + m * k + i);
     for (int r = 0; r < NR; ++r) {
       if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(w + (r + 4) * k + i), _MM_HINT_T0);
       const __m256 wv = load8(w + r * k + i);
@@ -852,29 +852,41 @@ inline void portable_tile(const float* x, const W* w, int64_t k, int64_t nr, int
     }
 }
 
+// Whether one activation row takes single_row (below) on this build.
+inline bool single_row_path(int64_t rows, int64_t k) {
+#if defined(TOKENMILL_AVX512)
+  return rows == 1;
+#elif defined(TOKENMILL_AVX2)
+  return rows == 1 && k % 8 == 0;
+#else
+  return false;
+#endif
+}
+
+// One activation row (a decode at batch 1): the weight rows one after another, one stream per
+// thread, no software prefetch. Four rows read side by side (the tiles below, which share each
+// activation load among them) held a Zen 4 EPYC's bfloat16 decode to 17-21 GB/s where one stream
+// reads 30-34 (a 49152x576 weight, 2 threads). The same sums in the same order as the tiles', so
+// a row's outputs do not depend on the batch. X: the row as it came, float32 or bfloat16 (whose
+// widening is exact: the same sums): a bfloat16 row of 8192 (16 KB) stays in a 32 KB L1 beside
+// the weight's stream where its float32 copy did not (a 2048x8192 bfloat16 weight read at 18-19
+// GB/s, rows of 2048 at 27-42).
+template <typename W, typename X, typename Y>
+void single_row(const X* x, const W* w, const float* scale, Y* y, int64_t n_out, int64_t k) {
+#if defined(TOKENMILL_AVX512) || defined(TOKENMILL_AVX2)
+  at::parallel_for(0, n_out, 64, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      float out[4][4];
+      tile_n<W, 1, 1, false, X>(x, w + r * k, k, out);
+      y[r] = static_cast<Y>(scale ? out[0][0] * scale[r] : out[0][0]);
+    }
+  });
+#endif
+}
+
 template <typename W, typename Y>
 void small_linear_impl(const float* x, const W* w, const float* scale, Y* y, int64_t rows, int64_t n_out, int64_t k) {
-#if defined(TOKENMILL_AVX512) || defined(TOKENMILL_AVX2)
-#ifdef TOKENMILL_AVX2
-  if (rows == 1 && k % 8 == 0) {
-#else
-  if (rows == 1) {
-#endif
-    // One activation row (a decode at batch 1): the weight rows one after another, one stream
-    // per thread, no software prefetch. Four rows read side by side (the tiles below, which
-    // share each activation load among them) held a Zen 4 EPYC's bfloat16 decode to 17-21
-    // GB/s where one stream reads 30-34 (a 49152x576 weight, 2 threads). The same sums in the
-    // same order as the tiles', so a row's outputs do not depend on the batch.
-    at::parallel_for(0, n_out, 64, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) {
-        float out[4][4];
-        tile_n<W, 1, 1, false>(x, w + r * k, k, out);
-        y[r] = static_cast<Y>(scale ? out[0][0] * scale[r] : out[0][0]);
-      }
-    });
-    return;
-  }
-#endif
+  if (single_row_path(rows, k)) return single_row<W, float, Y>(x, w, scale, y, n_out, k);
   at::parallel_for(0, (n_out + 3) / 4, 16, [&](int64_t b, int64_t e) {
     for (int64_t blk = b; blk < e; ++blk) {
       const int64_t n0 = blk * 4, nr = std::min<int64_t>(4, n_out - n0);
@@ -914,9 +926,12 @@ void small_linear_impl(const float* x, const W* w, const float* scale, Y* y, int
 }
 
 template <typename W>
-void small_linear_out(const float* xf, const W* w, const float* scale, Tensor& y, int64_t rows, int64_t n_out,
-                      int64_t k) {
-  if (y.scalar_type() == at::kFloat)
+void small_linear_out(const Tensor& x, const float* xf, const W* w, const float* scale, Tensor& y, int64_t rows,
+                      int64_t n_out, int64_t k) {
+  if (xf == nullptr)  // one bfloat16 row, as it came (single_row)
+    single_row<W, c10::BFloat16, c10::BFloat16>(x.data_ptr<c10::BFloat16>(), w, scale, y.data_ptr<c10::BFloat16>(),
+                                                n_out, k);
+  else if (y.scalar_type() == at::kFloat)
     small_linear_impl<W, float>(xf, w, scale, y.data_ptr<float>(), rows, n_out, k);
   else
     small_linear_impl<W, c10::BFloat16>(xf, w, scale, y.data_ptr<c10::BFloat16>(), rows, n_out, k);
@@ -929,20 +944,22 @@ Tensor small_linear(Tensor x, Tensor w, c10::optional<Tensor> scale) {
               "small_linear: expects x [rows, k] and a contiguous weight [n, k]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "small_linear: x must be float32 or bfloat16");
   const int64_t rows = x.size(0), k = x.size(1), n_out = w.size(0);
-  const Tensor xc = x.contiguous().to(at::kFloat);  // a few rows: one small conversion
-  const float* xf = xc.data_ptr<float>();
+  // a few rows: one small conversion to float32; none for one bfloat16 row (single_row reads it)
+  const bool as_is = x.scalar_type() == at::kBFloat16 && single_row_path(rows, k);
+  const Tensor xc = as_is ? x.contiguous() : x.contiguous().to(at::kFloat);
+  const float* xf = as_is ? nullptr : xc.data_ptr<float>();
   Tensor y = at::empty({rows, n_out}, x.options());
   if (w.scalar_type() == at::kChar) {
     TORCH_CHECK(scale.has_value() && scale->numel() == n_out && scale->scalar_type() == at::kFloat &&
                     scale->is_contiguous(),
                 "small_linear: int8 weights need one float32 scale per output");
-    small_linear_out<int8_t>(xf, w.data_ptr<int8_t>(), scale->data_ptr<float>(), y, rows, n_out, k);
+    small_linear_out<int8_t>(xc, xf, w.data_ptr<int8_t>(), scale->data_ptr<float>(), y, rows, n_out, k);
   } else if (w.scalar_type() == at::kBFloat16) {
-    small_linear_out<c10::BFloat16>(xf, w.data_ptr<c10::BFloat16>(), nullptr, y, rows, n_out, k);
+    small_linear_out<c10::BFloat16>(xc, xf, w.data_ptr<c10::BFloat16>(), nullptr, y, rows, n_out, k);
   } else if (w.scalar_type() == at::kHalf) {
-    small_linear_out<c10::Half>(xf, w.data_ptr<c10::Half>(), nullptr, y, rows, n_out, k);
+    small_linear_out<c10::Half>(xc, xf, w.data_ptr<c10::Half>(), nullptr, y, rows, n_out, k);
   } else if (w.scalar_type() == at::kFloat) {
-    small_linear_out<float>(xf, w.data_ptr<float>(), nullptr, y, rows, n_out, k);
+    small_linear_out<float>(xc, xf, w.data_ptr<float>(), nullptr, y, rows, n_out, k);
   } else {
     TORCH_CHECK(false, "small_linear: unsupported weight dtype ", w.scalar_type());
   }
