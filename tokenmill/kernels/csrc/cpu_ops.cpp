@@ -30,6 +30,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <type_traits>
 #include <cmath>
 #include <cstdlib>
 #include <cstdint>
@@ -799,6 +800,42 @@ inline void tile_n(const X* x, const W* w, int64_t k, float out[4][4]) {
     for (int m = 0; m < MR; ++m) out[r][m] = r < NR ? _mm512_reduce_add_ps(acc[r][m]) : 0.f;
 }
 
+#if defined(__AVX512BF16__)
+#define TOKENMILL_DPBF16 1
+inline __m512bh load32bh(const c10::BFloat16* p, int64_t left) {
+  return (__m512bh)(left >= 32 ? _mm512_loadu_si512(p)
+                               : _mm512_maskz_loadu_epi16(static_cast<__mmask32>((1u << left) - 1), p));
+}
+
+// bfloat16 activations times bfloat16 weights on the CPU's bfloat16 dot products: vdpbf16ps adds
+// to each float32 lane two products of bfloat16 pairs, one after the other, each exact in float32
+// and rounded once as it is added (an FMA's arithmetic), 32 weights an instruction where the
+// float32 tile widens 16 and multiplies them in one. A single row's dot is one chain of additions
+// whichever tile runs it, so one row streams its weight at twice the chain's pace (a decode's
+// 2048x8192 bfloat16 weight from memory: see bench/RESULTS.md), and every tile shape (one row
+// alone or batched) gives the same bits. Zeros pad the tail (a masked load).
+template <int MR, int NR, bool PF = true>
+inline void tile_bf16(const c10::BFloat16* x, const c10::BFloat16* w, int64_t k, float out[4][4]) {
+  __m512 acc[NR][MR];
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();
+  auto step = [&](int64_t i, int64_t left) {
+    __m512bh xv[MR];
+    for (int m = 0; m < MR; ++m) xv[m] = load32bh(x + m * k + i, left);
+    for (int r = 0; r < NR; ++r) {
+      if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(w + (r + 4) * k + i), _MM_HINT_T0);
+      const __m512bh wv = load32bh(w + r * k + i, left);
+      for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], xv[m], wv);
+    }
+  };
+  int64_t i = 0;
+  for (; i + 32 <= k; i += 32) step(i, 32);
+  if (i < k) step(i, k - i);
+  for (int r = 0; r < 4; ++r)
+    for (int m = 0; m < MR; ++m) out[r][m] = r < NR ? _mm512_reduce_add_ps(acc[r][m]) : 0.f;
+}
+#endif
+
 #endif
 
 #ifdef TOKENMILL_AVX2
@@ -827,27 +864,39 @@ inline void tile_n(const X* x, const W* w, int64_t k, float out[4][4]) {
 #endif
 
 #if defined(TOKENMILL_AVX512) || defined(TOKENMILL_AVX2)
-// A tile of nr (1..4) weight rows: tile_n with the row count as a template argument.
-template <typename W, int MR>
-inline void tile(const float* x, const W* w, int64_t k, int64_t nr, float out[4][4]) {
+// NR (1..4) weight rows times MR activation rows: bfloat16 times bfloat16 on the bfloat16 dot
+// products where the build has them, else widened to float32 (x's widening is exact: a bfloat16
+// row gives the same sums as its float32 copy, from half the bytes).
+template <typename W, int MR, int NR, bool PF = true, typename X>
+inline void tile_of(const X* x, const W* w, int64_t k, float out[4][4]) {
+#if defined(TOKENMILL_DPBF16)
+  if constexpr (std::is_same_v<W, c10::BFloat16> && std::is_same_v<X, c10::BFloat16>)
+    return tile_bf16<MR, NR, PF>(x, w, k, out);
+#endif
+  tile_n<W, MR, NR, PF, X>(x, w, k, out);
+}
+
+// A tile of nr (1..4) weight rows: the row count as a template argument.
+template <typename W, int MR, typename X>
+inline void tile(const X* x, const W* w, int64_t k, int64_t nr, float out[4][4]) {
   switch (nr) {
-    case 1: tile_n<W, MR, 1>(x, w, k, out); break;
-    case 2: tile_n<W, MR, 2>(x, w, k, out); break;
-    case 3: tile_n<W, MR, 3>(x, w, k, out); break;
-    default: tile_n<W, MR, 4>(x, w, k, out); break;
+    case 1: tile_of<W, MR, 1>(x, w, k, out); break;
+    case 2: tile_of<W, MR, 2>(x, w, k, out); break;
+    case 3: tile_of<W, MR, 3>(x, w, k, out); break;
+    default: tile_of<W, MR, 4>(x, w, k, out); break;
   }
 }
 #endif
 
-template <typename W>
-inline void portable_tile(const float* x, const W* w, int64_t k, int64_t nr, int64_t mr, float out[4][4]) {
+template <typename W, typename X>
+inline void portable_tile(const X* x, const W* w, int64_t k, int64_t nr, int64_t mr, float out[4][4]) {
   for (int64_t r = 0; r < nr; ++r)
     for (int64_t m = 0; m < mr; ++m) {
-      const float* xr = x + m * k;
+      const X* xr = x + m * k;
       const W* wr = w + r * k;
       float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-      for (int64_t i = 0; i < k; ++i) acc += xr[i] * static_cast<float>(wr[i]);
+      for (int64_t i = 0; i < k; ++i) acc += static_cast<float>(xr[i]) * static_cast<float>(wr[i]);
       out[r][m] = acc;
     }
 }
@@ -867,26 +916,27 @@ inline bool single_row_path(int64_t rows, int64_t k) {
 // thread, no software prefetch. Four rows read side by side (the tiles below, which share each
 // activation load among them) held a Zen 4 EPYC's bfloat16 decode to 17-21 GB/s where one stream
 // reads 30-34 (a 49152x576 weight, 2 threads). The same sums in the same order as the tiles', so
-// a row's outputs do not depend on the batch. X: the row as it came, float32 or bfloat16 (whose
-// widening is exact: the same sums): a bfloat16 row of 8192 (16 KB) stays in a 32 KB L1 beside
-// the weight's stream where its float32 copy did not (a 2048x8192 bfloat16 weight read at 18-19
-// GB/s, rows of 2048 at 27-42).
+// a row's outputs do not depend on the batch. (Two rows side by side, for a second chain of
+// additions, read slower: 16-20 against 17-37 GB/s.)
 template <typename W, typename X, typename Y>
 void single_row(const X* x, const W* w, const float* scale, Y* y, int64_t n_out, int64_t k) {
 #if defined(TOKENMILL_AVX512) || defined(TOKENMILL_AVX2)
   at::parallel_for(0, n_out, 64, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       float out[4][4];
-      tile_n<W, 1, 1, false, X>(x, w + r * k, k, out);
+      tile_of<W, 1, 1, false>(x, w + r * k, k, out);
       y[r] = static_cast<Y>(scale ? out[0][0] * scale[r] : out[0][0]);
     }
   });
 #endif
 }
 
-template <typename W, typename Y>
-void small_linear_impl(const float* x, const W* w, const float* scale, Y* y, int64_t rows, int64_t n_out, int64_t k) {
-  if (single_row_path(rows, k)) return single_row<W, float, Y>(x, w, scale, y, n_out, k);
+// X: the activations as they came, float32 or bfloat16 (read as they are: widened exactly, or
+// multiplied on the bfloat16 dot products; a bfloat16 row of 8192 stays in a 32 KB L1 beside the
+// weight's stream where its float32 copy did not).
+template <typename W, typename X, typename Y>
+void small_linear_impl(const X* x, const W* w, const float* scale, Y* y, int64_t rows, int64_t n_out, int64_t k) {
+  if (single_row_path(rows, k)) return single_row<W, X, Y>(x, w, scale, y, n_out, k);
   at::parallel_for(0, (n_out + 3) / 4, 16, [&](int64_t b, int64_t e) {
     for (int64_t blk = b; blk < e; ++blk) {
       const int64_t n0 = blk * 4, nr = std::min<int64_t>(4, n_out - n0);
@@ -899,7 +949,7 @@ void small_linear_impl(const float* x, const W* w, const float* scale, Y* y, int
 #else
         {
 #endif
-          const float* xs = x + m0 * k;
+          const X* xs = x + m0 * k;
           const W* ws = w + n0 * k;
           switch (mr) {
             case 1: tile<W, 1>(xs, ws, k, nr, out); break;
@@ -926,15 +976,13 @@ void small_linear_impl(const float* x, const W* w, const float* scale, Y* y, int
 }
 
 template <typename W>
-void small_linear_out(const Tensor& x, const float* xf, const W* w, const float* scale, Tensor& y, int64_t rows,
-                      int64_t n_out, int64_t k) {
-  if (xf == nullptr)  // one bfloat16 row, as it came (single_row)
-    single_row<W, c10::BFloat16, c10::BFloat16>(x.data_ptr<c10::BFloat16>(), w, scale, y.data_ptr<c10::BFloat16>(),
-                                                n_out, k);
-  else if (y.scalar_type() == at::kFloat)
-    small_linear_impl<W, float>(xf, w, scale, y.data_ptr<float>(), rows, n_out, k);
+void small_linear_out(const Tensor& x, const W* w, const float* scale, Tensor& y, int64_t rows, int64_t n_out,
+                      int64_t k) {
+  if (x.scalar_type() == at::kFloat)
+    small_linear_impl<W, float, float>(x.data_ptr<float>(), w, scale, y.data_ptr<float>(), rows, n_out, k);
   else
-    small_linear_impl<W, c10::BFloat16>(xf, w, scale, y.data_ptr<c10::BFloat16>(), rows, n_out, k);
+    small_linear_impl<W, c10::BFloat16, c10::BFloat16>(x.data_ptr<c10::BFloat16>(), w, scale,
+                                                       y.data_ptr<c10::BFloat16>(), rows, n_out, k);
 }
 
 // x [rows, k] (float32 or bfloat16) @ w[n, k]^T -> [rows, n] in x's dtype. w: float32,
@@ -944,22 +992,19 @@ Tensor small_linear(Tensor x, Tensor w, c10::optional<Tensor> scale) {
               "small_linear: expects x [rows, k] and a contiguous weight [n, k]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "small_linear: x must be float32 or bfloat16");
   const int64_t rows = x.size(0), k = x.size(1), n_out = w.size(0);
-  // a few rows: one small conversion to float32; none for one bfloat16 row (single_row reads it)
-  const bool as_is = x.scalar_type() == at::kBFloat16 && single_row_path(rows, k);
-  const Tensor xc = as_is ? x.contiguous() : x.contiguous().to(at::kFloat);
-  const float* xf = as_is ? nullptr : xc.data_ptr<float>();
+  const Tensor xc = x.contiguous();
   Tensor y = at::empty({rows, n_out}, x.options());
   if (w.scalar_type() == at::kChar) {
     TORCH_CHECK(scale.has_value() && scale->numel() == n_out && scale->scalar_type() == at::kFloat &&
                     scale->is_contiguous(),
                 "small_linear: int8 weights need one float32 scale per output");
-    small_linear_out<int8_t>(xc, xf, w.data_ptr<int8_t>(), scale->data_ptr<float>(), y, rows, n_out, k);
+    small_linear_out<int8_t>(xc, w.data_ptr<int8_t>(), scale->data_ptr<float>(), y, rows, n_out, k);
   } else if (w.scalar_type() == at::kBFloat16) {
-    small_linear_out<c10::BFloat16>(xc, xf, w.data_ptr<c10::BFloat16>(), nullptr, y, rows, n_out, k);
+    small_linear_out<c10::BFloat16>(xc, w.data_ptr<c10::BFloat16>(), nullptr, y, rows, n_out, k);
   } else if (w.scalar_type() == at::kHalf) {
-    small_linear_out<c10::Half>(xc, xf, w.data_ptr<c10::Half>(), nullptr, y, rows, n_out, k);
+    small_linear_out<c10::Half>(xc, w.data_ptr<c10::Half>(), nullptr, y, rows, n_out, k);
   } else if (w.scalar_type() == at::kFloat) {
-    small_linear_out<float>(xc, xf, w.data_ptr<float>(), nullptr, y, rows, n_out, k);
+    small_linear_out<float>(xc, w.data_ptr<float>(), nullptr, y, rows, n_out, k);
   } else {
     TORCH_CHECK(false, "small_linear: unsupported weight dtype ", w.scalar_type());
   }
