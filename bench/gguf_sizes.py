@@ -10,8 +10,9 @@ bundled file; weights N(0, 0.02), norms 1), then quantised with llama.cpp's own
 ``llama-quantize`` (files cached in --dir, never committed). Per type and round,
 alternating: tokenmill in a fresh process for each arithmetic (load time with the page
 cache warm; decode tok/s of 64 greedy tokens after an 8-token prompt; prefill tok/s of a
-256-token prompt after a warm-up one, the mean of two as ``llama-bench -r 2`` takes it; with --depth N, decode tok/s of 64 tokens after an N-token prompt), then
-``llama-bench -p 256 -n 64`` (and ``-p 0 -n 64 -d N``) on the same cores. Results and the CPU
+256-token prompt after a warm-up one, the mean of two as ``llama-bench -r 2`` takes it; with --depth N, decode tok/s of
+64 tokens after an N-token prompt and that prompt's prefill tok/s), then ``llama-bench -p 256 -n 64`` (and
+``-p 0 -n 64 -d N``, ``-p N -n 0``) on the same cores. Results and the CPU
 go to bench/results/gguf_sizes.json and a plot to gguf_sizes.png.
 """
 
@@ -49,7 +50,7 @@ def write_f16(path: Path, shape: dict) -> None:
     head_dim = h // shape["heads"]
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(n_layers)
-    w.add_context_length(4096)
+    w.add_context_length(131072)  # Llama-3.2's (--depth 8192 runs past 4,096)
     w.add_embedding_length(h)
     w.add_feed_forward_length(inter)
     w.add_head_count(shape["heads"])
@@ -130,7 +131,7 @@ def measure(path: str, arithmetic: str, threads: int, depth: int = 0) -> dict:
         path,
         quant_arithmetic=arithmetic,
         progress=False,
-        kv_cache_memory="256MiB",
+        kv_cache_memory="256MiB" if depth <= 4096 else "1GiB",
         max_model_len=max(1024, depth + 128),
     )
     load_s = time.perf_counter() - t0
@@ -150,7 +151,9 @@ def measure(path: str, arithmetic: str, threads: int, depth: int = 0) -> dict:
     if depth:
         t0 = time.perf_counter()
         out = llm.generate([list(range(2000, 2000 + depth))], decode)[0]
-        res["deep_decode_tok_s"] = 63 / max(1e-9, time.perf_counter() - t0 - (out.timings[0].ttft or 0.0))
+        ttft = out.timings[0].ttft or 0.0
+        res["deep_decode_tok_s"] = 63 / max(1e-9, time.perf_counter() - t0 - ttft)
+        res["deep_prefill_tok_s"] = depth / max(1e-9, ttft)  # the whole context as one prompt (-p depth)
     return res
 
 
@@ -194,6 +197,7 @@ def llama_bench(llama_bin: Path, path: Path, threads: int, depth: int = 0) -> di
     res = {"prefill_tok_s": pp["avg_ts"], "decode_tok_s": tg["avg_ts"], "build": rows[0].get("build_commit")}
     if depth:  # 64 tokens generated after a depth-token context (-d)
         res["deep_decode_tok_s"] = bench("-p", "0", "-n", "64", "-d", str(depth))[0]["avg_ts"]
+        res["deep_prefill_tok_s"] = bench("-p", str(depth), "-n", "0")[0]["avg_ts"]
     return res
 
 
@@ -279,7 +283,8 @@ def main() -> None:
                 )
             )
         row = {"shape": shape, "type": qtype, "threads": threads, "file_bytes": path.stat().st_size, "runs": runs}
-        for key in ("decode_tok_s", "prefill_tok_s", *(["deep_decode_tok_s"] if args.depth else [])):
+        deep = ["deep_decode_tok_s", "deep_prefill_tok_s"] if args.depth else []
+        for key in ("decode_tok_s", "prefill_tok_s", *deep):
             theirs = statistics.median(r[key] for r in runs["llama"])
             row[f"llama_{key}"] = theirs
             for arith in ariths:

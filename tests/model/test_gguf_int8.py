@@ -328,15 +328,17 @@ def test_tiny_gguf_in_blocks_scores_like_its_float_twin(tmp_path, int8_llm, weig
     np.testing.assert_allclose(ours, theirs, rtol=0.1, atol=0.05)  # (random K-quant blocks: logits of -20 to -50)
 
 
-def test_cpp_layer_loop_over_contexts_of_several_partitions_is_bit_identical_to_the_python_loop():
-    """The bundled file's decode steps in C++ (its layers in one team of threads) over contexts
-    long enough for attention to split each into partitions (256 tokens) merged after: the
-    logits equal the Python loop's to the bit, for one sequence and for three of different
-    lengths."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpp_layer_loop_over_contexts_of_several_partitions_is_bit_identical_to_the_python_loop(dtype):
+    """The bundled file's decode steps in C++ (its layers in one team of threads; bfloat16
+    activations rounded from each linear's float32 output as the separate calls round them)
+    over contexts long enough for attention to split each into partitions (256 tokens) merged
+    after: the logits equal the Python loop's to the bit, for one sequence and for three of
+    different lengths."""
     from tests.helpers import fused_and_python_decode_logits
 
     llm = LLM(
-        dtype="float32", quant_arithmetic="int8", progress=False, kv_cache_memory="64MiB", enable_prefix_caching=False
+        dtype=dtype, quant_arithmetic="int8", progress=False, kv_cache_memory="64MiB", enable_prefix_caching=False
     )
     assert llm.parts.model.fused_plan is not None
     text = (Path(__file__).parent.parent / "data" / "heldout.txt").read_text()
@@ -347,14 +349,16 @@ def test_cpp_layer_loop_over_contexts_of_several_partitions_is_bit_identical_to_
     assert torch.equal(results[True][1], results[False][1])
 
 
-def test_cpp_layer_loop_takes_block_weight_steps_of_up_to_32_tokens_bit_identical_to_the_python_loop():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpp_layer_loop_takes_block_weight_steps_of_up_to_32_tokens_bit_identical_to_the_python_loop(dtype):
     """Where every linear is in GGUF blocks, steps of up to 32 tokens run in C++ (batched decode,
-    short chunks beside decodes): a step of 12 sequences' next tokens, and one of a 20-token chunk
-    continuing a prompt beside two decodes, give the Python loop's logits to the bit."""
+    short chunks beside decodes), in one team of threads for float32 and bfloat16 activations: a
+    step of 12 sequences' next tokens, and one of a 20-token chunk continuing a prompt beside two
+    decodes, give the Python loop's logits to the bit."""
     from tests.helpers import all_logits, seq
 
     llm = LLM(
-        dtype="float32", quant_arithmetic="int8", progress=False, kv_cache_memory="64MiB", enable_prefix_caching=False
+        dtype=dtype, quant_arithmetic="int8", progress=False, kv_cache_memory="64MiB", enable_prefix_caching=False
     )
     model, runner, pool = llm.parts.model, llm.engine.core.runner, llm.engine.core.block_pool
     assert model.fused_plan is not None and model.fused_plan.blocks_only

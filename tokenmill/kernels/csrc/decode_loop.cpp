@@ -16,8 +16,8 @@
 // outputs follow the first's (a Q4_K_M file's qkv: q and k in Q4_K, v in Q6_K), its blocks in the
 // scale's place.
 //
-// Where every linear is in GGUF blocks and the activations are float32 (the int8 arithmetic's
-// decode), the whole step runs in one OpenMP team instead (team_layers): the separate calls cost
+// Where every linear is in GGUF blocks (the int8 arithmetic's decode, float32 or bfloat16
+// activations), the whole step runs in one OpenMP team instead (team_layers): the separate calls cost
 // a fork and join each (~6 per layer), ATen's allocations and dispatch between them, and the
 // second thread idled through all of it (38% of a bundled-file step on a 2-core AVX2 EPYC,
 // bench/RESULTS.md). In the team each linear's units are split between the threads, attention's
@@ -174,7 +174,7 @@ struct LayerStack : torch::CustomClassHolder {
   }
 };
 
-// decode_layers for block weights and float32 activations, in one team of threads.
+// decode_layers for block weights (float32 or bfloat16 activations), in one team of threads.
 Tensor team_layers(Tensor x, Tensor h, LayerStack& stack, const Tensor& positions, const Tensor& cos,
                    const Tensor& sin, const Tensor& slots, const Tensor& block_tables, const Tensor& query_start_loc,
                    const Tensor& seq_lens, const Tensor& seq_ids, double scale, double eps, int64_t num_heads,
@@ -189,10 +189,23 @@ Tensor team_layers(Tensor x, Tensor h, LayerStack& stack, const Tensor& position
   // Every weight checked (once, by the stack) and every buffer allocated here, before the team.
   std::vector<TeamLinear>& linears = stack.team_linears(hidden, q_size, kv_size);
   const int64_t inter = linears[2].n / 2;
-  const auto opts = x.options();
+  // The linears take and give float32. With bfloat16 activations each output is rounded to them
+  // (block_linear's `.to`) and each input widened (exactly) before it is quantised, as the
+  // separate calls do: `narrow` tensors beside their float32 twins; with float32 one tensor each.
+  const bool narrow = x.scalar_type() == at::kBFloat16;
+  const auto opts = x.options(), fopts = opts.dtype(at::kFloat);
+  auto twin = [&](const Tensor& t) { return narrow ? at::empty(t.sizes(), fopts) : t; };
   Tensor qkv = at::empty({n, q_size + 2 * kv_size}, opts), attn = at::empty({n, num_heads, head_dim}, opts);
   Tensor o = at::empty({n, hidden}, opts), gate_up = at::empty({n, 2 * inter}, opts);
   Tensor act = at::empty({n, inter}, opts), down = at::empty({n, hidden}, opts), hn = h.clone();
+  Tensor qkv_f = twin(qkv), attn_f = twin(attn), o_f = twin(o), gu_f = twin(gate_up), act_f = twin(act);
+  Tensor down_f = twin(down), hn_f = twin(hn);
+  auto rounded = [&](Tensor& t, const Tensor& f) {  // (thread 0) a linear's output in the activations' dtype
+    if (narrow) t.copy_(f);
+  };
+  auto widened = [&](Tensor& f, const Tensor& t) {  // (thread 0) a linear's input in float32
+    if (narrow) f.copy_(t);
+  };
   Tensor q = qkv.narrow(1, 0, q_size).view({n, num_heads, head_dim});
   Tensor k = qkv.narrow(1, q_size, kv_size).view({n, num_kv_heads, head_dim});
   Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, num_kv_heads, head_dim});
@@ -200,9 +213,10 @@ Tensor team_layers(Tensor x, Tensor h, LayerStack& stack, const Tensor& position
   Tensor qc = n == 1 ? q : at::empty({n, num_heads, head_dim}, opts);  // attention reads q contiguous
   tokenmill::AttentionStep attention(attn, qc, k_caches[0], v_caches[0], block_tables, query_start_loc, seq_lens,
                                      seq_ids, scale, partition);
-  float *qkv_p = qkv.data_ptr<float>(), *attn_p = attn.data_ptr<float>(), *o_p = o.data_ptr<float>();
-  float *gu_p = gate_up.data_ptr<float>(), *act_p = act.data_ptr<float>(), *down_p = down.data_ptr<float>();
-  float* hn_p = hn.data_ptr<float>();
+  float *qkv_p = qkv_f.data_ptr<float>(), *attn_p = attn_f.data_ptr<float>(), *o_p = o_f.data_ptr<float>();
+  float *gu_p = gu_f.data_ptr<float>(), *act_p = act_f.data_ptr<float>(), *down_p = down_f.data_ptr<float>();
+  float* hn_p = hn_f.data_ptr<float>();
+  void* attn_out = attn.data_ptr();
   const void* qc_p = qc.data_ptr();
   const int64_t team = std::max<int64_t>(1, at::get_num_threads());
 
@@ -221,7 +235,10 @@ Tensor team_layers(Tensor x, Tensor h, LayerStack& stack, const Tensor& position
   };
 
   TeamBarrier barrier;
-  first(0, [&] { linears[0].quantise(hn_p, n); });
+  first(0, [&] {
+    widened(hn_f, hn);
+    linears[0].quantise(hn_p, n);
+  });
 #pragma omp parallel num_threads(team)
   {
     const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
@@ -236,6 +253,7 @@ Tensor team_layers(Tensor x, Tensor h, LayerStack& stack, const Tensor& position
       qkv_l.run(qkv_p, n, t, threads);  // (its activations quantised at the end of the last layer)
       barrier.wait();
       first(t, [&] {
+        rounded(qkv, qkv_f);
         tokenmill::rotary_write_kv(q, k, v, positions, cos, sin, k_caches[i], v_caches[i], slots);
         if (n > 1) qc.copy_(q);
         attention.restart();
@@ -245,14 +263,17 @@ Tensor team_layers(Tensor x, Tensor h, LayerStack& stack, const Tensor& position
       attention.work(qc_p, k_caches[i].data_ptr(), v_caches[i].data_ptr());
       barrier.wait();
       first(t, [&] {
-        attention.merge(attn_p, 0, 1);
+        attention.merge(attn_out, 0, 1);
+        widened(attn_f, attn);
         o_l.quantise(attn_p, n);
       });
       barrier.wait();
       o_l.run(o_p, n, t, threads);
       barrier.wait();
       first(t, [&] {
+        rounded(o, o_f);
         tokenmill::add_rms_norm_out(hn, o, x, weights[w0], eps);
+        widened(hn_f, hn);
         gate_up_l.quantise(hn_p, n);
       });
       barrier.wait();
@@ -260,8 +281,10 @@ Tensor team_layers(Tensor x, Tensor h, LayerStack& stack, const Tensor& position
       gate_up_l.run(gu_p, n, t, threads);
       barrier.wait();
       first(t, [&] {  // SiLU(gate) * up, as TorchOps.silu_mul computes it
+        rounded(gate_up, gu_f);
         at::silu_out(act, gate);
         act.mul_(up);
+        widened(act_f, act);
         down_l.quantise(act_p, n);
       });
       barrier.wait();
@@ -269,8 +292,12 @@ Tensor team_layers(Tensor x, Tensor h, LayerStack& stack, const Tensor& position
       down_l.run(down_p, n, t, threads);
       barrier.wait();
       first(t, [&] {
+        rounded(down, down_f);
         tokenmill::add_rms_norm_out(hn, down, x, weights[w0 + 1], eps);
-        if (i + 1 < layers) linears[4 * (i + 1)].quantise(hn_p, n);
+        if (i + 1 < layers) {
+          widened(hn_f, hn);
+          linears[4 * (i + 1)].quantise(hn_p, n);
+        }
       });
       barrier.wait();
     }
@@ -291,7 +318,8 @@ Tensor decode_layers(Tensor x, Tensor h, const c10::intrusive_ptr<LayerStack>& s
   const std::vector<Tensor>& k_caches = stack->k_caches;
   const std::vector<Tensor>& v_caches = stack->v_caches;
   const int64_t layers = static_cast<int64_t>(k_caches.size());
-  if (stack->blocks_only && x.scalar_type() == at::kFloat && x.size(0) <= tokenmill::ggml::INT8_MAX_ROWS)
+  if (stack->blocks_only && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+      x.size(0) <= tokenmill::ggml::INT8_MAX_ROWS)
     return team_layers(x, h, *stack, positions, cos, sin, slots, block_tables, query_start_loc, seq_lens, seq_ids,
                        scale, eps, num_heads, num_kv_heads, head_dim, partition);
   const int64_t n = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
