@@ -469,11 +469,14 @@ def test_avx2_only_build_matches_the_reference():
     )
 
 
-@pytest.mark.parametrize("dtype,quantization", [("float32", "auto"), ("bfloat16", "auto"), ("float32", "none")])
+@pytest.mark.parametrize(
+    "dtype,quantization", [("float32", "auto"), ("bfloat16", "auto"), ("float32", "none"), ("bfloat16", "none")]
+)
 def test_cpp_layer_loop_is_bit_identical_to_the_python_loop(dtype, quantization):
     """Decode steps of the plain Llama layer run in C++ (decode_layers): the same kernels in
     the same order as the Python loop, so the logits are equal to the bit, for one sequence
-    and for three decoding together, from packed and from float weights."""
+    and for three decoding together, from packed and from float weights (bfloat16 ones on the
+    bfloat16 dot products where the CPU has them)."""
     from tests.helpers import fused_and_python_decode_logits
     from tokenmill import LLM
 

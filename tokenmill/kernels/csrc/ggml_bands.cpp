@@ -53,22 +53,12 @@ namespace {
 constexpr int ROWS = 8;            // weight rows a pass (their sums in 8 + 8 zmm registers)
 constexpr int64_t MAX_BANDS = 2;   // bands a pass (their float sums kept in memory)
 
-// One row's super-block of Q6_K: its 256 values (0..63) one byte each in order, its 16 scales as
-// int32 and its d. Value 128h + 32s + l (s < 4, l < 32) has its low 4 bits in ql[64h + 32(s % 2) + l]
-// (the low nibble for s < 2, the high one after) and its top 2 in qh[32h + l] at bits 2s.
+// One row's super-block of Q6_K: its 256 values (0..63) one byte each in order (q6_k_half for each
+// half), its 16 scales as int32 and its d.
 inline void unpack_super_block(const uint8_t* blk, uint8_t* q, int32_t* sc, float& d) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
   for (int h = 0; h < 2; ++h) {
-    const __m256i l0 = load32(blk + 64 * h), l1 = load32(blk + 64 * h + 32), hb = load32(blk + 128 + 32 * h);
-    const __m256i v[4] = {
-        _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_slli_epi16(_mm256_and_si256(hb, three), 4)),
-        _mm256_or_si256(_mm256_and_si256(l1, low4),
-                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), three), 4)),
-        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
-                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), three), 4)),
-        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
-                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), three), 4)),
-    };
+    __m256i v[4];
+    q6_k_half(load32(blk + 64 * h), load32(blk + 64 * h + 32), load32(blk + 128 + 32 * h), v);
     for (int s = 0; s < 4; ++s) _mm256_store_si256(reinterpret_cast<__m256i*>(q + 128 * h + 32 * s), v[s]);
   }
   _mm512_store_si512(sc, _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192))));

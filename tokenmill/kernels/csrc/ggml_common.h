@@ -172,6 +172,20 @@ inline __m256i dot_us(__m256i a, __m256i b) { return dpbusd(_mm256_setzero_si256
 // The same for signed a (> -128 or = -128) and signed b (> -128): |a| times b with a's sign on b.
 inline __m256i dot_ss(__m256i a, __m256i b) { return dot_us(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a)); }
 
+// Q6_K: one half (128 values) of a super-block as four registers of 32 values (0..63) in order,
+// value 32s + l from the low 4 bits in ql's byte 32 (s % 2) + l (l0: bytes 0-31, l1: 32-63; the
+// low nibble for s < 2, the high one after) and the top 2 in qh's byte l (hb) at bit 2s.
+inline void q6_k_half(__m256i l0, __m256i l1, __m256i hb, __m256i v[4]) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
+  v[0] = _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_slli_epi16(_mm256_and_si256(hb, three), 4));
+  v[1] = _mm256_or_si256(_mm256_and_si256(l1, low4),
+                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), three), 4));
+  v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), three), 4));
+  v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), three), 4));
+}
+
 inline int hsum_i32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));

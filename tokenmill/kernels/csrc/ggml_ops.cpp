@@ -261,7 +261,6 @@ alignas(32) constexpr uint8_t Q6_PICK[4][32] = {
 template <int MR>
 void dot_q6_k(const uint8_t* w, const Act& a, int64_t m0, float* out) {
   const int64_t nb = a.k / QK_K;
-  const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3);
   float acc[MR] = {};
   for (int64_t b = 0; b < nb; ++b, w += 210) {
     const uint8_t *ql = w, *qh = w + 128;
@@ -277,15 +276,8 @@ void dot_q6_k(const uint8_t* w, const Act& a, int64_t m0, float* out) {
     for (int h = 0; h < 2; ++h) {  // two halves of 128
       const __m256i l0 = load32(ql + 64 * h), l1 = load32(ql + 64 * h + 32), hb = load32(qh + 32 * h);
       const __m256i half_sc = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(h ? _mm_unpackhi_epi64(sc8, sc8) : sc8));
-      const __m256i v[4] = {
-          _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_slli_epi16(_mm256_and_si256(hb, two), 4)),
-          _mm256_or_si256(_mm256_and_si256(l1, low4),
-                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), two), 4)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
-                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), two), 4)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
-                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), two), 4)),
-      };
+      __m256i v[4];
+      q6_k_half(l0, l1, hb, v);
       for (int g = 0; g < 4; ++g) {  // 32 values: sub-blocks 8h + 2g and 8h + 2g + 1
         const __m256i s = _mm256_shuffle_epi8(half_sc, load32(Q6_PICK[g]));
         for (int m = 0; m < MR; ++m) {
