@@ -375,6 +375,26 @@ def test_float32_batches_past_the_small_kernel_run_on_the_gemm_tiles_batch_invar
         assert torch.equal(torch.ops.tokenmill.tile_gemm(x, w)[3], torch.ops.tokenmill.tile_gemm(x[3:4], w)[0])
 
 
+def test_float16_weights_under_bfloat16_batches_run_on_the_gemm_tiles_batch_invariant():
+    """A GGUF's F16 weights kept 16-bit under a bfloat16 model: batches past the small-linear
+    kernel multiply on the GEMM tiles (the activations widened exactly, the product rounded once
+    to bfloat16), every row the same bits in any such batch."""
+    from tokenmill.kernels.linear import NativeLinear
+
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(300, 581, generator=g).half()
+    layer = NativeLinear(w)
+    for rows in (9, 40, 300):
+        x = torch.randn(rows, 581, generator=g).bfloat16()
+        out = layer(x)
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, 300)
+        assert torch.equal(out, torch.ops.tokenmill.tile_gemm(x.float(), w).bfloat16())
+        exact = torch.nn.functional.linear(x.double(), w.double())
+        torch.testing.assert_close(out.double(), exact, rtol=8e-3, atol=2e-2)
+    x = torch.randn(40, 581, generator=g).bfloat16()
+    assert torch.equal(layer(x)[17:], layer(x[17:].clone()))  # rows 17-39 alone, and in the batch of 40
+
+
 def test_gemm_tiles_are_as_close_to_the_exact_product_as_torchs_gemm():
     """Long sums (k = 2048: 8 panels of 256) are not one FMA chain: each panel's chain from zero,
     the panels added, so the error stays at PyTorch's (MKL's) own level, not ~3x it."""
