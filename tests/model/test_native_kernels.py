@@ -142,12 +142,14 @@ def test_block_sizes_other_than_one_vector_of_keys(block_size, monkeypatch):
     check_attention(specs, heads=9, kv_heads=3, window=20)
 
 
-def test_attention_of_a_query_does_not_depend_on_its_step():
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 1, 32)])
+def test_attention_of_a_query_does_not_depend_on_its_step(heads, kv_heads, head_dim):
     """Batch invariance of the kernel: a query's output is bit-identical whether it is a lone
-    decode or one row of a long prefill chunk beside other sequences (NativeOps(batch_invariant))."""
+    decode or one row of a long prefill chunk beside other sequences (NativeOps(batch_invariant)),
+    on the bfloat16 dot products (64- and 128-wide heads) and the float path (32)."""
     ops = NativeOps(batch_invariant=True)
-    q, k, v, cache, meta = batch([(40, 1), (600, 100), (300, 1)], 9, 3, 64, "bfloat16", torch.bfloat16, seed=3)
-    together = ops.attention(q, k, v, cache, meta, 0.125)
+    q, k, v, cache, meta = batch([(40, 1), (600, 100), (300, 1)], heads, kv_heads, head_dim, "bfloat16", torch.bfloat16, seed=3)
+    together = ops.attention(q, k, v, cache, meta, head_dim**-0.5)
     # the chunk's last query alone: the same cache, a one-query step
     width = meta.block_tables.shape[1]
     alone = AttentionMetadata(
@@ -159,8 +161,21 @@ def test_attention_of_a_query_does_not_depend_on_its_step():
         block_size=BS,
         block_tables_host=[meta.block_tables_host[1]],
     )
-    single = ops.attention(q[100:101], k[100:101], v[100:101], cache, alone, 0.125)
+    single = ops.attention(q[100:101], k[100:101], v[100:101], cache, alone, head_dim**-0.5)
     assert torch.equal(single[0], together[100])
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_bfloat16_queries_over_a_bfloat16_cache_at_every_head_width(head_dim):
+    """bfloat16 queries over a bfloat16 cache run on the CPU's bfloat16 dot products where it has
+    them (64- and 128-wide heads; the softmax weights rounded to bfloat16), the float path
+    otherwise: decodes, chunks over a cached context, fresh prompts, windows and soft caps, all
+    within bfloat16's tolerance of the float reference."""
+    specs = [(1, 1), (17, 1), (300, 1), (47, 5), (1100, 90), (33, 33), (200, 200)]
+    check_attention(specs, heads=8, kv_heads=2, head_dim=head_dim, kind="bfloat16", dtype=torch.bfloat16)
+    check_attention(
+        specs, heads=9, kv_heads=3, head_dim=head_dim, kind="bfloat16", dtype=torch.bfloat16, window=20, softcap=30.0
+    )
 
 
 def test_fresh_prefills_long_and_short():
@@ -469,7 +484,7 @@ def test_avx2_only_build_matches_the_reference():
         "import tests.model.test_native_kernels as t\n"
         "t.check_attention(t.DECODES + [(700, 4), (90, 90), (2600, 300)], heads=9, kv_heads=3)\n"
         "t.test_sliding_windows_and_soft_capping(64, 30.0)\n"
-        "t.test_attention_of_a_query_does_not_depend_on_its_step()\n"
+        "t.test_attention_of_a_query_does_not_depend_on_its_step(9, 3, 64)\n"
         "t.BS = 8\n"
         "t.check_attention([(15, 1), (300, 1), (47, 5), (33, 33)], heads=9, kv_heads=3, window=20)\n"
         "t.BS = 16\n"

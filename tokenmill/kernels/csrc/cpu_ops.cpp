@@ -225,6 +225,129 @@ inline void attend_row16(const float* qr, const float* kbase, const float* vbase
 }
 #endif
 
+#if defined(TOKENMILL_AVX512) && defined(__AVX512BF16__)
+#define TOKENMILL_ATTN_BF16 1
+// bfloat16 queries over a bfloat16 cache on the CPU's bfloat16 dot products (vdpbf16ps: two
+// exact products added to a float32 lane, each addition rounded). The float path widens every
+// block's K and V to float32 (~40 ops a key) and sums each key's dot products with a transposing
+// add tree; here a chunk of 16 keys is turned once (a 16x16 transpose of 32-bit words: lane t of
+// kt[i] holds key t's values 2i, 2i+1) so that a query row's 16 scores come out in 16 lanes of
+// HD / 2 dot-product steps, and V's values are paired across keys (vp[j]: keys 2j and 2j+1 side
+// by side, an unpack of their rows) so that the softmax weights, rounded to bfloat16 as GPU flash
+// attention rounds them, multiply V two keys an instruction. Every row of every item runs the
+// same steps in the same order whatever else the step holds: a query's output is the same bits
+// alone or in a chunk (the float path's promise, kept).
+
+// r[t] = row t of a 16x16 matrix of 32-bit words -> r[i] = its column i (lane t = row t's word i).
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xDD);
+  }
+}
+
+// The accumulators' lanes: vp[j][2w] (an unpacklo of two rows' values 32w..32w+31) holds values
+// 32w + {0-3, 8-11, 16-19, 24-27}, vp[j][2w + 1] the others; lane x of accumulator c is value
+// paired_dim(c, x). attend_chunk_bf16's callers put the row back in order at the end.
+inline int paired_dim(int c, int x) { return 32 * (c / 2) + 8 * (x / 4) + 4 * (c % 2) + x % 4; }
+
+// A chunk of n <= 16 keys (rows `stride` apart; missing ones zeros) laid out for the dot products.
+template <int HD>
+inline void load_chunk_bf16(const c10::BFloat16* kb, const c10::BFloat16* vb, int64_t stride, int64_t n,
+                            __m512i* kt, __m512i (*vp)[HD / 16]) {
+  for (int w = 0; w < HD / 32; ++w) {
+    __m512i r[16];
+    for (int t = 0; t < 16; ++t) r[t] = t < n ? _mm512_loadu_si512(kb + t * stride + 32 * w) : _mm512_setzero_si512();
+    transpose16(r);
+    for (int i = 0; i < 16; ++i) kt[16 * w + i] = r[i];
+  }
+  for (int j = 0; j < 8; ++j)
+    for (int w = 0; w < HD / 32; ++w) {
+      const __m512i a = 2 * j < n ? _mm512_loadu_si512(vb + 2 * j * stride + 32 * w) : _mm512_setzero_si512();
+      const __m512i b = 2 * j + 1 < n ? _mm512_loadu_si512(vb + (2 * j + 1) * stride + 32 * w) : _mm512_setzero_si512();
+      vp[j][2 * w] = _mm512_unpacklo_epi16(a, b);
+      vp[j][2 * w + 1] = _mm512_unpackhi_epi16(a, b);
+    }
+}
+
+// R query rows (bfloat16, HD values each; R <= 4 side by side, their latency chains overlapping)
+// against the chunk's keys [lo[r], visible[r]): a row's scores in four chains of dot-product
+// steps (words i = 4u + c), added (0 + 1) + (2 + 3) and scaled; the online softmax on 16 lanes as
+// attend_row16's; the weights rounded to bfloat16 (the row's sum `l` is the sum of the rounded
+// ones) times V into the row's accumulator (lanes in paired_dim's order). Each row's steps are
+// its own: the same bits whichever rows share the call.
+template <int HD, int R>
+inline void attend_chunk_bf16(const c10::BFloat16* const* q, float scale, const __m512i* kt,
+                              const __m512i (*vp)[HD / 16], const int64_t* lo, const int64_t* visible, float softcap,
+                              float* const* ar, float* m, float* l) {
+  __m512 s4[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) s4[r][c] = _mm512_setzero_ps();
+  for (int i = 0; i < HD / 2; i += 4)
+    for (int c = 0; c < 4; ++c) {
+      const __m512bh k = (__m512bh)kt[i + c];
+      for (int r = 0; r < R; ++r) {
+        const int32_t* qw = reinterpret_cast<const int32_t*>(q[r]);
+        s4[r][c] = _mm512_dpbf16_ps(s4[r][c], (__m512bh)_mm512_set1_epi32(qw[i + c]), k);
+      }
+    }
+  alignas(32) int32_t pw[R][8];
+  float correction[R];
+  for (int r = 0; r < R; ++r) {
+    __m512 s = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(s4[r][0], s4[r][1]), _mm512_add_ps(s4[r][2], s4[r][3])),
+                             _mm512_set1_ps(scale));
+    const __mmask16 valid = static_cast<__mmask16>(((1u << visible[r]) - 1) & ~((1u << lo[r]) - 1));
+    if (softcap > 0.f) {  // Gemma 2's soft cap, lane by lane
+      alignas(64) float s16[16];
+      _mm512_store_ps(s16, s);
+      for (int64_t t = lo[r]; t < visible[r]; ++t) s16[t] = softcap * std::tanh(s16[t] / softcap);
+      s = _mm512_load_ps(s16);
+    }
+    const float new_max = std::max(m[r], _mm512_mask_reduce_max_ps(valid, s));
+    correction[r] = 1.f;
+    if (new_max > m[r]) {
+      correction[r] = std::exp(m[r] - new_max);  // exp(-inf) = 0 on the first keys
+      l[r] *= correction[r];
+      m[r] = new_max;
+    }
+    const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
+    const __m256bh pb = _mm512_cvtneps_pbh(p);
+    l[r] += _mm512_reduce_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)pb), 16)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pw[r]), (__m256i)pb);
+  }
+  for (int r = 0; r < R; ++r) {
+    __m512 acc[HD / 16];
+    for (int c = 0; c < HD / 16; ++c) acc[c] = _mm512_loadu_ps(ar[r] + 16 * c);
+    if (correction[r] != 1.f) {
+      const __m512 cv = _mm512_set1_ps(correction[r]);
+      for (int c = 0; c < HD / 16; ++c) acc[c] = _mm512_mul_ps(acc[c], cv);
+    }
+    for (int64_t j = lo[r] / 2; j < (visible[r] + 1) / 2; ++j) {
+      const __m512bh pj = (__m512bh)_mm512_set1_epi32(pw[r][j]);
+      for (int c = 0; c < HD / 16; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], pj, (__m512bh)vp[j][c]);
+    }
+    for (int c = 0; c < HD / 16; ++c) _mm512_storeu_ps(ar[r] + 16 * c, acc[c]);
+  }
+}
+#endif
+
 // One unit of work: queries [q_begin, q_end) of sequence `seq`, the rows of them that share KV
 // head `head`, against the keys [key_begin, key_end) of its context (a FlashDecoding split).
 struct WorkItem {
@@ -312,6 +435,69 @@ void plan_attention(AttnPlan& p, const Tensor& q, const Tensor& k_cache, const T
                    [&](int64_t a, int64_t b) { return p.items[a].cost > p.items[b].cost; });
 }
 
+#ifdef TOKENMILL_ATTN_BF16
+// One work item (attention_work's) on the bfloat16 dot products: each chunk of 16 keys laid out
+// once (load_chunk_bf16) for all of the item's rows, then each row that sees some of it.
+template <int HD>
+void attend_item_bf16(const AttnPlan& plan, const WorkItem& it, const c10::BFloat16* qp, const c10::BFloat16* kp,
+                      const c10::BFloat16* vp, float* a, float* m, float* l, int64_t first_j) {
+  const int64_t s = it.seq, h = it.head, q0 = plan.qsl[s], nq = plan.qsl[s + 1] - q0, len = plan.lens[s];
+  const int64_t groups = plan.groups, block_size = plan.block_size, window = plan.window, stride = plan.tok_stride;
+  const int64_t* table = plan.tables + s * plan.table_stride;
+  __m512i kt[HD / 2];
+  __m512i pairs[8][HD / 16];
+  for (int64_t t0 = it.key_begin; t0 < it.key_end; t0 += block_size) {
+    const int64_t blk = table[t0 / block_size], n = std::min(block_size, it.key_end - t0);
+    const c10::BFloat16* kb = kp + blk * plan.blk_stride + h * HD;
+    const c10::BFloat16* vb = vp + blk * plan.blk_stride + h * HD;
+    for (int64_t c0 = 0; c0 < n; c0 += 16) {
+      const int64_t k0 = t0 + c0, nc = std::min<int64_t>(16, n - c0);
+      if (len - nq + it.q_end - 1 < k0) break;  // past the item's last query (causal): nothing sees these keys
+      load_chunk_bf16<HD>(kb + c0 * stride, vb + c0 * stride, stride, nc, kt, pairs);
+      // the rows that see some of these keys, four at a time
+      const c10::BFloat16* q[4];
+      int64_t lo[4], visible[4];
+      float *ar[4], *mr[4], *lr[4];
+      float mv[4], lv[4];
+      int n_rows = 0;
+      auto flush = [&]() {
+        for (int r = 0; r < n_rows; ++r) mv[r] = *mr[r], lv[r] = *lr[r];
+        switch (n_rows) {
+          case 4: attend_chunk_bf16<HD, 4>(q, plan.scale, kt, pairs, lo, visible, plan.softcap, ar, mv, lv); break;
+          case 3: attend_chunk_bf16<HD, 3>(q, plan.scale, kt, pairs, lo, visible, plan.softcap, ar, mv, lv); break;
+          case 2: attend_chunk_bf16<HD, 2>(q, plan.scale, kt, pairs, lo, visible, plan.softcap, ar, mv, lv); break;
+          case 1: attend_chunk_bf16<HD, 1>(q, plan.scale, kt, pairs, lo, visible, plan.softcap, ar, mv, lv); break;
+          default: break;
+        }
+        for (int r = 0; r < n_rows; ++r) *mr[r] = mv[r], *lr[r] = lv[r];
+        n_rows = 0;
+      };
+      for (int64_t j = first_j; j < it.q_end; ++j) {
+        // keys [lo, visible) of this chunk: up to the query's position, and within its window
+        const int64_t vis = std::min(nc, len - nq + j - k0 + 1);
+        const int64_t low = window > 0 ? std::max<int64_t>(0, len - nq + j - window + 1 - k0) : 0;
+        if (vis <= low) continue;
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t r = (j - it.q_begin) * groups + g;
+          q[n_rows] = qp + ((q0 + j) * plan.num_heads + h * groups + g) * HD;
+          lo[n_rows] = low, visible[n_rows] = vis;
+          ar[n_rows] = a + r * HD, mr[n_rows] = m + r, lr[n_rows] = l + r;
+          if (++n_rows == 4) flush();
+        }
+      }
+      flush();
+    }
+  }
+  float ordered[HD];  // the accumulators' lanes back in the values' order
+  for (int64_t r = (first_j - it.q_begin) * groups; r < (it.q_end - it.q_begin) * groups; ++r) {
+    float* ar = a + r * HD;
+    for (int c = 0; c < HD / 16; ++c)
+      for (int x = 0; x < 16; ++x) ordered[paired_dim(c, x)] = ar[16 * c + x];
+    std::copy(ordered, ordered + HD, ar);
+  }
+}
+#endif
+
 // One thread's part of a plan's work: items taken from p.next until none is left.
 // HD: the head dimension when known at compile time (64, 128; 0 = read at run time), so
 // the per-key dot products and V accumulations unroll into a few full vector ops.
@@ -346,6 +532,12 @@ void attention_work(AttnPlan& plan, const void* q, const void* k_cache, const vo
     // position is before this partition see none of it.
     const int64_t first_j = std::max<int64_t>(jb, it.key_begin - (len - nq));
     if (first_j >= je) continue;
+#ifdef TOKENMILL_ATTN_BF16
+    if constexpr (std::is_same_v<Q, c10::BFloat16> && std::is_same_v<C, c10::BFloat16> && (HD == 64 || HD == 128)) {
+      attend_item_bf16<HD>(plan, it, qp, kp, vp, a, m, l, first_j);
+      continue;
+    }
+#endif
     qf.resize(rows * d);
     for (int64_t j = first_j; j < je; ++j)
       for (int64_t g = 0; g < groups; ++g) {
