@@ -148,7 +148,9 @@ def test_attention_of_a_query_does_not_depend_on_its_step(heads, kv_heads, head_
     decode or one row of a long prefill chunk beside other sequences (NativeOps(batch_invariant)),
     on the bfloat16 dot products (64- and 128-wide heads) and the float path (32)."""
     ops = NativeOps(batch_invariant=True)
-    q, k, v, cache, meta = batch([(40, 1), (600, 100), (300, 1)], heads, kv_heads, head_dim, "bfloat16", torch.bfloat16, seed=3)
+    q, k, v, cache, meta = batch(
+        [(40, 1), (600, 100), (300, 1)], heads, kv_heads, head_dim, "bfloat16", torch.bfloat16, seed=3
+    )
     together = ops.attention(q, k, v, cache, meta, head_dim**-0.5)
     # the chunk's last query alone: the same cache, a one-query step
     width = meta.block_tables.shape[1]
