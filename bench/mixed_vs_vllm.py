@@ -1,18 +1,20 @@
-"""Batched ``mixed`` serving on a Hugging Face folder in bfloat16: tokenmill's settings side
-by side, and vLLM-CPU on the very same requests, in one run (issue 58).
+"""Batched serving on a Hugging Face folder in bfloat16: tokenmill's settings side by side, and
+vLLM-CPU on the very same requests, in one run (issue 58).
 
     .venv/bin/python bench/peers/gguf_to_hf.py /tmp/smollm2-hf          # the HF folder, once
     .venv/bin/python bench/mixed_vs_vllm.py /tmp/smollm2-hf [--rounds 2] [--vllm bench/peers/run_vllm.sh]
-        [--profile]
+        [--workload mixed|shared_prefix] [--gguf FILE] [--profile]
 
-The workload is throughput.py's ``mixed`` (64 requests, prompts 16-1000 tokens, 16-256 output
-tokens, ignore_eos, all at once, prefix caching off), tokenised by the folder's own tokenizer
-(transformers', as vLLM does) and written to results/workload_mixed_hf.jsonl, which both
-engines read. tokenmill runs each setting in a fresh process (the GEMM choice is read once, at
-load), alternating rounds so that a slow patch of a shared machine falls on every setting;
-vLLM (its own venv, bench/peers/) once per dtype per round. ``--profile`` adds one profiled
-tokenmill run: the self time per op, split by step rows (the table of RESULTS' issue-58 section).
-Writes results/mixed_vs_vllm.json.
+``mixed`` (the default) is throughput.py's workload of 64 requests (prompts 16-1000 tokens, 16-256
+output tokens, ignore_eos, all at once, prefix caching off); ``shared_prefix`` its 32 requests
+sharing a ~1000-token system prompt, prefix caching on in both engines. Each is tokenised by the
+folder's own tokenizer (transformers', as vLLM does) and written to results/workload_*_hf.jsonl,
+which both engines read. tokenmill runs each setting in a fresh process (the GEMM choice is read
+once, at load), alternating rounds so that a slow patch of a shared machine falls on every
+setting; ``--gguf`` adds the GGUF file the folder was written from (the same weights) at its
+default dtype. vLLM (its own venv, bench/peers/) runs once per dtype per round. ``--profile``
+adds one profiled tokenmill run (the GGUF's where given): the self time per op, split by step
+rows. Writes results/mixed_vs_vllm.json (or shared_prefix_vs_vllm.json).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 WORKLOAD = HERE / "results" / "workload_mixed_hf.jsonl"
+WORKLOADS = {"mixed": WORKLOAD, "shared_prefix": HERE / "results" / "workload_shared_prefix_hf.jsonl"}
 # tokenmill settings: the environment each runs under
 SETTINGS = {
     "plain weights (TOKENMILL_PREPACK=0)": {"TOKENMILL_PREPACK": "0"},
@@ -39,7 +42,7 @@ import json, os, sys, time
 from tokenmill import LLM, SamplingParams
 reqs = [(d["prompt_token_ids"], d["max_tokens"]) for d in map(json.loads, open({workload!r}))]
 llm = LLM(model={model!r}, dtype={dtype!r}, kv_cache_memory="2GiB", max_num_seqs=64,
-          enable_prefix_caching=False, progress=False)
+          enable_prefix_caching={caching!r}, progress=False)
 llm.generate(reqs[0][0][:32], SamplingParams(max_tokens=4))
 params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in reqs]
 llm.engine.core.step_stats.clear()
@@ -71,25 +74,39 @@ print(json.dumps(res))
 """
 
 
-def write_workload(model: str, n: int) -> None:
+def write_workload(model: str, n: int, name: str = "mixed") -> Path:
+    """throughput.py's ``mixed`` (n requests) or ``shared_prefix`` (32 requests sharing a ~1000-token
+    system prompt) into its WORKLOADS file, tokenised by the folder's tokenizer; returns the path."""
     sys.path.insert(0, str(HERE))
-    from throughput import mixed_workload, write_jsonl
+    from throughput import mixed_workload, shared_prefix_workload, write_jsonl
     from transformers import AutoTokenizer
 
+    tokenizer = AutoTokenizer.from_pretrained(model)
     WORKLOAD.parent.mkdir(exist_ok=True)
-    write_jsonl(mixed_workload(AutoTokenizer.from_pretrained(model), n), WORKLOAD)
+    reqs = mixed_workload(tokenizer, n) if name == "mixed" else shared_prefix_workload(tokenizer)
+    write_jsonl(reqs, WORKLOADS[name])
+    return WORKLOADS[name]
 
 
-def run_tokenmill(model: str, env_extra: dict, profile: bool = False, dtype: str = "bfloat16") -> dict:
+def run_tokenmill(
+    model: str,
+    env_extra: dict,
+    profile: bool = False,
+    dtype: str = "bfloat16",
+    caching: bool = False,
+    workload: Path = WORKLOAD,
+) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("TOKENMILL_PREPACK", "TOKENMILL_UPCAST_ROWS")}
     env.update(env_extra)
-    code = CHILD.format(workload=str(WORKLOAD), model=model, profile=profile, dtype=dtype)
+    code = CHILD.format(workload=str(workload), model=model, profile=profile, dtype=dtype, caching=caching)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run_vllm(script: str, model: str, dtype: str) -> dict | None:
-    cmd = [script, "--workload", str(WORKLOAD), "--model", model, "--dtype", dtype, "--no-prefix-caching"]
+def run_vllm(script: str, model: str, dtype: str, caching: bool = False, workload: Path = WORKLOAD) -> dict | None:
+    cmd = [script, "--workload", str(workload), "--model", model, "--dtype", dtype]
+    if not caching:
+        cmd.append("--no-prefix-caching")
     r = subprocess.run(cmd, capture_output=True, text=True)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if r.returncode != 0 or not lines:
@@ -105,6 +122,12 @@ def main() -> None:
     ap.add_argument("model", help="a Hugging Face folder (bench/peers/gguf_to_hf.py)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument(
+        "--workload",
+        choices=("mixed", "shared_prefix"),
+        default="mixed",
+        help="mixed (prefix caching off) or shared_prefix (32 requests, prefix caching on in both engines)",
+    )
     ap.add_argument("--vllm", default=None, help="bench/peers/run_vllm.sh to run vLLM-CPU on the same requests")
     ap.add_argument("--vllm-dtypes", default="bfloat16,float32")
     ap.add_argument("--profile", action="store_true", help="one more tokenmill run under the PyTorch profiler")
@@ -119,8 +142,9 @@ def main() -> None:
     from tokenmill.kernels.cpu import cpu_info
     from tokenmill.kernels.gemm_choice import measured
 
-    write_workload(args.model, args.num_requests)
-    reqs = [json.loads(line) for line in WORKLOAD.read_text().splitlines()]
+    workload = write_workload(args.model, args.num_requests, args.workload)
+    caching = args.workload == "shared_prefix"
+    reqs = [json.loads(line) for line in workload.read_text().splitlines()]
     print(f"CPU: {cpu_info().describe()}; GEMM choice: {measured()}")
     print(
         f"workload: {len(reqs)} requests, {sum(len(r['prompt_token_ids']) for r in reqs)} prompt and "
@@ -134,7 +158,7 @@ def main() -> None:
     runs.update({f"vLLM-CPU {d}": [] for d in dtypes})
     for r in range(args.rounds):
         for name, (model, dtype, env) in settings.items():
-            res = run_tokenmill(model, env, dtype=dtype)
+            res = run_tokenmill(model, env, dtype=dtype, caching=caching, workload=workload)
             runs[name].append(res)
             print(
                 f"round {r + 1}: {name}: {res['output_tok_s']:.1f} output tok/s ({res['elapsed_s']:.1f} s, "
@@ -142,7 +166,7 @@ def main() -> None:
                 flush=True,
             )
         for d in dtypes:
-            res = run_vllm(args.vllm, args.model, d)
+            res = run_vllm(args.vllm, args.model, d, caching, workload)
             if res:
                 runs[f"vLLM-CPU {d}"].append(res)
                 print(f"round {r + 1}: vLLM-CPU {d}: {res['output_tok_s']:.1f} output tok/s", flush=True)
@@ -163,10 +187,11 @@ def main() -> None:
     }
     if args.profile:
         model, dtype = (args.gguf, "auto") if args.gguf else (args.model, "bfloat16")
-        out["profile"] = run_tokenmill(model, {}, profile=True, dtype=dtype)
+        out["profile"] = run_tokenmill(model, {}, profile=True, dtype=dtype, caching=caching, workload=workload)
         print(json.dumps(out["profile"].get("self_s_by_op_and_rows"), indent=1))
     (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / "mixed_vs_vllm.json").write_text(json.dumps(out, indent=1))
+    name = "mixed_vs_vllm.json" if args.workload == "mixed" else "shared_prefix_vs_vllm.json"
+    (HERE / "results" / name).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
