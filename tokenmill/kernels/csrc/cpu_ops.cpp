@@ -175,6 +175,29 @@ inline __m512 exp16(__m512 x) {
   return _mm512_castsi512_ps(bits);
 }
 
+// The online softmax's step over a chunk of 16 scores, keys [lo, visible) valid: Gemma 2's soft
+// cap lane by lane, the running max `m` raised to the chunk's (the running sum `l` scaled by the
+// returned `correction`, which the caller's accumulators take too; 1 where the max stays), and the
+// chunk's weights exp(s - m), zero outside the valid keys.
+inline __m512 softmax_step16(__m512 s, int64_t lo, int64_t visible, float softcap, float& m, float& l,
+                             float& correction) {
+  const __mmask16 valid = static_cast<__mmask16>(((1u << visible) - 1) & ~((1u << lo) - 1));
+  if (softcap > 0.f) {
+    alignas(64) float s16[16];
+    _mm512_store_ps(s16, s);
+    for (int64_t t = lo; t < visible; ++t) s16[t] = softcap * std::tanh(s16[t] / softcap);
+    s = _mm512_load_ps(s16);
+  }
+  const float new_max = std::max(m, _mm512_mask_reduce_max_ps(valid, s));
+  correction = 1.f;
+  if (new_max > m) {
+    correction = std::exp(m - new_max);  // exp(-inf) = 0 on the first keys
+    l *= correction;
+    m = new_max;
+  }
+  return _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
+}
+
 // One query row against the keys [lo, visible) of a block (float rows `stride` apart), 16 keys
 // at a time: the 16 dot products summed as one vector, the online softmax on 16 lanes, the
 // row's accumulator (`ar`, with its running max `m` and sum `l`) in registers across the block.
@@ -195,24 +218,13 @@ inline void attend_row16(const float* qr, const float* kbase, const float* vbase
       for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), acc);
       dots[t] = acc;
     }
-    __m512 s = sum16x16(dots);
     const int64_t t_lo = std::max<int64_t>(lo - c0, 0), t_hi = std::min<int64_t>(visible - c0, 16);
-    const __mmask16 valid = static_cast<__mmask16>(((1u << t_hi) - 1) & ~((1u << t_lo) - 1));
-    if (softcap > 0.f) {  // Gemma 2's soft cap, lane by lane
-      _mm512_storeu_ps(p16, s);
-      for (int64_t t = t_lo; t < t_hi; ++t) p16[t] = softcap * std::tanh(p16[t] / softcap);
-      s = _mm512_loadu_ps(p16);
-    }
-    const float chunk_max = _mm512_mask_reduce_max_ps(valid, s);
-    const float new_max = std::max(m, chunk_max);
-    if (new_max > m) {
-      const float correction = std::exp(m - new_max);  // exp(-inf) = 0 on the first keys
-      l *= correction;
+    float correction;
+    const __m512 p = softmax_step16(sum16x16(dots), t_lo, t_hi, softcap, m, l, correction);
+    if (correction != 1.f) {
       const __m512 cv = _mm512_set1_ps(correction);
       for (int c = 0; c < C; ++c) accv[c] = _mm512_mul_ps(accv[c], cv);
-      m = new_max;
     }
-    const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
     l += _mm512_reduce_add_ps(p);
     _mm512_store_ps(p16, p);
     for (int64_t t = t_lo; t < t_hi; ++t) {
@@ -296,7 +308,7 @@ inline void load_chunk_bf16(const c10::BFloat16* kb, const c10::BFloat16* vb, in
 template <int HD, int R>
 inline void attend_chunk_bf16(const c10::BFloat16* const* q, float scale, const __m512i* kt,
                               const __m512i (*vp)[HD / 16], const int64_t* lo, const int64_t* visible, float softcap,
-                              float* const* ar, float* m, float* l) {
+                              float* const* ar, float* const* m, float* const* l) {
   __m512 s4[R][4];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) s4[r][c] = _mm512_setzero_ps();
@@ -311,25 +323,11 @@ inline void attend_chunk_bf16(const c10::BFloat16* const* q, float scale, const 
   alignas(32) int32_t pw[R][8];
   float correction[R];
   for (int r = 0; r < R; ++r) {
-    __m512 s = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(s4[r][0], s4[r][1]), _mm512_add_ps(s4[r][2], s4[r][3])),
-                             _mm512_set1_ps(scale));
-    const __mmask16 valid = static_cast<__mmask16>(((1u << visible[r]) - 1) & ~((1u << lo[r]) - 1));
-    if (softcap > 0.f) {  // Gemma 2's soft cap, lane by lane
-      alignas(64) float s16[16];
-      _mm512_store_ps(s16, s);
-      for (int64_t t = lo[r]; t < visible[r]; ++t) s16[t] = softcap * std::tanh(s16[t] / softcap);
-      s = _mm512_load_ps(s16);
-    }
-    const float new_max = std::max(m[r], _mm512_mask_reduce_max_ps(valid, s));
-    correction[r] = 1.f;
-    if (new_max > m[r]) {
-      correction[r] = std::exp(m[r] - new_max);  // exp(-inf) = 0 on the first keys
-      l[r] *= correction[r];
-      m[r] = new_max;
-    }
-    const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
+    const __m512 s = _mm512_mul_ps(
+        _mm512_add_ps(_mm512_add_ps(s4[r][0], s4[r][1]), _mm512_add_ps(s4[r][2], s4[r][3])), _mm512_set1_ps(scale));
+    const __m512 p = softmax_step16(s, lo[r], visible[r], softcap, *m[r], *l[r], correction[r]);
     const __m256bh pb = _mm512_cvtneps_pbh(p);
-    l[r] += _mm512_reduce_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)pb), 16)));
+    *l[r] += _mm512_reduce_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)pb), 16)));
     _mm256_store_si256(reinterpret_cast<__m256i*>(pw[r]), (__m256i)pb);
   }
   for (int r = 0; r < R; ++r) {
@@ -470,18 +468,15 @@ void attend_item_bf16(const AttnPlan& plan, const WorkItem& it, const c10::BFloa
       const c10::BFloat16* q[4];
       int64_t lo[4], visible[4];
       float *ar[4], *mr[4], *lr[4];
-      float mv[4], lv[4];
       int n_rows = 0;
       auto flush = [&]() {
-        for (int r = 0; r < n_rows; ++r) mv[r] = *mr[r], lv[r] = *lr[r];
         switch (n_rows) {
-          case 4: attend_chunk_bf16<HD, 4>(q, plan.scale, kt, pairs, lo, visible, plan.softcap, ar, mv, lv); break;
-          case 3: attend_chunk_bf16<HD, 3>(q, plan.scale, kt, pairs, lo, visible, plan.softcap, ar, mv, lv); break;
-          case 2: attend_chunk_bf16<HD, 2>(q, plan.scale, kt, pairs, lo, visible, plan.softcap, ar, mv, lv); break;
-          case 1: attend_chunk_bf16<HD, 1>(q, plan.scale, kt, pairs, lo, visible, plan.softcap, ar, mv, lv); break;
+          case 4: attend_chunk_bf16<HD, 4>(q, plan.scale, kt, pairs, lo, visible, plan.softcap, ar, mr, lr); break;
+          case 3: attend_chunk_bf16<HD, 3>(q, plan.scale, kt, pairs, lo, visible, plan.softcap, ar, mr, lr); break;
+          case 2: attend_chunk_bf16<HD, 2>(q, plan.scale, kt, pairs, lo, visible, plan.softcap, ar, mr, lr); break;
+          case 1: attend_chunk_bf16<HD, 1>(q, plan.scale, kt, pairs, lo, visible, plan.softcap, ar, mr, lr); break;
           default: break;
         }
-        for (int r = 0; r < n_rows; ++r) *mr[r] = mv[r], *lr[r] = lv[r];
         n_rows = 0;
       };
       for (int64_t j = first_j; j < it.q_end; ++j) {
