@@ -415,17 +415,21 @@ def random_gguf_blocks(type_name: str, n: int, k: int, seed: int = 0):
     return raw.reshape(n, -1)
 
 
-def write_gguf(path, hf_model, arch: str, tokenizer: dict, weight_type: str | None = None) -> None:
+def write_gguf(
+    path, hf_model, arch: str, tokenizer: dict, weight_type: str | None = None, split_max_tensors: int = 0
+) -> None:
     """A HF model as an F32 GGUF, as llama.cpp's converter writes it (Q/K rows permuted
     for llama-arch files), with the given ``tokenizer.*`` metadata. ``weight_type`` stores
     the 2-D weights quantised (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 with gguf-py's quantiser; the
-    K-quants as random blocks, since gguf-py has no quantiser for them)."""
+    K-quants as random blocks, since gguf-py has no quantiser for them). ``split_max_tensors``: split
+    into parts of at most that many tensors, named as llama.cpp's gguf-split names them
+    (``NAME-00001-of-0000N.gguf`` beside ``path``)."""
     import gguf
     import numpy as np
 
     cfg = hf_model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w = gguf.GGUFWriter(str(path), arch)
+    w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)

@@ -85,6 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(chat)
     _add_sampling_args(chat, max_tokens=256)
     serve = sub.add_parser("serve", help="serve the OpenAI API over HTTP")
+    serve.add_argument(
+        "model_positional",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model, as --model takes it (a path or a Hub id), for `tokenmill serve ORG/NAME` as vLLM takes it",
+    )
     add_config_arguments(serve.add_argument_group("server"), ServerConfig)
     add_config_arguments(serve.add_argument_group("replicas (Ray Serve; pip install 'tokenmill[ray]')"), ReplicaConfig)
     add_engine_arguments(serve, several_models=True)
@@ -99,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
         "quantize", help="quantise a model's linears (RTN, GPTQ, AWQ) into a compressed-tensors folder"
     )
     _add_quantize_args(quantize)
+    pull = sub.add_parser("pull", help="download a Hub model (ORG/NAME or ORG/NAME:QUANT) into the Hub cache")
+    pull.add_argument("model", metavar="ID", help="a Hub repo id: ORG/NAME, ORG/NAME:QUANT or hf.co/ORG/NAME:QUANT")
+    pull.add_argument("--revision", default=None, help="a branch, tag or commit (default: main)")
+    sub.add_parser("list", help="the models in the Hub cache: revision, type, size, and whether tokenmill serves them")
+    rm = sub.add_parser("rm", help="remove a model from the Hub cache")
+    rm.add_argument("model", metavar="ID", help="a Hub repo id: ORG/NAME")
+    rm.add_argument("--revision", default=None, help="remove only this cached branch, tag or commit")
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from tokenmill.loadgen.serve import add_arguments
@@ -356,7 +370,65 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from tokenmill.launch import serve
 
+    if args.model_positional is not None:
+        if args.model:
+            raise TokenmillError(f"the model is given twice: {args.model_positional} and --model; give one")
+        args.model = [args.model_positional]
     return serve(args)
+
+
+def _hub_ref(text: str):
+    from tokenmill.hub.refs import parse_ref
+
+    ref = parse_ref(text)
+    if ref is None:
+        raise TokenmillError(f"{text!r} is not a Hugging Face repo id (ORG/NAME, ORG/NAME:QUANT, hf.co/ORG/NAME)")
+    return ref
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from tokenmill.hub.download import resolve
+    from tokenmill.model.paths import check_architecture
+
+    ref = _hub_ref(args.model)
+    got = resolve(ref, args.revision, update=True, check=check_architecture(ref))
+    quant = f" {got.files.quant}" if got.files.quant else ""
+    print(f"{ref} ({got.files.kind}{quant}, revision {got.revision}, commit {got.commit[:12]}): {_size(got.size)}")
+    print(got.path)
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from tokenmill.hub.cache import cached_models
+    from tokenmill.hub.download import cache_dir
+    from tokenmill.model.paths import servable
+
+    rows = []
+    for m in cached_models():
+        kinds = [(f"gguf {tag}", *q) for tag, q in m.quants.items()] if m.quants else [(m.kind, m.folder, m.size)]
+        for kind, path, size in kinds:
+            rows.append((m.repo_id, m.revision, kind, _size(size), servable(m.kind, path)))
+    if not rows:
+        print(f"no models in the Hub cache ({cache_dir()}): `tokenmill pull ORG/NAME` downloads one")
+        return 0
+    head = ("MODEL", "REVISION", "TYPE", "SIZE", "SERVES")
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    for r in [head, *rows]:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    from tokenmill.hub.cache import remove
+
+    ref = _hub_ref(args.model)
+    freed, commits = remove(ref, args.revision)
+    print(f"removed {ref} ({len(commits)} revision{'s' * (len(commits) != 1)}): {_size(freed)} freed")
+    return 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -407,6 +479,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "train-draft": cmd_train_draft,
             "quantize": cmd_quantize,
             "tune": cmd_tune,
+            "pull": cmd_pull,
+            "list": cmd_list,
+            "rm": cmd_rm,
         }
         return commands[args.command](args)
     except TokenmillError as e:

@@ -119,8 +119,11 @@ class LoadConfig:
     """Which model to load, in what precision, on which device."""
 
     model: str | None = opt(
-        None, "a .gguf file or a Hugging Face folder (default: the bundled SmolLM2-135M-Instruct Q4_1)"
+        None,
+        "a .gguf file, a Hugging Face folder, or a Hub repo id (ORG/NAME, or ORG/NAME:QUANT for a GGUF repo; "
+        "downloaded into the Hub cache once) (default: the bundled SmolLM2-135M-Instruct Q4_1)",
     )
+    revision: str | None = opt(None, "a Hub repo id's branch, tag or commit (default: main)")
     dtype: str = opt(
         "auto",
         "auto, float32, bfloat16 or float16 (auto: bfloat16 on CUDA and on CPUs with native "

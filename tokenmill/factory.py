@@ -28,6 +28,7 @@ from tokenmill.memory import parse_memory
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import load_checkpoint, read_config
 from tokenmill.model.ops import NativeOps
+from tokenmill.model.paths import with_model_paths
 from tokenmill.model.shard_plan import ModelShard, check_parallel_sizes
 from tokenmill.model.tokenizer import Tokenizer, load_tokenizer
 from tokenmill.model_setup import load_shard, native_kernels_run, prepare_model, resolve_device
@@ -102,6 +103,7 @@ def build_engine(args: EngineArgs, progress: bool = True, outputs: bool = True) 
     """The model, its runner, an engine core over them, and (``outputs``) an ``Engine``
     around the core for one process; the engine-core process of ``tokenmill serve``
     asks for the core alone (its output processing is in the API process)."""
+    args = with_model_paths(args)  # a Hub id: found in (or downloaded into) the Hub cache, once
     load, parallel = args.load, args.parallel
     device = resolve_device(load.device)
     dtype = resolve_dtype(load.dtype, device)

@@ -53,6 +53,7 @@ from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.streams import StreamingFront
 from tokenmill.errors import TokenmillError
 from tokenmill.memory import available_memory, parse_memory
+from tokenmill.model.paths import hub_ref, with_model_paths
 from tokenmill.server.app import api_keys, build_models_app
 from tokenmill.server.clients import uvicorn_options
 from tokenmill.server.model_router import parse_routers
@@ -140,7 +141,8 @@ def _plan_models(args: argparse.Namespace, config: ServerConfig) -> list[tuple[M
     """Each served model's engine options. Several models share the KV budget
     (--kv-cache-memory, or its default) equally, unless one sets its own; the budgets
     and the weights' files must fit in the memory free now."""
-    planned = served_models(args)
+    # a model named by its Hub id is resolved here, once: downloaded (with progress) before any engine starts
+    planned = [(spec, with_model_paths(engine_args)) for spec, engine_args in served_models(args)]
     specs = [spec for spec, _ in planned]
     if specs[0].name is not None and config.served_model_name is not None:
         raise TokenmillError("--served-model-name names a model given as a PATH; --model NAME=PATH names its own")
@@ -263,9 +265,8 @@ def serve(args: argparse.Namespace) -> int:
     try:  # from here on every engine started (perhaps a process) is stopped however this ends
         for spec, engine_args in planned:
             engine, tokenizer, max_model_len, path, close = _start_engine(args, config, engine_args)
-            models.append(
-                ServedModel(spec.name or config.served_model_name or model_id(path), engine, tokenizer, max_model_len)
-            )
+            name = spec.name or config.served_model_name or (spec.path if hub_ref(spec.path) else model_id(path))
+            models.append(ServedModel(name, engine, tokenizer, max_model_len))
             closers.append(close)
         if planned[0][0].name is None:  # the single-model form: the name in the config, as before
             config = replace(config, served_model_name=models[0].name)

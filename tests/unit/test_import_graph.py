@@ -71,7 +71,7 @@ def test_the_checker_finds_a_cycle():
 # or above. A new folder or top-level module must be placed here before it can be imported.
 LAYERS = [
     ["errors", "lifetime", "energy", "flag_types"],  # flag_types: argparse types that check a flag as it is parsed
-    ["config", "memory"],
+    ["config", "memory", "hub"],  # hub: a model named by its Hub id, found in or downloaded into the Hub cache
     ["serving_config"],  # the server's and the replicas' options, in config.py's form
     ["args", "structured", "quant", "lora"],
     ["sampling_params", "pooling_params", "kernels"],

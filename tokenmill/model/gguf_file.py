@@ -14,6 +14,7 @@ then the tensor data.
 from __future__ import annotations
 
 import mmap
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,8 +86,38 @@ class _Cursor:
         raise ModelLoadError(f"corrupt GGUF file {self.path}: unknown metadata value type {vtype}")
 
 
+_SPLIT_NAME = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
+
+
 def read_gguf(path: Path) -> tuple[dict[str, Any], list[GGUFTensor]]:
-    """Metadata dict and tensor list of a GGUF file (tensor data memory-mapped)."""
+    """Metadata dict and tensor list of a GGUF file (tensor data memory-mapped). A model split
+    into parts (llama.cpp's gguf-split: ``NAME-00001-of-00003.gguf`` ...) is read whole from its
+    first part, the others found beside it by name."""
+    metadata, tensors = _read_one(path)
+    count = int(metadata.get("split.count", 1) or 1)
+    if count <= 1:
+        return metadata, tensors
+    m = _SPLIT_NAME.match(path.name)
+    if int(metadata.get("split.no", 0)) != 0 or m is None or int(m.group(2)) != 1:
+        first = f"{m.group(1)}-00001-of-{count:05d}.gguf" if m else "its -00001-of- file"
+        raise ModelLoadError(f"{path} is one part of a GGUF split in {count}: give the first part ({first})")
+    for i in range(2, count + 1):
+        part = path.with_name(f"{m.group(1)}-{i:05d}-of-{count:05d}.gguf")
+        if not part.exists():
+            raise ModelLoadError(f"{path} is split in {count} parts and part {i} is missing: {part}")
+        tensors += _read_one(part)[1]
+    expected = metadata.get("split.tensors.count")
+    if expected is not None and len(tensors) != int(expected):
+        raise ModelLoadError(f"{path}: its {count} parts hold {len(tensors)} tensors, the first part says {expected}")
+    return metadata, tensors
+
+
+def read_gguf_metadata(path: Path) -> dict[str, Any]:
+    """A GGUF file's metadata alone (a split model's first part holds all of it)."""
+    return _read_one(path)[0]
+
+
+def _read_one(path: Path) -> tuple[dict[str, Any], list[GGUFTensor]]:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     with open(path, "rb") as f:
