@@ -132,7 +132,7 @@ def _add_train_draft_args(p: argparse.ArgumentParser) -> None:
     d = TrainOptions()
     p.add_argument("--method", choices=("eagle", "medusa"), default="eagle", help="the head to train (default eagle)")
     p.add_argument("--output", required=True, help="folder for the data, the head (OUTPUT/head) and its plots")
-    p.add_argument("--model", default=None, help="the target (.gguf or folder); default: SmolLM2-135M-Instruct")
+    p.add_argument("--model", default=None, help="the target (.gguf, folder or Hub id); default: SmolLM2-135M-Instruct")
     p.add_argument("--device", default="auto", help="cpu, cuda, or auto (a GPU where there is one)")
     p.add_argument(
         "--prompts",
@@ -184,7 +184,7 @@ def _add_quantize_args(p: argparse.ArgumentParser) -> None:
         "paths",
         nargs="+",
         metavar="[MODEL] OUT",
-        help="the model (.gguf or folder; default: SmolLM2-135M-Instruct) and the folder to write",
+        help="the model (.gguf, folder or Hub id; default: SmolLM2-135M-Instruct) and the folder to write",
     )
     p.add_argument("--method", choices=("rtn", "gptq", "awq"), default="gptq", help="(default gptq)")
     p.add_argument("--bits", type=int, choices=(4, 8), default=4, help="weight bits: W4A16 or W8A16 (default 4)")

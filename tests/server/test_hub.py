@@ -20,7 +20,7 @@ import httpx
 import pytest
 import torch
 
-from tests.helpers import gguf_tokenizer_metadata, make_tiny_llama, write_gguf
+from tests.helpers import gguf_tokenizer_metadata, make_tiny_llama, write_adapter, write_gguf
 from tests.hub_standin import GOOD_TOKEN, HubStandIn
 from tests.server.conftest import free_port
 from tokenmill.model.hf_export import write_tokenizer
@@ -33,6 +33,7 @@ LLAMA = "tiny-org/tiny-llama"
 GGUF = "tiny-org/Tiny-GGUF"
 BERT = "tiny-org/tiny-bert"
 GATED = "tiny-org/gated-llama"
+ADAPTER = "tiny-org/tiny-llama-lora"
 BIG = "tiny-org/too-big"
 VOCAB = len(gguf_tokenizer_metadata(default_model_path())["tokenizer.ggml.tokens"])
 
@@ -44,8 +45,9 @@ def repos(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("repos")
     torch.manual_seed(0)
     llama = root / "llama"
-    make_tiny_llama(llama, vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    hf_llama = make_tiny_llama(llama, vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
     write_tokenizer(llama, load_tokenizer(default_model_path()), 256)
+    write_adapter(root / "adapter", hf_llama, rank=4)
     cfg = transformers.LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -63,7 +65,7 @@ def repos(tmp_path_factory) -> dict[str, Path]:
     write_gguf(ggufs / "Tiny-Q8_0.gguf", model, "llama", tokenizer, "Q8_0")
     write_gguf(ggufs / "Tiny-Q4_0.gguf", model, "llama", tokenizer, "Q4_0", split_max_tensors=10)
     assert len(list(ggufs.glob("Tiny-Q4_0-0000?-of-00003.gguf"))) == 3
-    return {"llama": llama, "gguf": ggufs}
+    return {"llama": llama, "gguf": ggufs, "adapter": root / "adapter"}
 
 
 @pytest.fixture()
@@ -84,6 +86,7 @@ def hub(repos):
             "model.safetensors": b"x" * 64,
         },
     )
+    standin.add_folder(ADAPTER, repos["adapter"])
     standin.add_commit(GATED, llama, gated=True)
     standin.add_commit(BIG, llama)
     standin.repos[BIG].sizes["model.safetensors"] = 1 << 50  # the Hub lists a petabyte
@@ -253,20 +256,13 @@ def test_a_gated_model_downloads_with_a_token(hub, tmp_path):
 
 
 def test_serve_takes_the_id_as_vllm_does_and_names_the_model_by_it(hub, tmp_path):
+    """`tokenmill serve ORG/NAME` (the positional vLLM takes), a LoRA adapter by its id too; both
+    downloaded before the server starts and served under the ids the user gave."""
     port = free_port()
     environ = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     environ |= {"HF_HOME": str(tmp_path), "HF_ENDPOINT": hub.endpoint, "PYTHONUNBUFFERED": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "tokenmill",
-        "serve",
-        f"{GGUF}:Q8_0",
-        "--port",
-        str(port),
-        "--kv-cache-memory",
-        "64MiB",
-    ]
+    flags = ["--port", str(port), "--kv-cache-memory", "64MiB", "--dtype", "float32", "--enable-lora"]
+    cmd = [sys.executable, "-m", "tokenmill", "serve", LLAMA, *flags, "--lora-modules", f"ad={ADAPTER}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -276,13 +272,15 @@ def test_serve_takes_the_id_as_vllm_does_and_names_the_model_by_it(hub, tmp_path
                 if httpx.get(url + "/health", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        models = httpx.get(url + "/v1/models").json()["data"]
-        assert [m["id"] for m in models] == [f"{GGUF}:Q8_0"]
-        body = {"model": f"{GGUF}:Q8_0", "prompt": "Hello", "max_tokens": 4, "ignore_eos": True}
-        reply = httpx.post(url + "/v1/completions", json=body, timeout=60)
-        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
+                time.sleep(0.2)
+        assert sorted(m["id"] for m in httpx.get(url + "/v1/models").json()["data"]) == ["ad", LLAMA]
+        texts = {}
+        for model in (LLAMA, "ad"):
+            body = {"model": model, "prompt": "Hello", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+            reply = httpx.post(url + "/v1/completions", json=body, timeout=60)
+            assert reply.status_code == 200, reply.text
+            texts[model] = reply.json()["choices"][0]["text"]
+        assert texts["ad"] != texts[LLAMA]  # the adapter downloaded by its id is applied
     finally:
         proc.terminate()
         proc.wait(30)
