@@ -193,6 +193,9 @@ def test_offline_starts_from_the_cache_and_says_what_to_do_when_it_cannot(hub, r
     hub.stop()  # no Hub at all from here
     assert generated("--model", f"{GGUF}:Q8_0", hub=None, home=tmp_path, HF_HUB_OFFLINE="1")
     assert generated("--model", f"{GGUF}:q8_0", hub=None, home=tmp_path)
+    # no tag means what it means online (Q4_K_M, which this repo lacks), not "whatever quant is cached"
+    untagged = tokenmill("generate", "Hi", "--model", GGUF, hub=None, home=tmp_path, HF_HUB_OFFLINE="1")
+    assert untagged.returncode == 2 and "is not in the Hub cache" in untagged.stderr
     unreachable = tokenmill("generate", "Hi", "--model", LLAMA, hub=None, home=tmp_path)
     assert unreachable.returncode == 2 and "Traceback" not in unreachable.stderr
     assert "cannot reach the Hub" in unreachable.stderr and "tokenmill pull tiny-org/tiny-llama" in unreachable.stderr

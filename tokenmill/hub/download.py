@@ -93,7 +93,7 @@ def find_cached(ref: HubRef, revision: str) -> Resolved | None:
     folder = storage / "snapshots" / commit
     if not folder.is_dir():
         return None
-    names = [str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()]
+    names = _listing(storage, commit) or [str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()]
     try:
         files = choose_files(ref, names, lambda n: read_json_file(folder / n), where="the cache")
     except ModelLoadError:
@@ -102,6 +102,15 @@ def find_cached(ref: HubRef, revision: str) -> Resolved | None:
         return None  # a shard not downloaded yet
     size = sum((folder / f).stat().st_size for f in files.files)
     return Resolved(ref, revision, commit, folder, files, size)
+
+
+def _listing(storage: Path, commit: str) -> list[str] | None:
+    """The repo's files at ``commit`` as the Hub listed them when the snapshot was downloaded (the
+    client keeps the listing beside the snapshots, ``trees/<commit>.json``), so that a choice made
+    offline (no tag: Q4_K_M, else the only GGUF) is the one made online, whichever quants are cached."""
+    listing = read_json_file(storage / "trees" / f"{commit}.json")
+    files = listing.get("files") if listing.get("format_version") == 1 else None
+    return sorted(files) if isinstance(files, dict) else None
 
 
 def _download(ref: HubRef, revision: str, check: ArchitectureCheck | None) -> Resolved:
