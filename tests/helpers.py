@@ -525,6 +525,30 @@ def write_gguf(
     w.close()
 
 
+def write_tiny_llama_gguf(path, weight_type: str, split_max_tensors: int = 0) -> None:
+    """A tiny random Llama (64 wide, 2 layers) with the default model's tokenizer, as a GGUF of
+    ``weight_type`` (split in parts of ``split_max_tensors`` tensors if given); the same weights
+    at every call."""
+    import transformers
+
+    from tokenmill.model.paths import default_model_path
+
+    tokenizer = gguf_tokenizer_metadata(default_model_path())
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(tokenizer["tokenizer.ggml.tokens"]),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    write_gguf(path, model, "llama", tokenizer, weight_type, split_max_tensors=split_max_tensors)
+
+
 # ------------------------------------------------------------------- processes
 
 

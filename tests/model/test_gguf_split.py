@@ -7,32 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import gguf_tokenizer_metadata, write_gguf
+from tests.helpers import write_tiny_llama_gguf
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.loader import load_checkpoint
-from tokenmill.model.paths import default_model_path
-
-transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("split")
-    tokenizer = gguf_tokenizer_metadata(default_model_path())
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=len(tokenizer["tokenizer.ggml.tokens"]),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    write_gguf(root / "whole.gguf", model, "llama", tokenizer, "Q8_0")
-    write_gguf(root / "split.gguf", model, "llama", tokenizer, "Q8_0", split_max_tensors=8)
+    write_tiny_llama_gguf(root / "whole.gguf", "Q8_0")
+    write_tiny_llama_gguf(root / "split.gguf", "Q8_0", split_max_tensors=8)
     return root
 
 

@@ -20,7 +20,7 @@ import httpx
 import pytest
 import torch
 
-from tests.helpers import gguf_tokenizer_metadata, make_tiny_llama, write_adapter, write_gguf
+from tests.helpers import gguf_tokenizer_metadata, make_tiny_llama, write_adapter, write_tiny_llama_gguf
 from tests.hub_standin import GOOD_TOKEN, HubStandIn
 from tests.server.conftest import free_port
 from tokenmill.model.hf_export import write_tokenizer
@@ -48,22 +48,10 @@ def repos(tmp_path_factory) -> dict[str, Path]:
     hf_llama = make_tiny_llama(llama, vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
     write_tokenizer(llama, load_tokenizer(default_model_path()), 256)
     write_adapter(root / "adapter", hf_llama, rank=4)
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    model = transformers.LlamaForCausalLM(cfg).eval()
     ggufs = root / "gguf"
     ggufs.mkdir()
-    tokenizer = gguf_tokenizer_metadata(default_model_path())
-    write_gguf(ggufs / "Tiny-Q8_0.gguf", model, "llama", tokenizer, "Q8_0")
-    write_gguf(ggufs / "Tiny-Q4_0.gguf", model, "llama", tokenizer, "Q4_0", split_max_tensors=10)
+    write_tiny_llama_gguf(ggufs / "Tiny-Q8_0.gguf", "Q8_0")
+    write_tiny_llama_gguf(ggufs / "Tiny-Q4_0.gguf", "Q4_0", split_max_tensors=10)
     assert len(list(ggufs.glob("Tiny-Q4_0-0000?-of-00003.gguf"))) == 3
     return {"llama": llama, "gguf": ggufs, "adapter": root / "adapter"}
 
