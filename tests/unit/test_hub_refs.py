@@ -23,6 +23,7 @@ from tokenmill.hub.refs import HubRef, choose_files, gguf_choices, gguf_quant, p
         ("./org/name", None),
         ("org/../name", None),
         ("org/name:", None),
+        ("org--x/name", None),
         ("-org/name", None),
     ],
 )
@@ -99,6 +100,8 @@ def test_a_safetensors_repo_means_its_config_tokenizer_and_shards_never_its_othe
         "model-00001-of-00002.safetensors",
         "model-00002-of-00002.safetensors",
     }
+    unreadable_index = choose_files(HubRef("o/m"), names, lambda n: {})
+    assert unreadable_index.files[-2:] == ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
     assert choose_files(HubRef("o/m"), names).files[-2:] == (
         "model-00001-of-00002.safetensors",
         "model-00002-of-00002.safetensors",

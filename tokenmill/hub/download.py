@@ -166,6 +166,7 @@ def hub_errors(ref: HubRef, revision: str) -> Iterator[None]:
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
+        HFValidationError,
         LocalEntryNotFoundError,
         OfflineModeIsEnabled,
         RemoteEntryNotFoundError,
@@ -191,6 +192,8 @@ def hub_errors(ref: HubRef, revision: str) -> Iterator[None]:
             f"no model {ref.repo_id} on the Hub ({endpoint()}) and no file or folder of that name here "
             "(a private repo needs HF_TOKEN)"
         ) from None
+    except HFValidationError as e:
+        raise ModelLoadError(f"{ref} is not a valid Hub repo id or revision: {_said(e)}") from None
     except RevisionNotFoundError:
         raise ModelLoadError(f"{ref.repo_id} has no revision {revision!r} (a branch, a tag or a commit)") from None
     except RemoteEntryNotFoundError as e:

@@ -63,7 +63,7 @@ def parse_ref(text: str) -> HubRef | None:
             break
     text = text.rstrip("/")
     m = _REF.fullmatch(text)
-    if m is None or ".." in m.group(1):
+    if m is None or ".." in m.group(1) or "--" in m.group(1):  # the Hub allows neither in an id
         return None
     tag = m.group(2)
     return HubRef(m.group(1), None if tag is None or tag.lower() == "latest" else tag)
@@ -125,8 +125,9 @@ def choose_files(
         raise ModelLoadError(f"{ref.repo_id} on {where} has safetensors weights but no config.json")
     index = "model.safetensors.index.json"
     weights = [n for n in safetensors if n == "model.safetensors" or re.fullmatch(r"model-\d+-of-\d+\.safetensors", n)]
-    if index in root and read_json is not None:
-        weights = sorted(set(read_json(index).get("weight_map", {}).values()))
+    mapped = read_json(index).get("weight_map", {}) if index in root and read_json is not None else {}
+    if isinstance(mapped, dict) and mapped:
+        weights = sorted(set(mapped.values()))
     elif not weights:
         weights = safetensors
     extra = [index] if index in root else []

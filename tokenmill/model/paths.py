@@ -41,6 +41,8 @@ def hub_ref(model: str | Path | None) -> HubRef | None:
     (a path that exists always wins, as in transformers and vLLM)."""
     if model is None or isinstance(model, Path) or Path(model).expanduser().exists():
         return None
+    if model.lower().endswith((".gguf", ".safetensors", ".json")):
+        return None  # a file's name: a path mistyped, not a repo
     return parse_ref(model)
 
 
