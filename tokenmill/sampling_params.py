@@ -65,6 +65,9 @@ class SamplingParams:
     # offline requests share ""): while several clients have prompt tokens to compute,
     # each gets a share of a step's token budget (engine/fairness.py).
     client: str = ""
+    # vLLM's cache_salt: requests share prefix-cache blocks only with requests of the same salt
+    # (a tenant's prompts cannot be probed by another's timing); None: the common cache.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.structured, dict):
@@ -139,6 +142,8 @@ class SamplingParams:
             raise bad("priority", "must be an integer in (-2**31, 2**31)")
         if not isinstance(self.client, str):
             raise bad("client", "must be a string")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise bad("cache_salt", "must be a non-empty string")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad("min_tokens", "must be an integer in [0, max_tokens]")
         for t, v in self.logit_bias:

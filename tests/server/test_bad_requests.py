@@ -118,7 +118,7 @@ def test_out_of_range_wrongly_typed_or_unsupported_fields_are_400s_naming_the_fi
     ],
 )
 def test_a_field_we_do_not_know_is_refused_by_name_and_no_effect_fields_are_accepted(app_engine, path, body):
-    for name, value in (("foo_unknown", 1), ("min_tokens_typo", 3), ("mm_processor_kwargs", {"x": 1})):
+    for name, value in (("foo_unknown", 1), ("min_tokens_typo", 3), ("media_kwargs_typo", {"x": 1})):
         err = assert_error(
             call(app_engine[0], "POST", path, {**body, name: value}),
             400,
@@ -141,9 +141,9 @@ def test_a_field_we_do_not_know_is_refused_by_name_and_no_effect_fields_are_acce
 
 
 def test_unknown_stream_options_are_refused_by_name(app_engine):
-    body = {"prompt": "hi", "max_tokens": 2, "stream": True, "stream_options": {"continuous_usage_stats": True}}
-    err = assert_error(call(app_engine[0], "POST", "/v1/completions", body), 400, "continuous_usage_stats")
-    assert err["param"] == "continuous_usage_stats"
+    body = {"prompt": "hi", "max_tokens": 2, "stream": True, "stream_options": {"usage_every_n": 2}}
+    err = assert_error(call(app_engine[0], "POST", "/v1/completions", body), 400, "usage_every_n")
+    assert err["param"] == "usage_every_n"
     ok = {**body, "stream_options": {"include_usage": True, "include_obfuscation": False}}
     assert call(app_engine[0], "POST", "/v1/completions", ok).status_code == 200
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -17,7 +19,6 @@ import pytest
 from tests.helpers import ScriptedRunner, ToyTokenizer, write_qwen3_tokenizer
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.engine import Engine, EngineConfig
-from tokenmill.errors import TokenmillError
 from tokenmill.server.app import build_app
 from tokenmill.serving_config import ServerConfig
 
@@ -312,13 +313,17 @@ def test_an_answer_with_its_reasoning_content_can_be_sent_back(tokenizer):
     )
 
 
-def test_a_parser_for_a_model_without_the_markers_is_refused_at_start():
+def test_a_parser_for_a_model_without_the_markers_serves_it_without_one_and_says_so_once(caplog):
+    """A deployment that sets --reasoning-parser for every model starts whatever the model."""
     engine = AsyncEngine(
         Engine.create(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=16, block_size=4, max_model_len=64))
     )
     try:
-        with pytest.raises(TokenmillError, match="no served model's vocabulary has the <think> and </think> tokens"):
-            build_app(engine, ToyTokenizer(), 64, ServerConfig(served_model_name="toy", reasoning_parser="qwen3"))
+        with caplog.at_level(logging.WARNING):
+            app = build_app(engine, ToyTokenizer(), 64, ServerConfig(served_model_name="toy", reasoning_parser="qwen3"))
+        assert [m.reasoning_parser for m in app.state.served.models.values()] == [None]
+        said = [r.getMessage() for r in caplog.records if "served without it" in r.getMessage()]
+        assert said == ["--reasoning-parser qwen3: model toy has no <think> and </think> tokens; served without it"]
     finally:
         engine.shutdown()
 
@@ -360,3 +365,38 @@ def test_a_tool_turns_reasoning_goes_back_into_the_prompt(tokenizer):
 
     by_chat, by_responses = run(go())
     assert by_chat.endswith(rendered) and by_responses.endswith(rendered)
+
+
+def test_answers_carry_vllms_new_reasoning_field_and_include_reasoning_false_drops_it(tokenizer):
+    """Newer vLLM answers ``reasoning`` beside ``reasoning_content``; ``include_reasoning: false``
+    answers the content alone, whole and streamed."""
+
+    async def go():
+        async with served(tokenizer, ANSWER) as (client, _, http):
+            whole = (await http.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK})).json()
+            body = {"model": MODEL, "messages": ASK, "include_reasoning": False}
+            without = (await http.post("/v1/chat/completions", json=body)).json()
+            streamed_without = await streamed(
+                client, model=MODEL, messages=ASK, extra_body={"include_reasoning": False}
+            )
+            return whole, without, streamed_without
+
+    whole, without, (reasoning, content, _, _) = run(go())
+    message = whole["choices"][0]["message"]
+    assert message["reasoning"] == message["reasoning_content"] == THOUGHT
+    assert without["choices"][0]["message"] == {"role": "assistant", "content": "\n\nIt is 4."}
+    assert (reasoning, content) == ("", "\n\nIt is 4.")
+
+
+def test_reasoning_effort_is_a_template_variable_as_vllm_passes_it(tokenizer):
+    template = "effort={{ reasoning_effort }}|{% for m in messages %}{{ m.content }}{% endfor %}"
+
+    async def go():
+        async with served(replace(tokenizer, chat_template=template), "It is 4.") as (_, runner, http):
+            body = {"model": MODEL, "messages": ASK, "reasoning_effort": "high", "return_prompt_text": True}
+            answer = (await http.post("/v1/chat/completions", json=body)).json()
+            return answer, prompt_text(tokenizer, runner)
+
+    answer, rendered = run(go())
+    assert rendered.startswith("effort=high|What is 2 + 2?")
+    assert answer["prompt_text"] == rendered

@@ -16,6 +16,8 @@ retrying the step one request at a time): that request ends with finish_reason
 
 from __future__ import annotations
 
+import bisect
+import hashlib
 import itertools
 import logging
 import time
@@ -34,7 +36,7 @@ from tokenmill.engine.model_input import GrammarMasks, ModelInput, ModelOutput, 
 from tokenmill.engine.outputs import SeqDelta
 from tokenmill.engine.request import Request, sequence_ids, step_params
 from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
-from tokenmill.engine.stats import EngineSnapshot, SpecDecodeStats, StepStats
+from tokenmill.engine.stats import ITERATION_TOKEN_BUCKETS, EngineSnapshot, SpecDecodeStats, StepStats
 from tokenmill.engine.step_trace import StepTracer, step_kinds
 from tokenmill.errors import EngineDeadError, InvalidRequestError, UnknownModelError
 from tokenmill.pooling_params import PoolingParams
@@ -112,6 +114,8 @@ class EngineCore:
         self.num_step_retries = 0  # steps that failed as a batch and were re-run request by request
         # The most recent steps' stats (bounded: a server runs for days).
         self._step_stats: deque[StepStats] = deque(maxlen=STEP_STATS_KEPT)
+        self.iteration_tokens = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)  # steps by their tokens (vLLM's histogram)
+        self.iteration_tokens_sum = 0
         self.tracer = StepTracer(self.scheduler, self.block_pool)  # each step's batch, for a live view
         self.kv_transfer = KVTransfer(self.block_pool, runner)  # prefix-cache events and KV for replicas
 
@@ -169,7 +173,7 @@ class EngineCore:
                 fork_of=seq_ids[0] if i > 0 else None,
                 grammar=grammar.matcher() if grammar is not None else None,
                 lora_name=lora,
-                hash_root=None if lora is None else self.lora_hash_root(lora),
+                hash_root=self._hash_root(lora, params.cache_salt),
                 client=client,
             )
             self.scheduler.add(req)
@@ -331,6 +335,8 @@ class EngineCore:
                 self._forget(u.request.parent_id)
         if sched.seqs:
             self._step_stats.append(self._stats(sched, t0))
+            self.iteration_tokens[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, sched.num_tokens)] += 1
+            self.iteration_tokens_sum += sched.num_tokens
         if kinds is not None:
             self.tracer.stepped(sched, kinds, updates, t0)
         self._drop_if_idle()
@@ -433,6 +439,14 @@ class EngineCore:
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return self.kv.stats
 
+    def _hash_root(self, lora: str | None, salt: str | None) -> bytes | None:
+        """What seeds a request's block hashes: its adapter's root, and its cache_salt (vLLM's),
+        so that requests share cached blocks only with those of the same adapter and salt."""
+        root = None if lora is None else self.lora_hash_root(lora)
+        if salt is None:
+            return root
+        return hashlib.blake2b((root or b"") + b"|salt|" + salt.encode(), digest_size=16).digest()
+
     def lora_hash_root(self, name: str) -> bytes | None:
         """The root of an adapter's block-hash chain (None: the base model's), for a
         router hashing prompts as this engine does (``routing.prompt_block_hashes``)."""
@@ -465,6 +479,8 @@ class EngineCore:
             spec_num_drafts=spec.num_drafts,
             spec_num_draft_tokens=spec.num_draft_tokens,
             spec_num_accepted_tokens=spec.num_accepted_tokens,
+            iteration_tokens=list(self.iteration_tokens),
+            iteration_tokens_sum=self.iteration_tokens_sum,
             max_loras=self.config.max_loras,
             loras={name: info.path for name, info in self.loras.items()},
             lora_requests=dict(self.lora_requests),

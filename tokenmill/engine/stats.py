@@ -56,6 +56,9 @@ class SpecDecodeStats:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # vLLM's
+
+
 @dataclass(frozen=True)
 class EngineSnapshot:
     """The engine's gauges and counters at one moment, as plain data: what a server's
@@ -72,6 +75,9 @@ class EngineSnapshot:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # tokens per engine step, counted per bucket of ITERATION_TOKEN_BUCKETS (the last: above them all), and summed
+    iteration_tokens: list[int] = field(default_factory=list)
+    iteration_tokens_sum: int = 0
     max_loras: int | None = None  # None: LoRA adapters are off
     loras: dict[str, str] = field(default_factory=dict)  # served adapters: name -> path
     lora_requests: dict[str, int] = field(default_factory=dict)  # requests per adapter since start

@@ -12,6 +12,7 @@ count of requests in flight wins over a report that may be a step old.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -137,6 +138,10 @@ def merge_snapshots(snaps: Sequence[EngineSnapshot]) -> EngineSnapshot:
             spec_num_drafts=total.spec_num_drafts + s.spec_num_drafts,
             spec_num_draft_tokens=total.spec_num_draft_tokens + s.spec_num_draft_tokens,
             spec_num_accepted_tokens=total.spec_num_accepted_tokens + s.spec_num_accepted_tokens,
+            iteration_tokens=[
+                a + b for a, b in itertools.zip_longest(total.iteration_tokens, s.iteration_tokens, fillvalue=0)
+            ],
+            iteration_tokens_sum=total.iteration_tokens_sum + s.iteration_tokens_sum,
             max_loras=s.max_loras,
             loras={**total.loras, **s.loras},
             lora_requests=dict(Counter(total.lora_requests) + Counter(s.lora_requests)),

@@ -33,6 +33,7 @@ from tokenmill.server.response_cache import detach, replayed
 from tokenmill.server.served import Served, check_queue
 from tokenmill.server.streaming import DrainExpired, chain, merge, until, until_disconnect
 from tokenmill.server.tools import ToolRequest, ToolStream
+from tokenmill.server.vllm_fields import AnswerExtras
 
 
 def with_logprobs(params: SamplingParams) -> SamplingParams:
@@ -53,7 +54,7 @@ class Job:
         obj: str,
         prompts: list[list[int]],
         params: list[SamplingParams],
-        include_usage: bool,
+        usage_stats: str | None,
         return_timings: bool,
         chat: bool,
         tools: ToolRequest | None = None,
@@ -73,7 +74,10 @@ class Job:
         self.created = now()
         self.prompts = prompts
         self.params = params
-        self.include_usage = include_usage
+        self.usage_stats = usage_stats  # streamed usage: None, "final" (a last chunk) or "continuous" (every chunk)
+        self.include_usage = usage_stats is not None
+        self.completion_so_far: dict[int, int] = {}  # streamed: each choice's tokens so far (continuous usage)
+        self.extras = AnswerExtras()  # vLLM's return_token_ids, return_prompt_text, include_reasoning
         self.return_timings = return_timings
         self.chat = chat
         self.tools = tools  # chat with tools: answers are parsed into tool calls
@@ -129,7 +133,7 @@ class Job:
         finals = []
         async with contextlib.aclosing(self._start()) as merged:
             async for i, out in merged:
-                self._observe(out)
+                self._observe(i, out)
                 if out.finished:
                     finals.append((i, detach(out)))
         return finals
@@ -155,9 +159,10 @@ class Job:
     def _choice_index(self, prompt_index: int, out: RequestOutput) -> int:
         return prompt_index * self.params[prompt_index].n + out.outputs[0].index
 
-    def _observe(self, out: RequestOutput) -> None:
+    def _observe(self, i: int, out: RequestOutput) -> None:
+        """Prompt ``i``'s sequence ``out`` in the metrics, once it has ended."""
         if out.finished and not self.observed:
-            self.served.observe_finished(out, self.target.model.name)
+            self.served.observe_finished(out, self.target.model.name, self.params[i].max_tokens)
 
     async def _collect(self, first, merged) -> JSONResponse:
         finals: dict[int, RequestOutput] = {}
@@ -166,7 +171,7 @@ class Job:
         try:
             async for item in chain(items, merged):
                 i, out = item
-                self._observe(out)
+                self._observe(i, out)
                 if out.finished:
                     finals[self._choice_index(i, out)] = out
                     ended.append((i, out))
@@ -188,6 +193,10 @@ class Job:
             body["prompt_logprobs"] = choices[0]["prompt_logprobs"]
             for c in choices:
                 c.pop("prompt_logprobs", None)
+        if self.chat and self.extras.token_ids:
+            body["prompt_token_ids"] = self.prompts[0]
+        if self.chat and self.extras.prompt_text:
+            body["prompt_text"] = await asyncio.to_thread(self.target.tokenizer.decode, self.prompts[0], False)
         if self.return_timings:
             body["timings"] = [self._timings(finals[idx]) for idx in sorted(finals)]
         return JSONResponse(body)
@@ -202,8 +211,8 @@ class Job:
             thought, text = self.reasoning.split(c.text) if self.reasoning else (None, c.text)
             content, calls = self.tools.parse(text) if self.tools and text is not None else (text, [])
             choice["message"] = {"role": "assistant", "content": echo + content if content is not None else content}
-            if self.reasoning:
-                choice["message"]["reasoning_content"] = thought
+            if self.reasoning and self.extras.reasoning:  # (include_reasoning false: the content alone)
+                choice["message"] |= {"reasoning": thought, "reasoning_content": thought}  # vLLM's name, and the old
             if calls:
                 choice["message"]["tool_calls"] = [call.as_openai() for call in calls]
                 choice["finish_reason"] = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
@@ -212,6 +221,10 @@ class Job:
             if echo and lps is not None and scored is not None and scored.prompt_logprobs is not None:
                 lps = _joined(self._prompt_logprobs_legacy(scored), lps)
         choice["logprobs"] = lps
+        if self.extras.token_ids:  # vLLM's return_token_ids (a completion's choice carries its prompt's too)
+            choice["token_ids"] = list(c.token_ids)
+            if not self.chat:
+                choice["prompt_token_ids"] = self.prompts[index // self.params[0].n]
         if scored is not None and scored.prompt_logprobs is not None and self.prompt_logprobs_asked:
             choice["prompt_logprobs"] = self._prompt_logprobs_vllm(scored)
         return choice
@@ -315,10 +328,12 @@ class Job:
         items = [first] if first is not None else []
         try:
             async for i, out in until(chain(items, merged), self.served.drain_expired):
-                self._observe(out)
+                self._observe(i, out)
                 idx = self._choice_index(i, out)
                 c = out.outputs[0]
-                if idx not in started:
+                self.completion_so_far[idx] = len(c.token_ids)
+                first_of_choice = idx not in started
+                if first_of_choice:
                     started.add(idx)
                     if self.chat:
                         yield self._chunk(
@@ -329,7 +344,8 @@ class Job:
                                     "logprobs": None,
                                     "finish_reason": None,
                                 }
-                            ]
+                            ],
+                            top=await self._stream_top() if len(started) == 1 else None,
                         )
                     head = self._stream_head(idx, out)
                     if head is not None:
@@ -342,6 +358,7 @@ class Job:
                 if self.reasoning is not None:
                     splitter = splitters.setdefault(idx, self.reasoning.splitter())
                     thought, text = splitter.feed(out.delta_text, out.finished)
+                    thought = thought if self.extras.reasoning else ""  # include_reasoning false
                 if self.tools is not None:
                     stream = tool_streams.setdefault(idx, ToolStream(self.tools))
                     if thought:  # tool calls are parsed from the content after it
@@ -349,7 +366,7 @@ class Job:
                             [
                                 {
                                     "index": idx,
-                                    "delta": {"reasoning_content": thought},
+                                    "delta": {"reasoning": thought, "reasoning_content": thought},
                                     "logprobs": None,
                                     "finish_reason": None,
                                 }
@@ -377,13 +394,17 @@ class Job:
                         "finish_reason": c.finish_reason if out.finished else None,
                     }
                     if self.chat:
-                        choice["delta"] = {"reasoning_content": thought} if thought else {}
+                        choice["delta"] = {"reasoning": thought, "reasoning_content": thought} if thought else {}
                         if text:
                             choice["delta"]["content"] = text
                     else:
                         choice["text"] = out.delta_text
                     if out.finished:
                         choice["stop_reason"] = c.stop_reason
+                    if self.extras.token_ids:
+                        choice["token_ids"] = list(out.delta_token_ids)
+                        if first_of_choice and not self.chat:
+                            choice["prompt_token_ids"] = self.prompts[i]
                     yield self._chunk([choice])
                 if out.finished:
                     finals.append(out)
@@ -425,12 +446,31 @@ class Job:
             head["prompt_logprobs"] = self._prompt_logprobs_vllm(scored)
         return head
 
-    def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
+    async def _stream_top(self) -> dict | None:
+        """What a chat stream's first chunk carries beside its choices: vLLM's prompt_token_ids
+        and prompt_text, when asked."""
+        top: dict[str, Any] = {}
+        if self.extras.token_ids:
+            top["prompt_token_ids"] = self.prompts[0]
+        if self.extras.prompt_text:
+            top["prompt_text"] = await asyncio.to_thread(self.target.tokenizer.decode, self.prompts[0], False)
+        return top or None
+
+    def _chunk(self, choices: list[dict], usage: dict | None = None, top: dict | None = None) -> str:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         body = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        body |= top or {}
         if self.include_usage:
+            if usage is None and choices and self.usage_stats == "continuous":
+                usage = self._running_usage()
             body["usage"] = usage
         return f"data: {json.dumps(body)}\n\n"
+
+    def _running_usage(self) -> dict:
+        """vLLM's continuous usage: the prompts' tokens and the completions' so far."""
+        prompt = sum(len(ids) for ids in self.prompts)
+        completion = sum(self.completion_so_far.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 async def _prompt_only(merged: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -560,7 +600,7 @@ async def beam_response(
                 choice["message"] = {"role": "assistant", "content": text}
                 if (reasoning := reasoning_for(target, body)) is not None:  # --reasoning-parser
                     thought, choice["message"]["content"] = reasoning.split(text)
-                    choice["message"]["reasoning_content"] = thought
+                    choice["message"] |= {"reasoning": thought, "reasoning_content": thought}  # vLLM's, the old
             else:
                 choice["text"] = text
             choices.append(choice)

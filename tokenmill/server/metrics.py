@@ -1,5 +1,6 @@
-"""Prometheus metrics under vLLM's names with the prefix ``tokenmill:``, so that
-dashboards built for vLLM read them unchanged.
+"""Prometheus metrics under vLLM's names, each served twice: with the prefix ``tokenmill:`` (ours,
+with what vLLM has not) and with vLLM's own ``vllm:`` and its labels (``model_name``), so that the
+Grafana dashboard vLLM ships, its alerts and its autoscalers read a tokenmill server unchanged.
 
 Per-request histograms are observed by the server when a request ends, from the
 engine's own timings. Engine-wide gauges and counters (running, waiting, KV usage,
@@ -11,19 +12,34 @@ state.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from tokenmill.energy import EnergyMeter
 from tokenmill.engine.outputs import RequestOutput
-from tokenmill.engine.stats import EngineSnapshot
+from tokenmill.engine.stats import ITERATION_TOKEN_BUCKETS, EngineSnapshot
 
 P = "tokenmill:"
+VLLM = "vllm:"
+# What vLLM's engine-wide families are called under its prefix (where the name differs from ours):
+# the gauges and counters a collector reads from the engines at scrape time.
+VLLM_ENGINE_FAMILIES = (
+    "num_requests_running",
+    "num_requests_waiting",
+    "kv_cache_usage_perc",
+    "num_preemptions",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens",
+)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
@@ -62,16 +78,18 @@ class EngineCollector:
                 series += [([model_name, name], snap) for name, snap in sorted(snaps.items())]
                 pools.append((model_name, routing, transfer))
 
-        def family(kind, name: str, doc: str, value: Callable[[EngineSnapshot], float]):
-            f = kind(P + name, doc, labels=label_names)
-            for labels, snap in series:
-                f.add_metric(labels, value(snap))
-            return f
+        def family(kind, name: str, doc: str, value: Callable[[EngineSnapshot], float]) -> Iterator[Metric]:
+            """The family under our prefix, and under vLLM's where vLLM has it."""
+            for prefix in (P, VLLM) if name in VLLM_ENGINE_FAMILIES else (P,):
+                f = kind(prefix + name, doc, labels=label_names)
+                for labels, snap in series:
+                    f.add_metric(labels, value(snap))
+                yield f
 
-        def gauge(name: str, doc: str, value: Callable[[EngineSnapshot], float]) -> GaugeMetricFamily:
+        def gauge(name: str, doc: str, value: Callable[[EngineSnapshot], float]) -> Iterator[Metric]:
             return family(GaugeMetricFamily, name, doc, value)
 
-        def counter(name: str, doc: str, value: Callable[[EngineSnapshot], float]) -> CounterMetricFamily:
+        def counter(name: str, doc: str, value: Callable[[EngineSnapshot], float]) -> Iterator[Metric]:
             return family(CounterMetricFamily, name, doc, value)
 
         alive = GaugeMetricFamily(
@@ -80,24 +98,36 @@ class EngineCollector:
         for model_name, source in self.engines.items():
             alive.add_metric([model_name], 1.0 if source.alive() else 0.0)
         yield alive
-        yield gauge("num_requests_running", "Requests in model execution batches.", lambda e: e.num_running)
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", lambda e: e.num_waiting)
-        yield gauge("kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", lambda e: e.kv_usage)
-        yield counter("num_preemptions", "Cumulative preemptions.", lambda e: e.num_preemptions)
-        yield counter(
+        yield from gauge("num_requests_running", "Requests in model execution batches.", lambda e: e.num_running)
+        yield from gauge("num_requests_waiting", "Requests waiting to be scheduled.", lambda e: e.num_waiting)
+        yield from gauge("kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", lambda e: e.kv_usage)
+        vllm_gpu = GaugeMetricFamily(  # vLLM's older name, which its dashboards still plot
+            VLLM + "gpu_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", labels=label_names
+        )
+        for labels, snap in series:
+            vllm_gpu.add_metric(labels, snap.kv_usage)
+        yield vllm_gpu
+        for prefix in (P, VLLM):
+            yield _iteration_tokens(prefix, label_names, series)
+        yield from counter("num_preemptions", "Cumulative preemptions.", lambda e: e.num_preemptions)
+        yield from counter(
             "num_step_retries",
             "Steps that failed as a batch and were re-run one request at a time.",
             lambda e: e.num_step_retries,
         )
-        yield counter(
+        yield from counter(
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", lambda e: e.prefix_cache_queries
         )
-        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", lambda e: e.prefix_cache_hits)
-        yield counter("spec_decode_num_drafts", "Speculative verification steps.", lambda e: e.spec_num_drafts)
-        yield counter(
+        yield from counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache.", lambda e: e.prefix_cache_hits
+        )
+        yield from counter("spec_decode_num_drafts", "Speculative verification steps.", lambda e: e.spec_num_drafts)
+        yield from counter(
             "spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", lambda e: e.spec_num_draft_tokens
         )
-        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", lambda e: e.spec_num_accepted_tokens)
+        yield from counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens accepted.", lambda e: e.spec_num_accepted_tokens
+        )
         for model_name, routing, transfer in pools:  # (replicas serve one model: a server refuses several with them)
             if routing:
                 yield from _routing_metrics(["model_name"], [model_name], routing)
@@ -135,6 +165,19 @@ class EngineCollector:
         if found:
             yield info
             yield per
+
+
+def _iteration_tokens(prefix: str, label_names: list[str], series: list) -> HistogramMetricFamily:
+    """vLLM's iteration_tokens_total: a histogram of the tokens each engine step computed."""
+    h = HistogramMetricFamily(prefix + "iteration_tokens_total", "Tokens per engine step.", labels=label_names)
+    for labels, snap in series:
+        counts = list(snap.iteration_tokens) or [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+        running, buckets = 0, []
+        for bound, n in zip([*map(str, ITERATION_TOKEN_BUCKETS), "+Inf"], counts, strict=True):
+            running += n
+            buckets.append((bound, running))
+        h.add_metric(labels, buckets, snap.iteration_tokens_sum)
+    return h
 
 
 def _routing_metrics(names: list[str], values: list[str], routing: dict) -> Iterator[Metric]:
@@ -274,23 +317,30 @@ class ServerMetrics:
             self.registry.register(CacheCollector(cache))
         labels = ["model_name"]
 
-        def hist(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(P + name, doc, labels, buckets=buckets, registry=self.registry)
+        def hist(name: str, doc: str, buckets) -> _Both:
+            return _Both([Histogram(p + name, doc, labels, buckets=buckets, registry=self.registry) for p in (P, VLLM)])
+
+        def count(name: str, doc: str, more: tuple[str, ...] = ()) -> _Both:
+            return _Both([Counter(p + name, doc, [*labels, *more], registry=self.registry) for p in (P, VLLM)])
 
         self.ttft = hist("time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
         self.tpot = hist("time_per_output_token_seconds", "Time per output token after the first.", TPOT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between two tokens of a request.", TPOT_BUCKETS)
         self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS)
         self.queue = hist("request_queue_time_seconds", "Time from arrival to first scheduling.", LATENCY_BUCKETS)
+        self.prefill = hist(
+            "request_prefill_time_seconds", "Time from first scheduling to first token.", LATENCY_BUCKETS
+        )
+        self.decode = hist("request_decode_time_seconds", "Time from first token to the last.", LATENCY_BUCKETS)
+        self.inference = hist(
+            "request_inference_time_seconds", "Time from first scheduling to the end.", LATENCY_BUCKETS
+        )
         self.prompt_len = hist("request_prompt_tokens", "Prompt length of finished requests.", TOKEN_BUCKETS)
         self.gen_len = hist("request_generation_tokens", "Generated tokens of finished requests.", TOKEN_BUCKETS)
-        self.prompt_tokens = Counter(P + "prompt_tokens", "Prefill tokens processed.", labels, registry=self.registry)
-        self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", labels, registry=self.registry)
-        self.success = Counter(
-            P + "request_success",
-            "Finished requests by finish reason.",
-            labels + ["finished_reason"],
-            registry=self.registry,
-        )
+        self.max_gen = hist("request_max_num_generation_tokens", "The max_tokens of finished requests.", TOKEN_BUCKETS)
+        self.prompt_tokens = count("prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = count("generation_tokens", "Tokens generated.")
+        self.success = count("request_success", "Finished requests by finish reason.", ("finished_reason",))
         self.routes = None
         if routers:
             self.routes = Counter(
@@ -305,8 +355,9 @@ class ServerMetrics:
         if self.routes is not None:
             self.routes.labels(router, route.model, route.reason).inc()
 
-    def observe_finished(self, out: RequestOutput, model_name: str) -> None:
-        """One sequence of the model ``model_name`` ended (a request with n > 1 reports each of its n)."""
+    def observe_finished(self, out: RequestOutput, model_name: str, max_tokens: int | None = None) -> None:
+        """One sequence of the model ``model_name`` ended (a request with n > 1 reports each of its n);
+        ``max_tokens``: what it was allowed."""
         m = model_name
         c = out.outputs[0]
         t = out.timings[0]
@@ -324,6 +375,34 @@ class ServerMetrics:
             self.e2e.labels(m).observe(t.e2e)
         if t.first_scheduled is not None:
             self.queue.labels(m).observe(t.first_scheduled - t.arrival)
+            if t.first_token is not None:
+                self.prefill.labels(m).observe(t.first_token - t.first_scheduled)
+            if t.finished is not None:
+                self.inference.labels(m).observe(t.finished - t.first_scheduled)
+        if t.first_token is not None and t.finished is not None:
+            self.decode.labels(m).observe(max(t.finished - t.first_token, 0.0))
+        for a, b in itertools.pairwise(t.token_times):
+            self.itl.labels(m).observe(b - a)
+        if max_tokens is not None:
+            self.max_gen.labels(m).observe(max_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Both:
+    """One metric under both prefixes, observed once: ``labels(...)`` hands back each's child."""
+
+    def __init__(self, metrics: list) -> None:
+        self.metrics = metrics
+
+    def labels(self, *values: str) -> _Both:
+        return _Both([m.labels(*values) for m in self.metrics])
+
+    def observe(self, value: float) -> None:
+        for m in self.metrics:
+            m.observe(value)
+
+    def inc(self, value: float = 1) -> None:
+        for m in self.metrics:
+            m.inc(value)

@@ -79,6 +79,8 @@ async def chat_prompt(
         described = [t.as_openai() for t in tools.offered]
     variables = {
         **({"documents": body.documents} if body.documents is not None else {}),
+        # vLLM passes reasoning_effort to the template (gpt-oss's and others' read it)
+        **({"reasoning_effort": body.reasoning_effort} if body.reasoning_effort is not None else {}),
         **(body.chat_template_kwargs or {}),
     }
     rendering = {  # only what the request sets: the tokenizer's defaults are the plain chat
@@ -99,7 +101,7 @@ async def chat_prompt(
         ids = await request_templates.run(lambda render: encode(render=render))
     else:
         ids = await asyncio.to_thread(encode)
-    ids = truncate_prompt(ids, body.truncate_prompt_tokens, target.max_model_len)
+    ids = truncate_prompt(ids, body.truncate_prompt_tokens, target.max_model_len, body.truncation_side)
     params = body.sampling_params(max_tokens_for(target, ids, body.requested_max_tokens), tools and tools.constraint())
     reasoning = reasoning_for(target, body)
     if reasoning is not None:

@@ -26,6 +26,7 @@ from tokenmill.beam_search import BeamSearchParams
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import MAX_N, SamplingParams
 from tokenmill.server.constraints import structured_outputs
+from tokenmill.server.vllm_fields import AnswerExtras, ChatExtras, CompletionExtras, GenerationExtras
 from tokenmill.structured.constraint import StructuredOutputs
 
 MAX_DEPTH = 64  # JSON nested deeper than this in a field is refused (a schema 129 deep was a 500: issue 40)
@@ -122,6 +123,8 @@ class StrictBody(_Body):
 
 class StreamOptions(StrictBody):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far (guidellm always asks for it)
+    continuous_usage_stats: bool = False
     include_obfuscation: bool | None = None  # OpenAI's padding against length side channels: none is sent here
 
 
@@ -148,7 +151,7 @@ def check_request_id(value: str, param: str) -> str:
     return value
 
 
-class _SamplingFields(StrictBody):
+class _SamplingFields(StrictBody, GenerationExtras):
     model: str | None = None
     n: int = 1
     temperature: float | None = None
@@ -329,6 +332,7 @@ class _SamplingFields(StrictBody):
             allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
             bad_words=tuple(self.bad_words or ()),
             priority=self.priority,
+            cache_salt=self.cache_salt,
         )
 
     def _logit_bias(self) -> dict[int, float]:
@@ -340,11 +344,16 @@ class _SamplingFields(StrictBody):
         return out
 
     @property
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+    def usage_stats(self) -> str | None:
+        """Where a streamed answer reports its usage: None, "final" (a last chunk, OpenAI's
+        include_usage) or "continuous" (every chunk too, vLLM's continuous_usage_stats)."""
+        options = self.stream_options
+        if options is None or not options.include_usage:
+            return None
+        return "continuous" if options.continuous_usage_stats else "final"
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(_SamplingFields, CompletionExtras):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
@@ -363,6 +372,9 @@ class CompletionRequest(_SamplingFields):
 
     def prompts(self) -> list[str | list[int]]:
         return prompt_list(self.prompt, "prompt")
+
+    def answer_extras(self) -> AnswerExtras:
+        return AnswerExtras(token_ids=self.return_token_ids)
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         if self.echo and self.logprobs is not None and self.stream and self.n > 1:
@@ -392,11 +404,12 @@ class ChatMessage(StrictBody):
     function_call: Any = None
     annotations: Any = None
     reasoning_content: Any = None
+    reasoning: Any = None  # vLLM's newer name for reasoning_content (answers carry both)
 
     @model_validator(mode="after")
     def _echoed_fields_empty(self) -> ChatMessage:
-        for name in ("refusal", "audio", "function_call", "annotations", "reasoning_content"):
-            if name == "reasoning_content" and self.role == "assistant" and isinstance(self.reasoning_content, str):
+        for name in ("refusal", "audio", "function_call", "annotations", "reasoning_content", "reasoning"):
+            if name.startswith("reasoning") and self.role == "assistant" and isinstance(getattr(self, name), str):
                 continue  # an answer's reasoning sent back (--reasoning-parser): the template may render it
             if getattr(self, name) not in (None, [], ""):
                 raise InvalidRequestError(f"messages with {name} are not supported", param="messages")
@@ -413,8 +426,9 @@ class ChatMessage(StrictBody):
             m["tool_calls"] = self.tool_calls
         if self.tool_call_id is not None:
             m["tool_call_id"] = self.tool_call_id
-        if self.role == "assistant" and self.reasoning_content:
-            m["reasoning_content"] = self.reasoning_content  # (Qwen3's template renders it for the current turn)
+        if self.role == "assistant" and (self.reasoning_content or self.reasoning):
+            # (Qwen3's template renders it for the current turn)
+            m["reasoning_content"] = self.reasoning_content or self.reasoning
         return m
 
     def text(self) -> str:
@@ -428,7 +442,7 @@ class ChatMessage(StrictBody):
         return "".join(parts)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, ChatExtras):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -486,6 +500,9 @@ class ChatCompletionRequest(_SamplingFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def answer_extras(self) -> AnswerExtras:
+        return AnswerExtras(self.return_token_ids, self.return_prompt_text, self.include_reasoning)
+
 
 def check_tool_results(messages: list[ChatMessage]) -> None:
     """As OpenAI's API: a tool message answers a call of an assistant message before it,
@@ -518,9 +535,10 @@ def prompt_list(value: str | list[int] | list[str] | list[list[int]], param: str
     return list(value)  # type: ignore[arg-type]
 
 
-def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int, side: str | None = None) -> list[int]:
     """vLLM's truncate_prompt_tokens: the prompt's last ``keep`` tokens (-1: as many as
-    the context holds); None: the prompt as it is."""
+    the context holds), or its first with ``side`` "right" (vLLM's truncation_side: the
+    side cut off); None: the prompt as it is."""
     if keep is None:
         return ids
     if keep == -1:
@@ -529,7 +547,7 @@ def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> lis
         raise InvalidRequestError(
             "truncate_prompt_tokens must be -1 or a positive integer", param="truncate_prompt_tokens"
         )
-    return ids[-keep:]
+    return ids[:keep] if side == "right" else ids[-keep:]
 
 
 class TokenizeRequest(StrictBody):

@@ -130,8 +130,9 @@ def reasoning_for(target: Target, body: Any) -> Reasoning | None:
 
 def apply_reasoning_parser(models: list[ServedModel], parser: str) -> None:
     """``--reasoning-parser``: each served model whose vocabulary holds ``<think>`` and
-    ``</think>`` as tokens gets it (as vLLM, which refuses a model without them); the
-    others serve without one. None of them: an error naming the models."""
+    ``</think>`` as tokens gets it; the others serve without one, said once in the log
+    (vLLM refuses such a model; a deployment that sets the flag for every model should
+    start whatever the model)."""
     if parser not in REASONING_PARSERS:
         raise TokenmillError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, not {parser!r}")
     for m in models:
@@ -141,11 +142,6 @@ def apply_reasoning_parser(models: list[ServedModel], parser: str) -> None:
             logger.warning(
                 "--reasoning-parser %s: model %s has no %s and %s tokens; served without it", parser, m.name, START, END
             )
-    if not any(m.reasoning_parser for m in models):
-        raise TokenmillError(
-            f"--reasoning-parser {parser}: no served model's vocabulary has the {START} and {END} tokens "
-            f"({', '.join(m.name for m in models)})"
-        )
 
 
 def has_think_tokens(tokenizer: Any) -> bool:

@@ -53,9 +53,9 @@ class Served:
     def default(self) -> ServedModel:
         return next(iter(self.models.values()))
 
-    def observe_finished(self, out: RequestOutput, model_name: str) -> None:
+    def observe_finished(self, out: RequestOutput, model_name: str, max_tokens: int | None = None) -> None:
         """A sequence ended: the metrics' histograms and the live view's latencies."""
-        self.metrics.observe_finished(out, model_name)
+        self.metrics.observe_finished(out, model_name, max_tokens)
         if self.live is not None:
             self.live.observe(out, model_name)
 

@@ -30,14 +30,14 @@ def register(app: FastAPI, served: Served) -> None:
                 target, body, served.config.allow_special_tokens_in_messages, served.templates
             )
             echo = body.echoed()
-            return Job(
+            made = Job(
                 served,
                 target,
                 "chatcmpl",
                 "chat.completion",
                 [ids],
                 [replace(params, client=client)],
-                body.include_usage,
+                body.usage_stats,
                 body.return_timings,
                 chat=True,
                 tools=tools,
@@ -49,6 +49,8 @@ def register(app: FastAPI, served: Served) -> None:
                 request_id=client_request_id(request.headers.get("x-request-id"), body.request_id),
                 tokens_as_ids=body.return_tokens_as_token_ids,
             )
+            made.extras = body.answer_extras()
+            return made
 
         check_cache_field(served, body)
         served.clients.check_priority(request, body.priority)

@@ -35,7 +35,10 @@ def register(app: FastAPI, served: Served) -> None:
             check_count(served.config, len(body.prompts()), "prompts", "prompt")  # before tokenising them all
             prompts = [
                 truncate_prompt(
-                    await encode(target, p, body.add_special_tokens), body.truncate_prompt_tokens, target.max_model_len
+                    await encode(target, p, body.add_special_tokens),
+                    body.truncate_prompt_tokens,
+                    target.max_model_len,
+                    body.truncation_side,
                 )
                 for p in body.prompts()
             ]
@@ -64,7 +67,7 @@ def register(app: FastAPI, served: Served) -> None:
                 "text_completion",
                 prompts,
                 params,
-                body.include_usage,
+                body.usage_stats,
                 body.return_timings,
                 chat=False,
                 echoes=echoes,
@@ -75,6 +78,7 @@ def register(app: FastAPI, served: Served) -> None:
                 tokens_as_ids=body.return_tokens_as_token_ids,
             )
             made.prompt_only = prompt_only
+            made.extras = body.answer_extras()
             if len(prompts) > 1:  # its prompts enter the engine through the client's window (admission.py)
                 made.place = functools.partial(served.windows.place, client, lambda: target.engine.num_waiting > 0)
             return made

@@ -1,0 +1,123 @@
+"""vLLM's request fields beyond OpenAI's, over HTTP on the real model: each does what it does in
+vLLM (continuous usage in a stream, token ids and the rendered prompt returned, a cache salt that
+keeps prefix-cache blocks apart, which side a truncation keeps), or is refused with a 400 that says
+why it cannot apply here; none is ignored."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.server.conftest import MODEL
+from tokenmill.server.vllm_fields import CANNOT
+
+ASK = [{"role": "user", "content": "Name three rivers in France."}]
+
+
+def events(http, path: str, body: dict) -> list[dict]:
+    with http.stream("POST", path, json=body | {"stream": True}) as r:
+        assert r.status_code == 200
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(http, path):
+    """guidellm always asks for it: every chunk carries the usage so far, the last the whole."""
+    body = {"model": MODEL, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    body |= {"messages": ASK} if "chat" in path else {"prompt": "The capital of France is"}
+    whole = http.post(path, json=body).json()["usage"]
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = events(http, path, body | {"stream_options": options})
+    counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
+    assert all(c["usage"]["prompt_tokens"] == whole["prompt_tokens"] for c in chunks)
+    assert counts == sorted(counts) and counts[-1] == 12 and len(counts) > 6
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole
+    final_only = events(http, path, body | {"stream_options": {"include_usage": True}})
+    assert [c["usage"] for c in final_only if c["choices"]] == [None] * (len(final_only) - 1)
+
+
+def test_return_token_ids_and_prompt_text_whole_and_streamed(http, llm):
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 10, "temperature": 0}
+    whole = http.post("/v1/chat/completions", json=body | {"return_token_ids": True, "return_prompt_text": True})
+    answer = whole.json()
+    ids = answer["choices"][0]["token_ids"]
+    assert len(ids) == answer["usage"]["completion_tokens"]
+    assert llm.tokenizer.decode(ids) == answer["choices"][0]["message"]["content"]
+    assert len(answer["prompt_token_ids"]) == answer["usage"]["prompt_tokens"]
+    assert llm.tokenizer.decode(answer["prompt_token_ids"], skip_special_tokens=False) == answer["prompt_text"]
+    assert answer["prompt_text"].endswith("Name three rivers in France.<|im_end|>\n<|im_start|>assistant\n")
+    chunks = events(http, "/v1/chat/completions", body | {"return_token_ids": True})
+    assert chunks[0]["prompt_token_ids"] == answer["prompt_token_ids"]
+    assert [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])] == ids
+    plain = http.post("/v1/chat/completions", json=body).json()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+    completion = http.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "Hello there", "max_tokens": 3, "return_token_ids": True}
+    ).json()["choices"][0]
+    assert completion["prompt_token_ids"] == llm.tokenizer.encode("Hello there")
+    assert len(completion["token_ids"]) == 3
+
+
+def test_a_cache_salt_keeps_prefix_cache_blocks_apart(http, server):
+    prompt = "A long shared context about the rivers of France and their towns. " * 12
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+
+    def hits_of(**extra) -> float:
+        before = server.metric("tokenmill:prefix_cache_hits_total")
+        assert http.post("/v1/completions", json=body | extra).status_code == 200
+        return server.metric("tokenmill:prefix_cache_hits_total") - before
+
+    hits_of(cache_salt="tenant-a")  # fills the cache under salt a
+    assert hits_of(cache_salt="tenant-a") > 100  # the same salt: the prompt's blocks are found
+    assert hits_of(cache_salt="tenant-b") == 0  # another salt: nothing found, whatever is cached
+    assert hits_of() == 0  # nor without one
+    assert hits_of() > 100
+    bad = http.post("/v1/completions", json=body | {"cache_salt": ""})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
+
+
+def test_truncation_side_says_which_end_truncate_prompt_tokens_keeps(http, llm):
+    ids = llm.tokenizer.encode("one two three four five six seven eight nine ten")
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": 4, "return_token_ids": True}
+    kept = {
+        side: http.post("/v1/completions", json=body | {"truncation_side": side}).json()["choices"][0]
+        for side in ("left", "right")
+    }
+    assert kept["left"]["prompt_token_ids"] == ids[-4:] and kept["right"]["prompt_token_ids"] == ids[:4]
+
+
+@pytest.mark.parametrize(
+    "field, value, path",
+    [
+        ("kv_transfer_params", {"do_remote_prefill": True}, "/v1/completions"),
+        ("vllm_xargs", {"my_processor": 1}, "/v1/chat/completions"),
+        ("mm_processor_kwargs", {"num_crops": 4}, "/v1/chat/completions"),
+        ("media_io_kwargs", {"video": {"num_frames": 8}}, "/v1/chat/completions"),
+        ("thinking_token_budget", 64, "/v1/chat/completions"),
+        ("logits_processors", ["my.module:Proc"], "/v1/chat/completions"),
+        ("verbosity", "low", "/v1/chat/completions"),
+        ("prompt_embeds", "AAAA", "/v1/completions"),
+        ("structural_tag", {"type": "structural_tag"}, "/v1/chat/completions"),
+    ],
+)
+def test_a_field_that_cannot_apply_here_is_refused_with_why(http, field, value, path):
+    body = {"model": MODEL, "max_tokens": 2}
+    body |= {"messages": ASK} if "chat" in path else {"prompt": "Hi"}
+    r = http.post(path, json=body | {field: value})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == field and error["message"] == f"{field} cannot apply here: {CANNOT[field]}"
+    empty = {} if isinstance(value, dict) else None  # sent empty, as some SDKs do: served
+    assert http.post(path, json=body | {field: empty}).status_code == 200
+
+
+def test_fields_asked_empty_or_at_their_default_are_served(http):
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 2, "modalities": ["text"], "stream_interval": 1}
+    assert http.post("/v1/chat/completions", json=body).status_code == 200
+    audio = http.post("/v1/chat/completions", json=body | {"modalities": ["text", "audio"]})
+    assert audio.status_code == 400 and audio.json()["error"]["param"] == "modalities"
+    interval = http.post("/v1/chat/completions", json=body | {"stream_interval": 4})
+    assert interval.status_code == 400 and "every token is streamed" in interval.json()["error"]["message"]
