@@ -121,3 +121,49 @@ def test_fields_asked_empty_or_at_their_default_are_served(http):
     assert audio.status_code == 400 and audio.json()["error"]["param"] == "modalities"
     interval = http.post("/v1/chat/completions", json=body | {"stream_interval": 4})
     assert interval.status_code == 400 and "every token is streamed" in interval.json()["error"]["message"]
+
+
+def test_tokenize_with_messages_renders_as_the_chat_request_would(http):
+    """vLLM's tokenize-chat fields: the ids are those the same chat request runs on."""
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+    reply = [*ASK, {"role": "assistant", "content": "The Seine, the"}]
+    cases = [
+        {"messages": ASK},
+        {"messages": ASK, "add_generation_prompt": False},
+        {"messages": reply, "add_generation_prompt": False, "continue_final_message": True},
+        {"messages": ASK, "tools": [tool]},
+    ]
+    counted = []
+    for case in cases:
+        tokens = http.post("/tokenize", json=case).json()["tokens"]
+        chat = {"model": MODEL, "max_tokens": 1, "return_token_ids": True, **case}
+        ran = http.post("/v1/chat/completions", json=chat).json()["prompt_token_ids"]
+        assert tokens == ran, case
+        counted.append(len(tokens))
+    assert counted[1] < counted[0] < counted[3]  # no assistant header; the tools described
+    both = http.post("/tokenize", json={"messages": reply, "continue_final_message": True})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+
+
+@pytest.mark.parametrize(
+    "first, second", [("text_1", "text_2"), ("data_1", "data_2"), ("queries", "documents"), ("queries", "items")]
+)
+def test_score_takes_vllms_newer_names_for_its_two_sides(http, first, second):
+    body = {
+        "model": MODEL,
+        first: "rivers of France",
+        second: ["The Seine flows through Paris.", "A recipe for bread."],
+    }
+    r = http.post("/v1/score", json=body)
+    assert r.status_code == 200, r.text
+    scores = [d["score"] for d in r.json()["data"]]
+    old = http.post("/v1/score", json={"model": MODEL, "text_1": body[first], "text_2": body[second]}).json()
+    assert scores == [d["score"] for d in old["data"]]
+    mixed = http.post("/v1/score", json={"model": MODEL, "text_1": "a", "documents": ["b"]})
+    assert mixed.status_code == 400 and "queries and documents" in mixed.json()["error"]["message"]

@@ -39,29 +39,53 @@ class PoolingRequest(StrictBody):
         return prompt_list(self.input, "input")
 
 
+# vLLM's names for the two sides of a score request: the first pair, and its newer ones
+SCORE_NAMES = (("text_1", "text_2"), ("data_1", "data_2"), ("queries", "documents"), ("queries", "items"))
+
+
 class ScoreRequest(StrictBody):
-    """vLLM's /score: text_1 against each text_2 (1:1, 1:N), or pairwise (N:N)."""
+    """vLLM's /score: the first side against each text of the second (1:1, 1:N), or pairwise
+    (N:N); the sides named text_1/text_2, or as vLLM's newer requests name them."""
 
     model: str | None = None
-    text_1: str | list[str]
-    text_2: str | list[str]
+    text_1: str | list[str] | None = None
+    text_2: str | list[str] | None = None
+    data_1: str | list[str] | None = None
+    data_2: str | list[str] | None = None
+    queries: str | list[str] | None = None
+    documents: str | list[str] | None = None
+    items: str | list[str] | None = None
     truncate_prompt_tokens: int | None = None
     pooling: Literal["last", "mean"] = "last"  # tokenmill's, as the embeddings'
 
+    def names(self) -> tuple[str, str]:
+        """The pair of fields the request gave its two sides in."""
+        given = {name for pair in SCORE_NAMES for name in pair if getattr(self, name) is not None}
+        pairs = [pair for pair in SCORE_NAMES if set(pair) == given]
+        if not pairs:
+            raise InvalidRequestError(
+                "give the two sides as text_1 and text_2, or as data_1 and data_2, queries and documents, or "
+                f"queries and items (got {', '.join(sorted(given)) or 'none'})",
+                param="text_1",
+            )
+        return pairs[0]
+
     def texts(self) -> tuple[list[str], list[str]]:
-        return _texts(self.text_1), _texts(self.text_2)
+        first, second = self.names()
+        return _texts(getattr(self, first)), _texts(getattr(self, second))
 
     @model_validator(mode="after")
     def _pairs(self) -> ScoreRequest:
+        names = self.names()
         first, second = self.texts()
-        for name, texts in (("text_1", first), ("text_2", second)):
+        for name, texts in zip(names, (first, second), strict=True):
             if not texts:
                 raise InvalidRequestError(f"{name} is empty", param=name)
         if len(first) > 1 and len(first) != len(second):
             raise InvalidRequestError(
-                f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1 (scored against "
-                "each text_2) or as many as text_2 (scored pairwise)",
-                param="text_2",
+                f"{names[0]} has {len(first)} texts and {names[1]} {len(second)}: give one {names[0]} (scored "
+                f"against each of {names[1]}) or as many as {names[1]} (scored pairwise)",
+                param=names[1],
             )
         return self
 

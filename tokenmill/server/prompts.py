@@ -55,14 +55,31 @@ async def chat_prompt(
     allow_special_tokens: bool = False,
     request_templates: RequestTemplates | None = None,
 ) -> tuple[list[int], SamplingParams, ToolRequest | None]:
-    """A chat request's prompt ids (through the chat template, tools rendered and
+    """A chat request's prompt ids (``render_chat``), truncated when asked, its sampling
+    parameters (a constraint starts after the reasoning of a model with a reasoning parser:
+    reasoning.py) and its tools."""
+    ids, tools = await render_chat(target, body, allow_special_tokens, request_templates)
+    ids = truncate_prompt(ids, body.truncate_prompt_tokens, target.max_model_len, body.truncation_side)
+    params = body.sampling_params(max_tokens_for(target, ids, body.requested_max_tokens), tools and tools.constraint())
+    reasoning = reasoning_for(target, body)
+    if reasoning is not None:
+        params = reasoning.constrain(params)
+    return ids, params.with_bad_word_ids(target.tokenizer), tools
+
+
+async def render_chat(
+    target: Target,
+    body: ChatCompletionRequest,
+    allow_special_tokens: bool = False,
+    request_templates: RequestTemplates | None = None,
+) -> tuple[list[int], ToolRequest | None]:
+    """A chat's prompt ids through the chat template (tools rendered and
     ``chat_template_kwargs`` given to it; special-token text in the messages tokenised as
-    text unless ``allow_special_tokens``), its sampling parameters (a constraint starts
-    after the reasoning of a model with a reasoning parser: reasoning.py) and its tools.
-    vLLM's rendering fields: ``documents`` (a template variable), ``continue_final_message``,
-    ``add_special_tokens``, and ``chat_template`` where the server takes request templates
-    (``request_templates``: rendered there, in a worker process with limits; the model's
-    own template renders here, off the event loop)."""
+    text unless ``allow_special_tokens``) and its tools: what a chat request runs and what
+    /tokenize with messages counts. vLLM's rendering fields: ``documents`` (a template
+    variable), ``continue_final_message``, ``add_special_tokens``, and ``chat_template``
+    where the server takes request templates (``request_templates``: rendered there, in a
+    worker process with limits; the model's own template renders here, off the event loop)."""
     if body.chat_template is not None and request_templates is None:
         raise InvalidRequestError(
             "chat_template is passed with the request, but the server does not take request templates "
@@ -101,9 +118,4 @@ async def chat_prompt(
         ids = await request_templates.run(lambda render: encode(render=render))
     else:
         ids = await asyncio.to_thread(encode)
-    ids = truncate_prompt(ids, body.truncate_prompt_tokens, target.max_model_len, body.truncation_side)
-    params = body.sampling_params(max_tokens_for(target, ids, body.requested_max_tokens), tools and tools.constraint())
-    reasoning = reasoning_for(target, body)
-    if reasoning is not None:
-        params = reasoning.constrain(params)
-    return ids, params.with_bad_word_ids(tokenizer), tools
+    return ids, tools

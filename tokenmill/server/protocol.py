@@ -550,33 +550,6 @@ def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int, side: 
     return ids[:keep] if side == "right" else ids[-keep:]
 
 
-class TokenizeRequest(StrictBody):
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    return_token_strs: bool = False  # vLLM's: each token's string too
-    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: with messages, as a chat request's
-
-
-class LoRAAdapterRequest(StrictBody):
-    lora_name: str = Field(min_length=1, max_length=256)
-    lora_path: str | None = None
-    model: str | None = None  # tokenmill's: the served model the adapter is for (several models; default: the first)
-
-    @field_validator("lora_name", "lora_path")
-    @classmethod
-    def _no_nul(cls, value: str | None, info: Any) -> str | None:
-        if value is not None and "\x00" in value:
-            raise InvalidRequestError(f"{info.field_name} contains a NUL byte", param=info.field_name)
-        return value
-
-
-class DetokenizeRequest(StrictBody):
-    model: str | None = None
-    tokens: list[int]
-
-
 def error_body(message: str, type_: str, code: int, param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 

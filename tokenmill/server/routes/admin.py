@@ -16,9 +16,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from tokenmill import __version__
 from tokenmill.errors import TokenmillError
+from tokenmill.server.admin_protocol import DetokenizeRequest, LoRAAdapterRequest, TokenizeRequest
 from tokenmill.server.errors import APIError, error_response
 from tokenmill.server.models import ServedModel
-from tokenmill.server.protocol import DetokenizeRequest, LoRAAdapterRequest, TokenizeRequest, now
+from tokenmill.server.prompts import render_chat
+from tokenmill.server.protocol import now
 from tokenmill.server.served import Served, all_names, target_of
 from tokenmill.server.web import WebSessions, add_web_routes
 
@@ -144,11 +146,9 @@ def _register_tokenizer(app: FastAPI, served: Served) -> None:
         tokenizer, max_model_len = target.tokenizer, target.max_model_len
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
-        if body.messages is not None:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            extra = {"template_kwargs": body.chat_template_kwargs} if body.chat_template_kwargs else {}
-            ids = await asyncio.to_thread(
-                tokenizer.encode_chat, messages, True, None, served.config.allow_special_tokens_in_messages, **extra
+        if body.messages is not None:  # rendered as the chat request would be (tools, template fields)
+            ids, _ = await render_chat(
+                target, body.as_chat(), served.config.allow_special_tokens_in_messages, served.templates
             )
         else:  # off the event loop: a long text must not stall /health or other requests
             ids = await asyncio.to_thread(tokenizer.encode, body.prompt, body.add_special_tokens)

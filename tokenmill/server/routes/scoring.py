@@ -1,6 +1,7 @@
 """The scoring routes vLLM serves for RAG, on the model's own pooled states (pooled.py):
 
-    POST /score, /v1/score                 text_1 against each text_2 (1:1, 1:N) or pairwise (N:N)
+    POST /score, /v1/score                 text_1 against each text_2 (1:1, 1:N) or pairwise (N:N); or
+                                           data_1/data_2, queries/documents, queries/items
     POST /rerank, /v1/rerank, /v2/rerank   a query's documents, best first (Jina / Cohere)
     POST /pooling                          each input's pooled state
 
@@ -27,8 +28,9 @@ def register(app: FastAPI, served: Served) -> None:
     async def score(body: ScoreRequest, request: Request) -> Response:
         target = target_of(served, body.model, "/score")
         first, second = body.texts()
-        inputs = [*_named("text_1", body.text_1, first), *_named("text_2", body.text_2, second)]
-        prompts = await pooling_prompts(served, target, inputs, body.truncate_prompt_tokens, "text_2")
+        one, two = body.names()
+        inputs = [*_named(one, getattr(body, one), first), *_named(two, getattr(body, two), second)]
+        prompts = await pooling_prompts(served, target, inputs, body.truncate_prompt_tokens, two)
 
         async def collect() -> Response:
             vectors = await pooled(served, request, target, prompts, body.pooling, "score")
