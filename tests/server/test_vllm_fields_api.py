@@ -6,10 +6,12 @@ why it cannot apply here; none is ignored."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 
-from tests.server.conftest import MODEL
+from tests.server.conftest import MODEL, Server
 from tokenmill.server.vllm_fields import CANNOT
 
 ASK = [{"role": "user", "content": "Name three rivers in France."}]
@@ -167,3 +169,40 @@ def test_score_takes_vllms_newer_names_for_its_two_sides(http, first, second):
     assert scores == [d["score"] for d in old["data"]]
     mixed = http.post("/v1/score", json={"model": MODEL, "text_1": "a", "documents": ["b"]})
     assert mixed.status_code == 400 and "queries and documents" in mixed.json()["error"]["message"]
+
+
+def test_identical_requests_get_identical_answers_and_scores_whatever_runs_beside_them():
+    """At the server's defaults (this CPU's dtype: bfloat16 where it is native): the first call
+    (nothing cached) and later ones (its prompt's blocks from the prefix cache), alone or among
+    other requests in the same steps, get the same greedy tokens and logprobs, and the same scores."""
+    server = Server("--served-model-name", MODEL, "--kv-cache-memory", "256MiB", one_model=False)
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as http:
+            _identical_answers(http)
+    finally:
+        assert server.stop() == 0
+
+
+def _identical_answers(http) -> None:
+
+    ask = [{"role": "user", "content": "Name a famous French river, and a city on it, in one line."}]
+    body = {"model": MODEL, "messages": ask, "temperature": 0, "max_tokens": 16, "logprobs": True, "top_logprobs": 2}
+
+    def answer(b: dict) -> tuple:
+        c = http.post("/v1/chat/completions", json=b).json()["choices"][0]
+        return c["message"]["content"], [
+            (t["token"], t["logprob"], str(t["top_logprobs"])) for t in c["logprobs"]["content"]
+        ]
+
+    first = answer(body)
+    assert answer(body) == first
+    others = [
+        dict(body, messages=[{"role": "user", "content": f"Tell story {i} about a lighthouse keeper."}])
+        for i in range(6)
+    ]
+    with ThreadPoolExecutor(7) as pool:
+        crowded = list(pool.map(answer, [*others[:3], body, *others[3:]]))[3]
+    assert crowded == first
+    pair = {"model": MODEL, "text_1": "rivers of France", "text_2": ["The Seine flows through Paris.", "Bread."]}
+    scores = [[d["score"] for d in http.post("/v1/score", json=pair).json()["data"]] for _ in range(3)]
+    assert scores[0] == scores[1] == scores[2]
