@@ -23,6 +23,8 @@ class PoolingParams:
     # prefix cache: a cached position has no hidden state to average).
     pooling_type: str = "last"
     client: str = ""  # whom it is for, opaque: as SamplingParams.client
+    cache_salt: str | None = None  # as SamplingParams.cache_salt: prefix-cache blocks shared only within a salt
+    priority: int = 0  # as SamplingParams.priority
 
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:
@@ -31,6 +33,10 @@ class PoolingParams:
             )
         if not isinstance(self.client, str):
             raise InvalidRequestError(f"client must be a string, got {self.client!r}", param="client")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise InvalidRequestError("cache_salt must be a non-empty string", param="cache_salt")
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise InvalidRequestError(f"priority must be an integer, got {self.priority!r}", param="priority")
 
     @property
     def n(self) -> int:

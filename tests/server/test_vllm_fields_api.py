@@ -206,3 +206,50 @@ def _identical_answers(http) -> None:
     pair = {"model": MODEL, "text_1": "rivers of France", "text_2": ["The Seine flows through Paris.", "Bread."]}
     scores = [[d["score"] for d in http.post("/v1/score", json=pair).json()["data"]] for _ in range(3)]
     assert scores[0] == scores[1] == scores[2]
+
+
+def test_embeddings_encode_in_the_dtype_and_byte_order_vllm_asks(http):
+    import base64
+
+    import numpy as np
+
+    body = {"model": MODEL, "input": "rivers of France"}
+    floats = np.array(http.post("/v1/embeddings", json=body).json()["data"][0]["embedding"], dtype=np.float32)
+
+    def decoded(dtype: str, endianness: str, numpy_type: str) -> np.ndarray:
+        asked = body | {"encoding_format": "base64", "embed_dtype": dtype, "endianness": endianness}
+        raw = base64.b64decode(http.post("/v1/embeddings", json=asked).json()["data"][0]["embedding"])
+        return np.frombuffer(raw, dtype=numpy_type)
+
+    assert np.array_equal(decoded("float32", "little", "<f4"), floats)
+    assert np.array_equal(decoded("float32", "big", ">f4"), floats)
+    assert np.allclose(decoded("float16", "little", "<f2").astype(np.float32), floats, rtol=1e-3, atol=1e-4)
+    bf16 = decoded("bfloat16", "big", ">u2").astype(np.uint32) << 16
+    assert np.allclose(bf16.view(np.float32), floats, rtol=8e-3, atol=1e-3)
+    refused = http.post("/v1/embeddings", json=body | {"embed_dtype": "float16"})  # floats in JSON: float32 only
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "embed_dtype"
+
+
+def test_routes_that_embed_take_the_salt_and_the_side_and_refuse_what_cannot_apply(http, server, llm):
+    text = "A long shared context about the rivers of France and their towns. " * 12
+
+    def hits_of(**extra) -> float:
+        before = server.metric("tokenmill:prefix_cache_hits_total")
+        assert http.post("/v1/embeddings", json={"model": MODEL, "input": text, **extra}).status_code == 200
+        return server.metric("tokenmill:prefix_cache_hits_total") - before
+
+    hits_of(cache_salt="a")
+    assert hits_of(cache_salt="a") > 100 and hits_of(cache_salt="b") == 0
+    ids = llm.tokenizer.encode("one two three four five six seven eight")
+    cut = {"model": MODEL, "input": [ids], "truncate_prompt_tokens": 3, "truncation_side": "right"}
+    first = http.post("/v1/embeddings", json=cut).json()["data"][0]["embedding"]
+    assert (
+        first == http.post("/v1/embeddings", json={"model": MODEL, "input": [ids[:3]]}).json()["data"][0]["embedding"]
+    )
+    for path, body, field in (
+        ("/v1/rerank", {"query": "rivers", "documents": ["Seine"], "use_activation": True}, "use_activation"),
+        ("/v1/score", {"text_1": "rivers", "text_2": "Seine", "instruction": "Judge relevance"}, "instruction"),
+        ("/v1/embeddings", {"input": "rivers", "mm_processor_kwargs": {"x": 1}}, "mm_processor_kwargs"),
+    ):
+        r = http.post(path, json={"model": MODEL, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field and "cannot apply here" in r.text

@@ -10,6 +10,7 @@ knows how much of it the runner holds).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,8 +25,13 @@ EMBEDDING_STEP = SamplingParams(max_tokens=1)
 
 
 def step_params(params: SamplingParams | PoolingParams) -> SamplingParams:
-    """The parameters the scheduler and the output processor run a request by."""
-    return EMBEDDING_STEP if isinstance(params, PoolingParams) else params
+    """The parameters the scheduler and the output processor run a request by (an embedding
+    request's salt and priority kept)."""
+    if not isinstance(params, PoolingParams):
+        return params
+    if params.cache_salt is None and params.priority == 0:
+        return EMBEDDING_STEP
+    return dataclasses.replace(EMBEDDING_STEP, cache_salt=params.cache_salt, priority=params.priority)
 
 
 class RequestStatus(enum.Enum):

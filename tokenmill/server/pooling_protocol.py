@@ -11,9 +11,10 @@ from pydantic import field_validator, model_validator
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.server.protocol import StrictBody, prompt_list
+from tokenmill.server.vllm_fields import EncodingExtras, PoolingExtras
 
 
-class EmbeddingRequest(StrictBody):
+class EmbeddingRequest(StrictBody, PoolingExtras, EncodingExtras):
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
     truncate_prompt_tokens: int | None = None  # vLLM's: keep each input's last k tokens (-1: the context's worth)
@@ -26,7 +27,7 @@ class EmbeddingRequest(StrictBody):
         return prompt_list(self.input, "input")
 
 
-class PoolingRequest(StrictBody):
+class PoolingRequest(StrictBody, PoolingExtras, EncodingExtras):
     """vLLM's /pooling: each input's pooled state (here the embeddings' normalised final hidden state)."""
 
     model: str | None = None
@@ -43,7 +44,7 @@ class PoolingRequest(StrictBody):
 SCORE_NAMES = (("text_1", "text_2"), ("data_1", "data_2"), ("queries", "documents"), ("queries", "items"))
 
 
-class ScoreRequest(StrictBody):
+class ScoreRequest(StrictBody, PoolingExtras):
     """vLLM's /score: the first side against each text of the second (1:1, 1:N), or pairwise
     (N:N); the sides named text_1/text_2, or as vLLM's newer requests name them."""
 
@@ -55,6 +56,7 @@ class ScoreRequest(StrictBody):
     queries: str | list[str] | None = None
     documents: str | list[str] | None = None
     items: str | list[str] | None = None
+    user: str | None = None  # an end-user id (protocol.NO_EFFECT)
     truncate_prompt_tokens: int | None = None
     pooling: Literal["last", "mean"] = "last"  # tokenmill's, as the embeddings'
 
@@ -94,7 +96,7 @@ def _texts(value: str | list[str]) -> list[str]:
     return [value] if isinstance(value, str) else list(value)
 
 
-class RerankRequest(StrictBody):
+class RerankRequest(StrictBody, PoolingExtras):
     """The Jina / Cohere rerank body, as vLLM's /rerank takes it."""
 
     model: str | None = None
@@ -102,6 +104,7 @@ class RerankRequest(StrictBody):
     documents: list[str | dict[str, Any]]  # texts, or Cohere's {"text": ...}
     top_n: int | None = None  # the best top_n results (None or 0: all)
     return_documents: bool = True  # each result's document text
+    user: str | None = None  # an end-user id (protocol.NO_EFFECT)
     truncate_prompt_tokens: int | None = None
     pooling: Literal["last", "mean"] = "last"  # tokenmill's, as the embeddings'
 

@@ -12,7 +12,7 @@ answer without its reasoning), ``truncation_side`` (which end ``truncate_prompt_
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, model_validator
 
@@ -42,6 +42,18 @@ CANNOT = {
 }
 
 
+# the same on the routes that embed texts (embeddings, pooling, score, rerank)
+POOLING_CANNOT = {
+    "mm_processor_kwargs": _TEXT_ONLY,
+    "use_activation": "scores here are cosine similarities of embeddings: there is no classifier head to activate",
+    "instruction": "texts are embedded as they are: no instruction template is applied here",
+    "chat_template_kwargs": "texts are embedded as they are, through no chat template",
+    "max_tokens_per_doc": "per-side limits are not implemented here; use truncate_prompt_tokens",
+    "max_tokens_per_query": "per-side limits are not implemented here; use truncate_prompt_tokens",
+    "padding": "each text is computed at its own length here: there is no padding to choose",
+}
+
+
 def _is_set(value: Any) -> bool:
     return value not in (None, False, {}, [], "")
 
@@ -50,11 +62,14 @@ class _Refused(BaseModel):
     """Declared so that a client that sends them empty (as some SDKs do) is served, and one that
     sets them learns why they cannot apply."""
 
+    _cannot: ClassVar[dict[str, str]] = CANNOT
+
     @model_validator(mode="after")
     def _refuse_what_cannot_apply(self) -> _Refused:
+        cannot = type(self)._cannot
         for name in type(self).model_fields:
-            if name in CANNOT and _is_set(getattr(self, name)):
-                raise InvalidRequestError(f"{name} cannot apply here: {CANNOT[name]}", param=name)
+            if name in cannot and _is_set(getattr(self, name)):
+                raise InvalidRequestError(f"{name} cannot apply here: {cannot[name]}", param=name)
         return self
 
 
@@ -111,6 +126,39 @@ class ChatExtras(_Refused):
 
 class CompletionExtras(_Refused):
     prompt_embeds: Any = None
+
+
+class PoolingExtras(_Refused):
+    """vLLM's fields of the requests that embed texts: done here are ``add_special_tokens``,
+    ``cache_salt``, ``truncation_side``, ``priority`` (with --scheduling-policy priority) and
+    ``request_id`` (names the engine requests); the rest refused when set (POOLING_CANNOT)."""
+
+    _cannot: ClassVar[dict[str, str]] = POOLING_CANNOT
+    add_special_tokens: bool = True
+    cache_salt: str | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    priority: int = 0
+    request_id: str | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    use_activation: bool | None = None
+    instruction: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    max_tokens_per_doc: int | None = None
+    max_tokens_per_query: int | None = None
+    padding: Any = None
+
+    @model_validator(mode="after")
+    def _salt(self) -> PoolingExtras:
+        if self.cache_salt is not None and not self.cache_salt:
+            raise InvalidRequestError("cache_salt must be a non-empty string", param="cache_salt")
+        return self
+
+
+class EncodingExtras(BaseModel):
+    """vLLM's encoding of a base64 vector: its element type and byte order."""
+
+    embed_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    endianness: Literal["native", "big", "little"] = "native"
 
 
 @dataclass(frozen=True)

@@ -26,13 +26,12 @@ def register(app: FastAPI, served: Served) -> None:
                 "dimensions",
             )
         inputs = [(f"input[{i}]", p) for i, p in enumerate(body.inputs())]
-        prompts = await pooling_prompts(served, target, inputs, body.truncate_prompt_tokens, "input")
+        prompts = await pooling_prompts(served, target, inputs, body, "input")
 
         async def collect() -> Response:
-            vectors = await pooled(served, request, target, prompts, body.pooling, "embd")
+            vectors = await pooled(served, request, target, prompts, body, "embd")
             data = [
-                {"object": "embedding", "index": i, "embedding": as_encoded(v, body.encoding_format)}
-                for i, v in enumerate(vectors)
+                {"object": "embedding", "index": i, "embedding": as_encoded(v, body)} for i, v in enumerate(vectors)
             ]
             tokens = sum(len(ids) for ids in prompts)
             return JSONResponse(

@@ -30,10 +30,10 @@ def register(app: FastAPI, served: Served) -> None:
         first, second = body.texts()
         one, two = body.names()
         inputs = [*_named(one, getattr(body, one), first), *_named(two, getattr(body, two), second)]
-        prompts = await pooling_prompts(served, target, inputs, body.truncate_prompt_tokens, two)
+        prompts = await pooling_prompts(served, target, inputs, body, two)
 
         async def collect() -> Response:
-            vectors = await pooled(served, request, target, prompts, body.pooling, "score")
+            vectors = await pooled(served, request, target, prompts, body, "score")
             ones, twos = vectors[: len(first)], vectors[len(first) :]
             scores = [cosine(ones[0 if len(ones) == 1 else j], v) for j, v in enumerate(twos)]
             tokens = sum(len(ids) for ids in prompts)
@@ -58,11 +58,11 @@ def register(app: FastAPI, served: Served) -> None:
         documents = body.texts()
         inputs = [("query", body.query), *((f"documents[{i}]", d) for i, d in enumerate(documents))]
         prompts = await pooling_prompts(
-            served, target, inputs, body.truncate_prompt_tokens, "documents", counted=len(documents)
+            served, target, inputs, body, "documents", counted=len(documents)
         )  # the limit counts the documents (2,048 by default); the query's tokens count with theirs
 
         async def collect() -> Response:
-            query, *docs = await pooled(served, request, target, prompts, body.pooling, "rerank")
+            query, *docs = await pooled(served, request, target, prompts, body, "rerank")
             ranked = sorted(((cosine(query, v), i) for i, v in enumerate(docs)), key=lambda r: (-r[0], r[1]))
             results = []
             for relevance, i in ranked[: body.top_n or None]:
@@ -81,10 +81,10 @@ def register(app: FastAPI, served: Served) -> None:
     async def pooling(body: PoolingRequest, request: Request) -> Response:
         target = target_of(served, body.model, "/pooling")
         inputs = [(f"input[{i}]", p) for i, p in enumerate(body.inputs())]
-        prompts = await pooling_prompts(served, target, inputs, body.truncate_prompt_tokens, "input")
+        prompts = await pooling_prompts(served, target, inputs, body, "input")
 
         async def collect() -> Response:
-            vectors = await pooled(served, request, target, prompts, body.pooling, "pool")
+            vectors = await pooled(served, request, target, prompts, body, "pool")
             tokens = sum(len(ids) for ids in prompts)
             return JSONResponse(
                 {
@@ -93,8 +93,7 @@ def register(app: FastAPI, served: Served) -> None:
                     "created": now(),
                     "model": target.name,
                     "data": [
-                        {"index": i, "object": "pooling", "data": as_encoded(v, body.encoding_format)}
-                        for i, v in enumerate(vectors)
+                        {"index": i, "object": "pooling", "data": as_encoded(v, body)} for i, v in enumerate(vectors)
                     ],
                     "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
                 }
