@@ -253,3 +253,23 @@ def test_routes_that_embed_take_the_salt_and_the_side_and_refuse_what_cannot_app
     ):
         r = http.post(path, json={"model": MODEL, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == field and "cannot apply here" in r.text
+
+
+def test_the_responses_api_takes_vllms_fields_as_the_chat_request_it_becomes(http):
+    base = {"model": MODEL, "input": "Count from one to ten in words, separated by commas.", "max_output_tokens": 40}
+    whole = http.post("/v1/responses", json=base | {"temperature": 0}).json()
+    text = whole["output"][-1]["content"][0]["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]  # a piece of the greedy answer: it ends there
+    stopped = http.post("/v1/responses", json=base | {"temperature": 0, "stop": [stop], "top_k": 1}).json()
+    assert stopped["output"][-1]["content"][0]["text"] == text[: text.index(stop)]
+    seeded = [
+        http.post("/v1/responses", json=base | {"temperature": 1.0, "seed": 7, "cache_salt": "t"}).json()
+        for _ in range(2)
+    ]
+    assert seeded[0]["output"][-1]["content"] == seeded[1]["output"][-1]["content"]
+    for field, value, said in (
+        ("kv_transfer_params", {"do_remote_decode": True}, CANNOT["kv_transfer_params"]),
+        ("prompt", {"id": "pmpt_123"}, "prompt template stored on OpenAI's platform"),
+    ):
+        r = http.post("/v1/responses", json=base | {field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field and said in r.json()["error"]["message"]

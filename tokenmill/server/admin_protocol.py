@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, field_validator
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, StrictBody
+from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, StrictBody, chat_request
 
 
 class TokenizeRequest(StrictBody):
@@ -37,13 +37,7 @@ class TokenizeRequest(StrictBody):
         if "add_special_tokens" in self.model_fields_set:
             given["add_special_tokens"] = self.add_special_tokens
         given["messages"] = self.messages
-        try:
-            return ChatCompletionRequest.model_validate(given | {"max_tokens": 1})
-        except ValidationError as e:  # in a route, not a body: the validator's own 400, as a body's would be
-            error = (e.errors()[0].get("ctx") or {}).get("error") if e.errors() else None
-            if isinstance(error, InvalidRequestError):
-                raise error from None
-            raise InvalidRequestError(f"invalid messages for /tokenize: {e.errors()[0]['msg']}", "messages") from None
+        return chat_request(given | {"max_tokens": 1}, "messages")
 
 
 class LoRAAdapterRequest(StrictBody):

@@ -20,7 +20,7 @@ import typing
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tokenmill.beam_search import BeamSearchParams
 from tokenmill.errors import InvalidRequestError
@@ -502,6 +502,21 @@ class ChatCompletionRequest(_SamplingFields, ChatExtras):
 
     def answer_extras(self) -> AnswerExtras:
         return AnswerExtras(self.return_token_ids, self.return_prompt_text, self.include_reasoning)
+
+
+def chat_request(body: dict[str, Any], param: str) -> ChatCompletionRequest:
+    """A chat request made from another route's body (/v1/responses, /tokenize with messages);
+    its validation errors are 400s, a validator's with its own message and field, else naming
+    ``param``."""
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0] if e.errors() else {}
+        error = (first.get("ctx") or {}).get("error")
+        if isinstance(error, InvalidRequestError):
+            raise error from None
+        where = ".".join(str(x) for x in first.get("loc", ())) or param
+        raise InvalidRequestError(f"invalid request: {where}: {first.get('msg', 'malformed')}", param) from None
 
 
 def check_tool_results(messages: list[ChatMessage]) -> None:

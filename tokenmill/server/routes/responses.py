@@ -12,18 +12,17 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from pydantic import ValidationError
 
-from tokenmill.errors import InvalidRequestError
 from tokenmill.server.errors import APIError
 from tokenmill.server.gateway import routed
 from tokenmill.server.model_router import ModelRouter
 from tokenmill.server.models import Target
 from tokenmill.server.prompts import chat_prompt
-from tokenmill.server.protocol import ChatCompletionRequest
+from tokenmill.server.protocol import chat_request
 from tokenmill.server.reasoning import reasoning_for
 from tokenmill.server.response_job import ResponseJob
-from tokenmill.server.responses import ResponseShape, ResponsesRequest, Stored, owner_of
+from tokenmill.server.responses import ResponseShape, Stored, owner_of
+from tokenmill.server.responses_request import ResponsesRequest
 from tokenmill.server.served import Served, resolve
 
 
@@ -35,7 +34,7 @@ def register(app: FastAPI, served: Served) -> None:
         history: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
             history = _stored(served, owner, body.previous_response_id, "previous_response_id").messages
-        chat = _chat_body(body.chat_body(history))
+        chat = chat_request(body.chat_body(history), "input")
         client = served.clients.client_of(request)
 
         async def job(target: Target) -> ResponseJob:
@@ -62,19 +61,6 @@ def register(app: FastAPI, served: Served) -> None:
         _stored(served, owner, response_id, "response_id")
         served.responses.delete(owner, response_id)
         return {"id": response_id, "object": "response", "deleted": True}
-
-
-def _chat_body(body: dict[str, Any]) -> ChatCompletionRequest:
-    """A chat request made from another route's body; its validation errors are 400s."""
-    try:
-        return ChatCompletionRequest.model_validate(body)
-    except ValidationError as e:
-        first = e.errors()[0]
-        error = first.get("ctx", {}).get("error")
-        if isinstance(error, InvalidRequestError):
-            raise error from None
-        where = ".".join(str(x) for x in first.get("loc", ())) or "input"
-        raise APIError(400, f"invalid request: {where}: {first.get('msg', 'malformed')}", "input") from None
 
 
 def _stored(served: Served, owner: str, response_id: str, param: str) -> Stored:
