@@ -273,3 +273,15 @@ def test_the_responses_api_takes_vllms_fields_as_the_chat_request_it_becomes(htt
     ):
         r = http.post("/v1/responses", json=base | {field: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == field and said in r.json()["error"]["message"]
+
+
+def test_embeddings_of_messages_are_those_of_the_rendered_chat(http, llm):
+    """vLLM's chat embeddings: the messages through the template (no generation prompt by
+    default), embedded as the same ids given as input would be."""
+    chat = http.post("/v1/embeddings", json={"model": MODEL, "messages": ASK}).json()
+    rendered = http.post("/tokenize", json={"messages": ASK, "add_generation_prompt": False}).json()["tokens"]
+    same = http.post("/v1/embeddings", json={"model": MODEL, "input": [rendered]}).json()
+    assert chat["data"][0]["embedding"] == same["data"][0]["embedding"]
+    assert chat["usage"]["prompt_tokens"] == len(rendered)
+    both = http.post("/v1/embeddings", json={"model": MODEL, "messages": ASK, "input": "x"})
+    assert both.status_code == 400 and "exactly one of input and messages" in both.json()["error"]["message"]

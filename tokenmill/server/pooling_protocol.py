@@ -5,18 +5,27 @@ generated text: ``/v1/embeddings``, ``/pooling``, and vLLM's scoring routes for 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import field_validator, model_validator
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.server.protocol import StrictBody, prompt_list
-from tokenmill.server.vllm_fields import EncodingExtras, PoolingExtras
+from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, StrictBody, chat_request, prompt_list
+from tokenmill.server.vllm_fields import POOLING_CANNOT, EncodingExtras, PoolingExtras
 
 
 class EmbeddingRequest(StrictBody, PoolingExtras, EncodingExtras):
+    """OpenAI's embeddings body, or vLLM's chat form: ``messages`` rendered through the chat
+    template (its fields as vLLM's EmbeddingChatRequest has them) and embedded as one input."""
+
+    _cannot: ClassVar[dict[str, str]] = {k: v for k, v in POOLING_CANNOT.items() if k != "chat_template_kwargs"}
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[int] | list[list[int]] | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    media_io_kwargs: dict[str, Any] | None = None
     truncate_prompt_tokens: int | None = None  # vLLM's: keep each input's last k tokens (-1: the context's worth)
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
@@ -24,7 +33,29 @@ class EmbeddingRequest(StrictBody, PoolingExtras, EncodingExtras):
     pooling: Literal["last", "mean"] = "last"  # tokenmill's: the last token's final hidden state, or the mean
 
     def inputs(self) -> list[str | list[int]]:
+        """The texts or token-id lists of ``input`` (the chat form has ``as_chat`` instead)."""
+        assert self.input is not None
         return prompt_list(self.input, "input")
+
+    @model_validator(mode="after")
+    def _one_form(self) -> EmbeddingRequest:
+        if (self.input is None) == (self.messages is None):
+            raise InvalidRequestError("give exactly one of input and messages", param="input")
+        chat_only = [n for n in ("chat_template_kwargs", "chat_template") if getattr(self, n) is not None]
+        if self.messages is None and chat_only:
+            raise InvalidRequestError(f"{chat_only[0]} goes with messages", param=chat_only[0])
+        return self
+
+    def as_chat(self) -> ChatCompletionRequest:
+        """The messages and their template fields as the chat request that would render them
+        (vLLM's chat embeddings: no generation prompt, no special tokens by default)."""
+        fields = ("chat_template_kwargs", "continue_final_message", "chat_template", "media_io_kwargs")
+        given = {name: getattr(self, name) for name in fields if name in self.model_fields_set}
+        given["add_special_tokens"] = (
+            self.add_special_tokens if "add_special_tokens" in self.model_fields_set else False
+        )
+        given["add_generation_prompt"] = self.add_generation_prompt
+        return chat_request(given | {"messages": self.messages, "max_tokens": 1}, "messages")
 
 
 class PoolingRequest(StrictBody, PoolingExtras, EncodingExtras):

@@ -45,6 +45,7 @@ CANNOT = {
 # the same on the routes that embed texts (embeddings, pooling, score, rerank)
 POOLING_CANNOT = {
     "mm_processor_kwargs": _TEXT_ONLY,
+    "media_io_kwargs": _TEXT_ONLY,
     "use_activation": "scores here are cosine similarities of embeddings: there is no classifier head to activate",
     "instruction": "texts are embedded as they are: no instruction template is applied here",
     "chat_template_kwargs": "texts are embedded as they are, through no chat template",

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from tokenmill.server.errors import APIError
 from tokenmill.server.pooled import as_encoded, pooled, pooling_prompts
 from tokenmill.server.pooling_protocol import EmbeddingRequest
+from tokenmill.server.prompts import render_chat
 from tokenmill.server.served import Served, target_of
 from tokenmill.server.streaming import until_disconnect
 
@@ -25,7 +26,13 @@ def register(app: FastAPI, served: Served) -> None:
                 "dimensions is not supported: the embeddings have the model's hidden size (no shortening)",
                 "dimensions",
             )
-        inputs = [(f"input[{i}]", p) for i, p in enumerate(body.inputs())]
+        if body.messages is not None:  # vLLM's chat form: one input, rendered as the chat request would be
+            ids, _ = await render_chat(
+                target, body.as_chat(), served.config.allow_special_tokens_in_messages, served.templates
+            )
+            inputs: list = [("messages", ids)]
+        else:
+            inputs = [(f"input[{i}]", p) for i, p in enumerate(body.inputs())]
         prompts = await pooling_prompts(served, target, inputs, body, "input")
 
         async def collect() -> Response:
