@@ -60,10 +60,14 @@ def test_sampling_params_survive_the_trip(params):
     assert params_from_wire(trip(params_to_wire(params))) == params
 
 
-@pytest.mark.parametrize("params", [PoolingParams(), PoolingParams("mean", "addr:10.0.0.1")])
+@pytest.mark.parametrize(
+    "params", [PoolingParams(), PoolingParams("mean", "addr:10.0.0.1"), PoolingParams("last", "", "tenant-a", 2)]
+)
 def test_an_embedding_request_crosses_as_pooling_params_not_as_sampling(params):
     wire = trip(params_to_wire(params))
-    assert wire == {"pooling_type": params.pooling_type, "client": params.client} and params_from_wire(wire) == params
+    fields = {"pooling_type": params.pooling_type, "client": params.client}
+    fields |= {"cache_salt": params.cache_salt, "priority": params.priority}
+    assert wire == fields and params_from_wire(wire) == params
     with pytest.raises(InvalidRequestError, match="pooling"):
         params_from_wire({"pooling_type": "max"})
 
