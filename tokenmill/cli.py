@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenmill.loadgen.serve import add_arguments
 
     add_arguments(bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server"))
-    from tokenmill.tune import add_arguments as add_tune_arguments
+    from tokenmill.tune.command import add_arguments as add_tune_arguments
 
     add_tune_arguments(
         sub.add_parser("tune", help="find the serve settings that meet a latency SLO at the lowest cost per token")
@@ -452,7 +452,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from tokenmill.tune import run
+    from tokenmill.tune.command import run
 
     return run(args)
 

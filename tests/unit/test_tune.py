@@ -8,21 +8,17 @@ from __future__ import annotations
 import pytest
 
 from tokenmill.loadgen.serve import RequestResult
-from tokenmill.tune import (
-    DEFAULTS,
-    Slo,
-    Trial,
+from tokenmill.tune.search import (
     choose,
     climb,
     defaults_ladder,
-    doomed,
     latest,
     pooled_cost,
-    requests_for,
     searched_pick,
     successive_halving,
     validate,
 )
+from tokenmill.tune.slo import DEFAULTS, Slo, Trial, doomed, requests_for
 
 pytestmark = pytest.mark.unit
 

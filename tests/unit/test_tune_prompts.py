@@ -14,8 +14,9 @@ import pytest
 
 from tokenmill.loadgen.prompt_sets import PromptSets, shared_prefixes
 from tokenmill.loadgen.serve import synthetic
-from tokenmill.tune import add_arguments, requests_for
-from tokenmill.tune import run as tune_run
+from tokenmill.tune.command import add_arguments
+from tokenmill.tune.command import run as tune_run
+from tokenmill.tune.slo import requests_for
 
 pytestmark = pytest.mark.unit
 RATES = [0.5, 1, 2, 4, 6]
