@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_train_draft_args(p: argparse.ArgumentParser) -> None:
-    from tokenmill.speculative.train_options import TrainOptions
+    from tokenmill.speculative.training.options import TrainOptions
 
     d = TrainOptions()
     p.add_argument("--method", choices=("eagle", "medusa"), default="eagle", help="the head to train (default eagle)")
@@ -265,8 +265,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
 def cmd_train_draft(args: argparse.Namespace) -> int:
     from tokenmill.llm import LLM
-    from tokenmill.speculative.train import read_prompts, train_draft
-    from tokenmill.speculative.train_options import TrainOptions
+    from tokenmill.speculative.training.options import TrainOptions
+    from tokenmill.speculative.training.train import read_prompts, train_draft
 
     opts = TrainOptions(
         method=args.method,

@@ -67,7 +67,7 @@ def written(float_folder, tmp_path_factory):
 
 def parts_of(report) -> dict[str, tuple]:
     """Our fused QuantizedWeights split into the checkpoint's linears: name -> (q, scale, zero)."""
-    from tokenmill.quant.calibrate.rtn import QuantizedWeight
+    from tokenmill.quantize.calibrate.rtn import QuantizedWeight
 
     out = {}
     for name, qw in report.weights.items():

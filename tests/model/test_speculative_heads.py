@@ -28,8 +28,8 @@ from tokenmill.errors import ModelLoadError
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.speculative.head_proposer import EagleProposer, MedusaProposer
 from tokenmill.speculative.heads import eagle_config, load_eagle, load_medusa
-from tokenmill.speculative.train import EagleReference
-from tokenmill.speculative.train_data import target_features
+from tokenmill.speculative.training.data import target_features
+from tokenmill.speculative.training.train import EagleReference
 from tokenmill.worker.kv_cache import allocate_kv_cache
 from tokenmill.worker.model_runner import ModelRunner
 

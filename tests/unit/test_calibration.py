@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tokenmill.errors import TokenmillError
-from tokenmill.quant.calibrate.gptq import Hessian, gptq
-from tokenmill.quant.calibrate.rtn import QuantSpec, relative_errors, rtn
+from tokenmill.quantize.calibrate.gptq import Hessian, gptq
+from tokenmill.quantize.calibrate.rtn import QuantSpec, relative_errors, rtn
 from tokenmill.quantize.calibration import (
     MIN_DOCS_CHARS,
     bundled_text,

@@ -22,7 +22,7 @@ decompression computes. FP8 checkpoints of ``quant_method: fp8`` (DeepSeek's and
 We run the weights only: activation quantisation (W8A8's per-token int8 inputs, static
 ``input_scale``s) is not simulated, and the loader says so; anything we cannot decode
 exactly (other formats, sparsity, transforms, other bit widths, quantised KV scales) is refused
-by name before any weight is read. (quant/compressed.py writes the pack-quantized format.)
+by name before any weight is read. (quantize/compressed.py writes the pack-quantized format.)
 """
 
 from __future__ import annotations

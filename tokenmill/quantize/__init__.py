@@ -4,4 +4,4 @@ compressed-tensors ``pack-quantized`` format (what llm-compressor writes and vLL
 
 ``calibration.py`` cuts the text into samples, ``layer_inputs.py`` runs our own decoder layer
 by layer over them (hooks on its linears, no engine), ``run.py`` quantises each layer's
-linears from what the hooks saw and hands the result to ``quant/compressed.py``'s writer."""
+linears from what the hooks saw and hands the result to ``quantize/compressed.py``'s writer."""

@@ -26,11 +26,17 @@ from tokenmill.model.hf_export import check_exportable, write_model_files
 from tokenmill.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 from tokenmill.model.loader import load_checkpoint
 from tokenmill.model.tokenizer import load_tokenizer
-from tokenmill.quant.calibrate.awq import MAX_TOKENS, ActivationStats, fake_quant, search_clip, search_scale
-from tokenmill.quant.calibrate.gptq import Hessian, gptq
-from tokenmill.quant.calibrate.rtn import QuantizedWeight, QuantSpec, relative_errors, rtn
-from tokenmill.quant.compressed import Scheme, linear_tensors, require_library, save_weights, write_quantization_config
+from tokenmill.quantize.calibrate.awq import MAX_TOKENS, ActivationStats, fake_quant, search_clip, search_scale
+from tokenmill.quantize.calibrate.gptq import Hessian, gptq
+from tokenmill.quantize.calibrate.rtn import QuantizedWeight, QuantSpec, relative_errors, rtn
 from tokenmill.quantize.calibration import calibration_samples, calibration_texts
+from tokenmill.quantize.compressed import (
+    Scheme,
+    linear_tensors,
+    require_library,
+    save_weights,
+    write_quantization_config,
+)
 from tokenmill.quantize.layer_inputs import LayerInputs, linears_of
 
 METHODS = ("rtn", "gptq", "awq")

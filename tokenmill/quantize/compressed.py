@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.errors import TokenmillError
-from tokenmill.quant.calibrate.rtn import QuantizedWeight
+from tokenmill.quantize.calibrate.rtn import QuantizedWeight
 
 INSTALL_HINT = "pip install 'tokenmill[quantize]'"
 

@@ -26,8 +26,8 @@ from collections.abc import Callable
 
 import torch
 
-from tokenmill.quant.calibrate.rtn import QuantizedWeight, QuantSpec, group_params
-from tokenmill.quant.calibrate.threads import single_thread
+from tokenmill.quantize.calibrate.rtn import QuantizedWeight, QuantSpec, group_params
+from tokenmill.quantize.calibrate.threads import single_thread
 
 DAMPENING = 0.01  # of the mean of H's diagonal
 BLOCK = 128  # columns updated together

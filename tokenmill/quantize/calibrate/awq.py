@@ -20,14 +20,14 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.quant.calibrate.rtn import (
+from tokenmill.quantize.calibrate.rtn import (
     QuantSpec,
     dequantize_group,
     group_params,
     quantize_group,
     rtn,
 )
-from tokenmill.quant.calibrate.threads import single_thread
+from tokenmill.quantize.calibrate.threads import single_thread
 
 GRID = 20  # alphas tried: 0, 1/20, ..., 19/20
 CLIP_RATIOS = 10  # range shrinks tried: 1.0, 0.95, ..., 0.55

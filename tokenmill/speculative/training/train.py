@@ -1,6 +1,6 @@
 """``tokenmill train-draft``: a speculative head for the served model, trained on its own answers.
 
-Self-distillation (EAGLE, Medusa): the target answers chat prompts (``train_data``), and
+Self-distillation (EAGLE, Medusa): the target answers chat prompts (``training.data``), and
 the head learns to continue what the target computed. Both train on the CPU for small
 models and on a GPU where there is one (``--device``).
 
@@ -41,7 +41,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.model.layers.rotary import RotaryEmbedding
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.speculative.heads import MedusaHeads
-from tokenmill.speculative.train_options import TrainOptions
+from tokenmill.speculative.training.options import TrainOptions
 
 DEPTH_DECAY = 0.8  # loss weight of unrolled step j: DEPTH_DECAY ** j (EAGLE-3)
 
@@ -550,7 +550,7 @@ def train_draft(
     """Generate (or resume) the self-distillation data with ``llm`` (an ``LLM`` over the
     target model, made by the caller: this package sits below the offline API), train,
     save the head and its plot under ``output``; returns the head's folder (``output/head``)."""
-    from tokenmill.speculative.train_data import collect
+    from tokenmill.speculative.training.data import collect
 
     opts = opts or TrainOptions(method=method)
     out = Path(output).expanduser()
