@@ -60,7 +60,7 @@ def ours(gguf_dir: Path, batched: bool, auto_dtype: str, only: str | None = None
     from tokenmill import LLM, SamplingParams
     from tokenmill.kernels.cpu import cpu_info
     from tokenmill.kernels.native import build_name
-    from tokenmill.plan import measure_bandwidth
+    from tokenmill.plan.command import measure_bandwidth
     from tokenmill.quant.weights import weight_bytes
 
     bandwidth = measure_bandwidth()

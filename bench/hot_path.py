@@ -35,7 +35,7 @@ from throughput import mixed_workload, run_ours, run_vllm, shared_prefix_workloa
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels.cpu import cpu_info
-from tokenmill.plan import measure_bandwidth
+from tokenmill.plan.command import measure_bandwidth
 from tokenmill.quant.weights import weight_bytes
 
 RESULTS = Path(__file__).parent / "results"

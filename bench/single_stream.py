@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.plan import measure_bandwidth
+from tokenmill.plan.command import measure_bandwidth
 
 OUT = Path(__file__).parent / "results"
 PROMPT_TOKENS = 512

@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(serve.add_argument_group("replicas (Ray Serve; pip install 'tokenmill[ray]')"), ReplicaConfig)
     add_engine_arguments(serve, several_models=True)
     plan = sub.add_parser("plan", help="weights, KV per token, capacity and a decode bound for a configuration")
-    from tokenmill.plan import add_arguments as add_plan_arguments
+    from tokenmill.plan.command import add_arguments as add_plan_arguments
 
     add_plan_arguments(plan)
     add_engine_arguments(plan, several_models=True)
@@ -433,7 +433,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from tokenmill.args import served_models
-    from tokenmill.plan import run, run_several
+    from tokenmill.plan.command import run, run_several
 
     if args.kv_cache_memory is None:
         args.kv_cache_memory = "1GiB"

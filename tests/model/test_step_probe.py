@@ -1,4 +1,4 @@
-"""The step probe of `tokenmill plan --calibrate` (engine/step_model.py) on a tiny random
+"""The step probe of `tokenmill plan --calibrate` (plan/step_model.py) on a tiny random
 model's engine: a decode point for every batch and context it was asked for, from every
 sweep's steps, prefill points for each prompt length, and the
 engine left as it was found; and `plan --measure`'s count of the sequences the KV cache
@@ -12,8 +12,8 @@ import pytest
 
 from tests.helpers import run_to_completion
 from tests.model.test_load_price import tiny_engine
-from tokenmill.engine.load_measure import measure_max_seqs
-from tokenmill.engine.step_model import REQUEST_ID, probe
+from tokenmill.plan.load_measure import measure_max_seqs
+from tokenmill.plan.step_model import REQUEST_ID, probe
 from tokenmill.sampling_params import SamplingParams
 
 

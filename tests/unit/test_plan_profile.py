@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from tokenmill.engine.step_model import (
+from tokenmill.plan.step_model import (
     DecodePoint,
     PrefillPoint,
     Profile,

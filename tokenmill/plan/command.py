@@ -15,14 +15,14 @@ each (``--watts-per-cpu``, tokenmill/energy.py's default otherwise) a token cost
 
 The bound is a bound: on a CPU with a small model the steps' fixed and per-sequence costs
 dominate and real decoding runs at a fraction of it. What predicts is a *profile*, a step
-model calibrated on this machine with this configuration (tokenmill/engine/step_model.py):
+model calibrated on this machine with this configuration (tokenmill/plan/step_model.py):
 ``--calibrate`` probes the engine for some seconds and writes it (``--profile FILE``, or
 the default path printed), later plans read it. From it: single-stream decode tok/s, decode
 tok/s of ``--concurrency`` sequences, and for a load (``--rate``, ``--input-len``,
 ``--output-len``) the output tok/s, time per output token, J per token and $ per 1M tokens.
 
 ``--measure`` runs the engine with the same configuration, apart from the probe
-(tokenmill/engine/load_measure.py), and prints the measured figures beside the predicted ones
+(tokenmill/plan/load_measure.py), and prints the measured figures beside the predicted ones
 with their ratio (joules from RAPL where readable, else the estimate).
 """
 
@@ -116,7 +116,7 @@ def load_profile(args: argparse.Namespace, llm):
     as it is unless ``--calibrate`` says to replace it)."""
     from pathlib import Path
 
-    from tokenmill.engine.step_model import Profile, default_profile_path, probe
+    from tokenmill.plan.step_model import Profile, default_profile_path, probe
 
     fp = fingerprint(llm)
     path = Path(args.profile) if args.profile else default_profile_path(fp)
@@ -260,7 +260,7 @@ def predict(args: argparse.Namespace, llm, plan: Plan, profile, path, how: str) 
     """The step model's rows, and with --measure the measured ones beside them."""
     import math
 
-    from tokenmill.engine.step_model import predict_load
+    from tokenmill.plan.step_model import predict_load
 
     m = profile.model
     dec_err, pre_err = profile.fit_errors()
@@ -304,7 +304,7 @@ def predict(args: argparse.Namespace, llm, plan: Plan, profile, path, how: str) 
         rows.append((f"$ per 1M output tokens, {label}", load.dollars_per_million))
     measured: list[float | None] = [None] * len(rows)
     if args.measure:
-        from tokenmill.engine.load_measure import measure_decode, measure_load
+        from tokenmill.plan.load_measure import measure_decode, measure_load
 
         print("measuring ...", file=sys.stderr, flush=True)
         measured[0] = measure_decode(llm.engine, 1, ctx)
@@ -338,7 +338,7 @@ def predict(args: argparse.Namespace, llm, plan: Plan, profile, path, how: str) 
 
 
 def _max_seqs_measured(llm, plan: Plan) -> int:
-    from tokenmill.engine.load_measure import measure_max_seqs
+    from tokenmill.plan.load_measure import measure_max_seqs
 
     return measure_max_seqs(llm.engine, plan.max_seqs + 2, plan.context_len)
 

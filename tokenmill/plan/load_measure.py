@@ -1,5 +1,5 @@
 """`tokenmill plan --measure`: the engine's figures measured end to end, to set beside the
-calibrated step model's predictions (engine/step_model.py). No torch: it drives an
+calibrated step model's predictions (plan/step_model.py). No torch: it drives an
 ``Engine`` (the core and the output processor in this process).
 
 Separate from the probe that made the profile: other prompts, other contexts and batch
