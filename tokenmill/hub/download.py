@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.errors import ModelLoadError
-from tokenmill.hub.refs import HubRef, ModelFiles, choose_files, read_json_file
+from tokenmill.hub.refs import HubRef, ModelFiles, choose_files
 
 # (kind, summary) -> None, or a ModelLoadError naming the architecture: kind "hf" with the Hub's
 # config summary (model_type, architectures), kind "gguf" with its GGUF summary (architecture).
@@ -111,6 +112,16 @@ def _listing(storage: Path, commit: str) -> list[str] | None:
     listing = read_json_file(storage / "trees" / f"{commit}.json")
     files = listing.get("files") if listing.get("format_version") == 1 else None
     return sorted(files) if isinstance(files, dict) else None
+
+
+def read_json_file(path: str | Path) -> dict:
+    """A small JSON file of a snapshot (a safetensors index), or {} when it is not one."""
+    try:
+        with open(path) as f:
+            obj = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return obj if isinstance(obj, dict) else {}
 
 
 def _download(ref: HubRef, revision: str, check: ArchitectureCheck | None) -> Resolved:

@@ -8,7 +8,6 @@ from the Hub's listing when online and from the cached snapshot when offline.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -161,13 +160,3 @@ def _choose_gguf(ref: HubRef, ggufs: dict[str, list[str]], where: str) -> ModelF
                 f"{ref.repo_id} on {where}: the {tag} GGUF's split parts are incomplete ({', '.join(files)})"
             )
     return ModelFiles("gguf", tuple(files), files[0], tag)
-
-
-def read_json_file(path) -> dict:
-    """A small JSON file of a snapshot (a safetensors index), or {} when it is not one."""
-    try:
-        with open(path) as f:
-            obj = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    return obj if isinstance(obj, dict) else {}

@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, StrictBody, chat_request
+from tokenmill.server.protocol import CHAT_RENDERING, ChatCompletionRequest, ChatMessage, StrictBody, chat_rendering
 
 
 class TokenizeRequest(StrictBody):
@@ -31,13 +31,7 @@ class TokenizeRequest(StrictBody):
 
     def as_chat(self) -> ChatCompletionRequest:
         """The messages and their rendering fields as the chat request that would render them."""
-        fields = ("messages", "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "tools")
-        fields += ("chat_template", "mm_processor_kwargs", "media_io_kwargs")
-        given = {name: getattr(self, name) for name in fields if name in self.model_fields_set}
-        if "add_special_tokens" in self.model_fields_set:
-            given["add_special_tokens"] = self.add_special_tokens
-        given["messages"] = self.messages
-        return chat_request(given | {"max_tokens": 1}, "messages")
+        return chat_rendering(self, CHAT_RENDERING)
 
 
 class LoRAAdapterRequest(StrictBody):

@@ -75,7 +75,7 @@ class Job:
         self.prompts = prompts
         self.params = params
         self.usage_stats = usage_stats  # streamed usage: None, "final" (a last chunk) or "continuous" (every chunk)
-        self.include_usage = usage_stats is not None
+        self.prompt_tokens = sum(len(ids) for ids in prompts)
         self.completion_so_far: dict[int, int] = {}  # streamed: each choice's tokens so far (continuous usage)
         self.extras = AnswerExtras()  # vLLM's return_token_ids, return_prompt_text, include_reasoning
         self.return_timings = return_timings
@@ -286,7 +286,7 @@ class Job:
         return finals.get(index - index % self.params[0].n)
 
     def _usage(self, finals) -> dict:
-        prompt = sum(len(ids) for ids in self.prompts)
+        prompt = self.prompt_tokens
         completion = sum(len(o.outputs[0].token_ids) for o in finals)
         usage: dict[str, Any] = {
             "prompt_tokens": prompt,
@@ -410,7 +410,7 @@ class Job:
                     finals.append(out)
                     ended.append((i, out))
             self._answered(ended)
-            if self.include_usage:
+            if self.usage_stats is not None:
                 yield self._chunk([], usage=self._usage(finals))
             if self.return_timings:
                 yield f"data: {json.dumps({'id': self.id, 'timings': [self._timings(o) for o in finals]})}\n\n"
@@ -460,7 +460,7 @@ class Job:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         body = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
         body |= top or {}
-        if self.include_usage:
+        if self.usage_stats is not None:
             if usage is None and choices and self.usage_stats == "continuous":
                 usage = self._running_usage()
             body["usage"] = usage
@@ -468,7 +468,7 @@ class Job:
 
     def _running_usage(self) -> dict:
         """vLLM's continuous usage: the prompts' tokens and the completions' so far."""
-        prompt = sum(len(ids) for ids in self.prompts)
+        prompt = self.prompt_tokens
         completion = sum(self.completion_so_far.values())
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 

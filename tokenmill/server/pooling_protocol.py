@@ -10,7 +10,14 @@ from typing import Any, ClassVar, Literal
 from pydantic import field_validator, model_validator
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, StrictBody, chat_request, prompt_list
+from tokenmill.server.protocol import (
+    CHAT_RENDERING,
+    ChatCompletionRequest,
+    ChatMessage,
+    StrictBody,
+    chat_rendering,
+    prompt_list,
+)
 from tokenmill.server.vllm_fields import POOLING_CANNOT, EncodingExtras, PoolingExtras
 
 
@@ -49,13 +56,7 @@ class EmbeddingRequest(StrictBody, PoolingExtras, EncodingExtras):
     def as_chat(self) -> ChatCompletionRequest:
         """The messages and their template fields as the chat request that would render them
         (vLLM's chat embeddings: no generation prompt, no special tokens by default)."""
-        fields = ("chat_template_kwargs", "continue_final_message", "chat_template", "media_io_kwargs")
-        given = {name: getattr(self, name) for name in fields if name in self.model_fields_set}
-        given["add_special_tokens"] = (
-            self.add_special_tokens if "add_special_tokens" in self.model_fields_set else False
-        )
-        given["add_generation_prompt"] = self.add_generation_prompt
-        return chat_request(given | {"messages": self.messages, "max_tokens": 1}, "messages")
+        return chat_rendering(self, CHAT_RENDERING, add_generation_prompt=False)
 
 
 class PoolingRequest(StrictBody, PoolingExtras, EncodingExtras):

@@ -519,6 +519,26 @@ def chat_request(body: dict[str, Any], param: str) -> ChatCompletionRequest:
         raise InvalidRequestError(f"invalid request: {where}: {first.get('msg', 'malformed')}", param) from None
 
 
+# The chat request's fields that shape its prompt, which /tokenize and chat embeddings take too
+CHAT_RENDERING = (
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "tools",
+    "chat_template",
+    "mm_processor_kwargs",
+    "media_io_kwargs",
+)
+
+
+def chat_rendering(body: BaseModel, names: tuple[str, ...], **defaults: Any) -> ChatCompletionRequest:
+    """The chat request that would render ``body.messages`` (/tokenize, chat embeddings): the
+    ``names`` of its rendering fields the body was sent with, else ``defaults``, else a chat's."""
+    given = defaults | {name: getattr(body, name) for name in names if name in body.model_fields_set}
+    return chat_request(given | {"messages": body.messages, "max_tokens": 1}, "messages")
+
+
 def check_tool_results(messages: list[ChatMessage]) -> None:
     """As OpenAI's API: a tool message answers a call of an assistant message before it,
     named by its ``tool_call_id``."""

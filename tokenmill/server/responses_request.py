@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.server.protocol import StrictBody
@@ -30,61 +30,11 @@ HOSTED_TOOLS = (
 )
 
 
-# vLLM's Responses fields that mean here what they mean on a chat request
-_PASSED_TO_CHAT = (
-    "top_k",
-    "min_p",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-    "logit_bias",
-    "ignore_eos",
-    "include_stop_str_in_output",
-    "skip_special_tokens",
-    "structured_outputs",
-    "priority",
-    "request_id",
-    "cache_salt",
-    "chat_template_kwargs",
-    "include_reasoning",
-    "kv_transfer_params",
-    "ec_transfer_params",
-    "mm_processor_kwargs",
-    "media_io_kwargs",
-    "mm_payload",
-    "return_mm_kwargs",
-    "vllm_xargs",
-    "session_id",
-    "watermarking",
-)
+class ChatFieldsOfResponses(BaseModel):
+    """vLLM's fields of its Responses request that mean here what they mean on a chat request:
+    passed to the chat request a Responses request becomes, which does what each does there
+    (sampling, cache_salt, request_id, ...) or refuses it with why."""
 
-
-class ResponsesRequest(StrictBody):
-    model: str | None = None
-    input: str | list[dict[str, Any]]
-    instructions: str | None = None
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    text: dict[str, Any] | None = None
-    stream: bool = False
-    store: bool = True
-    previous_response_id: str | None = None
-    metadata: dict[str, str] | None = Field(default=None, max_length=16)
-    include: list[str] | None = None
-    truncation: Literal["disabled"] | None = None  # "auto" (drop early turns to fit) is not implemented
-    background: bool | None = None
-    reasoning: dict[str, Any] | None = None
-    top_logprobs: int | None = None
-    max_tool_calls: int | None = None
-    # vLLM's fields of its Responses request: passed to the chat request this one becomes, which
-    # does what each does there (sampling, cache_salt, request_id, ...) or refuses it with why
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
@@ -112,6 +62,29 @@ class ResponsesRequest(StrictBody):
     vllm_xargs: dict[str, Any] | None = None
     session_id: str | None = None
     watermarking: Any = None
+
+
+class ResponsesRequest(StrictBody, ChatFieldsOfResponses):
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    include: list[str] | None = None
+    truncation: Literal["disabled"] | None = None  # "auto" (drop early turns to fit) is not implemented
+    background: bool | None = None
+    reasoning: dict[str, Any] | None = None
+    top_logprobs: int | None = None
+    max_tool_calls: int | None = None
     # vLLM's, refused when set (refuse_unsupported says why)
     prompt: dict[str, Any] | None = None
     enable_response_messages: bool | None = None
@@ -174,7 +147,7 @@ class ResponsesRequest(StrictBody):
             ("temperature", self.temperature),
             ("top_p", self.top_p),
             ("parallel_tool_calls", self.parallel_tool_calls),
-            *((name, getattr(self, name)) for name in _PASSED_TO_CHAT),
+            *((name, getattr(self, name)) for name in ChatFieldsOfResponses.model_fields),
         ):
             if value is not None:
                 body[name] = value
