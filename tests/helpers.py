@@ -12,7 +12,9 @@ from contextlib import contextmanager
 import torch
 
 from tokenmill.config import ModelConfig
+from tokenmill.model.chat_template import render_chat_template
 from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.model.tokenizer import open_final_message
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.inputs import SeqInput
 
@@ -118,9 +120,28 @@ class ToyTokenizer:
         )
 
     def encode_chat(
-        self, messages, add_generation_prompt=True, tools=None, allow_special_tokens=False, template_kwargs=None
+        self,
+        messages,
+        add_generation_prompt=True,
+        tools=None,
+        allow_special_tokens=False,
+        template_kwargs=None,
+        continue_final_message=False,
+        chat_template=None,
+        add_special_tokens=False,
+        render=None,
     ):
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), False)  # (no special tokens)
+        """The real Tokenizer.encode_chat's keywords (the server passes whichever a request
+        sets): a request's template rendered as the real one renders it, the final message
+        left open as the real one leaves it; the toy has no special tokens to add."""
+        if chat_template is not None:
+            variables = {"messages": messages, "add_generation_prompt": add_generation_prompt, **(template_kwargs or {})}
+            text = (render or render_chat_template)(chat_template, variables)
+        else:
+            text = self.apply_chat_template(messages, add_generation_prompt)
+        if continue_final_message:
+            text = open_final_message(text, messages[-1])
+        return self.encode(text, add_special_tokens)
 
 
 def next_token(history: list[int]) -> int:

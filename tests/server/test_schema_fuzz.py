@@ -160,6 +160,22 @@ def test_every_route_answers_fuzzed_bodies_without_a_5xx(fuzz_app, data):
     assert path not in GENERATING or settles(lambda: engine.engine.core.num_unfinished_requests == 0)
 
 
+@pytest.mark.parametrize(
+    "fields",
+    [{"add_special_tokens": True}, {"continue_final_message": True, "add_generation_prompt": False}],
+    ids=["add_special_tokens", "continue_final_message"],
+)
+def test_chat_rendering_fields_reach_the_tokenizer(fuzz_app, fields):
+    """A chat rendering field a request sets is passed to the tokenizer's encode_chat
+    and answered (the fuzz found a 500 where the test tokenizer lacked one)."""
+    app, engine = fuzz_app
+    body = {"model": "toy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields}
+    r = call(app, "POST", "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] >= 1
+    assert settles(lambda: engine.engine.core.num_unfinished_requests == 0)
+
+
 # --------------------------------------- structured output, tools and LoRA routes
 # Issue 24: the same fuzz against a server that compiles grammars (our real tokenizer
 # and llguidance), offers tools and loads adapters at run time (real adapter files,

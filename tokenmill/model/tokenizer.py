@@ -104,7 +104,7 @@ class Tokenizer:
                 **({"tools": tools} if tools else {}),
             }
             text = (render or render_chat_template)(template, variables)
-        return _open_final_message(text, messages[-1]) if continue_final_message else text
+        return open_final_message(text, messages[-1]) if continue_final_message else text
 
     def encode_chat(
         self,
@@ -157,7 +157,7 @@ class Tokenizer:
         return "" if token_id is None else self.token_to_str(token_id)
 
 
-def _open_final_message(text: str, final: dict[str, Any]) -> str:
+def open_final_message(text: str, final: dict[str, Any]) -> str:
     """``text`` cut right after the final message's content, as transformers' and vLLM's
     ``continue_final_message``: what the template writes to close the turn is dropped."""
     content = final.get("content")
