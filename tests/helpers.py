@@ -135,7 +135,11 @@ class ToyTokenizer:
         sets): a request's template rendered as the real one renders it, the final message
         left open as the real one leaves it; the toy has no special tokens to add."""
         if chat_template is not None:
-            variables = {"messages": messages, "add_generation_prompt": add_generation_prompt, **(template_kwargs or {})}
+            variables = {
+                "messages": messages,
+                "add_generation_prompt": add_generation_prompt,
+                **(template_kwargs or {}),
+            }
             text = (render or render_chat_template)(chat_template, variables)
         else:
             text = self.apply_chat_template(messages, add_generation_prompt)
