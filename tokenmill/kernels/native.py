@@ -45,6 +45,7 @@ SOURCES = [
         "ggml_ops.cpp",
         "ggml_groups.cpp",
         "ggml_bands.cpp",
+        "ggml_amx.cpp",
         "decode_loop.cpp",
         "gemm.cpp",
     )

@@ -77,6 +77,18 @@ using DotFn = void (*)(const uint8_t*, const Act&, int64_t, float*);
 // Two groups of eight rows (the second `next` bytes after the first) times MR activation rows.
 using WideDotFn = void (*)(const uint8_t*, int64_t, const Act&, int64_t, float*);
 
+// ------------------------------------------------------------------ AMX tiles (ggml_amx.cpp)
+
+// Two groups of eight rows (the second `next` bytes after the first) times 16 activation rows
+// from m0, on AMX tiles: out[m * 16 + r], the same bits as the zmm pair kernel's. Between
+// amx_begin() and amx_end() on the calling thread.
+using AmxPairFn = void (*)(const uint8_t*, int64_t, const Act&, int64_t, float*);
+// The kernel for `type` (plain; Q4_0, Q4_1, Q8_0), or nullptr: no AMX in the build or the CPU,
+// the OS refused the tile state, or TOKENMILL_AMX=0.
+AmxPairFn amx_pair_32(int64_t type);
+void amx_begin();  // the tile configuration, on this thread
+void amx_end();    // the tiles released
+
 // ------------------------------------------------------------------ Q6_K in bands (ggml_bands.cpp)
 
 // A batch's activation rows (quantised for a K-quant) in bands of BAND rows, each band's values
@@ -116,6 +128,7 @@ class BlockProduct {
   int64_t type_, n_, k_, row_bytes_, groups_;
   DotFn dots_[4] = {}, group_dots_[4] = {};
   WideDotFn wide_dots_[4] = {};
+  AmxPairFn amx_ = nullptr;  // 16 activation rows of two groups at a time, where the CPU has AMX
   Act act_;
   Bands bands_;  // Q6_K batches on builds with the band kernel (bands_.count == 0: none)
 };

@@ -425,6 +425,7 @@ BlockProduct::BlockProduct(const Tensor& blocks, int64_t type, int64_t k)
       group_dots_[mr - 1] = group_dot(plain, mr);
       wide_dots_[mr - 1] = wide_group_dot(plain, mr);  // (none on AVX2 builds)
     }
+  if (groups_ > 0 && wide_dots_[0] != nullptr) amx_ = amx_pair_32(plain);
 }
 
 // Q6_K chunks of at least this many activation rows take the band kernel (ggml_bands.cpp), a last
@@ -447,6 +448,10 @@ void BlockProduct::run(float* out, int64_t ld, int64_t m0, int64_t m1, int64_t u
     m0 = banded;
   }
   float part[4 * 16];
+  // whole tiles of 16 activation rows on AMX where the CPU has it (the pair kernel's bits)
+  const bool tiles = amx_ != nullptr && m1 - m0 >= 16;
+  alignas(64) float tile_part[16 * 16];
+  if (tiles) amx_begin();
   for (int64_t u = u0; u < u1; ++u) {
     // two groups in one pass, for batches: at decode's few rows a pass reads two streams of
     // the weight where one group reads one, and from memory that ran slower (Zen 4 EPYC, a
@@ -454,7 +459,13 @@ void BlockProduct::run(float* out, int64_t ld, int64_t m0, int64_t m1, int64_t u
     // is what limits, and the pair does it in half the instructions
     if (m1 - m0 >= WIDE_MIN_ROWS && u + 1 < groups_ && u + 1 < u1 && wide_dots_[0] != nullptr) {
       const uint8_t* wg = w_ + u * 8 * row_bytes_;
-      for (int64_t m = m0; m < m1; m += 4) {
+      int64_t m = m0;
+      for (; tiles && m + 16 <= m1; m += 16) {
+        amx_(wg, 8 * row_bytes_, act_, m, tile_part);
+        for (int i = 0; i < 16; ++i)
+          std::memcpy(out + (m + i) * ld + 8 * u, tile_part + 16 * i, 16 * sizeof(float));
+      }
+      for (; m < m1; m += 4) {
         const int mr = static_cast<int>(std::min<int64_t>(4, m1 - m));
         wide_dots_[mr - 1](wg, 8 * row_bytes_, act_, m, part);
         for (int i = 0; i < mr; ++i) std::memcpy(out + (m + i) * ld + 8 * u, part + 16 * i, 16 * sizeof(float));
@@ -479,6 +490,7 @@ void BlockProduct::run(float* out, int64_t ld, int64_t m0, int64_t m1, int64_t u
       for (int i = 0; i < mr; ++i) out[(m + i) * ld + r] = part[i];
     }
   }
+  if (tiles) amx_end();
 }
 
 }  // namespace tokenmill::ggml
