@@ -120,14 +120,15 @@ def has_tiles(type_name: str) -> bool:
 
 
 @pytest.mark.skipif(not has_tiles("Q4_1"), reason="no AMX tiles in this CPU or build")
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K"])
 def test_amx_tiles_are_the_same_bits_as_the_zmm_pair_kernel(type_name, monkeypatch):
     """On a CPU with AMX, batches take whole tiles of 16 activation rows (csrc/ggml_amx.cpp) and
     the zmm pair kernel the rest: every output is the same bits as with the tiles off
     (TOKENMILL_AMX=0) and as its row computed alone, whatever the batch around it."""
-    raw = random_gguf_blocks(type_name, 37, 576, seed=7)  # four groups (two pairs) and five single rows
-    (w,) = BlockWeight.for_native([BlockWeight.from_gguf(type_name, raw, (37, 576))])
-    x = torch.randn(70, 576, generator=torch.Generator().manual_seed(2))
+    k = 512 if type_name.endswith("_K") else 576
+    raw = random_gguf_blocks(type_name, 37, k, seed=7)  # four groups (two pairs) and five single rows
+    (w,) = BlockWeight.for_native([BlockWeight.from_gguf(type_name, raw, (37, k))])
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(2))
     alone = torch.cat([torch.ops.tokenmill.block_linear(x[i : i + 1], w.qs, w.type_code) for i in range(70)])
     for rows in (16, 17, 31, 32, 33, 48, 70):
         monkeypatch.setenv("TOKENMILL_AMX", "1")

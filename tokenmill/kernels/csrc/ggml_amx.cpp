@@ -1,9 +1,9 @@
-// GGUF blocks of 32 (Q4_0, Q4_1, Q8_0) times sixteen activation rows on AMX tiles.
+// GGUF blocks (Q4_0, Q4_1, Q8_0; Q4_K, Q5_K) times sixteen activation rows on AMX tiles.
 //
 // On a CPU with AMX (Intel Sapphire Rapids and later), one TDPBSUD/TDPBSSD multiplies a
 // 16 x 32 tile of int8 activations by a 32 x 16 tile of weights into 16 x 16 int32 sums: the
 // integer dots of a block for sixteen activation rows and sixteen weight rows at once, where
-// the zmm pair kernel (ggml_groups.cpp's wide_dot_32) spends eight vpdpbusd and sixteen
+// the zmm pair kernels (ggml_groups.cpp) spend eight vpdpbusd and sixteen
 // broadcasts on four activation rows. The weight tile is the pair kernel's two groups of eight
 // rows (the X8 layout), their nibbles unpacked into the tile's VNNI order (row w of the tile:
 // four consecutive weights of each of the sixteen rows), once per block for all sixteen
@@ -13,10 +13,10 @@
 // arithmetic, whatever instruction adds it), and the float operations that scale and add it
 // are the pair kernel's, in its order. So a batch may take this path for its whole tiles of
 // sixteen rows and the pair kernel for the rest, and every output is the same as the pair
-// kernel's alone: batch invariance holds across the switch (tests/kernels/test_ggml_amx.py).
+// kernel's alone: batch invariance holds across the switch (tests/model/test_gguf_int8.py).
 //
 // Linux hands a process AMX's tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM);
-// where it refuses, or TOKENMILL_AMX=0 is set, or the build has no AMX, amx_pair_32 is
+// where it refuses, or TOKENMILL_AMX=0 is set, or the build has no AMX, amx_pair is
 // nullptr and nothing changes.
 
 #include <cstdlib>
@@ -61,14 +61,6 @@ TileConfig tile_config() {
   for (int t : {B0, B1}) c.rows[t] = QK / 4, c.colsb[t] = 64;   // 8 rows x (16 weight rows x 4 bytes)
   for (int t : {C0, C1}) c.rows[t] = 16, c.colsb[t] = 64;       // 16 x 16 int32
   return c;
-}
-
-inline __m512i join(const uint8_t* a, const uint8_t* b) {
-  return _mm512_inserti64x4(_mm512_castsi256_si512(load32(a)), load32(b), 1);
-}
-inline __m512 halves16(const uint8_t* a, const uint8_t* b) {  // 8 float16 of each group -> 16 float32
-  return _mm512_cvtph_ps(_mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)),
-                                          _mm_loadu_si128(reinterpret_cast<const __m128i*>(a))));
 }
 
 // The weight tile of one block of two groups (g, and h = g + next), in VNNI order: tile row w
@@ -152,6 +144,83 @@ void pair_32(const uint8_t* g, int64_t next, const Act& a, int64_t m0, float* ou
   for (int m = 0; m < 16; ++m) _mm512_storeu_ps(out + 16 * m, acc[m]);
 }
 
+// Q4_K and Q5_K: a super-block's eight sub-blocks of 32 each a tile product; their integer sums
+// scaled by the 6-bit scales in int32 and the mins from the activations' sums, as
+// wide_dot_q45_k does (the same integers), then its float operations in its order.
+template <bool FIVE>
+void pair_q45_k(const uint8_t* g, int64_t next, const Act& a, int64_t m0, float* out) {
+  constexpr int64_t bytes = FIVE ? 176 : 144;
+  const int64_t nb = a.k / QK_K, stride = a.k;
+  const int8_t* x = a.qrow(m0);
+  const __m512i low4 = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(1);
+  alignas(64) uint8_t wt[2][8 * 64];
+  alignas(64) int32_t c[2][16 * 16];
+  alignas(32) uint8_t sc[2][64], mn[2][64];
+  __m512 acc[16];
+  for (int m = 0; m < 16; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, g += 8 * bytes) {
+    const uint8_t* h = g + next;
+    const __m512 d = halves16(g, h), dmin = halves16(g + 16, h + 16);
+    scales_mins_group(g, sc[0], mn[0]);
+    scales_mins_group(h, sc[1], mn[1]);
+    const uint8_t *qh0 = g + 8 * 16, *qh1 = h + 8 * 16;
+    const uint8_t *qs0 = g + 8 * (FIVE ? 48 : 16), *qs1 = h + 8 * (FIVE ? 48 : 16);
+    __m512i tot[16];
+    for (int m = 0; m < 16; ++m) tot[m] = _mm512_setzero_si512();
+    for (int q = 0; q < 4; ++q) {  // sub-blocks 2q (the low nibbles) and 2q + 1 (the high ones)
+      for (int w = 0; w < 8; ++w) {
+        const __m512i bits = join(qs0 + 32 * (8 * q + w), qs1 + 32 * (8 * q + w));
+        __m512i l = _mm512_and_si512(bits, low4), hb = _mm512_and_si512(_mm512_srli_epi16(bits, 4), low4);
+        if constexpr (FIVE) {
+          const __m512i fifth = join(qh0 + 32 * w, qh1 + 32 * w);
+          l = _mm512_or_si512(l, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(fifth, 2 * q), one), 4));
+          hb = _mm512_or_si512(hb, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(fifth, 2 * q + 1), one), 4));
+        }
+        _mm512_store_si512(wt[0] + 64 * w, l);
+        _mm512_store_si512(wt[1] + 64 * w, hb);
+      }
+      _tile_loadd(A0, x + b * QK_K + 64 * q, stride);
+      _tile_loadd(A1, x + b * QK_K + 64 * q + 32, stride);
+      _tile_loadd(B0, wt[0], 64);
+      _tile_loadd(B1, wt[1], 64);
+      _tile_zero(C0);
+      _tile_zero(C1);
+      _tile_dpbsud(C0, A0, B0);
+      _tile_dpbsud(C1, A1, B1);
+      _tile_stored(C0, c[0], 64);
+      _tile_stored(C1, c[1], 64);
+      const __m512i s0 = _mm512_cvtepu8_epi32(pick8(sc[0] + 16 * q, sc[1] + 16 * q));
+      const __m512i s1 = _mm512_cvtepu8_epi32(pick8(sc[0] + 16 * q + 8, sc[1] + 16 * q + 8));
+      for (int m = 0; m < 16; ++m)
+        tot[m] = _mm512_add_epi32(tot[m], _mm512_add_epi32(_mm512_mullo_epi32(_mm512_load_si512(c[0] + 16 * m), s0),
+                                                           _mm512_mullo_epi32(_mm512_load_si512(c[1] + 16 * m), s1)));
+    }
+    __m512i mpair[4];  // (sub-blocks 2i, 2i + 1) of each row's mins, as int16 pairs, both groups
+    for (int i = 0; i < 4; ++i) {
+      const __m256i p0 = _mm256_cvtepu8_epi16(
+          _mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn[0] + 16 * i)),
+                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn[0] + 16 * i + 8))));
+      const __m256i p1 = _mm256_cvtepu8_epi16(
+          _mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn[1] + 16 * i)),
+                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn[1] + 16 * i + 8))));
+      mpair[i] = _mm512_inserti64x4(_mm512_castsi256_si512(p0), p1, 1);
+    }
+    for (int m = 0; m < 16; ++m) {
+      const int16_t* bs = a.bsrow(m0 + m) + 16 * b;
+      const __m128i s32 = _mm_hadd_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bs)),
+                                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(bs + 8)));
+      __m512i mins = _mm512_madd_epi16(mpair[0], _mm512_broadcastd_epi32(s32));
+      mins = _mm512_add_epi32(mins, _mm512_madd_epi16(mpair[1], _mm512_broadcastd_epi32(_mm_shuffle_epi32(s32, 1))));
+      mins = _mm512_add_epi32(mins, _mm512_madd_epi16(mpair[2], _mm512_broadcastd_epi32(_mm_shuffle_epi32(s32, 2))));
+      mins = _mm512_add_epi32(mins, _mm512_madd_epi16(mpair[3], _mm512_broadcastd_epi32(_mm_shuffle_epi32(s32, 3))));
+      const __m512 dx = _mm512_set1_ps(a.drow(m0 + m)[b]);
+      acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(tot[m]), acc[m]);
+      acc[m] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(mins), acc[m]);
+    }
+  }
+  for (int m = 0; m < 16; ++m) _mm512_storeu_ps(out + 16 * m, acc[m]);
+}
+
 bool permitted() {  // the tile state, asked of Linux once per process
   static const bool ok = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
   return ok;
@@ -159,13 +228,15 @@ bool permitted() {  // the tile state, asked of Linux once per process
 
 }  // namespace
 
-AmxPairFn amx_pair_32(int64_t type) {
+AmxPairFn amx_pair(int64_t type) {
   const char* off = std::getenv("TOKENMILL_AMX");  // (read at each product: a test compares both paths)
   if ((off != nullptr && std::strcmp(off, "0") == 0) || !permitted()) return nullptr;
   switch (type) {
     case Q4_0: return pair_32<Q4_0>;
     case Q4_1: return pair_32<Q4_1>;
     case Q8_0: return pair_32<Q8_0>;
+    case Q4_K: return pair_q45_k<false>;
+    case Q5_K: return pair_q45_k<true>;
     default: return nullptr;
   }
 }
@@ -179,7 +250,7 @@ void amx_end() { _tile_release(); }
 
 #else
 
-AmxPairFn amx_pair_32(int64_t) { return nullptr; }
+AmxPairFn amx_pair(int64_t) { return nullptr; }
 void amx_begin() {}
 void amx_end() {}
 
@@ -189,7 +260,7 @@ void amx_end() {}
 
 namespace {
 // Whether batches of `type` (plain) take the AMX tiles here (this build, this CPU, this process).
-bool block_has_tiles(int64_t type) { return tokenmill::ggml::amx_pair_32(type) != nullptr; }
+bool block_has_tiles(int64_t type) { return tokenmill::ggml::amx_pair(type) != nullptr; }
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) { m.def("block_has_tiles(int type) -> bool", &block_has_tiles); }

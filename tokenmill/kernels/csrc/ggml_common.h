@@ -83,9 +83,9 @@ using WideDotFn = void (*)(const uint8_t*, int64_t, const Act&, int64_t, float*)
 // from m0, on AMX tiles: out[m * 16 + r], the same bits as the zmm pair kernel's. Between
 // amx_begin() and amx_end() on the calling thread.
 using AmxPairFn = void (*)(const uint8_t*, int64_t, const Act&, int64_t, float*);
-// The kernel for `type` (plain; Q4_0, Q4_1, Q8_0), or nullptr: no AMX in the build or the CPU,
+// The kernel for `type` (plain; Q4_0, Q4_1, Q8_0, Q4_K, Q5_K), or nullptr: no AMX in the build or the CPU,
 // the OS refused the tile state, or TOKENMILL_AMX=0.
-AmxPairFn amx_pair_32(int64_t type);
+AmxPairFn amx_pair(int64_t type);
 void amx_begin();  // the tile configuration, on this thread
 void amx_end();    // the tiles released
 
@@ -205,6 +205,36 @@ inline int hsum_i32(__m256i v) {
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
   return _mm_cvtsi128_si32(s);
 }
+
+// ------------------------------------------------------------------ two groups of eight rows at once
+// (ggml_groups.cpp's zmm pair kernels and ggml_amx.cpp's tiles)
+
+// The K-quants' 8 scales and 8 mins of each of a group's rows, unpacked from the group's 96
+// bytes (group_dot_q45_k's shuffle): sub-block j's scale (min) of row r at sc[8j + r] (mn[8j + r]).
+inline void scales_mins_group(const uint8_t* g, uint8_t* sc, uint8_t* mn) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), low6 = _mm256_set1_epi8(0x3F), bits45 = _mm256_set1_epi8(0x30);
+  const __m256i t0 = load32(g + 32), t4 = load32(g + 64), t8 = load32(g + 96);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc), _mm256_and_si256(t0, low6));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc + 32),
+                      _mm256_or_si256(_mm256_and_si256(t8, low4), _mm256_and_si256(_mm256_srli_epi16(t0, 2), bits45)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(mn), _mm256_and_si256(t4, low6));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(mn + 32),
+                      _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(t8, 4), low4), _mm256_and_si256(_mm256_srli_epi16(t4, 2), bits45)));
+}
+inline __m128i pick8(const uint8_t* a, const uint8_t* b) {  // 8 bytes of each group
+  return _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)),
+                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline __m512i join(const uint8_t* a, const uint8_t* b) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(load32(a)), load32(b), 1);
+}
+inline __m512 halves16(const uint8_t* a, const uint8_t* b) {  // 8 float16 of each group -> 16 float32
+  return _mm512_cvtph_ps(_mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)),
+                                          _mm_loadu_si128(reinterpret_cast<const __m128i*>(a))));
+}
+#endif
 #endif  // TM_AVX2
 
 }  // namespace tokenmill::ggml

@@ -369,13 +369,6 @@ DotFn group_dot_of(int64_t type) {
 // lane does what group_dot_32 does to it (the same integer sums, the same float operations in
 // the same order), in half the instructions: a 32-byte load of each group joined, the
 // activations' 4 bytes broadcast to all 16 lanes.
-inline __m512i join(const uint8_t* a, const uint8_t* b) {
-  return _mm512_inserti64x4(_mm512_castsi256_si512(load32(a)), load32(b), 1);
-}
-inline __m512 halves16(const uint8_t* a, const uint8_t* b) {  // 8 float16 of each group -> 16 float32
-  return _mm512_cvtph_ps(_mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)),
-                                          _mm_loadu_si128(reinterpret_cast<const __m128i*>(a))));
-}
 inline __m512i bcast4w(const int8_t* x) {
   int32_t v;
   std::memcpy(&v, x, 4);
@@ -428,23 +421,7 @@ void wide_dot_32(const uint8_t* g, int64_t next, const Act& a, int64_t m0, float
   for (int m = 0; m < MR; ++m) _mm512_storeu_ps(out + 16 * m, acc[m]);
 }
 
-// The K-quants' 8 scales and 8 mins of each of a group's rows, unpacked from the group's 96
-// bytes (group_dot_q45_k's shuffle): sub-block j's scale (min) of row r at sc[8j + r] (mn[8j + r]).
-inline void scales_mins_group(const uint8_t* g, uint8_t* sc, uint8_t* mn) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F), low6 = _mm256_set1_epi8(0x3F), bits45 = _mm256_set1_epi8(0x30);
-  const __m256i t0 = load32(g + 32), t4 = load32(g + 64), t8 = load32(g + 96);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc), _mm256_and_si256(t0, low6));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc + 32),
-                      _mm256_or_si256(_mm256_and_si256(t8, low4), _mm256_and_si256(srli8(t0, 2), bits45)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(mn), _mm256_and_si256(t4, low6));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(mn + 32),
-                      _mm256_or_si256(_mm256_and_si256(srli8(t8, 4), low4), _mm256_and_si256(srli8(t4, 2), bits45)));
-}
 
-inline __m128i pick8(const uint8_t* a, const uint8_t* b) {  // 8 bytes of each group
-  return _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)),
-                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
-}
 
 // Q4_K and Q5_K, two groups at once: group_dot_q45_k's integer sums (with VNNI, every chain in
 // int32) and its float operations, lane by lane.

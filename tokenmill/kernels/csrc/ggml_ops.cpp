@@ -425,7 +425,7 @@ BlockProduct::BlockProduct(const Tensor& blocks, int64_t type, int64_t k)
       group_dots_[mr - 1] = group_dot(plain, mr);
       wide_dots_[mr - 1] = wide_group_dot(plain, mr);  // (none on AVX2 builds)
     }
-  if (groups_ > 0 && wide_dots_[0] != nullptr) amx_ = amx_pair_32(plain);
+  if (groups_ > 0 && wide_dots_[0] != nullptr) amx_ = amx_pair(plain);
 }
 
 // Q6_K chunks of at least this many activation rows take the band kernel (ggml_bands.cpp), a last
