@@ -227,7 +227,7 @@ def test_a_grammar_slower_than_its_compile_timeout_is_refused_and_plain_requests
             results
         )
         wait_for(lambda: c.snapshot().num_running == 0)
-        # the refused compiles finish in the background (one thread at nice 19: seconds on a busy
+        # the refused compiles finish in the background (one thread: seconds on a busy
         # machine), into the cache: a retry is then served, however short its budget
         deadline = time.monotonic() + 60
         for attempt in itertools.count():

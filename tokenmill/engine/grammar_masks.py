@@ -23,8 +23,6 @@ Each step, for every sequence that samples and has a grammar:
 
 from __future__ import annotations
 
-import os
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -48,9 +46,11 @@ class StructuredOutputManager:
     def __init__(self, compiler: GrammarCompiler | None) -> None:
         self.compiler = compiler
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-grammar")
-        self._compiles = ThreadPoolExecutor(
-            1, thread_name_prefix="tokenmill-grammar-compile", initializer=_low_priority
-        )
+        # (at the engine's own priority: a compile thread at nice 19 holds the GIL whenever it
+        # runs Python, and on a busy machine the scheduler starves it while it holds it, and with
+        # it the engine's steps and heartbeat: three busy processes on two cores got the core
+        # killed as unresponsive after 30 s, tests/server/test_engine_core_process.py)
+        self._compiles = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-grammar-compile")
 
     def compile(self, spec: StructuredOutputs) -> CompiledGrammar:
         """Compile (or find in the cache) on the caller's thread; thread-safe, raises
@@ -102,16 +102,6 @@ class StructuredOutputManager:
         words = bitmask_words(self.compiler.vocab_size)
         future: Future[dict[str, np.ndarray]] = self._executor.submit(_fill_masks, jobs, words)
         return GrammarMasks(future)
-
-
-def _low_priority() -> None:
-    """Run this thread at the lowest CPU priority (Linux: a thread is a task with its
-    own nice value), so that on a machine with few cores a compile takes what the
-    steps leave, instead of slowing every running request's tokens down."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):  # not Linux, or not allowed: a normal-priority thread
-        pass
 
 
 def _fill_masks(jobs: list[tuple[str, Any, list[int]]], words: int) -> dict[str, np.ndarray]:
