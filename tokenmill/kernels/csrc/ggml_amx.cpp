@@ -19,6 +19,7 @@
 // where it refuses, or TOKENMILL_AMX=0 is set, or the build has no AMX, amx_pair is
 // nullptr and nothing changes.
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
@@ -40,14 +41,16 @@ namespace {
 
 constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
 
-// Tiles: 0 and 1 activations (two blocks), 2 and 3 weights, 4 and 5 their sums (macros: the
-// tile intrinsics paste their register numbers into assembly text)
+// Tiles: 0 and 1 activations, 2 and 3 weights, 4 to 7 their sums (macros: the tile
+// intrinsics paste their register numbers into assembly text)
 #define A0 0
 #define A1 1
 #define B0 2
 #define B1 3
 #define C0 4
 #define C1 5
+#define C2 6
+#define C3 7
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -59,7 +62,7 @@ TileConfig tile_config() {
   TileConfig c;
   for (int t : {A0, A1}) c.rows[t] = 16, c.colsb[t] = QK;       // 16 rows x one block of int8
   for (int t : {B0, B1}) c.rows[t] = QK / 4, c.colsb[t] = 64;   // 8 rows x (16 weight rows x 4 bytes)
-  for (int t : {C0, C1}) c.rows[t] = 16, c.colsb[t] = 64;       // 16 x 16 int32
+  for (int t : {C0, C1, C2, C3}) c.rows[t] = 16, c.colsb[t] = 64;  // 16 x 16 int32
   return c;
 }
 
@@ -94,52 +97,55 @@ inline void scale_block(const uint8_t* g, const uint8_t* h, const int32_t* c, co
   }
 }
 
+// Blocks of tile products run ahead of the float work that scales them: a tile register is
+// not renamed, so a product whose sums are read back at once waits on its own store; CHUNK
+// blocks' products (rotating over four sum tiles) go first, their sums to a buffer in L1, then
+// the float work over the chunk.
+constexpr int64_t CHUNK = 8;
+
+// The integer sums of blocks [b0, b0 + nb) of two groups times the 16 activation rows at x (row
+// stride `stride`): c[(b - b0) * 256 + m * 16 + r]. `wt` holds the blocks' weight tiles.
+template <bool SIGNED>
+inline void block_sums(const int8_t* x, int64_t stride, const uint8_t* wt, int64_t nb, int32_t* c) {
+#define TM_TILE_BLOCK(j, A, B, C)                                   \
+  _tile_loadd(A, x + (j) * QK, stride);                             \
+  _tile_loadd(B, wt + (j) * 512, 64);                               \
+  _tile_zero(C);                                                    \
+  if constexpr (SIGNED) _tile_dpbssd(C, A, B); else _tile_dpbsud(C, A, B); \
+  _tile_stored(C, c + (j) * 256, 64);
+  int64_t j = 0;
+  for (; j + 4 <= nb; j += 4) {
+    TM_TILE_BLOCK(j, A0, B0, C0)
+    TM_TILE_BLOCK(j + 1, A1, B1, C1)
+    TM_TILE_BLOCK(j + 2, A0, B0, C2)
+    TM_TILE_BLOCK(j + 3, A1, B1, C3)
+  }
+  for (; j < nb; ++j) { TM_TILE_BLOCK(j, A0, B0, C0) }
+#undef TM_TILE_BLOCK
+}
+
 // Two groups (g, g + next) times activation rows m0..m0+15: out[m * 16 + r], r < 8 the first
 // group's rows. The tiles must be configured (amx_begin).
 template <int64_t TYPE>
 void pair_32(const uint8_t* g, int64_t next, const Act& a, int64_t m0, float* out) {
   constexpr int64_t bytes = TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : 34;
-  const int64_t nb = a.k / QK, stride = a.k;
+  const int64_t nb = a.k / QK;
   const int8_t* x = a.qrow(m0);
-  alignas(64) uint8_t wt[2][8 * 64];
-  alignas(64) int32_t c[2][16 * 16];
+  alignas(64) uint8_t wt[CHUNK * 512];
+  alignas(64) int32_t c[CHUNK * 256];
   __m512 acc[16];
   for (int m = 0; m < 16; ++m) acc[m] = _mm512_setzero_ps();
-  int64_t b = 0;
-  for (; b + 2 <= nb; b += 2) {  // two blocks at a time: the second's tile work overlaps the first's
-    const uint8_t *g0 = g + 8 * b * bytes, *g1 = g0 + 8 * bytes;
-    weight_tile<TYPE>(g0, g0 + next, wt[0]);
-    weight_tile<TYPE>(g1, g1 + next, wt[1]);
-    _tile_loadd(A0, x + b * QK, stride);
-    _tile_loadd(A1, x + (b + 1) * QK, stride);
-    _tile_loadd(B0, wt[0], 64);
-    _tile_loadd(B1, wt[1], 64);
-    _tile_zero(C0);
-    _tile_zero(C1);
-    if constexpr (TYPE == Q8_0) {
-      _tile_dpbssd(C0, A0, B0);
-      _tile_dpbssd(C1, A1, B1);
-    } else {
-      _tile_dpbsud(C0, A0, B0);
-      _tile_dpbsud(C1, A1, B1);
+  for (int64_t b0 = 0; b0 < nb; b0 += CHUNK) {
+    const int64_t n = std::min(CHUNK, nb - b0);
+    for (int64_t j = 0; j < n; ++j) {
+      const uint8_t* gb = g + 8 * (b0 + j) * bytes;
+      weight_tile<TYPE>(gb, gb + next, wt + j * 512);
     }
-    _tile_stored(C0, c[0], 64);
-    _tile_stored(C1, c[1], 64);
-    scale_block<TYPE>(g0, g0 + next, c[0], a, m0, b, acc);
-    scale_block<TYPE>(g1, g1 + next, c[1], a, m0, b + 1, acc);
-  }
-  if (b < nb) {
-    const uint8_t* g0 = g + 8 * b * bytes;
-    weight_tile<TYPE>(g0, g0 + next, wt[0]);
-    _tile_loadd(A0, x + b * QK, stride);
-    _tile_loadd(B0, wt[0], 64);
-    _tile_zero(C0);
-    if constexpr (TYPE == Q8_0)
-      _tile_dpbssd(C0, A0, B0);
-    else
-      _tile_dpbsud(C0, A0, B0);
-    _tile_stored(C0, c[0], 64);
-    scale_block<TYPE>(g0, g0 + next, c[0], a, m0, b, acc);
+    block_sums<TYPE == Q8_0>(x + b0 * QK, a.k, wt, n, c);
+    for (int64_t j = 0; j < n; ++j) {
+      const uint8_t* gb = g + 8 * (b0 + j) * bytes;
+      scale_block<TYPE>(gb, gb + next, c + j * 256, a, m0, b0 + j, acc);
+    }
   }
   for (int m = 0; m < 16; ++m) _mm512_storeu_ps(out + 16 * m, acc[m]);
 }
