@@ -139,6 +139,39 @@ def test_amx_tiles_are_the_same_bits_as_the_zmm_pair_kernel(type_name, monkeypat
         assert torch.equal(tiles, alone[:rows]), rows
 
 
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_grouped_weights_dequantise_to_bfloat16_as_row_by_row(type_name):
+    """The bfloat16 GEMM of long prefills dequantises grouped weights group by group (AVX-512
+    builds): the same bfloat16 values as the row-at-a-time path (rows asked by id take it),
+    and as the float32 values rounded, the rows past the last whole group included."""
+    (w,) = BlockWeight.for_native([BlockWeight.from_gguf(type_name, random_gguf_blocks(type_name, 37, 576), (37, 576))])
+    code = w.type_code
+    groups = torch.ops.tokenmill.block_dequantize(w.qs, code, 576, None, True)
+    rows = torch.ops.tokenmill.block_dequantize(w.qs, code, 576, torch.arange(37), True)
+    assert torch.equal(groups.view(torch.int16), rows.view(torch.int16))
+    f32 = torch.ops.tokenmill.block_dequantize(w.qs, code, 576, None, False)
+    assert torch.equal(groups.view(torch.int16), f32.bfloat16().view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activations_on_the_int8_grid_are_the_torch_formula_bit_for_bit(dtype):
+    """What the bfloat16 GEMM of long prefills multiplies (each block of 32 rounded to the 8-bit
+    grid of its own scale) is the torch formula's numbers exactly: zero blocks, huge and tiny
+    values, -0 included."""
+    x = torch.randn(70, 576, generator=torch.Generator().manual_seed(3)) * torch.logspace(-4, 4, 576)
+    x[3, :32] = 0
+    x[4, 32:64] = -0.0
+    x[5, 70] = 1e30
+    x = x.to(dtype)
+    xf = x.float().view(70, 18, 32)
+    d = xf.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d != 0, d.reciprocal(), torch.zeros_like(d))
+    expected = (torch.round(xf * inv).clamp(-127, 127) * d).view(70, 576).bfloat16()
+    got = torch.ops.tokenmill.block_int8_grid(x, 32)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+
+
 def test_q6_k_batches_in_bands_are_the_same_bits_as_each_row_alone():
     """Q6_K batches of 8 rows or more run sixteen activation rows to a register (the band kernel,
     AVX-512 builds with VNNI) and what is left of a chunk a row at a time: every output is the
