@@ -137,6 +137,13 @@ def main() -> None:
         help="also serve this GGUF file of the same model at its default dtype (the file the folder was written "
         "from: the bundled default's weights); --profile then profiles it",
     )
+    ap.add_argument(
+        "--gguf-setting",
+        action="append",
+        default=[],
+        help="NAME=VAR=VALUE[,VAR=VALUE]: the GGUF file again under these environment variables "
+        "(e.g. 'zmm pairs=TOKENMILL_AMX=0,TOKENMILL_BLOCK_GEMM_ROWS=never')",
+    )
     args = ap.parse_args()
     sys.path.insert(0, str(HERE.parent))
     from tokenmill.kernels.cpu import cpu_info
@@ -153,6 +160,9 @@ def main() -> None:
     settings = {k: (args.model, "bfloat16", env) for k, env in SETTINGS.items()}
     if args.gguf:
         settings[f"GGUF file ({Path(args.gguf).name}), dtype auto"] = (args.gguf, "auto", {})
+        for text in args.gguf_setting:
+            name, _, env = text.partition("=")
+            settings[f"GGUF file, {name}"] = (args.gguf, "auto", dict(p.split("=", 1) for p in env.split(",") if p))
     runs: dict[str, list[dict]] = {k: [] for k in settings}
     dtypes = [d for d in args.vllm_dtypes.split(",") if d] if args.vllm else []
     runs.update({f"vLLM-CPU {d}": [] for d in dtypes})
