@@ -64,12 +64,11 @@ def prepare_model(
         # blocks dequantised from how many rows): this machine's answers
         sixteen = any(p.dtype == torch.bfloat16 for p in model.parameters())
         types = {m.source for m in model.modules() if isinstance(m, BlockWeight)} if sixteen else set()
-        use_native_linears(
-            model,
-            upcast_rows() if sixteen else None,
-            prepacked() if sixteen else False,
-            {t: block_gemm_rows(t) for t in sorted(types)},
-        )
+        gemm_rows = {t: block_gemm_rows(t) for t in sorted(types)}
+        use_native_linears(model, upcast_rows() if sixteen else None, prepacked() if sixteen else False, gemm_rows)
+        # steps that many rows and more multiply some blocks in the dequantised GEMM: their numbers
+        # depend on the step already, so the attention of their fresh prefills need not be invariant
+        model.ops.invariant_below = min((r for r in gemm_rows.values() if r is not None), default=None)
         keep_freed_memory()  # this process runs CPU steps: no page faults for their activations
     return model
 

@@ -96,16 +96,24 @@ class NativeOps(TorchOps):
     holds: fresh prefills take the paged kernel too (not SDPA; over a quantised cache, the cache's
     K/V as a prefix hit reads them, not their own fresh ones), in partitions of one size. The
     int8 arithmetic asks for it: its activations' 8-bit rounding turns the ~1e-7 by which SDPA's
-    sums differ from the paged kernel's into other greedy tokens, where float absorbs them."""
+    sums differ from the paged kernel's into other greedy tokens, where float absorbs them.
+
+    ``invariant_below``: where a machine's probe chose the dequantised bfloat16 GEMM for GGUF
+    blocks from that many rows (kernels/gemm_choice.block_gemm_rows; None: never), steps of that
+    many rows or more have numbers of their own already, and their long fresh prefills take SDPA
+    as float models' do (on a Sapphire Rapids class Xeon, oneDNN's AMX: 1.6 ms a layer for a
+    512-token prompt against the paged kernel's 4.1). Smaller steps stay batch-invariant."""
 
     name = "native"
 
-    def __init__(self, batch_invariant: bool = False) -> None:
+    def __init__(self, batch_invariant: bool = False, invariant_below: int | None = None) -> None:
         self.batch_invariant = batch_invariant
+        self.invariant_below = invariant_below
 
-    @property
-    def _fresh_sdpa_min(self) -> int:
-        return 1 << 62 if self.batch_invariant else FRESH_PREFILL_SDPA_MIN
+    def _fresh_sdpa_min(self, rows: int) -> int:
+        if self.batch_invariant and (self.invariant_below is None or rows < self.invariant_below):
+            return 1 << 62
+        return FRESH_PREFILL_SDPA_MIN
 
     @property
     def _partition(self) -> int:
@@ -144,7 +152,11 @@ class NativeOps(TorchOps):
         # Over a quantised cache, fresh prefills take their fresh K/V (as the reference does), unless
         # batch-invariant: then every query reads the cache, so that a prompt's numbers do not depend
         # on whether its prefix was cached (a prefix hit reads the quantised K/V).
-        index = meta.kernel_index(1 if cache.quant and not self.batch_invariant else self._fresh_sdpa_min)
+        if cache.quant:
+            fresh_min = (1 << 62) if self.batch_invariant else 1
+        else:
+            fresh_min = self._fresh_sdpa_min(q.shape[0])
+        index = meta.kernel_index(fresh_min)
         if index.paged_seq_ids.numel():
             torch.ops.tokenmill.paged_attention(
                 out,
@@ -180,7 +192,7 @@ class NativeOps(TorchOps):
             or first.k.dtype not in NATIVE_DTYPES
         ):
             return None
-        index = meta.kernel_index(self._fresh_sdpa_min)
+        index = meta.kernel_index(self._fresh_sdpa_min(x.shape[0]))
         if index.fresh_seqs or meta.tree_masks:  # a long fresh prefill takes SDPA, a tree its mask: the Python loop
             return None
         return torch.ops.tokenmill.decode_layers(
