@@ -69,13 +69,13 @@ def test_the_probe_picks_the_smallest_batch_from_which_the_upcast_always_wins(mo
         256: (8.0, 6.0, 9.0),
         512: (16.0, 10.0, 20.0),
     }
-    seen = iter(v for rows in gemm_choice.PROBE_ROWS for v in table[rows])
-    monkeypatch.setattr(gemm_choice, "best_ms", lambda call: next(seen))
+    seen = iter(table[rows] for rows in gemm_choice.PROBE_ROWS)
+    monkeypatch.setattr(gemm_choice, "best_ms_each", lambda calls: list(next(seen))[: len(calls)])
     answer = gemm_choice.probe()
     assert answer["upcast_rows"] == 256  # 64 wins, but 128 does not: from 256 on
     assert answer["prepacked"]  # judged below the upcast only: 0.5, 0.5, 0.75 of the plain GEMM's time
-    seen = iter(v for rows in gemm_choice.PROBE_ROWS for v in (1.0, 2.0, 0.98))
-    monkeypatch.setattr(gemm_choice, "best_ms", lambda call: next(seen))
+    seen = iter((1.0, 2.0, 0.98) for rows in gemm_choice.PROBE_ROWS)
+    monkeypatch.setattr(gemm_choice, "best_ms_each", lambda calls: list(next(seen))[: len(calls)])
     answer = gemm_choice.probe()
     assert answer["upcast_rows"] is None
     assert not answer["prepacked"]  # 2% faster is within the noise: not worth a second copy
@@ -157,8 +157,8 @@ def test_the_block_probe_picks_the_smallest_batch_from_which_the_gemm_always_win
         ({64: (1.0, 0.5), 128: (2.0, 1.0), 256: (4.0, 2.0), 512: (8.0, 4.0)}, 64),
         ({64: (1.0, 3.0), 128: (2.0, 3.0), 256: (4.0, 5.0), 512: (8.0, 7.5)}, None),  # 6% is not a win
     ):
-        seen = iter(v for rows in gemm_choice.BLOCK_PROBE_ROWS for v in table[rows])
-        monkeypatch.setattr(gemm_choice, "best_ms", lambda call, seen=seen: next(seen))
+        seen = iter(table[rows] for rows in gemm_choice.BLOCK_PROBE_ROWS)
+        monkeypatch.setattr(gemm_choice, "best_ms_each", lambda calls, seen=seen: list(next(seen)))
         assert gemm_choice.probe_blocks("Q4_K")["gemm_rows"] == want
 
 
