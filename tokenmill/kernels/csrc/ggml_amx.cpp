@@ -158,7 +158,6 @@ void pair_q45_k(const uint8_t* g, int64_t next, const Act& a, int64_t m0, float*
   constexpr int64_t bytes = FIVE ? 176 : 144;
   const int64_t nb = a.k / QK_K, stride = a.k;
   const int8_t* x = a.qrow(m0);
-  const __m512i low4 = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(1);
   alignas(64) uint8_t wt[2][8 * 64];
   alignas(64) int32_t c[2][16 * 16];
   alignas(32) uint8_t sc[2][64], mn[2][64];
@@ -175,13 +174,8 @@ void pair_q45_k(const uint8_t* g, int64_t next, const Act& a, int64_t m0, float*
     for (int m = 0; m < 16; ++m) tot[m] = _mm512_setzero_si512();
     for (int q = 0; q < 4; ++q) {  // sub-blocks 2q (the low nibbles) and 2q + 1 (the high ones)
       for (int w = 0; w < 8; ++w) {
-        const __m512i bits = join(qs0 + 32 * (8 * q + w), qs1 + 32 * (8 * q + w));
-        __m512i l = _mm512_and_si512(bits, low4), hb = _mm512_and_si512(_mm512_srli_epi16(bits, 4), low4);
-        if constexpr (FIVE) {
-          const __m512i fifth = join(qh0 + 32 * w, qh1 + 32 * w);
-          l = _mm512_or_si512(l, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(fifth, 2 * q), one), 4));
-          hb = _mm512_or_si512(hb, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(fifth, 2 * q + 1), one), 4));
-        }
+        __m512i l, hb;
+        q45_k_units16<FIVE>(qs0, qs1, qh0, qh1, q, w, l, hb);
         _mm512_store_si512(wt[0] + 64 * w, l);
         _mm512_store_si512(wt[1] + 64 * w, hb);
       }
@@ -202,23 +196,9 @@ void pair_q45_k(const uint8_t* g, int64_t next, const Act& a, int64_t m0, float*
                                                            _mm512_mullo_epi32(_mm512_load_si512(c[1] + 16 * m), s1)));
     }
     __m512i mpair[4];  // (sub-blocks 2i, 2i + 1) of each row's mins, as int16 pairs, both groups
-    for (int i = 0; i < 4; ++i) {
-      const __m256i p0 = _mm256_cvtepu8_epi16(
-          _mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn[0] + 16 * i)),
-                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn[0] + 16 * i + 8))));
-      const __m256i p1 = _mm256_cvtepu8_epi16(
-          _mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn[1] + 16 * i)),
-                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn[1] + 16 * i + 8))));
-      mpair[i] = _mm512_inserti64x4(_mm512_castsi256_si512(p0), p1, 1);
-    }
+    min_pairs16(mn[0], mn[1], mpair);
     for (int m = 0; m < 16; ++m) {
-      const int16_t* bs = a.bsrow(m0 + m) + 16 * b;
-      const __m128i s32 = _mm_hadd_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bs)),
-                                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(bs + 8)));
-      __m512i mins = _mm512_madd_epi16(mpair[0], _mm512_broadcastd_epi32(s32));
-      mins = _mm512_add_epi32(mins, _mm512_madd_epi16(mpair[1], _mm512_broadcastd_epi32(_mm_shuffle_epi32(s32, 1))));
-      mins = _mm512_add_epi32(mins, _mm512_madd_epi16(mpair[2], _mm512_broadcastd_epi32(_mm_shuffle_epi32(s32, 2))));
-      mins = _mm512_add_epi32(mins, _mm512_madd_epi16(mpair[3], _mm512_broadcastd_epi32(_mm_shuffle_epi32(s32, 3))));
+      const __m512i mins = row_mins16(mpair, a.bsrow(m0 + m) + 16 * b);
       const __m512 dx = _mm512_set1_ps(a.drow(m0 + m)[b]);
       acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(tot[m]), acc[m]);
       acc[m] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(mins), acc[m]);

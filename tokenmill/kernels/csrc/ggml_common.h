@@ -234,6 +234,41 @@ inline __m512 halves16(const uint8_t* a, const uint8_t* b) {  // 8 float16 of ea
   return _mm512_cvtph_ps(_mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)),
                                           _mm_loadu_si128(reinterpret_cast<const __m128i*>(a))));
 }
+// Q4_K/Q5_K weights of both groups' sub-blocks 2c (l) and 2c + 1 (hb): their unit w (four weights
+// of each of the 16 rows, VNNI order), the fifth bit added for Q5_K.
+template <bool FIVE>
+inline void q45_k_units16(const uint8_t* qs0, const uint8_t* qs1, const uint8_t* qh0, const uint8_t* qh1, int c, int w,
+                          __m512i& l, __m512i& hb) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(1);
+  const __m512i bits = join(qs0 + 32 * (8 * c + w), qs1 + 32 * (8 * c + w));
+  l = _mm512_and_si512(bits, low4), hb = _mm512_and_si512(_mm512_srli_epi16(bits, 4), low4);
+  if constexpr (FIVE) {
+    const __m512i fifth = join(qh0 + 32 * w, qh1 + 32 * w);
+    l = _mm512_or_si512(l, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(fifth, 2 * c), one), 4));
+    hb = _mm512_or_si512(hb, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(fifth, 2 * c + 1), one), 4));
+  }
+}
+// The K-quants' mins of both groups (scales_mins_group's mn of each) as int16 pairs: mpair[i]
+// holds sub-blocks 2i and 2i + 1 of each of the 16 rows.
+inline void min_pairs16(const uint8_t* mn0, const uint8_t* mn1, __m512i* mpair) {
+  for (int i = 0; i < 4; ++i) {
+    const __m256i p0 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn0 + 16 * i)),
+                                                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn0 + 16 * i + 8))));
+    const __m256i p1 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn1 + 16 * i)),
+                                                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn1 + 16 * i + 8))));
+    mpair[i] = _mm512_inserti64x4(_mm512_castsi256_si512(p0), p1, 1);
+  }
+}
+// One activation row's mins term for the 16 rows: the sum over sub-blocks j of mn[j] times the
+// row's sum over sub-block j (its int16 sums of 16, bs: 16 of them for a super-block).
+inline __m512i row_mins16(const __m512i* mpair, const int16_t* bs) {
+  const __m128i s32 = _mm_hadd_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bs)),
+                                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(bs + 8)));
+  __m512i mins = _mm512_madd_epi16(mpair[0], _mm512_broadcastd_epi32(s32));
+  mins = _mm512_add_epi32(mins, _mm512_madd_epi16(mpair[1], _mm512_broadcastd_epi32(_mm_shuffle_epi32(s32, 1))));
+  mins = _mm512_add_epi32(mins, _mm512_madd_epi16(mpair[2], _mm512_broadcastd_epi32(_mm_shuffle_epi32(s32, 2))));
+  return _mm512_add_epi32(mins, _mm512_madd_epi16(mpair[3], _mm512_broadcastd_epi32(_mm_shuffle_epi32(s32, 3))));
+}
 #endif
 #endif  // TM_AVX2
 
