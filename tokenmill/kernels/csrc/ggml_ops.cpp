@@ -586,6 +586,7 @@ int64_t check_blocks(const Tensor& blocks, int64_t type, int64_t k) {
 // GEMM it feeds (24 ms at 512 rows); this one a few.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 constexpr bool FAST_GROUP_DEQUANT = true;
+#define TM_Q4K_SCALE(d, q, m) _mm512_fmsub_ps(d, q, m)  // (the scalar d * q - m, contracted by the compiler)
 inline __m128i unit_gather4(const uint8_t* field, int64_t r, int64_t e0) {  // units e0..e0+3 of row r
   int32_t u[4];
   for (int e = 0; e < 4; ++e) std::memcpy(&u[e], field + (8 * (e0 + e) + r) * 4, 4);
@@ -623,9 +624,45 @@ void dequantize_groups_bf16(const uint8_t* w, int64_t type, int64_t row_bytes, i
       }
   });
 }
+
+// The same for grouped Q4_K rows: each row's 12 scale bytes and 128 nibble bytes gathered from
+// the group's fields (d, dmin, scales in units of 1, nibbles in units of 4), dequantize_row's
+// operations on sixteen values at a time.
+void dequantize_groups_q4_k_bf16(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, int64_t k,
+                                 c10::BFloat16* out) {
+  const int64_t nb = k / QK_K;
+  at::parallel_for(r0 / 8, r1 / 8, 1, [&](int64_t g0, int64_t g1) {
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = w + g * 8 * row_bytes + 8 * b * 144;
+        for (int64_t r = 0; r < 8; ++r) {
+          c10::BFloat16* y = out + (8 * g + r - r0) * k + b * QK_K;
+          const float d = f16(blk + 2 * r), dmin = f16(blk + 16 + 2 * r);
+          uint8_t scales[12];
+          for (int e = 0; e < 12; ++e) scales[e] = blk[32 + 8 * e + r];
+          for (int j = 0; j < 4; ++j) {
+            int sc0, mn0, sc1, mn1;
+            scale_min_k4(2 * j, scales, sc0, mn0);
+            scale_min_k4(2 * j + 1, scales, sc1, mn1);
+            const __m512 d0 = _mm512_set1_ps(d * sc0), m0 = _mm512_set1_ps(dmin * mn0);
+            const __m512 d1 = _mm512_set1_ps(d * sc1), m1 = _mm512_set1_ps(dmin * mn1);
+            for (int h = 0; h < 2; ++h) {  // bytes 32j + 16h .. + 15: units 8j + 4h .. + 3
+              const __m128i bytes = unit_gather4(blk + 128, r, 8 * j + 4 * h);
+              const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low4)));
+              const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4)));
+              store16_bf16(y + 64 * j + 16 * h, TM_Q4K_SCALE(d0, lo, m0));
+              store16_bf16(y + 64 * j + 32 + 16 * h, TM_Q4K_SCALE(d1, hi, m1));
+            }
+          }
+        }
+      }
+  });
+}
 #else
 constexpr bool FAST_GROUP_DEQUANT = false;
 void dequantize_groups_bf16(const uint8_t*, int64_t, int64_t, int64_t, int64_t, int64_t, c10::BFloat16*) {}
+void dequantize_groups_q4_k_bf16(const uint8_t*, int64_t, int64_t, int64_t, int64_t, c10::BFloat16*) {}
 #endif
 
 // Rows `ids` (all when absent) of a block weight [n, k] as float32, or bfloat16 when `bf16`.
@@ -649,6 +686,9 @@ Tensor block_dequantize(Tensor blocks, int64_t type, int64_t k, c10::optional<Te
   if (FAST_GROUP_DEQUANT && bf16 && id == nullptr && (type & X8) && (plain == Q4_0 || plain == Q4_1 || plain == Q8_0)) {
     first = n / 8 * 8;
     dequantize_groups_bf16(w, plain, row_bytes, 0, first, k, out.data_ptr<c10::BFloat16>());
+  } else if (FAST_GROUP_DEQUANT && bf16 && id == nullptr && type == (Q4_K | X8)) {
+    first = n / 8 * 8;
+    dequantize_groups_q4_k_bf16(w, row_bytes, 0, first, k, out.data_ptr<c10::BFloat16>());
   }
   at::parallel_for(first, rows, 4, [&](int64_t b, int64_t e) {
     std::vector<uint8_t> scratch(row_bytes);  // a row taken out of its group of eight
