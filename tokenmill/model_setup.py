@@ -11,7 +11,7 @@ import torch
 
 from tokenmill.config import LoadConfig, ModelConfig
 from tokenmill.errors import TokenmillError
-from tokenmill.kernels.gemm_choice import block_gemm_rows, prepacked, upcast_rows
+from tokenmill.kernels.gemm_choice import block_gemm_rows, f16_split_rows, prepacked, upcast_rows
 from tokenmill.kernels.linear import use_native_linears
 from tokenmill.memory import keep_freed_memory
 from tokenmill.model.llama import LlamaForCausalLM
@@ -65,7 +65,15 @@ def prepare_model(
         sixteen = any(p.dtype == torch.bfloat16 for p in model.parameters())
         types = {m.source for m in model.modules() if isinstance(m, BlockWeight)} if sixteen else set()
         gemm_rows = {t: block_gemm_rows(t) for t in sorted(types)}
-        use_native_linears(model, upcast_rows() if sixteen else None, prepacked() if sixteen else False, gemm_rows)
+        # a file's float16 weights under bfloat16: from how many rows they multiply in the bfloat16 GEMM
+        halves = sixteen and any(p.dtype == torch.float16 for p in model.parameters())
+        use_native_linears(
+            model,
+            upcast_rows() if sixteen else None,
+            prepacked() if sixteen else False,
+            gemm_rows,
+            f16_split_rows() if halves else None,
+        )
         # steps that many rows and more multiply some blocks in the dequantised GEMM: their numbers
         # depend on the step already, so the attention of their fresh prefills need not be invariant
         model.ops.invariant_below = min((r for r in gemm_rows.values() if r is not None), default=None)

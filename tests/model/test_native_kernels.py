@@ -430,6 +430,55 @@ def test_float16_weights_under_bfloat16_batches_run_on_the_gemm_tiles_batch_inva
     assert torch.equal(layer(x)[17:], layer(x[17:].clone()))  # rows 17-39 alone, and in the batch of 40
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_float16_weights_split_into_bfloat16_halves_multiply_the_float16_weight_itself(packed):
+    """The two bfloat16 halves of a float16 weight add up to it exactly (subnormals and the range's
+    ends included), and from the chosen row count a layer multiplies on them: the float16 weight's
+    product (as close to the exact one as the float32 tiles' sums), rounded once to bfloat16; below
+    that count the tiles' bits, unchanged."""
+    from tokenmill.kernels.linear import NativeLinear, packing_available, split_float16
+
+    if packed and not packing_available():
+        pytest.skip("this torch has no oneDNN weight packing")
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(300, 581, generator=g).half()
+    w[0, :6] = torch.tensor([65504.0, -65504.0, 6.1e-5, 5.96e-8, -3.0e-7, 0.0]).half()  # ends, subnormals
+    halves = split_float16(w)
+    assert halves.dtype == torch.bfloat16 and halves.shape == (300, 2 * 581)
+    assert torch.equal(halves[:, :581].double() + halves[:, 581:].double(), w.double())
+    layer = NativeLinear(w, split=split_float16(w, packed), split_rows=32)
+    for rows in (9, 31, 32, 300):
+        x = torch.randn(rows, 581, generator=g).bfloat16()
+        out = layer(x)
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, 300)
+        tiles = torch.ops.tokenmill.tile_gemm(x.float(), w)
+        if rows < 32:
+            assert torch.equal(out, tiles.bfloat16())
+            continue
+        exact = torch.nn.functional.linear(x.double(), w.double())
+        # summed in float32 in another order than the tiles: as near the exact product as they are
+        err, tiles_err = (out.double() - exact).abs().mean(), (tiles.bfloat16().double() - exact).abs().mean()
+        assert err <= 1.05 * tiles_err, (err, tiles_err)
+        torch.testing.assert_close(out.double(), exact, rtol=8e-3, atol=2e-2)
+
+
+def test_float16_weights_are_split_only_where_memory_allows(monkeypatch):
+    from tests.helpers import tiny_model
+    from tokenmill.kernels import linear as native_linear
+    from tokenmill.kernels.linear import NativeLinear, split_linear
+
+    for free, expect_split in ((64 << 30, True), (1 << 10, False)):
+        monkeypatch.setattr(native_linear, "available_memory", lambda free=free: free)
+        model = tiny_model(3).half()
+        native_linear.use_native_linears(model, None, f16_split_rows=16)
+        layers = [m for m in model.modules() if isinstance(m, NativeLinear)]
+        assert layers and all((m.split is not None) == expect_split for m in layers)
+        for m in layers:  # 20 rows: past the split row count, on the halves where they were made
+            x = torch.randn(20, m.in_features).bfloat16()
+            want = split_linear(x, m.split) if expect_split else torch.ops.tokenmill.tile_gemm(x.float(), m.weight)
+            assert torch.equal(m(x), want.bfloat16())
+
+
 def test_gemm_tiles_are_as_close_to_the_exact_product_as_torchs_gemm():
     """Long sums (k = 2048: 8 panels of 256) are not one FMA chain: each panel's chain from zero,
     the panels added, so the error stays at PyTorch's (MKL's) own level, not ~3x it."""

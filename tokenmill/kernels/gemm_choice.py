@@ -26,6 +26,13 @@ GEMM is fast and the dequantisation cheap; on a Zen 4 EPYC the integer dots won 
 batch to 512 rows (Q4_1 at 33 rows: 0.15 ms against 1.28) but Q6_K's at 512, and a step with
 a few prompt tokens beside 28 decodes cost 4x a decode step. ``TOKENMILL_BLOCK_GEMM_ROWS``
 (a row count, or ``never``) overrides it.
+
+A GGUF's float16 weights under bfloat16 ask a fourth: from how many rows a batch multiplies them
+as two bfloat16 halves in the bfloat16 GEMM (exact: linear.split_float16; twice the work, on the
+machine's bfloat16 units) rather than widened in the float32 tiles (``f16_split_rows``, probed the
+first time such a model loads, kept with the kernels' build). On an AMX Xeon the F16 file's
+prefill ran on the float32 tiles at 0.9-1.1x llama.cpp while the BF16 file's ran at 5-6x.
+``TOKENMILL_F16_SPLIT_ROWS`` (a row count, or ``never``) overrides it.
 """
 
 from __future__ import annotations
@@ -39,7 +46,14 @@ from pathlib import Path
 import torch
 
 from tokenmill.kernels.cpu import cpu_info
-from tokenmill.kernels.linear import pack, packed_linear, packing_available, upcast_linear
+from tokenmill.kernels.linear import (
+    pack,
+    packed_linear,
+    packing_available,
+    split_float16,
+    split_linear,
+    upcast_linear,
+)
 from tokenmill.kernels.native import build_name
 from tokenmill.quant.blocks import BLOCK_TYPES, GROUPED, block_format
 
@@ -97,6 +111,20 @@ def block_gemm_rows(type_name: str) -> int | None:
         blocks = {**blocks, type_name: probe_blocks(type_name)}
         keep({**answers, "blocks": blocks, "blocks_build": build})
     return blocks[type_name]["gemm_rows"]
+
+
+def f16_split_rows() -> int | None:
+    """From how many rows a bfloat16 batch multiplies a float16 weight as two bfloat16 halves in
+    the GEMM rather than in the float32 tiles, on this machine (None: never)."""
+    forced = os.environ.get("TOKENMILL_F16_SPLIT_ROWS")
+    if forced:
+        return None if forced.lower() == "never" else int(forced)
+    answers, build = measured(), build_name()
+    split = answers.get("f16_split")
+    if not (isinstance(split, dict) and split.get("build") == build and "rows" in split):
+        split = {**probe_f16_split(bool(answers.get("prepacked")) and packing_available()), "build": build}
+        keep({**answers, "f16_split": split})
+    return split["rows"]
 
 
 def _known() -> dict:
@@ -215,6 +243,33 @@ def probe_blocks(type_name: str) -> dict:
     ms = {str(r): {"int8": round(a, 3), "bfloat16 gemm": round(b, 3)} for r, (a, b) in timings.items()}
     log.info("tokenmill: %s blocks probe: bfloat16 GEMM from %s rows; ms %s", type_name, chosen, ms)
     return {"gemm_rows": chosen, "ms": ms}
+
+
+def probe_f16_split(packed: bool) -> dict:
+    """Time a bfloat16 batch against a float16 weight of PROBE_SHAPE on the float32 tiles and as
+    bfloat16 halves in the GEMM (``packed``: in oneDNN's layout, as the model's would be) at
+    PROBE_ROWS; the smallest batch from which the halves win at every size probed, and the timings."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(*PROBE_SHAPE, generator=g).half()
+    split = split_float16(weight, packed)
+    timings = {}
+    for rows in PROBE_ROWS:
+        x = torch.randn(rows, PROBE_SHAPE[1], generator=g).bfloat16()
+        timings[rows] = best_ms_each(
+            [
+                lambda x=x: torch.ops.tokenmill.tile_gemm(x.float(), weight).bfloat16(),
+                lambda x=x: split_linear(x, split),
+            ]
+        )
+    chosen = None
+    for rows in reversed(PROBE_ROWS):
+        tiles, halves = timings[rows]
+        if halves > WIN * tiles:
+            break
+        chosen = rows
+    ms = {str(r): {"float32 tiles": round(a, 3), "bfloat16 halves": round(b, 3)} for r, (a, b) in timings.items()}
+    log.info("tokenmill: float16 weights probe: bfloat16 halves from %s rows; ms %s", chosen, ms)
+    return {"rows": chosen, "ms": ms}
 
 
 def random_blocks(type_name: str, out: int, k: int) -> torch.Tensor:

@@ -54,6 +54,8 @@ class NativeLinear(nn.Module):
         upcast_rows: int | None = None,
         bias: torch.Tensor | None = None,
         packed: torch.Tensor | None = None,
+        split: torch.Tensor | None = None,
+        split_rows: int | None = None,
     ) -> None:
         super().__init__()
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
@@ -61,6 +63,9 @@ class NativeLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.upcast_rows = upcast_rows  # bfloat16 batches this big multiply in float32 (None: never)
         self.packed = packed  # the weight in oneDNN's layout (pack()), for bfloat16 batches; None: the plain GEMM
+        # a float16 weight as two bfloat16 halves (split_float16), multiplied in the bfloat16 GEMM by
+        # batches of split_rows and more (None: the float32 tiles at every size)
+        self.split, self.split_rows = split, split_rows
         self.tiles = hasattr(torch.ops.tokenmill, "tile_gemm")  # (looked up once: not on every call)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -69,6 +74,8 @@ class NativeLinear(nn.Module):
         sixteen = self.weight.dtype in (torch.float16, torch.bfloat16)  # a GGUF's F16/BF16 kept as stored
         if rows <= FLOAT_ROWS and (same or sixteen) and flat.dtype in (torch.float32, torch.bfloat16):
             out = torch.ops.tokenmill.small_linear(flat, self.weight, None)
+        elif self.split is not None and rows >= self.split_rows and flat.dtype == torch.bfloat16:
+            out = split_linear(flat, self.split)
         elif self.tiles and flat.dtype == torch.float32 and (sixteen or rows <= TILE_ROWS):
             out = torch.ops.tokenmill.tile_gemm(flat, self.weight)
         elif self.tiles and sixteen and not same and flat.dtype == torch.bfloat16:
@@ -101,6 +108,25 @@ def upcast_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out_t.t().contiguous()
 
 
+def split_float16(weight: torch.Tensor, packed: bool = False) -> torch.Tensor:
+    """A float16 [out, in] weight as [out, 2 * in] bfloat16: each value's nearest bfloat16 and, beside
+    it, what that leaves over. Both are exact (float16's 11 significant bits are bfloat16's 8 plus a
+    remainder of at most 4, inside bfloat16's range), so ``split_linear`` multiplies the float16
+    weight itself, on the machine's bfloat16 GEMM (AMX tiles where it has them) at twice the inner
+    length; ``packed``: in oneDNN's layout (``pack``)."""
+    high = weight.to(torch.bfloat16)
+    low = (weight.float() - high.float()).to(torch.bfloat16)
+    both = torch.cat([high, low], dim=1).contiguous()
+    return pack(both) if packed else both
+
+
+def split_linear(x: torch.Tensor, split: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T for ``split = split_float16(weight)`` and bfloat16 x: every product exact, summed in
+    float32, rounded once to bfloat16 (as the float32 tiles do, in another order)."""
+    both = torch.cat([x, x], dim=1)
+    return packed_linear(both, split) if split.is_mkldnn else nn.functional.linear(both, split)
+
+
 def packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
@@ -120,6 +146,7 @@ def use_native_linears(
     upcast: int | None = None,
     prepack: bool = False,
     block_gemm_rows: dict[str, int | None] | None = None,
+    f16_split_rows: int | None = None,
 ) -> None:
     """Swap the decoder's float linears (and the LM head, sharing a tied embedding's
     weight) for NativeLinear, and let int8 layers use the kernel for small batches;
@@ -127,7 +154,9 @@ def use_native_linears(
     the machine's measured answer is gemm_choice.upcast_rows); ``prepack``: bfloat16
     weights also packed in oneDNN's layout (gemm_choice.prepacked), where memory allows;
     ``block_gemm_rows``: per GGUF block type, from how many rows a bfloat16 batch dequantises
-    the blocks into the GEMM (gemm_choice.block_gemm_rows; absent: never)."""
+    the blocks into the GEMM (gemm_choice.block_gemm_rows; absent: never); ``f16_split_rows``: from
+    how many rows a bfloat16 batch multiplies a float16 weight as two bfloat16 halves in the GEMM
+    (gemm_choice.f16_split_rows; None: never), where memory allows."""
     if next(model.parameters()).device.type != "cpu":
         return
 
@@ -150,7 +179,22 @@ def use_native_linears(
         model.lm_head = swap(model.lm_head)
     if prepack:
         pack_bfloat16_weights(model)
+    if f16_split_rows is not None:
+        split_float16_weights(model, f16_split_rows, packed=prepack and packing_available())
     model.reset_fused_plan()
+
+
+def split_float16_weights(model: nn.Module, rows: int, packed: bool) -> None:
+    """Give the model's float16 NativeLinears their bfloat16 halves (split_float16) for batches of
+    ``rows`` and more, where those copies (4 bytes a weight) take at most PACKED_MEMORY_SHARE of the
+    memory free now."""
+    layers = [m for m in model.modules() if isinstance(m, NativeLinear) and m.weight.dtype == torch.float16]
+    total = sum(2 * m.weight.numel() * torch.bfloat16.itemsize for m in layers)
+    if total > PACKED_MEMORY_SHARE * available_memory():
+        log.info("tokenmill: float16 weights not split for the bfloat16 GEMM (%.1f GB)", total / 1e9)
+        return
+    for m in layers:
+        m.split, m.split_rows = split_float16(m.weight, packed), rows
 
 
 def pack_bfloat16_weights(model: nn.Module) -> None:
