@@ -11,7 +11,7 @@ import torch
 
 from tokenmill.config import LoadConfig, ModelConfig
 from tokenmill.errors import TokenmillError
-from tokenmill.kernels.gemm_choice import block_gemm_rows, f16_split_rows, prepacked, upcast_rows
+from tokenmill.kernels.gemm_choice import block_gemm_rows, f16_split_rows, one_row_stream, prepacked, upcast_rows
 from tokenmill.kernels.linear import use_native_linears
 from tokenmill.memory import keep_freed_memory
 from tokenmill.model.llama import LlamaForCausalLM
@@ -67,12 +67,20 @@ def prepare_model(
         gemm_rows = {t: block_gemm_rows(t) for t in sorted(types)}
         # a file's float16 weights under bfloat16: from how many rows they multiply in the bfloat16 GEMM
         halves = sixteen and any(p.dtype == torch.float16 for p in model.parameters())
+        # how one row (a decode at batch 1) reads the float weights: the dtype holding most of them
+        weights = [m.weight for m in model.modules() if type(m) is torch.nn.Linear]
+        by_dtype: dict[torch.dtype, int] = {}
+        for w in weights:
+            by_dtype[w.dtype] = by_dtype.get(w.dtype, 0) + w.numel()
+        act = torch.bfloat16 if sixteen else torch.float32
+        one_stream = one_row_stream(max(by_dtype, key=by_dtype.get), act) if by_dtype else True
         use_native_linears(
             model,
             upcast_rows() if sixteen else None,
             prepacked() if sixteen else False,
             gemm_rows,
             f16_split_rows() if halves else None,
+            one_stream,
         )
         # steps that many rows and more multiply some blocks in the dequantised GEMM: their numbers
         # depend on the step already, so the attention of their fresh prefills need not be invariant

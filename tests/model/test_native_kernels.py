@@ -349,7 +349,8 @@ def test_small_linear_row_alone_is_the_same_bits_as_in_a_batch(wtype):
     """One activation row streams the weight rows one by one; more rows go through 4x4 tiles:
     each output is the same sum in the same order either way (a decode's logits do not depend
     on whether it was batched), the masked tail included (k not a multiple of 16); a bfloat16
-    row is read as it is (widened exactly, in L1 where its float32 copy was not) to the same bits."""
+    row is read as it is (widened exactly, in L1 where its float32 copy was not) to the same bits.
+    A row alone through the tiles (one_stream=False, a machine's choice) gives the same bits too."""
     g = torch.Generator().manual_seed(3)
     for n, k in ((7, 100), (1539, 1536), (64, 576), (40, 8192)):
         w = torch.randn(n, k, generator=g)
@@ -363,7 +364,9 @@ def test_small_linear_row_alone_is_the_same_bits_as_in_a_batch(wtype):
         for xt in (x, x.bfloat16()):
             batched = torch.ops.tokenmill.small_linear(xt, w, scale)
             for i in (0, 5, 7):
-                assert torch.equal(torch.ops.tokenmill.small_linear(xt[i : i + 1], w, scale), batched[i : i + 1])
+                for one_stream in (True, False):
+                    alone = torch.ops.tokenmill.small_linear(xt[i : i + 1], w, scale, one_stream)
+                    assert torch.equal(alone, batched[i : i + 1])
 
 
 def test_big_bfloat16_batches_upcast_to_float32_gemm():
@@ -603,3 +606,18 @@ def test_layers_the_loop_does_not_serve_take_the_python_path():
     model.layers[0].self_attn.qkv_proj = NativeLinear(model.layers[0].self_attn.qkv_proj.weight, bias=torch.zeros(64))
     model.reset_fused_plan()
     assert model.fused_plan is None
+
+
+def test_native_linears_follow_the_one_row_choice_into_the_c_layer_loop():
+    from tests.helpers import tiny_model
+    from tokenmill.kernels import linear as native_linear
+    from tokenmill.kernels.linear import NativeLinear
+
+    model = tiny_model(3).bfloat16()
+    native_linear.use_native_linears(model, None, one_stream=False)
+    layers = [m for m in model.modules() if isinstance(m, NativeLinear)]
+    assert layers and not any(m.one_stream for m in layers)
+    plan = model.fused_plan
+    assert plan is not None and plan.kinds[:8] == [0, 1] * 4  # float weights, tiles at one row
+    x = torch.randn(1, layers[0].in_features).bfloat16()
+    assert torch.equal(layers[0](x), torch.ops.tokenmill.small_linear(x, layers[0].weight, None, True))

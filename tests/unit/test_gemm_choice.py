@@ -198,3 +198,33 @@ def test_the_float16_split_probe_picks_the_smallest_batch_from_which_the_halves_
         seen = iter(table[rows] for rows in gemm_choice.PROBE_ROWS)
         monkeypatch.setattr(gemm_choice, "best_ms_each", lambda calls, seen=seen: list(next(seen)))
         assert gemm_choice.probe_f16_split(False)["rows"] == want
+
+
+def test_the_one_row_choice_is_probed_per_dtype_kept_and_overridden(cache_home, monkeypatch):
+    probed = []
+    monkeypatch.setattr(gemm_choice, "probe", lambda: {"upcast_rows": None, "prepacked": True, "ms": {}})
+
+    def fake(weight, act):
+        probed.append((weight, act))
+        return {"one_stream": weight == torch.float32, "ms": {}}
+
+    monkeypatch.setattr(gemm_choice, "probe_one_row", fake)
+    monkeypatch.delenv("TOKENMILL_ONE_ROW", raising=False)
+    assert not gemm_choice.one_row_stream(torch.bfloat16, torch.bfloat16)
+    assert gemm_choice.one_row_stream(torch.float32, torch.float32)
+    assert not gemm_choice.one_row_stream(torch.bfloat16, torch.bfloat16) and len(probed) == 2
+    kept = json.loads((cache_home / "tokenmill" / "gemm_choice.json").read_text())[gemm_choice.machine_key()]
+    assert kept["one_row"]["bfloat16 x bfloat16"]["one_stream"] is False and kept["prepacked"]
+    monkeypatch.setattr(gemm_choice, "build_name", lambda: "another build")  # new kernels: measured again
+    assert not gemm_choice.one_row_stream(torch.bfloat16, torch.bfloat16) and len(probed) == 3
+    monkeypatch.setenv("TOKENMILL_ONE_ROW", "stream")
+    assert gemm_choice.one_row_stream(torch.bfloat16, torch.bfloat16) and len(probed) == 3
+
+
+def test_the_one_row_probe_keeps_the_single_stream_unless_the_tiles_clearly_win(monkeypatch):
+    """(one stream, tiles) ms stood in; the probe's matrices made small so that it runs here."""
+    monkeypatch.setattr(gemm_choice, "ONE_ROW_PROBE_BYTES", 1 << 20)
+    monkeypatch.setattr(torch.ops.tokenmill, "small_linear", lambda *a: None, raising=False)
+    for timings, want in (((10.0, 8.0), False), ((10.0, 9.5), True), ((10.0, 12.0), True)):
+        monkeypatch.setattr(gemm_choice, "best_ms_each", lambda calls, t=timings: [c() for c in calls] and list(t))
+        assert gemm_choice.probe_one_row(torch.bfloat16, torch.bfloat16)["one_stream"] is want

@@ -33,6 +33,13 @@ machine's bfloat16 units) rather than widened in the float32 tiles (``f16_split_
 first time such a model loads, kept with the kernels' build). On an AMX Xeon the F16 file's
 prefill ran on the float32 tiles at 0.9-1.1x llama.cpp while the BF16 file's ran at 5-6x.
 ``TOKENMILL_F16_SPLIT_ROWS`` (a row count, or ``never``) overrides it.
+
+And a fifth, for decode at batch 1: whether one activation row reads a float weight in a single
+stream (small_linear's single_row) or four weight rows side by side (its tiles); the same outputs
+either way. Over a decoder's worth of weights (more than a last-level cache), a Zen 4 EPYC's single
+stream read bfloat16 at 30-34 GB/s where the tiles read 17-21; on an AMX Xeon the tiles were the
+faster, 1.5x for bfloat16, 1.7x for float16, 1.15x for float32 (``one_row_stream``, per weight and
+activation dtype, with the kernels' build; ``TOKENMILL_ONE_ROW`` = ``stream`` or ``tiles`` overrides it).
 """
 
 from __future__ import annotations
@@ -125,6 +132,23 @@ def f16_split_rows() -> int | None:
         split = {**probe_f16_split(bool(answers.get("prepacked")) and packing_available()), "build": build}
         keep({**answers, "f16_split": split})
     return split["rows"]
+
+
+def one_row_stream(weight: torch.dtype, act: torch.dtype) -> bool:
+    """Whether one activation row (``act``) reads a ``weight``-typed matrix in a single stream (True)
+    or through the four-row tiles (False), on this machine."""
+    forced = os.environ.get("TOKENMILL_ONE_ROW")
+    if forced:
+        return forced.lower() != "tiles"
+    answers, build = measured(), build_name()
+    key = f"{str(weight).removeprefix('torch.')} x {str(act).removeprefix('torch.')}"
+    rows = answers.get("one_row")
+    if not (isinstance(rows, dict) and rows.get("build") == build):
+        rows = {"build": build}
+    if not (isinstance(rows.get(key), dict) and "one_stream" in rows[key]):
+        rows = {**rows, key: probe_one_row(weight, act)}
+        keep({**answers, "one_row": rows})
+    return bool(rows[key]["one_stream"])
 
 
 def _known() -> dict:
@@ -270,6 +294,35 @@ def probe_f16_split(packed: bool) -> dict:
     ms = {str(r): {"float32 tiles": round(a, 3), "bfloat16 halves": round(b, 3)} for r, (a, b) in timings.items()}
     log.info("tokenmill: float16 weights probe: bfloat16 halves from %s rows; ms %s", chosen, ms)
     return {"rows": chosen, "ms": ms}
+
+
+ONE_ROW_PROBE_BYTES = 256 << 20  # past a last-level cache (an AMX Xeon's is 300 MB, shared): read from memory
+
+
+def probe_one_row(weight: torch.dtype, act: torch.dtype) -> dict:
+    """Time one ``act`` row against ONE_ROW_PROBE_BYTES of ``weight`` matrices of PROBE_SHAPE (a
+    decode step's pass over a model's weights) in one stream and through the tiles; the single
+    stream stays unless the tiles take at most WIN of its time."""
+    n, k = PROBE_SHAPE
+    count = max(1, ONE_ROW_PROBE_BYTES // (n * k * weight.itemsize))
+    mats = [torch.full((n, k), 0.01, dtype=weight) for _ in range(count)]
+    x = torch.full((1, k), 0.5, dtype=act)
+
+    def run(one_stream: bool) -> None:
+        for w in mats:
+            torch.ops.tokenmill.small_linear(x, w, None, one_stream)
+
+    stream, tiles = best_ms_each([lambda: run(True), lambda: run(False)])
+    one_stream = tiles > WIN * stream
+    log.info(
+        "tokenmill: one-row probe (%s x %s): %s; ms: one stream %.2f, tiles %.2f",
+        weight,
+        act,
+        "one stream" if one_stream else "tiles",
+        stream,
+        tiles,
+    )
+    return {"one_stream": one_stream, "ms": {"one stream": round(stream, 3), "tiles": round(tiles, 3)}}
 
 
 def random_blocks(type_name: str, out: int, k: int) -> torch.Tensor:

@@ -66,6 +66,9 @@ class NativeLinear(nn.Module):
         # a float16 weight as two bfloat16 halves (split_float16), multiplied in the bfloat16 GEMM by
         # batches of split_rows and more (None: the float32 tiles at every size)
         self.split, self.split_rows = split, split_rows
+        # one activation row: a single stream through the weight (True), or the tiles' four side by side
+        # (the same outputs; which streams faster is the machine's answer, gemm_choice.one_row_stream)
+        self.one_stream = True
         self.tiles = hasattr(torch.ops.tokenmill, "tile_gemm")  # (looked up once: not on every call)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -73,7 +76,7 @@ class NativeLinear(nn.Module):
         rows, same = flat.shape[0], flat.dtype == self.weight.dtype
         sixteen = self.weight.dtype in (torch.float16, torch.bfloat16)  # a GGUF's F16/BF16 kept as stored
         if rows <= FLOAT_ROWS and (same or sixteen) and flat.dtype in (torch.float32, torch.bfloat16):
-            out = torch.ops.tokenmill.small_linear(flat, self.weight, None)
+            out = torch.ops.tokenmill.small_linear(flat, self.weight, None, self.one_stream)
         elif self.split is not None and rows >= self.split_rows and flat.dtype == torch.bfloat16:
             out = split_linear(flat, self.split)
         elif self.tiles and flat.dtype == torch.float32 and (sixteen or rows <= TILE_ROWS):
@@ -147,6 +150,7 @@ def use_native_linears(
     prepack: bool = False,
     block_gemm_rows: dict[str, int | None] | None = None,
     f16_split_rows: int | None = None,
+    one_stream: bool = True,
 ) -> None:
     """Swap the decoder's float linears (and the LM head, sharing a tied embedding's
     weight) for NativeLinear, and let int8 layers use the kernel for small batches;
@@ -156,7 +160,8 @@ def use_native_linears(
     ``block_gemm_rows``: per GGUF block type, from how many rows a bfloat16 batch dequantises
     the blocks into the GEMM (gemm_choice.block_gemm_rows; absent: never); ``f16_split_rows``: from
     how many rows a bfloat16 batch multiplies a float16 weight as two bfloat16 halves in the GEMM
-    (gemm_choice.f16_split_rows; None: never), where memory allows."""
+    (gemm_choice.f16_split_rows; None: never), where memory allows; ``one_stream``: a single row
+    reads each weight in one stream (gemm_choice.one_row_stream), else four rows side by side."""
     if next(model.parameters()).device.type != "cpu":
         return
 
@@ -177,6 +182,9 @@ def use_native_linears(
             model.lm_head = NativeLinear(model.embed_tokens.weight, upcast)
     else:  # (a pipeline stage before the last has no head at all)
         model.lm_head = swap(model.lm_head)
+    for m in model.modules():
+        if isinstance(m, NativeLinear):
+            m.one_stream = one_stream
     if prepack:
         pack_bfloat16_weights(model)
     if f16_split_rows is not None:

@@ -167,8 +167,9 @@ class LlamaDecoderLayer(nn.Module):
 class FusedPlan:
     """A plain decoder's tensors in the order ``decode_layers`` (kernels/csrc/decode_loop.cpp)
     reads them: per layer the post-attention norm, the next norm, and 3 tensors per linear
-    (qkv, o, gate_up, down); ``kinds``: (bits, group) per linear, bits 0 for a float weight,
-    negative for GGUF blocks (csrc/decode_loop.cpp says how)."""
+    (qkv, o, gate_up, down); ``kinds``: (bits, group) per linear, bits 0 for a float weight (its
+    group 1 where one row takes the tiles, not one stream: NativeLinear.one_stream), negative for
+    GGUF blocks (csrc/decode_loop.cpp says how)."""
 
     weights: list[torch.Tensor]
     kinds: list[int]
@@ -208,7 +209,7 @@ def _fused_linear(linear: nn.Module, dtype: torch.dtype) -> tuple[list[torch.Ten
         and linear.bias is None
         and (linear.weight.dtype == dtype or linear.weight.dtype in sixteen)
     ):
-        return [linear.weight, empty, empty], [0, 0]
+        return [linear.weight, empty, empty], [0, 0 if linear.one_stream else 1]
     return None
 
 

@@ -1132,10 +1132,14 @@ void single_row(const X* x, const W* w, const float* scale, Y* y, int64_t n_out,
 
 // X: the activations as they came, float32 or bfloat16 (read as they are: widened exactly, or
 // multiplied on the bfloat16 dot products; a bfloat16 row of 8192 stays in a 32 KB L1 beside the
-// weight's stream where its float32 copy did not).
+// weight's stream where its float32 copy did not). one_stream: one activation row takes
+// single_row; else the tiles, four weight rows side by side (the same sums: a machine's choice,
+// kernels/gemm_choice.py; on an AMX Xeon the tiles streamed a bfloat16 decoder's weights 1.5x
+// faster, float16 ones 1.7x, where a Zen 4 EPYC's single stream was the faster).
 template <typename W, typename X, typename Y>
-void small_linear_impl(const X* x, const W* w, const float* scale, Y* y, int64_t rows, int64_t n_out, int64_t k) {
-  if (single_row_path(rows, k)) return single_row<W, X, Y>(x, w, scale, y, n_out, k);
+void small_linear_impl(const X* x, const W* w, const float* scale, Y* y, int64_t rows, int64_t n_out, int64_t k,
+                       bool one_stream) {
+  if (one_stream && single_row_path(rows, k)) return single_row<W, X, Y>(x, w, scale, y, n_out, k);
   at::parallel_for(0, (n_out + 3) / 4, 16, [&](int64_t b, int64_t e) {
     for (int64_t blk = b; blk < e; ++blk) {
       const int64_t n0 = blk * 4, nr = std::min<int64_t>(4, n_out - n0);
@@ -1176,17 +1180,19 @@ void small_linear_impl(const X* x, const W* w, const float* scale, Y* y, int64_t
 
 template <typename W>
 void small_linear_out(const Tensor& x, const W* w, const float* scale, Tensor& y, int64_t rows, int64_t n_out,
-                      int64_t k) {
+                      int64_t k, bool one_stream) {
   if (x.scalar_type() == at::kFloat)
-    small_linear_impl<W, float, float>(x.data_ptr<float>(), w, scale, y.data_ptr<float>(), rows, n_out, k);
+    small_linear_impl<W, float, float>(x.data_ptr<float>(), w, scale, y.data_ptr<float>(), rows, n_out, k,
+                                       one_stream);
   else
     small_linear_impl<W, c10::BFloat16, c10::BFloat16>(x.data_ptr<c10::BFloat16>(), w, scale,
-                                                       y.data_ptr<c10::BFloat16>(), rows, n_out, k);
+                                                       y.data_ptr<c10::BFloat16>(), rows, n_out, k, one_stream);
 }
 
 // x [rows, k] (float32 or bfloat16) @ w[n, k]^T -> [rows, n] in x's dtype. w: float32,
-// bfloat16, float16, or int8 with a float32 per-output-channel scale.
-Tensor small_linear(Tensor x, Tensor w, c10::optional<Tensor> scale) {
+// bfloat16, float16, or int8 with a float32 per-output-channel scale. one_stream: see
+// small_linear_impl (the same outputs either way).
+Tensor small_linear(Tensor x, Tensor w, c10::optional<Tensor> scale, bool one_stream) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && w.is_contiguous(),
               "small_linear: expects x [rows, k] and a contiguous weight [n, k]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "small_linear: x must be float32 or bfloat16");
@@ -1197,13 +1203,13 @@ Tensor small_linear(Tensor x, Tensor w, c10::optional<Tensor> scale) {
     TORCH_CHECK(scale.has_value() && scale->numel() == n_out && scale->scalar_type() == at::kFloat &&
                     scale->is_contiguous(),
                 "small_linear: int8 weights need one float32 scale per output");
-    small_linear_out<int8_t>(xc, w.data_ptr<int8_t>(), scale->data_ptr<float>(), y, rows, n_out, k);
+    small_linear_out<int8_t>(xc, w.data_ptr<int8_t>(), scale->data_ptr<float>(), y, rows, n_out, k, one_stream);
   } else if (w.scalar_type() == at::kBFloat16) {
-    small_linear_out<c10::BFloat16>(xc, w.data_ptr<c10::BFloat16>(), nullptr, y, rows, n_out, k);
+    small_linear_out<c10::BFloat16>(xc, w.data_ptr<c10::BFloat16>(), nullptr, y, rows, n_out, k, one_stream);
   } else if (w.scalar_type() == at::kHalf) {
-    small_linear_out<c10::Half>(xc, w.data_ptr<c10::Half>(), nullptr, y, rows, n_out, k);
+    small_linear_out<c10::Half>(xc, w.data_ptr<c10::Half>(), nullptr, y, rows, n_out, k, one_stream);
   } else if (w.scalar_type() == at::kFloat) {
-    small_linear_out<float>(xc, w.data_ptr<float>(), nullptr, y, rows, n_out, k);
+    small_linear_out<float>(xc, w.data_ptr<float>(), nullptr, y, rows, n_out, k, one_stream);
   } else {
     TORCH_CHECK(false, "small_linear: unsupported weight dtype ", w.scalar_type());
   }
@@ -1262,8 +1268,8 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
   ::paged_attention(out, q, k_cache, v_cache, k_scale, v_scale, block_tables, query_start_loc, seq_lens, seq_ids,
                     scale, partition_size, window, softcap);
 }
-at::Tensor small_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> scale) {
-  return ::small_linear(x, w, scale);
+at::Tensor small_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> scale, bool one_stream) {
+  return ::small_linear(x, w, scale, one_stream);
 }
 }  // namespace tokenmill
 
@@ -1273,7 +1279,7 @@ TORCH_LIBRARY(tokenmill, m) {
         "int partition_size, int window=0, float softcap=0.) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
-  m.def("small_linear(Tensor x, Tensor w, Tensor? scale) -> Tensor");
+  m.def("small_linear(Tensor x, Tensor w, Tensor? scale, bool one_stream=True) -> Tensor");
   m.def("rotary(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("rotary_write_kv(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor positions, Tensor cos, Tensor sin, "
         "Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slots) -> ()");

@@ -50,7 +50,7 @@ using at::Tensor;
 constexpr int64_t PER_LAYER = 14;
 
 Tensor run_linear(const Tensor& x, const std::vector<Tensor>& w, int64_t at, int64_t bits, int64_t group) {
-  if (bits == 0) return tokenmill::small_linear(x, w[at], c10::nullopt);
+  if (bits == 0) return tokenmill::small_linear(x, w[at], c10::nullopt, group == 0);  // group 1: tiles at one row
   if (bits < 0) {  // GGUF blocks: -bits is the type; group, when not 0, a second part's type (its blocks at at + 1)
     const Tensor first = tokenmill::block_linear(x, w[at], -bits);
     return group == 0 ? first : at::cat({first, tokenmill::block_linear(x, w[at + 1], group)}, 1);

@@ -44,7 +44,7 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
                      c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale, at::Tensor block_tables,
                      at::Tensor query_start_loc, at::Tensor seq_lens, at::Tensor seq_ids, double scale,
                      int64_t partition_size, int64_t window, double softcap);
-at::Tensor small_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> scale);
+at::Tensor small_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> scale, bool one_stream = true);
 at::Tensor quant_linear(at::Tensor x, at::Tensor qs, at::Tensor scale, c10::optional<at::Tensor> minv, int64_t bits,
                         int64_t group, bool bf16);
 at::Tensor block_linear(at::Tensor x, at::Tensor blocks, int64_t type, int64_t gemm_rows = 0);
