@@ -139,11 +139,12 @@ def test_amx_tiles_are_the_same_bits_as_the_zmm_pair_kernel(type_name, monkeypat
         assert torch.equal(tiles, alone[:rows]), rows
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 def test_grouped_weights_dequantise_to_bfloat16_as_row_by_row(type_name):
-    """The bfloat16 GEMM of long prefills dequantises grouped weights group by group (AVX-512
-    builds): the same bfloat16 values as the row-at-a-time path (rows asked by id take it),
-    and as the float32 values rounded, the rows past the last whole group included."""
+    """The bfloat16 GEMM of long prefills dequantises grouped weights group by group, and Q6_K's
+    plain rows sixteen values at a time (AVX-512 builds): the same bfloat16 values as the
+    row-at-a-time path (rows asked by id take it), and as the float32 values rounded, the rows
+    past the last whole group included."""
     k = 512 if type_name.endswith("_K") else 576
     (w,) = BlockWeight.for_native([BlockWeight.from_gguf(type_name, random_gguf_blocks(type_name, 37, k), (37, k))])
     code = w.type_code

@@ -659,10 +659,52 @@ void dequantize_groups_q4_k_bf16(const uint8_t* w, int64_t row_bytes, int64_t r0
       }
   });
 }
+
+// Q6_K rows [r0, r1) (plain rows: its weights are not grouped) as bfloat16, dequantize_row's
+// operations (d * sc, then times q - 32) on sixteen values at a time: the scalar loop made the
+// bfloat16 GEMM lose to the integer dots below 512 rows (a 1B model's 2048 x 8192 down
+// projection: 5.5 ms at 128 rows against 2.5).
+void dequantize_rows_q6_k_bf16(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, int64_t k,
+                               c10::BFloat16* out) {
+  const int64_t nb = k / QK_K;
+  at::parallel_for(r0, r1, 4, [&](int64_t b0, int64_t b1) {
+    const __m128i low4 = _mm_set1_epi8(0x0F), low2 = _mm_set1_epi8(0x03);
+    const __m512i bias = _mm512_set1_epi32(32);
+    auto put = [&](c10::BFloat16* y, float ds, __m128i q) {  // y[0..15] = ds * (q - 32)
+      const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(q), bias));
+      store16_bf16(y, _mm512_mul_ps(_mm512_set1_ps(ds), v));
+    };
+    for (int64_t r = b0; r < b1; ++r)
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = w + r * row_bytes + b * 210;
+        const uint8_t *ql = blk, *qh = blk + 128;
+        const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+        const float d = f16(blk + 208);
+        c10::BFloat16* yb = out + (r - r0) * k + b * QK_K;
+        for (int h = 0; h < 2; ++h)
+          for (int c = 0; c < 2; ++c) {  // l = 16c .. 16c + 15
+            const __m128i L0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + 64 * h + 16 * c));
+            const __m128i L1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + 64 * h + 32 + 16 * c));
+            const __m128i H = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + 32 * h + 16 * c));
+            const int is = 8 * h + c;
+            const __m128i h0 = _mm_slli_epi16(_mm_and_si128(H, low2), 4);
+            const __m128i h1 = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(H, 2), low2), 4);
+            const __m128i h2 = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(H, 4), low2), 4);
+            const __m128i h3 = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(H, 6), low2), 4);
+            c10::BFloat16* y = yb + 128 * h + 16 * c;
+            put(y, d * sc[is], _mm_or_si128(_mm_and_si128(L0, low4), h0));
+            put(y + 32, d * sc[is + 2], _mm_or_si128(_mm_and_si128(L1, low4), h1));
+            put(y + 64, d * sc[is + 4], _mm_or_si128(_mm_and_si128(_mm_srli_epi16(L0, 4), low4), h2));
+            put(y + 96, d * sc[is + 6], _mm_or_si128(_mm_and_si128(_mm_srli_epi16(L1, 4), low4), h3));
+          }
+      }
+  });
+}
 #else
 constexpr bool FAST_GROUP_DEQUANT = false;
 void dequantize_groups_bf16(const uint8_t*, int64_t, int64_t, int64_t, int64_t, int64_t, c10::BFloat16*) {}
 void dequantize_groups_q4_k_bf16(const uint8_t*, int64_t, int64_t, int64_t, int64_t, c10::BFloat16*) {}
+void dequantize_rows_q6_k_bf16(const uint8_t*, int64_t, int64_t, int64_t, int64_t, c10::BFloat16*) {}
 #endif
 
 // Rows `ids` (all when absent) of a block weight [n, k] as float32, or bfloat16 when `bf16`.
@@ -689,6 +731,9 @@ Tensor block_dequantize(Tensor blocks, int64_t type, int64_t k, c10::optional<Te
   } else if (FAST_GROUP_DEQUANT && bf16 && id == nullptr && type == (Q4_K | X8)) {
     first = n / 8 * 8;
     dequantize_groups_q4_k_bf16(w, row_bytes, 0, first, k, out.data_ptr<c10::BFloat16>());
+  } else if (FAST_GROUP_DEQUANT && bf16 && id == nullptr && type == Q6_K) {
+    first = n;
+    dequantize_rows_q6_k_bf16(w, row_bytes, 0, n, k, out.data_ptr<c10::BFloat16>());
   }
   at::parallel_for(first, rows, 4, [&](int64_t b, int64_t e) {
     std::vector<uint8_t> scratch(row_bytes);  // a row taken out of its group of eight
