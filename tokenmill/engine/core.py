@@ -449,7 +449,7 @@ class EngineCore:
 
     def lora_hash_root(self, name: str) -> bytes | None:
         """The root of an adapter's block-hash chain (None: the base model's), for a
-        router hashing prompts as this engine does (``routing.prompt_block_hashes``)."""
+        router hashing prompts as this engine does (``replicas/replica_router.prompt_block_hashes``)."""
         info = self.loras.get(name)
         return None if info is None else b"lora:%d" % info.id
 
