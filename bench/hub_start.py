@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,13 +30,8 @@ sys.path.insert(0, str(ROOT))
 
 from tests.hub_standin import HubStandIn  # noqa: E402
 from tokenmill.kernels.cpu import cpu_info  # noqa: E402
+from tokenmill.loadgen.server_process import free_port  # noqa: E402
 from tokenmill.model.paths import default_model_path  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tree(pid: int) -> list[int]:

@@ -18,7 +18,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 import httpx
 
 from tokenmill.kernels.cpu import cpu_info
+from tokenmill.loadgen.server_process import free_port
 
 RESULTS = Path(__file__).parent / "results"
 PROMPTS = [
@@ -37,12 +37,6 @@ PROMPTS = [
     "Explain in three sentences why {} matters.",
 ]
 TOPICS = ["Paris", "the sea", "bread", "mountains", "trains", "bees", "rain", "the moon"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(port: int) -> subprocess.Popen:

@@ -19,7 +19,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,14 +28,9 @@ from pathlib import Path
 import httpx
 
 from tokenmill.kernels.cpu import cpu_info
+from tokenmill.loadgen.server_process import free_port
 
 RESULTS = Path(__file__).parent / "results"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def workload(n: int, seed: int = 0) -> list[str]:

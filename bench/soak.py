@@ -40,7 +40,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -49,6 +48,8 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
+
+from tokenmill.loadgen.server_process import free_port
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
@@ -79,12 +80,6 @@ async def read_stream(client, path: str, body: dict, row: dict, start: float) ->
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(url: str, seconds: float = 120) -> None:

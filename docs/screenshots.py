@@ -18,7 +18,6 @@ import argparse
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +26,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+
+from tokenmill.loadgen.server_process import free_port
 
 DESKTOP = (1280, 860)
 PHONE = (390, 844)
@@ -110,12 +111,6 @@ def set_field(driver, element_id: str, value) -> None:
         element_id,
         str(value),
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

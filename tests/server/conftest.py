@@ -2,56 +2,22 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
+from tokenmill.loadgen.server_process import ServerProcess
+
 API_KEY = "test-key"
 MODEL = "smollm2"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
+class Server(ServerProcess):
     def __init__(self, *flags: str, one_model: bool = True) -> None:
         """``one_model``: the default model, named MODEL, in float32; else ``flags`` say what to serve."""
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         base = ["--served-model-name", MODEL, "--kv-cache-memory", "384MiB", "--dtype", "float32"] if one_model else []
-        cmd = [
-            sys.executable,
-            "-m",
-            "tokenmill",
-            "serve",
-            "--port",
-            str(self.port),
-            *base,
-            *flags,
-        ]  # (8,192-token context; float32: batch-invariant)
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
-        )
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited early: {self.proc.stderr.read()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        self.stop()
-        raise RuntimeError("server did not come up in 120 s")
+        super().__init__([*base, *flags], timeout=120)  # (8,192-token context; float32: batch-invariant)
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of the samples of metric `name` whose labels include `labels`."""
@@ -65,16 +31,6 @@ class Server:
         if not found:
             raise KeyError(name)
         return total
-
-    def stop(self, timeout: float = 30) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.helpers import wait_until
-from tests.server.conftest import free_port
+from tokenmill.loadgen.server_process import free_port
 
 STUB = r"""
 import json, sys, uvicorn

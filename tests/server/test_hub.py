@@ -22,7 +22,7 @@ import torch
 
 from tests.helpers import gguf_tokenizer_metadata, make_tiny_llama, write_adapter, write_tiny_llama_gguf
 from tests.hub_standin import GOOD_TOKEN, HubStandIn
-from tests.server.conftest import free_port
+from tokenmill.loadgen.server_process import free_port
 from tokenmill.model.hf_export import write_tokenizer
 from tokenmill.model.paths import default_model_path
 from tokenmill.model.tokenizer import load_tokenizer

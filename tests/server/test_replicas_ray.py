@@ -217,7 +217,7 @@ def test_serve_run_of_the_deploy_config_serves_our_api_from_two_replicas(tmp_pat
 
     import yaml
 
-    from tests.server.conftest import free_port
+    from tokenmill.loadgen.server_process import free_port
 
     config = yaml.safe_load(open(Path(__file__).parents[2] / "deploy" / "ray-serve.yaml"))
     port = free_port()

@@ -6,13 +6,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import os
 import random
-import subprocess
 import sys
 import time
 
-from tokenmill.lifetime import EXIT_WITH_PARENT_ENV
+from tokenmill.loadgen.server_process import ServerProcess
 from tokenmill.tune.search import climb, validate
 from tokenmill.tune.slo import RUN_TIMEOUT_FACTOR, Slo, Trial, candidates_of, doomed, requests_for
 
@@ -20,49 +18,6 @@ VALIDATION_SEED = 7919  # added to --seed per validation set: its arrival times 
 
 
 SERVER_START_S = 30  # what starting a server and warming it takes, for the time budget's reserve
-
-
-class ServerProcess:
-    """`tokenmill serve` with a candidate's flags, on a free port, stopped on exit (and when
-    this process ends: it is started as our child, the server ends with its parent)."""
-
-    def __init__(self, flags: list[str], timeout: float = 300) -> None:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "tokenmill", "serve", "--port", str(self.port), *flags]
-        self.log = open(os.devnull, "w")  # noqa: SIM115 - closed in stop()
-        env = {**os.environ, EXIT_WITH_PARENT_ENV: str(os.getpid())}
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.PIPE, text=True, env=env)
-        self._wait(timeout)
-
-    def _wait(self, timeout: float) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited: {self.proc.stderr.read()[-2000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        self.stop()
-        raise RuntimeError(f"the server did not answer /health in {timeout:.0f} s")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
 
 
 async def load_until_broken(
