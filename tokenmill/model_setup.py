@@ -79,7 +79,7 @@ def prepare_model(
             upcast_rows() if sixteen else None,
             prepacked() if sixteen else False,
             gemm_rows,
-            f16_split_rows() if halves else None,
+            f16_split_rows() if halves else (None, None),
             one_stream,
         )
         # steps that many rows and more multiply some blocks in the dequantised GEMM: their numbers

@@ -465,21 +465,44 @@ def test_float16_weights_split_into_bfloat16_halves_multiply_the_float16_weight_
         torch.testing.assert_close(out.double(), exact, rtol=8e-3, atol=2e-2)
 
 
-def test_float16_weights_are_split_only_where_memory_allows(monkeypatch):
+def test_float16_halves_are_kept_only_where_memory_allows_else_made_per_call(monkeypatch):
     from tests.helpers import tiny_model
     from tokenmill.kernels import linear as native_linear
-    from tokenmill.kernels.linear import NativeLinear, split_linear
+    from tokenmill.kernels.linear import NativeLinear, split_linear, split_linear_slabs
 
-    for free, expect_split in ((64 << 30, True), (1 << 10, False)):
+    for free, kept in ((64 << 30, True), (1 << 10, False)):
         monkeypatch.setattr(native_linear, "available_memory", lambda free=free: free)
         model = tiny_model(3).half()
-        native_linear.use_native_linears(model, None, f16_split_rows=16)
+        native_linear.use_native_linears(model, None, f16_split_rows=(16, 24))
         layers = [m for m in model.modules() if isinstance(m, NativeLinear)]
-        assert layers and all((m.split is not None) == expect_split for m in layers)
-        for m in layers:  # 20 rows: past the split row count, on the halves where they were made
+        assert layers and all((m.split is not None) == kept for m in layers)
+        assert all(m.split_rows == (16 if kept else 24) for m in layers)
+        for m in layers:  # 20 rows: the kept halves' GEMM, or (below 24) the tiles; 30: the halves either way
             x = torch.randn(20, m.in_features).bfloat16()
-            want = split_linear(x, m.split) if expect_split else torch.ops.tokenmill.tile_gemm(x.float(), m.weight)
+            want = split_linear(x, m.split) if kept else torch.ops.tokenmill.tile_gemm(x.float(), m.weight)
             assert torch.equal(m(x), want.bfloat16())
+            x = torch.randn(30, m.in_features).bfloat16()
+            assert torch.equal(m(x), split_linear(x, m.split) if kept else split_linear_slabs(x, m.weight))
+
+
+@pytest.mark.parametrize("n", [40, 3000])
+def test_float16_halves_made_per_call_are_the_kept_halves_product(n, monkeypatch):
+    """The one-pass C++ halves are split_float16's bit for bit, and the per-call product slab by slab
+    (SLAB_BYTES made small: several slabs) multiplies the same float16 weight: within one bfloat16
+    rounding of the kept halves' product, as near the exact product."""
+    from tokenmill.kernels import linear as native_linear
+    from tokenmill.kernels.linear import split_float16, split_linear, split_linear_slabs
+
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(n, 200, generator=g).half()
+    w[0, :4] = torch.tensor([65504.0, 6.1e-5, 5.96e-8, -3.0e-7]).half()
+    assert torch.equal(torch.ops.tokenmill.float16_halves(w).view(torch.int16), split_float16(w).view(torch.int16))
+    monkeypatch.setattr(native_linear, "SLAB_BYTES", 64 * 1024)
+    x = torch.randn(33, 200, generator=g).bfloat16()
+    exact = torch.nn.functional.linear(x.double(), w.double())
+    slabs, kept = split_linear_slabs(x, w), split_linear(x, split_float16(w))
+    torch.testing.assert_close(slabs.double(), exact, rtol=8e-3, atol=2e-2)
+    assert (slabs.double() - exact).abs().mean() <= 1.05 * (kept.double() - exact).abs().mean()
 
 
 def test_gemm_tiles_are_as_close_to_the_exact_product_as_torchs_gemm():

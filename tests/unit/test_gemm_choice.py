@@ -174,30 +174,33 @@ def test_the_probe_blocks_hold_finite_weights(type_name):
 def test_the_float16_split_is_probed_once_kept_and_overridden(cache_home, monkeypatch):
     probed = []
     monkeypatch.setattr(gemm_choice, "probe", lambda: {"upcast_rows": None, "prepacked": True, "ms": {}})
-    monkeypatch.setattr(gemm_choice, "probe_f16_split", lambda packed: probed.append(packed) or {"rows": 64, "ms": {}})
+    answer = {"rows": 64, "per_call_rows": 128, "ms": {}}
+    monkeypatch.setattr(gemm_choice, "probe_f16_split", lambda packed: probed.append(packed) or answer)
     monkeypatch.delenv("TOKENMILL_F16_SPLIT_ROWS", raising=False)
-    assert gemm_choice.f16_split_rows() == 64 and gemm_choice.f16_split_rows() == 64
+    assert gemm_choice.f16_split_rows() == (64, 128) and gemm_choice.f16_split_rows() == (64, 128)
     assert len(probed) == 1
     kept = json.loads((cache_home / "tokenmill" / "gemm_choice.json").read_text())[gemm_choice.machine_key()]
     assert kept["f16_split"]["rows"] == 64 and kept["prepacked"]  # the earlier answers kept too
     monkeypatch.setattr(gemm_choice, "build_name", lambda: "another build")  # new kernels: measured again
-    assert gemm_choice.f16_split_rows() == 64 and len(probed) == 2
+    assert gemm_choice.f16_split_rows() == (64, 128) and len(probed) == 2
     monkeypatch.setenv("TOKENMILL_F16_SPLIT_ROWS", "never")
-    assert gemm_choice.f16_split_rows() is None
+    assert gemm_choice.f16_split_rows() == (None, None)
     monkeypatch.setenv("TOKENMILL_F16_SPLIT_ROWS", "48")
-    assert gemm_choice.f16_split_rows() == 48 and len(probed) == 2
+    assert gemm_choice.f16_split_rows() == (48, 48) and len(probed) == 2
 
 
 def test_the_float16_split_probe_picks_the_smallest_batch_from_which_the_halves_always_win(monkeypatch):
-    """(float32 tiles, bfloat16 halves) ms stood in at each probed batch."""
-    for table, want in (
-        ({32: (1.0, 1.2), 64: (2.0, 1.5), 128: (4.0, 4.0), 256: (8.0, 6.0), 512: (16.0, 9.0)}, 256),
-        ({32: (1.0, 0.5), 64: (2.0, 1.0), 128: (4.0, 2.0), 256: (8.0, 4.0), 512: (16.0, 8.0)}, 32),
-        ({32: (1.0, 3.0), 64: (2.0, 3.0), 128: (4.0, 5.0), 256: (8.0, 7.7), 512: (16.0, 15.5)}, None),
+    """(float32 tiles, halves kept, halves made per call) ms stood in at each probed batch; each
+    way of the halves judged against the tiles."""
+    for table, kept, per_call in (
+        ({32: (1, 1.2, 3), 64: (2, 1.5, 3), 128: (4, 4, 3), 256: (8, 6, 5), 512: (16, 9, 10)}, 256, 128),
+        ({32: (1, 0.5, 1), 64: (2, 1, 1.5), 128: (4, 2, 3), 256: (8, 4, 5), 512: (16, 8, 9)}, 32, 64),
+        ({32: (1, 3, 3), 64: (2, 3, 3), 128: (4, 5, 5), 256: (8, 7.7, 8), 512: (16, 15.5, 16)}, None, None),
     ):
         seen = iter(table[rows] for rows in gemm_choice.PROBE_ROWS)
         monkeypatch.setattr(gemm_choice, "best_ms_each", lambda calls, seen=seen: list(next(seen)))
-        assert gemm_choice.probe_f16_split(False)["rows"] == want
+        answer = gemm_choice.probe_f16_split(False)
+        assert (answer["rows"], answer["per_call_rows"]) == (kept, per_call)
 
 
 def test_the_one_row_choice_is_probed_per_dtype_kept_and_overridden(cache_home, monkeypatch):

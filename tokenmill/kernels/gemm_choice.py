@@ -59,6 +59,7 @@ from tokenmill.kernels.linear import (
     packing_available,
     split_float16,
     split_linear,
+    split_linear_slabs,
     upcast_linear,
 )
 from tokenmill.kernels.native import build_name
@@ -120,18 +121,20 @@ def block_gemm_rows(type_name: str) -> int | None:
     return blocks[type_name]["gemm_rows"]
 
 
-def f16_split_rows() -> int | None:
+def f16_split_rows() -> tuple[int | None, int | None]:
     """From how many rows a bfloat16 batch multiplies a float16 weight as two bfloat16 halves in
-    the GEMM rather than in the float32 tiles, on this machine (None: never)."""
+    the GEMM rather than in the float32 tiles, on this machine: with the halves kept, and with them
+    made per call (None: never)."""
     forced = os.environ.get("TOKENMILL_F16_SPLIT_ROWS")
     if forced:
-        return None if forced.lower() == "never" else int(forced)
+        rows = None if forced.lower() == "never" else int(forced)
+        return rows, rows
     answers, build = measured(), build_name()
     split = answers.get("f16_split")
-    if not (isinstance(split, dict) and split.get("build") == build and "rows" in split):
+    if not (isinstance(split, dict) and split.get("build") == build and "per_call_rows" in split):
         split = {**probe_f16_split(bool(answers.get("prepacked")) and packing_available()), "build": build}
         keep({**answers, "f16_split": split})
-    return split["rows"]
+    return split["rows"], split["per_call_rows"]
 
 
 def one_row_stream(weight: torch.dtype, act: torch.dtype) -> bool:
@@ -270,9 +273,10 @@ def probe_blocks(type_name: str) -> dict:
 
 
 def probe_f16_split(packed: bool) -> dict:
-    """Time a bfloat16 batch against a float16 weight of PROBE_SHAPE on the float32 tiles and as
-    bfloat16 halves in the GEMM (``packed``: in oneDNN's layout, as the model's would be) at
-    PROBE_ROWS; the smallest batch from which the halves win at every size probed, and the timings."""
+    """Time a bfloat16 batch against a float16 weight of PROBE_SHAPE on the float32 tiles, as
+    bfloat16 halves kept (``packed``: in oneDNN's layout, as the model's would be) and as halves
+    made per call, in the GEMM, at PROBE_ROWS; for each way of the halves the smallest batch from
+    which they win at every size probed, and the timings."""
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(*PROBE_SHAPE, generator=g).half()
     split = split_float16(weight, packed)
@@ -283,17 +287,30 @@ def probe_f16_split(packed: bool) -> dict:
             [
                 lambda x=x: torch.ops.tokenmill.tile_gemm(x.float(), weight).bfloat16(),
                 lambda x=x: split_linear(x, split),
+                lambda x=x: split_linear_slabs(x, weight),
             ]
         )
-    chosen = None
-    for rows in reversed(PROBE_ROWS):
-        tiles, halves = timings[rows]
-        if halves > WIN * tiles:
-            break
-        chosen = rows
-    ms = {str(r): {"float32 tiles": round(a, 3), "bfloat16 halves": round(b, 3)} for r, (a, b) in timings.items()}
-    log.info("tokenmill: float16 weights probe: bfloat16 halves from %s rows; ms %s", chosen, ms)
-    return {"rows": chosen, "ms": ms}
+
+    def smallest_winning(way: int) -> int | None:
+        chosen = None
+        for rows in reversed(PROBE_ROWS):
+            if timings[rows][way] > WIN * timings[rows][0]:
+                break
+            chosen = rows
+        return chosen
+
+    ms = {
+        str(r): {"float32 tiles": round(a, 3), "halves kept": round(b, 3), "halves per call": round(c, 3)}
+        for r, (a, b, c) in timings.items()
+    }
+    kept, per_call = smallest_winning(1), smallest_winning(2)
+    log.info(
+        "tokenmill: float16 weights probe: bfloat16 halves from %s rows, made per call from %s; ms %s",
+        kept,
+        per_call,
+        ms,
+    )
+    return {"rows": kept, "per_call_rows": per_call, "ms": ms}
 
 
 ONE_ROW_PROBE_BYTES = 256 << 20  # past a last-level cache (an AMX Xeon's is 300 MB, shared): read from memory

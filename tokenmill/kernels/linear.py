@@ -64,7 +64,8 @@ class NativeLinear(nn.Module):
         self.upcast_rows = upcast_rows  # bfloat16 batches this big multiply in float32 (None: never)
         self.packed = packed  # the weight in oneDNN's layout (pack()), for bfloat16 batches; None: the plain GEMM
         # a float16 weight as two bfloat16 halves (split_float16), multiplied in the bfloat16 GEMM by
-        # batches of split_rows and more (None: the float32 tiles at every size)
+        # bfloat16 batches of split_rows and more (None: the float32 tiles at every size); the halves
+        # kept (split), or made per call where memory would not hold them (split None)
         self.split, self.split_rows = split, split_rows
         # one activation row: a single stream through the weight (True), or the tiles' four side by side
         # (the same outputs; which streams faster is the machine's answer, gemm_choice.one_row_stream)
@@ -77,8 +78,8 @@ class NativeLinear(nn.Module):
         sixteen = self.weight.dtype in (torch.float16, torch.bfloat16)  # a GGUF's F16/BF16 kept as stored
         if rows <= FLOAT_ROWS and (same or sixteen) and flat.dtype in (torch.float32, torch.bfloat16):
             out = torch.ops.tokenmill.small_linear(flat, self.weight, None, self.one_stream)
-        elif self.split is not None and rows >= self.split_rows and flat.dtype == torch.bfloat16:
-            out = split_linear(flat, self.split)
+        elif self.split_rows is not None and rows >= self.split_rows and flat.dtype == torch.bfloat16:
+            out = split_linear(flat, self.split) if self.split is not None else split_linear_slabs(flat, self.weight)
         elif self.tiles and flat.dtype == torch.float32 and (sixteen or rows <= TILE_ROWS):
             out = torch.ops.tokenmill.tile_gemm(flat, self.weight)
         elif self.tiles and sixteen and not same and flat.dtype == torch.bfloat16:
@@ -130,6 +131,20 @@ def split_linear(x: torch.Tensor, split: torch.Tensor) -> torch.Tensor:
     return packed_linear(both, split) if split.is_mkldnn else nn.functional.linear(both, split)
 
 
+def split_linear_slabs(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``split_linear`` for a float16 weight whose halves are not kept: made per call, SLAB_BYTES of
+    them at a time (csrc/gemm.cpp's float16_halves, one pass), each slab's GEMM into its columns."""
+    n, k = weight.shape
+    step = max(16, SLAB_BYTES // (4 * k))
+    both = torch.cat([x, x], dim=1)
+    if step >= n:
+        return nn.functional.linear(both, torch.ops.tokenmill.float16_halves(weight))
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    for r0 in range(0, n, step):
+        out[:, r0 : r0 + step] = nn.functional.linear(both, torch.ops.tokenmill.float16_halves(weight[r0 : r0 + step]))
+    return out
+
+
 def packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
@@ -149,7 +164,7 @@ def use_native_linears(
     upcast: int | None = None,
     prepack: bool = False,
     block_gemm_rows: dict[str, int | None] | None = None,
-    f16_split_rows: int | None = None,
+    f16_split_rows: tuple[int | None, int | None] = (None, None),
     one_stream: bool = True,
 ) -> None:
     """Swap the decoder's float linears (and the LM head, sharing a tied embedding's
@@ -159,8 +174,9 @@ def use_native_linears(
     weights also packed in oneDNN's layout (gemm_choice.prepacked), where memory allows;
     ``block_gemm_rows``: per GGUF block type, from how many rows a bfloat16 batch dequantises
     the blocks into the GEMM (gemm_choice.block_gemm_rows; absent: never); ``f16_split_rows``: from
-    how many rows a bfloat16 batch multiplies a float16 weight as two bfloat16 halves in the GEMM
-    (gemm_choice.f16_split_rows; None: never), where memory allows; ``one_stream``: a single row
+    how many rows a bfloat16 batch multiplies a float16 weight as two bfloat16 halves in the GEMM,
+    the halves kept where memory allows, and where they are made per call (gemm_choice.f16_split_rows;
+    None: never); ``one_stream``: a single row
     reads each weight in one stream (gemm_choice.one_row_stream), else four rows side by side."""
     if next(model.parameters()).device.type != "cpu":
         return
@@ -187,22 +203,26 @@ def use_native_linears(
             m.one_stream = one_stream
     if prepack:
         pack_bfloat16_weights(model)
-    if f16_split_rows is not None:
-        split_float16_weights(model, f16_split_rows, packed=prepack and packing_available())
+    if f16_split_rows != (None, None):
+        split_float16_weights(model, *f16_split_rows, packed=prepack and packing_available())
     model.reset_fused_plan()
 
 
-def split_float16_weights(model: nn.Module, rows: int, packed: bool) -> None:
+def split_float16_weights(model: nn.Module, kept_rows: int | None, per_call_rows: int | None, packed: bool) -> None:
     """Give the model's float16 NativeLinears their bfloat16 halves (split_float16) for batches of
-    ``rows`` and more, where those copies (4 bytes a weight) take at most PACKED_MEMORY_SHARE of the
-    memory free now."""
+    ``kept_rows`` and more, where those copies (4 bytes a weight) take at most PACKED_MEMORY_SHARE of
+    the memory free now; else the halves are made per call (split_linear_slabs), from ``per_call_rows``."""
     layers = [m for m in model.modules() if isinstance(m, NativeLinear) and m.weight.dtype == torch.float16]
     total = sum(2 * m.weight.numel() * torch.bfloat16.itemsize for m in layers)
-    if total > PACKED_MEMORY_SHARE * available_memory():
-        log.info("tokenmill: float16 weights not split for the bfloat16 GEMM (%.1f GB)", total / 1e9)
-        return
+    keep = kept_rows is not None and total <= PACKED_MEMORY_SHARE * available_memory()
+    if not keep:
+        log.info(
+            "tokenmill: float16 weights' bfloat16 halves made per call, from %s rows (kept: %.1f GB)",
+            per_call_rows,
+            total / 1e9,
+        )
     for m in layers:
-        m.split, m.split_rows = split_float16(m.weight, packed), rows
+        m.split, m.split_rows = (split_float16(m.weight, packed), kept_rows) if keep else (None, per_call_rows)
 
 
 def pack_bfloat16_weights(model: nn.Module) -> None:

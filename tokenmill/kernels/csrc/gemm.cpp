@@ -232,8 +232,50 @@ Tensor tile_gemm(Tensor x, Tensor w) {
   return y;
 }
 
+// A float16 weight w [n, k] as bfloat16 [n, 2k]: each row's values rounded to the nearest
+// bfloat16, then what that leaves over (exact: float16's 11 significant bits are bfloat16's 8 and a
+// remainder of at most 4), kernels/linear.py's split_float16 in one pass, for weights whose halves
+// are made per call (a 1B model's do not fit beside it): sixteen values at a time on AVX-512 with
+// bfloat16 conversions (the same rounding to nearest even as torch's), one at a time elsewhere.
+Tensor float16_halves(Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kHalf && w.is_contiguous(),
+              "float16_halves: w must be a contiguous float16 [n, k]");
+  const int64_t n = w.size(0), k = w.size(1);
+  Tensor out = at::empty({n, 2 * k}, w.options().dtype(at::kBFloat16));
+  const c10::Half* src = w.data_ptr<c10::Half>();
+  c10::BFloat16* dst = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const c10::Half* a = src + r * k;
+      c10::BFloat16 *hi = dst + r * 2 * k, *lo = hi + k;
+      int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+      for (; i + 16 <= k; i += 16) {
+        const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + i)));
+        const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+        const __m512 hv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + i), h);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + i), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, hv)));
+      }
+#endif
+      for (; i < k; ++i) {
+        const float v = static_cast<float>(a[i]);
+        hi[i] = c10::BFloat16(v);
+        lo[i] = c10::BFloat16(v - static_cast<float>(hi[i]));
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(tokenmill, m) { m.def("tile_gemm(Tensor x, Tensor w) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
+  m.def("tile_gemm(Tensor x, Tensor w) -> Tensor");
+  m.def("float16_halves(Tensor w) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("tile_gemm", &tile_gemm); }
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
+  m.impl("tile_gemm", &tile_gemm);
+  m.impl("float16_halves", &float16_halves);
+}
