@@ -182,3 +182,25 @@ def test_the_runner_is_sent_deltas_only():
         sizes.append(sum(len(c.new_block_ids) for c in out.model_input.cached_requests))
         s.update_from_output(out, ModelOutput(sampled={"a": [SampledToken(1)]}))
     assert max(sizes) == 1 and sum(sizes) == 3  # one new block id every BS tokens
+
+
+def test_a_prompt_whose_next_block_another_computes_this_step_waits_a_step_and_then_hits_the_cache():
+    """Two prompts sharing 16 tokens (4 blocks) arrive together: the second is not admitted beside
+    the first (it would compute the same blocks again), but next step, with those 4 blocks cached;
+    a prompt sharing nothing is admitted beside the first all the same. Without caching nobody waits."""
+    shared = [(5 * i + 3) % 50 for i in range(16)]
+    for caching in (True, False):
+        s = make(budget=64, caching=caching)
+        a = Request("a", shared + [1, 2], SamplingParams(max_tokens=5, temperature=0))
+        b = Request("b", shared + [3, 4, 5], SamplingParams(max_tokens=5, temperature=0))
+        c = Request("c", [9, 8, 7, 6, 5, 4, 3, 2, 1], SamplingParams(max_tokens=5, temperature=0))
+        for r in (a, b, c):
+            s.add(r)
+        first = step(s)
+        if not caching:
+            assert ids(first) == ["a", "b", "c"]
+            continue
+        assert ids(first) == ["a", "c"] and list(s.waiting) == [b]
+        second = step(s)
+        assert "b" in ids(second) and b.num_cached_prompt_tokens == 16
+        assert [x.num_new_tokens for x in second.seqs if x.request is b] == [3]

@@ -63,6 +63,10 @@ class KVCacheManager:
                 req.block_hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))
         return req.block_hashes[:num_blocks]
 
+    def block_hashes(self, req: Request, first: int, end: int) -> list[bytes]:
+        """Hashes of the request's full blocks [first, end) (computed once, kept)."""
+        return self._hashes(req, end)[first:end]
+
     def find_cached_prefix(self, req: Request) -> list[int]:
         """Cached blocks covering the longest run of full blocks of the request's tokens.
 
