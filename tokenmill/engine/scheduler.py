@@ -250,7 +250,7 @@ class Scheduler:
                 )
                 num_computed = req.num_computed_tokens + len(cached) * self.kv.block_size
                 nxt = num_computed // self.kv.block_size
-                if pending and (nxt + 1) * self.kv.block_size < req.num_tokens:
+                if pending and not req.computes_whole_prompt and (nxt + 1) * self.kv.block_size < req.num_tokens:
                     if self.kv.block_hashes(req, nxt, nxt + 1)[0] in pending:
                         skipped.append(req)  # another sequence computes its next block now: cached next step
                         continue
