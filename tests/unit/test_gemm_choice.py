@@ -180,7 +180,7 @@ def test_the_float16_split_is_probed_once_kept_and_overridden(cache_home, monkey
     assert gemm_choice.f16_split_rows() == (64, 128) and gemm_choice.f16_split_rows() == (64, 128)
     assert len(probed) == 1
     kept = json.loads((cache_home / "tokenmill" / "gemm_choice.json").read_text())[gemm_choice.machine_key()]
-    assert kept["f16_split"]["rows"] == 64 and kept["prepacked"]  # the earlier answers kept too
+    assert kept["f16_split"]["float16 x bfloat16"]["rows"] == 64 and kept["prepacked"]  # the earlier answers kept too
     monkeypatch.setattr(gemm_choice, "build_name", lambda: "another build")  # new kernels: measured again
     assert gemm_choice.f16_split_rows() == (64, 128) and len(probed) == 2
     monkeypatch.setenv("TOKENMILL_F16_SPLIT_ROWS", "never")

@@ -55,17 +55,17 @@ class KVCacheManager:
 
     def _hashes(self, req: Request, num_blocks: int) -> list[bytes]:
         """Hashes of the request's first num_blocks full blocks (computed once, kept)."""
-        if len(req.block_hashes) < num_blocks:
-            tokens = req.all_token_ids
-            bs = self.block_size
-            for i in range(len(req.block_hashes), num_blocks):
-                parent = req.block_hashes[-1] if req.block_hashes else req.hash_root
-                req.block_hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))
-        return req.block_hashes[:num_blocks]
+        return self.block_hashes(req, 0, num_blocks)
 
     def block_hashes(self, req: Request, first: int, end: int) -> list[bytes]:
         """Hashes of the request's full blocks [first, end) (computed once, kept)."""
-        return self._hashes(req, end)[first:end]
+        if len(req.block_hashes) < end:
+            tokens = req.all_token_ids
+            bs = self.block_size
+            for i in range(len(req.block_hashes), end):
+                parent = req.block_hashes[-1] if req.block_hashes else req.hash_root
+                req.block_hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))
+        return req.block_hashes[first:end]
 
     def find_cached_prefix(self, req: Request) -> list[int]:
         """Cached blocks covering the longest run of full blocks of the request's tokens.

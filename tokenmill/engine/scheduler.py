@@ -213,21 +213,23 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _computed_this_step(self, out: SchedulerOutput) -> set[bytes]:
-        """Hashes of the full blocks the step's sequences so far compute (with prefix caching)."""
-        if not self.kv.pool.enable_caching:
-            return set()
-        bs, pending = self.kv.block_size, set()
-        for s in out.seqs:
-            req = s.request
-            first, end = req.num_computed_tokens // bs, (req.num_computed_tokens + s.num_new_tokens) // bs
-            pending.update(self.kv.block_hashes(req, first, min(end, req.num_tokens // bs)))
-        return pending
+    def _prompt_blocks_computed(self, req: Request, num_new: int) -> list[bytes]:
+        """Hashes of the full prompt blocks that ``num_new`` more tokens of ``req`` compute (with
+        prefix caching; none for a decode)."""
+        if not self.kv.pool.enable_caching or req.num_computed_tokens >= len(req.prompt_token_ids):
+            return []
+        bs = self.kv.block_size
+        end = min((req.num_computed_tokens + num_new) // bs, len(req.prompt_token_ids) // bs)
+        return self.kv.block_hashes(req, req.num_computed_tokens // bs, end)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, shares: TokenShares) -> None:
         skipped: list[Request] = []
         adapters = {r.lora_name for r in self.running if r.lora_name is not None}
-        pending = self._computed_this_step(out) if self.waiting else set()
+        pending = (
+            {h for s in out.seqs for h in self._prompt_blocks_computed(s.request, s.num_new_tokens)}
+            if self.waiting
+            else set()
+        )
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.popleft()
             if req.lora_name is not None and req.lora_name not in adapters and len(adapters) >= self.max_loras:
@@ -275,10 +277,7 @@ class Scheduler:
             if req.lora_name is not None:
                 adapters.add(req.lora_name)
             out.seqs.append(ScheduledSeq(req, num_new, [], lookahead))
-            if self.kv.pool.enable_caching:
-                bs = self.kv.block_size
-                end = min((req.num_computed_tokens + num_new) // bs, req.num_tokens // bs)
-                pending.update(self.kv.block_hashes(req, req.num_computed_tokens // bs, end))
+            pending.update(self._prompt_blocks_computed(req, num_new))
             shares.take(req.client, num_new)
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))

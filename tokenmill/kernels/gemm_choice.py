@@ -48,6 +48,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -111,14 +112,7 @@ def block_gemm_rows(type_name: str) -> int | None:
     forced = os.environ.get("TOKENMILL_BLOCK_GEMM_ROWS")
     if forced:
         return None if forced.lower() == "never" else int(forced)
-    answers, build = measured(), build_name()
-    blocks = answers.get("blocks") if isinstance(answers.get("blocks"), dict) else {}
-    if answers.get("blocks_build") != build:  # the kernels changed: their answers are measured again
-        blocks = {}
-    if not (isinstance(blocks.get(type_name), dict) and "gemm_rows" in blocks[type_name]):
-        blocks = {**blocks, type_name: probe_blocks(type_name)}
-        keep({**answers, "blocks": blocks, "blocks_build": build})
-    return blocks[type_name]["gemm_rows"]
+    return per_build("blocks", type_name, lambda: probe_blocks(type_name))["gemm_rows"]
 
 
 def f16_split_rows() -> tuple[int | None, int | None]:
@@ -129,11 +123,8 @@ def f16_split_rows() -> tuple[int | None, int | None]:
     if forced:
         rows = None if forced.lower() == "never" else int(forced)
         return rows, rows
-    answers, build = measured(), build_name()
-    split = answers.get("f16_split")
-    if not (isinstance(split, dict) and split.get("build") == build and "per_call_rows" in split):
-        split = {**probe_f16_split(bool(answers.get("prepacked")) and packing_available()), "build": build}
-        keep({**answers, "f16_split": split})
+    packed = bool(measured().get("prepacked")) and packing_available()
+    split = per_build("f16_split", "float16 x bfloat16", lambda: probe_f16_split(packed))
     return split["rows"], split["per_call_rows"]
 
 
@@ -143,15 +134,21 @@ def one_row_stream(weight: torch.dtype, act: torch.dtype) -> bool:
     forced = os.environ.get("TOKENMILL_ONE_ROW")
     if forced:
         return forced.lower() != "tiles"
-    answers, build = measured(), build_name()
     key = f"{str(weight).removeprefix('torch.')} x {str(act).removeprefix('torch.')}"
-    rows = answers.get("one_row")
-    if not (isinstance(rows, dict) and rows.get("build") == build):
-        rows = {"build": build}
-    if not (isinstance(rows.get(key), dict) and "one_stream" in rows[key]):
-        rows = {**rows, key: probe_one_row(weight, act)}
-        keep({**answers, "one_row": rows})
-    return bool(rows[key]["one_stream"])
+    return bool(per_build("one_row", key, lambda: probe_one_row(weight, act))["one_stream"])
+
+
+def per_build(section: str, key: str, probe_now: Callable[[], dict]) -> dict:
+    """This machine's answer ``key`` in ``section``, for the native kernels' build: kept, else
+    ``probe_now()`` and kept beside the rest (a new build measures its sections again)."""
+    answers, build = measured(), build_name()
+    kept = answers.get(section)
+    if not (isinstance(kept, dict) and kept.get("build") == build):
+        kept = {"build": build}
+    if not isinstance(kept.get(key), dict):
+        kept = {**kept, key: probe_now()}
+        keep({**answers, section: kept})
+    return kept[key]
 
 
 def _known() -> dict:

@@ -104,12 +104,18 @@ def upcast_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     float32 copy stays in the last-level cache for the GEMM; no call allocates the whole
     matrix again)."""
     n, k = weight.shape
-    step = max(8, SLAB_BYTES // (4 * k))
+    step = slab_rows(k)
     xt = x.float().t()
     out_t = torch.empty(n, x.shape[0], dtype=torch.float32, device=x.device)
     for r0 in range(0, n, step):
         torch.mm(weight[r0 : r0 + step].float(), xt, out=out_t[r0 : r0 + step])
     return out_t.t().contiguous()
+
+
+def slab_rows(k: int) -> int:
+    """Weight rows of k inputs in a slab of SLAB_BYTES at 4 bytes a weight (a float32 copy, or two
+    bfloat16 halves)."""
+    return max(8, SLAB_BYTES // (4 * k))
 
 
 def split_float16(weight: torch.Tensor, packed: bool = False) -> torch.Tensor:
@@ -135,7 +141,7 @@ def split_linear_slabs(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``split_linear`` for a float16 weight whose halves are not kept: made per call, SLAB_BYTES of
     them at a time (csrc/gemm.cpp's float16_halves, one pass), each slab's GEMM into its columns."""
     n, k = weight.shape
-    step = max(16, SLAB_BYTES // (4 * k))
+    step = slab_rows(k)
     both = torch.cat([x, x], dim=1)
     if step >= n:
         return nn.functional.linear(both, torch.ops.tokenmill.float16_halves(weight))
