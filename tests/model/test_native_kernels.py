@@ -596,6 +596,9 @@ def test_avx2_only_build_matches_the_reference():
         "for dtype in (torch.float32, torch.float16):\n"
         "    t.test_float32_batches_past_the_small_kernel_run_on_the_gemm_tiles_batch_invariant(dtype)\n"
         "t.test_cpp_layer_loop_is_bit_identical_to_the_python_loop('float32', 'auto')\n"
+        "from tokenmill.kernels.linear import split_float16\n"
+        "w = torch.randn(40, 203).half()\n"
+        "assert torch.equal(torch.ops.tokenmill.float16_halves(w).view(torch.int16), split_float16(w).view(torch.int16))\n"
     )
 
 
