@@ -82,8 +82,9 @@ def prepare_model(
             f16_split_rows() if halves else (None, None),
             one_stream,
         )
-        # steps that many rows and more multiply some blocks in the dequantised GEMM: their numbers
-        # depend on the step already, so the attention of their fresh prefills need not be invariant
+        # prompt chunks of that many tokens multiply some blocks in the dequantised GEMM: their
+        # numbers are their own already, so their fresh prefills' attention may take SDPA too
+        # (every shorter sequence keeps the invariant arithmetic, whatever its step holds)
         model.ops.invariant_below = min((r for r in gemm_rows.values() if r is not None), default=None)
         keep_freed_memory()  # this process runs CPU steps: no page faults for their activations
     return model

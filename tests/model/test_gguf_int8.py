@@ -213,6 +213,31 @@ def test_a_quant_linear_gives_each_block_type_its_measured_gemm_rows():
     assert plain.parts[0].gemm_rows == 0
 
 
+def test_only_the_rows_of_long_chunks_take_the_gemm_whatever_else_the_call_holds():
+    """Given the step's long prompt chunks (``long_rows``), a weight multiplies in its GEMM only
+    the chunks of at least its row count; every other row (decodes, short prompts, however many
+    of them share the call) is the integer dots' bits, the same as computed alone."""
+    q4, q6 = blocks("Q4_K", 16, 512)[0], blocks("Q6_K", 8, 512, seed=1)[0]
+    layer = QuantLinear([q4, q6])
+    layer.use_native(True, {"Q6_K": 40, "Q4_K": None})
+    six = layer.parts[1]
+    x = torch.randn(150, 512, generator=torch.Generator().manual_seed(0)).bfloat16()
+    long_rows = ((3, 50), (60, 90), (100, 150))  # chunks of 47, 30 (short for Q6_K) and 50 rows
+    got = layer(x, long_rows=long_rows)
+    gemm = [(3, 50), (100, 150)]
+    for a, b in gemm:
+        assert torch.equal(got[a:b, 16:], torch.ops.tokenmill.block_linear(x[a:b], six.qs, six.type_code, 1)[:])
+        assert not torch.equal(got[a:b, 16:], torch.ops.tokenmill.block_linear(x[a:b], six.qs, six.type_code, 0))
+    for i in (0, 2, 50, 59, 60, 75, 89, 99):  # the dots, as alone
+        assert torch.equal(
+            got[i : i + 1, 16:], torch.ops.tokenmill.block_linear(x[i : i + 1], six.qs, six.type_code, 0)
+        )
+    assert torch.equal(got[:, :16], torch.ops.tokenmill.block_linear(x, q4.qs, q4.type_code, 0))  # Q4_K: never
+    crowd = layer(x, long_rows=())  # 150 rows, no chunk long: every row the dots
+    assert torch.equal(crowd[:, 16:], torch.ops.tokenmill.block_linear(x, six.qs, six.type_code, 0))
+    assert torch.equal(layer(x, long_rows=((0, 150),)), layer(x))  # one chunk: the call's own rule
+
+
 def check_grouped_rows(type_name: str) -> None:
     """Rows interleaved eight by eight (two parts joined, 37 or 9 rows: whole groups and a rest)
     are the parts' bytes, and read back (all rows, some, bfloat16) as gguf's numbers."""
@@ -333,6 +358,35 @@ def test_int8_logits_do_not_depend_on_how_a_prompt_is_cut_into_steps(int8_llm):
     whole = logits(len(ids))
     for step in (37, 64, 1):
         assert torch.equal(logits(step), whole), step
+
+
+def test_a_short_prompts_bfloat16_logits_do_not_depend_on_the_rows_beside_it(monkeypatch):
+    """Where the machine's probe dequantises the blocks into the bfloat16 GEMM (forced here from
+    64 rows), a short prompt's logits are the same bits computed alone, in a step of six other
+    short prompts (140 rows), and beside a 100-token prompt (a long chunk: the GEMM's): the
+    choice is each sequence's, never the step's total rows."""
+    from tests.helpers import seq
+
+    monkeypatch.setenv("TOKENMILL_BLOCK_GEMM_ROWS", "64")
+    llm = LLM(dtype="bfloat16", progress=False, kv_cache_memory="64MiB")
+    assert llm.parts.model.ops.invariant_below == 64
+    text = (Path(__file__).parent.parent / "data" / "heldout.txt").read_text()
+    ids = llm.tokenizer.encode(text)
+    short = [ids[20 * i : 20 * i + 20] for i in range(7)]
+    runner, core = llm.parts.runner, llm.engine.core
+    per_seq = -(-100 // core.block_size)
+
+    def logits(prompts: list[list[int]]) -> torch.Tensor:
+        with core.borrow_blocks(per_seq * len(prompts)) as blocks:
+            seqs = [
+                seq(p, blocks[i * per_seq : (i + 1) * per_seq], request_id=str(i), sample=False)
+                for i, p in enumerate(prompts)
+            ]
+            return runner.all_logits(seqs)[:20]
+
+    alone = logits(short[:1])
+    assert torch.equal(logits(short), alone)
+    assert torch.equal(logits([short[0], ids[200:300]]), alone)
 
 
 def test_int8_decoding_perplexity_stays_within_one_percent_of_float(int8_llm):

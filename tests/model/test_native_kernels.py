@@ -167,22 +167,24 @@ def test_attention_of_a_query_does_not_depend_on_its_step(heads, kv_heads, head_
     assert torch.equal(single[0], together[100])
 
 
-def test_fresh_prefills_take_sdpa_only_in_steps_already_past_the_invariant_rows():
+def test_only_long_fresh_prefills_take_sdpa_and_every_other_sequence_reads_as_in_any_step():
     """Where the machine's probe multiplies GGUF blocks in the dequantised GEMM from some row count
-    (``invariant_below``), steps of that many rows have numbers of their own already: their long
-    fresh prefills take SDPA, as a float model's do. Smaller steps keep every query on the paged
-    kernel, the same bits as with no such row count."""
+    (``invariant_below``), a fresh prompt of that many tokens has numbers of its own already: it
+    takes SDPA, as a float model's does. Every other sequence (a decode, a short prompt) keeps the
+    paged kernel's bits whatever its step holds: a crowd of short prompts as many rows as a long
+    one changes nothing."""
     invariant, sdpa = NativeOps(batch_invariant=True), NativeOps()
     chosen = NativeOps(batch_invariant=True, invariant_below=128)
-    big = batch([(300, 1), (200, 200)], 9, 3, 64, "bfloat16", torch.bfloat16, seed=4)  # 201 rows
-    small = batch([(300, 1), (100, 100)], 9, 3, 64, "bfloat16", torch.bfloat16, seed=4)  # 101 rows
-    q, k, v, cache, meta = big
-    assert torch.equal(chosen.attention(q, k, v, cache, meta, 0.125), sdpa.attention(q, k, v, cache, meta, 0.125))
-    assert not torch.equal(
-        invariant.attention(q, k, v, cache, meta, 0.125)[1:], sdpa.attention(q, k, v, cache, meta, 0.125)[1:]
-    )
-    q, k, v, cache, meta = small
-    assert torch.equal(chosen.attention(q, k, v, cache, meta, 0.125), invariant.attention(q, k, v, cache, meta, 0.125))
+    q, k, v, cache, meta = batch([(300, 1), (200, 200)], 9, 3, 64, "bfloat16", torch.bfloat16, seed=4)
+    got = chosen.attention(q, k, v, cache, meta, 0.125)
+    assert torch.equal(got[1:], sdpa.attention(q, k, v, cache, meta, 0.125)[1:])
+    assert not torch.equal(got[1:], invariant.attention(q, k, v, cache, meta, 0.125)[1:])
+    assert torch.equal(got[:1], invariant.attention(q, k, v, cache, meta, 0.125)[:1])
+    for specs in ([(300, 1), (100, 100)], [(300, 1), *[(60, 60)] * 4]):  # 101 rows; 241 rows, none long
+        q, k, v, cache, meta = batch(specs, 9, 3, 64, "bfloat16", torch.bfloat16, seed=4)
+        assert torch.equal(
+            chosen.attention(q, k, v, cache, meta, 0.125), invariant.attention(q, k, v, cache, meta, 0.125)
+        )
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 128])

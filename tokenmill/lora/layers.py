@@ -130,10 +130,13 @@ class LoRALinear(nn.Module):
             self.lora_b[slot, col : col + r, lo:hi].copy_(b.T)
             self.active[slot] = True
 
-    def forward(self, x: torch.Tensor, m: LoRAMapping | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, m: LoRAMapping | None = None, long_rows: tuple[tuple[int, int], ...] | None = None
+    ) -> torch.Tensor:
         """The base projection plus each row's adapter (``m``: this step's rows per slot,
-        passed down from ``LlamaForCausalLM.forward``; None: the base model only)."""
-        y = self.base(x)
+        passed down from ``LlamaForCausalLM.forward``; None: the base model only). ``long_rows``
+        goes to a base over GGUF blocks (llama.project passes it only to one)."""
+        y = self.base(x) if long_rows is None else self.base(x, long_rows=long_rows)
         if m is None:
             return y
         if m.whole is not None:  # every row, one adapter

@@ -46,10 +46,15 @@ class TensorParallelGroup(Protocol):
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...  # sum over the ranks, in place
 
 
-def project(linear: nn.Module, x: torch.Tensor, lora: LoRAMapping | None) -> torch.Tensor:
+def project(
+    linear: nn.Module, x: torch.Tensor, lora: LoRAMapping | None, long_rows: tuple[tuple[int, int], ...] | None
+) -> torch.Tensor:
     """A projection, with this step's LoRA rows when there are any (then ``linear`` is a
-    LoRALinear: the mapping reaches it as an argument, never as module state)."""
-    return linear(x) if lora is None else linear(x, lora)
+    LoRALinear: the mapping reaches it as an argument, never as module state). ``long_rows``
+    (``TorchOps.long_rows``) reaches a linear over GGUF blocks, its own or a LoRALinear's base."""
+    if long_rows is None or not isinstance(getattr(linear, "base", linear), QuantLinear):
+        return linear(x) if lora is None else linear(x, lora)
+    return linear(x, long_rows=long_rows) if lora is None else linear(x, lora, long_rows=long_rows)
 
 
 class LlamaAttention(nn.Module):
@@ -80,7 +85,8 @@ class LlamaAttention(nn.Module):
         lora: LoRAMapping | None = None,
     ) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = project(self.qkv_proj, x, lora).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        long_rows = ops.long_rows(meta)
+        q, k, v = project(self.qkv_proj, x, lora, long_rows).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
@@ -89,7 +95,7 @@ class LlamaAttention(nn.Module):
             k = ops.rms_norm(k.reshape(-1, self.head_dim), self.k_norm.weight, self.k_norm.eps).view_as(k)
         q, k = ops.rotary_write_kv(q, k, v, positions, rotary, kv_cache, meta.slot_mapping)
         out = ops.attention(q, k, v, kv_cache, meta, self.scale, self.window, self.softcap)
-        out = project(self.o_proj, out.reshape(n, -1), lora)
+        out = project(self.o_proj, out.reshape(n, -1), lora, long_rows)
         return out if tp is None else tp.all_reduce(out)  # row-parallel: partial sums
 
 
@@ -102,15 +108,20 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(
-        self, x: torch.Tensor, ops: TorchOps, tp: TensorParallelGroup | None = None, lora: LoRAMapping | None = None
+        self,
+        x: torch.Tensor,
+        ops: TorchOps,
+        tp: TensorParallelGroup | None = None,
+        lora: LoRAMapping | None = None,
+        long_rows: tuple[tuple[int, int], ...] | None = None,
     ) -> torch.Tensor:
-        gate_up = project(self.gate_up_proj, x, lora)
+        gate_up = project(self.gate_up_proj, x, lora, long_rows)
         if self.gelu:
             gate, up = gate_up.chunk(2, dim=-1)
             h = nn.functional.gelu(gate, approximate="tanh") * up
         else:
             h = ops.silu_mul(gate_up)
-        out = project(self.down_proj, h, lora)
+        out = project(self.down_proj, h, lora, long_rows)
         return out if tp is None else tp.all_reduce(out)
 
 
@@ -155,7 +166,10 @@ class LlamaDecoderLayer(nn.Module):
             attn = ops.rms_norm(attn, post.weight, post.eps)
             post = self.pre_feedforward_layernorm
         h = ops.add_rms_norm(attn, x, post.weight, post.eps)
-        out = self.mlp(h, ops, tp) if lora is None else self.mlp(h, ops, tp, lora)  # no adapters on experts
+        if isinstance(self.mlp, LlamaMLP):
+            out = self.mlp(h, ops, tp, lora, ops.long_rows(meta))
+        else:
+            out = self.mlp(h, ops, tp)  # no adapters on experts
         if self.sandwich:
             out = ops.rms_norm(out, self.post_feedforward_layernorm.weight, self.post_feedforward_layernorm.eps)
         if next_norm is None:
@@ -378,7 +392,9 @@ class LlamaForCausalLM(nn.Module):
             assert self.embed_tokens is not None
             logits = nn.functional.linear(hidden, self.embed_tokens.weight).float()
         else:
-            logits = self.lm_head(hidden).float()
+            head = self.lm_head
+            rows = self.ops.head_long_rows()
+            logits = (head(hidden) if rows is None or not isinstance(head, QuantLinear) else head(hidden, rows)).float()
         cap = self.config.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

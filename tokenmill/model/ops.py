@@ -69,6 +69,16 @@ class TorchOps:
         cache.write(k, v, slot_mapping)
         return q, k
 
+    def long_rows(self, meta: AttentionMetadata) -> tuple[tuple[int, int], ...] | None:
+        """The row ranges of this step that may take a GGUF weight's dequantised GEMM where its
+        type's row count says so (QuantLinear's ``long_rows``); None: decided by each call's rows."""
+        return None
+
+    def head_long_rows(self) -> tuple[tuple[int, int], ...] | None:
+        """``long_rows`` for the LM head, whose rows are one per sequence (or a prompt's scored
+        tokens): none where the arithmetic must not depend on the step (None: the call decides)."""
+        return None
+
     def attention(
         self,
         q: torch.Tensor,
@@ -99,10 +109,13 @@ class NativeOps(TorchOps):
     sums differ from the paged kernel's into other greedy tokens, where float absorbs them.
 
     ``invariant_below``: where a machine's probe chose the dequantised bfloat16 GEMM for GGUF
-    blocks from that many rows (kernels/gemm_choice.block_gemm_rows; None: never), steps of that
-    many rows or more have numbers of their own already, and their long fresh prefills take SDPA
-    as float models' do (on a Sapphire Rapids class Xeon, oneDNN's AMX: 1.6 ms a layer for a
-    512-token prompt against the paged kernel's 4.1). Smaller steps stay batch-invariant."""
+    blocks from that many rows (kernels/gemm_choice.block_gemm_rows; None: never), a sequence
+    with that many new tokens in a step (a long prompt chunk) has numbers of its own already: its
+    rows may take the GEMM (``long_rows``), and a fresh one takes SDPA as float models' do (on a
+    Sapphire Rapids class Xeon, oneDNN's AMX: 1.6 ms a layer for a 512-token prompt against the
+    paged kernel's 4.1). Every shorter sequence (decodes, short prompts, the tails of cached
+    ones) keeps the integer dots and the paged kernel whatever else its step holds: the choice
+    is per sequence, never by the step's total rows, which its neighbours decide."""
 
     name = "native"
 
@@ -110,10 +123,19 @@ class NativeOps(TorchOps):
         self.batch_invariant = batch_invariant
         self.invariant_below = invariant_below
 
-    def _fresh_sdpa_min(self, rows: int) -> int:
-        if self.batch_invariant and (self.invariant_below is None or rows < self.invariant_below):
-            return 1 << 62
-        return FRESH_PREFILL_SDPA_MIN
+    @property
+    def _fresh_sdpa_min(self) -> int:
+        if not self.batch_invariant:
+            return FRESH_PREFILL_SDPA_MIN
+        return 1 << 62 if self.invariant_below is None else max(self.invariant_below, FRESH_PREFILL_SDPA_MIN)
+
+    def long_rows(self, meta: AttentionMetadata) -> tuple[tuple[int, int], ...] | None:
+        if not self.batch_invariant:
+            return None
+        return () if self.invariant_below is None else meta.long_chunks(self.invariant_below)
+
+    def head_long_rows(self) -> tuple[tuple[int, int], ...] | None:
+        return () if self.batch_invariant else None
 
     @property
     def _partition(self) -> int:
@@ -155,7 +177,7 @@ class NativeOps(TorchOps):
         if cache.quant:
             fresh_min = (1 << 62) if self.batch_invariant else 1
         else:
-            fresh_min = self._fresh_sdpa_min(q.shape[0])
+            fresh_min = self._fresh_sdpa_min
         index = meta.kernel_index(fresh_min)
         if index.paged_seq_ids.numel():
             torch.ops.tokenmill.paged_attention(
@@ -192,7 +214,7 @@ class NativeOps(TorchOps):
             or first.k.dtype not in NATIVE_DTYPES
         ):
             return None
-        index = meta.kernel_index(self._fresh_sdpa_min(x.shape[0]))
+        index = meta.kernel_index(self._fresh_sdpa_min)
         if index.fresh_seqs or meta.tree_masks:  # a long fresh prefill takes SDPA, a tree its mask: the Python loop
             return None
         return torch.ops.tokenmill.decode_layers(

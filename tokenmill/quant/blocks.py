@@ -124,11 +124,35 @@ class BlockWeight(PackedWeight):
         w = self.dequantize(ids)
         return w.bfloat16() if bf16 else w
 
-    def matmul(self, x: torch.Tensor, native: bool, bf16_gemm: bool = False) -> torch.Tensor:
-        """x [rows, in] @ W^T in x's dtype: the integer kernel (native), else int8_reference."""
-        if native and x.dtype in (torch.float32, torch.bfloat16):
+    def matmul(
+        self,
+        x: torch.Tensor,
+        native: bool,
+        bf16_gemm: bool = False,
+        long_rows: tuple[tuple[int, int], ...] | None = None,
+    ) -> torch.Tensor:
+        """x [rows, in] @ W^T in x's dtype: the integer kernel (native), else int8_reference.
+        ``long_rows``: the row ranges (long prompt chunks) that may take the dequantised GEMM,
+        each where it has ``gemm_rows`` rows or more; every other row takes the integer dots,
+        whatever its neighbours (None: the whole call is one range)."""
+        if not (native and x.dtype in (torch.float32, torch.bfloat16)):
+            return int8_reference(x, self).to(x.dtype)
+        if long_rows is None or not self.gemm_rows or x.dtype != torch.bfloat16:
             return torch.ops.tokenmill.block_linear(x, self.qs, self.type_code, self.gemm_rows)
-        return int8_reference(x, self).to(x.dtype)
+        spans = [(a, b) for a, b in long_rows if b - a >= self.gemm_rows]
+        if not spans:
+            return torch.ops.tokenmill.block_linear(x, self.qs, self.type_code, 0)
+        if spans == [(0, x.shape[0])]:
+            return torch.ops.tokenmill.block_linear(x, self.qs, self.type_code, 1)
+        # the long rows in one GEMM (one dequantisation of the weight), the rest in one integer call
+        long = torch.zeros(x.shape[0], dtype=torch.bool)
+        for a, b in spans:
+            long[a:b] = True
+        rows_long, rows_short = long.nonzero().flatten(), (~long).nonzero().flatten()
+        y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        y.index_copy_(0, rows_long, torch.ops.tokenmill.block_linear(x[rows_long], self.qs, self.type_code, 1))
+        y.index_copy_(0, rows_short, torch.ops.tokenmill.block_linear(x[rows_short], self.qs, self.type_code, 0))
+        return y
 
     def extra_repr(self) -> str:
         return f"{self.source} blocks: {self.out_features}x{self.in_features}"

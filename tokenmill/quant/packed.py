@@ -236,10 +236,18 @@ class PackedWeight(nn.Module):
         w = self.dequantize(ids)
         return w.bfloat16() if bf16 else w
 
-    def matmul(self, x: torch.Tensor, native: bool, bf16_gemm: bool = False) -> torch.Tensor:
+    def matmul(
+        self,
+        x: torch.Tensor,
+        native: bool,
+        bf16_gemm: bool = False,
+        long_rows: tuple[tuple[int, int], ...] | None = None,
+    ) -> torch.Tensor:
         """x [rows, in] @ W^T -> [rows, out] in x's dtype; ``native`` False: the reference.
         ``bf16_gemm``: bfloat16 batches past EXACT_BF16_ROWS multiply the weight rounded to
-        bfloat16 (what the dequantised bfloat16 model multiplies) on the CPU's bfloat16 units."""
+        bfloat16 (what the dequantised bfloat16 model multiplies) on the CPU's bfloat16 units.
+        ``long_rows`` is for GGUF blocks (BlockWeight): these weights' models run float
+        activations, which are not held batch-invariant (model/ops.py), so the call's rows decide."""
         if not native or x.dtype not in (torch.float32, torch.bfloat16):
             return nn.functional.linear(x.float(), self.dequantize()).to(x.dtype)
         return torch.ops.tokenmill.quant_linear(x, self.qs, self.scale, self.minv, self.bits, self.group, bf16_gemm)
@@ -291,9 +299,12 @@ class QuantLinear(nn.Module):
             if hasattr(p, "gemm_rows"):  # a BlockWeight
                 p.gemm_rows = (block_gemm_rows or {}).get(p.source) or 0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, long_rows: tuple[tuple[int, int], ...] | None = None) -> torch.Tensor:
+        """``long_rows``: the row ranges [start, end) of long prompt chunks, the only rows a GGUF
+        block weight may multiply in its dequantised GEMM (model/ops.py's ``long_rows``: where
+        the arithmetic must not depend on a row's neighbours); None: each call's rows decide."""
         flat = x.reshape(-1, self.in_features)
-        outs = [p.matmul(flat, self.native, self.bf16_gemm) for p in self.parts]
+        outs = [p.matmul(flat, self.native, self.bf16_gemm, long_rows) for p in self.parts]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         if self.bias is not None:
             out = out + self.bias

@@ -113,6 +113,7 @@ class AttentionMetadata:
     # which of the last T keys (the tree's slots) each new token sees; every key before them is seen.
     tree_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     _kernel_indexes: dict[int, KernelIndex] = field(default_factory=dict, repr=False)  # by fresh_sdpa_min
+    _long_chunks: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict, repr=False)  # by min_rows
 
     @property
     def num_seqs(self) -> int:
@@ -124,6 +125,15 @@ class AttentionMetadata:
         return build_decode_groups(
             self.seq_lens_host[:nd], self.block_tables_host[:nd], self.block_size, self.slot_mapping.device
         )
+
+    def long_chunks(self, min_rows: int) -> tuple[tuple[int, int], ...]:
+        """The row ranges [start, end) of the sequences with at least ``min_rows`` new tokens
+        (long prompt chunks), in batch order."""
+        if min_rows not in self._long_chunks:
+            qsl = self.query_start_loc
+            spans = tuple((qsl[i], qsl[i + 1]) for i in range(self.num_seqs) if qsl[i + 1] - qsl[i] >= min_rows)
+            self._long_chunks[min_rows] = spans
+        return self._long_chunks[min_rows]
 
     def kernel_index(self, fresh_sdpa_min: int) -> KernelIndex:
         """Fresh prefills at least ``fresh_sdpa_min`` long go to SDPA, every other sequence to
