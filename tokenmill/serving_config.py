@@ -142,6 +142,14 @@ class ServerConfig:
         "end its turn and forge a system one (default: as plain text; "
         "the template's own markers stay special)",
     )
+    context_shift: bool = opt(
+        False,
+        "a chat longer than the model's context (or leaving no room for its max_tokens; without "
+        "max_tokens, for a quarter of the context) drops its oldest turns, whole, its system "
+        "messages and latest turn kept, instead of a 400 (llama.cpp's context shift, at turn "
+        "boundaries); the answer says what was dropped (context_shift) and "
+        "tokenmill:context_shift_requests counts them. Chat completions, not beam search",
+    )
     reasoning_parser: str | None = opt(
         None,
         "reasoning models, as vLLM's: split a chat answer's <think>...</think> into "

@@ -27,6 +27,7 @@ from tokenmill.errors import EngineDeadError, InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import error_response
 from tokenmill.server.models import Target
+from tokenmill.server.prompts import ContextShift
 from tokenmill.server.protocol import error_body, new_id, now
 from tokenmill.server.reasoning import Reasoning, ReasoningSplitter, reasoning_for
 from tokenmill.server.response_cache import detach, replayed
@@ -78,6 +79,7 @@ class Job:
         self.prompt_tokens = sum(len(ids) for ids in prompts)
         self.completion_so_far: dict[int, int] = {}  # streamed: each choice's tokens so far (continuous usage)
         self.extras = AnswerExtras()  # vLLM's return_token_ids, return_prompt_text, include_reasoning
+        self.context_shift: ContextShift | None = None  # what a chat's context shift dropped (prompts.py)
         self.return_timings = return_timings
         self.chat = chat
         self.tools = tools  # chat with tools: answers are parsed into tool calls
@@ -199,6 +201,8 @@ class Job:
             body["prompt_text"] = await asyncio.to_thread(self.target.tokenizer.decode, self.prompts[0], False)
         if self.return_timings:
             body["timings"] = [self._timings(finals[idx]) for idx in sorted(finals)]
+        if self.context_shift is not None:
+            body["context_shift"] = self.context_shift.as_json()
         return JSONResponse(body)
 
     def _final_choice(self, index: int, out: RequestOutput, scored: RequestOutput | None = None) -> dict:
@@ -454,6 +458,8 @@ class Job:
             top["prompt_token_ids"] = self.prompts[0]
         if self.extras.prompt_text:
             top["prompt_text"] = await asyncio.to_thread(self.target.tokenizer.decode, self.prompts[0], False)
+        if self.context_shift is not None:
+            top["context_shift"] = self.context_shift.as_json()
         return top or None
 
     def _chunk(self, choices: list[dict], usage: dict | None = None, top: dict | None = None) -> str:

@@ -341,6 +341,21 @@ class ServerMetrics:
         self.prompt_tokens = count("prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = count("generation_tokens", "Tokens generated.")
         self.success = count("request_success", "Finished requests by finish reason.", ("finished_reason",))
+        self.context_shifts = Counter(
+            P + "context_shift_requests",
+            "Chats whose oldest turns were dropped to fit the context (--context-shift).",
+            labels,
+            registry=self.registry,
+        )
+        self.context_shift_tokens = Counter(
+            P + "context_shift_dropped_prompt_tokens",
+            "Prompt tokens the context shift dropped.",
+            labels,
+            registry=self.registry,
+        )
+        for name in engines:  # at zero from the start, not from the first shift
+            self.context_shifts.labels(name)
+            self.context_shift_tokens.labels(name)
         self.routes = None
         if routers:
             self.routes = Counter(
@@ -350,6 +365,10 @@ class ServerMetrics:
                 ["router", "model_name", "reason"],
                 registry=self.registry,
             )
+
+    def observe_context_shift(self, model_name: str, dropped_prompt_tokens: int) -> None:
+        self.context_shifts.labels(model_name).inc()
+        self.context_shift_tokens.labels(model_name).inc(dropped_prompt_tokens)
 
     def observe_route(self, router: str, route: Any) -> None:
         if self.routes is not None:

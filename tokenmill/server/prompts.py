@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from dataclasses import dataclass
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
@@ -49,22 +50,85 @@ def max_tokens_for(target: Target, prompt_ids: list[int], requested: int | None)
     return requested
 
 
+@dataclass(frozen=True)
+class ContextShift:
+    """What a chat's context shift dropped (the server's ``--context-shift``): its oldest turns,
+    whole, so that the rest fits the model's context; the answer carries it (``context_shift``)."""
+
+    dropped_messages: int
+    dropped_prompt_tokens: int
+
+    def as_json(self) -> dict[str, int]:
+        return {"dropped_messages": self.dropped_messages, "dropped_prompt_tokens": self.dropped_prompt_tokens}
+
+
 async def chat_prompt(
     target: Target,
     body: ChatCompletionRequest,
     allow_special_tokens: bool = False,
     request_templates: RequestTemplates | None = None,
-) -> tuple[list[int], SamplingParams, ToolRequest | None]:
+    context_shift: bool = False,
+) -> tuple[list[int], SamplingParams, ToolRequest | None, ContextShift | None]:
     """A chat request's prompt ids (``render_chat``), truncated when asked, its sampling
     parameters (a constraint starts after the reasoning of a model with a reasoning parser:
-    reasoning.py) and its tools."""
+    reasoning.py), its tools, and, with ``context_shift``, what ``shift_context`` dropped
+    where the chat would not fit (None: nothing)."""
     ids, tools = await render_chat(target, body, allow_special_tokens, request_templates)
+    shift = None
+    if context_shift and body.truncate_prompt_tokens is None and not _fits(target, ids, body.requested_max_tokens):
+        shifted = await shift_context(target, body, allow_special_tokens, request_templates)
+        if shifted is not None:
+            (short, tools), kept = shifted
+            shift = ContextShift(len(body.messages) - kept, len(ids) - len(short))
+            ids = short
     ids = truncate_prompt(ids, body.truncate_prompt_tokens, target.max_model_len, body.truncation_side)
     params = body.sampling_params(max_tokens_for(target, ids, body.requested_max_tokens), tools and tools.constraint())
     reasoning = reasoning_for(target, body)
     if reasoning is not None:
         params = reasoning.constrain(params)
-    return ids, params.with_bad_word_ids(target.tokenizer), tools
+    return ids, params.with_bad_word_ids(target.tokenizer), tools, shift
+
+
+def _fits(target: Target, ids: list[int], max_tokens: int | None) -> bool:
+    """The prompt leaves room for ``max_tokens``, or without it, for a quarter of the context
+    (what a shifted chat is left for its answer; an unshifted one needs a token)."""
+    room = max_tokens if max_tokens is not None else max(1, target.max_model_len // 4)
+    return len(ids) + room <= target.max_model_len
+
+
+async def shift_context(
+    target: Target,
+    body: ChatCompletionRequest,
+    allow_special_tokens: bool = False,
+    request_templates: RequestTemplates | None = None,
+) -> tuple[tuple[list[int], ToolRequest | None], int] | None:
+    """llama.cpp's context shift, at turn boundaries: the chat's leading system (developer)
+    messages kept, then as few of its oldest turns (a user message and what answers it) dropped
+    as make the rest fit (``_fits``), the latest turn always kept. Returns the rendering and how
+    many messages it kept, or None where even the latest turn alone does not fit (the request's
+    400 then says why)."""
+    messages = body.messages
+    keep = next((i for i, m in enumerate(messages) if m.role not in ("system", "developer")), len(messages))
+    turns = [i for i in range(keep, len(messages)) if messages[i].role == "user"]
+
+    async def render(k: int) -> tuple[list[int], ToolRequest | None]:  # the k oldest turns dropped
+        kept = [*messages[:keep], *messages[turns[k] :]]
+        return await render_chat(
+            target, body.model_copy(update={"messages": kept}), allow_special_tokens, request_templates
+        )
+
+    lo, hi, best = 1, len(turns) - 1, None  # the fewest turns dropped that fit: fewer dropped, longer prompt
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        rendered = await render(mid)
+        if _fits(target, rendered[0], body.requested_max_tokens):
+            best, hi = (rendered, mid), mid - 1
+        else:
+            lo = mid + 1
+    if best is None:
+        return None
+    rendered, k = best
+    return rendered, keep + len(messages) - turns[k]
 
 
 async def render_chat(

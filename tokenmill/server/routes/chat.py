@@ -26,9 +26,15 @@ def register(app: FastAPI, served: Served) -> None:
         client = served.clients.client_of(request)
 
         async def job(target: Target) -> Job:
-            ids, params, tools = await chat_prompt(
-                target, body, served.config.allow_special_tokens_in_messages, served.templates
+            ids, params, tools, shift = await chat_prompt(
+                target,
+                body,
+                served.config.allow_special_tokens_in_messages,
+                served.templates,
+                served.config.context_shift,
             )
+            if shift is not None:
+                served.metrics.observe_context_shift(target.model.name, shift.dropped_prompt_tokens)
             echo = body.echoed()
             made = Job(
                 served,
@@ -50,13 +56,14 @@ def register(app: FastAPI, served: Served) -> None:
                 tokens_as_ids=body.return_tokens_as_token_ids,
             )
             made.extras = body.answer_extras()
+            made.context_shift = shift
             return made
 
         check_cache_field(served, body)
         served.clients.check_priority(request, body.priority)
         if body.use_beam_search:
             target = target_of(served, body.model, "beam search")
-            ids, params, _ = await chat_prompt(
+            ids, params, _, _ = await chat_prompt(
                 target, body, served.config.allow_special_tokens_in_messages, served.templates
             )
             beam = body.beam_params(params.max_tokens)

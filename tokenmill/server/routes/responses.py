@@ -38,7 +38,7 @@ def register(app: FastAPI, served: Served) -> None:
         client = served.clients.client_of(request)
 
         async def job(target: Target) -> ResponseJob:
-            ids, params, tools = await chat_prompt(target, chat, served.config.allow_special_tokens_in_messages)
+            ids, params, tools, _ = await chat_prompt(target, chat, served.config.allow_special_tokens_in_messages)
             shape = ResponseShape(body, target.name)
             conversation = history + body.input_messages()
             params = replace(params, client=client)
