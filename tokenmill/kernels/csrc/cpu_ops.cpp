@@ -330,18 +330,33 @@ inline void attend_chunk_bf16(const c10::BFloat16* const* q, float scale, const 
     *l[r] += _mm512_reduce_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)pb), 16)));
     _mm256_store_si256(reinterpret_cast<__m256i*>(pw[r]), (__m256i)pb);
   }
-  for (int r = 0; r < R; ++r) {
-    __m512 acc[HD / 16];
-    for (int c = 0; c < HD / 16; ++c) acc[c] = _mm512_loadu_ps(ar[r] + 16 * c);
-    if (correction[r] != 1.f) {
-      const __m512 cv = _mm512_set1_ps(correction[r]);
-      for (int c = 0; c < HD / 16; ++c) acc[c] = _mm512_mul_ps(acc[c], cv);
+  // V into the accumulators, G rows at a time side by side (G * HD / 16 = 16 registers): their
+  // dot-product chains overlap where one row's alone wait on each other. The rows share the key
+  // pairs [jlo, jhi); a pair outside a row's own keys has its weights rounded from the softmax's
+  // zeros, and adds exact zeros (a key's V is finite), so each row's sums are its own alone.
+  constexpr int G = HD == 64 ? 4 : 2;
+  for (int r0 = 0; r0 < R; r0 += G) {
+    constexpr int RG = R < G ? R : G;
+    const int n = std::min(G, R - r0);
+    __m512 acc[RG][HD / 16];
+    int64_t jlo = 8, jhi = 0;
+    for (int g = 0; g < RG; ++g) {
+      if (g >= n) break;
+      const int r = r0 + g;
+      const __m512 cv = _mm512_set1_ps(correction[r]);  // (1: the same bits)
+      for (int c = 0; c < HD / 16; ++c) acc[g][c] = _mm512_mul_ps(_mm512_loadu_ps(ar[r] + 16 * c), cv);
+      jlo = std::min<int64_t>(jlo, lo[r] / 2), jhi = std::max<int64_t>(jhi, (visible[r] + 1) / 2);
     }
-    for (int64_t j = lo[r] / 2; j < (visible[r] + 1) / 2; ++j) {
-      const __m512bh pj = (__m512bh)_mm512_set1_epi32(pw[r][j]);
-      for (int c = 0; c < HD / 16; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], pj, (__m512bh)vp[j][c]);
+    for (int64_t j = jlo; j < jhi; ++j)
+      for (int g = 0; g < RG; ++g) {
+        if (g >= n) break;
+        const __m512bh pj = (__m512bh)_mm512_set1_epi32(pw[r0 + g][j]);
+        for (int c = 0; c < HD / 16; ++c) acc[g][c] = _mm512_dpbf16_ps(acc[g][c], pj, (__m512bh)vp[j][c]);
+      }
+    for (int g = 0; g < RG; ++g) {
+      if (g >= n) break;
+      for (int c = 0; c < HD / 16; ++c) _mm512_storeu_ps(ar[r0 + g] + 16 * c, acc[g][c]);
     }
-    for (int c = 0; c < HD / 16; ++c) _mm512_storeu_ps(ar[r] + 16 * c, acc[c]);
   }
 }
 #endif
