@@ -182,6 +182,15 @@ class CacheConfig:
         "auto", "how K and V are stored (int8/fp8: quantised, per-token scales)", choices=KV_CACHE_DTYPES
     )
     enable_prefix_caching: bool = opt(True, "turn off reuse of cached prompt blocks", negative="no-prefix-caching")
+    kv_disk_cache: str | None = opt(
+        None,
+        "a directory for the prefix cache's disk tier: full KV blocks written there as they are "
+        "computed (by a thread), read back on a prefix-cache miss, kept over restarts; files are "
+        "keyed by model files, dtypes and kernels, and a corrupt one is a miss (default: none)",
+    )
+    kv_disk_cache_size: int | float | str = opt(
+        "4GiB", "the most the disk tier keeps, e.g. 4GiB, 512MiB (least recently used blocks removed past it)"
+    )
 
     def __post_init__(self) -> None:
         require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")

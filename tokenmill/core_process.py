@@ -38,7 +38,7 @@ def run_engine_core(args: EngineArgs, conn: Connection) -> None:
             "block_size": args.cache.block_size,
             "model_path": str(parts.model_path),
         }
-        return parts.core, info, parts.runner.close
+        return parts.core, info, parts.close
 
     from tokenmill.engine.core_loop import serve_core
 

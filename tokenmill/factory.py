@@ -22,9 +22,11 @@ from tokenmill.distributed.runner import DistributedRunner
 from tokenmill.distributed.stage import parallel_stage
 from tokenmill.engine.core import EngineConfig, EngineCore
 from tokenmill.engine.engine import Engine
+from tokenmill.engine.kv_disk import DiskTier, files_fingerprint, namespace_of
 from tokenmill.errors import ModelLoadError, TokenmillError
 from tokenmill.kernels.cpu import cpu_info
 from tokenmill.memory import parse_memory
+from tokenmill.model.layers.kv_cache import block_nbytes
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import load_checkpoint, read_config
 from tokenmill.model.ops import NativeOps
@@ -72,6 +74,11 @@ class EngineParts:
     max_model_len: int
     num_blocks: int
     kv_bytes_per_block: int  # the target's cache and, with a draft model, the draft's
+
+    def close(self) -> None:
+        """The disk tier's queued blocks written, a split model's worker processes stopped."""
+        self.core.close()
+        self.runner.close()
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -183,6 +190,7 @@ def build_engine(args: EngineArgs, progress: bool = True, outputs: bool = True) 
             sliding_window=config.sliding_window,
         ),
         grammars=_grammar_compiler(tokenizer, config.vocab_size, args.structured),
+        disk_tier=_disk_tier(args, path, dtype, kv_caches, runner, proposer) if cache.kv_disk_cache else None,
     )
     for name, lora_path in args.lora.modules.items():
         core.add_lora(name, lora_path)
@@ -190,6 +198,38 @@ def build_engine(args: EngineArgs, progress: bool = True, outputs: bool = True) 
     return EngineParts(
         args, core, engine, runner, model, tokenizer, config, path, device, dtype, max_model_len, num_blocks, per_block
     )
+
+
+def _disk_tier(
+    args: EngineArgs, path: Path, dtype: torch.dtype, kv_caches: list, runner: ModelRunner, proposer: Proposer | None
+) -> DiskTier:
+    """The prefix cache's disk tier, its namespace everything that decides a block's numbers: the
+    model's files, the dtypes, the block size, the quantised arithmetic and kernels, this CPU and
+    this torch (blocks computed elsewhere would differ in their last bits from a recompute)."""
+    cache, load = args.cache, args.load
+    if not cache.enable_prefix_caching:
+        raise TokenmillError("kv_disk_cache is a tier of the prefix cache: it needs prefix caching on")
+    if type(runner) is not ModelRunner:
+        raise TokenmillError("kv_disk_cache needs the model in one process (no tensor or pipeline parallelism)")
+    if proposer is not None and getattr(proposer, "catch_up", False):
+        raise TokenmillError("kv_disk_cache cannot follow a draft model's own KV cache (speculative method draft)")
+    facts = {
+        "model": str(path.resolve()),
+        "files": files_fingerprint(path).hex(),
+        "dtype": str(dtype),
+        "kv_cache_dtype": cache.kv_cache_dtype,
+        "block_size": cache.block_size,
+        "block_bytes": block_nbytes(kv_caches),
+        "quantization": load.quantization,
+        "quant_arithmetic": load.quant_arithmetic,
+        "kernels": load.kernels,
+        "cpu": cpu_info().describe(),
+        "torch": torch.__version__,
+    }
+    size = parse_memory(cache.kv_disk_cache_size)
+    if size <= 0:
+        raise TokenmillError(f"kv_disk_cache_size must be above 0 bytes, got {cache.kv_disk_cache_size!r}")
+    return DiskTier(cache.kv_disk_cache, namespace_of(facts), size)
 
 
 def quantised_blocks(args: EngineArgs, device: torch.device) -> dict[str, bool]:

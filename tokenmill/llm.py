@@ -62,11 +62,12 @@ class LLM:
         self.kv_cache_dtype = args.cache.kv_cache_dtype
         self._ids = itertools.count()
         # A split model's worker processes end with this object (or at exit), not later.
-        self._finalizer = weakref.finalize(self, parts.runner.close)
+        self._finalizer = weakref.finalize(self, parts.close)
 
     def close(self) -> None:
-        """Stop the worker processes of a split model (tensor / pipeline parallel); a
-        no-op otherwise. Also done when the LLM is garbage-collected or Python exits."""
+        """Stop the worker processes of a split model (tensor / pipeline parallel) and write
+        what the prefix cache's disk tier has queued. Also done when the LLM is
+        garbage-collected or Python exits."""
         self._finalizer()
 
     def __enter__(self) -> LLM:

@@ -30,6 +30,7 @@ from typing import Protocol
 from tokenmill.config import SchedulerConfig, SpeculativeConfig, check_adapter_name
 from tokenmill.engine.block_pool import BlockPool
 from tokenmill.engine.grammar_masks import StructuredOutputManager
+from tokenmill.engine.kv_disk import DiskSpill, DiskTier, DiskTierStats, files_fingerprint
 from tokenmill.engine.kv_manager import KVCacheManager, PrefixCacheStats
 from tokenmill.engine.kv_transfer import KVTransfer
 from tokenmill.engine.model_input import GrammarMasks, ModelInput, ModelOutput, SampledToken
@@ -79,17 +80,25 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class LoRAInfo:
-    """A served adapter: its id seeds its requests' block hashes (a re-added adapter gets
-    a new one, so no block computed with other weights is ever reused)."""
+    """A served adapter: its id and its files (names, sizes, times) seed its requests' block
+    hashes (``root``): a re-added adapter gets a new id, and another adapter under an id a
+    restarted engine reuses has other files, so no block computed with other weights is ever
+    reused, in the pool or from the disk tier."""
 
     name: str
     path: str
     id: int
+    root: bytes = b""
 
 
 class EngineCore:
     def __init__(
-        self, runner: Runner, tokenizer: TokenizerInfo, config: EngineConfig, grammars: GrammarCompiler | None = None
+        self,
+        runner: Runner,
+        tokenizer: TokenizerInfo,
+        config: EngineConfig,
+        grammars: GrammarCompiler | None = None,
+        disk_tier: DiskTier | None = None,
     ) -> None:
         self.runner = runner
         self.vocab_size = tokenizer.vocab_size
@@ -118,6 +127,10 @@ class EngineCore:
         self.iteration_tokens_sum = 0
         self.tracer = StepTracer(self.scheduler, self.block_pool)  # each step's batch, for a live view
         self.kv_transfer = KVTransfer(self.block_pool, runner)  # prefix-cache events and KV for replicas
+        # the prefix cache's disk tier: blocks stored as computed, read back on a miss
+        self.disk_spill = None if disk_tier is None else DiskSpill(disk_tier, self.block_pool, runner)
+        if self.disk_spill is not None:
+            self.kv.lower = self.disk_spill.load
 
     # ------------------------------------------------------------------ requests
 
@@ -253,7 +266,8 @@ class EngineCore:
         if loaded is None:
             loaded = self.load_lora(name, path)
         self.runner.add_lora(name, path, loaded)
-        info = LoRAInfo(name, str(path), next(self._lora_ids))
+        lora_id = next(self._lora_ids)
+        info = LoRAInfo(name, str(path), lora_id, b"lora:%d:" % lora_id + files_fingerprint(path))
         self.loras[name] = info
         logger.info("LoRA adapter %s served from %s", name, path)
         return info
@@ -329,6 +343,8 @@ class EngineCore:
             if masks is not None:
                 masks.future.exception()
         updates = self.scheduler.update_from_output(sched, result)
+        if self.disk_spill is not None:
+            self.disk_spill.store(self.kv.take_newly_cached())
         deltas = [_delta(u.request, u.new_tokens, u.error) for u in updates]
         for u in updates:  # a request is gone once all its n sequences are
             if u.request.finished and all(r.finished for r in self._requests.get(u.request.parent_id, ())):
@@ -341,6 +357,11 @@ class EngineCore:
             self.tracer.stepped(sched, kinds, updates, t0)
         self._drop_if_idle()
         return deltas
+
+    def close(self) -> None:
+        """Write what the disk tier has queued (the next engine on its directory starts with it)."""
+        if self.disk_spill is not None:
+            self.disk_spill.tier.close()
 
     def block_states(self) -> bytes:
         """One byte per KV block (block_pool.block_states): free, cached, used, shared, hit."""
@@ -451,7 +472,7 @@ class EngineCore:
         """The root of an adapter's block-hash chain (None: the base model's), for a
         router hashing prompts as this engine does (``replicas/replica_router.prompt_block_hashes``)."""
         info = self.loras.get(name)
-        return None if info is None else b"lora:%d" % info.id
+        return None if info is None else info.root
 
     @property
     def spec_decode_stats(self) -> SpecDecodeStats:
@@ -468,6 +489,7 @@ class EngineCore:
     def snapshot(self) -> EngineSnapshot:
         running, waiting = self.lora_usage if self.config.max_loras is not None else ([], [])
         prefix, spec = self.kv.stats, self.scheduler.spec_stats
+        disk = self.disk_spill.tier.stats if self.disk_spill is not None else DiskTierStats()
         return EngineSnapshot(
             num_running=self.num_running,
             num_waiting=self.num_waiting,
@@ -476,6 +498,10 @@ class EngineCore:
             num_step_retries=self.num_step_retries,
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
+            kv_disk_bytes=disk.bytes,
+            kv_disk_hits=disk.hits,
+            kv_disk_stored=disk.stored,
+            kv_disk_evicted=disk.evicted,
             spec_num_drafts=spec.num_drafts,
             spec_num_draft_tokens=spec.num_draft_tokens,
             spec_num_accepted_tokens=spec.num_accepted_tokens,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenmill.engine.block_pool import BlockPool
@@ -49,6 +50,11 @@ class KVCacheManager:
         self.block_size = block_size
         self.sliding_window = sliding_window
         self.stats = PrefixCacheStats()
+        # A tier below the pool (kv_disk.DiskSpill): ``lower(hashes, held)`` caches in the pool
+        # the leading blocks of ``hashes`` it holds and says how many; the blocks cached since
+        # ``take_newly_cached`` are what it stores. None: the pool alone.
+        self.lower: Callable[[list[bytes], list[int]], int] | None = None
+        self._newly_cached: list[tuple[int, bytes]] = []
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -76,12 +82,24 @@ class KVCacheManager:
         if not self.pool.enable_caching:
             return []
         hits: list[int] = []
-        for h in self._hashes(req, (req.num_tokens - 1) // self.block_size):
+        hashes = self._hashes(req, (req.num_tokens - 1) // self.block_size)
+        for h in hashes:
             block = self.pool.lookup(h)
             if block is None:
                 break
             hits.append(block)
+        if self.lower is not None and len(hits) < len(hashes) and self.lower(hashes[len(hits) :], hits):
+            for h in hashes[len(hits) :]:
+                block = self.pool.lookup(h)
+                if block is None:
+                    break
+                hits.append(block)
         return hits
+
+    def take_newly_cached(self) -> list[tuple[int, bytes]]:
+        """The (block, hash) pairs cached since the last call (recorded only with a ``lower`` tier)."""
+        taken, self._newly_cached = self._newly_cached, []
+        return taken
 
     def allocate_slots(
         self, req: Request, num_new_tokens: int, cached_prefix: list[int] | None = None
@@ -131,6 +149,8 @@ class KVCacheManager:
         for i in range(req.num_cached_blocks, num_full):
             if self.pool.blocks[req.block_ids[i]].block_hash is None:
                 self.pool.cache(req.block_ids[i], hashes[i])
+                if self.lower is not None:
+                    self._newly_cached.append((req.block_ids[i], hashes[i]))
         req.num_cached_blocks = num_full
 
     def free_outside_window(self, req: Request) -> None:

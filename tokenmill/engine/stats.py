@@ -72,6 +72,12 @@ class EngineSnapshot:
     num_step_retries: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # the prefix cache's disk tier (kv_disk.DiskTierStats; zeros without one): bytes on disk, blocks
+    # read back, written, and removed past its size
+    kv_disk_bytes: int = 0
+    kv_disk_hits: int = 0
+    kv_disk_stored: int = 0
+    kv_disk_evicted: int = 0
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0

@@ -121,6 +121,22 @@ class EngineCollector:
         yield from counter(
             "prefix_cache_hits", "Prompt tokens found in the prefix cache.", lambda e: e.prefix_cache_hits
         )
+        yield from gauge(
+            "kv_disk_cache_bytes",
+            "Bytes the prefix cache's disk tier holds (--kv-disk-cache).",
+            lambda e: e.kv_disk_bytes,
+        )
+        yield from counter(
+            "kv_disk_cache_hits",
+            "KV blocks read back from the disk tier on a prefix-cache miss.",
+            lambda e: e.kv_disk_hits,
+        )
+        yield from counter("kv_disk_cache_stored", "KV blocks written to the disk tier.", lambda e: e.kv_disk_stored)
+        yield from counter(
+            "kv_disk_cache_evictions",
+            "KV blocks removed from the disk tier past its size.",
+            lambda e: e.kv_disk_evicted,
+        )
         yield from counter("spec_decode_num_drafts", "Speculative verification steps.", lambda e: e.spec_num_drafts)
         yield from counter(
             "spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", lambda e: e.spec_num_draft_tokens

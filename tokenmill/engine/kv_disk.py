@@ -1,0 +1,258 @@
+"""The prefix cache's disk tier: full KV blocks kept in files, named by their block hash,
+under a namespace that says which model, weights, dtypes and kernels computed them, so that
+a restarted engine (or a replica beside it) starts with the prefixes it had computed.
+
+    <dir>/<namespace>/<first byte of the hash>/<hash>.kv   a header, then the block's raw rows
+
+The header holds a magic, the namespace, the hash, the payload's length and its checksum: a
+torn, truncated or corrupt file, or one from another namespace, is a miss (and is removed),
+never a wrong answer. Files are written by a thread (to a temporary name, then renamed into
+place: a crash leaves no half file under a block's name), so a step never waits on the disk;
+when the queue is full a block is simply not written. The directory's share is bounded
+(``max_bytes``): past it, the least recently used files go (a hit counts as a use; their
+modification times carry the order over a restart).
+
+The tier knows hashes and bytes only; ``DiskSpill`` pairs it with the block pool and the
+runner's rows, as ``kv_transfer`` does for KV moving between replicas.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from tokenmill.engine.block_pool import BlockPool
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"TMKVBLK1"
+HEADER = len(MAGIC) + 16 + 16 + 8 + 16  # magic, namespace, block hash, payload length, payload checksum
+WRITE_QUEUE_BLOCKS = 256  # blocks waiting for the writer thread at most (then new ones are dropped)
+
+
+def namespace_of(facts: dict[str, Any]) -> bytes:
+    """A namespace from everything that decides a block's numbers (model files, dtypes, kernels)."""
+    text = "\n".join(f"{k}={facts[k]!r}" for k in sorted(facts))
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+def files_fingerprint(path: str | Path) -> bytes:
+    """What changes when a model's or an adapter's files do: each file's name, size and
+    modification time (a file, or every file under a folder), hashed."""
+    path = Path(path)
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    h = hashlib.blake2b(digest_size=16)
+    for f in files:
+        try:
+            st = f.stat()
+        except OSError:
+            continue
+        h.update(f"{f.relative_to(path) if path.is_dir() else f.name}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    return h.digest()
+
+
+def _checksum(payload: bytes | memoryview) -> bytes:
+    return hashlib.blake2b(payload, digest_size=16).digest()
+
+
+@dataclass
+class DiskTierStats:
+    hits: int = 0  # blocks read back into the pool
+    stored: int = 0  # blocks written
+    evicted: int = 0  # files removed to stay within max_bytes
+    dropped: int = 0  # blocks not written: the writer's queue was full
+    corrupt: int = 0  # files that failed their checks (removed, a miss)
+    bytes: int = 0  # this namespace's files on disk
+
+
+class DiskTier:
+    def __init__(self, directory: str | Path, namespace: bytes, max_bytes: int) -> None:
+        self.root = Path(directory) / namespace.hex()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.namespace = namespace
+        self.max_bytes = max_bytes
+        self.stats = DiskTierStats()
+        self._lock = threading.Lock()
+        self._files: OrderedDict[bytes, int] = OrderedDict()  # hash -> file size, least recently used first
+        self._scan()
+        self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue(WRITE_QUEUE_BLOCKS)
+        self._writer = threading.Thread(target=self._write_loop, name="tokenmill-kv-disk", daemon=True)
+        self._writer.start()
+
+    def _path(self, block_hash: bytes) -> Path:
+        name = block_hash.hex()
+        return self.root / name[:2] / f"{name}.kv"
+
+    def _scan(self) -> None:
+        """The files a previous engine left, oldest use first; its temporary files removed."""
+        found = []
+        for path in self.root.glob("*/*"):
+            if path.suffix != ".kv":
+                path.unlink(missing_ok=True)  # a write a crash cut short
+                continue
+            try:
+                st = path.stat()
+                found.append((st.st_mtime_ns, bytes.fromhex(path.stem), st.st_size))
+            except (OSError, ValueError):
+                continue
+        for _, h, size in sorted(found):
+            self._files[h] = size
+        self.stats.bytes = sum(self._files.values())
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        with self._lock:
+            return block_hash in self._files
+
+    def get(self, block_hash: bytes) -> bytes | None:
+        """The block's payload, or None (not here, or its file fails a check: then removed)."""
+        with self._lock:
+            if block_hash not in self._files:
+                return None
+        path = self._path(block_hash)
+        try:
+            raw = path.read_bytes()
+        except OSError:
+            self._forget(block_hash)
+            return None
+        payload = memoryview(raw)[HEADER:]
+        n = int.from_bytes(raw[len(MAGIC) + 32 : len(MAGIC) + 40], "little") if len(raw) >= HEADER else -1
+        if (
+            len(raw) < HEADER
+            or raw[: len(MAGIC)] != MAGIC
+            or raw[len(MAGIC) : len(MAGIC) + 16] != self.namespace
+            or raw[len(MAGIC) + 16 : len(MAGIC) + 32] != block_hash
+            or n != len(payload)
+            or raw[len(MAGIC) + 40 : HEADER] != _checksum(payload)
+        ):
+            logger.warning("KV disk tier: %s fails its checks; removed (a miss)", path)
+            self.stats.corrupt += 1
+            path.unlink(missing_ok=True)
+            self._forget(block_hash)
+            return None
+        with self._lock:
+            if block_hash in self._files:
+                self._files.move_to_end(block_hash)
+        try:
+            os.utime(path)  # its use survives a restart
+        except OSError:
+            pass
+        self.stats.hits += 1
+        return bytes(payload)
+
+    def put(self, block_hash: bytes, payload: bytes) -> None:
+        """Have the block written (by the writer thread; dropped when its queue is full)."""
+        if block_hash in self:
+            return
+        try:
+            self._queue.put_nowait((block_hash, payload))
+        except queue.Full:
+            self.stats.dropped += 1
+
+    def flush(self) -> None:
+        """Wait until every block handed to ``put`` so far is written (tests, shutdown)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        """Write what is queued, then stop the writer."""
+        if self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join()
+
+    def _forget(self, block_hash: bytes) -> None:
+        with self._lock:
+            size = self._files.pop(block_hash, None)
+            if size is not None:
+                self.stats.bytes -= size
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                self._write(*item)
+            except OSError as e:  # a full or read-only disk: the block is not kept, the engine goes on
+                logger.warning("KV disk tier: a block could not be written (%s)", e)
+            finally:
+                self._queue.task_done()
+
+    def _write(self, block_hash: bytes, payload: bytes) -> None:
+        path = self._path(block_hash)
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
+        header = MAGIC + self.namespace + block_hash + len(payload).to_bytes(8, "little") + _checksum(payload)
+        with open(tmp, "wb") as f:
+            f.write(header)
+            f.write(payload)
+        os.replace(tmp, path)
+        size = HEADER + len(payload)
+        with self._lock:
+            if block_hash not in self._files:
+                self._files[block_hash] = size
+                self.stats.bytes += size
+                self.stats.stored += 1
+            victims = []
+            while self.stats.bytes > self.max_bytes and len(self._files) > 1:
+                h, n = self._files.popitem(last=False)
+                self.stats.bytes -= n
+                self.stats.evicted += 1
+                victims.append(h)
+        for h in victims:
+            self._path(h).unlink(missing_ok=True)
+
+
+class BlockRows(Protocol):
+    """The runner's side: KV rows of blocks, out and in (``ModelRunner``)."""
+
+    def export_blocks(self, ids: list[int]) -> Any: ...
+    def import_blocks(self, ids: list[int], data: Any, first_row: int = 0) -> None: ...
+
+
+class DiskSpill:
+    """The pool's full blocks written to the disk tier as they are computed, and read back on a
+    prefix-cache miss (``KVCacheManager.find_cached_prefix`` asks ``load``)."""
+
+    def __init__(self, tier: DiskTier, pool: BlockPool, runner: BlockRows) -> None:
+        self.tier, self._pool, self._runner = tier, pool, runner
+
+    def store(self, blocks: list[tuple[int, bytes]]) -> None:
+        """Blocks just cached in the pool (id, hash): their rows copied out now (the next step
+        may reuse a block), written by the tier's thread."""
+        new = [(b, h) for b, h in blocks if h not in self.tier]
+        if not new:
+            return
+        rows = self._runner.export_blocks([b for b, _ in new])
+        for (_, h), row in zip(new, rows, strict=True):
+            self.tier.put(h, row.numpy().tobytes())
+
+    def load(self, hashes: list[bytes], held: list[int]) -> int:
+        """The leading ``hashes`` the tier holds, read into free pool blocks and cached there (the
+        least recently used cached blocks evicted for them, never ``held``: the prefix found in
+        the pool already). Returns how many."""
+        payloads = []
+        for h in hashes:
+            data = self.tier.get(h)
+            if data is None:
+                break
+            payloads.append(data)
+        if not payloads:
+            return 0
+        pool = self._pool
+        pool.touch(held)
+        ids: list[int] = []
+        try:
+            ids = pool.allocate(min(len(payloads), pool.num_free))
+            if ids:
+                self._runner.import_blocks(ids, b"".join(payloads[: len(ids)]))
+                for b, h in zip(ids, hashes, strict=False):
+                    pool.cache(b, h)
+        finally:
+            pool.free((held + ids)[::-1])
+        return len(ids)
