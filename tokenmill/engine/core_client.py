@@ -111,7 +111,12 @@ class AsyncCoreClient:
             raise TokenmillError(
                 f"the engine core process exited at start (exit code {self.process.exitcode})"
             ) from None
-        msg = m.decode(msg)
+        try:
+            msg = m.check_ready(msg)
+        except ValueError as e:
+            self.process.kill()
+            self.process.join(5)
+            raise TokenmillError(str(e)) from None
         if isinstance(msg, m.Failed):
             self.process.join(10)
             raise (

@@ -274,7 +274,7 @@ def serve_core(build: Callable[[], tuple[EngineCore, dict, Callable[[], None]]],
         return 1
     channel = Channel(conn, "tokenmill-core", max_queued_bytes=MAX_QUEUED_BYTES)
     try:
-        channel.send(m.encode(m.Ready(info, snapshot_to_wire(core.snapshot()))))
+        channel.send(m.encode(m.Ready(m.WIRE_VERSION, info, snapshot_to_wire(core.snapshot()))))
         CoreLoop(core, channel).run()
         return 0
     except BaseException:

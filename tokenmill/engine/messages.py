@@ -5,8 +5,10 @@ On the pipe a message is a msgpack list, its tag first and then its fields in or
 errors into plain values): only strings, numbers, lists and maps cross, never a pickled
 object, so a message means the same on both sides whatever either has imported, and
 decoding one cannot run code. msgpack stayed by measurement (bench/wire_formats.py,
-bench/RESULTS.md). ``WIRE_VERSION`` changes with any message's fields; the test that
-round-trips every message pins them.
+bench/RESULTS.md). ``WIRE_VERSION`` changes with any message's fields, the engine snapshot's
+or the sampling parameters'; the test that round-trips every message pins them. The core's
+first message (``Ready``) says its version, and the API process refuses another
+(``check_ready``): both sides must come from one installation.
 
     API -> core   Add, Abort, Stop (the API found a stop string), Call (a method of the
                   core run between steps, by name: CoreLoop's table), Shutdown
@@ -24,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 
 
 @dataclass
@@ -65,6 +67,7 @@ class Shutdown:
 @dataclass
 class Ready:
     TAG: ClassVar[str] = "ready"
+    wire_version: int  # WIRE_VERSION of the core's side
     info: dict[str, Any]  # what the API process should know of the core (max_model_len, model_path, ...)
     snapshot: dict[str, Any]
 
@@ -137,3 +140,18 @@ def decode(wire: list[Any]) -> Any:
     if len(wire) - 1 != len(fields(cls)):
         raise ValueError(f"engine-core message {wire[0]!r} has {len(wire) - 1} fields, not {len(fields(cls))}")
     return cls(*wire[1:])
+
+
+def check_ready(wire: list[Any]) -> Ready | Failed:
+    """The core's first message, decoded: a ``Ready`` of this side's ``WIRE_VERSION`` (or a
+    ``Failed``); anything else a clear error naming both versions."""
+    version = wire[1] if len(wire) > 1 and wire[0] == Ready.TAG and isinstance(wire[1], int) else None
+    if wire and wire[0] == Ready.TAG and version != WIRE_VERSION:
+        raise ValueError(
+            f"the engine-core process speaks wire version {version if version is not None else 'unknown (< 2)'}, "
+            f"this API process {WIRE_VERSION}: both must come from one tokenmill installation"
+        )
+    msg = decode(wire)
+    if not isinstance(msg, Ready | Failed):
+        raise ValueError(f"the engine core's first message must be ready or failed, not {wire[0]!r}")
+    return msg
