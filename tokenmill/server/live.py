@@ -197,6 +197,15 @@ class ModelLive:
                 "spec_acceptance": round(snap.spec_num_accepted_tokens / snap.spec_num_draft_tokens, 4)
                 if snap.spec_num_draft_tokens
                 else None,
+                # the prefix cache's disk tier (--kv-disk-cache), once it holds or read anything
+                "kv_disk": {
+                    "bytes": snap.kv_disk_bytes,
+                    "hits": snap.kv_disk_hits,
+                    "stored": snap.kv_disk_stored,
+                    "evicted": snap.kv_disk_evicted,
+                }
+                if snap.kv_disk_bytes or snap.kv_disk_hits or snap.kv_disk_stored
+                else None,
                 "generation_tokens_per_s": round(decode, 1),
                 "prompt_tokens_per_s": round(prefill, 1),
             },
