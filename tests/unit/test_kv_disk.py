@@ -78,3 +78,15 @@ def test_files_fingerprint_changes_with_a_file(tmp_path):
     assert files_fingerprint(tmp_path) == before
     (tmp_path / "adapter_model.safetensors").write_bytes(b"y" * 11)
     assert files_fingerprint(tmp_path) != before
+
+
+def test_engines_on_one_directory_read_each_others_blocks(tmp_path):
+    """Replicas on one machine share the tier: what one writes after the other started, the
+    other reads (found on disk, checked as its own)."""
+    a, b = DiskTier(tmp_path, NS, 1 << 20), DiskTier(tmp_path, NS, 1 << 20)
+    a.put(h(0), payload(0))
+    a.flush()
+    assert h(0) not in b and b.get(h(0)) == payload(0) and h(0) in b
+    assert b.stats.bytes == HEADER + 1000 and b.get(h(1)) is None
+    for t in (a, b):
+        t.close()

@@ -12,6 +12,9 @@ when the queue is full a block is simply not written. The directory's share is b
 (``max_bytes``): past it, the least recently used files go (a hit counts as a use; their
 modification times carry the order over a restart).
 
+Engines may share a directory (replicas on one machine): a block one wrote, another reads
+(``get`` looks on disk for what it has not seen), and each keeps its own count of the bound.
+
 The tier knows hashes and bytes only; ``DiskSpill`` pairs it with the block pool and the
 runner's rows, as ``kv_transfer`` does for KV moving between replicas.
 """
@@ -111,11 +114,14 @@ class DiskTier:
             return block_hash in self._files
 
     def get(self, block_hash: bytes) -> bytes | None:
-        """The block's payload, or None (not here, or its file fails a check: then removed)."""
+        """The block's payload, or None (not here, or its file fails a check: then removed). A
+        block this process has not seen is looked for on disk too (one stat): another engine on
+        the same directory (a replica beside this one) may have written it."""
         with self._lock:
-            if block_hash not in self._files:
-                return None
+            known = block_hash in self._files
         path = self._path(block_hash)
+        if not known and not path.exists():
+            return None
         try:
             raw = path.read_bytes()
         except OSError:
@@ -139,6 +145,9 @@ class DiskTier:
         with self._lock:
             if block_hash in self._files:
                 self._files.move_to_end(block_hash)
+            else:  # another engine's: this one's now too
+                self._files[block_hash] = len(raw)
+                self.stats.bytes += len(raw)
         try:
             os.utime(path)  # its use survives a restart
         except OSError:
