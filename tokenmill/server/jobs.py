@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
@@ -20,7 +19,6 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tokenmill.beam_search import BeamSearch, BeamSearchParams
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.streams import RequestFailedError
 from tokenmill.errors import EngineDeadError, InvalidRequestError
@@ -29,7 +27,7 @@ from tokenmill.server.errors import error_response
 from tokenmill.server.models import Target
 from tokenmill.server.prompts import ContextShift
 from tokenmill.server.protocol import error_body, new_id, now
-from tokenmill.server.reasoning import Reasoning, ReasoningSplitter, reasoning_for
+from tokenmill.server.reasoning import Reasoning, ReasoningSplitter
 from tokenmill.server.response_cache import detach, replayed
 from tokenmill.server.served import Served, check_queue
 from tokenmill.server.streaming import DrainExpired, chain, merge, until, until_disconnect
@@ -553,76 +551,3 @@ def token_logprobs(
         "top_logprobs": [{name(t): v for t, v in top} or None for top in tops],
         "text_offset": _offsets(texts),
     }
-
-
-async def beam_response(
-    served: Served,
-    target: Target,
-    prefix: str,
-    prompts: list[list[int]],
-    beam: BeamSearchParams,
-    body: Any,
-    chat: bool,
-    client: str = "",
-) -> Response:
-    """A beam-search request (vLLM's use_beam_search): per prompt, the n best of its
-    beams as choices. Each round's beams are one-token requests to the engine, for
-    ``client`` (admission.Clients.client_of)."""
-    rid = new_id(prefix)
-    search = BeamSearch(prompts, beam, frozenset(target.tokenizer.stop_token_ids))
-    # logprobs asked: chat's logprobs (with top_logprobs alternatives), completions' logprobs (that many)
-    top_k = (body.top_logprobs or 0) if chat and body.logprobs else None if chat else body.logprobs
-    name = functools.partial(token_name, target.tokenizer, as_id=body.return_tokens_as_token_ids)
-
-    step_params = replace(beam.step_params(top_k or 0), client=client)
-    while not search.finished:
-        round_ = search.requests()
-        streams = [
-            target.engine.generate(f"{rid}-{search.rounds}-{i}", ids, step_params, target.lora)
-            for i, (_, _, ids) in enumerate(round_)
-        ]
-        finals: dict[int, RequestOutput] = {}
-        async for i, out in merge(streams):
-            if out.finished:
-                finals[i] = out
-        search.advance({(p, b): finals[i].outputs[0].top_logprobs[0] for i, (p, b, _) in enumerate(round_)})
-    choices, completion = [], 0
-    for p, result in enumerate(search.results()):
-        for k, found in enumerate(result.beams[: body.n]):
-            tokens = found.tokens[:-1] if found.finished else found.tokens  # the end-of-sequence token is not text
-            text = await asyncio.to_thread(target.tokenizer.decode, tokens, body.skip_special_tokens)
-            choice: dict[str, Any] = {
-                "index": p * body.n + k,
-                "finish_reason": "stop" if found.finished else "length",
-                "stop_reason": None,
-                "logprobs": None,
-            }
-            if top_k is not None:  # each beam's own tokens (not a final end-of-sequence), their logprobs, the top k
-                n = len(tokens)
-                choice["logprobs"] = token_logprobs(
-                    name, chat, tokens, found.logprobs[:n], [top[:top_k] for top in found.tops[:n]]
-                )
-            if chat:
-                choice["message"] = {"role": "assistant", "content": text}
-                if (reasoning := reasoning_for(target, body)) is not None:  # --reasoning-parser
-                    thought, choice["message"]["content"] = reasoning.split(text)
-                    choice["message"] |= {"reasoning": thought, "reasoning_content": thought}  # vLLM's, the old
-            else:
-                choice["text"] = text
-            choices.append(choice)
-            completion += len(found.tokens)
-    prompt_tokens = sum(len(ids) for ids in prompts)
-    return JSONResponse(
-        {
-            "id": rid,
-            "object": "chat.completion" if chat else "text_completion",
-            "created": now(),
-            "model": target.name,
-            "choices": choices,
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion,
-                "total_tokens": prompt_tokens + completion,
-            },
-        }
-    )

@@ -10,8 +10,9 @@ from dataclasses import replace
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from tokenmill.server.beam_job import beam_response
 from tokenmill.server.gateway import check_cache_field, generate
-from tokenmill.server.jobs import Job, beam_response
+from tokenmill.server.jobs import Job
 from tokenmill.server.models import Target
 from tokenmill.server.prompts import chat_prompt
 from tokenmill.server.protocol import ChatCompletionRequest, client_request_id

@@ -16,9 +16,10 @@ from fastapi.responses import Response
 
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.admission import check_count, check_tokens
+from tokenmill.server.beam_job import beam_response
 from tokenmill.server.errors import APIError
 from tokenmill.server.gateway import check_cache_field, generate
-from tokenmill.server.jobs import Job, beam_response
+from tokenmill.server.jobs import Job
 from tokenmill.server.models import Target
 from tokenmill.server.prompts import encode, max_tokens_for
 from tokenmill.server.protocol import CompletionRequest, client_request_id, truncate_prompt
