@@ -4,6 +4,7 @@ restarts, bounded, and a miss (never a wrong block) for anything torn, corrupt o
 from __future__ import annotations
 
 import hashlib
+import threading
 
 from tokenmill.engine.kv_disk import HEADER, DiskTier, files_fingerprint, namespace_of
 
@@ -90,3 +91,20 @@ def test_engines_on_one_directory_read_each_others_blocks(tmp_path):
     assert b.stats.bytes == HEADER + 1000 and b.get(h(1)) is None
     for t in (a, b):
         t.close()
+
+
+def test_blocks_past_the_write_queue_are_dropped_not_held(tmp_path, monkeypatch):
+    """What waits for the writer is bounded in bytes: a block past it is not written (a miss
+    later), never held in memory without bound."""
+    from tokenmill.engine import kv_disk
+
+    monkeypatch.setattr(kv_disk, "WRITE_QUEUE_BYTES", 2500)
+    tier = DiskTier(tmp_path, NS, 1 << 20)
+    go, write = threading.Event(), tier._write
+    tier._write = lambda *a: (go.wait(), write(*a))  # a slow disk: the first write waits
+    for i in range(4):
+        tier.put(h(i), payload(i))
+    assert tier.stats.dropped == 2  # 1000 + 1000 bytes queued; the third would pass 2500
+    go.set()
+    tier.close()
+    assert tier.stats.stored == 2 and [h(i) in tier for i in range(4)] == [True, True, False, False]

@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 MAGIC = b"TMKVBLK1"
 HEADER = len(MAGIC) + 16 + 16 + 8 + 16  # magic, namespace, block hash, payload length, payload checksum
-WRITE_QUEUE_BLOCKS = 256  # blocks waiting for the writer thread at most (then new ones are dropped)
+WRITE_QUEUE_BYTES = 64 << 20  # blocks waiting for the writer thread, at most (then new ones are dropped)
 
 
 def namespace_of(facts: dict[str, Any]) -> bytes:
@@ -70,7 +70,7 @@ class DiskTierStats:
     hits: int = 0  # blocks read back into the pool
     stored: int = 0  # blocks written
     evicted: int = 0  # files removed to stay within max_bytes
-    dropped: int = 0  # blocks not written: the writer's queue was full
+    dropped: int = 0  # blocks not written: the writer's queue was full (WRITE_QUEUE_BYTES)
     corrupt: int = 0  # files that failed their checks (removed, a miss)
     bytes: int = 0  # this namespace's files on disk
 
@@ -85,7 +85,8 @@ class DiskTier:
         self._lock = threading.Lock()
         self._files: OrderedDict[bytes, int] = OrderedDict()  # hash -> file size, least recently used first
         self._scan()
-        self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue(WRITE_QUEUE_BLOCKS)
+        self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue()
+        self._queued_bytes = 0  # payloads in the queue (bounded by WRITE_QUEUE_BYTES)
         self._writer = threading.Thread(target=self._write_loop, name="tokenmill-kv-disk", daemon=True)
         self._writer.start()
 
@@ -159,10 +160,12 @@ class DiskTier:
         """Have the block written (by the writer thread; dropped when its queue is full)."""
         if block_hash in self:
             return
-        try:
-            self._queue.put_nowait((block_hash, payload))
-        except queue.Full:
-            self.stats.dropped += 1
+        with self._lock:
+            if self._queued_bytes + len(payload) > WRITE_QUEUE_BYTES:
+                self.stats.dropped += 1
+                return
+            self._queued_bytes += len(payload)
+        self._queue.put((block_hash, payload))
 
     def flush(self) -> None:
         """Wait until every block handed to ``put`` so far is written (tests, shutdown)."""
@@ -186,7 +189,11 @@ class DiskTier:
             try:
                 if item is None:
                     return
-                self._write(*item)
+                try:
+                    self._write(*item)
+                finally:
+                    with self._lock:
+                        self._queued_bytes -= len(item[1])
             except OSError as e:  # a full or read-only disk: the block is not kept, the engine goes on
                 logger.warning("KV disk tier: a block could not be written (%s)", e)
             finally:
