@@ -251,22 +251,24 @@ class DiskSpill:
     def load(self, hashes: list[bytes], held: list[int]) -> int:
         """The leading ``hashes`` the tier holds, read into free pool blocks and cached there (the
         least recently used cached blocks evicted for them, never ``held``: the prefix found in
-        the pool already). Returns how many."""
-        payloads = []
-        for h in hashes:
-            data = self.tier.get(h)
-            if data is None:
-                break
-            payloads.append(data)
-        if not payloads:
-            return 0
+        the pool already), as many as there are free blocks (none read for nothing). Returns
+        how many."""
         pool = self._pool
+        first = self.tier.get(hashes[0]) if hashes else None
+        if first is None:
+            return 0
         pool.touch(held)
         ids: list[int] = []
         try:
-            ids = pool.allocate(min(len(payloads), pool.num_free))
-            if ids:
-                self._runner.import_blocks(ids, b"".join(payloads[: len(ids)]))
+            payloads = [first][: pool.num_free]
+            for h in hashes[1 : pool.num_free]:
+                data = self.tier.get(h)
+                if data is None:
+                    break
+                payloads.append(data)
+            if payloads:
+                ids = pool.allocate(len(payloads))
+                self._runner.import_blocks(ids, b"".join(payloads))
                 for b, h in zip(ids, hashes, strict=False):
                     pool.cache(b, h)
         finally:
