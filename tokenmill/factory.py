@@ -33,7 +33,7 @@ from tokenmill.model.ops import NativeOps
 from tokenmill.model.paths import with_model_paths
 from tokenmill.model.shard_plan import ModelShard, check_parallel_sizes
 from tokenmill.model.tokenizer import Tokenizer, load_tokenizer
-from tokenmill.model_setup import load_shard, native_kernels_run, prepare_model, resolve_device
+from tokenmill.model_setup import LoadPlan, load_shard, prepare_model, resolve_device
 from tokenmill.speculative.draft import ModelProposer
 from tokenmill.speculative.head_proposer import EagleProposer, MedusaProposer
 from tokenmill.speculative.heads import HEADS, eagle_config, head_path, load_eagle, load_medusa, native_head_linears
@@ -115,7 +115,8 @@ def build_engine(args: EngineArgs, progress: bool = True, outputs: bool = True) 
     device = resolve_device(load.device)
     dtype = resolve_dtype(load.dtype, device)
     check_options(args)  # before any weights load: a bad option costs no loading time
-    ckpt = load_checkpoint(load.model, dtype, progress=progress, **quantised_blocks(args, device))
+    plan = LoadPlan.decide(load, device, parallel.world_size)  # asked once, passed to every load
+    ckpt = load_checkpoint(load.model, dtype, progress=progress, **plan.checkpoint_options())
     tokenizer = load_tokenizer(ckpt.path, ckpt.metadata)
     config, path = ckpt.config, ckpt.path
     cluster = None
@@ -123,7 +124,7 @@ def build_engine(args: EngineArgs, progress: bool = True, outputs: bool = True) 
         cluster = Cluster.launch(parallel.world_size)
     try:
         if cluster is None:
-            model = prepare_model(LlamaForCausalLM.from_weights(config, ckpt.weights, device), device, load)
+            model = prepare_model(LlamaForCausalLM.from_weights(config, ckpt.weights, device), device, load, plan)
             shard, local = ModelShard(), config
         else:
             if device.type == "cpu":
@@ -132,13 +133,13 @@ def build_engine(args: EngineArgs, progress: bool = True, outputs: bool = True) 
             cluster.broadcast(Load(args, dtype))
             shard = ModelShard(0, parallel.tensor_parallel_size, 0, parallel.pipeline_parallel_size)
             device = rank_device(device, 0)
-            model = load_shard(config, ckpt.weights, shard, load, device)
+            model = load_shard(config, ckpt.weights, shard, load, device, plan)
             local = shard.local_config(config)
         del ckpt
         max_model_len = min(load.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         spec = args.speculative
         draft = (
-            _load_draft(spec.draft_model, config, tokenizer, args, dtype, device, progress)
+            _load_draft(spec.draft_model, config, tokenizer, args, dtype, device, plan, progress)
             if spec and spec.method == "draft"
             else None
         )
@@ -232,19 +233,6 @@ def _disk_tier(
     return DiskTier(cache.kv_disk_cache, namespace_of(facts), size)
 
 
-def quantised_blocks(args: EngineArgs, device: torch.device) -> dict[str, bool]:
-    """load_checkpoint's options: which quantised GGUF weights stay in blocks, and which blocks."""
-    keep = keeps_quantized_blocks(args, device)
-    return {"keep_quantized": keep, "int8_blocks": keep and args.load.quant_arithmetic == "int8"}
-
-
-def keeps_quantized_blocks(args: EngineArgs, device: torch.device) -> bool:
-    """``quantization="auto"``: a GGUF's quantised weights stay in their blocks where the native
-    kernels run them (one process on the CPU); elsewhere they are dequantised at load."""
-    load = args.load
-    return load.quantization == "auto" and args.parallel.world_size == 1 and native_kernels_run(load, device)
-
-
 def _grammar_compiler(tokenizer: Tokenizer, vocab_size: int, config: StructuredConfig) -> GrammarCompiler | None:
     """Structured output's compiler, for a vocabulary as wide as the logits; None (and
     structured requests refused with the reason) where llguidance is not installed."""
@@ -302,11 +290,12 @@ def _load_draft(
     args: EngineArgs,
     dtype: torch.dtype,
     device: torch.device,
+    plan: LoadPlan,
     progress: bool,
 ) -> LlamaForCausalLM:
     """Load the draft model (checked against the target by ``check_options``)."""
-    ckpt = load_checkpoint(path, dtype, progress=progress, **quantised_blocks(args, device))
-    return prepare_model(LlamaForCausalLM.from_weights(ckpt.config, ckpt.weights, device), device, args.load)
+    ckpt = load_checkpoint(path, dtype, progress=progress, **plan.checkpoint_options())
+    return prepare_model(LlamaForCausalLM.from_weights(ckpt.config, ckpt.weights, device), device, args.load, plan)
 
 
 def _proposer(

@@ -7,6 +7,8 @@ a rank's shard cut from the whole model.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from tokenmill.config import LoadConfig, ModelConfig
@@ -41,8 +43,31 @@ def native_kernels_run(load: LoadConfig, device: torch.device) -> bool:
     return load_native()
 
 
+@dataclass(frozen=True)
+class LoadPlan:
+    """How one process loads and runs its models, decided once (``decide``: by
+    factory.build_engine, or a rank's process) and passed down to every load: ``native``, the
+    native CPU kernels run them (then int8/int4 weights go to the packed kernels); ``keep_blocks``,
+    a GGUF's quantised weights stay in their blocks (one process on the CPU, ``quantization``
+    auto); ``int8_blocks``, in the integer arithmetic."""
+
+    native: bool
+    keep_blocks: bool
+    int8_blocks: bool
+
+    @classmethod
+    def decide(cls, load: LoadConfig, device: torch.device, world_size: int) -> LoadPlan:
+        native = native_kernels_run(load, device)
+        keep = load.quantization == "auto" and world_size == 1 and native
+        return cls(native, keep, keep and load.quant_arithmetic == "int8")
+
+    def checkpoint_options(self) -> dict[str, bool]:
+        """load_checkpoint's keywords: which quantised GGUF weights stay in blocks, and which blocks."""
+        return {"keep_quantized": self.keep_blocks, "int8_blocks": self.int8_blocks}
+
+
 def prepare_model(
-    model: LlamaForCausalLM, device: torch.device, load: LoadConfig, quantize: bool = True
+    model: LlamaForCausalLM, device: torch.device, load: LoadConfig, plan: LoadPlan, quantize: bool = True
 ) -> LlamaForCausalLM:
     """A loaded model (target or draft) made ready to run: its per-layer ops chosen, its
     weights quantised (unless a shard was cut from quantised weights already), and, with
@@ -55,8 +80,7 @@ def prepare_model(
         raise TokenmillError(str(e)) from None
     try:
         if quantize:
-            packed = native_kernels_run(load, device)
-            quantize_model(model, load.quantization, load.quantization_group_size, packed=packed)
+            quantize_model(model, load.quantization, load.quantization_group_size, packed=plan.native)
     except ValueError as e:  # e.g. a group size that does not divide a layer's width
         raise TokenmillError(str(e)) from None
     if isinstance(model.ops, NativeOps):
@@ -91,14 +115,19 @@ def prepare_model(
 
 
 def load_shard(
-    config: ModelConfig, weights: dict[str, torch.Tensor], shard: ModelShard, load: LoadConfig, device: torch.device
+    config: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    shard: ModelShard,
+    load: LoadConfig,
+    device: torch.device,
+    plan: LoadPlan,
 ) -> LlamaForCausalLM:
     """This rank's part of the model, cut from the whole (quantised whole, then cut)."""
     full = LlamaForCausalLM.from_weights(config, weights, "cpu")
     try:
         model = shard_model(
-            full, shard, load.quantization, load.quantization_group_size, packed=native_kernels_run(load, device)
+            full, shard, load.quantization, load.quantization_group_size, packed=plan.native
         )  # as quantize_model does in one process
     except ValueError as e:
         raise TokenmillError(str(e)) from None
-    return prepare_model(model.to(device), device, load, quantize=False)
+    return prepare_model(model.to(device), device, load, plan, quantize=False)

@@ -27,7 +27,7 @@ from tokenmill.distributed.stage import parallel_stage
 from tokenmill.lifetime import exit_with_parent
 from tokenmill.model.loader import load_checkpoint
 from tokenmill.model.shard_plan import ModelShard
-from tokenmill.model_setup import load_shard, resolve_device
+from tokenmill.model_setup import LoadPlan, load_shard, resolve_device
 from tokenmill.worker.kv_cache import allocate_kv_cache
 from tokenmill.worker.model_runner import ModelRunner
 
@@ -70,9 +70,10 @@ def _build(
     if device.type == "cpu":
         torch.set_num_threads(threads_per_rank(local_world_size))
     shard = ModelShard.of_rank(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
-    ckpt = load_checkpoint(args.load.model, load.dtype, progress=False)
+    plan = LoadPlan.decide(args.load, device, parallel.world_size)  # (several ranks: blocks never kept)
+    ckpt = load_checkpoint(args.load.model, load.dtype, progress=False, **plan.checkpoint_options())
     config = ckpt.config
-    model = load_shard(config, ckpt.weights, shard, args.load, device)
+    model = load_shard(config, ckpt.weights, shard, args.load, device, plan)
     del ckpt
     setup = control.receive()
     assert isinstance(setup, Setup), f"expected Setup, got {type(setup).__name__}"
