@@ -50,7 +50,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.evaluate import chunk_logprobs
 from tokenmill.memory import parse_memory
 from tokenmill.quant.weights import weight_bytes
-from tokenmill.worker.kv_cache import kv_bytes_per_token
+from tokenmill.worker.kv_allocation import kv_bytes_per_token
 
 RESULTS = Path(__file__).parent / "results"
 HELDOUT = Path(__file__).parent.parent / "tests" / "data" / "heldout.txt"

@@ -681,7 +681,7 @@ def tiny_adapter(path, conf=None, a=None, b=None):
 def exact_first_tokens(model, prompt, temperature, top_k=0, block=4):
     """P(t1) and P(t2, t3) of the target's own sampling, by enumeration."""
     vocab = model.config.vocab_size
-    from tokenmill.worker.kv_cache import allocate_kv_cache
+    from tokenmill.worker.kv_allocation import allocate_kv_cache
     from tokenmill.worker.model_runner import ModelRunner
 
     cpu = torch.device("cpu")

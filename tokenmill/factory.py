@@ -17,7 +17,7 @@ import torch
 
 from tokenmill.config import EngineArgs, ModelConfig, SpeculativeConfig, StructuredConfig
 from tokenmill.distributed.cluster import Cluster, rank_device, threads_per_rank
-from tokenmill.distributed.messages import Load, Setup
+from tokenmill.distributed.rank_messages import Load, Setup
 from tokenmill.distributed.runner import DistributedRunner
 from tokenmill.distributed.stage import parallel_stage
 from tokenmill.engine.core import EngineConfig, EngineCore
@@ -39,7 +39,7 @@ from tokenmill.speculative.head_proposer import EagleProposer, MedusaProposer
 from tokenmill.speculative.heads import HEADS, eagle_config, head_path, load_eagle, load_medusa, native_head_linears
 from tokenmill.speculative.ngram import NgramProposer
 from tokenmill.structured.grammar import GrammarCompiler
-from tokenmill.worker.kv_cache import allocate_kv_cache, block_bytes
+from tokenmill.worker.kv_allocation import allocate_kv_cache, block_bytes
 from tokenmill.worker.lora import LoRAManager
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.proposer import Proposer

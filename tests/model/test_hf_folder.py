@@ -9,7 +9,7 @@ from tests.helpers import all_logits, make_tiny_llama, seq
 from tokenmill.engine.block_pool import BlockPool
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import load_checkpoint
-from tokenmill.worker.kv_cache import allocate_kv_cache
+from tokenmill.worker.kv_allocation import allocate_kv_cache
 from tokenmill.worker.model_runner import ModelRunner
 
 transformers = pytest.importorskip("transformers")

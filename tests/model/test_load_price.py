@@ -25,7 +25,7 @@ from tokenmill.engine.load_price import (
 from tokenmill.engine.messages import Call
 from tokenmill.engine.request import sequence_ids
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.worker.kv_cache import allocate_kv_cache
+from tokenmill.worker.kv_allocation import allocate_kv_cache
 from tokenmill.worker.model_runner import ModelRunner
 
 CPU = torch.device("cpu")

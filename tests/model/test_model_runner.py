@@ -12,7 +12,7 @@ from tokenmill.config import SchedulerConfig
 from tokenmill.engine.engine import Engine, EngineConfig
 from tokenmill.engine.model_input import ModelInput, NewRequestData, ScheduledTokens
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.worker.kv_cache import allocate_kv_cache
+from tokenmill.worker.kv_allocation import allocate_kv_cache
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.proposer import Draft
 

@@ -9,7 +9,7 @@ import torch
 from tests.helpers import all_logits, seq
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import load_checkpoint
-from tokenmill.worker.kv_cache import allocate_kv_cache
+from tokenmill.worker.kv_allocation import allocate_kv_cache
 from tokenmill.worker.model_runner import ModelRunner
 
 transformers = pytest.importorskip("transformers")

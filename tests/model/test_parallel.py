@@ -27,7 +27,7 @@ from tokenmill.distributed.stage import split_microbatches
 from tokenmill.errors import EngineDeadError, TokenmillError
 from tokenmill.model.loader import load_checkpoint
 from tokenmill.model.shard_plan import ModelShard, check_parallel_sizes
-from tokenmill.worker.kv_cache import block_bytes
+from tokenmill.worker.kv_allocation import block_bytes
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox",

@@ -21,7 +21,7 @@ from tokenmill.engine.scheduler import SchedulerConfig
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.speculative.draft import ModelProposer
 from tokenmill.speculative.ngram import NgramProposer
-from tokenmill.worker.kv_cache import allocate_kv_cache
+from tokenmill.worker.kv_allocation import allocate_kv_cache
 from tokenmill.worker.model_runner import ModelRunner
 
 CPU = torch.device("cpu")

@@ -30,7 +30,7 @@ from tokenmill.speculative.head_proposer import EagleProposer, MedusaProposer
 from tokenmill.speculative.heads import eagle_config, load_eagle, load_medusa
 from tokenmill.speculative.training.data import target_features
 from tokenmill.speculative.training.train import EagleReference
-from tokenmill.worker.kv_cache import allocate_kv_cache
+from tokenmill.worker.kv_allocation import allocate_kv_cache
 from tokenmill.worker.model_runner import ModelRunner
 
 CPU = torch.device("cpu")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from tokenmill.server.responses import ResponseStore, owner_of
+from tokenmill.server.response_items import ResponseStore, owner_of
 from tokenmill.server.responses_request import items_to_messages
 
 

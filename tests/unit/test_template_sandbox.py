@@ -19,7 +19,7 @@ import pytest
 from tests.helpers import process_alive
 from tokenmill.errors import InvalidRequestError
 from tokenmill.model.chat_template import TemplateLimits
-from tokenmill.server.errors import APIError
+from tokenmill.server.error_responses import APIError
 from tokenmill.server.template_sandbox import RequestTemplates
 
 LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x"

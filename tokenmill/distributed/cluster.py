@@ -5,7 +5,7 @@ tokenmill.distributed.rank_process``, a fresh interpreter each: nothing of the c
 process is forked) and hosts the store they meet at. Under ``torchrun`` every rank
 was started by torchrun and the store is its rendezvous; rank 0 is the driver.
 
-The conversation, every message a broadcast from the driver (``messages.py``):
+The conversation, every message a broadcast from the driver (``rank_messages.py``):
 ``Load`` (the engine's options and dtype: every rank loads its shard), ``Setup``
 (the KV pool's size), then one ``Step`` per engine step (or ``Forward`` for a
 scoring pass), and ``Shutdown``.
@@ -33,7 +33,7 @@ from torch.distributed import Store, TCPStore
 
 from tokenmill.distributed.env import torchrun_rank, under_torchrun
 from tokenmill.distributed.groups import CommStats, ControlChannel, ParallelGroups
-from tokenmill.distributed.messages import Shutdown
+from tokenmill.distributed.rank_messages import Shutdown
 from tokenmill.errors import EngineDeadError, TokenmillError
 from tokenmill.model.shard_plan import ModelShard
 

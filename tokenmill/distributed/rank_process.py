@@ -22,13 +22,13 @@ from torch.distributed import Store, TCPStore
 
 from tokenmill.distributed.cluster import STORE_TIMEOUT, WorkerSpec, rank_device, threads_per_rank
 from tokenmill.distributed.groups import CommStats, ControlChannel, ParallelGroups
-from tokenmill.distributed.messages import Forward, Load, Setup, Shutdown, Step
+from tokenmill.distributed.rank_messages import Forward, Load, Setup, Shutdown, Step
 from tokenmill.distributed.stage import parallel_stage
 from tokenmill.lifetime import exit_with_parent
 from tokenmill.model.loader import load_checkpoint
 from tokenmill.model.shard_plan import ModelShard
 from tokenmill.model_setup import LoadPlan, load_shard, resolve_device
-from tokenmill.worker.kv_cache import allocate_kv_cache
+from tokenmill.worker.kv_allocation import allocate_kv_cache
 from tokenmill.worker.model_runner import ModelRunner
 
 

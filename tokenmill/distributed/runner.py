@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.distributed.cluster import Cluster
-from tokenmill.distributed.messages import Committed, Forward, Step
+from tokenmill.distributed.rank_messages import Committed, Forward, Step
 from tokenmill.engine.model_input import GrammarMasks, ModelInput, ModelOutput
 from tokenmill.errors import EngineDeadError
 from tokenmill.worker.inputs import SeqInput

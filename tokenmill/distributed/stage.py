@@ -21,7 +21,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.distributed.groups import ParallelGroups
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.worker.inputs import InputBuffers, SeqInput, prepare_inputs
-from tokenmill.worker.kv_cache import KVCache
+from tokenmill.worker.kv_allocation import KVCache
 
 RESIDUAL_TAG, LOGITS_TAG = 0, 1 << 20  # + micro-batch index
 

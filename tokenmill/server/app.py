@@ -35,7 +35,7 @@ from tokenmill.energy import EnergyMeter
 from tokenmill.engine.streams import StreamingFront
 from tokenmill.errors import TokenmillError
 from tokenmill.memory import parse_memory
-from tokenmill.server.errors import install_error_handlers
+from tokenmill.server.error_responses import install_error_handlers
 from tokenmill.server.live import LiveView
 from tokenmill.server.metrics import EngineSource, ServerMetrics
 from tokenmill.server.middleware import install_middleware
@@ -43,7 +43,7 @@ from tokenmill.server.model_router import parse_routers
 from tokenmill.server.models import ServedModel
 from tokenmill.server.reasoning import apply_reasoning_parser
 from tokenmill.server.response_cache import ResponseCache
-from tokenmill.server.responses import ResponseStore
+from tokenmill.server.response_items import ResponseStore
 from tokenmill.server.routes import admin, chat, completions, embeddings, scoring
 from tokenmill.server.routes import responses as responses_api
 from tokenmill.server.served import Served

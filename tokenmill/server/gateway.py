@@ -27,7 +27,7 @@ from starlette.background import BackgroundTask
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.streams import RequestFailedError
 from tokenmill.pooling_params import PoolingParams
-from tokenmill.server.errors import APIError, ContextLengthError, error_response
+from tokenmill.server.error_responses import APIError, ContextLengthError, error_response
 from tokenmill.server.model_router import ModelRouter, Route
 from tokenmill.server.models import Target
 from tokenmill.server.prompts import encode
@@ -42,7 +42,7 @@ from tokenmill.server.response_cache import (
     request_key,
     semantic_text,
 )
-from tokenmill.server.responses import owner_of
+from tokenmill.server.response_items import owner_of
 from tokenmill.server.served import Served, check_queue, resolve
 from tokenmill.server.streaming import until_disconnect
 

@@ -23,7 +23,7 @@ from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.streams import RequestFailedError
 from tokenmill.errors import EngineDeadError, InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server.errors import error_response
+from tokenmill.server.error_responses import error_response
 from tokenmill.server.models import Target
 from tokenmill.server.prompts import ContextShift
 from tokenmill.server.protocol import error_body, new_id, now

@@ -18,7 +18,7 @@ from fastapi import Request
 
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.server.admission import check_count, check_tokens
-from tokenmill.server.errors import APIError
+from tokenmill.server.error_responses import APIError
 from tokenmill.server.models import Target
 from tokenmill.server.prompts import encode, max_tokens_for
 from tokenmill.server.protocol import check_request_id, new_id, truncate_prompt

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server.errors import ContextLengthError
+from tokenmill.server.error_responses import ContextLengthError
 from tokenmill.server.models import Target
 from tokenmill.server.protocol import ChatCompletionRequest, truncate_prompt
 from tokenmill.server.reasoning import reasoning_for

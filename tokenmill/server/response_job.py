@@ -19,13 +19,13 @@ from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.streams import RequestFailedError
 from tokenmill.errors import EngineDeadError, InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server.errors import error_response
+from tokenmill.server.error_responses import error_response
 from tokenmill.server.jobs import with_logprobs
 from tokenmill.server.models import Target
 from tokenmill.server.reasoning import Reasoning
 from tokenmill.server.response_cache import detach
-from tokenmill.server.responses import OutputBuilder, ResponseShape, output_messages, sse_event
-from tokenmill.server.responses import usage as responses_usage
+from tokenmill.server.response_items import OutputBuilder, ResponseShape, output_messages, sse_event
+from tokenmill.server.response_items import usage as responses_usage
 from tokenmill.server.served import Served, check_queue
 from tokenmill.server.streaming import DrainExpired, chain, until, until_disconnect
 from tokenmill.server.tools import ToolRequest

@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.server.admission import Clients, ClientWindows
-from tokenmill.server.errors import APIError
+from tokenmill.server.error_responses import APIError
 from tokenmill.server.live import LiveView
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.model_router import ModelRouter
 from tokenmill.server.models import ServedModel, Target
 from tokenmill.server.response_cache import ResponseCache
-from tokenmill.server.responses import ResponseStore
+from tokenmill.server.response_items import ResponseStore
 from tokenmill.server.template_sandbox import RequestTemplates
 from tokenmill.serving_config import ServerConfig
 

@@ -32,7 +32,7 @@ from tokenmill.errors import InvalidRequestError
 from tokenmill.memory import parse_memory
 from tokenmill.model.chat_template import Rendered, RenderJob, TemplateLimits, serve_renders
 from tokenmill.model.tokenizer import Render
-from tokenmill.server.errors import APIError
+from tokenmill.server.error_responses import APIError
 from tokenmill.serving_config import ServerConfig
 
 START_TIMEOUT_S = 60.0  # a worker's start: a fresh interpreter importing jinja2 (well under a second)

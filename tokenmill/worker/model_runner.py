@@ -38,7 +38,7 @@ from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.inputs import InputBuffers, SeqInput, order_seqs, prepare_inputs
-from tokenmill.worker.kv_cache import KVCache
+from tokenmill.worker.kv_allocation import KVCache
 from tokenmill.worker.lora import LoRAManager
 from tokenmill.worker.proposer import Draft, Proposer
 from tokenmill.worker.sampler import PenaltyState, param_row
@@ -47,7 +47,7 @@ from tokenmill.worker.token_choice import choose_tokens
 from tokenmill.worker.tree import follow, verification_layout
 
 # request id -> (tokens the driver sampled for it last step, its new draft or None): what a
-# worker rank of a split model is told of the step before (distributed/messages.py sends it)
+# worker rank of a split model is told of the step before (distributed/rank_messages.py sends it)
 Committed = dict[str, tuple[list[int], list[int] | None]]
 
 

@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from tokenmill import __version__
 from tokenmill.errors import TokenmillError
 from tokenmill.server.admin_protocol import DetokenizeRequest, LoRAAdapterRequest, TokenizeRequest
-from tokenmill.server.errors import APIError, error_response
+from tokenmill.server.error_responses import APIError, error_response
 from tokenmill.server.models import ServedModel
 from tokenmill.server.prompts import render_chat
 from tokenmill.server.protocol import now

@@ -17,7 +17,7 @@ from fastapi.responses import Response
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.admission import check_count, check_tokens
 from tokenmill.server.beam_job import beam_response
-from tokenmill.server.errors import APIError
+from tokenmill.server.error_responses import APIError
 from tokenmill.server.gateway import check_cache_field, generate
 from tokenmill.server.jobs import Job
 from tokenmill.server.models import Target

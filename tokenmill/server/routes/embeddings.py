@@ -8,7 +8,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenmill.server.errors import APIError
+from tokenmill.server.error_responses import APIError
 from tokenmill.server.pooled import as_encoded, pooled, pooling_prompts
 from tokenmill.server.pooling_protocol import EmbeddingRequest
 from tokenmill.server.prompts import render_chat

@@ -19,7 +19,7 @@ import torch
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.inputs import SeqInput, prepare_inputs
-from tokenmill.worker.kv_cache import allocate_kv_cache
+from tokenmill.worker.kv_allocation import allocate_kv_cache
 
 FEATURE_BATCH_TOKENS = 4096  # tokens per feature forward (the scratch cache holds this many)
 

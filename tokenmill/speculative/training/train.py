@@ -527,7 +527,7 @@ def plot(history: dict, out: Path, title: str) -> Path:
 
 def read_prompts(path: str | None, count: int) -> list[str]:
     """One prompt per line of ``path`` (blank lines skipped), or the bundled chat prompts."""
-    from tokenmill.speculative.prompts import bundled_chat_prompts
+    from tokenmill.speculative.training_prompts import bundled_chat_prompts
 
     if path is None:
         return bundled_chat_prompts(count)
