@@ -43,8 +43,10 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -259,9 +261,14 @@ def routing(args: argparse.Namespace) -> dict:
         warm += [(system, ["Hello."]) for system in dict.fromkeys(s for s, _ in workload)]
     kv = ["--kv-cache-memory", args.kv_cache_memory]
     modes = {"one replica": (["--kv-cache-memory", args.single_kv_cache_memory], None)} if args.single else {}
+    disk_dirs = []
     for policy in filter(None, args.policies.split(",")):
         routing_name, _, load_cost = policy.partition("@")  # kv@128: a fixed price of load
+        routing_name, disk, _ = routing_name.partition("+disk")  # kv+disk: the replicas share a disk tier
         fixed = ["--route-load-cost", load_cost] if load_cost else []
+        if disk:
+            disk_dirs.append(tempfile.mkdtemp(prefix="kv_disk_"))
+            fixed += ["--kv-disk-cache", disk_dirs[-1]]
         modes[f"2 replicas, {policy}"] = (
             ["--data-parallel-size", "2", "--routing", routing_name, *fixed, *kv],
             "cluster",
@@ -312,6 +319,8 @@ def routing(args: argparse.Namespace) -> dict:
     finally:
         if not args.local_ray:
             stop_cluster()
+        for d in disk_dirs:
+            shutil.rmtree(d, ignore_errors=True)
     return {
         "workload": {
             "cold": args.cold,
@@ -640,7 +649,8 @@ def main() -> int:
     p.add_argument(
         "--policies",
         default="kv,pow2,round-robin",
-        help="routing: the two-replica runs, in order (kv@N: kv routing with --route-load-cost N)",
+        help="routing: the two-replica runs, in order (kv@N: kv routing with --route-load-cost N; kv+disk: "
+        "the replicas share a prefix-cache disk tier, --kv-disk-cache, in a fresh directory)",
     )
     p.add_argument(
         "--single",
