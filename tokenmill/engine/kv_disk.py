@@ -29,9 +29,10 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from tokenmill.engine.block_pool import BlockPool
+from tokenmill.engine.kv_transfer import BlockRows, cache_rows
 
 logger = logging.getLogger(__name__)
 
@@ -224,13 +225,6 @@ class DiskTier:
             self._path(h).unlink(missing_ok=True)
 
 
-class BlockRows(Protocol):
-    """The runner's side: KV rows of blocks, out and in (``ModelRunner``)."""
-
-    def export_blocks(self, ids: list[int]) -> Any: ...
-    def import_blocks(self, ids: list[int], data: Any, first_row: int = 0) -> None: ...
-
-
 class DiskSpill:
     """The pool's full blocks written to the disk tier as they are computed, and read back on a
     prefix-cache miss (``KVCacheManager.find_cached_prefix`` asks ``load``)."""
@@ -249,28 +243,16 @@ class DiskSpill:
             self.tier.put(h, row.numpy().tobytes())
 
     def load(self, hashes: list[bytes], held: list[int]) -> int:
-        """The leading ``hashes`` the tier holds, read into free pool blocks and cached there (the
-        least recently used cached blocks evicted for them, never ``held``: the prefix found in
-        the pool already), as many as there are free blocks (none read for nothing). Returns
-        how many."""
-        pool = self._pool
-        first = self.tier.get(hashes[0]) if hashes else None
-        if first is None:
+        """The leading ``hashes`` the tier holds, read into free pool blocks and cached there
+        (kv_transfer.cache_rows: never evicting ``held``, the prefix found in the pool already),
+        no more read than the pool has free blocks (a miss reads one file at most). Returns how
+        many."""
+        payloads: list[bytes] = []
+        for h in hashes[: self._pool.num_free]:
+            data = self.tier.get(h)
+            if data is None:
+                break
+            payloads.append(data)
+        if not payloads:
             return 0
-        pool.touch(held)
-        ids: list[int] = []
-        try:
-            payloads = [first][: pool.num_free]
-            for h in hashes[1 : pool.num_free]:
-                data = self.tier.get(h)
-                if data is None:
-                    break
-                payloads.append(data)
-            if payloads:
-                ids = pool.allocate(len(payloads))
-                self._runner.import_blocks(ids, b"".join(payloads))
-                for b, h in zip(ids, hashes, strict=False):
-                    pool.cache(b, h)
-        finally:
-            pool.free((held + ids)[::-1])
-        return len(ids)
+        return cache_rows(self._pool, self._runner, held, hashes[: len(payloads)], b"".join(payloads))

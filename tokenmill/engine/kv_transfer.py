@@ -60,13 +60,24 @@ class KVTransfer:
             if b is None:
                 break
             found.append(b)
-        pool.touch(found)  # held while allocating, so that none of them is the block evicted
-        ids = pool.allocate(min(len(hashes) - len(found), pool.num_free))
-        try:
-            if ids:
-                self._runner.import_blocks(ids, data, first_row=len(found))
-                for b, h in zip(ids, hashes[len(found) :], strict=False):
-                    pool.cache(b, h)
-        finally:
-            pool.free((found + ids)[::-1])  # idle again: cached, evictable, the most recently used
-        return len(found) + len(ids)
+        return len(found) + cache_rows(pool, self._runner, found, hashes[len(found) :], data, len(found))
+
+
+def cache_rows(
+    pool: BlockPool, runner: BlockRows, held: list[int], hashes: Sequence[bytes], data: Any, first_row: int = 0
+) -> int:
+    """KV rows of the blocks of ``hashes`` (``data`` from row ``first_row`` on: an export's tensor
+    or raw bytes) put into free pool blocks and cached there, as many as are free: the least
+    recently used cached blocks evicted for them, never ``held`` (blocks the caller found cached
+    already; idle again after, the most recently used). Returns how many were cached."""
+    pool.touch(held)  # held while allocating, so that none of them is the block evicted
+    ids: list[int] = []
+    try:
+        ids = pool.allocate(min(len(hashes), pool.num_free))
+        if ids:
+            runner.import_blocks(ids, data, first_row=first_row)
+            for b, h in zip(ids, hashes, strict=False):
+                pool.cache(b, h)
+    finally:
+        pool.free((held + ids)[::-1])
+    return len(ids)

@@ -83,9 +83,9 @@ class LlamaAttention(nn.Module):
         ops: TorchOps,
         tp: TensorParallelGroup | None = None,
         lora: LoRAMapping | None = None,
+        long_rows: tuple[tuple[int, int], ...] | None = None,  # ops.long_rows(meta), the layer's
     ) -> torch.Tensor:
         n = x.shape[0]
-        long_rows = ops.long_rows(meta)
         q, k, v = project(self.qkv_proj, x, lora, long_rows).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
@@ -161,13 +161,14 @@ class LlamaDecoderLayer(nn.Module):
         lora: LoRAMapping | None = None,
     ) -> torch.Tensor:
         post = self.post_attention_layernorm
-        attn = self.self_attn(h, positions, rotary, kv_cache, meta, ops, tp, lora)
+        long_rows = ops.long_rows(meta)  # the rows that may take a GGUF weight's GEMM (once a layer)
+        attn = self.self_attn(h, positions, rotary, kv_cache, meta, ops, tp, lora, long_rows)
         if self.sandwich:
             attn = ops.rms_norm(attn, post.weight, post.eps)
             post = self.pre_feedforward_layernorm
         h = ops.add_rms_norm(attn, x, post.weight, post.eps)
         if isinstance(self.mlp, LlamaMLP):
-            out = self.mlp(h, ops, tp, lora, ops.long_rows(meta))
+            out = self.mlp(h, ops, tp, lora, long_rows)
         else:
             out = self.mlp(h, ops, tp)  # no adapters on experts
         if self.sandwich:
@@ -392,9 +393,7 @@ class LlamaForCausalLM(nn.Module):
             assert self.embed_tokens is not None
             logits = nn.functional.linear(hidden, self.embed_tokens.weight).float()
         else:
-            head = self.lm_head
-            rows = self.ops.head_long_rows()
-            logits = (head(hidden) if rows is None or not isinstance(head, QuantLinear) else head(hidden, rows)).float()
+            logits = project(self.lm_head, hidden, None, self.ops.head_long_rows()).float()
         cap = self.config.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
