@@ -193,7 +193,7 @@ def held_out_perplexity(gguf_dir: Path, dtype: str) -> dict:
     """Perplexity on tests/data/heldout.txt (1024 tokens) of each quantised file, from its
     blocks and dequantised at load: the issue's bound is 0.5% apart."""
     from tokenmill import LLM
-    from tokenmill.evaluate import perplexity
+    from tokenmill.evaluate.perplexity import perplexity
 
     text = (Path(__file__).parent.parent / "tests" / "data" / "heldout.txt").read_text()
     out = {}

@@ -47,8 +47,8 @@ from pathlib import Path
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.evaluate import chunk_logprobs
-from tokenmill.memory import parse_memory
+from tokenmill.configuration.memory import parse_memory
+from tokenmill.evaluate.perplexity import chunk_logprobs
 from tokenmill.quant.weights import weight_bytes
 from tokenmill.worker.kv_allocation import kv_bytes_per_token
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import time
 
-from tokenmill.config import SchedulerConfig
-from tokenmill.engine.block_pool import BlockPool
-from tokenmill.engine.kv_manager import KVCacheManager
+from tokenmill.configuration.config import SchedulerConfig
+from tokenmill.engine.core.block_pool import BlockPool
+from tokenmill.engine.core.kv_manager import KVCacheManager
+from tokenmill.engine.core.request import Request
+from tokenmill.engine.core.scheduler import Scheduler
 from tokenmill.engine.model_input import ModelOutput, SampledToken
-from tokenmill.engine.request import Request
-from tokenmill.engine.scheduler import Scheduler
 from tokenmill.sampling_params import SamplingParams
 
 BLOCK = 16

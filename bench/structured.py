@@ -29,7 +29,7 @@ from pathlib import Path
 
 import jsonschema
 
-import tokenmill.engine.grammar_masks as grammar_masks
+import tokenmill.engine.core.grammar_masks as grammar_masks
 import tokenmill.worker.model_runner as model_runner
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.model_input import GrammarMasks

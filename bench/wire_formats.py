@@ -1,12 +1,12 @@
 """The engine-core pipe's format, chosen by measurement: a step's Out message (the
 biggest and most frequent: one per step) packed and unpacked with msgpack (what
-engine/messages.py uses), pickle and json, per message, best of several rounds.
+engine/pipe/messages.py uses), pickle and json, per message, best of several rounds.
 
     .venv/bin/python bench/wire_formats.py
 
 Two shapes: 32 decoding sequences with a token each (plain decode), and the same with 5
 top logprobs each. pickle is measured as a bound only: it would let a message run code
-when decoded, which the design rules out (engine/wire.py).
+when decoded, which the design rules out (engine/pipe/wire.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import msgpack
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.quant_linear import best_ms
-from tokenmill.engine.messages import Out, decode, encode
+from tokenmill.engine.pipe.messages import Out, decode, encode
 from tokenmill.engine.stats import EngineSnapshot
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenmill.engine.block_pool import BlockPool
+from tokenmill.engine.core.block_pool import BlockPool
 
 TESTS = Path(__file__).parent
 # tests that start other processes (servers, torch.distributed workers, the CLI, other builds)

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import torch
 
-from tokenmill.config import ModelConfig
+from tokenmill.configuration.config import ModelConfig
 from tokenmill.model.chat_template import render_chat_template
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.tokenizer import open_final_message

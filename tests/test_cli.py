@@ -46,12 +46,12 @@ def test_generate_with_prompt_lookup_reports_acceptance():
 
 
 def test_every_engine_option_is_a_flag_a_keyword_and_documented():
-    """Options are declared once (tokenmill.config); the flags, the LLM keywords and the
+    """Options are declared once (tokenmill.configuration.config); the flags, the LLM keywords and the
     README's table must all follow from that one declaration."""
     from pathlib import Path
 
-    from tokenmill.args import engine_args, engine_keywords
-    from tokenmill.cli import build_parser
+    from tokenmill.configuration.args import engine_args, engine_keywords
+    from tokenmill.entrypoints.cli import build_parser
 
     keywords = engine_keywords()
     help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
@@ -70,7 +70,7 @@ def test_every_engine_option_is_a_flag_a_keyword_and_documented():
 def test_an_unknown_option_or_a_bad_value_names_the_problem():
     import pytest
 
-    from tokenmill.args import engine_args
+    from tokenmill.configuration.args import engine_args
     from tokenmill.errors import TokenmillError
 
     with pytest.raises(TypeError, match="max_num_seq"):

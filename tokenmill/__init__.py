@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tokenmill.beam_search import BeamSearchParams
-    from tokenmill.config import EngineArgs
+    from tokenmill.configuration.config import EngineArgs
     from tokenmill.llm import LLM, RequestOutput
     from tokenmill.pooling_params import PoolingParams
     from tokenmill.sampling_params import SamplingParams
@@ -23,7 +23,7 @@ _HOMES = {
     "LLM": "tokenmill.llm",
     "BeamSearchParams": "tokenmill.beam_search",
     "RequestOutput": "tokenmill.llm",
-    "EngineArgs": "tokenmill.config",
+    "EngineArgs": "tokenmill.configuration.config",
     "SamplingParams": "tokenmill.sampling_params",
     "PoolingParams": "tokenmill.pooling_params",
 }

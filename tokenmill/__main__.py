@@ -1,3 +1,3 @@
-from tokenmill.cli import main
+from tokenmill.entrypoints.cli import main
 
 raise SystemExit(main())

@@ -2,10 +2,10 @@
 
 Started by the API process (``AsyncCoreClient``, spawn) with the engine options; it
 builds an ``EngineCore`` over the model (factory.build_engine) and serves it over the
-pipe (engine/core_loop.py). Ctrl-C and SIGTERM are the API process's to handle: it
+pipe (engine/core/core_loop.py). Ctrl-C and SIGTERM are the API process's to handle: it
 drains, then tells this one to stop; a closed pipe (the API process died) stops it too,
 between steps. An API process that dies while this one loads the model or runs a
-step (killed, or a SIGTERM it did not handle) ends it at once (lifetime.py).
+step (killed, or a SIGTERM it did not handle) ends it at once (host/lifetime.py).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import signal
 import sys
 from multiprocessing.connection import Connection
 
-from tokenmill.config import EngineArgs
-from tokenmill.lifetime import exit_with_parent
+from tokenmill.configuration.config import EngineArgs
+from tokenmill.host.lifetime import exit_with_parent
 
 
 def run_engine_core(args: EngineArgs, conn: Connection) -> None:
@@ -40,6 +40,6 @@ def run_engine_core(args: EngineArgs, conn: Connection) -> None:
         }
         return parts.core, info, parts.close
 
-    from tokenmill.engine.core_loop import serve_core
+    from tokenmill.engine.core.core_loop import serve_core
 
     sys.exit(serve_core(build, conn))

@@ -15,17 +15,17 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.config import EngineArgs, ModelConfig, SpeculativeConfig, StructuredConfig
+from tokenmill.configuration.config import EngineArgs, ModelConfig, SpeculativeConfig, StructuredConfig
+from tokenmill.configuration.memory import parse_memory
 from tokenmill.distributed.cluster import Cluster, rank_device, threads_per_rank
 from tokenmill.distributed.rank_messages import Load, Setup
 from tokenmill.distributed.runner import DistributedRunner
 from tokenmill.distributed.stage import parallel_stage
-from tokenmill.engine.core import EngineConfig, EngineCore
+from tokenmill.engine.core.engine_core import EngineConfig, EngineCore
+from tokenmill.engine.core.kv_disk import DiskTier, files_fingerprint, namespace_of
 from tokenmill.engine.engine import Engine
-from tokenmill.engine.kv_disk import DiskTier, files_fingerprint, namespace_of
 from tokenmill.errors import ModelLoadError, TokenmillError
 from tokenmill.kernels.cpu import cpu_info
-from tokenmill.memory import parse_memory
 from tokenmill.model.layers.kv_cache import block_nbytes
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import load_checkpoint, read_config
@@ -33,7 +33,6 @@ from tokenmill.model.ops import NativeOps
 from tokenmill.model.paths import with_model_paths
 from tokenmill.model.shard_plan import ModelShard, check_parallel_sizes
 from tokenmill.model.tokenizer import Tokenizer, load_tokenizer
-from tokenmill.model_setup import LoadPlan, load_shard, prepare_model, resolve_device
 from tokenmill.speculative.draft import ModelProposer
 from tokenmill.speculative.head_proposer import EagleProposer, MedusaProposer
 from tokenmill.speculative.heads import HEADS, eagle_config, head_path, load_eagle, load_medusa, native_head_linears
@@ -42,6 +41,7 @@ from tokenmill.structured.grammar import GrammarCompiler
 from tokenmill.worker.kv_allocation import allocate_kv_cache, block_bytes
 from tokenmill.worker.lora import LoRAManager
 from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.model_setup import LoadPlan, load_shard, prepare_model, resolve_device
 from tokenmill.worker.proposer import Proposer
 from tokenmill.worker.speculation_pause import PayOrPause
 

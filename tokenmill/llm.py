@@ -12,9 +12,9 @@ import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from tokenmill.args import engine_args
 from tokenmill.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
-from tokenmill.config import EngineArgs
+from tokenmill.configuration.args import engine_args
+from tokenmill.configuration.config import EngineArgs
 from tokenmill.engine.outputs import CompletionOutput, RequestOutput
 from tokenmill.errors import InvalidRequestError
 from tokenmill.factory import build_engine
@@ -32,7 +32,7 @@ OFFLINE_BATCHED_TOKENS = 4096
 
 
 class LLM:
-    """The offline API. Keywords are the engine options (``tokenmill.config``; the CLI
+    """The offline API. Keywords are the engine options (``tokenmill.configuration.config``; the CLI
     flags of the same names): ``LLM(max_num_seqs=32, speculative="ngram")``, or a whole
     ``EngineArgs`` as ``args``. Unless given, ``max_num_batched_tokens`` is
     OFFLINE_BATCHED_TOKENS (the server's default is 512)."""

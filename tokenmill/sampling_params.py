@@ -63,7 +63,7 @@ class SamplingParams:
     eos_token_ids: tuple[int, ...] = ()
     # Whom the request is for, opaque (the server's API-key digest or client address;
     # offline requests share ""): while several clients have prompt tokens to compute,
-    # each gets a share of a step's token budget (engine/fairness.py).
+    # each gets a share of a step's token budget (engine/core/fairness.py).
     client: str = ""
     # vLLM's cache_salt: requests share prefix-cache blocks only with requests of the same salt
     # (a tenant's prompts cannot be probed by another's timing); None: the common cache.

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from tokenmill import SamplingParams
+from tokenmill.engine.api.streams import RequestFailedError
 from tokenmill.engine.async_engine import AsyncEngine
-from tokenmill.engine.streams import RequestFailedError
 from tokenmill.errors import InvalidRequestError
 
 PROMPTS = ["The sun is", "Water boils at", "My favourite book is", "Cats and dogs"]
@@ -126,7 +126,7 @@ def test_a_grammar_slower_than_its_compile_timeout_is_refused_and_a_retry_is_cac
     """Issue 24 item 2, the threaded front: the compile waits on the engine's compile
     thread for at most ``grammar_compile_timeout``; then the request is refused, the
     running compile finishes into the cache, and a retry is served."""
-    from tokenmill.config import StructuredConfig
+    from tokenmill.configuration.config import StructuredConfig
     from tokenmill.structured.grammar import GrammarCompiler
 
     structured = llm.engine.core.structured

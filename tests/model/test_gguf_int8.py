@@ -396,7 +396,7 @@ def test_int8_decoding_perplexity_stays_within_one_percent_of_float(int8_llm):
     scale, min or nibble order anywhere costs far more."""
     from pathlib import Path
 
-    from tokenmill.evaluate import perplexity
+    from tokenmill.evaluate.perplexity import perplexity
 
     text = (Path(__file__).parent.parent / "data" / "heldout.txt").read_text()
     ids = int8_llm.tokenizer.encode(text)[:400]

@@ -223,7 +223,7 @@ def test_perplexity_from_the_blocks_equals_the_dequantized_model(float_llm):
     llm = float_llm
     from pathlib import Path
 
-    from tokenmill.evaluate import perplexity
+    from tokenmill.evaluate.perplexity import perplexity
 
     text = (Path(__file__).parent.parent / "data" / "heldout.txt").read_text()
     ids = llm.tokenizer.encode(text)[:512]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.helpers import all_logits, make_tiny_llama, seq
-from tokenmill.engine.block_pool import BlockPool
+from tokenmill.engine.core.block_pool import BlockPool
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import load_checkpoint
 from tokenmill.worker.kv_allocation import allocate_kv_cache

@@ -20,28 +20,28 @@ def _modules_after(code: str) -> set[str]:
 
 def test_engine_modules_import_without_torch():
     loaded = _modules_after(
-        "import tokenmill.engine.engine, tokenmill.engine.async_engine, tokenmill.engine.runner_sync"
+        "import tokenmill.engine.engine, tokenmill.engine.async_engine, tokenmill.engine.core.runner_sync"
     )
-    assert "tokenmill.engine.scheduler" in loaded and "torch" not in loaded
+    assert "tokenmill.engine.core.scheduler" in loaded and "torch" not in loaded
 
 
 def test_the_api_process_of_serve_imports_without_torch():
     """Its tokenizer, app and engine client load no model stack: torch lives in the
     engine-core process only."""
     loaded = _modules_after(
-        "import tokenmill.launch, tokenmill.engine.core_client, tokenmill.engine.core_loop, tokenmill.core_process\n"
+        "import tokenmill.entrypoints.launch, tokenmill.engine.api.core_client, tokenmill.engine.core.core_loop, tokenmill.core_process\n"
         "from tokenmill.model.paths import resolve_model_path\nfrom tokenmill.model.tokenizer import load_tokenizer\n"
         "tok = load_tokenizer(resolve_model_path(None))\nassert tok.encode('hello')"
     )
-    assert "tokenmill.engine.wire" in loaded and "torch" not in loaded
+    assert "tokenmill.engine.pipe.wire" in loaded and "torch" not in loaded
 
 
 def test_cli_help_imports_without_torch():
     loaded = _modules_after(
-        "import sys\nfrom tokenmill.cli import main\nsys.argv = ['tokenmill', '--help']\n"
+        "import sys\nfrom tokenmill.entrypoints.cli import main\nsys.argv = ['tokenmill', '--help']\n"
         "try:\n    main()\nexcept SystemExit:\n    pass"
     )
-    assert "tokenmill.cli" in loaded and "torch" not in loaded
+    assert "tokenmill.entrypoints.cli" in loaded and "torch" not in loaded
 
 
 def test_package_names_load_on_first_use():

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.subprocess
 
 CHILD = (
     "import sys, time\n"
-    "from tokenmill.lifetime import exit_with_parent\n"
+    "from tokenmill.host.lifetime import exit_with_parent\n"
     "exit_with_parent(int(sys.argv[1]))\n"
     "print('ready', flush=True)\n"
     "time.sleep(60)\n"

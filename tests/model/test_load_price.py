@@ -1,4 +1,4 @@
-"""The price of load a replica reports to the KV-aware router (engine/load_price.py):
+"""The price of load a replica reports to the KV-aware router (engine/core/load_price.py):
 the formula from its measured parts, and the measurement on a tiny random model's
 engine, which leaves the engine as it found it. No assertion about speed: the parts are
 whatever this machine measures (bench/ measures speed)."""
@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from tests.helpers import ToyTokenizer, run_to_completion, tiny_model
-from tokenmill.config import SchedulerConfig
-from tokenmill.engine.engine import Engine, EngineConfig
-from tokenmill.engine.load_price import (
+from tokenmill.configuration.config import SchedulerConfig
+from tokenmill.engine.core.load_price import (
     DEFAULT_OUTPUT_TOKENS,
     MIN_FINISHED,
     PRICE_RANGE,
@@ -22,8 +21,9 @@ from tokenmill.engine.load_price import (
     LoadPricer,
     measure_load_price,
 )
-from tokenmill.engine.messages import Call
-from tokenmill.engine.request import sequence_ids
+from tokenmill.engine.engine import Engine, EngineConfig
+from tokenmill.engine.pipe.messages import Call
+from tokenmill.engine.sequences import sequence_ids
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.kv_allocation import allocate_kv_cache
 from tokenmill.worker.model_runner import ModelRunner
@@ -95,8 +95,8 @@ def test_a_small_kv_cache_gets_a_shorter_prompt_and_the_replicas_core_answers_th
     """An engine whose KV cache holds a few hundred tokens measures with a shorter
     prompt; the engine-core process answers a replica's ``measure_load_price`` call with
     the parts, as plain data that crosses the pipe (msgpack) and rebuilds the price."""
-    from tokenmill.engine.core_loop import CoreLoop
-    from tokenmill.engine.wire import pack, unpack
+    from tokenmill.engine.core.core_loop import CoreLoop
+    from tokenmill.engine.pipe.wire import pack, unpack
 
     class Pipe:  # what the loop needs of its channel: a reader to start, a send
         def __init__(self) -> None:

@@ -18,7 +18,7 @@ except OSError:
 
 PROBE = """
 import ctypes, sys
-from tokenmill.memory import keep_freed_memory
+from tokenmill.configuration.memory import keep_freed_memory
 kept = keep_freed_memory() if sys.argv[1] == "keep" else None
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
@@ -53,7 +53,7 @@ def test_freed_memory_stays_in_the_heap_once_kept():
 
 
 def test_the_users_own_malloc_options_win(monkeypatch):
-    from tokenmill.memory import keep_freed_memory
+    from tokenmill.configuration.memory import keep_freed_memory
 
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1048576")
     assert keep_freed_memory() is False

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.helpers import ToyTokenizer, run_to_completion, tiny_model
-from tokenmill.config import SchedulerConfig
+from tokenmill.configuration.config import SchedulerConfig
 from tokenmill.engine.engine import Engine, EngineConfig
 from tokenmill.engine.model_input import ModelInput, NewRequestData, ScheduledTokens
 from tokenmill.sampling_params import SamplingParams

@@ -22,7 +22,7 @@ import torch
 
 from tests.helpers import child_pids, make_tiny_chat_model, process_alive, seq
 from tokenmill import LLM, SamplingParams
-from tokenmill.config import ModelConfig
+from tokenmill.configuration.config import ModelConfig
 from tokenmill.distributed.stage import split_microbatches
 from tokenmill.errors import EngineDeadError, TokenmillError
 from tokenmill.model.loader import load_checkpoint
@@ -208,16 +208,16 @@ def test_failing_worker_is_named(tiny):
         assert not any(process_alive(p.pid) for p in llm.parts.runner.cluster.procs)
 
 
-# ------------------------------------------------------- a parent killed (lifetime.py)
+# ------------------------------------------------------- a parent killed (host/lifetime.py)
 
 # `tokenmill serve`'s layout with tensor parallelism: this API process, an engine core it
 # spawned, and the worker that core started
 API_PROCESS = (
     "import functools, sys, time\n"
     "from pathlib import Path\n"
-    "from tokenmill.args import engine_args\n"
+    "from tokenmill.configuration.args import engine_args\n"
     "from tokenmill.core_process import run_engine_core\n"
-    "from tokenmill.engine.core_client import AsyncCoreClient\n"
+    "from tokenmill.engine.api.core_client import AsyncCoreClient\n"
     "from tokenmill.model.tokenizer import load_tokenizer\n"
     "args = engine_args(model=sys.argv[1], dtype='float32', kv_cache_memory='32MiB', tensor_parallel_size=2)\n"
     "client = AsyncCoreClient(functools.partial(run_engine_core, args), load_tokenizer(Path(sys.argv[1])))\n"

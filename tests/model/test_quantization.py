@@ -10,7 +10,7 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.errors import TokenmillError
-from tokenmill.evaluate import perplexity
+from tokenmill.evaluate.perplexity import perplexity
 
 HELDOUT = (Path(__file__).parent.parent / "data" / "heldout.txt").read_text()  # the Apache-2.0 licence, head
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "Once upon a time, a fox"]

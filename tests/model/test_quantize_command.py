@@ -198,7 +198,7 @@ def test_group_size_falls_back_to_a_power_of_two_that_divides_the_width():
 def test_missing_library_is_named_with_its_install_line(tmp_path):
     code = (
         "import sys; sys.modules['compressed_tensors'] = None\n"
-        "from tokenmill.cli import main\n"
+        "from tokenmill.entrypoints.cli import main\n"
         f"sys.exit(main(['quantize', {str(tmp_path / 'm')!r}, {str(tmp_path / 'out')!r}]))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from tests.helpers import QWEN3_TEMPLATE, write_qwen3_tokenizer
+from tokenmill.configuration.serving_config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.errors import InvalidRequestError
 from tokenmill.server.app import build_app
-from tokenmill.serving_config import ServerConfig
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("llguidance")
@@ -115,9 +115,9 @@ def front(request, qwen3):
     process of its own (``AsyncCoreClient``: the constraint crosses the pipe)."""
     import functools
 
-    from tokenmill.args import engine_args
+    from tokenmill.configuration.args import engine_args
     from tokenmill.core_process import run_engine_core
-    from tokenmill.engine.core_client import AsyncCoreClient
+    from tokenmill.engine.api.core_client import AsyncCoreClient
     from tokenmill.llm import LLM
 
     folder, tokenizer = qwen3

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from tests.helpers import ToyTokenizer, chi_square_pvalue, exact_first_tokens, run_to_completion, tiny_model
-from tokenmill.config import SpeculativeConfig
+from tokenmill.configuration.config import SpeculativeConfig
+from tokenmill.engine.core.scheduler import SchedulerConfig
 from tokenmill.engine.engine import Engine, EngineConfig
-from tokenmill.engine.scheduler import SchedulerConfig
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.speculative.draft import ModelProposer
 from tokenmill.speculative.ngram import NgramProposer

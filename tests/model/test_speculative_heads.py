@@ -21,9 +21,9 @@ from tests.helpers import (
     seq,
     tiny_model,
 )
-from tokenmill.config import SpeculativeConfig
+from tokenmill.configuration.config import SpeculativeConfig
+from tokenmill.engine.core.scheduler import SchedulerConfig
 from tokenmill.engine.engine import Engine, EngineConfig
-from tokenmill.engine.scheduler import SchedulerConfig
 from tokenmill.errors import ModelLoadError
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.speculative.head_proposer import EagleProposer, MedusaProposer

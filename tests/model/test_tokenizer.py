@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.api.detokenizer import IncrementalDetokenizer
 
 CORPUS = [
     "Hello, world!",

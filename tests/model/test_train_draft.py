@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.cli import main
+from tokenmill.entrypoints.cli import main
 
 CHATS = [[{"role": "user", "content": "Tell me about the moon."}], [{"role": "user", "content": "Name three fruits."}]]
 

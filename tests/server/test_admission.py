@@ -13,11 +13,11 @@ import time
 import pytest
 
 from tests.helpers import ScriptedRunner, ToyTokenizer
+from tokenmill.configuration.serving_config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.core.scheduler import SchedulerConfig
 from tokenmill.engine.engine import Engine, EngineConfig
-from tokenmill.engine.scheduler import SchedulerConfig
 from tokenmill.server.app import build_app
-from tokenmill.serving_config import ServerConfig
 
 MODEL = "toy"
 

@@ -10,11 +10,11 @@ import httpx
 import pytest
 
 from tests.helpers import ScriptedRunner, ToyTokenizer
+from tokenmill.configuration.serving_config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.engine import Engine, EngineConfig
 from tokenmill.server.app import build_app
 from tokenmill.server.protocol import ChatCompletionRequest
-from tokenmill.serving_config import ServerConfig
 
 KEY = "sekrit"
 MODEL = "toy"

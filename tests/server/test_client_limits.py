@@ -17,11 +17,11 @@ import pytest
 import uvicorn
 
 from tests.helpers import ScriptedRunner, ToyTokenizer, wait_until
+from tokenmill.configuration.serving_config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.engine import Engine, EngineConfig
 from tokenmill.server.app import build_app
 from tokenmill.server.clients import client_key, uvicorn_options
-from tokenmill.serving_config import ServerConfig
 
 MODEL = "toy"
 PROMPT = json.dumps({"prompt": "ab", "max_tokens": 2}).encode()

@@ -17,9 +17,9 @@ import pytest
 from tests.helpers import engine_core_pid, loads_torch
 from tests.server.conftest import MODEL, Server
 from tokenmill import PoolingParams, SamplingParams
-from tokenmill.args import engine_args
+from tokenmill.configuration.args import engine_args
 from tokenmill.core_process import run_engine_core
-from tokenmill.engine.core_client import AsyncCoreClient
+from tokenmill.engine.api.core_client import AsyncCoreClient
 from tokenmill.errors import EngineDeadError, InvalidRequestError, TokenmillError
 
 PROMPTS = ["The sun is", "Water boils at", "My favourite book is", "Cats and dogs", "List three colours:"]

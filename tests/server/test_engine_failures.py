@@ -13,10 +13,10 @@ import pytest
 
 from tests.helpers import ScriptedRunner, ToyTokenizer, wait_until
 from tests.server.conftest import API_KEY, MODEL
+from tokenmill.configuration.serving_config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.engine import Engine, EngineConfig
 from tokenmill.server.app import build_app
-from tokenmill.serving_config import ServerConfig
 
 
 class LoopBug(BaseException):

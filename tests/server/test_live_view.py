@@ -11,12 +11,12 @@ import httpx
 import pytest
 
 from tests.helpers import ScriptedRunner, ToyTokenizer
+from tokenmill.configuration.serving_config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.engine import Engine, EngineConfig
 from tokenmill.server import live
 from tokenmill.server.app import build_models_app
 from tokenmill.server.models import ServedModel
-from tokenmill.serving_config import ServerConfig
 
 KEY = "key-a"
 

@@ -202,7 +202,7 @@ def test_fifty_concurrent_streams_all_finish_with_the_right_text(server, http):
 def test_energy_counter_rises_with_the_engine_processes_work(server, client):
     """bench serve reads the server's own joules from /metrics; they rise with a request's
     work, which the engine core does in its own process (counted: a child of the server)."""
-    from tokenmill.energy import process_tree_cpu_seconds
+    from tokenmill.host.energy import process_tree_cpu_seconds
     from tokenmill.loadgen.energy_probe import EnergyProbe
 
     probe = EnergyProbe(server.url, API_KEY)

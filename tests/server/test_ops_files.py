@@ -11,10 +11,10 @@ from pathlib import Path
 import httpx
 
 from tests.helpers import ScriptedRunner, ToyTokenizer
+from tokenmill.configuration.serving_config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.engine import Engine, EngineConfig
 from tokenmill.server.app import build_app
-from tokenmill.serving_config import ServerConfig
 
 OPS = Path(__file__).parents[2] / "ops"
 METRIC = re.compile(r"tokenmill:[a-z0-9_]+")

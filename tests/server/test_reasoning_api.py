@@ -17,10 +17,10 @@ import httpx
 import pytest
 
 from tests.helpers import ScriptedRunner, ToyTokenizer, write_qwen3_tokenizer
+from tokenmill.configuration.serving_config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.engine import Engine, EngineConfig
 from tokenmill.server.app import build_app
-from tokenmill.serving_config import ServerConfig
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("llguidance")

@@ -131,7 +131,7 @@ def test_each_decode_replica_routes_at_the_price_of_load_it_measured(cluster):
     """Every decode replica measured on its engine, at start, what a request in flight
     costs a newcomer, and reports it with its load: the router's price per replica
     (/metrics), "measured" (not the default), within the clamp."""
-    from tokenmill.engine.load_price import PRICE_RANGE
+    from tokenmill.engine.core.load_price import PRICE_RANGE
 
     def prices() -> dict[str, float]:
         lines = httpx.get(cluster.url + "/metrics", timeout=10).text.splitlines()

@@ -14,11 +14,11 @@ import httpx
 import pytest
 
 from tests.helpers import ScriptedRunner, ToyTokenizer, expected_output
+from tokenmill.configuration.serving_config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.engine import Engine, EngineConfig
 from tokenmill.server.app import build_models_app
 from tokenmill.server.models import ServedModel
-from tokenmill.serving_config import ServerConfig
 
 KEYS = ("key-a", "key-b")
 

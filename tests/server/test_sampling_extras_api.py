@@ -70,10 +70,10 @@ def test_truncate_prompt_tokens_minus_one_keeps_what_the_context_holds():
     import httpx
 
     from tests.helpers import ScriptedRunner, ToyTokenizer
+    from tokenmill.configuration.serving_config import ServerConfig
     from tokenmill.engine.async_engine import AsyncEngine
     from tokenmill.engine.engine import Engine, EngineConfig
     from tokenmill.server.app import build_app
-    from tokenmill.serving_config import ServerConfig
 
     engine = AsyncEngine(
         Engine.create(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=64, block_size=4, max_model_len=64))

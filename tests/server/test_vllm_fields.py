@@ -11,11 +11,11 @@ import pytest
 
 from tests.helpers import ScriptedRunner, ToyTokenizer
 from tests.server.conftest import MODEL
-from tokenmill.config import SchedulerConfig
+from tokenmill.configuration.config import SchedulerConfig
+from tokenmill.configuration.serving_config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.engine import Engine, EngineConfig
 from tokenmill.server.app import build_app
-from tokenmill.serving_config import ServerConfig
 
 openai = pytest.importorskip("openai")
 CHAT = [{"role": "user", "content": "Name a colour."}]

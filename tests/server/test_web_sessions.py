@@ -11,11 +11,11 @@ import httpx
 import pytest
 
 from tests.helpers import ScriptedRunner, ToyTokenizer
+from tokenmill.configuration.serving_config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.engine import Engine, EngineConfig
 from tokenmill.server.app import build_app
 from tokenmill.server.web import COOKIE, WebSessions
-from tokenmill.serving_config import ServerConfig
 
 KEY = "key-a"
 LORA = {"lora_name": "evil"}  # no lora_path: a 400 when the request is let through

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill.engine.block_pool import BlockPool, OutOfBlocksError
-from tokenmill.engine.kv_manager import KVCacheManager
-from tokenmill.engine.request import Request
+from tokenmill.engine.core.block_pool import BlockPool, OutOfBlocksError
+from tokenmill.engine.core.kv_manager import KVCacheManager
+from tokenmill.engine.core.request import Request
 from tokenmill.sampling_params import SamplingParams
 
 BS = 4

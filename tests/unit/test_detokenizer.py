@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.api.detokenizer import IncrementalDetokenizer
 
 
 class CharTokenizer:

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tokenmill.energy import (
+from tokenmill.host.energy import (
     ESTIMATED,
     MEASURED,
     CpuTimeEstimate,

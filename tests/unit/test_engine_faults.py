@@ -59,7 +59,7 @@ def test_a_retried_step_keeps_embeddings_and_prompt_logprobs():
 
 
 def test_a_lost_chunk_of_prompt_scores_fails_the_request_rather_than_answer_short():
-    from tokenmill.config import SchedulerConfig
+    from tokenmill.configuration.config import SchedulerConfig
 
     class DropsScores(ScriptedRunner):
         def execute(self, batch, grammar=None):

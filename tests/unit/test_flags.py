@@ -9,9 +9,9 @@ import argparse
 
 import pytest
 
-from tokenmill.args import engine_keywords
-from tokenmill.cli import build_parser
-from tokenmill.serving_config import ReplicaConfig, ServerConfig
+from tokenmill.configuration.args import engine_keywords
+from tokenmill.configuration.serving_config import ReplicaConfig, ServerConfig
+from tokenmill.entrypoints.cli import build_parser
 
 SERVE = ("serve",)
 PLAN = ("plan",)
@@ -138,4 +138,4 @@ def test_every_numeric_flag_declares_its_range():
         and action.dest not in exempt
         and not (words in (("generate",), ("chat",)) and action.dest in SAMPLING)
     ]
-    assert not bare, f"declare these with a checked type (tokenmill.flag_types): {bare}"
+    assert not bare, f"declare these with a checked type (tokenmill.configuration.flag_types): {bare}"

@@ -71,6 +71,8 @@ def test_the_probe_picks_the_smallest_batch_from_which_the_upcast_always_wins(mo
     }
     seen = iter(table[rows] for rows in gemm_choice.PROBE_ROWS)
     monkeypatch.setattr(gemm_choice, "best_ms_each", lambda calls: list(next(seen))[: len(calls)])
+    monkeypatch.setattr(gemm_choice, "packing_available", lambda: True)  # as on a CPU oneDNN packs for
+    monkeypatch.setattr(gemm_choice, "pack", lambda weight: weight)
     answer = gemm_choice.probe()
     assert answer["upcast_rows"] == 256  # 64 wins, but 128 does not: from 256 on
     assert answer["prepacked"]  # judged below the upcast only: 0.5, 0.5, 0.75 of the plain GEMM's time
@@ -79,6 +81,28 @@ def test_the_probe_picks_the_smallest_batch_from_which_the_upcast_always_wins(mo
     answer = gemm_choice.probe()
     assert answer["upcast_rows"] is None
     assert not answer["prepacked"]  # 2% faster is within the noise: not worth a second copy
+
+
+def test_the_probe_runs_where_onednn_packs_no_bfloat16_weight(monkeypatch):
+    """An AVX2-only CPU (no AVX-512, no AVX-NE-CONVERT): oneDNN refuses to pack a bfloat16 weight,
+    so packing is unavailable there and the probe, the first bfloat16 load's, measures the two
+    GEMMs without it (it raised before, and no bfloat16 model loaded on such a CPU)."""
+
+    def refuse(weight):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or avx512bw")
+
+    monkeypatch.setattr(native_linear, "pack", refuse)
+    native_linear.packing_available.cache_clear()
+    try:
+        assert not native_linear.packing_available()
+        monkeypatch.setattr(gemm_choice, "packing_available", native_linear.packing_available)
+        monkeypatch.setattr(gemm_choice, "pack", refuse)
+        monkeypatch.setattr(gemm_choice, "best_ms_each", lambda calls: [1.0] * len(calls))
+        answer = gemm_choice.probe()
+        assert answer["prepacked"] is False
+        assert all(set(ms) == {"bfloat16", "float32"} for ms in answer["ms"].values())
+    finally:
+        native_linear.packing_available.cache_clear()
 
 
 def test_native_linear_follows_the_choice_and_each_path_computes_what_it_did():
@@ -96,6 +120,7 @@ def test_native_linear_follows_the_choice_and_each_path_computes_what_it_did():
             assert torch.equal(upcast, torch.nn.functional.linear(x, w))
 
 
+@pytest.mark.skipif(not native_linear.packing_available(), reason="oneDNN packs no bfloat16 weight on this CPU")
 def test_the_packed_weight_is_the_plain_gemm_bit_for_bit_at_every_batch():
     """What makes packing an optimisation that changes no output: oneDNN's GEMM on its own
     layout gives the plain bfloat16 GEMM's results exactly, row by row, whatever the batch."""
@@ -110,10 +135,11 @@ def test_the_packed_weight_is_the_plain_gemm_bit_for_bit_at_every_batch():
 
 def test_weights_are_packed_only_where_memory_allows(monkeypatch):
     """A packed copy doubles a weight's memory: past PACKED_MEMORY_SHARE of what is free, the
-    model keeps the plain GEMM (and still computes the same)."""
+    model keeps the plain GEMM (and still computes the same); so does a CPU oneDNN packs no
+    bfloat16 weight on (AVX2 only)."""
     from tests.helpers import tiny_model
 
-    for free, expect_packed in ((64 << 30, True), (1 << 10, False)):
+    for free, expect_packed in ((64 << 30, native_linear.packing_available()), (1 << 10, False)):
         monkeypatch.setattr(native_linear, "available_memory", lambda free=free: free)
         model = tiny_model(3).bfloat16()
         native_linear.use_native_linears(model, None, prepack=True)

@@ -70,28 +70,26 @@ def test_the_checker_finds_a_cycle():
 # import whom"): a module imports its own folder and the layers below its own, nothing level with it
 # or above. A new folder or top-level module must be placed here before it can be imported.
 LAYERS = [
-    ["errors", "lifetime", "energy", "flag_types"],  # flag_types: argparse types that check a flag as it is parsed
-    ["config", "memory", "hub"],  # hub: a model named by its Hub id, found in or downloaded into the Hub cache
-    ["serving_config"],  # the server's and the replicas' options, in config.py's form
-    ["args", "structured", "quant", "lora"],
+    ["errors", "host"],  # host: the process's lifetime and the machine's energy readings
+    ["configuration", "hub"],  # configuration: options, flags and memory sizes; hub: a model named by its Hub id
+    ["structured", "quant", "lora"],
     ["sampling_params", "pooling_params", "kernels"],
     ["beam_search", "engine", "model"],  # engine: no torch; model: no requests
-    ["model_setup", "worker"],
+    ["worker"],
     ["speculative", "distributed", "evaluate", "quantize"],  # the proposers plug into the runner, never the reverse
     ["factory"],
     ["llm", "core_process"],
     ["plan", "loadgen", "server"],  # server: the HTTP app, whoever hosts its engines
     ["tune"],  # starts servers (tokenmill serve) and drives them with loadgen
     ["replicas"],  # Ray Serve replicas: engines hosted there, and the app as a Serve application
-    ["launch"],  # tokenmill serve: chooses among the ways to host engines
-    ["cli"],
+    ["entrypoints"],  # the command line and tokenmill serve's choice among the ways to host engines
     ["__main__", "tokenmill"],
 ]
 LAYER = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 
 
 def unit_of(module: str) -> str:
-    """``tokenmill.engine.core`` -> ``engine``; ``tokenmill.llm`` -> ``llm``; ``tokenmill`` -> ``tokenmill``."""
+    """``tokenmill.engine.core.engine_core`` -> ``engine``; ``tokenmill.llm`` -> ``llm``; ``tokenmill`` -> ``tokenmill``."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else parts[0]
 
@@ -119,13 +117,61 @@ def test_imports_point_down_the_layers():
 
 def test_the_layer_rule_finds_an_upward_and_a_sideways_arrow():
     graph = {
-        "tokenmill.engine.core": {"tokenmill.model.llama", "tokenmill.config"},
+        "tokenmill.engine.core.engine_core": {"tokenmill.model.llama", "tokenmill.configuration.config"},
         "tokenmill.model.llama": set(),
-        "tokenmill.config": set(),
+        "tokenmill.configuration.config": set(),
         "tokenmill.quant.packed": {"tokenmill.kernels.cpu"},
         "tokenmill.kernels.cpu": set(),
     }
     assert arrows_against_layers(graph) == [
-        "tokenmill.engine.core -> tokenmill.model.llama (engine is in layer 5, model in layer 5)",
-        "tokenmill.quant.packed -> tokenmill.kernels.cpu (quant is in layer 3, kernels in layer 4)",
+        "tokenmill.engine.core.engine_core -> tokenmill.model.llama (engine is in layer 4, model in layer 4)",
+        "tokenmill.quant.packed -> tokenmill.kernels.cpu (quant is in layer 2, kernels in layer 3)",
     ]
+
+
+# Inside engine/: the core process's side (core/) and the API process's side (api/) meet only
+# through the pipe (pipe/) and the records both read (the folder's own modules: model_input,
+# outputs, stats, sequences); the in-process hosts (engine.py, async_engine.py) join the two.
+SIDES = {"tokenmill.engine.core": "core", "tokenmill.engine.api": "api", "tokenmill.engine.pipe": "pipe"}
+SIDE_MAY_IMPORT = {"core": {"core", "pipe"}, "api": {"api", "pipe"}, "pipe": {"pipe"}}
+
+
+def side_of(module: str) -> str | None:
+    return next((side for prefix, side in SIDES.items() if module == prefix or module.startswith(prefix + ".")), None)
+
+
+def arrows_across_sides(graph: dict[str, set[str]]) -> list[str]:
+    wrong = []
+    for module, deps in graph.items():
+        here = side_of(module)
+        for dep in deps:
+            there = side_of(dep)
+            if here is not None and there is not None and there not in SIDE_MAY_IMPORT[here]:
+                wrong.append(f"{module} -> {dep} (the {here} side imports the {there} side)")
+    return sorted(wrong)
+
+
+def test_the_engine_sides_meet_only_through_the_pipe():
+    wrong = arrows_across_sides(import_graph())
+    assert not wrong, "\n".join(wrong)
+    assert {side_of(m) for m in import_graph()} >= {"core", "api", "pipe"}
+
+
+def test_the_side_rule_finds_a_crossing():
+    graph = {
+        "tokenmill.engine.api.core_client": {"tokenmill.engine.core.request", "tokenmill.engine.pipe.wire"},
+        "tokenmill.engine.pipe.wire": {"tokenmill.engine.outputs"},
+        "tokenmill.engine.core.core_loop": {"tokenmill.engine.pipe.channel"},
+    }
+    assert arrows_across_sides(graph) == [
+        "tokenmill.engine.api.core_client -> tokenmill.engine.core.request (the api side imports the core side)"
+    ]
+
+
+def test_the_root_holds_the_public_api_and_the_entries_only():
+    """At most eight modules at the package's root (besides ``__init__`` and ``__main__``): the
+    rest lives in folders that say their role, and no module grows past 600 lines."""
+    root = sorted(p.stem for p in ROOT.glob("*.py") if p.stem not in ("__init__", "__main__"))
+    assert len(root) <= 8, root
+    long = {str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py") if (n := len(p.read_text().splitlines())) > 600}
+    assert not long, long

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import threading
 
-from tokenmill.engine.kv_disk import HEADER, DiskTier, files_fingerprint, namespace_of
+from tokenmill.engine.core.kv_disk import HEADER, DiskTier, files_fingerprint, namespace_of
 
 NS = namespace_of({"model": "a", "dtype": "float32"})
 
@@ -96,7 +96,7 @@ def test_engines_on_one_directory_read_each_others_blocks(tmp_path):
 def test_blocks_past_the_write_queue_are_dropped_not_held(tmp_path, monkeypatch):
     """What waits for the writer is bounded in bytes: a block past it is not written (a miss
     later), never held in memory without bound."""
-    from tokenmill.engine import kv_disk
+    from tokenmill.engine.core import kv_disk
 
     monkeypatch.setattr(kv_disk, "WRITE_QUEUE_BYTES", 2500)
     tier = DiskTier(tmp_path, NS, 1 << 20)

@@ -8,8 +8,8 @@ from dataclasses import fields
 
 import pytest
 
-from tokenmill.engine import messages as m
-from tokenmill.engine.wire import pack, unpack
+from tokenmill.engine.pipe import messages as m
+from tokenmill.engine.pipe.wire import pack, unpack
 
 SNAPSHOT = {"num_running": 2, "kv_events": [["stored", b"\x01\x02"]], "steps": [{"step": 3, "seqs": [["a", "decode"]]}]}
 ERROR = {"type": "InvalidRequestError", "message": "bad", "param": "max_tokens", "user": True}

@@ -4,7 +4,7 @@ stop strings end a sequence mid-step, and outputs never copy the history per ste
 from __future__ import annotations
 
 from tests.helpers import ScriptedRunner, ToyTokenizer
-from tokenmill.config import SpeculativeConfig
+from tokenmill.configuration.config import SpeculativeConfig
 from tokenmill.engine.engine import Engine, EngineConfig
 from tokenmill.sampling_params import SamplingParams
 
@@ -86,8 +86,8 @@ def test_a_stop_string_before_min_tokens_is_not_found_afterwards():
     tokens, in the text those tokens add; an earlier occurrence neither stops the
     sequence nor cuts back text already streamed."""
     from tests.helpers import ToyTokenizer
+    from tokenmill.engine.api.output_processor import OutputProcessor
     from tokenmill.engine.model_input import SampledToken
-    from tokenmill.engine.output_processor import OutputProcessor
     from tokenmill.engine.outputs import SeqDelta
 
     op = OutputProcessor(ToyTokenizer())

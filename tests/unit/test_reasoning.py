@@ -11,7 +11,7 @@ import random
 import pytest
 
 from tests.helpers import write_qwen3_tokenizer
-from tokenmill.engine.wire import pack, params_from_wire, params_to_wire, unpack
+from tokenmill.engine.pipe.wire import pack, params_from_wire, params_to_wire, unpack
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.reasoning import END, Reasoning, ReasoningSplitter

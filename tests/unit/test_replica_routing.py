@@ -3,9 +3,9 @@ pool and hashes (no Ray, no model)."""
 
 from __future__ import annotations
 
-from tokenmill.engine.block_pool import BlockPool
-from tokenmill.engine.kv_manager import KVCacheManager
-from tokenmill.engine.request import Request
+from tokenmill.engine.core.block_pool import BlockPool
+from tokenmill.engine.core.kv_manager import KVCacheManager
+from tokenmill.engine.core.request import Request
 from tokenmill.replicas.replica_router import (
     KVAwareRouter,
     PowerOfTwoRouter,
@@ -207,10 +207,10 @@ def test_replicas_without_ray_say_how_to_install_it(monkeypatch):
 def test_replica_options_are_checked_before_anything_starts():
     import pytest
 
-    from tokenmill.args import engine_args
+    from tokenmill.configuration.args import engine_args
+    from tokenmill.configuration.serving_config import ReplicaConfig
     from tokenmill.errors import TokenmillError
     from tokenmill.replicas.front import check_replica_options
-    from tokenmill.serving_config import ReplicaConfig
 
     with pytest.raises(ValueError, match="both --prefill-replicas and --decode-replicas"):
         ReplicaConfig(decode_replicas=2)
@@ -293,9 +293,9 @@ def test_the_index_routes_by_the_price_each_replica_reports_with_its_load():
 def test_the_load_price_is_measured_unless_a_number_is_given():
     import pytest
 
-    from tokenmill.args import replica_config_from_namespace
-    from tokenmill.cli import build_parser
-    from tokenmill.serving_config import ReplicaConfig
+    from tokenmill.configuration.args import replica_config_from_namespace
+    from tokenmill.configuration.serving_config import ReplicaConfig
+    from tokenmill.entrypoints.cli import build_parser
 
     assert ReplicaConfig().route_load_cost == "auto" and ReplicaConfig().fixed_load_cost is None
     ns = build_parser().parse_args(["serve", "--data-parallel-size", "2", "--route-load-cost", "64"])

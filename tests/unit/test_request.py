@@ -1,6 +1,6 @@
 """Request.token_ids_slice equals slicing prompt + output, across the boundary."""
 
-from tokenmill.engine.request import Request
+from tokenmill.engine.core.request import Request
 from tokenmill.sampling_params import SamplingParams
 
 

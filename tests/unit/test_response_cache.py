@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill.args import model_specs
+from tokenmill.configuration.args import model_specs
 from tokenmill.errors import TokenmillError
 from tokenmill.server.response_cache import (
     BUCKET_LIMIT,

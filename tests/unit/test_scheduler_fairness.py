@@ -5,8 +5,8 @@ a step's token budget while another client has prompt tokens to compute."""
 from __future__ import annotations
 
 from tests.unit.test_scheduler_policy import add, ids, make, step
-from tokenmill.engine.request import Request, RequestStatus
-from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
+from tokenmill.engine.core.request import Request, RequestStatus
+from tokenmill.engine.core.scheduler import Scheduler, SchedulerOutput
 from tokenmill.sampling_params import SamplingParams
 
 

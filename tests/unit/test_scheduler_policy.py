@@ -4,12 +4,12 @@ sent, and that update_from_output alone applies a step's results."""
 
 from __future__ import annotations
 
-from tokenmill.config import SchedulerConfig, SpeculativeConfig
-from tokenmill.engine.block_pool import BlockPool
-from tokenmill.engine.kv_manager import KVCacheManager
+from tokenmill.configuration.config import SchedulerConfig, SpeculativeConfig
+from tokenmill.engine.core.block_pool import BlockPool
+from tokenmill.engine.core.kv_manager import KVCacheManager
+from tokenmill.engine.core.request import Request, RequestStatus
+from tokenmill.engine.core.scheduler import Scheduler, SchedulerOutput
 from tokenmill.engine.model_input import ModelOutput, SampledToken
-from tokenmill.engine.request import Request, RequestStatus
-from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
 from tokenmill.sampling_params import SamplingParams
 
 BS = 4
@@ -71,7 +71,7 @@ def test_a_priority_under_fcfs_is_refused_by_name():
     import pytest
 
     from tests.helpers import ScriptedRunner, ToyTokenizer
-    from tokenmill.engine.core import EngineConfig, EngineCore
+    from tokenmill.engine.core.engine_core import EngineConfig, EngineCore
     from tokenmill.errors import InvalidRequestError
 
     core = EngineCore(ScriptedRunner(4), ToyTokenizer(), EngineConfig(num_blocks=16, block_size=4, max_model_len=64))

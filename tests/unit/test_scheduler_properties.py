@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from tests.helpers import TOY_VOCAB as VOCAB
 from tests.helpers import ScriptedRunner, ToyTokenizer, expected_output
-from tokenmill.config import SchedulerConfig, SpeculativeConfig
+from tokenmill.configuration.config import SchedulerConfig, SpeculativeConfig
 from tokenmill.engine.engine import Engine, EngineConfig
 from tokenmill.engine.model_input import ModelInput
 from tokenmill.sampling_params import SamplingParams

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import ScriptedRunner, ToyTokenizer
-from tokenmill.config import SchedulerConfig, SpeculativeConfig
-from tokenmill.engine.block_pool import CACHED, FREE, HIT, SHARED, USED
+from tokenmill.configuration.config import SchedulerConfig, SpeculativeConfig
+from tokenmill.engine.core.block_pool import CACHED, FREE, HIT, SHARED, USED
 from tokenmill.engine.engine import Engine, EngineConfig
 from tokenmill.sampling_params import SamplingParams
 
@@ -97,7 +97,7 @@ def test_verification_steps_trace_drafts_kept_and_rejected():
 
 
 def test_the_trace_is_bounded_when_nobody_reads_it():
-    from tokenmill.engine.step_trace import STEP_TRACE_KEPT
+    from tokenmill.engine.core.step_trace import STEP_TRACE_KEPT
 
     e = engine(num_blocks=400)
     e.core.tracer.start()

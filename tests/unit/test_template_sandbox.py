@@ -132,7 +132,7 @@ KILLED = (
 
 
 def test_a_worker_ends_with_its_killed_server():
-    """SIGKILL: nothing of the server's runs, yet its worker goes (lifetime.py)."""
+    """SIGKILL: nothing of the server's runs, yet its worker goes (host/lifetime.py)."""
     server = subprocess.Popen([sys.executable, "-c", KILLED], stdout=subprocess.PIPE, text=True)
     try:
         pid = int(server.stdout.readline())

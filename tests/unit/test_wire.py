@@ -1,4 +1,4 @@
-"""The engine core's messages (engine/wire.py): every value survives the trip through
+"""The engine core's messages (engine/pipe/wire.py): every value survives the trip through
 msgpack unchanged, and what cannot be a request is refused by name."""
 
 from __future__ import annotations
@@ -7,8 +7,7 @@ import pytest
 
 from tokenmill.engine.model_input import SampledToken
 from tokenmill.engine.outputs import SeqDelta
-from tokenmill.engine.stats import EngineSnapshot
-from tokenmill.engine.wire import (
+from tokenmill.engine.pipe.wire import (
     delta_from_wire,
     delta_to_wire,
     error_from_wire,
@@ -20,6 +19,7 @@ from tokenmill.engine.wire import (
     snapshot_to_wire,
     unpack,
 )
+from tokenmill.engine.stats import EngineSnapshot
 from tokenmill.errors import EngineDeadError, InvalidRequestError, TokenmillError, UnknownModelError
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams

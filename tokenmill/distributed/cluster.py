@@ -14,7 +14,7 @@ A worker that raises stores its traceback in the store and exits; one that is
 killed simply disappears. Either way the driver's next collective fails at once (the
 peer's sockets close), and ``failure`` turns that into an ``EngineDeadError`` naming
 the rank and why, after stopping every other worker. A worker whose parent dies exits
-too, however the parent died (``lifetime.py``), so no process is left behind.
+too, however the parent died (``host/lifetime.py``), so no process is left behind.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class WorkerSpec:
     rank: int
     world_size: int
     local_world_size: int
-    parent_pid: int  # the driver's: the worker ends when it does (lifetime.py)
+    parent_pid: int  # the driver's: the worker ends when it does (host/lifetime.py)
 
 
 def threads_per_rank(local_world_size: int) -> int:

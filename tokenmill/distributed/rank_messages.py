@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.config import EngineArgs
+from tokenmill.configuration.config import EngineArgs
 from tokenmill.engine.model_input import ModelInput
 from tokenmill.worker.inputs import SeqInput
 from tokenmill.worker.model_runner import Committed

@@ -7,7 +7,7 @@ tokenizer and no sampler: a ``ModelRunner`` whose forward is its ``PipelineStage
 kept in step with the driver's by the records it receives.
 
 A failure is written to the store (the driver names it in its error) and ends the
-process with status 1; a worker whose parent process dies exits at once (lifetime.py).
+process with status 1; a worker whose parent process dies exits at once (host/lifetime.py).
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from tokenmill.distributed.cluster import STORE_TIMEOUT, WorkerSpec, rank_device
 from tokenmill.distributed.groups import CommStats, ControlChannel, ParallelGroups
 from tokenmill.distributed.rank_messages import Forward, Load, Setup, Shutdown, Step
 from tokenmill.distributed.stage import parallel_stage
-from tokenmill.lifetime import exit_with_parent
+from tokenmill.host.lifetime import exit_with_parent
 from tokenmill.model.loader import load_checkpoint
 from tokenmill.model.shard_plan import ModelShard
-from tokenmill.model_setup import LoadPlan, load_shard, resolve_device
 from tokenmill.worker.kv_allocation import allocate_kv_cache
 from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.model_setup import LoadPlan, load_shard, resolve_device
 
 
 def serve_rank(store: Store, rank: int, world_size: int, local_rank: int, local_world_size: int) -> int:

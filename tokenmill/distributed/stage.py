@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.config import ModelConfig
+from tokenmill.configuration.config import ModelConfig
 from tokenmill.distributed.groups import ParallelGroups
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.worker.inputs import InputBuffers, SeqInput, prepare_inputs

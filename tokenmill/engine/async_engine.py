@@ -21,10 +21,10 @@ import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TypeVar
 
+from tokenmill.engine.api.streams import Stream, Streams, resolve
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.stats import EngineSnapshot
-from tokenmill.engine.streams import Stream, Streams, resolve
 from tokenmill.errors import EngineDeadError
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
@@ -35,7 +35,7 @@ T = TypeVar("T")
 
 class AsyncEngine:
     """The engine loop on a thread of this process (the offline engine, driven for asyncio);
-    a ``StreamingFront`` (engine/streams.py)."""
+    a ``StreamingFront`` (engine/api/streams.py)."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine

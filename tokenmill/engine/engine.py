@@ -1,6 +1,6 @@
 """The engine in one process: the engine core plus output processing.
 
-``Engine.step`` is the core's step (engine/core.py: schedule, compute, apply, as
+``Engine.step`` is the core's step (engine/core/engine_core.py: schedule, compute, apply, as
 token ids) followed by the output processor's (detokenise, stop strings, logprobs,
 ``RequestOutput``); a sequence a stop string ended is handed back to the core to
 finish. The offline ``LLM`` and the threaded ``AsyncEngine`` drive this class;
@@ -18,16 +18,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from tokenmill.engine.core import (  # noqa: F401 - re-exported: callers build engines from here
+from tokenmill.engine.api.output_processor import OutputProcessor
+from tokenmill.engine.core.engine_core import (  # noqa: F401 - re-exported: callers build engines from here
     EngineConfig,
     EngineCore,
     LoRAInfo,
     Runner,
     TokenizerInfo,
 )
-from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.core.request import Request
 from tokenmill.engine.outputs import RequestOutput
-from tokenmill.engine.request import Request
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured.grammar import CompiledGrammar, GrammarCompiler

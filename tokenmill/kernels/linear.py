@@ -14,13 +14,14 @@ The swap happens once at load, on the CPU, when the native kernels are in use.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
 from torch import nn
 
+from tokenmill.configuration.memory import available_memory
 from tokenmill.kernels.cpu import cpu_info
-from tokenmill.memory import available_memory
 from tokenmill.quant.packed import QuantLinear
 from tokenmill.quant.weights import Int8Linear, linear_layers
 
@@ -151,8 +152,17 @@ def split_linear_slabs(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@functools.cache
 def packing_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    """oneDNN packs bfloat16 weights on this CPU: asked of oneDNN itself with a small weight (it
+    refuses CPUs without AVX-512 or AVX-NE-CONVERT, and a CPU flag is not the judge: the library is)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    try:
+        pack(torch.zeros(16, 16, dtype=torch.bfloat16))
+    except RuntimeError:
+        return False
+    return True
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

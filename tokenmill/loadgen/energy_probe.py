@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from tokenmill.energy import ESTIMATED, EnergyMeter, dollars_per_million, joules_per_token, machine_cpu_seconds
+from tokenmill.host.energy import ESTIMATED, EnergyMeter, dollars_per_million, joules_per_token, machine_cpu_seconds
 
 _SERVER_JOULES = re.compile(r'^tokenmill:energy_joules_total\{source="(\w+)"\} (\S+)$', re.M)
 

@@ -357,7 +357,13 @@ def plot_trace(results: list[RequestResult], path: Path, title: str) -> bool:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from tokenmill.flag_types import NON_NEGATIVE_FLOAT, POSITIVE_FLOAT, POSITIVE_INT, NumberList, existing_file
+    from tokenmill.configuration.flag_types import (
+        NON_NEGATIVE_FLOAT,
+        POSITIVE_FLOAT,
+        POSITIVE_INT,
+        NumberList,
+        existing_file,
+    )
 
     p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")

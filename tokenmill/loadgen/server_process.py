@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import IO, Any
 
-from tokenmill.lifetime import EXIT_WITH_PARENT_ENV
+from tokenmill.host.lifetime import EXIT_WITH_PARENT_ENV
 
 
 def free_port() -> int:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.config import ModelConfig
+from tokenmill.configuration.config import ModelConfig
 from tokenmill.errors import TokenmillError
 
 logger = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from tokenmill.config import ModelConfig
+from tokenmill.configuration.config import ModelConfig
 from tokenmill.lora.adapter import LoRAAdapter, target_shapes
 
 # each module of a decoder layer that LoRA may touch, and the checkpoint projections fused in it

@@ -38,7 +38,7 @@ from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.lifetime import exit_with_parent
+from tokenmill.host.lifetime import exit_with_parent
 
 POW_BITS = 1 << 16  # the largest integer a template's ``**`` may build, in bits
 
@@ -140,7 +140,7 @@ def _joined(chunks: Iterable[str], max_chars: int) -> str:
 def serve_renders(conn: Connection, limits: TemplateLimits, parent_pid: int) -> None:
     """A render worker (spawned by server/template_sandbox.py): says it is ready (an empty
     ``Rendered``), then answers each ``RenderJob`` with a ``Rendered`` until its pipe
-    closes. It ends with the server however the server ends (lifetime.py)."""
+    closes. It ends with the server however the server ends (host/lifetime.py)."""
     exit_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle: it stops us
     _limit_memory(limits.memory)

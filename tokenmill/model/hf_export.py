@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.config import ModelConfig
+from tokenmill.configuration.config import ModelConfig
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.tokenizer import Tokenizer
 

@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from tokenmill.config import ModelConfig
+from tokenmill.configuration.config import ModelConfig
 from tokenmill.errors import ModelLoadError
 from tokenmill.lora.layers import LoRAMapping
 from tokenmill.model.layers.attention import AttentionMetadata

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tokenmill.config import ModelConfig, RopeScaling
+from tokenmill.configuration.config import ModelConfig, RopeScaling
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.families import Family, family_named, gguf_family, hf_family, window_if_shorter
 from tokenmill.model.gguf_file import read_gguf

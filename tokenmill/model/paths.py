@@ -8,7 +8,7 @@ import importlib.metadata
 from dataclasses import replace
 from pathlib import Path
 
-from tokenmill.config import EngineArgs
+from tokenmill.configuration.config import EngineArgs
 from tokenmill.errors import ModelLoadError
 from tokenmill.hub.refs import HubRef, parse_ref
 from tokenmill.model.families import GGUF_FAMILIES, HF_FAMILIES

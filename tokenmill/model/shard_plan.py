@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from tokenmill.config import ModelConfig
+from tokenmill.configuration.config import ModelConfig
 from tokenmill.errors import TokenmillError
 
 

@@ -9,7 +9,7 @@ KV bytes per token k and context C:
     sequences that fit      = floor(KV budget / (k * C)), in whole blocks
 
 Energy and cost follow from the decode rate: with every compute thread busy at P watts
-each (``--watts-per-cpu``, tokenmill/energy.py's default otherwise) a token costs
+each (``--watts-per-cpu``, tokenmill/host/energy.py's default otherwise) a token costs
 ``threads * P / rate`` joules, and at ``--price-per-hour`` dollars the machine's hour buys
 ``3600 * rate`` tokens.
 
@@ -33,7 +33,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from tokenmill.flag_types import NON_NEGATIVE_FLOAT, POSITIVE_FLOAT, POSITIVE_INT
+from tokenmill.configuration.flag_types import NON_NEGATIVE_FLOAT, POSITIVE_FLOAT, POSITIVE_INT
 
 
 def measure_bandwidth(size_mib: int = 256, repeats: int = 5) -> float:
@@ -183,8 +183,8 @@ def run_several(args: argparse.Namespace, planned: list) -> int:
     """`tokenmill plan --model A=... --model B=...`: each model's plan, as `tokenmill serve`
     would load it (its share of the KV budget), then what they need together against the
     memory free now."""
+    from tokenmill.configuration.memory import available_memory
     from tokenmill.llm import LLM
-    from tokenmill.memory import available_memory
 
     bw = args.bandwidth * 1e9 if args.bandwidth else measure_bandwidth()
     total = 0
@@ -209,7 +209,7 @@ def run(args: argparse.Namespace, llm) -> int:
 
 def report(args: argparse.Namespace, llm, bw: float) -> Plan:
     """Print one model's plan (and, with --measure, the measured figures beside it)."""
-    from tokenmill.memory import parse_memory
+    from tokenmill.configuration.memory import parse_memory
 
     plan = make_plan(llm, parse_memory(llm.args.cache.kv_cache_memory), args.context_len, bw)
     gib = 1 << 30
@@ -223,7 +223,7 @@ def report(args: argparse.Namespace, llm, bw: float) -> Plan:
         (f"decode bound, 1 sequence at {plan.context_len} tokens", f"{plan.decode_bound(1):.1f} tok/s"),
         (f"decode bound, {max(plan.max_seqs, 1)} sequences", f"{plan.decode_bound(max(plan.max_seqs, 1)):.1f} tok/s"),
     ]
-    from tokenmill.energy import DEFAULT_WATTS_PER_CPU, dollars_per_million
+    from tokenmill.host.energy import DEFAULT_WATTS_PER_CPU, dollars_per_million
 
     watts = (args.watts_per_cpu or DEFAULT_WATTS_PER_CPU) * _threads(llm)
     seqs = max(plan.max_seqs, 1)
@@ -319,7 +319,7 @@ def predict(args: argparse.Namespace, llm, plan: Plan, profile, path, how: str) 
         got = measure_load(llm.engine, n, rate, args.input_len, args.output_len, args.watts_per_cpu)
         measured[2:5] = [got.output_tok_s, got.tpot * 1e3, got.joules_per_token]
         if args.price_per_hour is not None:
-            from tokenmill.energy import dollars_per_million
+            from tokenmill.host.energy import dollars_per_million
 
             measured[5] = dollars_per_million(args.price_per_hour, 1.0, got.output_tok_s)
         print(

@@ -104,7 +104,7 @@ def measure_load(
     engine, requests: int, rate: float, input_len: int, output_len: int, watts_per_cpu: float | None = None
 ) -> LoadMeasurement:
     """``requests`` of ``input_len`` random tokens, evenly at ``rate`` (see the module doc)."""
-    from tokenmill.energy import EnergyMeter
+    from tokenmill.host.energy import EnergyMeter
     from tokenmill.sampling_params import SamplingParams
 
     n = max(8, requests)

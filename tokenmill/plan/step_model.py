@@ -40,7 +40,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from tokenmill.energy import dollars_per_million
+from tokenmill.host.energy import dollars_per_million
 
 PROFILE_VERSION = 1
 PROBE_BATCHES = (1, 2, 4, 8, 16)
@@ -332,8 +332,8 @@ def probe(
     on this idle ``Engine``. Batches beyond ``max_num_seqs`` and contexts beyond what the KV
     cache holds for the largest batch are left out or shrunk. The probe's steps and
     prefix-cache lookups are taken back out of the core's counters."""
-    from tokenmill.energy import EnergyMeter, process_tree_cpu_seconds
-    from tokenmill.engine.load_price import unrecorded
+    from tokenmill.engine.core.load_price import unrecorded
+    from tokenmill.host.energy import EnergyMeter, process_tree_cpu_seconds
     from tokenmill.sampling_params import SamplingParams
 
     core = engine.core

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.config import KV_CACHE_DTYPES
+from tokenmill.configuration.config import KV_CACHE_DTYPES
 
 __all__ = ["KV_CACHE_DTYPES", "QUANTIZED_KV", "SCALE_DTYPE", "dequantize", "quantize"]
 QUANTIZED_KV = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}

@@ -25,16 +25,16 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.config import EngineArgs
+from tokenmill.configuration.config import EngineArgs
+from tokenmill.configuration.serving_config import ReplicaConfig
+from tokenmill.engine.api.streams import RequestFailedError
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.stats import EngineSnapshot
-from tokenmill.engine.streams import RequestFailedError
 from tokenmill.errors import InvalidRequestError, TokenmillError, UnknownModelError
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.replicas.index import RoutingStats, merge_snapshots
 from tokenmill.replicas.replica_router import prompt_block_hashes
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.serving_config import ReplicaConfig
 
 logger = logging.getLogger(__name__)
 APP = "tokenmill"
@@ -92,7 +92,7 @@ class RayReplicaFront:
     """Streams requests from pools of engine replicas through their Ray Serve handles
     (``handles``: "engine", or "prefill" and "decode"; ``indexes``: each pool's index
     actor). ``on_shutdown`` stops what was started for it (Serve, Ray). A
-    ``StreamingFront`` (engine/streams.py) that never dies: Serve replaces a dead replica,
+    ``StreamingFront`` (engine/api/streams.py) that never dies: Serve replaces a dead replica,
     and the requests it had fail alone."""
 
     def __init__(

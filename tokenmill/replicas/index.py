@@ -3,7 +3,7 @@
 Every replica reports to one index (a Ray actor in ``ray_serve.py``; a plain object
 here, so it is tested without Ray): its KV events (block hashes stored and evicted),
 its running and waiting requests, the price it measured for a request in flight
-(engine/load_price.py), its engine snapshot. The router asks the index to
+(engine/core/load_price.py), its engine snapshot. The router asks the index to
 choose a replica for a prompt's block hashes; the server's /metrics reads the
 snapshots (one series per replica) and the routing counters from it. One owner for
 what the replicas hold: the index; for how busy each is right now, the router's own

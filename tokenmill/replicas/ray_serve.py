@@ -5,7 +5,7 @@ Three pieces, each a Ray Serve (or Ray) object:
 - ``EngineReplica``: one engine per replica (an engine-core process of its own, driven
   through ``AsyncCoreClient`` from the replica's process). ``generate`` streams a request's outputs; a replica reports its
   prefix cache's events, its load, its price of load (measured on its engine at start,
-  engine/load_price.py) and its snapshot to the index (every 0.5 s, and
+  engine/core/load_price.py) and its snapshot to the index (every 0.5 s, and
   before the last output of a request leaves it, so that a follow-up turn is routed
   knowing what the previous one cached). In disaggregated serving a replica is a
   prefill one (``prefill``: compute the prompt's KV, put its blocks in Ray's object
@@ -34,7 +34,7 @@ import ray
 from ray import serve
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from tokenmill.config import EngineArgs
+from tokenmill.configuration.config import EngineArgs
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.replicas.index import KVIndex
@@ -122,8 +122,8 @@ class EngineReplica:
         import os
 
         from tokenmill.core_process import run_engine_core
-        from tokenmill.engine.core_client import AsyncCoreClient
-        from tokenmill.engine.load_price import LoadPrice, LoadPricer
+        from tokenmill.engine.api.core_client import AsyncCoreClient
+        from tokenmill.engine.core.load_price import LoadPrice, LoadPricer
         from tokenmill.model.paths import resolve_model_path
         from tokenmill.model.tokenizer import load_tokenizer
 

@@ -14,7 +14,7 @@ the prefix and the load together: a replica's cost is the prompt tokens it would
 compute plus a price per request already there. Their rule alone (the longest prefix
 wins until 64 requests of imbalance) put every chat of a benchmark on one replica of
 two, the other idle, at 8 concurrent sessions (bench/RESULTS.md). The price is each
-replica's own, measured on its engine when it starts (engine/load_price.py: what a
+replica's own, measured on its engine when it starts (engine/core/load_price.py: what a
 request in flight adds to a newcomer's decode steps, in prompt tokens) and reported
 with its load; ``DEFAULT_LOAD_COST`` stands in for a replica that reported none, and a
 fixed price (``--route-load-cost``) overrides them all. ``PowerOfTwoRouter`` (Ray
@@ -30,7 +30,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tokenmill.engine.kv_manager import hash_block
+from tokenmill.engine.core.kv_manager import hash_block
 
 DEFAULT_LOAD_COST = 128  # tokens per request in flight, where a replica has not reported its measured price
 

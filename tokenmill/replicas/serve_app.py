@@ -20,11 +20,11 @@ from typing import Any
 
 from ray import serve
 
-from tokenmill.args import engine_args, engine_keywords
+from tokenmill.configuration.args import engine_args, engine_keywords
+from tokenmill.configuration.serving_config import ReplicaConfig, ServerConfig
 from tokenmill.errors import TokenmillError
 from tokenmill.replicas import ray_serve
 from tokenmill.replicas.front import RayReplicaFront, check_replica_options, replica_pools
-from tokenmill.serving_config import ReplicaConfig, ServerConfig
 
 
 @serve.ingress()

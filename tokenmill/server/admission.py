@@ -6,7 +6,7 @@ address by its /64, as clients.py counts connections). A bearer token nobody
 configured is no identity: on a server without keys, a fresh random token per request
 made each request a client of its own, with a window of its own (8 sequences in the
 engine became 39, issue 57). The identity is also the engine request's ``client``,
-between which the scheduler shares each step's prompt tokens (engine/fairness.py).
+between which the scheduler shares each step's prompt tokens (engine/core/fairness.py).
 ``Clients`` also says who may raise its priority: a priority below ``--min-priority``
 (0: ahead of the default) only with a ``--priority-api-key``; from anyone else it is a
 400 naming those flags, rather than clamped, so that a client is never silently served
@@ -41,9 +41,9 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
+from tokenmill.configuration.serving_config import ServerConfig
 from tokenmill.errors import InvalidRequestError
 from tokenmill.server.clients import client_key
-from tokenmill.serving_config import ServerConfig
 
 
 class Clients:

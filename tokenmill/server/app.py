@@ -1,5 +1,5 @@
 """The OpenAI-compatible routes on FastAPI, in front of engine fronts (``StreamingFront``:
-engine/streams.py).
+engine/api/streams.py).
 
     POST /v1/completions, /v1/chat/completions   (stream or not; n; logprobs; usage)
     POST /v1/responses; GET, DELETE /v1/responses/{id}   (OpenAI's Responses API)
@@ -31,10 +31,11 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from tokenmill.energy import EnergyMeter
-from tokenmill.engine.streams import StreamingFront
+from tokenmill.configuration.memory import parse_memory
+from tokenmill.configuration.serving_config import ServerConfig
+from tokenmill.engine.api.streams import StreamingFront
 from tokenmill.errors import TokenmillError
-from tokenmill.memory import parse_memory
+from tokenmill.host.energy import EnergyMeter
 from tokenmill.server.error_responses import install_error_handlers
 from tokenmill.server.live import LiveView
 from tokenmill.server.metrics import EngineSource, ServerMetrics
@@ -48,7 +49,6 @@ from tokenmill.server.routes import admin, chat, completions, embeddings, scorin
 from tokenmill.server.routes import responses as responses_api
 from tokenmill.server.served import Served
 from tokenmill.server.web import WebSessions
-from tokenmill.serving_config import ServerConfig
 
 
 def build_app(engine: StreamingFront, tokenizer: Any, max_model_len: int, config: ServerConfig) -> FastAPI:

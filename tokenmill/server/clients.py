@@ -29,8 +29,8 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
+from tokenmill.configuration.serving_config import ServerConfig
 from tokenmill.server.protocol import error_body
-from tokenmill.serving_config import ServerConfig
 
 RETRY_AFTER_S = 1
 

@@ -24,8 +24,8 @@ from fastapi import Request
 from fastapi.responses import Response
 from starlette.background import BackgroundTask
 
+from tokenmill.engine.api.streams import RequestFailedError
 from tokenmill.engine.outputs import RequestOutput
-from tokenmill.engine.streams import RequestFailedError
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.server.error_responses import APIError, ContextLengthError, error_response
 from tokenmill.server.model_router import ModelRouter, Route

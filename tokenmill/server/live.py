@@ -25,9 +25,9 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.energy import EnergyMeter
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.stats import percentiles
+from tokenmill.host.energy import EnergyMeter
 from tokenmill.server.models import ServedModel
 
 STEPS_KEPT = 240  # the Gantt's steps

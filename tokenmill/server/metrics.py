@@ -21,9 +21,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from tokenmill.energy import EnergyMeter
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.stats import ITERATION_TOKEN_BUCKETS, EngineSnapshot
+from tokenmill.host.energy import EnergyMeter
 
 P = "tokenmill:"
 VLLM = "vllm:"

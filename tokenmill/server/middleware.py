@@ -14,11 +14,11 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from tokenmill.configuration.serving_config import ServerConfig
 from tokenmill.server.clients import ClientBodyLimitMiddleware
 from tokenmill.server.error_responses import error_response
 from tokenmill.server.protocol import valid_request_id
 from tokenmill.server.web import WebSessions, authorised, cross_site, cross_site_refusal, login_page
-from tokenmill.serving_config import ServerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenmill.engine.streams import StreamingFront
+from tokenmill.engine.api.streams import StreamingFront
 
 
 @dataclass

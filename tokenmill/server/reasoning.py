@@ -39,10 +39,10 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
+from tokenmill.configuration.serving_config import REASONING_PARSERS
 from tokenmill.errors import TokenmillError
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.models import ServedModel, Target
-from tokenmill.serving_config import REASONING_PARSERS
 
 logger = logging.getLogger(__name__)
 

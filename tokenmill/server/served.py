@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from tokenmill.configuration.serving_config import ServerConfig
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.server.admission import Clients, ClientWindows
 from tokenmill.server.error_responses import APIError
@@ -20,7 +21,6 @@ from tokenmill.server.models import ServedModel, Target
 from tokenmill.server.response_cache import ResponseCache
 from tokenmill.server.response_items import ResponseStore
 from tokenmill.server.template_sandbox import RequestTemplates
-from tokenmill.serving_config import ServerConfig
 
 
 @dataclass

@@ -14,7 +14,7 @@ started on first use and again after it is stopped, so that a server with the fl
 no such requests runs no extra process. The tokenizer's own template never comes here:
 it renders in process, as before.
 
-Each worker dies with the server however it ends (lifetime.py), and ``close`` (the
+Each worker dies with the server however it ends (host/lifetime.py), and ``close`` (the
 server's shutdown) or the pool's garbage collection kills them at once.
 """
 
@@ -28,12 +28,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from tokenmill.configuration.memory import parse_memory
+from tokenmill.configuration.serving_config import ServerConfig
 from tokenmill.errors import InvalidRequestError
-from tokenmill.memory import parse_memory
 from tokenmill.model.chat_template import Rendered, RenderJob, TemplateLimits, serve_renders
 from tokenmill.model.tokenizer import Render
 from tokenmill.server.error_responses import APIError
-from tokenmill.serving_config import ServerConfig
 
 START_TIMEOUT_S = 60.0  # a worker's start: a fresh interpreter importing jinja2 (well under a second)
 T = TypeVar("T")

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.engine.request import token_slice
+from tokenmill.engine.core.request import token_slice
 from tokenmill.model.layers.kv_cache import copy_blocks
 from tokenmill.model.llama import KVCache, LlamaForCausalLM
 from tokenmill.speculative.draft import continuation, stack_probs

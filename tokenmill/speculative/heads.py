@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tokenmill.config import ModelConfig
+from tokenmill.configuration.config import ModelConfig
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.layers.attention import AttentionMetadata
 from tokenmill.model.layers.kv_cache import KVCacheLayer

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.config import StructuredConfig
+from tokenmill.configuration.config import StructuredConfig
 from tokenmill.errors import InvalidRequestError
 from tokenmill.structured.constraint import StructuredOutputs
 

@@ -16,7 +16,7 @@ from tokenmill.tune.slo import DEFAULTS, Slo, Trial, candidates_of
 
 def _slo_flag(text: str) -> str:
     """``--slo``'s check: ``Slo.parse``'s (the text is kept: ``run`` parses it)."""
-    from tokenmill.flag_types import BadValue
+    from tokenmill.configuration.flag_types import BadValue
 
     try:
         Slo.parse(text)
@@ -26,7 +26,7 @@ def _slo_flag(text: str) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from tokenmill.flag_types import (
+    from tokenmill.configuration.flag_types import (
         NON_NEGATIVE_FLOAT,
         POSITIVE_FLOAT,
         POSITIVE_INT,

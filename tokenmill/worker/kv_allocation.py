@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.config import ModelConfig
+from tokenmill.configuration.config import ModelConfig
 from tokenmill.model.layers.kv_cache import KVCacheLayer
 from tokenmill.quant.kv import KV_CACHE_DTYPES, QUANTIZED_KV, SCALE_DTYPE
 

@@ -16,7 +16,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from tokenmill.config import LoRAConfig
+from tokenmill.configuration.config import LoRAConfig
 from tokenmill.lora.adapter import LoRAAdapter, LoRAError, load_adapter
 from tokenmill.lora.layers import LoRAMapping, add_lora_slots, set_adapter_slot
 

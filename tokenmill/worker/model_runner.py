@@ -21,6 +21,7 @@ from typing import Protocol
 
 import torch
 
+from tokenmill.engine.core.request import token_slice
 from tokenmill.engine.model_input import (
     GrammarMasks,
     ModelInput,
@@ -29,7 +30,6 @@ from tokenmill.engine.model_input import (
     SampledToken,
     ScheduledTokens,
 )
-from tokenmill.engine.request import token_slice
 from tokenmill.lora.adapter import LoRAAdapter
 from tokenmill.lora.layers import LoRAMapping
 from tokenmill.model.layers.attention import AttentionMetadata

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.config import ModelConfig
+from tokenmill.configuration.config import ModelConfig
 
 
 class MoEMLP(nn.Module):

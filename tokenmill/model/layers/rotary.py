@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from tokenmill.config import RopeScaling
+from tokenmill.configuration.config import RopeScaling
 
 
 def inverse_frequencies(

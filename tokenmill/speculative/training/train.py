@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.config import ModelConfig
+from tokenmill.configuration.config import ModelConfig
 from tokenmill.model.layers.rotary import RotaryEmbedding
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.speculative.heads import MedusaHeads

@@ -10,40 +10,19 @@ knows how much of it the runner holds).
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.engine.block_table import BlockTable
+from tokenmill.engine.core.block_table import BlockTable
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
-
-# What the scheduler and the output processor count an embedding request by: its prompt,
-# then one step that ends it (the runner pools its hidden states and samples nothing).
-EMBEDDING_STEP = SamplingParams(max_tokens=1)
-
-
-def step_params(params: SamplingParams | PoolingParams) -> SamplingParams:
-    """The parameters the scheduler and the output processor run a request by (an embedding
-    request's salt and priority kept)."""
-    if not isinstance(params, PoolingParams):
-        return params
-    if params.cache_salt is None and params.priority == 0:
-        return EMBEDDING_STEP
-    return dataclasses.replace(EMBEDDING_STEP, cache_salt=params.cache_salt, priority=params.priority)
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-def sequence_ids(request_id: str, n: int) -> list[str]:
-    """The ids of a request's n sequences (the one place that names them: the engine core
-    and the output processor, in whichever process, must agree)."""
-    return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
 
 
 def token_slice(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:
@@ -69,7 +48,9 @@ class Request:
     num_preemptions: int = 0
     arrival: int = 0  # the scheduler's count of requests added before it (the priority policy's tie-break)
     arrival_step: int = 0  # the scheduler's count of steps before it was added (the priority policy's aging)
-    client: str = ""  # whom it is for, opaque: a step's prompt tokens are shared between clients (engine/fairness.py)
+    client: str = (
+        ""  # whom it is for, opaque: a step's prompt tokens are shared between clients (engine/core/fairness.py)
+    )
     fork_of: str | None = None  # n > 1: the sibling whose prompt blocks this one shares
     parent_id: str = ""  # the user's request id (this sequence is completion `index` of it)
     index: int = 0

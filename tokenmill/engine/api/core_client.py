@@ -14,7 +14,7 @@ never waits on the core.
 If the core process dies (or fails at start), every stream ends with EngineDeadError
 and ``death`` says why; ``shutdown()`` stops it cleanly.
 
-The pipe is a ``Channel`` (engine/channel.py): ``_send`` only queues a message for its
+The pipe is a ``Channel`` (engine/pipe/channel.py): ``_send`` only queues a message for its
 writer thread, so neither the event loop nor the reader thread ever waits on the core
 reading, and the reader always drains what the core writes (issue 40: both sides in
 ``sendmsg`` at once locked the server for good). The core sends a heartbeat when it
@@ -33,20 +33,20 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
 
-from tokenmill.engine import messages as m
-from tokenmill.engine.channel import Channel, ChannelClosed, ChannelTimeout
-from tokenmill.engine.detokenizer import Decoder
-from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.api.detokenizer import Decoder
+from tokenmill.engine.api.output_processor import OutputProcessor
+from tokenmill.engine.api.streams import Stream, Streams, resolve
 from tokenmill.engine.outputs import RequestOutput
-from tokenmill.engine.request import sequence_ids, step_params
-from tokenmill.engine.stats import EngineSnapshot
-from tokenmill.engine.streams import Stream, Streams, resolve
-from tokenmill.engine.wire import (
+from tokenmill.engine.pipe import messages as m
+from tokenmill.engine.pipe.channel import Channel, ChannelClosed, ChannelTimeout
+from tokenmill.engine.pipe.wire import (
     delta_from_wire,
     error_from_wire,
     params_to_wire,
     snapshot_from_wire,
 )
+from tokenmill.engine.sequences import sequence_ids, step_params
+from tokenmill.engine.stats import EngineSnapshot
 from tokenmill.errors import EngineDeadError, InvalidRequestError, TokenmillError
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams

@@ -8,7 +8,7 @@ pipe (no polling). Grammars are compiled on the engine's compile thread and LoRA
 adapters read on a worker thread, so a big schema or a slow disk never stalls the
 steps of other requests; a grammar not compiled within its timeout is refused.
 
-The pipe carries typed messages (engine/messages.py) as msgpack through a ``Channel`` (engine/channel.py): a
+The pipe carries typed messages (engine/pipe/messages.py) as msgpack through a ``Channel`` (engine/pipe/channel.py): a
 reader thread drains the commands into a queue as they arrive and a writer thread
 sends, so this loop never waits on the API process reading, nor the API process on
 this loop (the deadlock of issue 40). The pipe closing means the API process is gone:
@@ -26,11 +26,11 @@ from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from tokenmill.engine import messages as m
-from tokenmill.engine.channel import Channel
-from tokenmill.engine.core import EngineCore
-from tokenmill.engine.load_price import measure_load_price
-from tokenmill.engine.wire import (
+from tokenmill.engine.core.engine_core import EngineCore
+from tokenmill.engine.core.load_price import measure_load_price
+from tokenmill.engine.pipe import messages as m
+from tokenmill.engine.pipe.channel import Channel
+from tokenmill.engine.pipe.wire import (
     delta_to_wire,
     error_to_wire,
     params_from_wire,

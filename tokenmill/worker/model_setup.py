@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.config import LoadConfig, ModelConfig
+from tokenmill.configuration.config import LoadConfig, ModelConfig
+from tokenmill.configuration.memory import keep_freed_memory
 from tokenmill.errors import TokenmillError
 from tokenmill.kernels.gemm_choice import block_gemm_rows, f16_split_rows, one_row_stream, prepacked, upcast_rows
 from tokenmill.kernels.linear import use_native_linears
-from tokenmill.memory import keep_freed_memory
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.ops import NativeOps, select_ops
 from tokenmill.model.shard_plan import ModelShard

@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from tokenmill.engine.core.scheduler import SchedulerOutput
 from tokenmill.engine.model_input import GrammarMasks
-from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.errors import InvalidRequestError
 from tokenmill.structured.constraint import StructuredOutputs
 from tokenmill.structured.grammar import CompiledGrammar, GrammarCompiler, bitmask_words

@@ -49,7 +49,7 @@ from copy import deepcopy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tokenmill.engine.core import EngineCore
+from tokenmill.engine.core.engine_core import EngineCore
 from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

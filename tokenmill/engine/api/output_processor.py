@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from tokenmill.engine.detokenizer import Decoder, IncrementalDetokenizer
+from tokenmill.engine.api.detokenizer import Decoder, IncrementalDetokenizer
 from tokenmill.engine.outputs import CompletionOutput, RequestOutput, RequestTimings, SeqDelta, TopLogprobs
 from tokenmill.sampling_params import SamplingParams
 

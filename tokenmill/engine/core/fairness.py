@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from tokenmill.engine.request import Request
+from tokenmill.engine.core.request import Request
 
 
 class TokenShares:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from tokenmill.engine.core.request import Request
 from tokenmill.engine.model_input import CachedRequestData, ModelInput, NewRequestData, ScheduledTokens
-from tokenmill.engine.request import Request
 
 
 class RunnerSync:

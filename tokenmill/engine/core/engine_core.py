@@ -27,18 +27,19 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from tokenmill.config import SchedulerConfig, SpeculativeConfig, check_adapter_name
-from tokenmill.engine.block_pool import BlockPool
-from tokenmill.engine.grammar_masks import StructuredOutputManager
-from tokenmill.engine.kv_disk import DiskSpill, DiskTier, DiskTierStats, files_fingerprint
-from tokenmill.engine.kv_manager import KVCacheManager, PrefixCacheStats
-from tokenmill.engine.kv_transfer import KVTransfer
+from tokenmill.configuration.config import SchedulerConfig, SpeculativeConfig, check_adapter_name
+from tokenmill.engine.core.block_pool import BlockPool
+from tokenmill.engine.core.grammar_masks import StructuredOutputManager
+from tokenmill.engine.core.kv_disk import DiskSpill, DiskTier, DiskTierStats, files_fingerprint
+from tokenmill.engine.core.kv_manager import KVCacheManager, PrefixCacheStats
+from tokenmill.engine.core.kv_transfer import KVTransfer
+from tokenmill.engine.core.request import Request
+from tokenmill.engine.core.scheduler import Scheduler, SchedulerOutput
+from tokenmill.engine.core.step_trace import StepTracer, step_kinds
 from tokenmill.engine.model_input import GrammarMasks, ModelInput, ModelOutput, SampledToken
 from tokenmill.engine.outputs import SeqDelta
-from tokenmill.engine.request import Request, sequence_ids, step_params
-from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
+from tokenmill.engine.sequences import sequence_ids, step_params
 from tokenmill.engine.stats import ITERATION_TOKEN_BUCKETS, EngineSnapshot, SpecDecodeStats, StepStats
-from tokenmill.engine.step_trace import StepTracer, step_kinds
 from tokenmill.errors import EngineDeadError, InvalidRequestError, UnknownModelError
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams

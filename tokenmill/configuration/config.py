@@ -4,9 +4,9 @@
 are ``LoadConfig`` (which model, how), ``CacheConfig`` (the KV pool),
 ``SchedulerConfig`` (the step budget), ``SpeculativeConfig`` (drafting), ``LoRAConfig``
 (adapters) and ``ParallelConfig`` (tensor / pipeline parallelism); ``EngineArgs``
-groups the engine's. The server's and the replicas' are in ``serving_config.py``. Each field's
+groups the engine's. The server's and the replicas' are in ``configuration/serving_config.py``. Each field's
 metadata holds its help text (and its flag name where that differs), so the CLI
-flags and the ``LLM`` keywords are generated from these classes (``tokenmill.args``):
+flags and the ``LLM`` keywords are generated from these classes (``tokenmill.configuration.args``):
 a new option is one new field. Derived values are properties or computed once by
 the factory; nothing is mutated after construction.
 """
@@ -35,7 +35,7 @@ def opt(
     when it differs from the field's, its choices, for a boolean that defaults to True
     the name of the flag that turns it off, for a tuple whether its flag is given
     once per value (``--api-key A --api-key B``) rather than once with several, and the
-    check of its value (``tokenmill.flag_types``): its flag's type, and what the class's
+    check of its value (``tokenmill.configuration.flag_types``): its flag's type, and what the class's
     ``check_fields`` runs."""
     meta = {"help": help, "flag": flag, "choices": choices, "negative": negative, "repeat": repeat, "check": check}
     return field(default=default, metadata=meta)

@@ -158,7 +158,7 @@ class StreamingFront(Protocol):
         ...
 
     async def start_step_trace(self) -> bool:
-        """Have the engine record each step's batch (engine/step_trace.py) for a
+        """Have the engine record each step's batch (engine/core/step_trace.py) for a
         live view; False where this front cannot (engine replicas)."""
         ...
 

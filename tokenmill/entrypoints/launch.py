@@ -41,24 +41,24 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from tokenmill.args import (
+from tokenmill.configuration.args import (
     ModelSpec,
     replica_config_from_namespace,
     served_models,
     server_config_from_namespace,
 )
-from tokenmill.config import EngineArgs
+from tokenmill.configuration.config import EngineArgs
+from tokenmill.configuration.memory import available_memory, parse_memory
+from tokenmill.configuration.serving_config import ServerConfig
 from tokenmill.distributed.env import under_torchrun
+from tokenmill.engine.api.streams import StreamingFront
 from tokenmill.engine.async_engine import AsyncEngine
-from tokenmill.engine.streams import StreamingFront
 from tokenmill.errors import TokenmillError
-from tokenmill.memory import available_memory, parse_memory
 from tokenmill.model.paths import hub_ref, with_model_paths
 from tokenmill.server.app import api_keys, build_models_app
 from tokenmill.server.clients import uvicorn_options
 from tokenmill.server.model_router import parse_routers
 from tokenmill.server.models import ServedModel, model_id
-from tokenmill.serving_config import ServerConfig
 
 EXIT_GRACE_S = 15.0  # after the drain timeout, what stopping the engines may take before the process just exits
 
@@ -107,7 +107,7 @@ def _start_engine(args: argparse.Namespace, config: ServerConfig, engine_args: E
         return front, tokenizer, max_model_len, path, lambda: None
     if config.engine_core == "process" and not under_torchrun():
         from tokenmill.core_process import run_engine_core
-        from tokenmill.engine.core_client import AsyncCoreClient
+        from tokenmill.engine.api.core_client import AsyncCoreClient
         from tokenmill.model.paths import resolve_model_path
         from tokenmill.model.tokenizer import load_tokenizer
 

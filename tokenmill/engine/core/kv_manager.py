@@ -11,7 +11,7 @@ window of any query still to come goes back to the pool (``free_outside_window``
 its entry in the request's table becomes ``FREED`` (the runner keeps reading a
 stale id there, masked out by attention, so it is never told: ``BlockTable.release``).
 Every other change to a table is the runner's to hear about, which the table records
-by itself (engine/block_table.py).
+by itself (engine/core/block_table.py).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tokenmill.engine.block_pool import BlockPool
-from tokenmill.engine.request import Request
+from tokenmill.engine.core.block_pool import BlockPool
+from tokenmill.engine.core.request import Request
 
 FREED = -1  # a block-table entry whose block left the sliding window and went back to the pool
 

@@ -2,7 +2,7 @@
 benchmark, train a draft head, quantise a model.
 
 Engine options are flags with the same names as the `LLM` keywords, generated from
-the config dataclasses (``tokenmill.args``).
+the config dataclasses (``tokenmill.configuration.args``).
 """
 
 from __future__ import annotations
@@ -13,12 +13,18 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from tokenmill.args import add_config_arguments, add_engine_arguments, engine_args_from_namespace
+from tokenmill.configuration.args import add_config_arguments, add_engine_arguments, engine_args_from_namespace
+from tokenmill.configuration.flag_types import (
+    NON_NEGATIVE_FLOAT,
+    POSITIVE_FLOAT,
+    POSITIVE_INT,
+    existing_file,
+    text_or_file,
+)
+from tokenmill.configuration.serving_config import ReplicaConfig, ServerConfig
 from tokenmill.distributed.env import torchrun_rank
 from tokenmill.errors import TokenmillError
-from tokenmill.flag_types import NON_NEGATIVE_FLOAT, POSITIVE_FLOAT, POSITIVE_INT, existing_file, text_or_file
-from tokenmill.lifetime import EXIT_WITH_PARENT_ENV
-from tokenmill.serving_config import ReplicaConfig, ServerConfig
+from tokenmill.host.lifetime import EXIT_WITH_PARENT_ENV
 
 DEFAULT_CHAT_PROMPT = "What is the capital of France? Answer in one sentence."
 
@@ -368,7 +374,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from tokenmill.launch import serve
+    from tokenmill.entrypoints.launch import serve
 
     if args.model_positional is not None:
         if args.model:
@@ -432,7 +438,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from tokenmill.args import served_models
+    from tokenmill.configuration.args import served_models
     from tokenmill.plan.command import run, run_several
 
     if args.kv_cache_memory is None:
@@ -459,7 +465,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     if os.environ.get(EXIT_WITH_PARENT_ENV):  # started by a tokenmill process (tune's servers): end with it
-        from tokenmill.lifetime import exit_with_parent
+        from tokenmill.host.lifetime import exit_with_parent
 
         exit_with_parent(int(os.environ.pop(EXIT_WITH_PARENT_ENV)))
     args = build_parser().parse_args(argv)

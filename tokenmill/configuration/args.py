@@ -1,6 +1,6 @@
 """Options from the config dataclasses: CLI flags, ``LLM`` keywords, one mapping.
 
-Each option is a field of a frozen config in ``tokenmill.config``; its keyword (and
+Each option is a field of a frozen config in ``tokenmill.configuration.config``; its keyword (and
 flag, with dashes) is the field's name, or the ``flag`` in its metadata. This module
 turns those fields into argparse flags and turns keywords or parsed flags back into
 an ``EngineArgs``, so an option is declared once, with its default and help.
@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.config import (
+from tokenmill.configuration.config import (
     CacheConfig,
     EngineArgs,
     LoadConfig,
@@ -27,8 +27,8 @@ from tokenmill.config import (
     SpeculativeConfig,
     StructuredConfig,
 )
+from tokenmill.configuration.serving_config import ReplicaConfig, ServerConfig
 from tokenmill.errors import TokenmillError
-from tokenmill.serving_config import ReplicaConfig, ServerConfig
 
 ENGINE_SECTIONS: dict[str, type] = {
     "load": LoadConfig,
@@ -244,7 +244,7 @@ def engine_args_for(ns: argparse.Namespace, spec: ModelSpec, kv_cache_memory: An
 def served_models(ns: argparse.Namespace) -> list[tuple[ModelSpec, EngineArgs]]:
     """Each ``--model``'s EngineArgs. Several models share the KV budget (--kv-cache-memory,
     or its default) equally, but for those that set their own kv_cache_memory."""
-    from tokenmill.memory import parse_memory
+    from tokenmill.configuration.memory import parse_memory
 
     specs = model_specs(ns.model if isinstance(ns.model, list) or ns.model is None else [ns.model])
     if len(specs) == 1:

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenmill.engine.block_pool import BlockPool
-from tokenmill.engine.kv_transfer import BlockRows, cache_rows
+from tokenmill.engine.core.block_pool import BlockPool
+from tokenmill.engine.core.kv_transfer import BlockRows, cache_rows
 
 logger = logging.getLogger(__name__)
 

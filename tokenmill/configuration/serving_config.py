@@ -1,6 +1,6 @@
 """The server's options (``ServerConfig``: HTTP, admission, the response cache, routers,
 reasoning) and the engine replicas' (``ReplicaConfig``: Ray Serve), in the form of
-``config.py``'s: frozen dataclasses whose fields carry their help text, so that the CLI
+``configuration/config.py``'s: frozen dataclasses whose fields carry their help text, so that the CLI
 flags are generated from them; every default written once, and every range: a field's
 ``check`` is its flag's type (a bad value fails at parsing, exit 2) and what
 ``check_fields`` holds a config built from keywords to.
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenmill.config import opt, require
-from tokenmill.flag_types import (
+from tokenmill.configuration.config import opt, require
+from tokenmill.configuration.flag_types import (
     NON_NEGATIVE_FLOAT,
     NON_NEGATIVE_INT,
     PORT,
@@ -23,7 +23,7 @@ from tokenmill.flag_types import (
     check_fields,
     existing_file,
 )
-from tokenmill.memory import memory_size
+from tokenmill.configuration.memory import memory_size
 
 RESPONSE_CACHES = ("off", "exact", "semantic")
 REASONING_PARSERS = ("qwen3", "deepseek_r1")  # server/reasoning.py

@@ -39,7 +39,7 @@ lookahead slots (for a model proposer's K/V) past its tokens.
 ``update_from_output`` is the one place where a step's results land: drafts kept
 or rejected, computed counts, appended tokens, stop by token id or length, full
 blocks cached, unused lookahead blocks trimmed, finished requests freed. What the
-runner is told each step is ``RunnerSync``'s (engine/runner_sync.py).
+runner is told each step is ``RunnerSync``'s (engine/core/runner_sync.py).
 """
 
 from __future__ import annotations
@@ -50,12 +50,12 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from tokenmill.config import SchedulerConfig, SpeculativeConfig
-from tokenmill.engine.fairness import TokenShares
-from tokenmill.engine.kv_manager import KVCacheManager
+from tokenmill.configuration.config import SchedulerConfig, SpeculativeConfig
+from tokenmill.engine.core.fairness import TokenShares
+from tokenmill.engine.core.kv_manager import KVCacheManager
+from tokenmill.engine.core.request import Request, RequestStatus
+from tokenmill.engine.core.runner_sync import RunnerSync
 from tokenmill.engine.model_input import ModelInput, ModelOutput, SampledToken
-from tokenmill.engine.request import Request, RequestStatus
-from tokenmill.engine.runner_sync import RunnerSync
 from tokenmill.engine.stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from tokenmill.engine.block_pool import BlockPool
+from tokenmill.engine.core.block_pool import BlockPool
 
 
 class BlockRows(Protocol):

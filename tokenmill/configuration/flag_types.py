@@ -1,7 +1,7 @@
 """Checked flag values: argparse types that refuse a bad value where the flag is declared.
 
 A flag declared with one of these (``type=POSITIVE_INT`` by hand, or a config field's
-``opt(..., check=PORT)``, which ``tokenmill.args`` makes the generated flag's type) fails
+``opt(..., check=PORT)``, which ``tokenmill.configuration.args`` makes the generated flag's type) fails
 while the command line is parsed: one line, ``tokenmill serve: error: argument --port:
 must be in [1, 65535], got 99999``, and exit 2 (argparse's, as ``cli.Parser`` words it),
 before anything loads or starts. Unchecked, a bad number reached the run and surfaced as a

@@ -14,8 +14,8 @@ import time
 from collections import deque
 from typing import NamedTuple, TypedDict
 
-from tokenmill.engine.block_pool import BlockPool
-from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
+from tokenmill.engine.core.block_pool import BlockPool
+from tokenmill.engine.core.scheduler import Scheduler, SchedulerOutput
 
 STEP_TRACE_KEPT = 1024  # traced steps not taken yet: a live view that stops reading loses the oldest
 

@@ -32,7 +32,7 @@ from collections import deque
 from multiprocessing.connection import Connection
 from typing import Any
 
-from tokenmill.engine.wire import pack, unpack
+from tokenmill.engine.pipe.wire import pack, unpack
 
 FRAME_BYTES = 1 << 20
 HEARTBEAT_S = 1.0

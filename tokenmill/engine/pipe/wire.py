@@ -1,6 +1,6 @@
 """What crosses the pipe between the API process and the engine-core process, as plain
 values: sampling parameters, deltas, snapshots and errors to and from lists and maps,
-and msgpack itself (``pack`` / ``unpack``). The messages are engine/messages.py's.
+and msgpack itself (``pack`` / ``unpack``). The messages are engine/pipe/messages.py's.
 
 Only plain values cross (strings, numbers, lists, maps): never a pickled object, so
 a message means the same on both sides whatever either has imported, and decoding

@@ -6,8 +6,8 @@ from __future__ import annotations
 import ctypes
 import os
 
+from tokenmill.configuration.flag_types import BadValue
 from tokenmill.errors import TokenmillError
-from tokenmill.flag_types import BadValue
 
 
 def available_memory() -> int:
