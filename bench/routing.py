@@ -41,7 +41,7 @@ from pathlib import Path
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels.cpu import cpu_info
 from tokenmill.model.paths import resolve_model_path
-from tokenmill.server.model_router import confidence
+from tokenmill.server.gateway.model_router import confidence
 
 RESULTS = Path(__file__).parent / "results"
 CACHE = Path.home() / ".cache" / "tokenmill" / "bench"

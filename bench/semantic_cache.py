@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tokenmill import LLM
 from tokenmill.kernels.cpu import cpu_info
-from tokenmill.server.response_cache import cosine
+from tokenmill.server.gateway.response_cache import cosine
 
 RESULTS = Path(__file__).parent / "results"
 

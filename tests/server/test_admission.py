@@ -171,7 +171,7 @@ def test_a_many_prompt_request_shares_the_engine_with_another_clients_request():
 def test_a_window_shrinks_to_a_few_places_while_others_wait():
     """While busy() (other requests wait for the engine), a client's prompts past BUSY_PLACES
     wait even though its window has room; once nobody waits, they enter."""
-    from tokenmill.server.admission import BUSY_PLACES, ClientWindows
+    from tokenmill.server.guards.admission import BUSY_PLACES, ClientWindows
 
     windows = ClientWindows(32)
     others_waiting = True

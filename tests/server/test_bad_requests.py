@@ -14,7 +14,7 @@ from tokenmill.configuration.serving_config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.engine import Engine, EngineConfig
 from tokenmill.server.app import build_app
-from tokenmill.server.protocol import ChatCompletionRequest
+from tokenmill.server.protocol.openai import ChatCompletionRequest
 
 KEY = "sekrit"
 MODEL = "toy"
@@ -126,7 +126,7 @@ def test_a_field_we_do_not_know_is_refused_by_name_and_no_effect_fields_are_acce
         )
         assert err["param"] == name
     if path != "/tokenize":
-        from tokenmill.server.protocol import NO_EFFECT
+        from tokenmill.server.protocol.openai import NO_EFFECT
 
         accepted = {
             "user": "u1",
@@ -278,7 +278,7 @@ def test_a_stream_cancelled_mid_wait_leaves_its_source_closable():
     """A client that goes away cancels the SSE writer while it waits for the next
     output; the source must then close cleanly (it once raised 'aclose(): asynchronous
     generator is already running' for every streamed disconnect)."""
-    from tokenmill.server.streaming import until as _until
+    from tokenmill.server.jobs.streaming import until as _until
 
     closed = []
     waiting = asyncio.Event()

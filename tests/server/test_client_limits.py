@@ -21,7 +21,7 @@ from tokenmill.configuration.serving_config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.engine import Engine, EngineConfig
 from tokenmill.server.app import build_app
-from tokenmill.server.clients import client_key, uvicorn_options
+from tokenmill.server.guards.clients import client_key, uvicorn_options
 
 MODEL = "toy"
 PROMPT = json.dumps({"prompt": "ab", "max_tokens": 2}).encode()

@@ -18,7 +18,7 @@ from tokenmill.configuration.serving_config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.engine import Engine, EngineConfig
 from tokenmill.server.app import build_models_app
-from tokenmill.server.models import ServedModel
+from tokenmill.server.gateway.models import ServedModel
 
 KEYS = ("key-a", "key-b")
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.server.conftest import MODEL, Server
-from tokenmill.server.vllm_fields import CANNOT
+from tokenmill.server.protocol.vllm_fields import CANNOT
 
 ASK = [{"role": "user", "content": "Name three rivers in France."}]
 

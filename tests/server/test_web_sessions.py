@@ -15,7 +15,7 @@ from tokenmill.configuration.serving_config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.engine import Engine, EngineConfig
 from tokenmill.server.app import build_app
-from tokenmill.server.web import COOKIE, WebSessions
+from tokenmill.server.observe.web import COOKIE, WebSessions
 
 KEY = "key-a"
 LORA = {"lora_name": "evil"}  # no lora_path: a 400 when the request is let through

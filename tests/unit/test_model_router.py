@@ -7,7 +7,7 @@ import math
 import pytest
 
 from tokenmill.errors import TokenmillError
-from tokenmill.server.model_router import ModelRouter, confidence, parse_routers
+from tokenmill.server.gateway.model_router import ModelRouter, confidence, parse_routers
 
 ROUTER = ModelRouter("auto", "small", "large", threshold=0.5, max_prompt_tokens=100)
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}

@@ -1,4 +1,4 @@
-"""Reasoning parsers (server/reasoning.py): a reasoning model's answer split into reasoning
+"""Reasoning parsers (server/jobs/reasoning.py): a reasoning model's answer split into reasoning
 and content as vLLM's qwen3 and deepseek_r1 parsers split it, streamed deltas that join to
 the whole answer's fields wherever the deltas are cut, and a constraint that starts after
 the reasoning (checked with llguidance on a Qwen3-like vocabulary, token by token)."""
@@ -14,7 +14,7 @@ from tests.helpers import write_qwen3_tokenizer
 from tokenmill.engine.pipe.wire import pack, params_from_wire, params_to_wire, unpack
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server.reasoning import END, Reasoning, ReasoningSplitter
+from tokenmill.server.jobs.reasoning import END, Reasoning, ReasoningSplitter
 from tokenmill.structured.constraint import StructuredOutputs
 
 QWEN3 = Reasoning("qwen3", thinking=True, end_token_id=7)

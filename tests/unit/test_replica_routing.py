@@ -262,7 +262,7 @@ def test_the_index_routes_by_the_price_each_replica_reports_with_its_load():
     not at a fixed 128; a report without a price keeps the last one; a replica that
     never reported one is priced at the default. /metrics shows each price and its source."""
     from tokenmill.replicas.index import KVIndex
-    from tokenmill.server.metrics import _routing_metrics
+    from tokenmill.server.observe.metrics import _routing_metrics
 
     bs, shared = 16, list(range(1000, 1288))
     hashes = prompt_block_hashes(shared + list(range(16)), bs)

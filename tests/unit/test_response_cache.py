@@ -6,7 +6,7 @@ import pytest
 
 from tokenmill.configuration.args import model_specs
 from tokenmill.errors import TokenmillError
-from tokenmill.server.response_cache import (
+from tokenmill.server.gateway.response_cache import (
     BUCKET_LIMIT,
     CachedAnswer,
     ResponseCache,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from tokenmill.server.response_items import ResponseStore, owner_of
-from tokenmill.server.responses_request import items_to_messages
+from tokenmill.server.jobs.response_items import ResponseStore, owner_of
+from tokenmill.server.protocol.responses_request import items_to_messages
 
 
 def test_the_store_keeps_the_newest_for_their_owner_only():

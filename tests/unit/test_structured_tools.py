@@ -11,7 +11,7 @@ from tokenmill.errors import InvalidRequestError
 from tokenmill.model.gguf_file import read_gguf
 from tokenmill.model.paths import default_model_path
 from tokenmill.model.tokenizer import load_tokenizer
-from tokenmill.server.tools import parse_tool_request
+from tokenmill.server.jobs.tools import parse_tool_request
 from tokenmill.structured.constraint import StructuredOutputs
 from tokenmill.structured.grammar import GrammarCompiler
 
@@ -214,7 +214,7 @@ def _accumulate(deltas: list[dict]) -> tuple[str, list[tuple[str, str]]]:
 
 
 def _stream(request, text: str, step: int) -> list[dict]:
-    from tokenmill.server.tools import ToolStream
+    from tokenmill.server.jobs.tools import ToolStream
 
     stream, out = ToolStream(request), []
     for i in range(0, len(text), step):
@@ -349,7 +349,7 @@ def test_tool_calls_cut_at_every_token_boundary_match_streamed_and_whole(tokeniz
     text = HERMES_ANSWER if hermes else GENERIC_ANSWER if answer == "calls" else REPLY_ANSWER
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert tokenizer.decode(ids) == text
-    from tokenmill.server.tools import ToolStream
+    from tokenmill.server.jobs.tools import ToolStream
 
     for k in range(len(ids) + 1):
         stream, deltas, sent = ToolStream(request), [], ""

@@ -1,4 +1,4 @@
-"""The workers that render request chat templates (server/template_sandbox.py): a render
+"""The workers that render request chat templates (server/jobs/template_sandbox.py): a render
 past the timeout or the memory limit is a 400 naming ``chat_template`` and its worker
 is replaced, a pool whose workers are all held answers 429, and the workers end with
 the process that started them, however it ends. Real worker processes, no model."""
@@ -19,8 +19,8 @@ import pytest
 from tests.helpers import process_alive
 from tokenmill.errors import InvalidRequestError
 from tokenmill.model.chat_template import TemplateLimits
-from tokenmill.server.error_responses import APIError
-from tokenmill.server.template_sandbox import RequestTemplates
+from tokenmill.server.jobs.template_sandbox import RequestTemplates
+from tokenmill.server.protocol.error_responses import APIError
 
 LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x"
 LIVENESS_S = 60  # far more than any of these takes: only a render nobody stops gets there
@@ -122,7 +122,7 @@ def test_close_ends_the_workers(pool):
 KILLED = (
     "import asyncio, time\n"
     "from tokenmill.model.chat_template import TemplateLimits\n"
-    "from tokenmill.server.template_sandbox import RequestTemplates\n"
+    "from tokenmill.server.jobs.template_sandbox import RequestTemplates\n"
     "if __name__ == '__main__':\n"
     "    pool = RequestTemplates(TemplateLimits(5.0, 256 << 20, 1000), 1)\n"
     "    assert asyncio.run(pool.run(lambda r: r('{{ 1 }}', {}))) == '1'\n"

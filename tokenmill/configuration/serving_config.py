@@ -26,7 +26,7 @@ from tokenmill.configuration.flag_types import (
 from tokenmill.configuration.memory import memory_size
 
 RESPONSE_CACHES = ("off", "exact", "semantic")
-REASONING_PARSERS = ("qwen3", "deepseek_r1")  # server/reasoning.py
+REASONING_PARSERS = ("qwen3", "deepseek_r1")  # server/jobs/reasoning.py
 
 
 @dataclass(frozen=True)

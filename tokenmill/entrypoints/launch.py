@@ -56,9 +56,9 @@ from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.errors import TokenmillError
 from tokenmill.model.paths import hub_ref, with_model_paths
 from tokenmill.server.app import api_keys, build_models_app
-from tokenmill.server.clients import uvicorn_options
-from tokenmill.server.model_router import parse_routers
-from tokenmill.server.models import ServedModel, model_id
+from tokenmill.server.gateway.model_router import parse_routers
+from tokenmill.server.gateway.models import ServedModel, model_id
+from tokenmill.server.guards.clients import uvicorn_options
 
 EXIT_GRACE_S = 15.0  # after the drain timeout, what stopping the engines may take before the process just exits
 

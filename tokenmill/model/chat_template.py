@@ -1,7 +1,7 @@
 """Chat templates rendered: jinja2's sandbox configured as transformers configures it,
 and, for a template a request brings (``--trust-request-chat-template``), the same
 sandbox with limits in a worker process that the server can stop (``serve_renders``;
-the server's pool of them is server/template_sandbox.py).
+the server's pool of them is server/jobs/template_sandbox.py).
 
 Why limits, and why a process: a request's template is a program its client wrote.
 Jinja's sandbox keeps it from Python's internals, not from the server's time and
@@ -138,7 +138,7 @@ def _joined(chunks: Iterable[str], max_chars: int) -> str:
 
 
 def serve_renders(conn: Connection, limits: TemplateLimits, parent_pid: int) -> None:
-    """A render worker (spawned by server/template_sandbox.py): says it is ready (an empty
+    """A render worker (spawned by server/jobs/template_sandbox.py): says it is ready (an empty
     ``Rendered``), then answers each ``RenderJob`` with a ``Rendered`` until its pipe
     closes. It ends with the server however the server ends (host/lifetime.py)."""
     exit_with_parent(parent_pid)

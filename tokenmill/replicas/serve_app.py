@@ -53,7 +53,7 @@ class OpenAIIngress:
         from tokenmill.model.paths import resolve_model_path
         from tokenmill.model.tokenizer import load_tokenizer
         from tokenmill.server.app import build_app
-        from tokenmill.server.models import model_id
+        from tokenmill.server.gateway.models import model_id
 
         info = await self.handles.get("decode", self.handles.get("engine")).info.remote()
         tokenizer = load_tokenizer(resolve_model_path(self.model))

@@ -36,19 +36,19 @@ from tokenmill.configuration.serving_config import ServerConfig
 from tokenmill.engine.api.streams import StreamingFront
 from tokenmill.errors import TokenmillError
 from tokenmill.host.energy import EnergyMeter
-from tokenmill.server.error_responses import install_error_handlers
-from tokenmill.server.live import LiveView
-from tokenmill.server.metrics import EngineSource, ServerMetrics
-from tokenmill.server.middleware import install_middleware
-from tokenmill.server.model_router import parse_routers
-from tokenmill.server.models import ServedModel
-from tokenmill.server.reasoning import apply_reasoning_parser
-from tokenmill.server.response_cache import ResponseCache
-from tokenmill.server.response_items import ResponseStore
+from tokenmill.server.gateway.model_router import parse_routers
+from tokenmill.server.gateway.models import ServedModel
+from tokenmill.server.gateway.response_cache import ResponseCache
+from tokenmill.server.gateway.served import Served
+from tokenmill.server.guards.middleware import install_middleware
+from tokenmill.server.jobs.reasoning import apply_reasoning_parser
+from tokenmill.server.jobs.response_items import ResponseStore
+from tokenmill.server.observe.live import LiveView
+from tokenmill.server.observe.metrics import EngineSource, ServerMetrics
+from tokenmill.server.observe.web import WebSessions
+from tokenmill.server.protocol.error_responses import install_error_handlers
 from tokenmill.server.routes import admin, chat, completions, embeddings, scoring
 from tokenmill.server.routes import responses as responses_api
-from tokenmill.server.served import Served
-from tokenmill.server.web import WebSessions
 
 
 def build_app(engine: StreamingFront, tokenizer: Any, max_model_len: int, config: ServerConfig) -> FastAPI:

@@ -32,7 +32,7 @@ class StructuredOutputs:
     whitespace_pattern: str | None = None  # JSON only: the whitespace allowed between tokens
     # A reasoning model's end-of-reasoning token (``</think>``): the output may open with
     # any tokens but this one, then this one, and the constraint applies after it. Set by
-    # the server's reasoning parser (server/reasoning.py), never by a client.
+    # the server's reasoning parser (server/jobs/reasoning.py), never by a client.
     reasoning_end: str | None = None
 
     def __post_init__(self) -> None:

@@ -237,7 +237,7 @@ def grammar_text(spec: StructuredOutputs) -> str:
 def after_reasoning(grammar: str, end_id: int) -> str:
     """``grammar`` (llguidance's JSON or Lark text) with a free prefix: any tokens but
     ``end_id``, then ``end_id``, then ``grammar`` (a reasoning model's thinking, which
-    the constraint must not touch: server/reasoning.py). Token-level, as the thinking may
+    the constraint must not touch: server/jobs/reasoning.py). Token-level, as the thinking may
     hold special tokens; the model may also end there (end-of-sequence is allowed
     throughout the thinking, as vLLM leaves it unconstrained)."""
     try:

@@ -1,5 +1,5 @@
 """The step tracer: an observer the engine core notifies of each step, recording what a
-live view of the engine draws (server/live.py): who got how many tokens of which kind,
+live view of the engine draws (server/observe/live.py): who got how many tokens of which kind,
 drafts kept and rejected, prompt tokens the prefix cache gave, who ended, the gauges.
 
 It records only between ``start()`` and ``stop()`` (nobody watching costs nothing but one

@@ -16,13 +16,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from tokenmill import __version__
 from tokenmill.errors import TokenmillError
-from tokenmill.server.admin_protocol import DetokenizeRequest, LoRAAdapterRequest, TokenizeRequest
-from tokenmill.server.error_responses import APIError, error_response
-from tokenmill.server.models import ServedModel
-from tokenmill.server.prompts import render_chat
-from tokenmill.server.protocol import now
-from tokenmill.server.served import Served, all_names, target_of
-from tokenmill.server.web import WebSessions, add_web_routes
+from tokenmill.server.gateway.models import ServedModel
+from tokenmill.server.gateway.served import Served, all_names, target_of
+from tokenmill.server.jobs.prompts import render_chat
+from tokenmill.server.observe.web import WebSessions, add_web_routes
+from tokenmill.server.protocol.admin_requests import DetokenizeRequest, LoRAAdapterRequest, TokenizeRequest
+from tokenmill.server.protocol.error_responses import APIError, error_response
+from tokenmill.server.protocol.openai import now
 
 
 def register(app: FastAPI, served: Served, keys: tuple[str, ...], sessions: WebSessions) -> None:

@@ -10,15 +10,15 @@ from dataclasses import replace
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from tokenmill.server.beam_job import beam_response
-from tokenmill.server.gateway import check_cache_field, generate
-from tokenmill.server.jobs import Job
-from tokenmill.server.models import Target
-from tokenmill.server.prompts import chat_prompt
-from tokenmill.server.protocol import ChatCompletionRequest, client_request_id
-from tokenmill.server.reasoning import reasoning_for
-from tokenmill.server.served import Served, check_queue, target_of
-from tokenmill.server.streaming import until_disconnect
+from tokenmill.server.gateway.gateway import check_cache_field, generate
+from tokenmill.server.gateway.models import Target
+from tokenmill.server.gateway.served import Served, check_queue, target_of
+from tokenmill.server.jobs.beam_job import beam_response
+from tokenmill.server.jobs.job import Job
+from tokenmill.server.jobs.prompts import chat_prompt
+from tokenmill.server.jobs.reasoning import reasoning_for
+from tokenmill.server.jobs.streaming import until_disconnect
+from tokenmill.server.protocol.openai import ChatCompletionRequest, client_request_id
 
 
 def register(app: FastAPI, served: Served) -> None:

@@ -15,16 +15,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server.admission import check_count, check_tokens
-from tokenmill.server.beam_job import beam_response
-from tokenmill.server.error_responses import APIError
-from tokenmill.server.gateway import check_cache_field, generate
-from tokenmill.server.jobs import Job
-from tokenmill.server.models import Target
-from tokenmill.server.prompts import encode, max_tokens_for
-from tokenmill.server.protocol import CompletionRequest, client_request_id, truncate_prompt
-from tokenmill.server.served import Served, check_queue, target_of
-from tokenmill.server.streaming import until_disconnect
+from tokenmill.server.gateway.gateway import check_cache_field, generate
+from tokenmill.server.gateway.models import Target
+from tokenmill.server.gateway.served import Served, check_queue, target_of
+from tokenmill.server.guards.admission import check_count, check_tokens
+from tokenmill.server.jobs.beam_job import beam_response
+from tokenmill.server.jobs.job import Job
+from tokenmill.server.jobs.prompts import encode, max_tokens_for
+from tokenmill.server.jobs.streaming import until_disconnect
+from tokenmill.server.protocol.error_responses import APIError
+from tokenmill.server.protocol.openai import CompletionRequest, client_request_id, truncate_prompt
 
 
 def register(app: FastAPI, served: Served) -> None:

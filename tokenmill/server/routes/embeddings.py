@@ -8,12 +8,12 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenmill.server.error_responses import APIError
-from tokenmill.server.pooled import as_encoded, pooled, pooling_prompts
-from tokenmill.server.pooling_protocol import EmbeddingRequest
-from tokenmill.server.prompts import render_chat
-from tokenmill.server.served import Served, target_of
-from tokenmill.server.streaming import until_disconnect
+from tokenmill.server.gateway.served import Served, target_of
+from tokenmill.server.jobs.pooled import as_encoded, pooled, pooling_prompts
+from tokenmill.server.jobs.prompts import render_chat
+from tokenmill.server.jobs.streaming import until_disconnect
+from tokenmill.server.protocol.error_responses import APIError
+from tokenmill.server.protocol.pooling_requests import EmbeddingRequest
 
 
 def register(app: FastAPI, served: Served) -> None:

@@ -1,5 +1,5 @@
 """OpenAI's Responses API: ``POST /v1/responses`` (a chat request in another shape,
-server/response_items.py: input items and the conversation stored under
+server/jobs/response_items.py: input items and the conversation stored under
 ``previous_response_id`` become chat messages, answered by a ``ResponseJob``, through a
 router when one is named; never cached), ``GET`` and ``DELETE /v1/responses/{id}``
 (the stored responses of the caller's API key).
@@ -13,17 +13,17 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from tokenmill.server.error_responses import APIError
-from tokenmill.server.gateway import routed
-from tokenmill.server.model_router import ModelRouter
-from tokenmill.server.models import Target
-from tokenmill.server.prompts import chat_prompt
-from tokenmill.server.protocol import chat_request
-from tokenmill.server.reasoning import reasoning_for
-from tokenmill.server.response_items import ResponseShape, Stored, owner_of
-from tokenmill.server.response_job import ResponseJob
-from tokenmill.server.responses_request import ResponsesRequest
-from tokenmill.server.served import Served, resolve
+from tokenmill.server.gateway.gateway import routed
+from tokenmill.server.gateway.model_router import ModelRouter
+from tokenmill.server.gateway.models import Target
+from tokenmill.server.gateway.served import Served, resolve
+from tokenmill.server.jobs.prompts import chat_prompt
+from tokenmill.server.jobs.reasoning import reasoning_for
+from tokenmill.server.jobs.response_items import ResponseShape, Stored, owner_of
+from tokenmill.server.jobs.response_job import ResponseJob
+from tokenmill.server.protocol.error_responses import APIError
+from tokenmill.server.protocol.openai import chat_request
+from tokenmill.server.protocol.responses_request import ResponsesRequest
 
 
 def register(app: FastAPI, served: Served) -> None:

@@ -15,11 +15,11 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenmill.server.pooled import as_encoded, cosine, pooled, pooling_prompts
-from tokenmill.server.pooling_protocol import PoolingRequest, RerankRequest, ScoreRequest
-from tokenmill.server.protocol import new_id, now
-from tokenmill.server.served import Served, target_of
-from tokenmill.server.streaming import until_disconnect
+from tokenmill.server.gateway.served import Served, target_of
+from tokenmill.server.jobs.pooled import as_encoded, cosine, pooled, pooling_prompts
+from tokenmill.server.jobs.streaming import until_disconnect
+from tokenmill.server.protocol.openai import new_id, now
+from tokenmill.server.protocol.pooling_requests import PoolingRequest, RerankRequest, ScoreRequest
 
 
 def register(app: FastAPI, served: Served) -> None:

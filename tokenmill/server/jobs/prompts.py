@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server.error_responses import ContextLengthError
-from tokenmill.server.models import Target
-from tokenmill.server.protocol import ChatCompletionRequest, truncate_prompt
-from tokenmill.server.reasoning import reasoning_for
-from tokenmill.server.template_sandbox import RequestTemplates
-from tokenmill.server.tools import ToolRequest, parse_tool_request, render_messages
+from tokenmill.server.gateway.models import Target
+from tokenmill.server.jobs.reasoning import reasoning_for
+from tokenmill.server.jobs.template_sandbox import RequestTemplates
+from tokenmill.server.jobs.tools import ToolRequest, parse_tool_request, render_messages
+from tokenmill.server.protocol.error_responses import ContextLengthError
+from tokenmill.server.protocol.openai import ChatCompletionRequest, truncate_prompt
 
 
 async def encode(target: Target, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:

@@ -13,12 +13,12 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenmill.beam_search import BeamSearch, BeamSearchParams
 from tokenmill.engine.outputs import RequestOutput
-from tokenmill.server.jobs import token_logprobs, token_name
-from tokenmill.server.models import Target
-from tokenmill.server.protocol import new_id, now
-from tokenmill.server.reasoning import reasoning_for
-from tokenmill.server.served import Served
-from tokenmill.server.streaming import merge
+from tokenmill.server.gateway.models import Target
+from tokenmill.server.gateway.served import Served
+from tokenmill.server.jobs.job import token_logprobs, token_name
+from tokenmill.server.jobs.reasoning import reasoning_for
+from tokenmill.server.jobs.streaming import merge
+from tokenmill.server.protocol.openai import new_id, now
 
 
 async def beam_response(

@@ -15,10 +15,10 @@ from typing import Any
 from fastapi import FastAPI
 
 from tokenmill.configuration.serving_config import ServerConfig
-from tokenmill.server.clients import ClientBodyLimitMiddleware
-from tokenmill.server.error_responses import error_response
-from tokenmill.server.protocol import valid_request_id
-from tokenmill.server.web import WebSessions, authorised, cross_site, cross_site_refusal, login_page
+from tokenmill.server.guards.clients import ClientBodyLimitMiddleware
+from tokenmill.server.observe.web import WebSessions, authorised, cross_site, cross_site_refusal, login_page
+from tokenmill.server.protocol.error_responses import error_response
+from tokenmill.server.protocol.openai import valid_request_id
 
 logger = logging.getLogger(__name__)
 

@@ -27,12 +27,9 @@ from starlette.background import BackgroundTask
 from tokenmill.engine.api.streams import RequestFailedError
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.pooling_params import PoolingParams
-from tokenmill.server.error_responses import APIError, ContextLengthError, error_response
-from tokenmill.server.model_router import ModelRouter, Route
-from tokenmill.server.models import Target
-from tokenmill.server.prompts import encode
-from tokenmill.server.protocol import new_id
-from tokenmill.server.response_cache import (
+from tokenmill.server.gateway.model_router import ModelRouter, Route
+from tokenmill.server.gateway.models import Target
+from tokenmill.server.gateway.response_cache import (
     CachedAnswer,
     ResponseCache,
     best_match,
@@ -42,9 +39,12 @@ from tokenmill.server.response_cache import (
     request_key,
     semantic_text,
 )
-from tokenmill.server.response_items import owner_of
-from tokenmill.server.served import Served, check_queue, resolve
-from tokenmill.server.streaming import until_disconnect
+from tokenmill.server.gateway.served import Served, check_queue, resolve
+from tokenmill.server.jobs.prompts import encode
+from tokenmill.server.jobs.response_items import owner_of
+from tokenmill.server.jobs.streaming import until_disconnect
+from tokenmill.server.protocol.error_responses import APIError, ContextLengthError, error_response
+from tokenmill.server.protocol.openai import new_id
 
 JobMaker = Callable[[Target], Awaitable[Any]]  # the request's job on a model (a jobs.Job, or a ResponseJob)
 

@@ -9,7 +9,13 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.server.protocol import CHAT_RENDERING, ChatCompletionRequest, ChatMessage, StrictBody, chat_rendering
+from tokenmill.server.protocol.openai import (
+    CHAT_RENDERING,
+    ChatCompletionRequest,
+    ChatMessage,
+    StrictBody,
+    chat_rendering,
+)
 
 
 class TokenizeRequest(StrictBody):

@@ -25,8 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tokenmill.beam_search import BeamSearchParams
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import MAX_N, SamplingParams
-from tokenmill.server.constraints import structured_outputs
-from tokenmill.server.vllm_fields import AnswerExtras, ChatExtras, CompletionExtras, GenerationExtras
+from tokenmill.server.protocol.constraints import structured_outputs
+from tokenmill.server.protocol.vllm_fields import AnswerExtras, ChatExtras, CompletionExtras, GenerationExtras
 from tokenmill.structured.constraint import StructuredOutputs
 
 MAX_DEPTH = 64  # JSON nested deeper than this in a field is refused (a schema 129 deep was a 500: issue 40)

@@ -37,8 +37,8 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Resp
 from starlette.requests import cookie_parser
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.server.live import LIVE_EVERY_S
-from tokenmill.server.protocol import error_body
+from tokenmill.server.observe.live import LIVE_EVERY_S
+from tokenmill.server.protocol.openai import error_body
 
 COOKIE = "tokenmill_session"
 SIGNED_IN = "tokenmill_signed_in"  # readable by the page: it shows "Sign out"
@@ -104,7 +104,7 @@ class WebSessions:
 
 
 def _static(name: str) -> bytes:
-    return resources.files("tokenmill.server").joinpath("static", name).read_bytes()
+    return resources.files("tokenmill.server.observe").joinpath("static", name).read_bytes()
 
 
 def authorised(

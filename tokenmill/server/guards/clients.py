@@ -30,7 +30,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from tokenmill.configuration.serving_config import ServerConfig
-from tokenmill.server.protocol import error_body
+from tokenmill.server.protocol.openai import error_body
 
 RETRY_AFTER_S = 1
 

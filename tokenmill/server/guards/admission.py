@@ -43,7 +43,7 @@ from fastapi import Request
 
 from tokenmill.configuration.serving_config import ServerConfig
 from tokenmill.errors import InvalidRequestError
-from tokenmill.server.clients import client_key
+from tokenmill.server.guards.clients import client_key
 
 
 class Clients:

@@ -23,16 +23,16 @@ from tokenmill.engine.api.streams import RequestFailedError
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.errors import EngineDeadError, InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server.error_responses import error_response
-from tokenmill.server.models import Target
-from tokenmill.server.prompts import ContextShift
-from tokenmill.server.protocol import error_body, new_id, now
-from tokenmill.server.reasoning import Reasoning, ReasoningSplitter
-from tokenmill.server.response_cache import detach, replayed
-from tokenmill.server.served import Served, check_queue
-from tokenmill.server.streaming import DrainExpired, chain, merge, until, until_disconnect
-from tokenmill.server.tools import ToolRequest, ToolStream
-from tokenmill.server.vllm_fields import AnswerExtras
+from tokenmill.server.gateway.models import Target
+from tokenmill.server.gateway.response_cache import detach, replayed
+from tokenmill.server.gateway.served import Served, check_queue
+from tokenmill.server.jobs.prompts import ContextShift
+from tokenmill.server.jobs.reasoning import Reasoning, ReasoningSplitter
+from tokenmill.server.jobs.streaming import DrainExpired, chain, merge, until, until_disconnect
+from tokenmill.server.jobs.tools import ToolRequest, ToolStream
+from tokenmill.server.protocol.error_responses import error_response
+from tokenmill.server.protocol.openai import error_body, new_id, now
+from tokenmill.server.protocol.vllm_fields import AnswerExtras
 
 
 def with_logprobs(params: SamplingParams) -> SamplingParams:

@@ -12,15 +12,15 @@ from dataclasses import dataclass, field
 
 from tokenmill.configuration.serving_config import ServerConfig
 from tokenmill.engine.outputs import RequestOutput
-from tokenmill.server.admission import Clients, ClientWindows
-from tokenmill.server.error_responses import APIError
-from tokenmill.server.live import LiveView
-from tokenmill.server.metrics import ServerMetrics
-from tokenmill.server.model_router import ModelRouter
-from tokenmill.server.models import ServedModel, Target
-from tokenmill.server.response_cache import ResponseCache
-from tokenmill.server.response_items import ResponseStore
-from tokenmill.server.template_sandbox import RequestTemplates
+from tokenmill.server.gateway.model_router import ModelRouter
+from tokenmill.server.gateway.models import ServedModel, Target
+from tokenmill.server.gateway.response_cache import ResponseCache
+from tokenmill.server.guards.admission import Clients, ClientWindows
+from tokenmill.server.jobs.response_items import ResponseStore
+from tokenmill.server.jobs.template_sandbox import RequestTemplates
+from tokenmill.server.observe.live import LiveView
+from tokenmill.server.observe.metrics import ServerMetrics
+from tokenmill.server.protocol.error_responses import APIError
 
 
 @dataclass

@@ -28,7 +28,7 @@ from typing import Any
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.stats import percentiles
 from tokenmill.host.energy import EnergyMeter
-from tokenmill.server.models import ServedModel
+from tokenmill.server.gateway.models import ServedModel
 
 STEPS_KEPT = 240  # the Gantt's steps
 SERIES_BUCKET_S = 0.5

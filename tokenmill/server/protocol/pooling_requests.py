@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import field_validator, model_validator
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.server.protocol import (
+from tokenmill.server.protocol.openai import (
     CHAT_RENDERING,
     ChatCompletionRequest,
     ChatMessage,
@@ -18,7 +18,7 @@ from tokenmill.server.protocol import (
     chat_rendering,
     prompt_list,
 )
-from tokenmill.server.vllm_fields import POOLING_CANNOT, EncodingExtras, PoolingExtras
+from tokenmill.server.protocol.vllm_fields import POOLING_CANNOT, EncodingExtras, PoolingExtras
 
 
 class EmbeddingRequest(StrictBody, PoolingExtras, EncodingExtras):

@@ -42,7 +42,7 @@ from typing import Any
 from tokenmill.configuration.serving_config import REASONING_PARSERS
 from tokenmill.errors import TokenmillError
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server.models import ServedModel, Target
+from tokenmill.server.gateway.models import ServedModel, Target
 
 logger = logging.getLogger(__name__)
 

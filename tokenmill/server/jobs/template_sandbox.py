@@ -33,7 +33,7 @@ from tokenmill.configuration.serving_config import ServerConfig
 from tokenmill.errors import InvalidRequestError
 from tokenmill.model.chat_template import Rendered, RenderJob, TemplateLimits, serve_renders
 from tokenmill.model.tokenizer import Render
-from tokenmill.server.error_responses import APIError
+from tokenmill.server.protocol.error_responses import APIError
 
 START_TIMEOUT_S = 60.0  # a worker's start: a fresh interpreter importing jinja2 (well under a second)
 T = TypeVar("T")

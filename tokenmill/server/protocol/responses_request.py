@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.server.protocol import StrictBody
+from tokenmill.server.protocol.openai import StrictBody
 
 # Tool types of the Responses API that run on OpenAI's side: refused by name.
 HOSTED_TOOLS = (

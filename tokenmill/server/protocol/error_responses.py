@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill.errors import EngineDeadError, InvalidRequestError, UnknownModelError
-from tokenmill.server.protocol import error_body
+from tokenmill.server.protocol.openai import error_body
 
 ERROR_TYPES = {
     400: "BadRequestError",

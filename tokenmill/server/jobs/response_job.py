@@ -19,16 +19,16 @@ from tokenmill.engine.api.streams import RequestFailedError
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.errors import EngineDeadError, InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server.error_responses import error_response
-from tokenmill.server.jobs import with_logprobs
-from tokenmill.server.models import Target
-from tokenmill.server.reasoning import Reasoning
-from tokenmill.server.response_cache import detach
-from tokenmill.server.response_items import OutputBuilder, ResponseShape, output_messages, sse_event
-from tokenmill.server.response_items import usage as responses_usage
-from tokenmill.server.served import Served, check_queue
-from tokenmill.server.streaming import DrainExpired, chain, until, until_disconnect
-from tokenmill.server.tools import ToolRequest
+from tokenmill.server.gateway.models import Target
+from tokenmill.server.gateway.response_cache import detach
+from tokenmill.server.gateway.served import Served, check_queue
+from tokenmill.server.jobs.job import with_logprobs
+from tokenmill.server.jobs.reasoning import Reasoning
+from tokenmill.server.jobs.response_items import OutputBuilder, ResponseShape, output_messages, sse_event
+from tokenmill.server.jobs.response_items import usage as responses_usage
+from tokenmill.server.jobs.streaming import DrainExpired, chain, until, until_disconnect
+from tokenmill.server.jobs.tools import ToolRequest
+from tokenmill.server.protocol.error_responses import error_response
 
 
 class ResponseJob:

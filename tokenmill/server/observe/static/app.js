@@ -1,7 +1,7 @@
 // tokenmill's page: a chat playground and a live view of the engines. No framework,
 // no build step. The chat speaks the OpenAI API of this server (/v1/models,
 // /v1/chat/completions, streamed); the live view reads /tokenmill/live/events
-// (server-sent events; server/live.py documents the shape). Memory stays bounded
+// (server-sent events; server/observe/live.py documents the shape). Memory stays bounded
 // however long the page is open: the steps, requests and series kept are capped.
 "use strict";
 (() => {

@@ -19,10 +19,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.server.protocol import now
-from tokenmill.server.reasoning import Reasoning
-from tokenmill.server.responses_request import ResponsesRequest
-from tokenmill.server.tools import ToolCall, ToolRequest, ToolStream
+from tokenmill.server.jobs.reasoning import Reasoning
+from tokenmill.server.jobs.tools import ToolCall, ToolRequest, ToolStream
+from tokenmill.server.protocol.openai import now
+from tokenmill.server.protocol.responses_request import ResponsesRequest
 
 
 def new_item_id(prefix: str) -> str:
