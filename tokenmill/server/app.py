@@ -9,12 +9,13 @@ engine/api/streams.py).
     POST /tokenize, /detokenize; GET /tokenizer_info
 
 A server may serve several models (each its own engine, ``ServedModel``), routers
-between two of them (model_router.py) and a response cache (response_cache.py):
-gateway.py's ``generate`` is the one path of a chat or completions request through them.
+between two of them (gateway/model_router.py) and a response cache (gateway/response_cache.py):
+gateway/gateway.py's ``generate`` is the one path of a chat or completions request through them.
 
-This module assembles the app: the shared state (``Served``, served.py), the error
-handlers (errors.py) and middlewares (middleware.py), then each API's routes
-(routes/), and the OpenAPI document as the server behaves.
+This module assembles the app from its folders: the shared state (``Served``, gateway/served.py),
+the error handlers (protocol/error_responses.py) and the guards (guards/middleware.py), the
+observers (observe/: metrics, the live view, the web page), then each API's routes (routes/),
+whose requests are answered by jobs (jobs/), and the OpenAPI document as the server behaves.
 
 Every error a client can cause is a 4xx in OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}``: 400 for invalid parameters or a

@@ -15,8 +15,8 @@ from tokenmill.beam_search import BeamSearch, BeamSearchParams
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.server.gateway.models import Target
 from tokenmill.server.gateway.served import Served
-from tokenmill.server.jobs.job import token_logprobs, token_name
-from tokenmill.server.jobs.reasoning import reasoning_for
+from tokenmill.server.jobs.answer import token_logprobs, token_name
+from tokenmill.server.jobs.reasoning import Reasoning
 from tokenmill.server.jobs.streaming import merge
 from tokenmill.server.protocol.openai import new_id, now
 
@@ -30,10 +30,12 @@ async def beam_response(
     body: Any,
     chat: bool,
     client: str = "",
+    reasoning: Reasoning | None = None,
 ) -> Response:
     """A beam-search request (vLLM's use_beam_search): per prompt, the n best of its
     beams as choices. Each round's beams are one-token requests to the engine, for
-    ``client`` (admission.Clients.client_of)."""
+    ``client`` (admission.Clients.client_of); a chat's answers split by the model's
+    ``reasoning`` parser where it has one."""
     rid = new_id(prefix)
     search = BeamSearch(prompts, beam, frozenset(target.tokenizer.stop_token_ids))
     # logprobs asked: chat's logprobs (with top_logprobs alternatives), completions' logprobs (that many)
@@ -70,7 +72,7 @@ async def beam_response(
                 )
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
-                if (reasoning := reasoning_for(target, body)) is not None:  # --reasoning-parser
+                if reasoning is not None:  # --reasoning-parser
                     thought, choice["message"]["content"] = reasoning.split(text)
                     choice["message"] |= {"reasoning": thought, "reasoning_content": thought}  # vLLM's, the old
             else:

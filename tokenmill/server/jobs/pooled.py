@@ -29,7 +29,7 @@ Input = tuple[str, str | list[int]]  # where it is in the request ("input[2]", "
 
 
 class PoolingBody(Protocol):
-    """What the routes that embed take from their request (pooling_protocol.py's bodies)."""
+    """What the routes that embed take from their request (protocol/pooling_requests.py's bodies)."""
 
     pooling: str
     add_special_tokens: bool

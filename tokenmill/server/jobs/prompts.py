@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.gateway.models import Target
-from tokenmill.server.jobs.reasoning import reasoning_for
+from tokenmill.server.jobs.reasoning import Reasoning, reasoning_for
 from tokenmill.server.jobs.template_sandbox import RequestTemplates
 from tokenmill.server.jobs.tools import ToolRequest, parse_tool_request, render_messages
 from tokenmill.server.protocol.error_responses import ContextLengthError
@@ -62,17 +62,28 @@ class ContextShift:
         return {"dropped_messages": self.dropped_messages, "dropped_prompt_tokens": self.dropped_prompt_tokens}
 
 
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A chat request made ready for the engine, each part decided once (``chat_prompt``)."""
+
+    ids: list[int]
+    params: SamplingParams
+    tools: ToolRequest | None  # with tools: answers parsed into tool calls
+    reasoning: Reasoning | None  # the model's reasoning parser (--reasoning-parser), where it has one
+    shift: ContextShift | None  # what a context shift dropped (None: nothing)
+
+
 async def chat_prompt(
     target: Target,
     body: ChatCompletionRequest,
     allow_special_tokens: bool = False,
     request_templates: RequestTemplates | None = None,
     context_shift: bool = False,
-) -> tuple[list[int], SamplingParams, ToolRequest | None, ContextShift | None]:
+) -> ChatPrompt:
     """A chat request's prompt ids (``render_chat``), truncated when asked, its sampling
     parameters (a constraint starts after the reasoning of a model with a reasoning parser:
-    reasoning.py), its tools, and, with ``context_shift``, what ``shift_context`` dropped
-    where the chat would not fit (None: nothing)."""
+    reasoning.py), its tools, its reasoning parser, and, with ``context_shift``, what
+    ``shift_context`` dropped where the chat would not fit (None: nothing)."""
     ids, tools = await render_chat(target, body, allow_special_tokens, request_templates)
     shift = None
     if context_shift and body.truncate_prompt_tokens is None and not _fits(target, ids, body.requested_max_tokens):
@@ -86,7 +97,7 @@ async def chat_prompt(
     reasoning = reasoning_for(target, body)
     if reasoning is not None:
         params = reasoning.constrain(params)
-    return ids, params.with_bad_word_ids(target.tokenizer), tools, shift
+    return ChatPrompt(ids, params.with_bad_word_ids(target.tokenizer), tools, reasoning, shift)
 
 
 def _fits(target: Target, ids: list[int], max_tokens: int | None) -> bool:

@@ -1,6 +1,6 @@
 """Request bodies of the admin routes: ``/tokenize`` (a prompt, or messages rendered as the chat
 request would render them), ``/detokenize``, and the LoRA adapters loaded and unloaded while
-serving. Validated as every body is (protocol.py's ``StrictBody``)."""
+serving. Validated as every body is (openai.py's ``StrictBody``)."""
 
 from __future__ import annotations
 

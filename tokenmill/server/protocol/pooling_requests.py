@@ -1,6 +1,6 @@
 """Request bodies of the routes that answer with the model's pooled states rather than
 generated text: ``/v1/embeddings``, ``/pooling``, and vLLM's scoring routes for RAG
-(``/score``, ``/rerank``). Validated as every body is (protocol.py's ``StrictBody``).
+(``/score``, ``/rerank``). Validated as every body is (openai.py's ``StrictBody``).
 """
 
 from __future__ import annotations

@@ -13,10 +13,10 @@ from fastapi.responses import Response
 from tokenmill.server.gateway.gateway import check_cache_field, generate
 from tokenmill.server.gateway.models import Target
 from tokenmill.server.gateway.served import Served, check_queue, target_of
+from tokenmill.server.jobs.asked import Asked
 from tokenmill.server.jobs.beam_job import beam_response
 from tokenmill.server.jobs.job import Job
 from tokenmill.server.jobs.prompts import chat_prompt
-from tokenmill.server.jobs.reasoning import reasoning_for
 from tokenmill.server.jobs.streaming import until_disconnect
 from tokenmill.server.protocol.openai import ChatCompletionRequest, client_request_id
 
@@ -27,49 +27,46 @@ def register(app: FastAPI, served: Served) -> None:
         client = served.clients.client_of(request)
 
         async def job(target: Target) -> Job:
-            ids, params, tools, shift = await chat_prompt(
+            chat = await chat_prompt(
                 target,
                 body,
                 served.config.allow_special_tokens_in_messages,
                 served.templates,
                 served.config.context_shift,
             )
-            if shift is not None:
-                served.metrics.observe_context_shift(target.model.name, shift.dropped_prompt_tokens)
+            if chat.shift is not None:
+                served.metrics.observe_context_shift(target.model.name, chat.shift.dropped_prompt_tokens)
             echo = body.echoed()
-            made = Job(
-                served,
-                target,
+            asked = Asked(
                 "chatcmpl",
                 "chat.completion",
-                [ids],
-                [replace(params, client=client)],
-                body.usage_stats,
-                body.return_timings,
+                [chat.ids],
+                [replace(chat.params, client=client)],
                 chat=True,
-                tools=tools,
-                reasoning=reasoning_for(target, body),
+                usage_stats=body.usage_stats,
+                return_timings=body.return_timings,
+                tools=chat.tools,
+                reasoning=chat.reasoning,
                 echoes=[echo] if echo else None,
-                prompt_logprobs_asked=body.prompt_logprobs is not None,
+                prompt_logprobs=body.prompt_logprobs is not None,
                 best_of_keep=body.n if body.ranks_best_of else None,
-                logprobs_asked=body.logprobs,
+                logprobs=body.logprobs,
                 request_id=client_request_id(request.headers.get("x-request-id"), body.request_id),
                 tokens_as_ids=body.return_tokens_as_token_ids,
+                extras=body.answer_extras(),
+                context_shift=chat.shift,
             )
-            made.extras = body.answer_extras()
-            made.context_shift = shift
-            return made
+            return Job(served, target, asked)
 
         check_cache_field(served, body)
         served.clients.check_priority(request, body.priority)
         if body.use_beam_search:
             target = target_of(served, body.model, "beam search")
-            ids, params, _, _ = await chat_prompt(
-                target, body, served.config.allow_special_tokens_in_messages, served.templates
-            )
-            beam = body.beam_params(params.max_tokens)
+            chat = await chat_prompt(target, body, served.config.allow_special_tokens_in_messages, served.templates)
+            beam = body.beam_params(chat.params.max_tokens)
             check_queue(served, target, beam.beam_width)
-            return await until_disconnect(
-                request, beam_response(served, target, "chatcmpl", [ids], beam, body, chat=True, client=client)
+            answer = beam_response(
+                served, target, "chatcmpl", [chat.ids], beam, body, chat=True, client=client, reasoning=chat.reasoning
             )
+            return await until_disconnect(request, answer)
         return await generate(served, request, body, "/v1/chat/completions", job)

@@ -19,6 +19,7 @@ from tokenmill.server.gateway.gateway import check_cache_field, generate
 from tokenmill.server.gateway.models import Target
 from tokenmill.server.gateway.served import Served, check_queue, target_of
 from tokenmill.server.guards.admission import check_count, check_tokens
+from tokenmill.server.jobs.asked import Asked
 from tokenmill.server.jobs.beam_job import beam_response
 from tokenmill.server.jobs.job import Job
 from tokenmill.server.jobs.prompts import encode, max_tokens_for
@@ -61,25 +62,24 @@ def register(app: FastAPI, served: Served) -> None:
                     t if isinstance(t, str) else await asyncio.to_thread(target.tokenizer.decode, t, False)
                     for t in body.prompts()
                 ]
-            made = Job(
-                served,
-                target,
+            asked = Asked(
                 "cmpl",
                 "text_completion",
                 prompts,
                 params,
-                body.usage_stats,
-                body.return_timings,
                 chat=False,
+                usage_stats=body.usage_stats,
+                return_timings=body.return_timings,
                 echoes=echoes,
-                prompt_logprobs_asked=body.prompt_logprobs is not None,
+                prompt_logprobs=body.prompt_logprobs is not None,
                 best_of_keep=body.n if body.ranks_best_of else None,
-                logprobs_asked=body.logprobs is not None,
+                logprobs=body.logprobs is not None,
                 request_id=client_request_id(request.headers.get("x-request-id"), body.request_id),
                 tokens_as_ids=body.return_tokens_as_token_ids,
+                extras=body.answer_extras(),
+                prompt_only=prompt_only,
             )
-            made.prompt_only = prompt_only
-            made.extras = body.answer_extras()
+            made = Job(served, target, asked)
             if len(prompts) > 1:  # its prompts enter the engine through the client's window (admission.py)
                 made.place = functools.partial(served.windows.place, client, lambda: target.engine.num_waiting > 0)
             return made

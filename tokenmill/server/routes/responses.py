@@ -18,7 +18,6 @@ from tokenmill.server.gateway.model_router import ModelRouter
 from tokenmill.server.gateway.models import Target
 from tokenmill.server.gateway.served import Served, resolve
 from tokenmill.server.jobs.prompts import chat_prompt
-from tokenmill.server.jobs.reasoning import reasoning_for
 from tokenmill.server.jobs.response_items import ResponseShape, Stored, owner_of
 from tokenmill.server.jobs.response_job import ResponseJob
 from tokenmill.server.protocol.error_responses import APIError
@@ -38,13 +37,11 @@ def register(app: FastAPI, served: Served) -> None:
         client = served.clients.client_of(request)
 
         async def job(target: Target) -> ResponseJob:
-            ids, params, tools, _ = await chat_prompt(target, chat, served.config.allow_special_tokens_in_messages)
+            made = await chat_prompt(target, chat, served.config.allow_special_tokens_in_messages)
             shape = ResponseShape(body, target.name)
             conversation = history + body.input_messages()
-            params = replace(params, client=client)
-            return ResponseJob(
-                served, target, shape, ids, params, tools, owner, conversation, reasoning_for(target, chat)
-            )
+            params = replace(made.params, client=client)
+            return ResponseJob(served, target, shape, made.ids, params, made.tools, owner, conversation, made.reasoning)
 
         if isinstance(found, ModelRouter):  # (not cached: a stored conversation is not a request's to key)
             headers: dict[str, str] = {}
