@@ -29,15 +29,11 @@ def run_engine_core(args: EngineArgs, conn: Connection) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s (engine core): %(message)s")
 
     def build():
+        from tokenmill.engine.pipe.messages import CoreInfo
         from tokenmill.factory import build_engine
 
         parts = build_engine(args, progress=False, outputs=False)
-        info = {
-            "max_model_len": parts.max_model_len,
-            "num_blocks": parts.num_blocks,
-            "block_size": args.cache.block_size,
-            "model_path": str(parts.model_path),
-        }
+        info = CoreInfo(parts.max_model_len, parts.num_blocks, args.cache.block_size, str(parts.model_path))
         return parts.core, info, parts.close
 
     from tokenmill.engine.core.core_loop import serve_core

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from tests.helpers import write_qwen3_tokenizer
-from tokenmill.engine.pipe.wire import pack, params_from_wire, params_to_wire, unpack
+from tokenmill.engine.pipe.wire import from_plain, pack, to_plain, unpack
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.jobs.reasoning import END, Reasoning, ReasoningSplitter
@@ -123,7 +123,7 @@ def test_a_constraint_starts_after_the_reasoning():
     with pytest.raises(InvalidRequestError, match="unknown structured_outputs field"):  # a client cannot set it
         StructuredOutputs.from_dict({"json_object": True, "reasoning_end": END})
     sent = QWEN3.constrain(SamplingParams(structured=StructuredOutputs(choice=("a", "b"))))
-    assert params_from_wire(unpack(pack([params_to_wire(sent)]))[0]) == sent  # to the engine-core process
+    assert from_plain(SamplingParams, unpack(pack([to_plain(sent)]))[0]) == sent  # to the engine-core process
 
 
 @pytest.fixture(scope="module")

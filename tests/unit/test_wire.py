@@ -1,22 +1,24 @@
-"""The engine core's messages (engine/pipe/wire.py): every value survives the trip through
-msgpack unchanged, and what cannot be a request is refused by name."""
+"""What crosses the engine core's pipe (engine/pipe/wire.py): every value survives the trip
+through the typed codec and msgpack unchanged, and what cannot be a request is refused by name."""
 
 from __future__ import annotations
+
+from dataclasses import fields
 
 import pytest
 
 from tokenmill.engine.model_input import SampledToken
 from tokenmill.engine.outputs import SeqDelta
 from tokenmill.engine.pipe.wire import (
+    WireDelta,
+    WireError,
     delta_from_wire,
     delta_to_wire,
     error_from_wire,
     error_to_wire,
+    from_plain,
     pack,
-    params_from_wire,
-    params_to_wire,
-    snapshot_from_wire,
-    snapshot_to_wire,
+    to_plain,
     unpack,
 )
 from tokenmill.engine.stats import EngineSnapshot
@@ -57,34 +59,39 @@ def trip(value):
     ],
 )
 def test_sampling_params_survive_the_trip(params):
-    assert params_from_wire(trip(params_to_wire(params))) == params
+    assert from_plain(SamplingParams, trip(to_plain(params))) == params
 
 
 @pytest.mark.parametrize(
     "params", [PoolingParams(), PoolingParams("mean", "addr:10.0.0.1"), PoolingParams("last", "", "tenant-a", 2)]
 )
-def test_an_embedding_request_crosses_as_pooling_params_not_as_sampling(params):
-    wire = trip(params_to_wire(params))
-    fields = {"pooling_type": params.pooling_type, "client": params.client}
-    fields |= {"cache_salt": params.cache_salt, "priority": params.priority}
-    assert wire == fields and params_from_wire(wire) == params
+def test_pooling_params_survive_the_trip(params):
+    wire = trip(to_plain(params))
+    assert wire == [params.pooling_type, params.client, params.cache_salt, params.priority]
+    assert from_plain(PoolingParams, wire) == params
     with pytest.raises(InvalidRequestError, match="pooling"):
-        params_from_wire({"pooling_type": "max"})
+        from_plain(PoolingParams, ["max", "", None, 0])
 
 
-def test_an_unknown_sampling_field_is_refused_by_name():
-    wire = params_to_wire(SamplingParams())
-    wire["temprature"] = 0.5
-    with pytest.raises(InvalidRequestError, match="temprature"):
-        params_from_wire(wire)
+def test_sampling_params_of_another_shape_are_refused_by_their_field_count():
+    wire = trip(to_plain(SamplingParams()))
+    with pytest.raises(ValueError, match="SamplingParams takes 27 fields"):
+        from_plain(SamplingParams, wire + [0.5])
 
 
 def test_invalid_sampling_values_are_refused_on_arrival():
-    wire = params_to_wire(SamplingParams())
-    wire["top_p"] = 7.0
+    names = [f.name for f in fields(SamplingParams)]
+    wire = trip(to_plain(SamplingParams()))
+    wire[names.index("top_p")] = 7.0
     with pytest.raises(InvalidRequestError) as e:
-        params_from_wire(trip(wire))
+        from_plain(SamplingParams, wire)
     assert e.value.param == "top_p"
+
+
+def test_tuples_come_back_as_tuples_at_every_depth():
+    p = SamplingParams(logit_bias={5: -1.0, 7: 2.5}, bad_words_token_ids=((1, 2), (3,)), stop=("x",))
+    back = from_plain(SamplingParams, trip(to_plain(p)))
+    assert back == p and isinstance(back.logit_bias[0], tuple) and isinstance(back.bad_words_token_ids[1], tuple)
 
 
 @pytest.mark.parametrize(
@@ -97,7 +104,7 @@ def test_invalid_sampling_values_are_refused_on_arrival():
     ],
 )
 def test_deltas_survive_the_trip(delta):
-    assert delta_from_wire(trip(delta_to_wire(delta))) == delta
+    assert delta_from_wire(from_plain(WireDelta, trip(to_plain(delta_to_wire(delta))))) == delta
 
 
 def test_a_snapshot_survives_the_trip():
@@ -113,10 +120,13 @@ def test_a_snapshot_survives_the_trip():
         lora_requests={"a": 4},
         running_loras=["a"],
     )
-    assert snapshot_from_wire(trip(snapshot_to_wire(s))) == s
+    assert from_plain(EngineSnapshot, trip(to_plain(s))) == s
 
 
 def test_errors_keep_their_kind_and_the_field_at_fault():
+    def trip(w):
+        return from_plain(WireError, unpack(pack([to_plain(w)]))[0])
+
     e = error_from_wire(trip(error_to_wire(InvalidRequestError("bad top_p", param="top_p"))))
     assert isinstance(e, InvalidRequestError) and e.param == "top_p" and str(e) == "bad top_p"
     assert isinstance(error_from_wire(trip(error_to_wire(EngineDeadError("gone")))), EngineDeadError)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple, TypedDict
 
 
 @dataclass(frozen=True, slots=True)  # 100,000 are kept: ~150 bytes each, not ~500 with a __dict__
@@ -104,3 +105,31 @@ def percentiles(xs: list[float]) -> dict:
         return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
     return {"mean": sum(s) / len(s), "p50": pct(50), "p90": pct(90), "p99": pct(99)}
+
+
+class SeqRecord(NamedTuple):
+    """One sequence's part of a step."""
+
+    request_id: str
+    kind: str  # "prefill" (prompt or recomputed tokens), "decode", "verify" (drafts checked)
+    tokens: int  # tokens it gained: computed, less the drafts rejected
+    drafts: int
+    accepted: int
+    cached: int  # prompt tokens the prefix cache gave it (its first chunk only)
+    lora: str | None
+    finish_reason: str | None
+
+
+class StepRecord(TypedDict):
+    """One engine step as the live view draws it (engine/core/step_trace.py records it)."""
+
+    step: int
+    time: float  # time.perf_counter() at the step's start
+    duration: float
+    seqs: list[SeqRecord]
+    preempted: list[str]
+    ended: list[list[str | None]]  # [request id, finish reason]: ended outside the batch
+    running: int
+    waiting: int
+    blocks_used: int
+    blocks_cached: int

@@ -113,7 +113,7 @@ def _start_engine(args: argparse.Namespace, config: ServerConfig, engine_args: E
 
         tokenizer = load_tokenizer(resolve_model_path(engine_args.load.model))
         client = AsyncCoreClient(functools.partial(run_engine_core, engine_args), tokenizer)
-        return client, tokenizer, client.info["max_model_len"], Path(client.info["model_path"]), lambda: None
+        return client, tokenizer, client.info.max_model_len, Path(client.info.model_path), lambda: None
     from tokenmill.llm import LLM
 
     llm = LLM(args=engine_args)

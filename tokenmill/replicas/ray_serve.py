@@ -23,6 +23,7 @@ Start-up, the front that the HTTP app talks to, and shutdown are in ``front.py``
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -146,7 +147,7 @@ class EngineReplica:
                 logger.warning("could not measure the load price; the router's default applies", exc_info=True)
         await self.engine.call("start_kv_events")
         self.lora_roots = await self.engine.call("lora_hash_roots")
-        self.index = get_index(index, routing, self.engine.info["block_size"], load_cost)
+        self.index = get_index(index, routing, self.engine.info.block_size, load_cost)
         self._report_lock = threading.Lock()  # events are taken and sent in order
         self._imported = (0, 0.0)  # blocks received and seconds taken, not reported yet
         await self._report(reset=True)
@@ -156,7 +157,7 @@ class EngineReplica:
 
     def info(self) -> dict[str, Any]:
         """What the front needs: the context length, the block size, the adapters' hash roots."""
-        return {**self.engine.info, "lora_roots": self.lora_roots, "replica": self.name}
+        return {**dataclasses.asdict(self.engine.info), "lora_roots": self.lora_roots, "replica": self.name}
 
     async def generate(
         self,

@@ -39,12 +39,7 @@ from tokenmill.engine.api.streams import Stream, Streams, resolve
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.pipe import messages as m
 from tokenmill.engine.pipe.channel import Channel, ChannelClosed, ChannelTimeout
-from tokenmill.engine.pipe.wire import (
-    delta_from_wire,
-    error_from_wire,
-    params_to_wire,
-    snapshot_from_wire,
-)
+from tokenmill.engine.pipe.wire import WireDelta, delta_from_wire, error_from_wire
 from tokenmill.engine.sequences import sequence_ids, step_params
 from tokenmill.engine.stats import EngineSnapshot
 from tokenmill.errors import EngineDeadError, InvalidRequestError, TokenmillError
@@ -101,7 +96,7 @@ class AsyncCoreClient:
         self._reader = threading.Thread(target=self._read, name="tokenmill-core-reader", daemon=True)
         self._reader.start()
 
-    def _wait_ready(self, timeout: float | None) -> dict:
+    def _wait_ready(self, timeout: float | None) -> m.CoreInfo:
         if not self._conn.poll(timeout):  # the core's channel (and its heartbeat) starts once it is built
             raise TokenmillError(f"the engine core did not start within {timeout} s")
         try:
@@ -121,10 +116,10 @@ class AsyncCoreClient:
             self.process.join(10)
             raise (
                 error_from_wire(msg.error)
-                if msg.error.get("user")
+                if msg.error.user
                 else TokenmillError(f"the engine core failed: {msg.message}")
             )
-        self._snapshot = snapshot_from_wire(msg.snapshot)
+        self._absorb(msg.report)
         return msg.info
 
     # ------------------------------------------------------------- asyncio side
@@ -168,7 +163,8 @@ class AsyncCoreClient:
             self.streams.add(request_id, stream)
             self._accepting[request_id] = (stream.loop, accepted)
             try:
-                self._send(m.Add(request_id, ids, params_to_wire(params), lora))
+                sampling, pooling = (None, params) if isinstance(params, PoolingParams) else (params, None)
+                self._send(m.Add(request_id, ids, sampling, pooling, lora))
             except EngineDeadError:
                 self._forget(request_id)
                 raise
@@ -313,7 +309,7 @@ class AsyncCoreClient:
                 if handler is None:
                     raise EngineDeadError(f"the engine core sent {type(msg).__name__} out of turn")
                 if not isinstance(msg, m.Dead):
-                    self._absorb(msg.snapshot)
+                    self._absorb(msg.report)
                 handler(msg)
         except ChannelTimeout:
             silent = f"the engine core has not answered for {self.heartbeat_timeout:g} s (not even its heartbeat)"
@@ -331,18 +327,16 @@ class AsyncCoreClient:
             logger.error("engine core: %s", e)
             self._fail_all(e if isinstance(e, EngineDeadError) else EngineDeadError(f"{type(e).__name__}: {e}"))
 
-    def _absorb(self, snapshot: dict) -> None:
+    def _absorb(self, report: m.Report) -> None:
         """A message's gauges, and the prefix-cache events and traced steps riding with them."""
-        events = snapshot.pop("kv_events", None)
-        if events:
+        if report.kv_events:
             with self._lock:
-                self._kv_events.extend((kind, bytes(h)) for kind, h in events)
-        steps = snapshot.pop("steps", None)
-        if steps:
-            self._steps.extend(steps)
-        self._snapshot = snapshot_from_wire(snapshot)
+                self._kv_events.extend(report.kv_events)
+        if report.steps:
+            self._steps.extend(report.steps)
+        self._snapshot = report.snapshot
 
-    def _on_outputs(self, wire_deltas: list) -> None:
+    def _on_outputs(self, wire_deltas: list[WireDelta]) -> None:
         with self._lock:
             outputs, stopped = self.outputs.process([delta_from_wire(w) for w in wire_deltas])
             for seq_id, stop_string in stopped:

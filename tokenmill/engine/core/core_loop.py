@@ -30,14 +30,8 @@ from tokenmill.engine.core.engine_core import EngineCore
 from tokenmill.engine.core.load_price import measure_load_price
 from tokenmill.engine.pipe import messages as m
 from tokenmill.engine.pipe.channel import Channel
-from tokenmill.engine.pipe.wire import (
-    delta_to_wire,
-    error_to_wire,
-    params_from_wire,
-    snapshot_to_wire,
-)
+from tokenmill.engine.pipe.wire import delta_to_wire, error_to_wire
 from tokenmill.errors import InvalidRequestError
-from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_S = 0.01  # how often an idle loop looks at work prepared by its thread
@@ -91,18 +85,11 @@ class CoreLoop:
     def send(self, msg: Any) -> None:
         self.channel.send(m.encode(msg))
 
-    def snapshot(self) -> dict:
+    def report(self) -> m.Report:
         """The gauges, and when they are recorded, the prefix cache's events since the last
         message (``start_kv_events``: a replica's router follows them) and the steps
         traced (``start_step_trace``: the server's live view draws them)."""
-        wire = snapshot_to_wire(self.core.snapshot())
-        events = self.core.kv_transfer.take_events()
-        if events:
-            wire["kv_events"] = events
-        steps = self.core.tracer.take()
-        if steps:
-            wire["steps"] = steps
-        return wire
+        return m.Report(self.core.snapshot(), self.core.kv_transfer.take_events(), self.core.tracer.take())
 
     def run(self) -> None:
         try:
@@ -113,12 +100,12 @@ class CoreLoop:
                 if self.core.has_unfinished():
                     deltas = self.core.run_step()
                     if deltas:
-                        self.send(m.Out([delta_to_wire(d) for d in deltas], self.snapshot()))
+                        self.send(m.Out([delta_to_wire(d) for d in deltas], self.report()))
                         self.last_snapshot = time.monotonic()
                         continue
                     changed |= time.monotonic() - self.last_snapshot > SNAPSHOT_EVERY_S  # a long prefill: gauges move
                 if changed:
-                    self.send(m.Stats(self.snapshot()))
+                    self.send(m.Stats(self.report()))
                     self.last_snapshot = time.monotonic()
         except (EOFError, OSError):  # the API process is gone: nobody to serve
             logger.info("engine core: the API process closed the pipe; stopping")
@@ -152,7 +139,13 @@ class CoreLoop:
         return changed
 
     def _command(self, wire: list) -> None:
-        msg = m.decode(wire)
+        try:
+            msg = m.decode(wire)
+        except InvalidRequestError as e:  # a request whose parameters fail their checks here: refused
+            if wire[0] != m.Add.TAG or not isinstance(wire[1], str):
+                raise
+            self.send(m.Rejected(wire[1], error_to_wire(e), self.report()))
+            return
         handler = self._handlers.get(type(msg))
         if handler is None:
             raise ValueError(f"the engine core takes no {type(msg).__name__} message")
@@ -169,29 +162,36 @@ class CoreLoop:
         self.running = False
 
     def _add(self, msg: m.Add) -> None:
-        rid, prompt_ids, params_wire, lora = msg.request_id, msg.prompt_ids, msg.params, msg.lora
-        try:
-            params = params_from_wire(params_wire)
-        except InvalidRequestError as e:
-            self.send(m.Rejected(rid, error_to_wire(e), self.snapshot()))
+        rid, prompt_ids, lora = msg.request_id, msg.prompt_ids, msg.lora
+        params = msg.params if msg.pooling is None else msg.pooling
+        if params is None or (msg.params is not None and msg.pooling is not None):
+            self.send(
+                m.Rejected(
+                    rid,
+                    error_to_wire(
+                        InvalidRequestError("a request takes sampling or pooling parameters, one of the two")
+                    ),
+                    self.report(),
+                )
+            )
             return
 
         def add(grammar: Any) -> None:
             try:
                 self.core.add_request(rid, prompt_ids, params, grammar=grammar, lora=lora)
             except Exception as e:
-                self.send(m.Rejected(rid, error_to_wire(e), self.snapshot()))
+                self.send(m.Rejected(rid, error_to_wire(e), self.report()))
                 return
-            self.send(m.Accepted(rid, self.snapshot()))
+            self.send(m.Accepted(rid, self.report()))
 
-        if not isinstance(params, SamplingParams) or params.structured is None:  # an embedding has no grammar
+        if msg.params is None or msg.params.structured is None:  # an embedding has no grammar
             add(None)
             return
 
         def fail(e: BaseException) -> None:
-            self.send(m.Rejected(rid, error_to_wire(e), self.snapshot()))
+            self.send(m.Rejected(rid, error_to_wire(e), self.report()))
 
-        structured, spec = self.core.structured, params.structured
+        structured, spec = self.core.structured, msg.params.structured
         try:  # on the engine's compile thread: it stalls no step, and LoRA reads do not wait behind it
             future = structured.submit(spec)
         except InvalidRequestError as e:
@@ -204,7 +204,7 @@ class CoreLoop:
         call_id, method, args = msg.call_id, msg.method, msg.args
 
         def reply(error: BaseException | None = None, result: Any = None) -> None:
-            self.send(m.Reply(call_id, None if error is None else error_to_wire(error), result, self.snapshot()))
+            self.send(m.Reply(call_id, None if error is None else error_to_wire(error), result, self.report()))
 
         try:
             if method == "add_lora":  # a new name only (the server's loads): concurrent ones, one wins
@@ -260,7 +260,7 @@ class CoreLoop:
         return True
 
 
-def serve_core(build: Callable[[], tuple[EngineCore, dict, Callable[[], None]]], conn: Connection) -> int:
+def serve_core(build: Callable[[], tuple[EngineCore, m.CoreInfo, Callable[[], None]]], conn: Connection) -> int:
     """The body of the engine-core process: build the core (``build`` returns it, what
     the API process should know of it, and how to release it), say ready, loop."""
     try:
@@ -274,8 +274,9 @@ def serve_core(build: Callable[[], tuple[EngineCore, dict, Callable[[], None]]],
         return 1
     channel = Channel(conn, "tokenmill-core", max_queued_bytes=MAX_QUEUED_BYTES)
     try:
-        channel.send(m.encode(m.Ready(m.WIRE_VERSION, info, snapshot_to_wire(core.snapshot()))))
-        CoreLoop(core, channel).run()
+        loop = CoreLoop(core, channel)
+        channel.send(m.encode(m.Ready(m.WIRE_VERSION, info, loop.report())))
+        loop.run()
         return 0
     except BaseException:
         return 1

@@ -5,45 +5,20 @@ drafts kept and rejected, prompt tokens the prefix cache gave, who ended, the ga
 It records only between ``start()`` and ``stop()`` (nobody watching costs nothing but one
 check a step), keeps at most ``STEP_TRACE_KEPT`` steps not taken yet, and hands them out
 once (``take()``, safe from another thread: each step is popped whole). Records are plain
-data that msgpack and JSON carry as they are: a ``SeqRecord`` travels as a list.
+data that msgpack and JSON carry as they are (engine/stats.py's ``StepRecord``, which the pipe
+types its reports by): a ``SeqRecord`` travels as a list.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from typing import NamedTuple, TypedDict
 
 from tokenmill.engine.core.block_pool import BlockPool
 from tokenmill.engine.core.scheduler import Scheduler, SchedulerOutput
+from tokenmill.engine.stats import SeqRecord, StepRecord
 
 STEP_TRACE_KEPT = 1024  # traced steps not taken yet: a live view that stops reading loses the oldest
-
-
-class SeqRecord(NamedTuple):
-    """One sequence's part of a step."""
-
-    request_id: str
-    kind: str  # "prefill" (prompt or recomputed tokens), "decode", "verify" (drafts checked)
-    tokens: int  # tokens it gained: computed, less the drafts rejected
-    drafts: int
-    accepted: int
-    cached: int  # prompt tokens the prefix cache gave it (its first chunk only)
-    lora: str | None
-    finish_reason: str | None
-
-
-class StepRecord(TypedDict):
-    step: int
-    time: float  # time.perf_counter() at the step's start
-    duration: float
-    seqs: list[SeqRecord]
-    preempted: list[str]
-    ended: list[list[str | None]]  # [request id, finish reason]: ended outside the batch
-    running: int
-    waiting: int
-    blocks_used: int
-    blocks_cached: int
 
 
 def step_kinds(sched: SchedulerOutput) -> list[tuple[str, int]]:

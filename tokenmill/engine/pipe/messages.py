@@ -1,10 +1,12 @@
 """The messages between the API process and the engine-core process, one type each.
 
-On the pipe a message is a msgpack list, its tag first and then its fields in order
-(``encode`` / ``decode``; wire.py packs them and turns requests, deltas, snapshots and
-errors into plain values): only strings, numbers, lists and maps cross, never a pickled
-object, so a message means the same on both sides whatever either has imported, and
-decoding one cannot run code. msgpack stayed by measurement (bench/wire_formats.py,
+Every field is typed to the last value it holds: sampling parameters as ``SamplingParams``,
+gauges as ``EngineSnapshot``, a step's output as ``WireDelta``s, errors as ``WireError``, what the
+core tells of itself as ``CoreInfo``. On the pipe a message is a msgpack list, its tag first and
+then its fields in order, each dataclass in it a list of its own fields (``encode`` / ``decode``,
+by wire.py's typed codec, which rebuilds each value by its declared type): only strings,
+numbers, bytes, lists and maps cross, never a pickled object, so a message means the same on
+both sides whatever either has imported, and decoding one cannot run code. msgpack stayed by measurement (bench/wire_formats.py,
 bench/RESULTS.md). ``WIRE_VERSION`` changes with any message's fields, the engine snapshot's
 or the sampling parameters'; the test that round-trips every message pins them. The core's
 first message (``Ready``) says its version, and the API process refuses another
@@ -16,25 +18,55 @@ first message (``Ready``) says its version, and the API process refuses another
                   Reply (to a Call); Stats (after commands that changed the gauges);
                   Dead (the loop failed: nothing more follows)
 
-Every core -> API message after Ready but Dead carries the engine's snapshot (gauges),
-which may hold, once recording is on, "kv_events" (prefix-cache changes) and "steps"
-(each step's batch, for the live view), each since the previous message.
+Every core -> API message after Ready but Dead carries a ``Report``: the engine's snapshot
+(gauges) and, once recording is on, the prefix cache's changes (``kv_events``: a replica's
+router follows them) and the steps traced (``steps``: the live view draws them), each since
+the previous message.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-WIRE_VERSION = 2
+from tokenmill.engine.pipe.wire import WireDelta, WireError, from_plain, to_plain
+from tokenmill.engine.stats import EngineSnapshot, StepRecord
+from tokenmill.errors import InvalidRequestError
+from tokenmill.pooling_params import PoolingParams
+from tokenmill.sampling_params import SamplingParams
+
+WIRE_VERSION = 3
+
+
+@dataclass
+class Report:
+    """What rides with every core -> API message: the gauges now, and what was recorded since
+    the previous message."""
+
+    snapshot: EngineSnapshot = field(default_factory=EngineSnapshot)
+    kv_events: list[tuple[str, bytes]] = field(default_factory=list)  # ("stored" | "removed", block hash)
+    steps: list[StepRecord] = field(default_factory=list)
+
+
+@dataclass
+class CoreInfo:
+    """What the API process should know of the core it started."""
+
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    model_path: str
 
 
 @dataclass
 class Add:
+    """A request: sampling ``params``, or ``pooling`` for an embedding (one of the two)."""
+
     TAG: ClassVar[str] = "add"
     request_id: str
     prompt_ids: list[int]
-    params: dict[str, Any]  # wire.params_to_wire
+    params: SamplingParams | None
+    pooling: PoolingParams | None
     lora: str | None
 
 
@@ -53,6 +85,9 @@ class Stop:
 
 @dataclass
 class Call:
+    """A method of the core run between steps, by name (CoreLoop's table); its ``Reply`` says
+    how it went. The arguments and results are plain values, as each method documents."""
+
     TAG: ClassVar[str] = "call"
     call_id: int
     method: str
@@ -68,52 +103,52 @@ class Shutdown:
 class Ready:
     TAG: ClassVar[str] = "ready"
     wire_version: int  # WIRE_VERSION of the core's side
-    info: dict[str, Any]  # what the API process should know of the core (max_model_len, model_path, ...)
-    snapshot: dict[str, Any]
+    info: CoreInfo
+    report: Report
 
 
 @dataclass
 class Failed:
     TAG: ClassVar[str] = "failed"
     message: str
-    error: dict[str, Any]  # wire.error_to_wire
+    error: WireError
 
 
 @dataclass
 class Accepted:
     TAG: ClassVar[str] = "accepted"
     request_id: str
-    snapshot: dict[str, Any]
+    report: Report
 
 
 @dataclass
 class Rejected:
     TAG: ClassVar[str] = "rejected"
     request_id: str
-    error: dict[str, Any]
-    snapshot: dict[str, Any]
+    error: WireError
+    report: Report
 
 
 @dataclass
 class Out:
     TAG: ClassVar[str] = "out"
-    deltas: list[list[Any]]  # wire.delta_to_wire, one per sequence that moved
-    snapshot: dict[str, Any]
+    deltas: list[WireDelta]  # one per sequence that moved
+    report: Report
 
 
 @dataclass
 class Reply:
     TAG: ClassVar[str] = "reply"
     call_id: int
-    error: dict[str, Any] | None
+    error: WireError | None
     result: Any
-    snapshot: dict[str, Any]
+    report: Report
 
 
 @dataclass
 class Stats:
     TAG: ClassVar[str] = "stats"
-    snapshot: dict[str, Any]
+    report: Report
 
 
 @dataclass
@@ -128,18 +163,25 @@ _BY_TAG = {cls.TAG: cls for cls in TO_CORE + TO_API}
 
 
 def encode(msg: Any) -> list[Any]:
-    """A message as its wire list: the tag, then the fields in order."""
-    return [msg.TAG, *(getattr(msg, f.name) for f in fields(msg))]
+    """A message as its wire list: the tag, then the fields in order, as plain values."""
+    return [msg.TAG, *to_plain(msg)]
 
 
 def decode(wire: list[Any]) -> Any:
-    """The message a wire list holds; ValueError for an unknown tag or a wrong field count."""
+    """The message a wire list holds, every field rebuilt by its type; ValueError for an
+    unknown tag or a wrong field count, InvalidRequestError for a value its type's own checks
+    refuse (naming the field)."""
     cls = _BY_TAG.get(wire[0]) if wire else None
     if cls is None:
         raise ValueError(f"unknown engine-core message {wire[:1]!r}")
     if len(wire) - 1 != len(fields(cls)):
         raise ValueError(f"engine-core message {wire[0]!r} has {len(wire) - 1} fields, not {len(fields(cls))}")
-    return cls(*wire[1:])
+    try:
+        return from_plain(cls, list(wire[1:]))
+    except InvalidRequestError:  # a value its own checks refuse (SamplingParams'): the request's fault
+        raise
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"engine-core message {wire[0]!r}: {e}") from e
 
 
 def check_ready(wire: list[Any]) -> Ready | Failed:
