@@ -163,34 +163,25 @@ class CoreLoop:
 
     def _add(self, msg: m.Add) -> None:
         rid, prompt_ids, lora = msg.request_id, msg.prompt_ids, msg.lora
-        params = msg.params if msg.pooling is None else msg.pooling
-        if params is None or (msg.params is not None and msg.pooling is not None):
-            self.send(
-                m.Rejected(
-                    rid,
-                    error_to_wire(
-                        InvalidRequestError("a request takes sampling or pooling parameters, one of the two")
-                    ),
-                    self.report(),
-                )
-            )
-            return
+
+        def fail(e: BaseException) -> None:
+            self.send(m.Rejected(rid, error_to_wire(e), self.report()))
 
         def add(grammar: Any) -> None:
             try:
                 self.core.add_request(rid, prompt_ids, params, grammar=grammar, lora=lora)
             except Exception as e:
-                self.send(m.Rejected(rid, error_to_wire(e), self.report()))
+                fail(e)
                 return
             self.send(m.Accepted(rid, self.report()))
 
+        if (msg.params is None) == (msg.pooling is None):
+            fail(InvalidRequestError("a request takes sampling or pooling parameters, one of the two"))
+            return
+        params = msg.params or msg.pooling
         if msg.params is None or msg.params.structured is None:  # an embedding has no grammar
             add(None)
             return
-
-        def fail(e: BaseException) -> None:
-            self.send(m.Rejected(rid, error_to_wire(e), self.report()))
-
         structured, spec = self.core.structured, msg.params.structured
         try:  # on the engine's compile thread: it stalls no step, and LoRA reads do not wait behind it
             future = structured.submit(spec)
