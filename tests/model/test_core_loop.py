@@ -7,7 +7,7 @@ from __future__ import annotations
 from tests.model.test_load_price import tiny_engine
 from tokenmill.engine.core.core_loop import CoreLoop
 from tokenmill.engine.pipe import messages as m
-from tokenmill.engine.pipe.wire import from_plain, pack, unpack
+from tokenmill.engine.pipe.wire import pack, unpack
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
@@ -43,7 +43,4 @@ def test_a_request_that_fails_its_checks_on_arrival_is_rejected_and_the_loop_ser
     accepted = [msg for msg in pipe.sent if isinstance(msg, m.Accepted)]
     assert [msg.request_id for msg in accepted] == ["good"]
     assert accepted[0].report.snapshot.num_waiting == 1  # typed on arrival: the gauges, not a map
-    assert (
-        engine.core.num_waiting == 1
-        and from_plain(SamplingParams, m.encode(m.Add("x", [], SamplingParams(), None, None))[3]) == SamplingParams()
-    )
+    assert engine.core.num_waiting == 1
