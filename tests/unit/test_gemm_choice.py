@@ -243,7 +243,7 @@ def test_the_one_row_choice_is_probed_per_dtype_kept_and_overridden(cache_home, 
     assert gemm_choice.one_row_stream(torch.float32, torch.float32)
     assert not gemm_choice.one_row_stream(torch.bfloat16, torch.bfloat16) and len(probed) == 2
     kept = json.loads((cache_home / "tokenmill" / "gemm_choice.json").read_text())[gemm_choice.machine_key()]
-    assert kept["one_row"]["bfloat16 x bfloat16"]["one_stream"] is False and kept["prepacked"]
+    assert kept["one_row"]["bfloat16 x bfloat16, decoder shapes"]["one_stream"] is False and kept["prepacked"]
     monkeypatch.setattr(gemm_choice, "build_name", lambda: "another build")  # new kernels: measured again
     assert not gemm_choice.one_row_stream(torch.bfloat16, torch.bfloat16) and len(probed) == 3
     monkeypatch.setenv("TOKENMILL_ONE_ROW", "stream")
@@ -252,8 +252,14 @@ def test_the_one_row_choice_is_probed_per_dtype_kept_and_overridden(cache_home, 
 
 def test_the_one_row_probe_keeps_the_single_stream_unless_the_tiles_clearly_win(monkeypatch):
     """(one stream, tiles) ms stood in; the probe's matrices made small so that it runs here."""
-    monkeypatch.setattr(gemm_choice, "ONE_ROW_PROBE_BYTES", 1 << 20)
-    monkeypatch.setattr(torch.ops.tokenmill, "small_linear", lambda *a: None, raising=False)
+    monkeypatch.setattr(gemm_choice, "ONE_ROW_PROBE_BYTES", 3 << 20)
+    calls = []
+    monkeypatch.setattr(
+        torch.ops.tokenmill, "small_linear", lambda x, w, *a: calls.append((x.shape, w.shape)), raising=False
+    )
     for timings, want in (((10.0, 8.0), False), ((10.0, 9.5), True), ((10.0, 12.0), True)):
         monkeypatch.setattr(gemm_choice, "best_ms_each", lambda calls, t=timings: [c() for c in calls] and list(t))
         assert gemm_choice.probe_one_row(torch.bfloat16, torch.bfloat16)["one_stream"] is want
+    # a decoder layer's projections, each read with an activation row of its own width
+    assert {w for _, w in calls} == {(2048, 2048), (8192, 2048), (2048, 8192)}
+    assert all(x == (1, w[1]) for x, w in calls)

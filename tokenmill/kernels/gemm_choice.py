@@ -134,7 +134,7 @@ def one_row_stream(weight: torch.dtype, act: torch.dtype) -> bool:
     forced = os.environ.get("TOKENMILL_ONE_ROW")
     if forced:
         return forced.lower() != "tiles"
-    key = f"{str(weight).removeprefix('torch.')} x {str(act).removeprefix('torch.')}"
+    key = f"{str(weight).removeprefix('torch.')} x {str(act).removeprefix('torch.')}, decoder shapes"
     return bool(per_build("one_row", key, lambda: probe_one_row(weight, act))["one_stream"])
 
 
@@ -311,20 +311,26 @@ def probe_f16_split(packed: bool) -> dict:
 
 
 ONE_ROW_PROBE_BYTES = 256 << 20  # past a last-level cache (an AMX Xeon's is 300 MB, shared): read from memory
+# A 1B decoder layer's projections: attention (in = out), the MLP's up (out 4x in) and down (in 4x out).
+# One shape alone misjudged: on an AVX2 Zen 3 EPYC a float16 4096x1024 read as fast either way while
+# at these the tiles took 0.65-0.83 of the stream's time, and the 1B F16 file decoded at 10.5-11.0
+# tok/s in one stream against 14.9-17.7 through the tiles.
+ONE_ROW_PROBE_SHAPES = ((2048, 2048), (8192, 2048), (2048, 8192))
 
 
 def probe_one_row(weight: torch.dtype, act: torch.dtype) -> dict:
-    """Time one ``act`` row against ONE_ROW_PROBE_BYTES of ``weight`` matrices of PROBE_SHAPE (a
-    decode step's pass over a model's weights) in one stream and through the tiles; the single
-    stream stays unless the tiles take at most WIN of its time."""
-    n, k = PROBE_SHAPE
-    count = max(1, ONE_ROW_PROBE_BYTES // (n * k * weight.itemsize))
-    mats = [torch.full((n, k), 0.01, dtype=weight) for _ in range(count)]
-    x = torch.full((1, k), 0.5, dtype=act)
+    """Time one ``act`` row against ONE_ROW_PROBE_BYTES of ``weight`` matrices of ONE_ROW_PROBE_SHAPES,
+    an equal share each (a decode step's pass over a model's weights), in one stream and through
+    the tiles; the single stream stays unless the tiles take at most WIN of its time."""
+    mats = []
+    for n, k in ONE_ROW_PROBE_SHAPES:
+        count = max(1, ONE_ROW_PROBE_BYTES // len(ONE_ROW_PROBE_SHAPES) // (n * k * weight.itemsize))
+        mats += [torch.full((n, k), 0.01, dtype=weight) for _ in range(count)]
+    xs = {k: torch.full((1, k), 0.5, dtype=act) for _, k in ONE_ROW_PROBE_SHAPES}
 
     def run(one_stream: bool) -> None:
         for w in mats:
-            torch.ops.tokenmill.small_linear(x, w, None, one_stream)
+            torch.ops.tokenmill.small_linear(xs[w.shape[1]], w, None, one_stream)
 
     stream, tiles = best_ms_each([lambda: run(True), lambda: run(False)])
     one_stream = tiles > WIN * stream
