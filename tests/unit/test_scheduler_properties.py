@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import TOY_VOCAB as VOCAB
@@ -54,6 +54,15 @@ request_st = st.tuples(
     caching=st.booleans(),
     policy=st.sampled_from(["continuous", "static"]),
     speculative=st.sampled_from([None, "ngram", "draft"]),
+)
+@example(  # always asked: a long prompt alone drafts, and its drafts are verified
+    requests=[(2, 20, 8, 1, 0, None)],
+    num_blocks=40,
+    budget=8,
+    max_seqs=2,
+    caching=True,
+    policy="continuous",
+    speculative="ngram",
 )
 def test_random_workloads_keep_blocks_exact(requests, num_blocks, budget, max_seqs, caching, policy, speculative):
     bs = 4
@@ -107,8 +116,14 @@ def test_random_workloads_keep_blocks_exact(requests, num_blocks, budget, max_se
     for rid, tokens in finished.items():  # preemption, chunking, caching, speculation change no output
         assert tokens == expected_output(prompts[rid], len(tokens))
     # a request drafts only where the pool holds its tokens and the lookahead slots (8 blocks of 4 cannot
-    # speculate for a 27-token prompt and 6 tokens: it decodes plainly, as it should)
-    room = num_blocks * bs - (spec.num_lookahead_slots if spec else 0)
+    # speculate for a 27-token prompt and 6 tokens: it decodes plainly, as it should), and drafts are
+    # dropped for a step whose blocks other requests hold (speculation is optional): asked only of a
+    # pool that holds every request's whole sequences, each sequence with its lookahead slots
+    lookahead = spec.num_lookahead_slots if spec else 0
+    room = num_blocks * bs - lookahead
     drafting = [t for rid, t in finished.items() if len(t) >= 4 and len(prompts[rid]) + len(t) <= room]
-    if speculative is not None and max_seqs <= 6 and budget > 4 and drafting:
+    wanted = sum(
+        requests[int(rid)][3] * -(-(len(p) + requests[int(rid)][2] + lookahead) // bs) for rid, p in prompts.items()
+    )
+    if speculative is not None and max_seqs <= 6 and budget > 4 and drafting and wanted <= num_blocks:
         assert engine.core.spec_decode_stats.num_drafts > 0  # the drafts were verified, not silently dropped
