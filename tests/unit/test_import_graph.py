@@ -5,6 +5,7 @@ every import), so each module can be read, and loaded, after the ones it names."
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import tokenmill
@@ -17,6 +18,7 @@ def _module(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.cache  # read once: every test here asks for it
 def import_graph() -> dict[str, set[str]]:
     modules = {_module(p): p for p in ROOT.rglob("*.py")}
     graph: dict[str, set[str]] = {}
