@@ -68,7 +68,7 @@ async def generate(served: Served, request: Request, body: Any, endpoint: str, m
                 return hit
             if hit is not None:
                 job = await make_job(Target(served.models[hit.model], hit.lora))
-                job.cached = True
+                job.answer.cached = True  # its usage says every token came from the cache
                 if hit.route is not None:
                     _route_headers(headers, hit.route)
                 return _with_headers(await job.replay(request, body.stream, hit.outputs), headers)

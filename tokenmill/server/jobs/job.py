@@ -52,15 +52,6 @@ class Job:
         self.on_answered: Callable[[list[tuple[int, RequestOutput]]], None] | None = None
         self.place: Callable[[], AbstractAsyncContextManager] | None = None  # the client's window (several prompts)
 
-    @property
-    def cached(self) -> bool:
-        """Answered from the response cache (its usage says so)."""
-        return self.answer.cached
-
-    @cached.setter
-    def cached(self, value: bool) -> None:
-        self.answer.cached = value
-
     def _start(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         first = self.params if self.place is None else self.params[: self.served.windows.size]  # in at once
         check_queue(self.served, self.target, sum(p.n for p in first))  # engine sequences: prompts x n
@@ -110,7 +101,7 @@ class Job:
 
         async def outputs() -> AsyncIterator[tuple[int, RequestOutput]]:
             for i, out in finals:
-                yield i, replayed(out) if self.cached else out
+                yield i, replayed(out) if self.answer.cached else out
 
         if stream:
             return StreamingResponse(self._sse(None, outputs()), media_type="text/event-stream")
