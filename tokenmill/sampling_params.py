@@ -16,6 +16,59 @@ _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
 MAX_N = 256  # sequences per request: each holds KV blocks and a slot in every step
 MAX_INT32 = 2**31 - 1  # integers that end up in tensors (top-k, token ids) must fit
+KV_EVICTION_POLICIES = ("streaming",)
+
+
+@dataclass(frozen=True)
+class KVEviction:
+    """Which of a request's tokens keep their K/V when it outgrows ``window`` (opt-in).
+
+    ``streaming`` (StreamingLLM, Xiao et al. 2023): the first ``sinks`` tokens (the
+    attention sinks, rounded up to whole KV blocks; llama.cpp's n_keep) and at least the
+    last ``window`` tokens before each query keep their K/V; the blocks between go back to
+    the pool. Positions are those within the cache, as the paper's: each drop re-rotates
+    the kept recent keys (RoPE) to their new places, so no query ever sees a distance
+    longer than its cache, and a request may generate (or read) past the model's context.
+    Blocks are dropped a ``stride`` at a time (a quarter of the window, at least a block),
+    so a query sees between ``window`` and ``window + stride`` recent tokens, and keys are
+    re-rotated once a stride, not once a token."""
+
+    policy: str = "streaming"
+    window: int = 1024  # recent tokens every query sees, at least
+    sinks: int = 4  # first tokens kept whatever the length (whole blocks: rounded up)
+
+    def __post_init__(self) -> None:
+        if self.policy not in KV_EVICTION_POLICIES:
+            raise InvalidRequestError(
+                f"invalid kv_eviction policy {self.policy!r}: one of {', '.join(KV_EVICTION_POLICIES)}",
+                param="kv_eviction",
+            )
+        for name, low in (("window", 1), ("sinks", 0)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= MAX_INT32:
+                raise InvalidRequestError(
+                    f"invalid kv_eviction {name}={v!r}: must be an integer >= {low}", param="kv_eviction"
+                )
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KVEviction:
+        unknown = set(d) - {"policy", "window", "sinks"}
+        if unknown:
+            raise InvalidRequestError(
+                f"unknown kv_eviction field(s) {', '.join(sorted(unknown))}: policy, window, sinks",
+                param="kv_eviction",
+            )
+        return cls(**d)
+
+    def sink_tokens(self, block_size: int) -> int:
+        return -(-self.sinks // block_size) * block_size
+
+    def stride(self, block_size: int) -> int:
+        return max(block_size, self.window // 4 // block_size * block_size)
+
+    def budget(self, block_size: int) -> int:
+        """The most tokens whose K/V the request holds after a step (sinks, window, stride)."""
+        return self.sink_tokens(block_size) + self.window + self.stride(block_size)
 
 
 @dataclass(frozen=True)
@@ -68,8 +121,15 @@ class SamplingParams:
     # vLLM's cache_salt: requests share prefix-cache blocks only with requests of the same salt
     # (a tenant's prompts cannot be probed by another's timing); None: the common cache.
     cache_salt: str | None = None
+    # Past ``window`` tokens, the K/V of the tokens that matter least go back to the pool
+    # (``KVEviction``; a dict of its fields is accepted); None: every token keeps its K/V.
+    kv_eviction: KVEviction | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.kv_eviction, dict):
+            object.__setattr__(self, "kv_eviction", KVEviction.from_dict(self.kv_eviction))
+        elif self.kv_eviction is not None and not isinstance(self.kv_eviction, KVEviction):
+            raise InvalidRequestError("kv_eviction must be a KVEviction or a dict of its fields", param="kv_eviction")
         if isinstance(self.structured, dict):
             object.__setattr__(self, "structured", StructuredOutputs.from_dict(self.structured))
         elif self.structured is not None and not isinstance(self.structured, StructuredOutputs):

@@ -7,7 +7,7 @@ import pytest
 from tokenmill.engine.core.block_pool import BlockPool, OutOfBlocksError
 from tokenmill.engine.core.kv_manager import KVCacheManager
 from tokenmill.engine.core.request import Request
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import KVEviction, SamplingParams
 
 BS = 4
 
@@ -99,3 +99,29 @@ def test_allocation_failure_changes_nothing():
     a = req(range(20), "a")
     assert kv.allocate_slots(a, 20) is None
     assert a.block_ids == [] and pool.num_free == 3
+
+
+def test_streaming_eviction_frees_the_blocks_between_sinks_and_window():
+    kv = KVCacheManager(BlockPool(16), BS)
+    ev = KVEviction(window=8, sinks=1)  # sinks: one block (4 tokens); stride: one block; budget 4 + 8 + 4 = 16
+    assert (ev.sink_tokens(BS), ev.stride(BS), ev.budget(BS)) == (4, 4, 16)
+    r = Request(request_id="r", prompt_token_ids=list(range(15)), params=SamplingParams(kv_eviction=ev))
+    kv.allocate_slots(r, 15)
+    r.num_computed_tokens = 15
+    kv.cache_computed_blocks(r)
+    kv.evict(r)  # 15 held: under the budget
+    assert r.num_evicted_tokens == 0 and len(r.block_ids) == 4
+    assert all(kv.pool.blocks[b].block_hash is None for b in r.block_ids), "evicting: never in the prefix cache"
+    r.output_token_ids.append(7)
+    kv.allocate_slots(r, 1)
+    r.num_computed_tokens = 16
+    sink, dropped, *kept = list(r.block_ids)
+    kv.evict(r)  # 16 held: the block after the sink goes, the last 8 tokens stay (and the sink)
+    assert r.num_evicted_tokens == 4 and r.num_kv_tokens == 12
+    assert list(r.block_ids) == [sink, *kept] and r.block_ids.synced == 0
+    assert kv.pool.num_free == 16 - 3 and kv.evicted_tokens == 4
+    r.output_token_ids.append(8)
+    kv.allocate_slots(r, 1)  # the next token's slot: the cache's 13th, in a fourth block
+    assert len(r.block_ids) == 4
+    kv.free(r)
+    assert kv.pool.num_free == 16

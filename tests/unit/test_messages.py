@@ -54,11 +54,11 @@ EXAMPLES = [
     m.Stats(m.Report()),
     m.Dead("RuntimeError: boom"),
 ]
-# The wire, version 3: each message's tag and its fields in order, every field typed (3: a Report
+# The wire, version 4: each message's tag and its fields in order, every field typed (3: a Report
 # of the snapshot, the prefix cache's events and the traced steps; sampling or pooling parameters,
-# WireDelta, WireError and CoreInfo as dataclasses), the engine snapshot's fields and the
-# sampling parameters'.
-WIRE_V3 = {
+# WireDelta, WireError and CoreInfo as dataclasses; 4: the sampling parameters' kv_eviction and
+# the snapshot's kv_evicted_tokens), the engine snapshot's fields and the sampling parameters'.
+WIRE_V4 = {
     "add": ["request_id", "prompt_ids", "params", "pooling", "lora"],
     "abort": ["request_id"],
     "stop": ["seq_id", "stop_string"],
@@ -73,7 +73,7 @@ WIRE_V3 = {
     "stats": ["report"],
     "dead": ["message"],
 }
-CONTENTS_V3 = {
+CONTENTS_V4 = {
     m.Report: ["snapshot", "kv_events", "steps"],
     m.CoreInfo: ["max_model_len", "num_blocks", "block_size", "model_path"],
     WireDelta: [
@@ -99,37 +99,38 @@ def test_the_examples_cover_every_message_both_ways():
     assert {type(x) for x in EXAMPLES} == set(m.TO_CORE + m.TO_API)
 
 
-SNAPSHOT_V3 = [
+SNAPSHOT_V4 = [
     "num_running", "num_waiting", "kv_usage", "num_preemptions", "num_step_retries", "prefix_cache_queries",
-    "prefix_cache_hits", "kv_disk_bytes", "kv_disk_hits", "kv_disk_stored", "kv_disk_evicted", "spec_num_drafts",
+    "prefix_cache_hits", "kv_disk_bytes", "kv_disk_hits", "kv_disk_stored", "kv_disk_evicted", "kv_evicted_tokens",
+    "spec_num_drafts",
     "spec_num_draft_tokens", "spec_num_accepted_tokens", "iteration_tokens", "iteration_tokens_sum", "max_loras",
     "loras", "lora_requests", "running_loras", "waiting_loras",
 ]  # fmt: skip
-SAMPLING_V3 = [
+SAMPLING_V4 = [
     "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
     "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "logprobs",
     "prompt_logprobs", "skip_special_tokens", "structured", "min_tokens", "logit_bias", "allowed_token_ids",
-    "bad_words", "priority", "bad_words_token_ids", "eos_token_ids", "client", "cache_salt",
+    "bad_words", "priority", "bad_words_token_ids", "eos_token_ids", "client", "cache_salt", "kv_eviction",
 ]  # fmt: skip
-STRUCTURED_V3 = ["json", "regex", "choice", "grammar", "json_object", "whitespace_pattern", "reasoning_end"]
+STRUCTURED_V4 = ["json", "regex", "choice", "grammar", "json_object", "whitespace_pattern", "reasoning_end"]
 
 
 def test_the_wire_is_pinned_to_its_version():
     from tokenmill.structured.constraint import StructuredOutputs
 
-    assert m.WIRE_VERSION == 3
-    assert {cls.TAG: [f.name for f in fields(cls)] for cls in m.TO_CORE + m.TO_API} == WIRE_V3
-    assert {cls: [f.name for f in fields(cls)] for cls in CONTENTS_V3} == CONTENTS_V3
-    assert [f.name for f in fields(EngineSnapshot)] == SNAPSHOT_V3
-    assert [f.name for f in fields(SamplingParams)] == SAMPLING_V3
-    assert [f.name for f in fields(StructuredOutputs)] == STRUCTURED_V3
+    assert m.WIRE_VERSION == 4
+    assert {cls.TAG: [f.name for f in fields(cls)] for cls in m.TO_CORE + m.TO_API} == WIRE_V4
+    assert {cls: [f.name for f in fields(cls)] for cls in CONTENTS_V4} == CONTENTS_V4
+    assert [f.name for f in fields(EngineSnapshot)] == SNAPSHOT_V4
+    assert [f.name for f in fields(SamplingParams)] == SAMPLING_V4
+    assert [f.name for f in fields(StructuredOutputs)] == STRUCTURED_V4
 
 
 def test_a_core_of_another_wire_version_is_refused_by_name():
     ready = m.encode(m.Ready(m.WIRE_VERSION, m.CoreInfo(8, 1, 16, "/m"), REPORT))
     assert m.check_ready(unpack(pack(ready))) == m.decode(ready)
-    with pytest.raises(ValueError, match="speaks wire version 2, this API process 3"):
-        m.check_ready(["ready", 2, {"max_model_len": 8}, {}])
+    with pytest.raises(ValueError, match="speaks wire version 3, this API process 4"):
+        m.check_ready(["ready", 3, {"max_model_len": 8}, {}])
     with pytest.raises(ValueError, match="speaks wire version unknown"):  # version 1's Ready: info first
         m.check_ready(["ready", {"max_model_len": 8}, {}])
     with pytest.raises(ValueError, match="must be ready or failed"):
@@ -147,7 +148,7 @@ def test_an_unknown_or_malformed_message_is_a_clear_error():
 def test_a_value_of_the_wrong_shape_is_refused_by_the_message_and_its_type():
     add = m.encode(EXAMPLES[0])
     add[3] = add[3][:-1]  # a SamplingParams one field short
-    with pytest.raises(ValueError, match="'add': SamplingParams takes 27 fields"):
+    with pytest.raises(ValueError, match="'add': SamplingParams takes 28 fields"):
         m.decode(add)
     add = m.encode(EXAMPLES[0])
     add[3][1] = -2.0  # temperature

@@ -56,6 +56,7 @@ def trip(value):
         SamplingParams(structured={"json": {"type": "object", "properties": {"b": {"type": "string"}, "a": {}}}}),
         SamplingParams(structured={"choice": ["yes", "no"]}, client="key:0123abcd", priority=-3),
         SamplingParams(structured={"json_object": True, "whitespace_pattern": r"[ ]?"}),
+        SamplingParams(kv_eviction={"window": 512, "sinks": 8}, max_tokens=4096),
     ],
 )
 def test_sampling_params_survive_the_trip(params):
@@ -75,7 +76,7 @@ def test_pooling_params_survive_the_trip(params):
 
 def test_sampling_params_of_another_shape_are_refused_by_their_field_count():
     wire = trip(to_plain(SamplingParams()))
-    with pytest.raises(ValueError, match="SamplingParams takes 27 fields"):
+    with pytest.raises(ValueError, match="SamplingParams takes 28 fields"):
         from_plain(SamplingParams, wire + [0.5])
 
 

@@ -150,6 +150,15 @@ class ServerConfig:
         "boundaries); the answer says what was dropped (context_shift) and "
         "tokenmill:context_shift_requests counts them. Chat completions, not beam search",
     )
+    kv_eviction_window: int | None = opt(
+        None,
+        "KV eviction for every request that names none (StreamingLLM): past this many recent tokens "
+        "the K/V of the tokens between the first ones (--kv-eviction-sinks) and the last this-many "
+        "go back to the pool, so a request holds a bounded cache and may run past the context; a "
+        'request\'s kv_eviction ({"window": N} or {"policy": "none"}) wins. Not with beam search',
+        check=POSITIVE_INT,
+    )
+    kv_eviction_sinks: int = opt(4, "KV eviction: first tokens always kept (the attention sinks; whole KV blocks)")
     reasoning_parser: str | None = opt(
         None,
         "reasoning models, as vLLM's: split a chat answer's <think>...</think> into "

@@ -55,6 +55,9 @@ class ScheduledTokens:
     num_tokens: int  # including the drafts
     spec_token_ids: list[int] = field(default_factory=list)
     num_lookahead: int = 0  # after sampling, propose up to this many drafts (0: this step does not draft)
+    # Tokens whose K/V the request evicted (``KVEviction``): token i sits in cache slot i minus
+    # this; when it grew since the runner last heard, the kept keys past the sinks re-rotate.
+    num_evicted_tokens: int = 0
 
 
 @dataclass

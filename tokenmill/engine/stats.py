@@ -79,6 +79,7 @@ class EngineSnapshot:
     kv_disk_hits: int = 0
     kv_disk_stored: int = 0
     kv_disk_evicted: int = 0
+    kv_evicted_tokens: int = 0  # tokens whose K/V requests evicted (``KVEviction``), since start
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0

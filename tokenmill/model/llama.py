@@ -317,6 +317,29 @@ class LlamaForCausalLM(nn.Module):
             h = layer(h, x, positions, rotary, kv_cache, meta, ops, next_norm, tp, lora)
         return h
 
+    def shift_keys(self, kv_caches: list[KVCache], block_ids: list[int], delta: int) -> None:
+        """The cached keys in ``block_ids`` moved ``delta`` positions (each layer with its own
+        RoPE): the kept keys of a request that evicted tokens before them (``KVEviction``)."""
+        if not block_ids:
+            return
+        index = torch.tensor(block_ids, dtype=torch.long, device=kv_caches[0].k.device)
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            rotary = self.rotary_local if self.rotary_local is not None and layer.self_attn.window else self.rotary
+            assert rotary is not None
+            cache.rotate_keys(index, lambda k, r=rotary: r.shift(k, delta))
+
+    @property
+    def keys_shift(self) -> bool:
+        """Cached keys can move to other positions (``shift_keys``): no sliding window (its
+        mask is by position) and RoPE frequencies that do not depend on the position."""
+        cfg = self.config
+        return (
+            self.rotary is not None
+            and self.rotary.shiftable
+            and cfg.sliding_window is None
+            and not any(cfg.layer_windows or ())
+        )
+
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         assert self.embed_tokens is not None, "only the first pipeline stage embeds tokens"
         scale = self.config.embedding_scale

@@ -51,6 +51,9 @@ class SeqInput:
     positions: list[int] | None = None
     tree_mask: torch.Tensor | None = None  # [len(token_ids), T] bool
     spec_parents: list[int] | None = None  # the drafts' parents (-1: the real token before them)
+    # Tokens whose K/V were evicted (``KVEviction``): ``num_computed_tokens`` counts the cache's
+    # slots, and the first new token is token ``num_computed_tokens + num_evicted_tokens``.
+    num_evicted_tokens: int = 0
 
 
 class InputBuffers:

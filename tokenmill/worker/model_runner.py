@@ -63,7 +63,7 @@ PROMPT_SCORE_ROWS = 256  # prompt positions turned into logits at a time (256 x 
 
 def _scores_prompt(s: SeqInput) -> bool:
     """This chunk predicts prompt tokens of a prompt_logprobs request."""
-    return s.params.prompt_logprobs is not None and s.num_computed_tokens + 1 < len(s.prompt_ids)
+    return s.params.prompt_logprobs is not None and s.num_computed_tokens + s.num_evicted_tokens + 1 < len(s.prompt_ids)
 
 
 @dataclass
@@ -81,6 +81,7 @@ class CachedRequestState:
     pooling: PoolingParams | None = None  # an embedding request
     pool_sum: torch.Tensor | None = None  # an embedding request: its pooled rows so far (float32)
     pool_count: int = 0
+    num_evicted_tokens: int = 0  # evicted tokens its cache's keys are rotated for (``KVEviction``)
 
     def __post_init__(self) -> None:
         if self.params.uses_penalties:
@@ -135,6 +136,7 @@ class ModelRunner:
         started = time.perf_counter()
         self._update_states(batch)
         self.copy_blocks(batch.block_copies)
+        self._shift_kept_keys(batch)
         if not batch.scheduled:
             return ModelOutput()
         # A failed step is re-sent one request at a time: each seeded request must then
@@ -222,6 +224,7 @@ class ModelRunner:
                 state.draft = Draft(draft) if draft else None
         self._update_states(batch)
         self.copy_blocks(batch.block_copies)
+        self._shift_kept_keys(batch)
         if batch.scheduled:
             self.compute_logits(order_seqs([self._seq_input(s) for s in batch.scheduled]))
 
@@ -258,6 +261,22 @@ class ModelRunner:
             del table[c.num_kept_blocks :]
             table.extend(c.new_block_ids)
 
+    def _shift_kept_keys(self, batch: ModelInput) -> None:
+        """Requests that evicted tokens since the runner last heard (``KVEviction``): the keys
+        kept past their sink blocks move that many slots down their table, so their RoPE
+        rotation moves back as many positions. Idempotent (a step sent again rotates nothing
+        twice): the state remembers the count its keys are rotated for."""
+        for s in batch.scheduled:
+            state = self.requests[s.request_id]
+            delta = s.num_evicted_tokens - state.num_evicted_tokens
+            if delta == 0:
+                continue
+            ev = state.params.kv_eviction
+            assert ev is not None and delta > 0, f"{s.request_id}: evicted tokens went from {state.num_evicted_tokens}"
+            sinks = ev.sink_tokens(self.block_size) // self.block_size
+            self.model.shift_keys(self.kv_caches, state.block_ids[sinks:], -delta)
+            state.num_evicted_tokens = s.num_evicted_tokens
+
     def _seq_input(self, s: ScheduledTokens) -> SeqInput:
         state = self.requests[s.request_id]
         k = len(s.spec_token_ids)
@@ -267,14 +286,15 @@ class ModelRunner:
                 raise RuntimeError(f"{s.request_id}: the scheduled drafts are not the ones this runner proposed")
         start, num_real = s.num_computed_tokens, s.num_tokens - k
         assert start + num_real <= state.num_tokens, f"{s.request_id}: scheduled past its known tokens"
+        evicted = s.num_evicted_tokens  # token i sits in cache slot i - evicted
         positions = tree_mask = parents = None
         if k and state.draft is not None and state.draft.parents is not None:
             parents = state.draft.parents[:k]  # parents first: any prefix of the list is a tree
-            positions, tree_mask = verification_layout(parents, num_real, start)
+            positions, tree_mask = verification_layout(parents, num_real, start - evicted)
         return SeqInput(
             request_id=s.request_id,
             token_ids=state.token_slice(start, start + num_real) + s.spec_token_ids,
-            num_computed_tokens=start,
+            num_computed_tokens=start - evicted,
             block_table=state.block_ids,
             sample=start + num_real == state.num_tokens and state.pooling is None,  # embeddings sample nothing
             params=state.params,
@@ -290,6 +310,7 @@ class ModelRunner:
             positions=positions,
             tree_mask=tree_mask,
             spec_parents=parents,
+            num_evicted_tokens=evicted,
         )
 
     def _commit(
@@ -325,6 +346,12 @@ class ModelRunner:
     # A split model's ranks all run the same forward; scoring prompts would need every
     # row's logits on each of them (distributed.runner turns this off).
     scores_prompts = True
+
+    @property
+    def shifts_keys(self) -> bool:
+        """Requests may evict K/V (``KVEviction``): this process holds every layer's cache and
+        the model's cached keys can move to other positions."""
+        return self.stage is None and self.model.keys_shift
 
     def _forward(
         self, seqs: list[SeqInput]
@@ -365,7 +392,7 @@ class ModelRunner:
     def _prompt_scores(self, s: SeqInput, hidden: torch.Tensor, offset: int) -> tuple[int, list[PromptLogprob]]:
         """(first, scores): the logprob, rank and top-k of prompt tokens first..last, which
         this chunk's positions predict (position q predicts token q + 1)."""
-        start, k = s.num_computed_tokens, s.params.prompt_logprobs or 0
+        start, k = s.num_computed_tokens + s.num_evicted_tokens, s.params.prompt_logprobs or 0
         first, last = start + 1, min(start + len(s.token_ids), len(s.prompt_ids) - 1)
         entries: list[PromptLogprob] = []
         for a in range(first, last + 1, PROMPT_SCORE_ROWS):

@@ -42,7 +42,7 @@ from tokenmill.engine.sequences import sequence_ids, step_params
 from tokenmill.engine.stats import ITERATION_TOKEN_BUCKETS, EngineSnapshot, SpecDecodeStats, StepStats
 from tokenmill.errors import EngineDeadError, InvalidRequestError, UnknownModelError
 from tokenmill.pooling_params import PoolingParams
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import KVEviction, SamplingParams
 from tokenmill.structured.grammar import CompiledGrammar, GrammarCompiler
 
 logger = logging.getLogger(__name__)
@@ -160,7 +160,7 @@ class EngineCore:
         if request_id in self._requests or any(sid in self._sequences for sid in seq_ids):
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
         ids = list(prompt_ids)
-        self._validate_prompt(ids)
+        self._validate_prompt(ids, params.kv_eviction)
         params = self._with_model_facts(params)
         adapter = None
         if lora is not None:
@@ -184,7 +184,7 @@ class EngineCore:
                 pooling=pooling,
                 parent_id=request_id,
                 index=i,
-                fork_of=seq_ids[0] if i > 0 else None,
+                fork_of=seq_ids[0] if i > 0 and params.kv_eviction is None else None,  # evicting: keys its own
                 grammar=grammar.matcher() if grammar is not None else None,
                 lora_name=lora,
                 hash_root=self._hash_root(lora, params.cache_salt),
@@ -220,6 +220,8 @@ class EngineCore:
             raise InvalidRequestError(
                 "prompt_logprobs is not supported with tensor or pipeline parallelism", param="prompt_logprobs"
             )
+        if params.kv_eviction is not None:
+            self._check_eviction(params.kv_eviction)
         if params.min_tokens and not params.ignore_eos and not params.eos_token_ids:
             params = replace(params, eos_token_ids=tuple(sorted(self.scheduler.eos_token_ids)))
         held = set(params.eos_token_ids) | set(params.stop_token_ids) if params.min_tokens else set()
@@ -231,13 +233,36 @@ class EngineCore:
             )
         return params
 
-    def _validate_prompt(self, ids: list[int]) -> None:
+    def _check_eviction(self, ev: KVEviction) -> None:
+        """A request's ``KVEviction`` fits this engine: keys that can move (no sliding window, no
+        position-dependent RoPE, one process), and its budget within the context and the pool."""
+        if not getattr(self.runner, "shifts_keys", False):
+            raise InvalidRequestError(
+                "kv_eviction is not supported here: it needs a model whose cached keys can move to other "
+                "positions (no sliding window, no LongRoPE) on one process (no tensor or pipeline parallelism)",
+                param="kv_eviction",
+            )
+        bs = self.config.block_size
+        held = ev.budget(bs) + bs  # its budget, and a block for the step's new token
+        if held > self.config.max_model_len or self.kv.blocks_for(held) > self.block_pool.num_blocks:
+            raise InvalidRequestError(
+                f"kv_eviction keeps up to {held} tokens' K/V (sinks {ev.sink_tokens(bs)}, window {ev.window}, "
+                f"stride {ev.stride(bs)}, a block): more than the context window ({self.config.max_model_len}) "
+                f"or the KV pool ({self.block_pool.num_blocks * bs} tokens) holds; use a smaller window",
+                param="kv_eviction",
+            )
+
+    def _validate_prompt(self, ids: list[int], eviction: KVEviction | None = None) -> None:
+        """A prompt the engine can serve: tokens of the vocabulary, room for one more token in
+        the context and in the pool (an evicting request's cache is bounded by its budget)."""
         if not ids:
             raise InvalidRequestError("prompt is empty: at least one token is needed", param="prompt")
         vocab = self.vocab_size
         bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})", param="prompt")
+        if eviction is not None:
+            return  # its budget is checked against the context and the pool (_check_eviction)
         if len(ids) >= self.config.max_model_len:
             raise InvalidRequestError(
                 f"prompt is {len(ids)} tokens but the context window is {self.config.max_model_len} tokens "
@@ -503,6 +528,7 @@ class EngineCore:
             kv_disk_hits=disk.hits,
             kv_disk_stored=disk.stored,
             kv_disk_evicted=disk.evicted,
+            kv_evicted_tokens=self.kv.evicted_tokens,
             spec_num_drafts=spec.num_drafts,
             spec_num_draft_tokens=spec.num_draft_tokens,
             spec_num_accepted_tokens=spec.num_accepted_tokens,

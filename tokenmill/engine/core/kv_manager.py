@@ -12,6 +12,12 @@ its entry in the request's table becomes ``FREED`` (the runner keeps reading a
 stale id there, masked out by attention, so it is never told: ``BlockTable.release``).
 Every other change to a table is the runner's to hear about, which the table records
 by itself (engine/core/block_table.py).
+
+A request with ``KVEviction`` (StreamingLLM) drops blocks instead: past its budget the
+blocks after its sink blocks leave the table, ``num_evicted_tokens`` grows by their tokens,
+and the runner, told that count with each step, re-rotates the kept keys to their new
+places (``evict``). Its table then holds the cache, not the token stream: slot i holds the
+i-th kept token, at position i.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.sliding_window = sliding_window
         self.stats = PrefixCacheStats()
+        self.evicted_tokens = 0  # tokens whose K/V requests evicted (``KVEviction``), in all
         # A tier below the pool (kv_disk.DiskSpill): ``lower(hashes, held)`` caches in the pool
         # the leading blocks of ``hashes`` it holds and says how many; the blocks cached since
         # ``take_newly_cached`` are what it stores. None: the pool alone.
@@ -79,7 +86,7 @@ class KVCacheManager:
         Stops before the block holding the last token: that token is always computed
         (its logits are needed), and a shared cached block is never written to.
         """
-        if not self.pool.enable_caching:
+        if not self.pool.enable_caching or req.evicts:
             return []
         hits: list[int] = []
         hashes = self._hashes(req, (req.num_tokens - 1) // self.block_size)
@@ -110,7 +117,7 @@ class KVCacheManager:
         cached_prefix = cached_prefix or []
         assert not cached_prefix or not req.block_ids, "a cached prefix is adopted only at admission"
         bs = self.block_size
-        num_computed = req.num_computed_tokens + len(cached_prefix) * bs
+        num_computed = req.num_kv_tokens + len(cached_prefix) * bs
         have = len(req.block_ids) + len(cached_prefix)
         num_new_blocks = max(0, self.blocks_for(num_computed + num_new_tokens) - have)
         shared = [
@@ -140,7 +147,7 @@ class KVCacheManager:
 
     def cache_computed_blocks(self, req: Request) -> None:
         """Register the request's newly full and computed blocks in the prefix cache."""
-        if not self.pool.enable_caching:
+        if not self.pool.enable_caching or req.evicts:
             return
         num_full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
         if num_full <= req.num_cached_blocks:
@@ -168,6 +175,22 @@ class KVCacheManager:
         req.block_ids.release(req.num_freed_blocks, n, FREED)
         req.num_freed_blocks = n
 
+    def evict(self, req: Request) -> None:
+        """StreamingLLM (``KVEviction``): once the request holds its budget (sinks, window and
+        a stride), the whole blocks between its sink blocks and its last ``window`` computed
+        tokens go back to the pool and out of its table; the runner re-rotates the kept keys
+        when it next sees ``num_evicted_tokens``."""
+        ev = req.params.kv_eviction
+        bs = self.block_size
+        if ev is None or req.num_kv_tokens < ev.budget(bs):
+            return
+        sinks = ev.sink_tokens(bs) // bs
+        n = (req.num_kv_tokens - sinks * bs - ev.window) // bs
+        self.pool.free(req.block_ids[sinks : sinks + n][::-1])
+        del req.block_ids[sinks : sinks + n]
+        req.num_evicted_tokens += n * bs
+        self.evicted_tokens += n * bs
+
     @staticmethod
     def runner_table(req: Request) -> list[int]:
         """The table as the runner receives it whole (a new or resumed request): freed
@@ -177,9 +200,9 @@ class KVCacheManager:
     def trim(self, req: Request, num_tokens: int) -> None:
         """Free the request's blocks past the first num_tokens tokens (never computed
         ones: the blocks freed hold only draft or lookahead slots)."""
-        keep = self.blocks_for(num_tokens)
+        keep = self.blocks_for(num_tokens - req.num_evicted_tokens)
         if len(req.block_ids) > keep:
-            assert req.num_computed_tokens <= keep * self.block_size
+            assert req.num_kv_tokens <= keep * self.block_size
             self.pool.free(req.block_ids[keep:][::-1])
             del req.block_ids[keep:]
 

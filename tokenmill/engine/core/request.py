@@ -43,6 +43,7 @@ class Request:
     num_computed_tokens: int = 0
     block_ids: BlockTable = field(default_factory=BlockTable)  # knows how much of it the runner holds
     num_freed_blocks: int = 0  # leading entries given back once they left a sliding window (FREED)
+    num_evicted_tokens: int = 0  # computed tokens whose K/V were evicted (``KVEviction``): out of the table
     block_hashes: list[bytes] = field(default_factory=list)  # of full blocks of all_token_ids
     num_cached_blocks: int = 0  # leading blocks registered in the prefix cache
     num_preemptions: int = 0
@@ -70,6 +71,17 @@ class Request:
 
     def __post_init__(self) -> None:
         self.parent_id = self.parent_id or self.request_id
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """Computed tokens whose K/V it holds: its cache's length (its table's slots in use)."""
+        return self.num_computed_tokens - self.num_evicted_tokens
+
+    @property
+    def evicts(self) -> bool:
+        """Its tokens' K/V may be evicted (``KVEviction``): it neither reads nor fills the
+        prefix cache (its kept keys are re-rotated in place) and never drafts."""
+        return self.params.kv_eviction is not None
 
     @property
     def num_tokens(self) -> int:

@@ -60,7 +60,9 @@ class RunnerSync:
                 batch.cached_requests.append(CachedRequestData(rid, *delta))
             req.block_ids.mark_synced()
             batch.scheduled.append(
-                ScheduledTokens(rid, req.num_computed_tokens, num_new, spec_token_ids, num_lookahead)
+                ScheduledTokens(
+                    rid, req.num_computed_tokens, num_new, spec_token_ids, num_lookahead, req.num_evicted_tokens
+                )
             )
         return batch
 

@@ -36,6 +36,10 @@ no more than ``disable_batch_size`` requests run, its chunk reaches its last tok
 there is room left under max_tokens and the context window; only then does it get
 lookahead slots (for a model proposer's K/V) past its tokens.
 
+A request with ``KVEviction`` computes at most what keeps its cache within its budget
+each step (its prompt in chunks of about a stride), evicts after the step, and may run
+past the context window: its cache, not its length, is what the window bounds.
+
 ``update_from_output`` is the one place where a step's results land: drafts kept
 or rejected, computed counts, appended tokens, stop by token id or length, full
 blocks cached, unused lookahead blocks trimmed, finished requests freed. What the
@@ -184,7 +188,12 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             prompt = req.num_tokens - req.num_computed_tokens > 1
-            num_real = min(req.num_tokens - req.num_computed_tokens, budget, shares.left(req.client) if prompt else 1)
+            num_real = min(
+                req.num_tokens - req.num_computed_tokens,
+                budget,
+                shares.left(req.client) if prompt else 1,
+                self._kv_room(req),
+            )
             if num_real == 0:  # its client has had its share of this step
                 continue
             spec = req.spec_token_ids[: budget - num_real] if num_real == 1 else []
@@ -256,7 +265,7 @@ class Scheduler:
                     if self.kv.block_hashes(req, nxt, nxt + 1)[0] in pending:
                         skipped.append(req)  # another sequence computes its next block now: cached next step
                         continue
-                num_new = min(req.num_tokens - num_computed, budget, shares.left(req.client))
+                num_new = min(req.num_tokens - num_computed, budget, shares.left(req.client), self._kv_room(req))
                 lookahead = self._num_lookahead(req, num_new, 0, num_computed)
                 copies = self.kv.allocate_slots(req, num_new + self._lookahead_slots(lookahead), cached)
                 if copies is None and lookahead:  # admit it without drafting rather than not at all
@@ -282,6 +291,12 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
 
+    def _kv_room(self, req: Request) -> int:
+        """Tokens a request may compute this step: those that keep an evicting request's cache
+        within its budget (``KVEviction``; it evicts after the step), else any number."""
+        ev = req.params.kv_eviction
+        return self.max_model_len if ev is None else ev.budget(self.kv.block_size) - req.num_kv_tokens
+
     def _num_lookahead(self, req: Request, num_real: int, num_spec: int, num_computed: int | None = None) -> int:
         """Drafts to propose after this step: 0 unless this chunk reaches the request's
         last token, speculation is on and not paused, and there is room to use them."""
@@ -290,6 +305,7 @@ class Scheduler:
         if (
             spec is None
             or req.pooling is not None
+            or req.evicts
             or computed + num_real != req.num_tokens
             or len(self.running) > spec.disable_batch_size
         ):
@@ -359,7 +375,7 @@ class Scheduler:
         out.seqs = [s for s in out.seqs if s.request is not req]
         self.kv.free(req)
         self.runner_sync.forget(req, preempted=True)
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_evicted_tokens = 0
         req.spec_token_ids = []
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
@@ -401,6 +417,7 @@ class Scheduler:
                 self.kv.cache_computed_blocks(req)
                 self.kv.trim(req, req.num_tokens)  # blocks that held only rejected drafts or lookahead
                 self.kv.free_outside_window(req)
+                self.kv.evict(req)
                 draft = result.draft_token_ids.get(rid, [])
                 req.spec_token_ids = draft[: self._max_drafts(req)]
                 if req.grammar is not None and req.spec_token_ids:  # cut at the first the grammar refuses
@@ -449,7 +466,7 @@ class Scheduler:
                 self.finish(req, "stop", t.token_id)
             elif req.grammar is not None and req.grammar.is_terminated:
                 self.finish(req, "stop")  # the output is complete: nothing but end-of-sequence may follow
-            elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            elif len(req.output_token_ids) >= p.max_tokens or (req.num_tokens >= self.max_model_len and not req.evicts):
                 self.finish(req, "length")
             else:
                 continue

@@ -53,6 +53,20 @@ class KVCacheLayer:
         v = dequantize(v, self.v_scale.index_select(0, block_ids), self.dtype)
         return k, v
 
+    def rotate_keys(self, block_ids: torch.Tensor, rotate) -> None:
+        """K of the given blocks replaced by ``rotate(K)`` (float32 in and out; quantised
+        caches are dequantised and quantised again): keys moved to other positions."""
+        if self.quant is None:
+            k = self.k.index_select(0, block_ids).float()
+            self.k.index_copy_(0, block_ids, rotate(k).to(self.k.dtype))
+            return
+        assert self.k_scale is not None
+        k = _bytes(self.k).index_select(0, block_ids).view(self.k.dtype)
+        k = rotate(dequantize(k, self.k_scale.index_select(0, block_ids), torch.float32))
+        q, s = quantize(k, self.quant)
+        _bytes(self.k).index_copy_(0, block_ids, _bytes(q))
+        self.k_scale.index_copy_(0, block_ids, s)
+
     def copy_block(self, src: int, dst: int) -> None:
         for t in (self.k, self.v, self.k_scale, self.v_scale):
             if t is not None:

@@ -71,6 +71,10 @@ class RotaryEmbedding(nn.Module):
         scale: float = 1.0,
     ) -> None:
         super().__init__()
+        # Keys move to other positions by one rotation (``shift``) unless frequencies depend on
+        # the position (LongRoPE's long factors) or cos and sin are scaled.
+        self.shiftable = long_inv_freq is None and scale == 1.0
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim / 2]
         if long_inv_freq is not None:  # positions from long_from on rotate at other frequencies
@@ -84,6 +88,15 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    def shift(self, k: torch.Tensor, delta: int) -> torch.Tensor:
+        """Keys ``k`` [..., head_dim] (float32) rotated at position p, rotated at p + delta
+        instead: RoPE turns each frequency's pair by an angle proportional to the position, so
+        one more turn by ``delta`` times it moves a key (angles in float64: exact at any delta)."""
+        assert self.shiftable, "keys rotated with position-dependent frequencies cannot be shifted"
+        angles = delta * self.inv_freq.double()
+        emb = torch.cat((angles, angles)).to(k.device)
+        return k * emb.cos().float() + _rotate_half(k) * emb.sin().float()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from dataclasses import dataclass
+from typing import TypeVar
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
@@ -17,7 +18,9 @@ from tokenmill.server.jobs.reasoning import Reasoning, reasoning_for
 from tokenmill.server.jobs.template_sandbox import RequestTemplates
 from tokenmill.server.jobs.tools import ToolRequest, parse_tool_request, render_messages
 from tokenmill.server.protocol.error_responses import ContextLengthError
-from tokenmill.server.protocol.openai import ChatCompletionRequest, truncate_prompt
+from tokenmill.server.protocol.openai import ChatCompletionRequest, CompletionRequest, truncate_prompt
+
+B = TypeVar("B", ChatCompletionRequest, CompletionRequest)
 
 
 async def encode(target: Target, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
@@ -27,9 +30,13 @@ async def encode(target: Target, prompt: str | list[int], add_special_tokens: bo
     return list(prompt)
 
 
-def max_tokens_for(target: Target, prompt_ids: list[int], requested: int | None) -> int:
-    """The request's max_tokens, or all the room left; 400 when it does not fit."""
+def max_tokens_for(target: Target, prompt_ids: list[int], requested: int | None, evicts: bool = False) -> int:
+    """The request's max_tokens, or all the room left; 400 when it does not fit. A request that
+    evicts KV (``kv_eviction``) is bounded by its cache, not the context: any prompt and
+    max_tokens (without one: as many tokens as the context holds)."""
     limit = target.max_model_len
+    if evicts:
+        return limit if requested is None else requested
     if requested is None:
         if len(prompt_ids) >= limit:
             raise ContextLengthError(
@@ -48,6 +55,13 @@ def max_tokens_for(target: Target, prompt_ids: list[int], requested: int | None)
             "max_tokens",
         )
     return requested
+
+
+def with_eviction_default(body: B, window: int | None, sinks: int) -> B:
+    """The request, with the server's KV eviction (``--kv-eviction-window``) where it names none."""
+    if window is None or body.kv_eviction is not None:
+        return body
+    return body.model_copy(update={"kv_eviction": {"policy": "streaming", "window": window, "sinks": sinks}})
 
 
 @dataclass(frozen=True)
@@ -86,14 +100,16 @@ async def chat_prompt(
     ``shift_context`` dropped where the chat would not fit (None: nothing)."""
     ids, tools = await render_chat(target, body, allow_special_tokens, request_templates)
     shift = None
-    if context_shift and body.truncate_prompt_tokens is None and not _fits(target, ids, body.requested_max_tokens):
+    fits = body.evicts or _fits(target, ids, body.requested_max_tokens)  # an evicting chat needs no shift
+    if context_shift and body.truncate_prompt_tokens is None and not fits:
         shifted = await shift_context(target, body, allow_special_tokens, request_templates)
         if shifted is not None:
             (short, tools), kept = shifted
             shift = ContextShift(len(body.messages) - kept, len(ids) - len(short))
             ids = short
     ids = truncate_prompt(ids, body.truncate_prompt_tokens, target.max_model_len, body.truncation_side)
-    params = body.sampling_params(max_tokens_for(target, ids, body.requested_max_tokens), tools and tools.constraint())
+    max_tokens = max_tokens_for(target, ids, body.requested_max_tokens, body.evicts)
+    params = body.sampling_params(max_tokens, tools and tools.constraint())
     reasoning = reasoning_for(target, body)
     if reasoning is not None:
         params = reasoning.constrain(params)

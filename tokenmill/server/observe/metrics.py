@@ -137,6 +137,11 @@ class EngineCollector:
             "KV blocks removed from the disk tier past its size.",
             lambda e: e.kv_disk_evicted,
         )
+        yield from counter(
+            "kv_evicted_tokens",
+            "Tokens whose K/V requests evicted (kv_eviction: StreamingLLM), their blocks back in the pool.",
+            lambda e: e.kv_evicted_tokens,
+        )
         yield from counter("spec_decode_num_drafts", "Speculative verification steps.", lambda e: e.spec_num_drafts)
         yield from counter(
             "spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", lambda e: e.spec_num_draft_tokens

@@ -179,6 +179,9 @@ class _SamplingFields(StrictBody, GenerationExtras):
     allowed_token_ids: list[int] | None = None  # vLLM's: sample only these
     bad_words: list[str] | None = None  # vLLM's: words never generated
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: all the context holds)
+    # tokenmill's: KV eviction (StreamingLLM), {"window": N, "sinks": 4}: past the window the middle tokens'
+    # K/V go, and the answer may run past the context; {"policy": "none"}: off where the server evicts by default
+    kv_eviction: dict[str, Any] | None = None
     # vLLM's request fields
     priority: int = 0  # with --scheduling-policy priority: lower first (refused by the engine otherwise)
     request_id: str | None = None  # the request's id (the X-Request-Id header wins), in logs and the live view
@@ -250,6 +253,7 @@ class _SamplingFields(StrictBody, GenerationExtras):
             given = [
                 name
                 for name in (
+                    "kv_eviction",
                     "stream",
                     "echo",
                     "return_timings",
@@ -333,7 +337,13 @@ class _SamplingFields(StrictBody, GenerationExtras):
             bad_words=tuple(self.bad_words or ()),
             priority=self.priority,
             cache_salt=self.cache_salt,
+            kv_eviction=self.kv_eviction if self.evicts else None,
         )
+
+    @property
+    def evicts(self) -> bool:
+        """It asks for KV eviction (``kv_eviction``, unless its policy is "none")."""
+        return self.kv_eviction is not None and self.kv_eviction.get("policy") != "none"
 
     def _logit_bias(self) -> dict[int, float]:
         out = {}

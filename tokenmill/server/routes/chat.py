@@ -16,7 +16,7 @@ from tokenmill.server.gateway.served import Served, check_queue, target_of
 from tokenmill.server.jobs.asked import Asked
 from tokenmill.server.jobs.beam_job import beam_response
 from tokenmill.server.jobs.job import Job
-from tokenmill.server.jobs.prompts import chat_prompt
+from tokenmill.server.jobs.prompts import chat_prompt, with_eviction_default
 from tokenmill.server.jobs.streaming import until_disconnect
 from tokenmill.server.protocol.openai import ChatCompletionRequest, client_request_id
 
@@ -25,6 +25,7 @@ def register(app: FastAPI, served: Served) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         client = served.clients.client_of(request)
+        body = with_eviction_default(body, served.config.kv_eviction_window, served.config.kv_eviction_sinks)
 
         async def job(target: Target) -> Job:
             chat = await chat_prompt(

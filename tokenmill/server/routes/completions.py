@@ -22,7 +22,7 @@ from tokenmill.server.guards.admission import check_count, check_tokens
 from tokenmill.server.jobs.asked import Asked
 from tokenmill.server.jobs.beam_job import beam_response
 from tokenmill.server.jobs.job import Job
-from tokenmill.server.jobs.prompts import encode, max_tokens_for
+from tokenmill.server.jobs.prompts import encode, max_tokens_for, with_eviction_default
 from tokenmill.server.jobs.streaming import until_disconnect
 from tokenmill.server.protocol.error_responses import APIError
 from tokenmill.server.protocol.openai import CompletionRequest, client_request_id, truncate_prompt
@@ -32,6 +32,7 @@ def register(app: FastAPI, served: Served) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         client = served.clients.client_of(request)
+        body = with_eviction_default(body, served.config.kv_eviction_window, served.config.kv_eviction_sinks)
 
         async def prepare(target: Target) -> tuple[list[list[int]], list[SamplingParams]]:
             check_count(served.config, len(body.prompts()), "prompts", "prompt")  # before tokenising them all
@@ -47,7 +48,9 @@ def register(app: FastAPI, served: Served) -> None:
             check_tokens(served.config, prompts, "prompts", "prompt")
             params = [
                 replace(
-                    body.sampling_params(max_tokens_for(target, ids, 1 if prompt_only else body.max_tokens)),
+                    body.sampling_params(
+                        max_tokens_for(target, ids, 1 if prompt_only else body.max_tokens, body.evicts)
+                    ),
                     client=client,
                 ).with_bad_word_ids(target.tokenizer)
                 for ids in prompts
