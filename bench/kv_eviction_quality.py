@@ -4,7 +4,9 @@ several depths of a long context (a needle test), at 2x, 4x and 8x compression.
 
     .venv/bin/python bench/kv_eviction_quality.py [--model FILE.gguf] [--tokens 4096] [--needle-tokens 2048]
 
-Compression is the context's length over the window: at 4x a 4,096-token text is read with the
+Rows: full KV; StreamingLLM (sinks and a recent window); SnapKV (a prompt once read keeps the
+tokens its last 32 tokens attend to most; its perplexity column is n/a: a prompt's own logprobs
+are computed before it is compressed). Compression is the context's length over the window: at 4x a 4,096-token text is read with the
 sinks and 1,024-1,280 recent tokens' K/V, never more. (The bundled 135M model finds a needle
 with full KV up to ~2,000 tokens of this text and loses it at 4,096: the needle test runs where
 full KV passes, ``--needle-tokens``, its compression relative to that length.) The text is tokenmill's own README and
@@ -36,13 +38,27 @@ def cpu_name() -> str:
     return platform.processor()
 
 
-def settings() -> list[tuple[str, int | None, int]]:
-    """(label, compression, sinks) rows: full KV, then 2x, 4x, 8x, and 8x without attention sinks."""
-    return [("full KV", None, 0), ("2x", 2, 4), ("4x", 4, 4), ("8x", 8, 4), ("8x, no sinks", 8, 0)]
+def settings() -> list[tuple[str, str, int | None, int]]:
+    """(label, policy, compression, sinks) rows: full KV; StreamingLLM at 2x, 4x, 8x and 8x without
+    attention sinks; SnapKV at 2x, 4x, 8x."""
+    return [
+        ("full KV", "", None, 0),
+        ("StreamingLLM 2x", "streaming", 2, 4),
+        ("StreamingLLM 4x", "streaming", 4, 4),
+        ("StreamingLLM 8x", "streaming", 8, 4),
+        ("StreamingLLM 8x, no sinks", "streaming", 8, 0),
+        ("SnapKV 2x", "snapkv", 2, 0),
+        ("SnapKV 4x", "snapkv", 4, 0),
+        ("SnapKV 8x", "snapkv", 8, 0),
+    ]
 
 
-def eviction(ratio: int | None, sinks: int, tokens: int) -> dict | None:
-    return None if ratio is None else {"window": tokens // ratio, "sinks": sinks}
+def eviction(policy: str, ratio: int | None, sinks: int, tokens: int) -> dict | None:
+    if ratio is None:
+        return None
+    if policy == "snapkv":
+        return {"policy": policy, "window": tokens // ratio}
+    return {"policy": policy, "window": tokens // ratio, "sinks": sinks}
 
 
 def perplexity(llm, ids: list[int], eviction: dict | None) -> float:
@@ -97,14 +113,16 @@ def main() -> None:
     text_ids, ids = ids[1:], ids[: args.tokens]
     prompts = needle_prompts(llm.tokenizer, text_ids, args.needle_tokens)
     rows = []
-    for label, ratio, sinks in settings():
+    for label, policy, ratio, sinks in settings():
         t = time.perf_counter()
-        ppl_ev, needle_ev = eviction(ratio, sinks, args.tokens), eviction(ratio, sinks, args.needle_tokens)
-        ppl = perplexity(llm, ids, ppl_ev)
+        ppl_ev = eviction(policy, ratio, sinks, args.tokens)
+        needle_ev = eviction(policy, ratio, sinks, args.needle_tokens)
+        # (SnapKV compresses a prompt once read: the prompt's own logprobs are full KV's)
+        ppl = None if policy == "snapkv" else perplexity(llm, ids, ppl_ev)
         found = retrieval(llm, prompts, needle_ev)
         rows.append({"setting": label, "perplexity_eviction": ppl_ev, "needle_eviction": needle_ev})
         rows[-1] |= {"perplexity": ppl, "needle": found}
-        print(f"{label}: perplexity {ppl:.3f}, needle {found} ({time.perf_counter() - t:.0f} s)", flush=True)
+        print(f"{label}: perplexity {ppl}, needle {found} ({time.perf_counter() - t:.0f} s)", flush=True)
     full = rows[0]["perplexity"]
     print(
         f"\nperplexity over {args.tokens} tokens, needles in {args.needle_tokens}; {llm.model_path.name}, {cpu_name()}\n"
@@ -115,8 +133,11 @@ def main() -> None:
     for r in rows:
         found = " / ".join(f"{r['needle'][d]:.0%}" for d in DEPTHS)
         ev, nev = r["perplexity_eviction"], r["needle_eviction"]
-        window = "all" if ev is None else f"{ev['window']} / {nev['window']}, {ev['sinks']} sinks"
-        print(f"| {r['setting']} | {window} | {r['perplexity']:.3f} | {r['perplexity'] / full:.3f}x | {found} |")
+        window = "all" if ev is None else f"{ev['window']} / {nev['window']}"
+        window += f", {ev['sinks']} sinks" if ev is not None and "sinks" in ev else ""
+        ppl = r["perplexity"]
+        ppl_cells = "n/a | n/a" if ppl is None else f"{ppl:.3f} | {ppl / full:.3f}x"
+        print(f"| {r['setting']} | {window} | {ppl_cells} | {found} |")
     out = ROOT / "bench" / "results" / "kv_eviction_quality.json"
     out.write_text(
         json.dumps(

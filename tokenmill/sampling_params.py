@@ -16,7 +16,9 @@ _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
 MAX_N = 256  # sequences per request: each holds KV blocks and a slot in every step
 MAX_INT32 = 2**31 - 1  # integers that end up in tensors (top-k, token ids) must fit
-KV_EVICTION_POLICIES = ("streaming",)
+KV_EVICTION_POLICIES = ("streaming", "snapkv")
+SNAPKV_OBSERVED = 32  # SnapKV: the prompt's last tokens whose attention chooses what else is kept
+SNAPKV_POOL = 7  # SnapKV: scores max-pooled over this many neighbouring tokens (keeps phrases whole)
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,15 @@ class KVEviction:
     longer than its cache, and a request may generate (or read) past the model's context.
     Blocks are dropped a ``stride`` at a time (a quarter of the window, at least a block),
     so a query sees between ``window`` and ``window + stride`` recent tokens, and keys are
-    re-rotated once a stride, not once a token."""
+    re-rotated once a stride, not once a token.
+
+    ``snapkv`` (SnapKV, Li et al. 2024): a prompt longer than ``window`` keeps the K/V of only
+    ``window`` of its tokens once read: its last ``SNAPKV_OBSERVED`` tokens, and those the
+    attention of these (summed over layers and heads, max-pooled over ``SNAPKV_POOL``
+    neighbours) weighs most. One choice for every layer and head, not one per head as the
+    paper's: a KV block holds every layer's and head's K/V of its tokens, so only a whole
+    token can go back to the pool. Kept keys keep their positions (the paper's); what follows
+    the prompt is kept whole, within the context as any request. ``sinks`` does not apply."""
 
     policy: str = "streaming"
     window: int = 1024  # recent tokens every query sees, at least
@@ -49,6 +59,12 @@ class KVEviction:
                 raise InvalidRequestError(
                     f"invalid kv_eviction {name}={v!r}: must be an integer >= {low}", param="kv_eviction"
                 )
+        if self.policy == "snapkv" and self.window <= SNAPKV_OBSERVED:
+            raise InvalidRequestError(
+                f"invalid kv_eviction window={self.window!r}: snapkv keeps the prompt's last {SNAPKV_OBSERVED} "
+                "tokens and more, so it must be larger",
+                param="kv_eviction",
+            )
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KVEviction:
@@ -67,8 +83,13 @@ class KVEviction:
         return max(block_size, self.window // 4 // block_size * block_size)
 
     def budget(self, block_size: int) -> int:
-        """The most tokens whose K/V the request holds after a step (sinks, window, stride)."""
+        """The most tokens whose K/V a streaming request holds after a step (sinks, window, stride)."""
         return self.sink_tokens(block_size) + self.window + self.stride(block_size)
+
+    @property
+    def streams(self) -> bool:
+        """StreamingLLM: positions within the cache, no end to the length."""
+        return self.policy == "streaming"
 
 
 @dataclass(frozen=True)

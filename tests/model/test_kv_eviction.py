@@ -85,14 +85,18 @@ def test_a_streaming_request_generates_past_the_context_within_its_blocks():
     assert core.block_pool.num_used == 0
 
 
-def test_eviction_survives_preemption_and_recomputes_the_same_tokens():
+@pytest.mark.parametrize(
+    ("ev", "repeat"),
+    [(KVEviction(window=32, sinks=4), 1), (KVEviction("snapkv", window=40), 3)],
+    ids=["streaming", "snapkv"],
+)
+def test_eviction_survives_preemption_and_recomputes_the_same_tokens(ev, repeat):
     from tokenmill import LLM
 
     small = LLM(dtype="float32", progress=False, max_model_len=256, kv_cache_memory="9MiB")  # 12 blocks of 720 KiB
     engine = small.engine
-    ev = KVEviction(window=32, sinks=4)
     params = SamplingParams(temperature=0, max_tokens=90, ignore_eos=True, kv_eviction=ev)
-    prompts = [small.tokenizer.encode(f"Story {i}: " + PROMPT) for i in range(6)]
+    prompts = [small.tokenizer.encode(f"Story {i}: " + PROMPT * repeat) for i in range(6)]
     alone = {i: run_to_completion(engine, [p], params)["0"].outputs[0].token_ids for i, p in enumerate(prompts)}
     before = engine.core.scheduler.num_preemptions
     together = run_to_completion(engine, prompts, params)
@@ -110,3 +114,70 @@ def test_eviction_is_refused_where_it_cannot_hold(llm):
     with pytest.raises(InvalidRequestError, match="unknown kv_eviction field"):
         SamplingParams(kv_eviction={"windw": 8})
     assert not engine.has_unfinished()
+
+
+def _snapkv_reference(hf_model, prompt_ids: list[int], num_new: int, window: int) -> list[int]:
+    """Greedy tokens of transformers' model after SnapKV as tokenmill chooses: the attention of the
+    prompt's last 32 queries (eager attention's own weights, summed over layers, heads and
+    queries), max-pooled over 7 tokens, the top ones (ties: the earlier) and the last 32 kept;
+    kept keys keep their positions, what follows takes the true ones."""
+    from transformers import DynamicCache
+
+    from tokenmill.sampling_params import SNAPKV_OBSERVED, SNAPKV_POOL
+
+    n = len(prompt_ids)
+    cache = DynamicCache()
+    hf_model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            out = hf_model(torch.tensor([prompt_ids]), past_key_values=cache, use_cache=True, output_attentions=True)
+    finally:
+        hf_model.set_attn_implementation("sdpa")
+    scores = sum(a[0, :, -SNAPKV_OBSERVED:, :].sum(dim=(0, 1)) for a in out.attentions)
+    head = n - SNAPKV_OBSERVED
+    pooled = torch.nn.functional.max_pool1d(scores[None, None, :head], SNAPKV_POOL, 1, SNAPKV_POOL // 2)[0, 0]
+    chosen = torch.argsort(pooled, descending=True, stable=True)[: window - SNAPKV_OBSERVED].sort().values
+    keep = torch.cat([chosen, torch.arange(head, n)])
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[:, :, keep], layer.values[:, :, keep]
+    tokens = [int(out.logits[0, -1].argmax())]
+    with torch.no_grad():
+        for i in range(num_new - 1):
+            logits = hf_model(
+                torch.tensor([tokens[-1:]]), past_key_values=cache, use_cache=True, position_ids=torch.tensor([[n + i]])
+            ).logits[0, -1]
+            tokens.append(int(logits.argmax()))
+    return tokens
+
+
+def test_snapkv_chooses_the_same_tokens_whatever_the_prompt_chunks(float_llm):
+    from tokenmill import LLM
+
+    chunked = LLM(
+        dtype="float32", quant_arithmetic="float", progress=False, kv_cache_memory="64MiB", max_num_batched_tokens=48
+    )
+    prompt = " ".join(f"Ship {i} left the harbour at {i + 5} o'clock with {i * 3} crates." for i in range(20))
+    params = SamplingParams(
+        temperature=0, max_tokens=24, ignore_eos=True, kv_eviction={"policy": "snapkv", "window": 64}
+    )
+    ids = float_llm.tokenizer.encode(prompt)
+    assert len(ids) % 48 < 32, "the observed tokens must straddle two chunks"
+    whole = float_llm.generate([ids], params)[0].outputs[0].token_ids
+    assert chunked.generate([ids], params)[0].outputs[0].token_ids == whole
+
+
+def test_snapkv_matches_transformers_keeping_the_same_tokens(float_llm, hf_model):
+    llm = float_llm
+    prompt = (
+        PROMPT + " " + " ".join(f"In {1450 + i} the press at workshop {i} printed {i * 7} pages." for i in range(30))
+    )
+    ids = llm.tokenizer.encode(prompt)
+    assert len(ids) > 300
+    window = 96  # 32 observed tokens and the 64 the attention weighs most
+    params = SamplingParams(
+        temperature=0, max_tokens=40, ignore_eos=True, kv_eviction={"policy": "snapkv", "window": window}
+    )
+    before = llm.engine.core.kv.evicted_tokens
+    out = llm.generate([ids], params)[0].outputs[0]
+    assert llm.engine.core.kv.evicted_tokens - before == len(ids) - window
+    assert out.token_ids == _snapkv_reference(hf_model, ids, 40, window)

@@ -94,6 +94,8 @@ class LlamaAttention(nn.Module):
             q = ops.rms_norm(q.reshape(-1, self.head_dim), self.q_norm.weight, self.q_norm.eps).view_as(q)
             k = ops.rms_norm(k.reshape(-1, self.head_dim), self.k_norm.weight, self.k_norm.eps).view_as(k)
         q, k = ops.rotary_write_kv(q, k, v, positions, rotary, kv_cache, meta.slot_mapping)
+        if meta.query_rows is not None:
+            meta.kept_queries.append(q.index_select(0, meta.query_rows).float())
         out = ops.attention(q, k, v, kv_cache, meta, self.scale, self.window, self.softcap)
         out = project(self.o_proj, out.reshape(n, -1), lora, long_rows)
         return out if tp is None else tp.all_reduce(out)  # row-parallel: partial sums
@@ -304,7 +306,11 @@ class LlamaForCausalLM(nn.Module):
         h = ops.rms_norm(x, first.weight, first.eps)
         plan = (
             self.fused_plan
-            if num_layers is None and tp is None and residual is None and not self.has_lora_slots
+            if num_layers is None
+            and tp is None
+            and residual is None
+            and not self.has_lora_slots
+            and meta.query_rows is None  # (queries kept: layer by layer)
             else None
         )
         if plan is not None:
@@ -327,6 +333,30 @@ class LlamaForCausalLM(nn.Module):
             rotary = self.rotary_local if self.rotary_local is not None and layer.self_attn.window else self.rotary
             assert rotary is not None
             cache.rotate_keys(index, lambda k, r=rotary: r.shift(k, delta))
+
+    def attention_paid(
+        self, queries: torch.Tensor, kv_caches: list[KVCache], block_ids: list[int], length: int
+    ) -> torch.Tensor:
+        """[length] float32: the attention that the queries of a sequence's last tokens
+        (``queries``: [layers, observed, heads, head_dim], after RoPE, as ``kept_queries`` holds
+        them) pay each of its ``length`` cached tokens, each query's softmax (causal) summed
+        over queries, heads and layers: what SnapKV keeps the most of."""
+        observed = queries.shape[1]
+        bs = kv_caches[0].block_size
+        index = torch.tensor(block_ids[: -(-length // bs)], dtype=torch.long, device=kv_caches[0].k.device)
+        q_pos = torch.arange(length - observed, length, device=index.device)
+        mask = torch.arange(length, device=index.device)[None, :] <= q_pos[:, None]  # [observed, length]
+        total = torch.zeros(length, dtype=torch.float32, device=index.device)
+        for layer, cache, q in zip(self.layers, kv_caches, queries, strict=True):
+            attn = layer.self_attn
+            keys = cache.gather(index)[0].flatten(0, 1)[:length].float()  # [length, kv_heads, head_dim]
+            kv_heads = keys.shape[1]
+            grouped = q.view(observed, kv_heads, -1, q.shape[-1])
+            scores = torch.einsum("okgd,lkd->kgol", grouped, keys) * attn.scale
+            if attn.softcap is not None:
+                scores = torch.tanh(scores / attn.softcap) * attn.softcap
+            total += scores.masked_fill(~mask, float("-inf")).softmax(dim=-1).sum(dim=(0, 1, 2))
+        return total
 
     @property
     def keys_shift(self) -> bool:

@@ -54,6 +54,9 @@ class SeqInput:
     # Tokens whose K/V were evicted (``KVEviction``): ``num_computed_tokens`` counts the cache's
     # slots, and the first new token is token ``num_computed_tokens + num_evicted_tokens``.
     num_evicted_tokens: int = 0
+    # Added to each new token's position (SnapKV: kept keys keep their positions, so a token's
+    # position is its slot plus the tokens evicted before it; StreamingLLM: 0, positions are slots).
+    position_offset: int = 0
 
 
 class InputBuffers:
@@ -112,12 +115,12 @@ def prepare_inputs(
             buf.slots[at : at + n] = table[slot_pos // bs - start // bs] * bs + slot_pos % bs
         elif n == 1:  # one token: no ranges to build
             buf.input_ids[at] = s.token_ids[0]
-            buf.positions[at] = start
+            buf.positions[at] = start + s.position_offset
             buf.slots[at] = s.block_table[start // bs] * bs + start % bs
         else:
             pos = np.arange(start, start + n)
             buf.input_ids[at : at + n] = s.token_ids
-            buf.positions[at : at + n] = pos
+            buf.positions[at : at + n] = pos + s.position_offset
             table = np.asarray(s.block_table[start // bs : (start + n - 1) // bs + 1], dtype=np.int64)
             buf.slots[at : at + n] = table[pos // bs - start // bs] * bs + pos % bs
         query_start_loc.append(at + n)

@@ -33,10 +33,17 @@ from tokenmill.engine.model_input import (
 from tokenmill.lora.adapter import LoRAAdapter
 from tokenmill.lora.layers import LoRAMapping
 from tokenmill.model.layers.attention import AttentionMetadata
-from tokenmill.model.layers.kv_cache import block_nbytes, copy_blocks, move_slots, read_blocks, write_blocks
+from tokenmill.model.layers.kv_cache import (
+    block_nbytes,
+    compact_slots,
+    copy_blocks,
+    move_slots,
+    read_blocks,
+    write_blocks,
+)
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.pooling_params import PoolingParams
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SNAPKV_OBSERVED, SNAPKV_POOL, SamplingParams
 from tokenmill.worker.inputs import InputBuffers, SeqInput, order_seqs, prepare_inputs
 from tokenmill.worker.kv_allocation import KVCache
 from tokenmill.worker.lora import LoRAManager
@@ -82,6 +89,9 @@ class CachedRequestState:
     pool_sum: torch.Tensor | None = None  # an embedding request: its pooled rows so far (float32)
     pool_count: int = 0
     num_evicted_tokens: int = 0  # evicted tokens its cache's keys are rotated for (``KVEviction``)
+    # SnapKV, while its prompt is read: the queries of the prompt's last tokens, [layers, observed,
+    # heads, head_dim] (written by position: a step sent again writes the same rows)
+    observed: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.params.uses_penalties:
@@ -164,12 +174,74 @@ class ModelRunner:
                 gen.set_state(state)
             raise
         out = self._commit(batch, sampled, drafts)
+        self._compress_prompts(seqs)
         if self.pause is not None and all(len(s.token_ids) == 1 + len(s.spec_token_ids) for s in seqs):
             if any(s.num_lookahead or s.spec_token_ids for s in seqs):  # a decode step speculation could serve
                 self.pause.record(sum(len(t) for t in sampled.values()), time.perf_counter() - started)
         out.prompt_logprobs = prompt_scores
         out.embeddings = self._commit_pooled(pooled)
         return out
+
+    def _snap(self, s: SeqInput) -> tuple[int, int] | None:
+        """(window, prompt length) for a SnapKV request whose long prompt is still being read."""
+        ev = s.params.kv_eviction
+        prompt = len(s.prompt_ids)
+        if ev is None or ev.streams or s.num_evicted_tokens or prompt <= ev.window:
+            return None
+        return ev.window, prompt
+
+    def _observed_rows(self, seqs: list[SeqInput]) -> list[tuple[SeqInput, int, int, int]]:
+        """(sequence, first row in the flat batch, first observed index, count): the rows of the
+        step holding SnapKV's observed prompt tokens (the last ``SNAPKV_OBSERVED``)."""
+        rows, offset = [], 0
+        for s in seqs:
+            snap = self._snap(s)
+            if snap is not None:
+                first = snap[1] - SNAPKV_OBSERVED  # the first observed token
+                lo, hi = max(first, s.num_computed_tokens), min(snap[1], s.num_computed_tokens + len(s.token_ids))
+                if lo < hi:
+                    rows.append((s, offset + lo - s.num_computed_tokens, lo - first, hi - lo))
+            offset += len(s.token_ids)
+        return rows
+
+    def _keep_observed(self, rows: list[tuple[SeqInput, int, int, int]], kept: list[torch.Tensor]) -> None:
+        """The step's observed queries into their requests' states."""
+        queries = torch.stack(kept)  # [layers, rows, heads, head_dim]
+        at = 0
+        for s, _, first, n in rows:
+            state = self.requests[s.request_id]
+            if state.observed is None:
+                state.observed = queries.new_zeros(queries.shape[0], SNAPKV_OBSERVED, *queries.shape[2:])
+            state.observed[:, first : first + n] = queries[:, at : at + n]
+            at += n
+
+    def _compress_prompts(self, seqs: list[SeqInput]) -> None:
+        """SnapKV: each request whose long prompt this step read to its end keeps the K/V of
+        its window: its last observed tokens and the tokens their attention weighed most
+        (max-pooled), moved in order to its first slots (positions kept); the engine gives the
+        slots after them back (``KVCacheManager.evict``)."""
+        bs = self.block_size
+        for s in seqs:
+            snap = self._snap(s)
+            if snap is None or s.num_computed_tokens + len(s.token_ids) != snap[1]:
+                continue
+            window, prompt = snap
+            state = self.requests[s.request_id]
+            assert state.observed is not None, f"{s.request_id}: its observed queries were not kept"
+            scores = self.model.attention_paid(state.observed, self.kv_caches, state.block_ids, prompt)
+            head = prompt - SNAPKV_OBSERVED
+            pooled = torch.nn.functional.max_pool1d(scores[None, None, :head], SNAPKV_POOL, 1, SNAPKV_POOL // 2)
+            ranked = torch.argsort(pooled[0, 0], descending=True, stable=True)  # ties: the earlier token
+            chosen = ranked[: window - SNAPKV_OBSERVED].sort().values.tolist()
+            keep = chosen + list(range(head, prompt))
+            table = state.block_ids
+            compact_slots(
+                self.kv_caches,
+                [table[t // bs] * bs + t % bs for t in keep],
+                [table[i // bs] * bs + i % bs for i in range(len(keep))],
+            )
+            state.observed = None
+            state.num_evicted_tokens = prompt - window
 
     def _keep_tree_paths(
         self, seqs: list[SeqInput], sampled: dict[str, list[SampledToken]], hidden: torch.Tensor | None
@@ -272,7 +344,9 @@ class ModelRunner:
             if delta == 0:
                 continue
             ev = state.params.kv_eviction
-            assert ev is not None and delta > 0, f"{s.request_id}: evicted tokens went from {state.num_evicted_tokens}"
+            assert ev is not None and ev.streams and delta > 0, (
+                f"{s.request_id}: evicted tokens went from {state.num_evicted_tokens} to {s.num_evicted_tokens}"
+            )
             sinks = ev.sink_tokens(self.block_size) // self.block_size
             self.model.shift_keys(self.kv_caches, state.block_ids[sinks:], -delta)
             state.num_evicted_tokens = s.num_evicted_tokens
@@ -311,6 +385,7 @@ class ModelRunner:
             tree_mask=tree_mask,
             spec_parents=parents,
             num_evicted_tokens=evicted,
+            position_offset=evicted if evicted and not state.params.kv_eviction.streams else 0,
         )
 
     def _commit(
@@ -370,7 +445,13 @@ class ModelRunner:
         if self.stage is not None:
             return self.compute_logits(seqs), {}, {}, None
         input_ids, positions, meta, logits_indices = self.prepare(seqs)
+        observed = self._observed_rows(seqs)
+        if observed:
+            rows = [r for _, first, _, n in observed for r in range(first, first + n)]
+            meta.query_rows = torch.tensor(rows, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, lora=self._lora_mapping(seqs))
+        if observed:
+            self._keep_observed(observed, meta.kept_queries)
         if not any(_scores_prompt(s) or s.pooling for s in seqs):
             return self.model.compute_logits(hidden[logits_indices]), {}, {}, hidden
         scores, pooled, offset = {}, {}, 0

@@ -160,7 +160,7 @@ class EngineCore:
         if request_id in self._requests or any(sid in self._sequences for sid in seq_ids):
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
         ids = list(prompt_ids)
-        self._validate_prompt(ids, params.kv_eviction)
+        self._validate_prompt(ids, params.kv_eviction is not None and params.kv_eviction.streams)
         params = self._with_model_facts(params)
         adapter = None
         if lora is not None:
@@ -243,25 +243,26 @@ class EngineCore:
                 param="kv_eviction",
             )
         bs = self.config.block_size
-        held = ev.budget(bs) + bs  # its budget, and a block for the step's new token
+        held = ev.budget(bs) + bs if ev.streams else ev.window + bs  # and a block for the step's new token
         if held > self.config.max_model_len or self.kv.blocks_for(held) > self.block_pool.num_blocks:
+            kept = f"sinks {ev.sink_tokens(bs)}, window {ev.window}, stride {ev.stride(bs)}" if ev.streams else ""
             raise InvalidRequestError(
-                f"kv_eviction keeps up to {held} tokens' K/V (sinks {ev.sink_tokens(bs)}, window {ev.window}, "
-                f"stride {ev.stride(bs)}, a block): more than the context window ({self.config.max_model_len}) "
-                f"or the KV pool ({self.block_pool.num_blocks * bs} tokens) holds; use a smaller window",
+                f"kv_eviction keeps up to {held} tokens' K/V ({kept or 'window ' + str(ev.window)}, a block): more "
+                f"than the context window ({self.config.max_model_len}) or the KV pool "
+                f"({self.block_pool.num_blocks * bs} tokens) holds; use a smaller window",
                 param="kv_eviction",
             )
 
-    def _validate_prompt(self, ids: list[int], eviction: KVEviction | None = None) -> None:
+    def _validate_prompt(self, ids: list[int], streams: bool = False) -> None:
         """A prompt the engine can serve: tokens of the vocabulary, room for one more token in
-        the context and in the pool (an evicting request's cache is bounded by its budget)."""
+        the context and in the pool (a streaming request's cache is bounded by its budget)."""
         if not ids:
             raise InvalidRequestError("prompt is empty: at least one token is needed", param="prompt")
         vocab = self.vocab_size
         bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})", param="prompt")
-        if eviction is not None:
+        if streams:
             return  # its budget is checked against the context and the pool (_check_eviction)
         if len(ids) >= self.config.max_model_len:
             raise InvalidRequestError(

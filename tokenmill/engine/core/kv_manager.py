@@ -17,7 +17,8 @@ A request with ``KVEviction`` (StreamingLLM) drops blocks instead: past its budg
 blocks after its sink blocks leave the table, ``num_evicted_tokens`` grows by their tokens,
 and the runner, told that count with each step, re-rotates the kept keys to their new
 places (``evict``). Its table then holds the cache, not the token stream: slot i holds the
-i-th kept token, at position i.
+i-th kept token, at position i. With SnapKV the runner compresses a long prompt once read
+(the chosen tokens moved to its first slots, their positions kept): the slots past them go.
 """
 
 from __future__ import annotations
@@ -182,6 +183,9 @@ class KVCacheManager:
         when it next sees ``num_evicted_tokens``."""
         ev = req.params.kv_eviction
         bs = self.block_size
+        if ev is not None and not ev.streams:
+            self._compressed(req, ev.window)
+            return
         if ev is None or req.num_kv_tokens < ev.budget(bs):
             return
         sinks = ev.sink_tokens(bs) // bs
@@ -190,6 +194,17 @@ class KVCacheManager:
         del req.block_ids[sinks : sinks + n]
         req.num_evicted_tokens += n * bs
         self.evicted_tokens += n * bs
+
+    def _compressed(self, req: Request, window: int) -> None:
+        """SnapKV: the step that read a prompt longer than ``window`` to its end left only
+        ``window`` of its tokens' K/V, in its first slots (the runner chose and moved them
+        in that step): the slots after them go back to the pool."""
+        prompt = len(req.prompt_token_ids)
+        if req.num_evicted_tokens or req.num_computed_tokens != prompt or prompt <= window:
+            return
+        req.num_evicted_tokens = prompt - window
+        self.evicted_tokens += prompt - window
+        self.trim(req, req.num_tokens)
 
     @staticmethod
     def runner_table(req: Request) -> list[int]:

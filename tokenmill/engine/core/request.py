@@ -84,6 +84,12 @@ class Request:
         return self.params.kv_eviction is not None
 
     @property
+    def streams(self) -> bool:
+        """StreamingLLM eviction: its cache, not its length, is bounded by the context."""
+        ev = self.params.kv_eviction
+        return ev is not None and ev.streams
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 

@@ -225,8 +225,8 @@ class Scheduler:
     def _prompt_blocks_computed(self, req: Request, num_new: int) -> list[bytes]:
         """Hashes of the full prompt blocks that ``num_new`` more tokens of ``req`` compute (with
         prefix caching; none for a decode)."""
-        if not self.kv.pool.enable_caching or req.num_computed_tokens >= len(req.prompt_token_ids):
-            return []
+        if not self.kv.pool.enable_caching or req.evicts or req.num_computed_tokens >= len(req.prompt_token_ids):
+            return []  # (an evicting request caches nothing: no one waits for its blocks)
         bs = self.kv.block_size
         end = min((req.num_computed_tokens + num_new) // bs, len(req.prompt_token_ids) // bs)
         return self.kv.block_hashes(req, req.num_computed_tokens // bs, end)
@@ -292,10 +292,16 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
 
     def _kv_room(self, req: Request) -> int:
-        """Tokens a request may compute this step: those that keep an evicting request's cache
-        within its budget (``KVEviction``; it evicts after the step), else any number."""
+        """Tokens a request may compute this step: those that keep a streaming request's cache
+        within its budget (``KVEviction``; it evicts after the step), those up to a SnapKV
+        request's prompt's end, else any number."""
         ev = req.params.kv_eviction
-        return self.max_model_len if ev is None else ev.budget(self.kv.block_size) - req.num_kv_tokens
+        if ev is None:
+            return self.max_model_len
+        if ev.streams:
+            return ev.budget(self.kv.block_size) - req.num_kv_tokens
+        prompt = len(req.prompt_token_ids)  # SnapKV: compressed at the prompt's end, so a chunk stops there
+        return prompt - req.num_computed_tokens if req.num_computed_tokens < prompt else self.max_model_len
 
     def _num_lookahead(self, req: Request, num_real: int, num_spec: int, num_computed: int | None = None) -> int:
         """Drafts to propose after this step: 0 unless this chunk reaches the request's
@@ -466,7 +472,9 @@ class Scheduler:
                 self.finish(req, "stop", t.token_id)
             elif req.grammar is not None and req.grammar.is_terminated:
                 self.finish(req, "stop")  # the output is complete: nothing but end-of-sequence may follow
-            elif len(req.output_token_ids) >= p.max_tokens or (req.num_tokens >= self.max_model_len and not req.evicts):
+            elif len(req.output_token_ids) >= p.max_tokens or (
+                req.num_tokens >= self.max_model_len and not req.streams
+            ):
                 self.finish(req, "length")
             else:
                 continue

@@ -112,6 +112,10 @@ class AttentionMetadata:
     # Sequences verifying (or a head drafting) a token tree: seq index -> [num_new, T] bool,
     # which of the last T keys (the tree's slots) each new token sees; every key before them is seen.
     tree_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Rows of the flat batch whose queries (after RoPE) each layer appends to ``kept_queries``
+    # (SnapKV's observed tokens); None: none kept.
+    query_rows: torch.Tensor | None = None
+    kept_queries: list[torch.Tensor] = field(default_factory=list)
     _kernel_indexes: dict[int, KernelIndex] = field(default_factory=dict, repr=False)  # by fresh_sdpa_min
     _long_chunks: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict, repr=False)  # by min_rows
 

@@ -87,6 +87,20 @@ def move_slots(layers: list[KVCacheLayer], src: list[int], dst: list[int]) -> No
                         flat[b] = flat[a]
 
 
+def compact_slots(layers: list[KVCacheLayer], src: list[int], dst: list[int]) -> None:
+    """Slot dst[i] gets what slot src[i] held before the call (K/V and scales) in every layer:
+    all read first, then all written (a prompt's kept tokens moved to its first slots)."""
+    if not src:
+        return
+    device = layers[0].k.device
+    s, d = torch.tensor(src, dtype=torch.long, device=device), torch.tensor(dst, dtype=torch.long, device=device)
+    for layer in layers:
+        for t in (layer.k, layer.v, layer.k_scale, layer.v_scale):
+            if t is not None:
+                flat = _bytes(t).view(t.shape[0] * t.shape[1], -1)
+                flat.index_copy_(0, d, flat.index_select(0, s))
+
+
 def copy_blocks(layers: list[KVCacheLayer], copies: list[tuple[int, int]]) -> None:
     """Copy-on-write: block dst gets block src's K/V in every layer, in list order."""
     for src, dst in copies:

@@ -30,12 +30,12 @@ async def encode(target: Target, prompt: str | list[int], add_special_tokens: bo
     return list(prompt)
 
 
-def max_tokens_for(target: Target, prompt_ids: list[int], requested: int | None, evicts: bool = False) -> int:
+def max_tokens_for(target: Target, prompt_ids: list[int], requested: int | None, streams: bool = False) -> int:
     """The request's max_tokens, or all the room left; 400 when it does not fit. A request that
-    evicts KV (``kv_eviction``) is bounded by its cache, not the context: any prompt and
+    streams (``kv_eviction`` by StreamingLLM) is bounded by its cache, not the context: any prompt and
     max_tokens (without one: as many tokens as the context holds)."""
     limit = target.max_model_len
-    if evicts:
+    if streams:
         return limit if requested is None else requested
     if requested is None:
         if len(prompt_ids) >= limit:
@@ -100,7 +100,7 @@ async def chat_prompt(
     ``shift_context`` dropped where the chat would not fit (None: nothing)."""
     ids, tools = await render_chat(target, body, allow_special_tokens, request_templates)
     shift = None
-    fits = body.evicts or _fits(target, ids, body.requested_max_tokens)  # an evicting chat needs no shift
+    fits = body.streams or _fits(target, ids, body.requested_max_tokens)  # a streaming chat needs no shift
     if context_shift and body.truncate_prompt_tokens is None and not fits:
         shifted = await shift_context(target, body, allow_special_tokens, request_templates)
         if shifted is not None:
@@ -108,7 +108,7 @@ async def chat_prompt(
             shift = ContextShift(len(body.messages) - kept, len(ids) - len(short))
             ids = short
     ids = truncate_prompt(ids, body.truncate_prompt_tokens, target.max_model_len, body.truncation_side)
-    max_tokens = max_tokens_for(target, ids, body.requested_max_tokens, body.evicts)
+    max_tokens = max_tokens_for(target, ids, body.requested_max_tokens, body.streams)
     params = body.sampling_params(max_tokens, tools and tools.constraint())
     reasoning = reasoning_for(target, body)
     if reasoning is not None:

@@ -345,6 +345,11 @@ class _SamplingFields(StrictBody, GenerationExtras):
         """It asks for KV eviction (``kv_eviction``, unless its policy is "none")."""
         return self.kv_eviction is not None and self.kv_eviction.get("policy") != "none"
 
+    @property
+    def streams(self) -> bool:
+        """It asks for StreamingLLM eviction (the default policy): not bounded by the context."""
+        return self.evicts and self.kv_eviction.get("policy", "streaming") == "streaming"
+
     def _logit_bias(self) -> dict[int, float]:
         out = {}
         for key, bias in (self.logit_bias or {}).items():

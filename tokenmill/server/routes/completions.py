@@ -49,7 +49,7 @@ def register(app: FastAPI, served: Served) -> None:
             params = [
                 replace(
                     body.sampling_params(
-                        max_tokens_for(target, ids, 1 if prompt_only else body.max_tokens, body.evicts)
+                        max_tokens_for(target, ids, 1 if prompt_only else body.max_tokens, body.streams)
                     ),
                     client=client,
                 ).with_bad_word_ids(target.tokenizer)
