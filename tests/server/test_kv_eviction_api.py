@@ -36,6 +36,15 @@ def test_a_request_past_the_context_is_served_by_the_servers_eviction(evicting):
         chat = {"model": MODEL, "messages": [{"role": "user", "content": LONG}], "max_tokens": 8}
         assert http.post("/v1/chat/completions", json=chat).status_code == 200
 
+        snap = body | {"prompt": LONG[:700], "max_tokens": 16, "kv_eviction": {"policy": "snapkv", "window": 64}}
+        before = evicting.metric("tokenmill:kv_evicted_tokens_total", model_name=MODEL)
+        r = http.post("/v1/completions", json=snap)
+        assert r.status_code == 200, r.text
+        prompt_tokens = r.json()["usage"]["prompt_tokens"]
+        assert evicting.metric("tokenmill:kv_evicted_tokens_total", model_name=MODEL) - before == prompt_tokens - 64
+        too_long = http.post("/v1/completions", json=snap | {"prompt": LONG})  # snapkv stays within the context
+        assert too_long.status_code == 400 and "maximum context length" in too_long.json()["error"]["message"]
+
 
 @pytest.mark.parametrize(
     ("extra", "says"),

@@ -159,6 +159,13 @@ class ServerConfig:
         check=POSITIVE_INT,
     )
     kv_eviction_sinks: int = opt(4, "KV eviction: first tokens always kept (the attention sinks; whole KV blocks)")
+    kv_eviction_policy: str = opt(
+        "streaming",
+        "KV eviction's policy for --kv-eviction-window: streaming (StreamingLLM: sinks and a recent "
+        "window; past the context) or snapkv (a prompt longer than the window keeps, once read, the "
+        "window's worth of its tokens that its last 32 attend to most; within the context)",
+        choices=("streaming", "snapkv"),
+    )
     reasoning_parser: str | None = opt(
         None,
         "reasoning models, as vLLM's: split a chat answer's <think>...</think> into "

@@ -57,11 +57,12 @@ def max_tokens_for(target: Target, prompt_ids: list[int], requested: int | None,
     return requested
 
 
-def with_eviction_default(body: B, window: int | None, sinks: int) -> B:
+def with_eviction_default(body: B, window: int | None, sinks: int, policy: str = "streaming") -> B:
     """The request, with the server's KV eviction (``--kv-eviction-window``) where it names none."""
     if window is None or body.kv_eviction is not None:
         return body
-    return body.model_copy(update={"kv_eviction": {"policy": "streaming", "window": window, "sinks": sinks}})
+    ev = {"policy": policy, "window": window} | ({"sinks": sinks} if policy == "streaming" else {})
+    return body.model_copy(update={"kv_eviction": ev})
 
 
 @dataclass(frozen=True)

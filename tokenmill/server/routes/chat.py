@@ -25,7 +25,10 @@ def register(app: FastAPI, served: Served) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         client = served.clients.client_of(request)
-        body = with_eviction_default(body, served.config.kv_eviction_window, served.config.kv_eviction_sinks)
+        config = served.config
+        body = with_eviction_default(
+            body, config.kv_eviction_window, config.kv_eviction_sinks, config.kv_eviction_policy
+        )
 
         async def job(target: Target) -> Job:
             chat = await chat_prompt(

@@ -32,7 +32,10 @@ def register(app: FastAPI, served: Served) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         client = served.clients.client_of(request)
-        body = with_eviction_default(body, served.config.kv_eviction_window, served.config.kv_eviction_sinks)
+        config = served.config
+        body = with_eviction_default(
+            body, config.kv_eviction_window, config.kv_eviction_sinks, config.kv_eviction_policy
+        )
 
         async def prepare(target: Target) -> tuple[list[list[int]], list[SamplingParams]]:
             check_count(served.config, len(body.prompts()), "prompts", "prompt")  # before tokenising them all
