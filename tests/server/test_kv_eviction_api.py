@@ -29,6 +29,8 @@ def test_a_request_past_the_context_is_served_by_the_servers_eviction(evicting):
         assert usage["prompt_tokens"] > LIMIT and usage["completion_tokens"] == 300
         evicted = evicting.metric("tokenmill:kv_evicted_tokens_total", model_name=MODEL) - before
         assert evicted >= usage["prompt_tokens"] + 300 - LIMIT
+        live = http.get("/tokenmill/live").json()["models"][0]["gauges"]
+        assert live["kv_evicted_tokens"] == evicting.metric("tokenmill:kv_evicted_tokens_total", model_name=MODEL)
 
         off = http.post("/v1/completions", json=body | {"kv_eviction": {"policy": "none"}})
         assert off.status_code == 400 and "maximum context length" in off.json()["error"]["message"]

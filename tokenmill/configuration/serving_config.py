@@ -158,7 +158,9 @@ class ServerConfig:
         'request\'s kv_eviction ({"window": N} or {"policy": "none"}) wins. Not with beam search',
         check=POSITIVE_INT,
     )
-    kv_eviction_sinks: int = opt(4, "KV eviction: first tokens always kept (the attention sinks; whole KV blocks)")
+    kv_eviction_sinks: int = opt(
+        4, "KV eviction: first tokens always kept (the attention sinks; whole KV blocks)", check=NON_NEGATIVE_INT
+    )
     kv_eviction_policy: str = opt(
         "streaming",
         "KV eviction's policy for --kv-eviction-window: streaming (StreamingLLM: sinks and a recent "

@@ -20,10 +20,10 @@ from tokenmill.pooling_params import PoolingParams
 from tokenmill.server.gateway.models import Target
 from tokenmill.server.gateway.served import Served, check_queue
 from tokenmill.server.guards.admission import check_count, check_tokens
-from tokenmill.server.jobs.prompts import encode, max_tokens_for
+from tokenmill.server.jobs.prompts import encode, max_tokens_for, truncate_prompt
 from tokenmill.server.jobs.streaming import merge
 from tokenmill.server.protocol.error_responses import APIError
-from tokenmill.server.protocol.openai import check_request_id, new_id, truncate_prompt
+from tokenmill.server.protocol.openai import check_request_id, new_id
 
 Input = tuple[str, str | list[int]]  # where it is in the request ("input[2]", "query"), and the text or its ids
 

@@ -18,9 +18,24 @@ from tokenmill.server.jobs.reasoning import Reasoning, reasoning_for
 from tokenmill.server.jobs.template_sandbox import RequestTemplates
 from tokenmill.server.jobs.tools import ToolRequest, parse_tool_request, render_messages
 from tokenmill.server.protocol.error_responses import ContextLengthError
-from tokenmill.server.protocol.openai import ChatCompletionRequest, CompletionRequest, truncate_prompt
+from tokenmill.server.protocol.openai import ChatCompletionRequest, CompletionRequest
 
 B = TypeVar("B", ChatCompletionRequest, CompletionRequest)
+
+
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int, side: str | None = None) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last ``keep`` tokens (-1: as many as
+    the context holds), or its first with ``side`` "right" (vLLM's truncation_side: the
+    side cut off); None: the prompt as it is."""
+    if keep is None:
+        return ids
+    if keep == -1:
+        keep = max_model_len - 1  # the context's worth, with room for the first token
+    if not isinstance(keep, int) or keep < 1:
+        raise InvalidRequestError(
+            "truncate_prompt_tokens must be -1 or a positive integer", param="truncate_prompt_tokens"
+        )
+    return ids[:keep] if side == "right" else ids[-keep:]
 
 
 async def encode(target: Target, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:

@@ -206,6 +206,7 @@ class ModelLive:
                 }
                 if snap.kv_disk_bytes or snap.kv_disk_hits or snap.kv_disk_stored
                 else None,
+                "kv_evicted_tokens": snap.kv_evicted_tokens,  # by requests' kv_eviction, since start
                 "generation_tokens_per_s": round(decode, 1),
                 "prompt_tokens_per_s": round(prefill, 1),
             },

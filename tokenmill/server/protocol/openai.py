@@ -585,21 +585,6 @@ def prompt_list(value: str | list[int] | list[str] | list[list[int]], param: str
     return list(value)  # type: ignore[arg-type]
 
 
-def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int, side: str | None = None) -> list[int]:
-    """vLLM's truncate_prompt_tokens: the prompt's last ``keep`` tokens (-1: as many as
-    the context holds), or its first with ``side`` "right" (vLLM's truncation_side: the
-    side cut off); None: the prompt as it is."""
-    if keep is None:
-        return ids
-    if keep == -1:
-        keep = max_model_len - 1  # the context's worth, with room for the first token
-    if not isinstance(keep, int) or keep < 1:
-        raise InvalidRequestError(
-            "truncate_prompt_tokens must be -1 or a positive integer", param="truncate_prompt_tokens"
-        )
-    return ids[:keep] if side == "right" else ids[-keep:]
-
-
 def error_body(message: str, type_: str, code: int, param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 

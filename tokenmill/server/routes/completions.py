@@ -22,10 +22,10 @@ from tokenmill.server.guards.admission import check_count, check_tokens
 from tokenmill.server.jobs.asked import Asked
 from tokenmill.server.jobs.beam_job import beam_response
 from tokenmill.server.jobs.job import Job
-from tokenmill.server.jobs.prompts import encode, max_tokens_for, with_eviction_default
+from tokenmill.server.jobs.prompts import encode, max_tokens_for, truncate_prompt, with_eviction_default
 from tokenmill.server.jobs.streaming import until_disconnect
 from tokenmill.server.protocol.error_responses import APIError
-from tokenmill.server.protocol.openai import CompletionRequest, client_request_id, truncate_prompt
+from tokenmill.server.protocol.openai import CompletionRequest, client_request_id
 
 
 def register(app: FastAPI, served: Served) -> None:

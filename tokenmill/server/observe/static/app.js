@@ -490,6 +490,7 @@
       ["preemptions", "Preemptions", g.preemptions], ["prefix", "Prefix-cache hits", pct(g.prefix_cache_hit_rate)],
       ["spec", "Drafts accepted", pct(g.spec_acceptance)], ["generated", "Generated tok/s", num(g.generation_tokens_per_s, 1)],
       ...(g.kv_disk ? [["disk", "Disk tier", `${num(g.kv_disk.bytes / 1048576, 1)} MiB, ${g.kv_disk.hits} blocks read`]] : []),
+      ...(g.kv_evicted_tokens ? [["evicted", "KV evicted", `${g.kv_evicted_tokens} tokens`]] : []),
       ["prompt", "Prompt tok/s", num(g.prompt_tokens_per_s, 1)],
       ["ttft", "TTFT p50", m.latency_ms.ttft ? `${num(m.latency_ms.ttft.p50)} ms` : "–"],
       ["itl", "ITL p50", m.latency_ms.itl ? `${num(m.latency_ms.itl.p50, 1)} ms` : "–"],
