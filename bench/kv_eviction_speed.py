@@ -59,7 +59,13 @@ def main() -> None:
 
     from tokenmill import LLM
 
-    llm = LLM(args.model, max_model_len=args.prompt + args.new + 16, kv_cache_memory="1GiB", progress=False)
+    llm = LLM(
+        args.model,
+        max_model_len=args.prompt + args.new + 16,
+        kv_cache_memory="1GiB",
+        enable_prefix_caching=False,  # each round reads its prompt (evicting requests never hit)
+        progress=False,
+    )
     text = (ROOT / "README.md").read_text() + "\n\n" + (ROOT / "docs" / "ARCHITECTURE.md").read_text()
     ids = llm.tokenizer.encode(text)[: args.prompt]
     window = args.prompt // args.ratio
