@@ -22,7 +22,7 @@ from tokenmill.engine.core.load_price import (
     measure_load_price,
 )
 from tokenmill.engine.engine import Engine, EngineConfig
-from tokenmill.engine.pipe.messages import Call
+from tokenmill.engine.pipe.messages import MeasureLoadPrice, encode
 from tokenmill.engine.sequences import sequence_ids
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.kv_allocation import allocate_kv_cache
@@ -111,7 +111,7 @@ def test_a_small_kv_cache_gets_a_shorter_prompt_and_the_replicas_core_answers_th
     engine, pipe = tiny_engine(num_blocks=40), Pipe()
     loop = CoreLoop(engine.core, pipe)
     try:
-        loop._call(Call(7, "measure_load_price", []))
+        loop._command(encode(MeasureLoadPrice(7)))
     finally:
         loop.pool.shutdown()
     ((kind, call_id, error, result, _snapshot),) = pipe.sent

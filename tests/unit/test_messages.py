@@ -43,7 +43,15 @@ EXAMPLES = [
     m.Add("e1", [1, 2], None, PoolingParams("mean"), None),
     m.Abort("r1"),
     m.Stop("r1-0", "###"),
-    m.Call(7, "export_kv", [[b"\x00" * 16]]),
+    m.AddLora(1, "tenant-a", "/adapters/a"),
+    m.RemoveLora(2, "tenant-a"),
+    m.StartKvEvents(3),
+    m.StepTrace(4, True),
+    m.MeasureLoadPrice(5),
+    m.BlockStates(6),
+    m.LoraHashRoots(7),
+    m.ExportKv(8, [b"\x00" * 16]),
+    m.ImportKv(9, [b"\x00" * 16], b"\x01" * 32),
     m.Shutdown(),
     m.Ready(3, m.CoreInfo(2048, 512, 16, "/m.gguf"), REPORT),
     m.Failed("no such file", ERROR),
@@ -56,13 +64,22 @@ EXAMPLES = [
 ]
 # The wire, version 4: each message's tag and its fields in order, every field typed (3: a Report
 # of the snapshot, the prefix cache's events and the traced steps; sampling or pooling parameters,
-# WireDelta, WireError and CoreInfo as dataclasses; 4: the sampling parameters' kv_eviction and
-# the snapshot's kv_evicted_tokens), the engine snapshot's fields and the sampling parameters'.
+# WireDelta, WireError and CoreInfo as dataclasses; 4: the sampling parameters' kv_eviction, the
+# snapshot's kv_evicted_tokens, and one message per call where Call named a method), the engine
+# snapshot's fields and the sampling parameters'.
 WIRE_V4 = {
     "add": ["request_id", "prompt_ids", "params", "pooling", "lora"],
     "abort": ["request_id"],
     "stop": ["seq_id", "stop_string"],
-    "call": ["call_id", "method", "args"],
+    "add_lora": ["call_id", "name", "path"],
+    "remove_lora": ["call_id", "name"],
+    "start_kv_events": ["call_id"],
+    "step_trace": ["call_id", "on"],
+    "measure_load_price": ["call_id"],
+    "block_states": ["call_id"],
+    "lora_hash_roots": ["call_id"],
+    "export_kv": ["call_id", "hashes"],
+    "import_kv": ["call_id", "hashes", "data"],
     "shutdown": [],
     "ready": ["wire_version", "info", "report"],
     "failed": ["message", "error"],
@@ -155,3 +172,20 @@ def test_a_value_of_the_wrong_shape_is_refused_by_the_message_and_its_type():
     with pytest.raises(InvalidRequestError) as e:
         m.decode(add)
     assert e.value.param == "temperature"
+
+
+@pytest.mark.parametrize(
+    ("call", "plain", "read"),
+    [
+        (m.ExportKv, [2, b"\x00\x01"], (2, b"\x00\x01")),
+        (m.ExportKv, [0, None], (0, None)),
+        (m.LoraHashRoots, {"a": b"\x07", "b": None}, {"a": b"\x07", "b": None}),
+        (m.ImportKv, 3, 3),
+        (m.BlockStates, b"\x00\x02", b"\x00\x02"),
+        (m.StepTrace, "whatever the core returned", None),
+    ],
+    ids=lambda x: getattr(x, "__name__", None),
+)
+def test_a_reply_is_read_by_the_type_its_call_declares(call, plain, read):
+    reply = m.decode(unpack(pack(m.encode(m.Reply(1, None, plain, REPORT)))))
+    assert m.result_of(call, reply.result) == read

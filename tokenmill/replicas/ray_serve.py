@@ -136,7 +136,7 @@ class EngineReplica:
         self.pricer: LoadPricer | None = None  # None: the index's fixed price, or its default
         if routing == "kv" and load_cost is None:  # before start_kv_events: the index never hears of its blocks
             try:
-                self.pricer = LoadPricer(LoadPrice(**await self.engine.call("measure_load_price")))
+                self.pricer = LoadPricer(LoadPrice(**await self.engine.measure_load_price()))
                 logger.info(
                     "replica %s: a request in flight costs %d prompt tokens (%s)",
                     self.name,
@@ -145,8 +145,8 @@ class EngineReplica:
                 )
             except Exception:
                 logger.warning("could not measure the load price; the router's default applies", exc_info=True)
-        await self.engine.call("start_kv_events")
-        self.lora_roots = await self.engine.call("lora_hash_roots")
+        await self.engine.start_kv_events()
+        self.lora_roots = await self.engine.lora_hash_roots()
         self.index = get_index(index, routing, self.engine.info.block_size, load_cost)
         self._report_lock = threading.Lock()  # events are taken and sent in order
         self._imported = (0, 0.0)  # blocks received and seconds taken, not reported yet
@@ -202,7 +202,7 @@ class EngineReplica:
         one = SamplingParams(max_tokens=1, temperature=0.0, seed=params.seed)
         async for _ in self.engine.generate(request_id, prompt, one, lora):
             pass
-        n, data = await self.engine.call("export_kv", [list(block_hashes)])
+        n, data = await self.engine.export_kv(list(block_hashes))
         await self._report()
         if n == 0:
             return {"hashes": [], "data": [], "nbytes": 0, "seconds": loop.time() - start}
@@ -220,7 +220,7 @@ class EngineReplica:
         start = time.perf_counter()
         try:
             array = await kv["data"][0]
-            n = await self.engine.call("import_kv", [kv["hashes"], array.tobytes()])
+            n = await self.engine.import_kv(kv["hashes"], array.tobytes())
             with self._report_lock:
                 self._imported = (self._imported[0] + n, self._imported[1] + time.perf_counter() - start)
             if n < len(kv["hashes"]):

@@ -74,6 +74,7 @@ class AsyncCoreClient:
         self._seq_ids: dict[str, list[str]] = {}  # request id -> its sequences, while it streams
         self._accepting: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._call_types: dict[int, type] = {}  # what each pending call was: its result's type
         self._call_ids = itertools.count()
         self._snapshot = EngineSnapshot()
         self._kv_events: list[tuple[str, bytes]] = []  # the core's prefix-cache events, not taken yet
@@ -187,17 +188,31 @@ class AsyncCoreClient:
 
     async def add_lora(self, name: str, path: str) -> None:
         """Serve an adapter: read and checked by the core off its step loop."""
-        await self._call("add_lora", [name, path])
+        await self._call(lambda call_id: m.AddLora(call_id, name, path))
 
     async def remove_lora(self, name: str) -> None:
-        await self._call("remove_lora", [name])
+        await self._call(lambda call_id: m.RemoveLora(call_id, name))
 
-    async def call(self, method: str, args: list | None = None) -> Any:
-        """A call the core makes between steps, and its result: ``start_kv_events``,
-        ``lora_hash_roots``, ``measure_load_price`` (an idle core), ``export_kv`` [hashes],
-        ``import_kv`` [hashes, raw bytes] (what an engine replica asks of its core:
-        replicas/ray_serve.py)."""
-        return await self._call(method, args or [])
+    # What an engine replica asks of its core (replicas/ray_serve.py):
+
+    async def start_kv_events(self) -> None:
+        """The prefix cache's changes recorded from now on (``take_kv_events``)."""
+        await self._call(m.StartKvEvents)
+
+    async def lora_hash_roots(self) -> dict[str, bytes | None]:
+        return await self._call(m.LoraHashRoots)
+
+    async def measure_load_price(self) -> dict[str, float]:
+        """An idle core's price of load (``LoadPrice``'s fields)."""
+        return await self._call(m.MeasureLoadPrice)
+
+    async def export_kv(self, hashes: list[bytes]) -> tuple[int, bytes | None]:
+        """The cached blocks of the leading ``hashes``: how many, and their raw bytes."""
+        return await self._call(lambda call_id: m.ExportKv(call_id, hashes))
+
+    async def import_kv(self, hashes: list[bytes], data: bytes) -> int:
+        """Another engine's exported blocks cached here: how many were taken."""
+        return await self._call(lambda call_id: m.ImportKv(call_id, hashes, data))
 
     def take_kv_events(self) -> list[tuple[str, bytes]]:
         """The core's prefix-cache events received since the last call (after
@@ -207,11 +222,11 @@ class AsyncCoreClient:
         return events
 
     async def start_step_trace(self) -> bool:
-        await self._call("start_step_trace", [])
+        await self._call(lambda call_id: m.StepTrace(call_id, True))
         return True
 
     async def stop_step_trace(self) -> None:
-        await self._call("stop_step_trace", [])
+        await self._call(lambda call_id: m.StepTrace(call_id, False))
         self._steps.clear()
 
     def take_step_trace(self) -> list[dict]:
@@ -219,20 +234,23 @@ class AsyncCoreClient:
         return [steps.popleft() for _ in range(len(steps))]
 
     async def block_states(self) -> bytes | None:
-        return bytes(await self._call("block_states", []))
+        return bytes(await self._call(m.BlockStates))
 
-    async def _call(self, method: str, args: list) -> Any:
+    async def _call(self, make: Callable[[int], Any]) -> Any:
+        """Send the call ``make(call_id)`` builds; its reply's result, read by the call's type."""
         if self.is_dead:
             raise EngineDeadError("the engine loop is not running")
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
         with self._lock:
             call_id = next(self._call_ids)
+            msg = make(call_id)
             self._calls[call_id] = (loop, done)
+            self._call_types[call_id] = type(msg)
             try:
-                self._send(m.Call(call_id, method, args))
+                self._send(msg)
             except EngineDeadError:
-                del self._calls[call_id]
+                del self._calls[call_id], self._call_types[call_id]
                 raise
         return await done
 
@@ -296,9 +314,7 @@ class AsyncCoreClient:
             m.Out: lambda msg: self._on_outputs(msg.deltas),
             m.Accepted: lambda msg: self._settle(self._accepting, msg.request_id, None),
             m.Rejected: rejected,
-            m.Reply: lambda msg: self._settle(
-                self._calls, msg.call_id, None if msg.error is None else error_from_wire(msg.error), msg.result
-            ),
+            m.Reply: self._replied,
             m.Stats: lambda msg: None,  # the snapshot alone
             m.Dead: dead,
         }
@@ -326,6 +342,14 @@ class AsyncCoreClient:
         except BaseException as e:
             logger.error("engine core: %s", e)
             self._fail_all(e if isinstance(e, EngineDeadError) else EngineDeadError(f"{type(e).__name__}: {e}"))
+
+    def _replied(self, msg: m.Reply) -> None:
+        with self._lock:
+            call = self._call_types.pop(msg.call_id, None)
+        if msg.error is not None or call is None:
+            self._settle(self._calls, msg.call_id, None if msg.error is None else error_from_wire(msg.error))
+            return
+        self._settle(self._calls, msg.call_id, None, m.result_of(call, msg.result))
 
     def _absorb(self, report: m.Report) -> None:
         """A message's gauges, and the prefix-cache events and traced steps riding with them."""
@@ -363,6 +387,7 @@ class AsyncCoreClient:
             pending = list(self._accepting.items()) + list(self._calls.items())
             self._accepting.clear()
             self._calls.clear()
+            self._call_types.clear()
             self._seq_ids.clear()
             self.streams.fail_all(error, dead)
         for _, (loop, fut) in pending:

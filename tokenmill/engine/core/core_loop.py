@@ -17,6 +17,7 @@ the loop ends, and so does the process.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import time
@@ -65,22 +66,22 @@ class CoreLoop:
             m.Add: self._add,
             m.Abort: self._abort,
             m.Stop: self._stop,
-            m.Call: self._call,
+            m.AddLora: self._add_lora,  # its read runs on the worker thread
             m.Shutdown: self._shutdown,
         }
-        # The core's methods an API process may call between steps, by name: args -> result
-        # (add_lora is not here: its read runs on the worker thread, see _call).
-        self._methods: dict[str, Callable[[list], Any]] = {
-            "remove_lora": lambda args: core.remove_lora(args[0]),
-            "start_kv_events": lambda _: core.kv_transfer.start_events(),
-            "start_step_trace": lambda _: core.tracer.start(),
-            "stop_step_trace": lambda _: core.tracer.stop(),
-            "measure_load_price": lambda _: asdict(measure_load_price(core)),  # a replica starting: its parts
-            "block_states": lambda _: core.block_states(),
-            "lora_hash_roots": lambda _: {name: core.lora_hash_root(name) for name in core.loras},
-            "export_kv": lambda args: _exported(*core.kv_transfer.export(args[0])),  # -> [blocks, raw bytes]
-            "import_kv": lambda args: core.kv_transfer.load(args[0], args[1]),  # [hashes, raw bytes] -> cached
+        # The calls answered between steps: call -> its result (of the call's RESULT type).
+        answers: dict[type, Callable[[Any], Any]] = {
+            m.RemoveLora: lambda c: core.remove_lora(c.name),
+            m.StartKvEvents: lambda c: core.kv_transfer.start_events(),
+            m.StepTrace: lambda c: core.tracer.start() if c.on else core.tracer.stop(),
+            m.MeasureLoadPrice: lambda c: asdict(measure_load_price(core)),  # a replica starting: its parts
+            m.BlockStates: lambda c: core.block_states(),
+            m.LoraHashRoots: lambda c: {name: core.lora_hash_root(name) for name in core.loras},
+            m.ExportKv: lambda c: _exported(*core.kv_transfer.export(c.hashes)),
+            m.ImportKv: lambda c: core.kv_transfer.load(c.hashes, c.data),
         }
+        for call, answer in answers.items():
+            self._handlers[call] = functools.partial(self._answer, answer)
 
     def send(self, msg: Any) -> None:
         self.channel.send(m.encode(msg))
@@ -191,37 +192,42 @@ class CoreLoop:
         deadline = time.monotonic() + structured.compile_timeout
         self.pending.append(_Pending(future, add, fail, rid, deadline, lambda: structured.timeout_error(spec)))
 
-    def _call(self, msg: m.Call) -> None:
-        call_id, method, args = msg.call_id, msg.method, msg.args
+    def _reply(self, call_id: int, error: BaseException | None = None, result: Any = None) -> None:
+        self.send(m.Reply(call_id, None if error is None else error_to_wire(error), result, self.report()))
 
-        def reply(error: BaseException | None = None, result: Any = None) -> None:
-            self.send(m.Reply(call_id, None if error is None else error_to_wire(error), result, self.report()))
-
+    def _answer(self, answer: Callable[[Any], Any], call: Any) -> None:
+        """A call answered now: its result, or the error it raised, in its Reply."""
         try:
-            if method == "add_lora":  # a new name only (the server's loads): concurrent ones, one wins
-                name, path = args
-                held = self.core.new_lora_name(name)
-                held.__enter__()  # released when the read ends, either way
-
-                def served(loaded: Any) -> None:
-                    held.__exit__(None, None, None)
-                    self.core.add_lora(name, path, loaded)
-                    reply()
-
-                def failed(e: BaseException) -> None:
-                    held.__exit__(None, None, None)
-                    reply(e)
-
-                self.pending.append(_Pending(self.pool.submit(self.core.load_lora, name, path), served, failed))
-                return
-            call = self._methods.get(method)
-            if call is None:
-                raise ValueError(f"unknown engine-core call {method!r}")
-            result = call(args)
+            result = answer(call)
         except Exception as e:
-            reply(e)
+            self._reply(call.call_id, e)
             return
-        reply(None, result)
+        self._reply(call.call_id, None, None if type(call).RESULT is None else result)
+
+    def _add_lora(self, call: m.AddLora) -> None:
+        """A new name only (the server's loads): of concurrent loads of one name, one wins; the
+        adapter is read on the worker thread and served between steps once read."""
+        try:
+            held = self.core.new_lora_name(call.name)
+        except Exception as e:
+            self._reply(call.call_id, e)
+            return
+        held.__enter__()  # released when the read ends, either way
+
+        def served(loaded: Any) -> None:
+            held.__exit__(None, None, None)
+            try:
+                self.core.add_lora(call.name, call.path, loaded)
+            except Exception as e:
+                self._reply(call.call_id, e)
+                return
+            self._reply(call.call_id)
+
+        def failed(e: BaseException) -> None:
+            held.__exit__(None, None, None)
+            self._reply(call.call_id, e)
+
+        self.pending.append(_Pending(self.pool.submit(self.core.load_lora, call.name, call.path), served, failed))
 
     def _apply_prepared(self) -> bool:
         now = time.monotonic()
@@ -276,6 +282,6 @@ def serve_core(build: Callable[[], tuple[EngineCore, m.CoreInfo, Callable[[], No
         channel.close()
 
 
-def _exported(n: int, data: Any) -> list:
-    """``KVTransfer.export``'s result as plain values: [blocks, their raw bytes or None]."""
-    return [n, None if data is None else data.numpy().tobytes()]
+def _exported(n: int, data: Any) -> tuple[int, bytes | None]:
+    """``KVTransfer.export``'s result as ``ExportKv`` answers it: (blocks, their raw bytes or None)."""
+    return n, None if data is None else data.numpy().tobytes()

@@ -12,10 +12,13 @@ or the sampling parameters'; the test that round-trips every message pins them. 
 first message (``Ready``) says its version, and the API process refuses another
 (``check_ready``): both sides must come from one installation.
 
-    API -> core   Add, Abort, Stop (the API found a stop string), Call (a method of the
-                  core run between steps, by name: CoreLoop's table), Shutdown
+    API -> core   Add, Abort, Stop (the API found a stop string), the calls (``CALLS``: one
+                  message each, run between steps: AddLora, RemoveLora, StartKvEvents,
+                  StepTrace, MeasureLoadPrice, BlockStates, LoraHashRoots, ExportKv,
+                  ImportKv), Shutdown
     core -> API   Ready | Failed (once, at start); Accepted | Rejected; Out (one per step);
-                  Reply (to a Call); Stats (after commands that changed the gauges);
+                  Reply (to a call, its result of the call's RESULT type); Stats (after
+                  commands that changed the gauges);
                   Dead (the loop failed: nothing more follows)
 
 Every core -> API message after Ready but Dead carries a ``Report``: the engine's snapshot
@@ -83,15 +86,108 @@ class Stop:
     stop_string: str
 
 
-@dataclass
-class Call:
-    """A method of the core run between steps, by name (CoreLoop's table); its ``Reply`` says
-    how it went. The arguments and results are plain values, as each method documents."""
+# Calls: what the API process asks of the core between steps, one message each, answered by a
+# ``Reply`` of the same ``call_id`` whose result the asker reads by the call's ``RESULT`` type.
 
-    TAG: ClassVar[str] = "call"
+
+@dataclass
+class AddLora:
+    """Serve an adapter under a new name (read and checked off the step loop)."""
+
+    TAG: ClassVar[str] = "add_lora"
+    RESULT: ClassVar[Any] = None
     call_id: int
-    method: str
-    args: list[Any]
+    name: str
+    path: str
+
+
+@dataclass
+class RemoveLora:
+    TAG: ClassVar[str] = "remove_lora"
+    RESULT: ClassVar[Any] = None
+    call_id: int
+    name: str
+
+
+@dataclass
+class StartKvEvents:
+    """Record the prefix cache's changes from now on (each Report carries them: a replica's router)."""
+
+    TAG: ClassVar[str] = "start_kv_events"
+    RESULT: ClassVar[Any] = None
+    call_id: int
+
+
+@dataclass
+class StepTrace:
+    """Trace each step's batch (Reports carry them: the live view), or stop."""
+
+    TAG: ClassVar[str] = "step_trace"
+    RESULT: ClassVar[Any] = None
+    call_id: int
+    on: bool
+
+
+@dataclass
+class MeasureLoadPrice:
+    """Measure what a token of load costs against a cached one (an idle core; a replica starting):
+    the fields of ``engine/core/load_price.LoadPrice``."""
+
+    TAG: ClassVar[str] = "measure_load_price"
+    RESULT: ClassVar[Any] = dict[str, float]
+    call_id: int
+
+
+@dataclass
+class BlockStates:
+    """A byte per KV block (free, cached, used, shared, just hit): the live view's map."""
+
+    TAG: ClassVar[str] = "block_states"
+    RESULT: ClassVar[Any] = bytes
+    call_id: int
+
+
+@dataclass
+class LoraHashRoots:
+    """Each served adapter's block-hash root (None: the base model's), for a router hashing prompts."""
+
+    TAG: ClassVar[str] = "lora_hash_roots"
+    RESULT: ClassVar[Any] = dict[str, bytes | None]
+    call_id: int
+
+
+@dataclass
+class ExportKv:
+    """The cached blocks of the leading ``hashes`` the pool holds: (how many, their raw bytes or None)."""
+
+    TAG: ClassVar[str] = "export_kv"
+    RESULT: ClassVar[Any] = tuple[int, bytes | None]
+    call_id: int
+    hashes: list[bytes]
+
+
+@dataclass
+class ImportKv:
+    """Blocks another engine exported, cached here under ``hashes``: how many were taken."""
+
+    TAG: ClassVar[str] = "import_kv"
+    RESULT: ClassVar[Any] = int
+    call_id: int
+    hashes: list[bytes]
+    data: bytes
+
+
+CALLS: tuple[type, ...] = (
+    AddLora,
+    RemoveLora,
+    StartKvEvents,
+    StepTrace,
+    MeasureLoadPrice,
+    BlockStates,
+    LoraHashRoots,
+    ExportKv,
+    ImportKv,
+)
 
 
 @dataclass
@@ -138,6 +234,8 @@ class Out:
 
 @dataclass
 class Reply:
+    """How a call went: ``result`` is what the call's ``RESULT`` type says (read by it: ``result_of``)."""
+
     TAG: ClassVar[str] = "reply"
     call_id: int
     error: WireError | None
@@ -157,7 +255,7 @@ class Dead:
     message: str
 
 
-TO_CORE: tuple[type, ...] = (Add, Abort, Stop, Call, Shutdown)
+TO_CORE: tuple[type, ...] = (Add, Abort, Stop, *CALLS, Shutdown)
 TO_API: tuple[type, ...] = (Ready, Failed, Accepted, Rejected, Out, Reply, Stats, Dead)
 _BY_TAG = {cls.TAG: cls for cls in TO_CORE + TO_API}
 
@@ -182,6 +280,11 @@ def decode(wire: list[Any]) -> Any:
         raise
     except (TypeError, ValueError) as e:
         raise ValueError(f"engine-core message {wire[0]!r}: {e}") from e
+
+
+def result_of(call: type, result: Any) -> Any:
+    """A ``Reply``'s result read by the type its call declares."""
+    return None if call.RESULT is None else from_plain(call.RESULT, result)
 
 
 def check_ready(wire: list[Any]) -> Ready | Failed:
