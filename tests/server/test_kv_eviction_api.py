@@ -37,6 +37,8 @@ def test_a_request_past_the_context_is_served_by_the_servers_eviction(evicting):
 
         chat = {"model": MODEL, "messages": [{"role": "user", "content": LONG}], "max_tokens": 8}
         assert http.post("/v1/chat/completions", json=chat).status_code == 200
+        beams = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "use_beam_search": True, "n": 2}
+        assert http.post("/v1/completions", json=beams).status_code == 200, "the server's default broke beam search"
 
         snap = body | {"prompt": LONG[:700], "max_tokens": 16, "kv_eviction": {"policy": "snapkv", "window": 64}}
         before = evicting.metric("tokenmill:kv_evicted_tokens_total", model_name=MODEL)

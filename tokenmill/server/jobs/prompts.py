@@ -73,8 +73,9 @@ def max_tokens_for(target: Target, prompt_ids: list[int], requested: int | None,
 
 
 def with_eviction_default(body: B, window: int | None, sinks: int, policy: str = "streaming") -> B:
-    """The request, with the server's KV eviction (``--kv-eviction-window``) where it names none."""
-    if window is None or body.kv_eviction is not None:
+    """The request, with the server's KV eviction (``--kv-eviction-window``) where it names none
+    (beam search excepted: its beams share their blocks, which eviction would move)."""
+    if window is None or body.kv_eviction is not None or body.use_beam_search:
         return body
     ev = {"policy": policy, "window": window} | ({"sinks": sinks} if policy == "streaming" else {})
     return body.model_copy(update={"kv_eviction": ev})
