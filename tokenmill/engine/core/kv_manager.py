@@ -177,10 +177,11 @@ class KVCacheManager:
         req.num_freed_blocks = n
 
     def evict(self, req: Request) -> None:
-        """StreamingLLM (``KVEviction``): once the request holds its budget (sinks, window and
-        a stride), the whole blocks between its sink blocks and its last ``window`` computed
-        tokens go back to the pool and out of its table; the runner re-rotates the kept keys
-        when it next sees ``num_evicted_tokens``."""
+        """After a step (``KVEviction``). StreamingLLM: once the request holds its budget
+        (sinks, window and a stride), the whole blocks between its sink blocks and its last
+        ``window`` computed tokens go back to the pool and out of its table; the runner
+        re-rotates the kept keys when it next sees ``num_evicted_tokens``. SnapKV: the slots
+        past a compressed prompt's window (``_compressed``)."""
         ev = req.params.kv_eviction
         bs = self.block_size
         if ev is not None and not ev.streams:
