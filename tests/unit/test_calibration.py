@@ -56,10 +56,7 @@ def test_a_text_shorter_than_a_window_gives_itself_once():
         calibration_samples(Words(), ["7"], 4, 100)
 
 
-def test_default_sources_are_the_bundled_prose_and_the_stdlib_docs(tmp_path):
-    texts = calibration_texts(None)
-    assert texts[0] == bundled_text() and "Declaration of Independence" in texts[0]
-    assert len(texts) == 2 and len(texts[1]) >= MIN_DOCS_CHARS and "class OrderedDict" in texts[1]
+def test_a_users_text_is_the_only_source_and_an_empty_one_is_refused(tmp_path):
     mine = tmp_path / "mine.txt"
     mine.write_text("my own words")
     assert calibration_texts(mine) == ["my own words"]
@@ -68,17 +65,22 @@ def test_default_sources_are_the_bundled_prose_and_the_stdlib_docs(tmp_path):
         calibration_texts(mine)
 
 
-def test_stdlib_docs_hold_no_live_values(monkeypatch):
-    """The same text on every call: no environment, no addresses, nothing this process
-    imported or patched (transformers adds methods to logging.Logger; the quantisation of a
-    model must not depend on what else ran before it, nor leak the environment)."""
+def test_default_sources_are_the_bundled_prose_and_stdlib_docs_holding_no_live_values(monkeypatch):
+    """The bundled prose and the standard library's docs, the same text on every call: no
+    environment, no addresses, nothing this process imported or patched (transformers adds
+    methods to logging.Logger; the quantisation of a model must not depend on what else ran
+    before it, nor leak the environment). (One test: each rendering is a fresh interpreter,
+    seconds.)"""
     first = stdlib_docs()
     keep = [object() for _ in range(1000)]  # move the allocator along
     monkeypatch.setenv("TOKENMILL_CALIBRATION_PROBE", "secret-value")
     monkeypatch.setattr(logging.Logger, "probe_once", lambda self: None, raising=False)
     monkeypatch.setattr(inspect, "getfile", lambda obj: "patched", raising=True)
     logging.getLogger("tokenmill.calibration-probe").addHandler(logging.NullHandler())
-    assert stdlib_docs() == first and keep
+    texts = calibration_texts(None)
+    assert texts[0] == bundled_text() and "Declaration of Independence" in texts[0]
+    assert len(texts) == 2 and len(texts[1]) >= MIN_DOCS_CHARS and "class OrderedDict" in texts[1]
+    assert texts[1] == first and keep
     assert "secret-value" not in first and " at 0x" not in first and "\nDATA\n" not in first
     assert "probe_once" not in first and "getfile(object)" in first
 
