@@ -44,3 +44,22 @@ def test_a_request_that_fails_its_checks_on_arrival_is_rejected_and_the_loop_ser
     assert [msg.request_id for msg in accepted] == ["good"]
     assert accepted[0].report.snapshot.num_waiting == 1  # typed on arrival: the gauges, not a map
     assert engine.core.num_waiting == 1
+
+
+def test_a_second_load_of_a_name_being_read_is_refused_in_its_reply_and_the_loop_serves_on():
+    """Two AddLora calls of one name back to back (a server's concurrent loads): the second is
+    refused in its own Reply while the first is read; nothing escapes the loop."""
+    engine, pipe = tiny_engine(), Pipe()
+    loop = CoreLoop(engine.core, pipe)
+    try:
+        loop._command(unpack(pack(m.encode(m.AddLora(1, "tenant-a", "/nowhere")))))
+        loop._command(unpack(pack(m.encode(m.AddLora(2, "tenant-a", "/nowhere")))))
+        while loop.pending:  # the first's read (it fails: this engine serves no adapters)
+            loop._apply_prepared()
+        loop._command(unpack(pack(m.encode(m.RemoveLora(3, "tenant-a")))))
+    finally:
+        loop.pool.shutdown()
+    replies = {msg.call_id: msg.error for msg in pipe.sent if isinstance(msg, m.Reply)}
+    assert "already" in replies[2].message and replies[2].param == "lora_name"
+    assert replies[1] is not None and "LoRA adapters are off" in replies[1].message
+    assert "unknown LoRA adapter" in replies[3].message

@@ -207,12 +207,12 @@ class CoreLoop:
     def _add_lora(self, call: m.AddLora) -> None:
         """A new name only (the server's loads): of concurrent loads of one name, one wins; the
         adapter is read on the worker thread and served between steps once read."""
+        held = self.core.new_lora_name(call.name)
         try:
-            held = self.core.new_lora_name(call.name)
+            held.__enter__()  # refuses a name served or being read; released when the read ends, either way
         except Exception as e:
             self._reply(call.call_id, e)
             return
-        held.__enter__()  # released when the read ends, either way
 
         def served(loaded: Any) -> None:
             held.__exit__(None, None, None)
