@@ -319,8 +319,7 @@ class LlamaForCausalLM(nn.Module):
                 return out
         for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
-            rotary = self.rotary_local if self.rotary_local is not None and layer.self_attn.window else self.rotary
-            h = layer(h, x, positions, rotary, kv_cache, meta, ops, next_norm, tp, lora)
+            h = layer(h, x, positions, self._rotary_of(layer), kv_cache, meta, ops, next_norm, tp, lora)
         return h
 
     def shift_keys(self, kv_caches: list[KVCache], block_ids: list[int], delta: int) -> None:
@@ -330,9 +329,14 @@ class LlamaForCausalLM(nn.Module):
             return
         index = torch.tensor(block_ids, dtype=torch.long, device=kv_caches[0].k.device)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            rotary = self.rotary_local if self.rotary_local is not None and layer.self_attn.window else self.rotary
-            assert rotary is not None
+            rotary = self._rotary_of(layer)
             cache.rotate_keys(index, lambda k, r=rotary: r.shift(k, delta))
+
+    def _rotary_of(self, layer: LlamaDecoderLayer) -> RotaryEmbedding:
+        """A layer's RoPE: windowed layers' own base where the model has one (Gemma 3)."""
+        rotary = self.rotary_local if self.rotary_local is not None and layer.self_attn.window else self.rotary
+        assert rotary is not None
+        return rotary
 
     def attention_paid(
         self, queries: torch.Tensor, kv_caches: list[KVCache], block_ids: list[int], length: int

@@ -33,14 +33,7 @@ from tokenmill.engine.model_input import (
 from tokenmill.lora.adapter import LoRAAdapter
 from tokenmill.lora.layers import LoRAMapping
 from tokenmill.model.layers.attention import AttentionMetadata
-from tokenmill.model.layers.kv_cache import (
-    block_nbytes,
-    compact_slots,
-    copy_blocks,
-    move_slots,
-    read_blocks,
-    write_blocks,
-)
+from tokenmill.model.layers.kv_cache import block_nbytes, copy_blocks, move_slots, read_blocks, write_blocks
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SNAPKV_OBSERVED, SNAPKV_POOL, SamplingParams
@@ -132,6 +125,7 @@ class ModelRunner:
         self.device = device
         self.proposer = proposer
         self.requests: dict[str, CachedRequestState] = {}
+        self._evicting: set[str] = set()  # requests with KVEviction: the steps' eviction work only for them
         self._parked_generators: dict[str, torch.Generator] = {}  # of preempted seeded requests
         self._buffers = InputBuffers()
         self._default_generator = torch.Generator(device=device)
@@ -193,6 +187,8 @@ class ModelRunner:
     def _observed_rows(self, seqs: list[SeqInput]) -> list[tuple[SeqInput, int, int, int]]:
         """(sequence, first row in the flat batch, first observed index, count): the rows of the
         step holding SnapKV's observed prompt tokens (the last ``SNAPKV_OBSERVED``)."""
+        if not self._evicting:
+            return []
         rows, offset = [], 0
         for s in seqs:
             snap = self._snap(s)
@@ -220,6 +216,8 @@ class ModelRunner:
         its window: its last observed tokens and the tokens their attention weighed most
         (max-pooled), moved in order to its first slots (positions kept); the engine gives the
         slots after them back (``KVCacheManager.evict``)."""
+        if not self._evicting:
+            return
         bs = self.block_size
         for s in seqs:
             snap = self._snap(s)
@@ -235,7 +233,7 @@ class ModelRunner:
             chosen = ranked[: window - SNAPKV_OBSERVED].sort().values.tolist()
             keep = chosen + list(range(head, prompt))
             table = state.block_ids
-            compact_slots(
+            move_slots(
                 self.kv_caches,
                 [table[t // bs] * bs + t % bs for t in keep],
                 [table[i // bs] * bs + i % bs for i in range(len(keep))],
@@ -302,6 +300,8 @@ class ModelRunner:
 
     def _update_states(self, batch: ModelInput) -> None:
         forget = getattr(self.proposer, "forget", None)  # a proposer holding per-request state (EAGLE)
+        for rid in (*batch.finished_request_ids, *batch.preempted_request_ids):
+            self._evicting.discard(rid)
         for rid in batch.finished_request_ids:
             self.requests.pop(rid, None)
             self._parked_generators.pop(rid, None)
@@ -328,6 +328,8 @@ class ModelRunner:
                 pooling=new.pooling,
                 param_row=held.param_row if held is not None else param_row(new.params, self.device),
             )
+            if new.params.kv_eviction is not None:
+                self._evicting.add(rid)
         for c in batch.cached_requests:
             table = self.requests[c.request_id].block_ids
             del table[c.num_kept_blocks :]
@@ -338,6 +340,8 @@ class ModelRunner:
         kept past their sink blocks move that many slots down their table, so their RoPE
         rotation moves back as many positions. Idempotent (a step sent again rotates nothing
         twice): the state remembers the count its keys are rotated for."""
+        if not self._evicting:
+            return
         for s in batch.scheduled:
             state = self.requests[s.request_id]
             delta = s.num_evicted_tokens - state.num_evicted_tokens

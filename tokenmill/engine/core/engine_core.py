@@ -243,11 +243,11 @@ class EngineCore:
                 param="kv_eviction",
             )
         bs = self.config.block_size
-        held = ev.budget(bs) + bs if ev.streams else ev.window + bs  # and a block for the step's new token
+        kept = f"sinks {ev.sink_tokens(bs)}, window {ev.window}, stride {ev.stride(bs)}" if ev.streams else ""
+        held = (ev.budget(bs) if ev.streams else ev.window) + bs  # and a block for the step's new token
         if held > self.config.max_model_len or self.kv.blocks_for(held) > self.block_pool.num_blocks:
-            kept = f"sinks {ev.sink_tokens(bs)}, window {ev.window}, stride {ev.stride(bs)}" if ev.streams else ""
             raise InvalidRequestError(
-                f"kv_eviction keeps up to {held} tokens' K/V ({kept or 'window ' + str(ev.window)}, a block): more "
+                f"kv_eviction keeps up to {held} tokens' K/V ({kept or f'window {ev.window}'}, a block): more "
                 f"than the context window ({self.config.max_model_len}) or the KV pool "
                 f"({self.block_pool.num_blocks * bs} tokens) holds; use a smaller window",
                 param="kv_eviction",

@@ -74,22 +74,9 @@ class KVCacheLayer:
 
 
 def move_slots(layers: list[KVCacheLayer], src: list[int], dst: list[int]) -> None:
-    """Slot dst[i] gets slot src[i]'s K/V (and scales) in every layer, in list order: the
-    accepted path of a verified draft tree moved to the positions it now holds."""
-    if not src:
-        return
-    for layer in layers:
-        for t in (layer.k, layer.v, layer.k_scale, layer.v_scale):
-            if t is not None:
-                flat = _bytes(t).view(t.shape[0] * t.shape[1], -1)
-                for a, b in zip(src, dst, strict=True):
-                    if a != b:
-                        flat[b] = flat[a]
-
-
-def compact_slots(layers: list[KVCacheLayer], src: list[int], dst: list[int]) -> None:
-    """Slot dst[i] gets what slot src[i] held before the call (K/V and scales) in every layer:
-    all read first, then all written (a prompt's kept tokens moved to its first slots)."""
+    """Slot dst[i] gets what slot src[i] held before the call (K/V and scales) in every layer,
+    all read first, then all written: a verified draft tree's accepted path moved to the
+    positions it now holds, a SnapKV prompt's kept tokens moved to its first slots."""
     if not src:
         return
     device = layers[0].k.device
