@@ -175,17 +175,18 @@ def test_activations_on_the_int8_grid_are_the_torch_formula_bit_for_bit(dtype):
 
 
 def test_q6_k_batches_in_bands_are_the_same_bits_as_each_row_alone():
-    """Q6_K batches of 8 rows or more run sixteen activation rows to a register (the band kernel,
-    AVX-512 builds with VNNI) and what is left of a chunk a row at a time: every output is the
-    same bits as its row's alone, whatever the batch (45 rows: a chunk of two bands, then a short
-    band; 23: a band, then 7 rows a row at a time), for weights of fewer rows than a pass takes
-    (5), split by the threads within a pass (21), and of whole passes (64)."""
+    """Q6_K batches of 8 rows or more run sixteen activation rows to a register (the band kernel:
+    zmm on AVX-512 builds with VNNI, two ymm halves on AVX2 builds) and what is left of a chunk a
+    row at a time: every output is the same bits as its row's alone, whatever the batch (45 rows:
+    a chunk of two bands, then a short band; 23: a band, then 7 rows a row at a time; 8 and 40: a
+    last band of one half), for weights of fewer rows than a pass takes (5), split by the threads
+    within a pass (21), and of whole passes (64)."""
     k = 1024
     x = torch.randn(45, k, generator=torch.Generator().manual_seed(3))
     for n in (5, 21, 64):
         w = BlockWeight.from_gguf("Q6_K", random_gguf_blocks("Q6_K", n, k, seed=n), (n, k))
         alone = torch.cat([torch.ops.tokenmill.block_linear(x[i : i + 1], w.qs, w.type_code) for i in range(45)])
-        for rows in (8, 16, 23, 32, 45):
+        for rows in (8, 16, 23, 32, 40, 45):
             got = torch.ops.tokenmill.block_linear(x[:rows], w.qs, w.type_code)
             assert torch.equal(got, alone[:rows]), f"{n} weight rows, a batch of {rows}"
         want = int8_reference(x, w)
@@ -298,6 +299,7 @@ def test_avx2_only_build_block_kernels_match_the_reference():
         "    t.check_block_linear(name)\n"
         "    t.check_grouped_rows(name)\n"
         "    t.check_block_linear(name, grouped=True)\n"
+        "t.test_q6_k_batches_in_bands_are_the_same_bits_as_each_row_alone()\n"
     )
 
 

@@ -98,10 +98,11 @@ constexpr int64_t BAND = 16;
 struct Bands {
   int64_t k = 0, count = 0;
   std::vector<int8_t> q;       // band c's word w (values 4w..4w+3) of its row i at c * BAND * k + 64 * w + 4 * i
+  // (AVX2 builds store each value plus 128, as unsigned bytes, and no bsums)
   std::vector<int32_t> bsums;  // (c * (k / 16) + j) * BAND + i: row i's sum of its values 16j..16j+15
   std::vector<float> d;        // (c * (k / 256) + b) * BAND + i: row i's scale of super-block b
 };
-// Whether this build has the band kernel (AVX-512 with VNNI).
+// Whether this build has a band kernel (AVX-512 with VNNI, or AVX2).
 bool has_bands();
 void make_bands(Bands& bands, const Act& a, int64_t rows);
 // Q6_K weight rows [0, nr) (plain rows of row_bytes) times the bands' activation rows [m0, m1)
@@ -198,6 +199,14 @@ inline void q6_k_half(__m256i l0, __m256i l1, __m256i hb, __m256i v[4]) {
   v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), three), 4));
 }
+
+// vpshufb masks for Q6_K's 32 values of group g (0..3) of a half: the int16 scale of sub-block
+// 2g in the low 128 bits' lanes, of 2g + 1 in the high ones (from the half's 8 scales, in both).
+alignas(32) inline constexpr uint8_t Q6_PICK[4][32] = {
+#define TM_PAIR8(i) 2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1, \
+                    2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1
+    {TM_PAIR8(0), TM_PAIR8(1)}, {TM_PAIR8(2), TM_PAIR8(3)}, {TM_PAIR8(4), TM_PAIR8(5)}, {TM_PAIR8(6), TM_PAIR8(7)}};
+#undef TM_PAIR8
 
 inline int hsum_i32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));

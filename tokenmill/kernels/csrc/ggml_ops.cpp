@@ -246,14 +246,6 @@ void dot_q45_k(const uint8_t* w, const Act& a, int64_t m0, float* out) {
   }
 }
 
-// vpshufb masks for Q6_K's 32 values of group g (0..3) of a half: the int16 scale of sub-block
-// 2g in the low 128 bits' lanes, of 2g + 1 in the high ones (from the half's 8 scales, in both).
-alignas(32) constexpr uint8_t Q6_PICK[4][32] = {
-#define TM_PAIR8(i) 2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1, \
-                    2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1
-    {TM_PAIR8(0), TM_PAIR8(1)}, {TM_PAIR8(2), TM_PAIR8(3)}, {TM_PAIR8(4), TM_PAIR8(5)}, {TM_PAIR8(6), TM_PAIR8(7)}};
-#undef TM_PAIR8
-
 // Q6_K: super-blocks of 16 sub-blocks of 16, signed 8-bit scales; w = d * sc * (q - 32). The
 // unsigned q (0..63) multiply the activations; the -32 is one correction per super-block,
 // 32 * sum(sc * the activations' sums of 16), as llama.cpp takes it from the bsums. Each
