@@ -622,6 +622,31 @@ def test_cpp_layer_loop_is_bit_identical_to_the_python_loop(dtype, quantization)
     assert torch.equal(results[True][1], results[False][1])
 
 
+@pytest.mark.parametrize("dtype,one_stream", [("float32", True), ("float32", False), ("bfloat16", False)])
+def test_cpp_layer_loop_runs_float16_weights_in_one_team_bit_identical_to_the_python_loop(dtype, one_stream):
+    """A float16 file's decode (float16 weights, float32 or bfloat16 activations) runs its layers in
+    the C++ loop's one team of threads: each linear's rows split between the threads on
+    small_linear's kernel, single stream or tiles at one row as the machine chose. The logits equal
+    the Python loop's to the bit."""
+    from tests.helpers import fused_and_python_decode_logits
+    from tokenmill import LLM
+    from tokenmill.kernels.linear import NativeLinear
+
+    llm = LLM(dtype=dtype, quantization="none", progress=False, kv_cache_memory="32MiB")
+    model = llm.parts.model
+    linears = [m for layer in model.layers for m in layer.modules() if isinstance(m, NativeLinear)]
+    assert len(linears) == 4 * len(model.layers)
+    for m in linears:
+        m.weight = torch.nn.Parameter(m.weight.detach().half(), requires_grad=False)
+        m.one_stream = one_stream
+    model.reset_fused_plan()
+    plan = model.fused_plan
+    assert plan is not None and plan.kinds[:8] == [0, 0 if one_stream else 1] * 4
+    results = fused_and_python_decode_logits(llm)
+    assert torch.equal(results[True][0], results[False][0])
+    assert torch.equal(results[True][1], results[False][1])
+
+
 def test_layers_the_loop_does_not_serve_take_the_python_path():
     """A model whose layers are not the plain Llama layer (here: q/k/v biases) has no plan."""
     from tests.helpers import tiny_model

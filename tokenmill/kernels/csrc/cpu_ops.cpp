@@ -1133,16 +1133,61 @@ inline bool single_row_path(int64_t rows, int64_t k) {
 // a row's outputs do not depend on the batch. (Two rows side by side, for a second chain of
 // additions, read slower: 16-20 against 17-37 GB/s.)
 template <typename W, typename X, typename Y>
-void single_row(const X* x, const W* w, const float* scale, Y* y, int64_t n_out, int64_t k) {
+void single_row_part(const X* x, const W* w, const float* scale, Y* y, int64_t k, int64_t b, int64_t e) {
 #if defined(TOKENMILL_AVX512) || defined(TOKENMILL_AVX2)
-  at::parallel_for(0, n_out, 64, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      float out[4][4];
-      tile_of<W, 1, 1, false>(x, w + r * k, k, out);
-      y[r] = static_cast<Y>(scale ? out[0][0] * scale[r] : out[0][0]);
-    }
-  });
+  for (int64_t r = b; r < e; ++r) {
+    float out[4][4];
+    tile_of<W, 1, 1, false>(x, w + r * k, k, out);
+    y[r] = static_cast<Y>(scale ? out[0][0] * scale[r] : out[0][0]);
+  }
 #endif
+}
+
+template <typename W, typename X, typename Y>
+void single_row(const X* x, const W* w, const float* scale, Y* y, int64_t n_out, int64_t k) {
+  at::parallel_for(0, n_out, 64, [&](int64_t b, int64_t e) { single_row_part<W, X, Y>(x, w, scale, y, k, b, e); });
+}
+
+// Weight rows [4 * b, 4 * e) (the tiles' blocks of four) times every activation row, into y (rows
+// ldy apart), on the calling thread: small_linear_impl's work for one thread, and decode_loop.cpp's
+// share of a linear in its team. An output's sum does not depend on which block or thread takes it.
+template <typename W, typename X, typename Y>
+void small_linear_part(const X* x, const W* w, const float* scale, Y* y, int64_t ldy, int64_t rows, int64_t n_out,
+                       int64_t k, int64_t b, int64_t e) {
+  for (int64_t blk = b; blk < e; ++blk) {
+    const int64_t n0 = blk * 4, nr = std::min<int64_t>(4, n_out - n0);
+    for (int64_t m0 = 0; m0 < rows; m0 += 4) {
+      const int64_t mr = std::min<int64_t>(4, rows - m0);
+      float out[4][4];
+#if defined(TOKENMILL_AVX512) || defined(TOKENMILL_AVX2)
+#ifdef TOKENMILL_AVX2
+      if (k % 8 == 0) {
+#else
+      {
+#endif
+        const X* xs = x + m0 * k;
+        const W* ws = w + n0 * k;
+        switch (mr) {
+          case 1: tile<W, 1>(xs, ws, k, nr, out); break;
+          case 2: tile<W, 2>(xs, ws, k, nr, out); break;
+          case 3: tile<W, 3>(xs, ws, k, nr, out); break;
+          default: tile<W, 4>(xs, ws, k, nr, out); break;
+        }
+      }
+#ifdef TOKENMILL_AVX2
+      else
+        portable_tile(x + m0 * k, w + n0 * k, k, nr, mr, out);
+#endif
+#else
+      portable_tile(x + m0 * k, w + n0 * k, k, nr, mr, out);
+#endif
+      for (int64_t r = 0; r < nr; ++r)
+        for (int64_t m = 0; m < mr; ++m) {
+          const float v = out[r][m];
+          y[(m0 + m) * ldy + n0 + r] = static_cast<Y>(scale ? v * scale[n0 + r] : v);
+        }
+    }
+  }
 }
 
 // X: the activations as they came, float32 or bfloat16 (read as they are: widened exactly, or
@@ -1156,40 +1201,7 @@ void small_linear_impl(const X* x, const W* w, const float* scale, Y* y, int64_t
                        bool one_stream) {
   if (one_stream && single_row_path(rows, k)) return single_row<W, X, Y>(x, w, scale, y, n_out, k);
   at::parallel_for(0, (n_out + 3) / 4, 16, [&](int64_t b, int64_t e) {
-    for (int64_t blk = b; blk < e; ++blk) {
-      const int64_t n0 = blk * 4, nr = std::min<int64_t>(4, n_out - n0);
-      for (int64_t m0 = 0; m0 < rows; m0 += 4) {
-        const int64_t mr = std::min<int64_t>(4, rows - m0);
-        float out[4][4];
-#if defined(TOKENMILL_AVX512) || defined(TOKENMILL_AVX2)
-#ifdef TOKENMILL_AVX2
-        if (k % 8 == 0) {
-#else
-        {
-#endif
-          const X* xs = x + m0 * k;
-          const W* ws = w + n0 * k;
-          switch (mr) {
-            case 1: tile<W, 1>(xs, ws, k, nr, out); break;
-            case 2: tile<W, 2>(xs, ws, k, nr, out); break;
-            case 3: tile<W, 3>(xs, ws, k, nr, out); break;
-            default: tile<W, 4>(xs, ws, k, nr, out); break;
-          }
-        }
-#ifdef TOKENMILL_AVX2
-        else
-          portable_tile(x + m0 * k, w + n0 * k, k, nr, mr, out);
-#endif
-#else
-        portable_tile(x + m0 * k, w + n0 * k, k, nr, mr, out);
-#endif
-        for (int64_t r = 0; r < nr; ++r)
-          for (int64_t m = 0; m < mr; ++m) {
-            const float v = out[r][m];
-            y[(m0 + m) * n_out + n0 + r] = static_cast<Y>(scale ? v * scale[n0 + r] : v);
-          }
-      }
-    }
+    small_linear_part<W, X, Y>(x, w, scale, y, n_out, rows, n_out, k, b, e);
   });
 }
 
@@ -1229,6 +1241,28 @@ Tensor small_linear(Tensor x, Tensor w, c10::optional<Tensor> scale, bool one_st
     TORCH_CHECK(false, "small_linear: unsupported weight dtype ", w.scalar_type());
   }
   return y;
+}
+
+// Weight rows [4 * u0, 4 * u1) of small_linear(x, w, None, one_stream) on the calling thread, in
+// float32 (the same sums; a bfloat16 output is this rounded).
+template <typename W, typename X>
+void small_linear_units_of(const X* x, const W* w, float* y, int64_t ldy, int64_t rows, int64_t n_out, int64_t k,
+                           int64_t u0, int64_t u1, bool one_stream) {
+  if (one_stream && single_row_path(rows, k))
+    return single_row_part<W, X, float>(x, w, nullptr, y, k, 4 * u0, std::min(n_out, 4 * u1));
+  small_linear_part<W, X, float>(x, w, nullptr, y, ldy, rows, n_out, k, u0, u1);
+}
+
+template <typename W>
+void small_linear_units_w(const at::Tensor& w, const void* x, bool x_bf16, float* y, int64_t ldy, int64_t rows,
+                          int64_t u0, int64_t u1, bool one_stream) {
+  const W* wp = w.data_ptr<W>();
+  const int64_t n_out = w.size(0), k = w.size(1);
+  if (x_bf16)
+    small_linear_units_of<W, c10::BFloat16>(static_cast<const c10::BFloat16*>(x), wp, y, ldy, rows, n_out, k, u0, u1,
+                                            one_stream);
+  else
+    small_linear_units_of<W, float>(static_cast<const float*>(x), wp, y, ldy, rows, n_out, k, u0, u1, one_stream);
 }
 
 }  // namespace
@@ -1285,6 +1319,14 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
 }
 at::Tensor small_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> scale, bool one_stream) {
   return ::small_linear(x, w, scale, one_stream);
+}
+void small_linear_units(const at::Tensor& w, const void* x, bool x_bf16, float* y, int64_t ldy, int64_t rows,
+                        int64_t u0, int64_t u1, bool one_stream) {
+  switch (w.scalar_type()) {
+    case at::kBFloat16: return small_linear_units_w<c10::BFloat16>(w, x, x_bf16, y, ldy, rows, u0, u1, one_stream);
+    case at::kHalf: return small_linear_units_w<c10::Half>(w, x, x_bf16, y, ldy, rows, u0, u1, one_stream);
+    default: return small_linear_units_w<float>(w, x, x_bf16, y, ldy, rows, u0, u1, one_stream);
+  }
 }
 }  // namespace tokenmill
 

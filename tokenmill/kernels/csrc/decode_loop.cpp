@@ -16,8 +16,9 @@
 // outputs follow the first's (a Q4_K_M file's qkv: q and k in Q4_K, v in Q6_K), its blocks in the
 // scale's place.
 //
-// Where every linear is in GGUF blocks (the int8 arithmetic's decode, float32 or bfloat16
-// activations), the whole step runs in one OpenMP team instead (team_layers): the separate calls cost
+// Where every linear is in GGUF blocks (the int8 arithmetic's decode), or every one a float weight
+// (float32, bfloat16 or float16 files), on float32 or bfloat16 activations, the whole step runs in
+// one OpenMP team instead (team_layers): the separate calls cost
 // a fork and join each (~6 per layer), ATen's allocations and dispatch between them, and the
 // second thread idled through all of it (38% of a bundled-file step on a 2-core AVX2 EPYC,
 // bench/RESULTS.md). In the team each linear's units are split between the threads, attention's
@@ -60,14 +61,29 @@ Tensor run_linear(const Tensor& x, const std::vector<Tensor>& w, int64_t at, int
                                  bits, group, false);  // (steps here are within EXACT_BF16_ROWS)
 }
 
-// A linear of one or two block weights (a second part's outputs after the first's), each part its
-// BlockProduct over its own columns of the output.
+// A linear as the team runs it: one or two block weights (a second part's outputs after the
+// first's), each part its BlockProduct over its own columns of the output; or a float weight
+// (float32, bfloat16 or float16) on small_linear's kernel, in blocks of four rows.
 struct TeamLinear {
   std::vector<std::unique_ptr<tokenmill::ggml::BlockProduct>> parts;
   std::vector<int64_t> cols;  // each part's first output column
   int64_t n = 0;              // outputs in all
+  Tensor dense;               // the float weight (parts empty)
+  bool one_stream = true;     // the float weight's choice at one row (small_linear's)
+  const void* x = nullptr;    // the float weight's activations, set by quantise
+  bool x_bf16 = false;
 
   TeamLinear(const std::vector<Tensor>& w, int64_t at, int64_t bits, int64_t group, int64_t k) {
+    if (bits == 0) {
+      dense = w[at];
+      one_stream = group == 0;
+      n = dense.size(0);
+      const auto wt = dense.scalar_type();
+      TORCH_CHECK(dense.dim() == 2 && dense.size(1) == k && dense.is_contiguous() &&
+                      (wt == at::kFloat || wt == at::kBFloat16 || wt == at::kHalf),
+                  "decode_layers: a float weight must be a contiguous [n, ", k, "] float32, bfloat16 or float16");
+      return;
+    }
     add(w[at], -bits, k);
     if (group != 0) add(w[at + 1], group, k);
   }
@@ -76,11 +92,25 @@ struct TeamLinear {
     cols.push_back(n);
     n += parts.back()->n();
   }
-  void quantise(const float* x, int64_t rows) {  // (one thread)
-    for (auto& p : parts) p->quantise(x, rows);
+  // (one thread) The activations [rows, k] in float32, and as they came where they are bfloat16
+  // (narrow, else nullptr): blocks quantise the float32; a float weight reads them as they came,
+  // as small_linear does.
+  void quantise(const float* xf, const void* narrow, int64_t rows) {
+    if (dense.defined()) {
+      x = narrow ? narrow : xf;
+      x_bf16 = narrow != nullptr;
+      return;
+    }
+    for (auto& p : parts) p->quantise(xf, rows);
   }
   // This thread's share of every part's units, for all `rows` activation rows, into out [rows, n].
   void run(float* out, int64_t rows, int64_t thread, int64_t threads) const {
+    if (dense.defined()) {
+      const int64_t units = (n + 3) / 4;
+      tokenmill::small_linear_units(dense, x, x_bf16, out, n, rows, units * thread / threads,
+                                    units * (thread + 1) / threads, one_stream);
+      return;
+    }
     for (size_t i = 0; i < parts.size(); ++i) {
       const auto& p = *parts[i];
       const int64_t units = p.units();
@@ -126,7 +156,8 @@ class TeamBarrier {
 struct LayerStack : torch::CustomClassHolder {
   std::vector<Tensor> weights, k_caches, v_caches;
   std::vector<int64_t> kinds;
-  bool blocks_only = true;         // every linear in GGUF blocks (and an unquantised cache): the team can run it
+  // Every linear in GGUF blocks, or every one a float weight, and an unquantised cache: the team can run it.
+  bool team = true;
   std::vector<TeamLinear> linears;  // the team's, four a layer; made by the first step the team takes
 
   LayerStack(std::vector<Tensor> weights_, std::vector<int64_t> kinds_, std::vector<Tensor> k_caches_,
@@ -138,9 +169,13 @@ struct LayerStack : torch::CustomClassHolder {
                     static_cast<int64_t>(kinds.size()) == layers * 8 &&
                     static_cast<int64_t>(v_caches.size()) == layers,
                 "LayerStack: expects ", PER_LAYER, " weights, 8 kinds and a K and a V cache per layer");
-    for (size_t i = 0; i < kinds.size(); i += 2) blocks_only &= kinds[i] < 0;  // else a float or widened weight
+    bool blocks = true, floats = true;  // (else a weight widened from packed bits: quant_linear)
+    for (size_t i = 0; i < kinds.size(); i += 2) {
+      blocks &= kinds[i] < 0;
+      floats &= kinds[i] == 0;
+    }
     const auto ct = k_caches[0].scalar_type();
-    blocks_only &= ct == at::kFloat || ct == at::kBFloat16 || ct == at::kHalf;
+    team = (blocks || floats) && (ct == at::kFloat || ct == at::kBFloat16 || ct == at::kHalf);
   }
 
   // The team's linears for these shapes, every weight and cache checked (nothing in the team throws).
@@ -174,7 +209,7 @@ struct LayerStack : torch::CustomClassHolder {
   }
 };
 
-// decode_layers for block weights (float32 or bfloat16 activations), in one team of threads.
+// decode_layers for block weights or float ones (float32 or bfloat16 activations), in one team of threads.
 Tensor team_layers(Tensor x, Tensor h, LayerStack& stack, const Tensor& positions, const Tensor& cos,
                    const Tensor& sin, const Tensor& slots, const Tensor& block_tables, const Tensor& query_start_loc,
                    const Tensor& seq_lens, const Tensor& seq_ids, double scale, double eps, int64_t num_heads,
@@ -206,6 +241,7 @@ Tensor team_layers(Tensor x, Tensor h, LayerStack& stack, const Tensor& position
   auto widened = [&](Tensor& f, const Tensor& t) {  // (thread 0) a linear's input in float32
     if (narrow) f.copy_(t);
   };
+  auto as_came = [&](const Tensor& t) -> const void* { return narrow ? t.data_ptr() : nullptr; };
   Tensor q = qkv.narrow(1, 0, q_size).view({n, num_heads, head_dim});
   Tensor k = qkv.narrow(1, q_size, kv_size).view({n, num_kv_heads, head_dim});
   Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, num_kv_heads, head_dim});
@@ -237,7 +273,7 @@ Tensor team_layers(Tensor x, Tensor h, LayerStack& stack, const Tensor& position
   TeamBarrier barrier;
   first(0, [&] {
     widened(hn_f, hn);
-    linears[0].quantise(hn_p, n);
+    linears[0].quantise(hn_p, as_came(hn), n);
   });
 #pragma omp parallel num_threads(team)
   {
@@ -265,7 +301,7 @@ Tensor team_layers(Tensor x, Tensor h, LayerStack& stack, const Tensor& position
       first(t, [&] {
         attention.merge(attn_out, 0, 1);
         widened(attn_f, attn);
-        o_l.quantise(attn_p, n);
+        o_l.quantise(attn_p, as_came(attn), n);
       });
       barrier.wait();
       o_l.run(o_p, n, t, threads);
@@ -274,7 +310,7 @@ Tensor team_layers(Tensor x, Tensor h, LayerStack& stack, const Tensor& position
         rounded(o, o_f);
         tokenmill::add_rms_norm_out(hn, o, x, weights[w0], eps);
         widened(hn_f, hn);
-        gate_up_l.quantise(hn_p, n);
+        gate_up_l.quantise(hn_p, as_came(hn), n);
       });
       barrier.wait();
       if (failed) break;
@@ -285,7 +321,7 @@ Tensor team_layers(Tensor x, Tensor h, LayerStack& stack, const Tensor& position
         at::silu_out(act, gate);
         act.mul_(up);
         widened(act_f, act);
-        down_l.quantise(act_p, n);
+        down_l.quantise(act_p, as_came(act), n);
       });
       barrier.wait();
       if (failed) break;
@@ -296,7 +332,7 @@ Tensor team_layers(Tensor x, Tensor h, LayerStack& stack, const Tensor& position
         tokenmill::add_rms_norm_out(hn, down, x, weights[w0 + 1], eps);
         if (i + 1 < layers) {
           widened(hn_f, hn);
-          linears[4 * (i + 1)].quantise(hn_p, n);
+          linears[4 * (i + 1)].quantise(hn_p, as_came(hn), n);
         }
       });
       barrier.wait();
@@ -318,7 +354,7 @@ Tensor decode_layers(Tensor x, Tensor h, const c10::intrusive_ptr<LayerStack>& s
   const std::vector<Tensor>& k_caches = stack->k_caches;
   const std::vector<Tensor>& v_caches = stack->v_caches;
   const int64_t layers = static_cast<int64_t>(k_caches.size());
-  if (stack->blocks_only && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+  if (stack->team && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
       x.size(0) <= tokenmill::ggml::INT8_MAX_ROWS)
     return team_layers(x, h, *stack, positions, cos, sin, slots, block_tables, query_start_loc, seq_lens, seq_ids,
                        scale, eps, num_heads, num_kv_heads, head_dim, partition);

@@ -45,6 +45,11 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
                      at::Tensor query_start_loc, at::Tensor seq_lens, at::Tensor seq_ids, double scale,
                      int64_t partition_size, int64_t window, double softcap);
 at::Tensor small_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> scale, bool one_stream = true);
+// Rows [4 * u0, 4 * u1) of a float32, bfloat16 or float16 weight w [n, k] (contiguous) times x [rows, k]
+// (float32, or bfloat16 where x_bf16), on the calling thread: small_linear's sums to the bit, in
+// float32, into y (rows ldy apart). No checks: decode_loop.cpp's team checks the weights once.
+void small_linear_units(const at::Tensor& w, const void* x, bool x_bf16, float* y, int64_t ldy, int64_t rows,
+                        int64_t u0, int64_t u1, bool one_stream);
 at::Tensor quant_linear(at::Tensor x, at::Tensor qs, at::Tensor scale, c10::optional<at::Tensor> minv, int64_t bits,
                         int64_t group, bool bf16);
 at::Tensor block_linear(at::Tensor x, at::Tensor blocks, int64_t type, int64_t gemm_rows = 0);
