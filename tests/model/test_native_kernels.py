@@ -83,12 +83,21 @@ def batch(specs, heads, kv_heads, head_dim, kind, dtype, seed=0):
 
 
 def check_attention(
-    specs, heads=8, kv_heads=2, head_dim=64, kind="auto", dtype=torch.float32, seed=0, window=None, softcap=None
+    specs,
+    heads=8,
+    kv_heads=2,
+    head_dim=64,
+    kind="auto",
+    dtype=torch.float32,
+    seed=0,
+    window=None,
+    softcap=None,
+    ops=NATIVE,
 ):
     q, k, v, cache, meta = batch(specs, heads, kv_heads, head_dim, kind, dtype, seed)
     scale = head_dim**-0.5
     ref = REF.attention(q, k, v, cache, meta, scale, window, softcap).float()
-    out = NATIVE.attention(q, k, v, cache, meta, scale, window, softcap).float()
+    out = ops.attention(q, k, v, cache, meta, scale, window, softcap).float()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
 
@@ -118,9 +127,28 @@ def test_prefix_hits_and_speculative_verification():
 
 
 def test_long_prefill_chunk_over_a_long_context():
-    # a chunk of 300 queries after 2,300 cached tokens: cut into runs of queries, each run's
-    # keys (up to its last query) split into partitions and merged
-    check_attention([(1, 1), (2600, 300), (515, 512)], heads=9, kv_heads=3)
+    # a chunk of 300 queries after 2,300 cached tokens: in the paged kernel (batch-invariant
+    # steps take every chunk there) cut into runs of queries, each run's keys (up to its last
+    # query) split into partitions and merged; else SDPA's flash kernel twice, merged
+    for ops in (NativeOps(batch_invariant=True), NATIVE):
+        check_attention([(1, 1), (2600, 300), (515, 512)], heads=9, kv_heads=3, ops=ops)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_chunks_over_a_cached_context_take_flash_attention_twice_merged(dtype):
+    """A chunk of at least 64 new tokens over a cached context (a long prompt's second chunk and
+    on) runs SDPA's flash kernel over the context and over its own K/V, merged by the two
+    log-sum-exps: the reference's numbers within float tolerance, grouped heads included, and
+    shorter chunks, decodes, windows and quantised caches still read by the paged kernel."""
+    specs = [(5, 1), (2600, 300), (130, 64), (400, 63), (90, 90)]
+    q, k, v, cache, meta = batch(specs, 9, 3, 64, "auto" if dtype == torch.float32 else "bfloat16", dtype, seed=7)
+    index = meta.kernel_index(64, 64)
+    assert index.context_seqs == [1, 2] and index.fresh_seqs == [4] and index.paged_seq_ids.tolist() == [0, 3]
+    check_attention(specs, heads=9, kv_heads=3, dtype=dtype, kind="auto" if dtype == torch.float32 else "bfloat16")
+    check_attention([(2600, 300)], heads=8, kv_heads=2, head_dim=128, dtype=dtype)
+    assert meta.kernel_index(64, None).context_seqs == []  # (windows, soft caps, quantised caches)
+    check_attention([(2600, 300), (700, 100)], heads=9, kv_heads=3, window=100)
+    check_attention([(2600, 300)], heads=9, kv_heads=3, kind="int8")
 
 
 @pytest.mark.parametrize("window,softcap", [(100, None), (16, None), (None, 50.0), (64, 30.0)])

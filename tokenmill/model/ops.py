@@ -18,7 +18,13 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels.linear import FLOAT_ROWS
-from tokenmill.model.layers.attention import AttentionMetadata, fresh_prefill_attention, paged_attention, tree_attention
+from tokenmill.model.layers.attention import (
+    AttentionMetadata,
+    context_prefill_attention,
+    fresh_prefill_attention,
+    paged_attention,
+    tree_attention,
+)
 from tokenmill.model.layers.kv_cache import KVCacheLayer
 from tokenmill.model.layers.norm import rms_norm
 from tokenmill.model.layers.rotary import RotaryEmbedding
@@ -178,7 +184,10 @@ class NativeOps(TorchOps):
             fresh_min = (1 << 62) if self.batch_invariant else 1
         else:
             fresh_min = self._fresh_sdpa_min
-        index = meta.kernel_index(fresh_min)
+        # long chunks over a cached context: SDPA's flash kernel too, where it computes what the
+        # paged kernel does (no window, no soft cap, an unquantised cache), as fresh ones do
+        plain = cache.quant is None and window is None and softcap is None
+        index = meta.kernel_index(fresh_min, self._fresh_sdpa_min if plain else None)
         if index.paged_seq_ids.numel():
             torch.ops.tokenmill.paged_attention(
                 out,
@@ -200,6 +209,11 @@ class NativeOps(TorchOps):
         for i in index.fresh_seqs:  # long fresh prefills: their own K/V, causal, flash SDPA
             start, end = qsl[i], qsl[i + 1]
             out[start:end] = fresh_prefill_attention(q[start:end], k[start:end], v[start:end], scale, window, softcap)
+        for i in index.context_seqs:  # long chunks over a cached context: flash SDPA twice, merged
+            start, end = qsl[i], qsl[i + 1]
+            out[start:end] = context_prefill_attention(
+                q[start:end], k[start:end], v[start:end], cache, meta.block_tables[i], meta.seq_lens_host[i], scale
+            )
         for i in meta.tree_masks:  # token trees: the reference's masked attention
             start, end = qsl[i], qsl[i + 1]
             out[start:end] = tree_attention(q[start:end], cache, meta, i, scale, softcap)
@@ -214,8 +228,10 @@ class NativeOps(TorchOps):
             or first.k.dtype not in NATIVE_DTYPES
         ):
             return None
-        index = meta.kernel_index(self._fresh_sdpa_min)
-        if index.fresh_seqs or meta.tree_masks:  # a long fresh prefill takes SDPA, a tree its mask: the Python loop
+        index = meta.kernel_index(self._fresh_sdpa_min, self._fresh_sdpa_min)
+        if (
+            index.fresh_seqs or index.context_seqs or meta.tree_masks
+        ):  # a long fresh prefill takes SDPA, a tree its mask: the Python loop
             return None
         return torch.ops.tokenmill.decode_layers(
             x,
