@@ -130,7 +130,7 @@ def build_engine(args: EngineArgs, progress: bool = True, outputs: bool = True) 
             if device.type == "cpu":
                 cluster.share_cores(threads_per_rank(cluster.local_world_size))
             cluster.connect()
-            cluster.broadcast(Load(args, dtype))
+            cluster.broadcast(Load(args, str(dtype).removeprefix("torch.")))
             shard = ModelShard(0, parallel.tensor_parallel_size, 0, parallel.pipeline_parallel_size)
             device = rank_device(device, 0)
             model = load_shard(config, ckpt.weights, shard, load, device, plan)

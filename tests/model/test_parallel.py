@@ -202,8 +202,8 @@ def test_killed_worker_ends_the_engine_cleanly(tiny):
 
 def test_failing_worker_is_named(tiny):
     with LLM(tiny["even"], dtype="float32", progress=False, kv_cache_memory="32MiB", tensor_parallel_size=2) as llm:
-        llm.parts.runner.cluster.broadcast("not a message")  # the worker raises on it
-        with pytest.raises(EngineDeadError, match=r"worker rank 1 failed: RuntimeError: unexpected message str"):
+        llm.parts.runner.cluster.control.broadcast(b"not a message")  # the worker raises on it
+        with pytest.raises(EngineDeadError, match=r"worker rank 1 failed: .*RankWireError: not a rank message"):
             llm.generate(PROMPTS[:2], GREEDY)
         assert not any(process_alive(p.pid) for p in llm.parts.runner.cluster.procs)
 

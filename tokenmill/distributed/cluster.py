@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import subprocess
 import sys
 import time
@@ -33,7 +32,8 @@ from torch.distributed import Store, TCPStore
 
 from tokenmill.distributed.env import torchrun_rank, under_torchrun
 from tokenmill.distributed.groups import CommStats, ControlChannel, ParallelGroups
-from tokenmill.distributed.rank_messages import Shutdown
+from tokenmill.distributed.rank_messages import RankMessage, Shutdown, encode
+from tokenmill.engine.pipe.wire import from_plain, pack, to_plain, unpack
 from tokenmill.errors import EngineDeadError, TokenmillError
 from tokenmill.model.shard_plan import ModelShard
 
@@ -52,6 +52,18 @@ class WorkerSpec:
     world_size: int
     local_world_size: int
     parent_pid: int  # the driver's: the worker ends when it does (host/lifetime.py)
+
+    def write(self) -> bytes:
+        """As plain values (msgpack), for the worker's stdin."""
+        return pack(to_plain(self))
+
+    @classmethod
+    def read(cls, data: bytes) -> WorkerSpec:
+        """``write``'s inverse; a ValueError for anything else (an empty stdin: the driver died)."""
+        try:
+            return from_plain(cls, unpack(data))
+        except Exception as e:
+            raise ValueError(f"not a worker spec ({e})") from e
 
 
 def threads_per_rank(local_world_size: int) -> int:
@@ -103,7 +115,7 @@ class Cluster:
                     [sys.executable, "-m", "tokenmill.distributed.rank_process"], stdin=subprocess.PIPE
                 )
                 assert proc.stdin is not None
-                proc.stdin.write(pickle.dumps(spec))
+                proc.stdin.write(spec.write())
                 proc.stdin.close()
                 procs.append(proc)
         except BaseException:
@@ -134,12 +146,12 @@ class Cluster:
     def groups(self, shard: ModelShard, device: torch.device) -> ParallelGroups:
         return ParallelGroups(self.store, shard, device, self.stats)
 
-    def broadcast(self, message: object) -> None:
+    def broadcast(self, message: RankMessage) -> None:
         assert self.control is not None
         if self.closed:
             raise EngineDeadError("the model's worker processes have been shut down")
         try:
-            self.control.broadcast(message)
+            self.control.broadcast(encode(message))
         except Exception as e:
             raise self.failure(e) from e
 
@@ -179,7 +191,7 @@ class Cluster:
             torch.set_num_threads(self._threads_before)
         if self.control is not None and not self._dead_workers():
             try:
-                self.control.broadcast(Shutdown())
+                self.control.broadcast(encode(Shutdown()))
             except Exception:
                 pass
         deadline = time.monotonic() + timeout

@@ -6,7 +6,7 @@ Three groups, none of them torch.distributed's global default (so that nothing i
 the process is global and an engine can be built and closed many times):
 
 - ``control``: gloo over all ranks; the driver broadcasts each step's record
-  (pickled ids and counts) on it. Its timeout is long: workers wait on it while a
+  (ids and counts as plain values, rank_messages.py) on it. Its timeout is long: workers wait on it while a
   server idles.
 - ``tp``: the ranks of this rank's stage, for the all-reduces of row-parallel layers
   and the gather of vocabulary-parallel logits (gloo on the CPU, NCCL on GPUs).
@@ -19,7 +19,6 @@ bench/parallel.py splits a step into communication and compute.
 
 from __future__ import annotations
 
-import pickle
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -86,29 +85,27 @@ class StageGroup:
 
 
 class ControlChannel:
-    """The driver's broadcasts to every worker (gloo, pickled records)."""
+    """The driver's broadcasts to every worker (gloo; each an encoded rank message)."""
 
     def __init__(self, store: Store, rank: int, world_size: int, stats: CommStats) -> None:
         self.rank, self.world_size, self.stats = rank, world_size, stats
         self.pg = _backend(store, "control", rank, world_size, torch.device("cpu"), CONTROL_TIMEOUT)
 
-    def broadcast(self, message: object) -> None:
-        """Driver: send one message (any picklable record) to every worker."""
-        payload = torch.frombuffer(
-            bytearray(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8
-        )
+    def broadcast(self, message: bytes) -> None:
+        """Driver: send one message to every worker."""
+        payload = torch.frombuffer(bytearray(message), dtype=torch.uint8)
         t0 = time.perf_counter()
         self.pg.broadcast(torch.tensor([payload.numel()], dtype=torch.int64), 0).wait()
         self.pg.broadcast(payload, 0).wait()
         self.stats.add("control", payload.numel() + 8, time.perf_counter() - t0)
 
-    def receive(self) -> object:
+    def receive(self) -> bytes:
         """Worker: the driver's next message (blocks until it comes)."""
         size = torch.zeros(1, dtype=torch.int64)
         self.pg.broadcast(size, 0).wait()
         payload = torch.empty(int(size.item()), dtype=torch.uint8)
         self.pg.broadcast(payload, 0).wait()
-        return pickle.loads(payload.numpy().tobytes())
+        return payload.numpy().tobytes()
 
 
 class ParallelGroups:

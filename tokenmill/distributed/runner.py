@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.distributed.cluster import Cluster
-from tokenmill.distributed.rank_messages import Committed, Forward, Step
+from tokenmill.distributed.rank_messages import Committed, Forward, ScoredSeq, Step
 from tokenmill.engine.model_input import GrammarMasks, ModelInput, ModelOutput
 from tokenmill.errors import EngineDeadError
 from tokenmill.worker.inputs import SeqInput
@@ -51,7 +51,7 @@ class DistributedRunner(ModelRunner):
 
     @torch.inference_mode()
     def all_logits(self, seqs: list[SeqInput]) -> torch.Tensor:
-        self.cluster.broadcast(Forward(seqs))
+        self.cluster.broadcast(Forward([ScoredSeq.of(s) for s in seqs]))
         try:
             return super().all_logits(seqs)
         except Exception as e:
