@@ -630,17 +630,40 @@ void attention_work(AttnPlan& plan, const void* q, const void* k_cache, const vo
           const int64_t r = (j - jb) * groups + g;
           const float* qr = qf.data() + r * d;
           float block_max = -std::numeric_limits<float>::infinity();
-          for (int64_t t = lo; t < visible; ++t) {
-            const float* kr = kbase + t * kv_stride;
-            float dot = 0.f;
+          int64_t t = lo;
 #ifdef TOKENMILL_AVX2  // (the AVX-512 build scores 64- and 128-wide heads in attend_row16 above)
-            if constexpr (fixed_d && HD % 8 == 0) {
+          if constexpr (fixed_d && HD % 8 == 0) {
+            // Four keys at a time: four independent chains of FMAs (one chain's latency bound the
+            // loop: 8 dependent FMAs a key at HD 64), reduced together. Every key's dot is
+            // hsum4's lane, alone or in a four (zeros beside it): the same bits however the
+            // keys fall into fours, so a row's scores do not depend on its step.
+            const __m256 zero = _mm256_setzero_ps();
+            auto chain = [&](int64_t key) {  // one key's products, a chain of FMAs
+              const float* kr = kbase + key * kv_stride;
               __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qr), _mm256_loadu_ps(kr));
               for (int c = 1; c < HD / 8; ++c)
                 acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + 8 * c), _mm256_loadu_ps(kr + 8 * c), acc);
-              dot = tokenmill::hsum8(acc);
-            } else
+              return acc;
+            };
+            auto keep = [&](int64_t key, float dot) {
+              if (softcap > 0.f) dot = softcap * std::tanh(dot / softcap);  // Gemma 2's soft cap
+              scores[key] = dot;
+              block_max = std::max(block_max, dot);
+            };
+            alignas(16) float dots[4];
+            for (; t + 4 <= visible; t += 4) {
+              _mm_store_ps(dots, tokenmill::hsum4(chain(t), chain(t + 1), chain(t + 2), chain(t + 3)));
+              for (int u = 0; u < 4; ++u) keep(t + u, dots[u]);
+            }
+            for (; t < visible; ++t) {
+              _mm_store_ps(dots, tokenmill::hsum4(chain(t), zero, zero, zero));
+              keep(t, dots[0]);
+            }
+          }
 #endif
+          for (; t < visible; ++t) {
+            const float* kr = kbase + t * kv_stride;
+            float dot = 0.f;
             {
 #pragma omp simd reduction(+ : dot)
               for (int64_t x = 0; x < d; ++x) dot += qr[x] * kr[x];
