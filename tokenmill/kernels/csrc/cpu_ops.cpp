@@ -523,6 +523,137 @@ void attend_item_bf16(const AttnPlan& plan, const WorkItem& it, const c10::BFloa
 // One thread's part of a plan's work: items taken from p.next until none is left.
 // HD: the head dimension when known at compile time (64, 128; 0 = read at run time), so
 // the per-key dot products and V accumulations unroll into a few full vector ops.
+#ifdef TOKENMILL_AVX2
+// fast_exp on 8 lanes (exp16's series and steps).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 n = _mm256_round_ps(_mm256_add_ps(t, _mm256_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.693147180559945309f));
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23));
+  return _mm256_castsi256_ps(bits);
+}
+
+// A block's scores [lo, visible) made their softmax weights exp(s - new_max), 8 at a time, and
+// their sum (one register's lanes added, then hsum8). `s` has 8 floats of room past the block:
+// the lanes past `visible` are written zeros. (The compiler left the scalar fast_exp loop scalar:
+// ~20 instructions a score, a third of a long chunk's time.)
+inline float exp_scores8(float* s, int64_t lo, int64_t visible, float new_max) {
+  alignas(32) static constexpr int32_t LANES[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+  const __m256 mx = _mm256_set1_ps(new_max);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t k = lo; k < visible; k += 8) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + k), mx));
+    const int64_t left = visible - k;
+    if (left < 8)
+      e = _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(LANES + 8 - left))));
+    _mm256_storeu_ps(s + k, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  return tokenmill::hsum8(acc);
+}
+
+// Two rows of one query (two query heads that share a KV head: the same keys [lo, visible)) against
+// a block of keys, sharing every key's and value's load between them where one row alone loads its
+// query chunk beside each key chunk. Each row's arithmetic is one row's (attention_work's AVX2 path:
+// the same chains of FMAs, hsum4's lanes, the same softmax and V sums, in the same order), and a
+// row always takes the same path (pairs are fixed by the model's heads), so no row's bits depend on
+// its step. HD a multiple of 32 (the V sums four registers a row at a time); s0 and s1 with 8 floats
+// of room past the block (exp_scores8).
+template <int HD>
+void attend_pair8(const float* q0, const float* q1, const float* kbase, const float* vbase, int64_t kv_stride,
+                  int64_t lo, int64_t visible, float softcap, float* a0, float* a1, float& m0, float& m1, float& l0,
+                  float& l1, float* s0, float* s1) {
+  float bmax0 = -std::numeric_limits<float>::infinity(), bmax1 = bmax0;
+  auto keep = [&](float* s, float& bmax, int64_t key, float dot) {
+    if (softcap > 0.f) dot = softcap * std::tanh(dot / softcap);  // Gemma 2's soft cap
+    s[key] = dot;
+    bmax = std::max(bmax, dot);
+  };
+  const __m256 zero = _mm256_setzero_ps();
+  alignas(16) float d0[4], d1[4];
+  int64_t t = lo;
+  for (; t + 4 <= visible; t += 4) {
+    __m256 c0[4], c1[4];
+    for (int u = 0; u < 4; ++u) {
+      const __m256 k = _mm256_loadu_ps(kbase + (t + u) * kv_stride);
+      c0[u] = _mm256_mul_ps(_mm256_loadu_ps(q0), k);
+      c1[u] = _mm256_mul_ps(_mm256_loadu_ps(q1), k);
+    }
+    for (int c = 1; c < HD / 8; ++c) {
+      const __m256 qa = _mm256_loadu_ps(q0 + 8 * c), qb = _mm256_loadu_ps(q1 + 8 * c);
+      for (int u = 0; u < 4; ++u) {
+        const __m256 k = _mm256_loadu_ps(kbase + (t + u) * kv_stride + 8 * c);
+        c0[u] = _mm256_fmadd_ps(qa, k, c0[u]);
+        c1[u] = _mm256_fmadd_ps(qb, k, c1[u]);
+      }
+    }
+    _mm_store_ps(d0, tokenmill::hsum4(c0[0], c0[1], c0[2], c0[3]));
+    _mm_store_ps(d1, tokenmill::hsum4(c1[0], c1[1], c1[2], c1[3]));
+    for (int u = 0; u < 4; ++u) {
+      keep(s0, bmax0, t + u, d0[u]);
+      keep(s1, bmax1, t + u, d1[u]);
+    }
+  }
+  for (; t < visible; ++t) {
+    const float* kr = kbase + t * kv_stride;
+    __m256 c0 = _mm256_mul_ps(_mm256_loadu_ps(q0), _mm256_loadu_ps(kr));
+    __m256 c1 = _mm256_mul_ps(_mm256_loadu_ps(q1), _mm256_loadu_ps(kr));
+    for (int c = 1; c < HD / 8; ++c) {
+      const __m256 k = _mm256_loadu_ps(kr + 8 * c);
+      c0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 8 * c), k, c0);
+      c1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + 8 * c), k, c1);
+    }
+    _mm_store_ps(d0, tokenmill::hsum4(c0, zero, zero, zero));
+    _mm_store_ps(d1, tokenmill::hsum4(c1, zero, zero, zero));
+    keep(s0, bmax0, t, d0[0]);
+    keep(s1, bmax1, t, d1[0]);
+  }
+  // the online softmax, row by row, as one row's
+  auto soften = [&](float* s, float block_max, float* ar, float& m, float& l) {
+    const float new_max = std::max(m, block_max);
+    if (new_max > m) {
+      const float correction = std::exp(m - new_max);  // exp(-inf) = 0 on the first block
+      l *= correction;
+#pragma omp simd
+      for (int64_t x = 0; x < HD; ++x) ar[x] *= correction;
+      m = new_max;
+    }
+    return exp_scores8(s, lo, visible, new_max);
+  };
+  const float sum0 = soften(s0, bmax0, a0, m0, l0), sum1 = soften(s1, bmax1, a1, m1, l1);
+  for (int c0i = 0; c0i < HD / 8; c0i += 4) {  // V, four registers a row at a time
+    __m256 x0[4], x1[4];
+    for (int c = 0; c < 4; ++c) {
+      x0[c] = _mm256_loadu_ps(a0 + 8 * (c0i + c));
+      x1[c] = _mm256_loadu_ps(a1 + 8 * (c0i + c));
+    }
+    for (int64_t k = lo; k < visible; ++k) {
+      const __m256 p0 = _mm256_set1_ps(s0[k]), p1 = _mm256_set1_ps(s1[k]);
+      const float* vr = vbase + k * kv_stride + 8 * c0i;
+      for (int c = 0; c < 4; ++c) {
+        const __m256 v = _mm256_loadu_ps(vr + 8 * c);
+        x0[c] = _mm256_fmadd_ps(p0, v, x0[c]);
+        x1[c] = _mm256_fmadd_ps(p1, v, x1[c]);
+      }
+    }
+    for (int c = 0; c < 4; ++c) {
+      _mm256_storeu_ps(a0 + 8 * (c0i + c), x0[c]);
+      _mm256_storeu_ps(a1 + 8 * (c0i + c), x1[c]);
+    }
+  }
+  l0 += sum0;
+  l1 += sum1;
+}
+#endif
+
 template <typename Q, typename C, int HD>
 void attention_work(AttnPlan& plan, const void* q, const void* k_cache, const void* v_cache,
                     const c10::BFloat16* ksp, const c10::BFloat16* vsp) {
@@ -539,7 +670,7 @@ void attention_work(AttnPlan& plan, const void* q, const void* k_cache, const vo
   KVReader<C> reader;
   reader.lut = plan.lut.data();
   const int64_t n_items = static_cast<int64_t>(plan.items.size());
-  std::vector<float> qf, kf(block_size * d), vf(block_size * d), scores(block_size);
+  std::vector<float> qf, kf(block_size * d), vf(block_size * d), scores(block_size + 8), pair_scores(2 * (block_size + 8));
   for (int64_t w = plan.next++; w < n_items; w = plan.next++) {
     const WorkItem& it = plan.items[plan.order[w]];
     const int64_t s = it.seq, h = it.head, q0 = qsl[s], nq = qsl[s + 1] - q0, len = lens[s];
@@ -626,7 +757,18 @@ void attention_work(AttnPlan& plan, const void* q, const void* k_cache, const vo
           continue;
         }
 #endif
-        for (int64_t g = 0; g < groups; ++g) {
+        int64_t g_first = 0;
+#ifdef TOKENMILL_AVX2
+        if constexpr (fixed_d && HD % 32 == 0) {  // pairs of rows share the keys' and values' loads
+          for (; g_first + 2 <= groups; g_first += 2) {
+            const int64_t r = (j - jb) * groups + g_first;
+            attend_pair8<HD>(qf.data() + r * d, qf.data() + (r + 1) * d, kbase, vbase, kv_stride, lo, visible, softcap,
+                             a + r * d, a + (r + 1) * d, m[r], m[r + 1], l[r], l[r + 1], pair_scores.data(),
+                             pair_scores.data() + block_size + 8);
+          }
+        }
+#endif
+        for (int64_t g = g_first; g < groups; ++g) {
           const int64_t r = (j - jb) * groups + g;
           const float* qr = qf.data() + r * d;
           float block_max = -std::numeric_limits<float>::infinity();
@@ -682,10 +824,17 @@ void attention_work(AttnPlan& plan, const void* q, const void* k_cache, const vo
             m[r] = new_max;
           }
           float sum = 0.f;
+#ifdef TOKENMILL_AVX2
+          if constexpr (fixed_d && HD % 8 == 0) {
+            sum = exp_scores8(scores.data(), lo, visible, new_max);
+          } else
+#endif
+          {
 #pragma omp simd reduction(+ : sum)
-          for (int64_t t = lo; t < visible; ++t) {
-            scores[t] = fast_exp(scores[t] - new_max);
-            sum += scores[t];
+            for (int64_t t = lo; t < visible; ++t) {
+              scores[t] = fast_exp(scores[t] - new_max);
+              sum += scores[t];
+            }
           }
 #ifdef TOKENMILL_AVX2
           if constexpr (fixed_d && HD % 8 == 0) {
