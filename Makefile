@@ -56,7 +56,7 @@ test: install-test
 
 # The fast tier: no model weights, seconds (markers: unit, model, server, subprocess).
 test-unit: install-test
-	$(PY) -m pytest -q -m unit tests/unit
+	$(PY) -m pytest -q -m "unit and not subprocess" tests/unit
 
 lint: install-test
 	$(PY) -m ruff check tokenmill tests bench

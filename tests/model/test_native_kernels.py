@@ -610,6 +610,8 @@ def test_avx2_only_build_matches_the_reference():
         "t.check_attention(t.DECODES + [(700, 4), (90, 90), (2600, 300)], heads=9, kv_heads=3)\n"
         "t.test_sliding_windows_and_soft_capping(64, 30.0)\n"
         "t.test_attention_of_a_query_does_not_depend_on_its_step(9, 3, 64)\n"
+        "t.test_attention_of_a_query_does_not_depend_on_its_step(8, 2, 128)\n"
+        "t.test_long_prefill_chunk_over_a_long_context()\n"
         "t.BS = 8\n"
         "t.check_attention([(15, 1), (300, 1), (47, 5), (33, 33)], heads=9, kv_heads=3, window=20)\n"
         "t.BS = 16\n"

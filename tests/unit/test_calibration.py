@@ -65,6 +65,7 @@ def test_a_users_text_is_the_only_source_and_an_empty_one_is_refused(tmp_path):
         calibration_texts(mine)
 
 
+@pytest.mark.subprocess  # (each rendering a fresh interpreter)
 def test_default_sources_are_the_bundled_prose_and_stdlib_docs_holding_no_live_values(monkeypatch):
     """The bundled prose and the standard library's docs, the same text on every call: no
     environment, no addresses, nothing this process imported or patched (transformers adds
