@@ -50,6 +50,18 @@ def test_a_request_past_the_context_is_served_by_the_servers_eviction(evicting):
         assert too_long.status_code == 400 and "maximum context length" in too_long.json()["error"]["message"]
 
 
+def test_the_responses_api_takes_the_servers_eviction_and_its_opt_out(evicting):
+    body = {"model": MODEL, "input": LONG, "max_output_tokens": 8, "temperature": 0}
+    with httpx.Client(base_url=evicting.url, timeout=120) as http:
+        before = evicting.metric("tokenmill:kv_evicted_tokens_total", model_name=MODEL)
+        r = http.post("/v1/responses", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["input_tokens"] > LIMIT
+        assert evicting.metric("tokenmill:kv_evicted_tokens_total", model_name=MODEL) > before
+        off = http.post("/v1/responses", json=body | {"kv_eviction": {"policy": "none"}})
+        assert off.status_code == 400 and "maximum context length" in off.json()["error"]["message"]
+
+
 @pytest.mark.parametrize(
     ("extra", "says"),
     [

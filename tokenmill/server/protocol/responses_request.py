@@ -56,6 +56,7 @@ class ChatFieldsOfResponses(BaseModel):
     kv_transfer_params: dict[str, Any] | None = None
     ec_transfer_params: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
+    kv_eviction: dict[str, Any] | None = None  # tokenmill's (KVEviction): {"policy": "none"} opts out
     media_io_kwargs: dict[str, Any] | None = None
     mm_payload: Any = None
     return_mm_kwargs: bool | None = None

@@ -17,7 +17,7 @@ from tokenmill.server.gateway.gateway import routed
 from tokenmill.server.gateway.model_router import ModelRouter
 from tokenmill.server.gateway.models import Target
 from tokenmill.server.gateway.served import Served, resolve
-from tokenmill.server.jobs.prompts import chat_prompt
+from tokenmill.server.jobs.prompts import chat_prompt, with_eviction_default
 from tokenmill.server.jobs.response_items import ResponseShape, Stored, owner_of
 from tokenmill.server.jobs.response_job import ResponseJob
 from tokenmill.server.protocol.error_responses import APIError
@@ -33,7 +33,13 @@ def register(app: FastAPI, served: Served) -> None:
         history: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
             history = _stored(served, owner, body.previous_response_id, "previous_response_id").messages
-        chat = chat_request(body.chat_body(history), "input")
+        config = served.config
+        chat = with_eviction_default(
+            chat_request(body.chat_body(history), "input"),
+            config.kv_eviction_window,
+            config.kv_eviction_sinks,
+            config.kv_eviction_policy,
+        )
         client = served.clients.client_of(request)
 
         async def job(target: Target) -> ResponseJob:
