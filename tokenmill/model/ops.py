@@ -229,9 +229,8 @@ class NativeOps(TorchOps):
         ):
             return None
         index = meta.kernel_index(self._fresh_sdpa_min, self._fresh_sdpa_min)
-        if (
-            index.fresh_seqs or index.context_seqs or meta.tree_masks
-        ):  # a long fresh prefill takes SDPA, a tree its mask: the Python loop
+        # a long prefill chunk takes SDPA, a tree its mask: the Python loop
+        if index.fresh_seqs or index.context_seqs or meta.tree_masks:
             return None
         return torch.ops.tokenmill.decode_layers(
             x,

@@ -520,9 +520,6 @@ void attend_item_bf16(const AttnPlan& plan, const WorkItem& it, const c10::BFloa
 }
 #endif
 
-// One thread's part of a plan's work: items taken from p.next until none is left.
-// HD: the head dimension when known at compile time (64, 128; 0 = read at run time), so
-// the per-key dot products and V accumulations unroll into a few full vector ops.
 #ifdef TOKENMILL_AVX2
 // fast_exp on 8 lanes (exp16's series and steps).
 inline __m256 exp8(__m256 x) {
@@ -654,6 +651,9 @@ void attend_pair8(const float* q0, const float* q1, const float* kbase, const fl
 }
 #endif
 
+// One thread's part of a plan's work: items taken from p.next until none is left.
+// HD: the head dimension when known at compile time (64, 128; 0 = read at run time), so
+// the per-key dot products and V accumulations unroll into a few full vector ops.
 template <typename Q, typename C, int HD>
 void attention_work(AttnPlan& plan, const void* q, const void* k_cache, const void* v_cache,
                     const c10::BFloat16* ksp, const c10::BFloat16* vsp) {

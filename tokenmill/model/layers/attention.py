@@ -277,10 +277,7 @@ def context_prefill_attention(q, k, v, cache: KVCacheLayer, block_table: torch.T
 def _flash(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """SDPA's CPU flash kernel with its log-sum-exp ([1, heads, n, d], [1, heads, n] float32),
     grouped K/V heads repeated up front (see _sdpa)."""
-    groups = q.shape[-3] // k.shape[-3]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=-3)
-        v = v.repeat_interleave(groups, dim=-3)
+    k, v = _repeat_kv(q, k, v)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
     return out.float(), lse
 
@@ -333,9 +330,7 @@ def _attend(q, k, v, mask: torch.Tensor | None, causal: bool, scale: float, soft
     as transformers' Gemma 2 computes them. K/V heads may be fewer (grouped) than q's."""
     if softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
-    if q.shape[-3] != k.shape[-3]:  # (the decode path groups q by K/V head itself)
-        groups = q.shape[-3] // k.shape[-3]
-        k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
+    k, v = _repeat_kv(q, k, v)  # (the decode path groups q by K/V head itself)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     scores = torch.tanh(scores / softcap) * softcap
     if causal:
@@ -355,8 +350,14 @@ def _sdpa(q, k, v, mask: torch.Tensor | None, causal: bool, scale: float) -> tor
     plain multi-head inputs get; repeating K/V costs far less. Inputs are 4-D
     ``[batch, heads, tokens, head_dim]``: the fused kernels take nothing else.
     """
+    k, v = _repeat_kv(q, k, v)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+
+
+def _repeat_kv(q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped K/V heads repeated to q's heads ([..., heads, tokens, head_dim])."""
     groups = q.shape[-3] // k.shape[-3]
     if groups > 1:
         k = k.repeat_interleave(groups, dim=-3)
         v = v.repeat_interleave(groups, dim=-3)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+    return k, v
