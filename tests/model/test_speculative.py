@@ -236,3 +236,26 @@ def test_a_lone_request_that_just_fits_drops_speculation_rather_than_stopping_ea
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     got = run(engine, [list(range(10))], params)
     assert got == run(tiny_engine(target), [list(range(10))], params) and len(got["0"]) == 10
+
+
+def test_a_draft_model_spends_no_forward_on_requests_that_evict_kv(target):
+    """Evicting requests never draft and share no blocks, so the draft model's catch-up on
+    them is work nobody reads: it reads only the other requests' tokens, and every output
+    is plain decoding's."""
+    from tokenmill.sampling_params import KVEviction
+
+    prompts, params = mixed_workload(16)
+    evicting = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, kv_eviction=KVEviction(window=16, sinks=4))
+    prompts, params = prompts[:3] + [[5, 7, 9] * 10], params[:3] + [evicting]
+    expected = run(tiny_engine(target), prompts, params)
+    draft = tiny_model(1, vocab=16)
+    seen = []
+    hook = draft.register_forward_pre_hook(lambda _m, args: seen.append(args[0].numel()))
+    try:
+        assert run(tiny_engine(target, "draft", draft=draft), prompts[3:], params[3:]) == {"0": expected["3"]}
+        assert seen == [], "the draft model read an evicting request's tokens"
+        engine = tiny_engine(target, "draft", draft=draft)
+        assert run(engine, prompts, params) == expected
+    finally:
+        hook.remove()
+    assert seen and engine.core.spec_decode_stats.num_drafts > 0, "the others drafted nothing"

@@ -271,6 +271,25 @@ def test_greedy_output_is_identical_with_a_head(target, tmp_path, method):
     assert engine.core.spec_decode_stats.num_drafts > 0
 
 
+def test_an_eagle_head_spends_no_forward_on_requests_that_evict_kv(target, tmp_path):
+    """An evicting request never drafts and shares no block: the head catching up on its
+    features would be work nobody reads."""
+    from tokenmill.sampling_params import KVEviction
+
+    ev = KVEviction(window=16, sinks=4)
+    prompt, params = [5, 7, 9] * 10, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, kv_eviction=ev)
+    expected = run(engine_with(target, None, "ngram"), [prompt], params)
+    write_eagle(tmp_path, target)
+    engine = eagle_engine(target, tmp_path)
+    seen = []
+    hook = engine.core.runner.proposer.head.register_forward_pre_hook(lambda _m, args: seen.append(1))
+    try:
+        assert run(engine, [prompt], params) == expected
+    finally:
+        hook.remove()
+    assert seen == [], "the head read an evicting request's features"
+
+
 def test_a_confidence_floor_drafts_less_and_changes_no_output(target, tmp_path):
     """With ``draft_confidence`` a sequence stops drafting once the head is unsure of its
     drafts so far: fewer tokens to verify, the same output."""

@@ -102,7 +102,11 @@ class ModelProposer:
 
     def _first_input(self, s: SeqInput, new_tokens: dict[str, list[int]]) -> SeqInput | None:
         """The draft's first forward for one sequence: the tokens the target kept this
-        step (catch-up) and the newly sampled token when this sequence drafts."""
+        step (catch-up) and the newly sampled token when this sequence drafts. A request
+        evicting K/V (``KVEviction``) never drafts and shares no block through the prefix
+        cache, so nothing would ever read the draft's K/V of it: it gets none."""
+        if s.params.kv_eviction is not None:
+            return None
         gained = new_tokens.get(s.request_id, [])
         drafting = wants_draft(s, new_tokens)
         kept = len(s.token_ids) - len(s.spec_token_ids)  # real tokens; accepted drafts are gained[:-1]

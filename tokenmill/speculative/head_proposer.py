@@ -157,6 +157,8 @@ class EagleProposer:
             rid, start, drafting = s.request_id, s.num_computed_tokens, wants_draft(s, new_tokens)
             rows = hidden[offset : offset + n]
             offset += len(s.token_ids)
+            if s.params.kv_eviction is not None:  # never drafts, shares no block: its head K/V unread
+                continue
             pending = self._pending.pop(rid, None)
             if pending is not None and pending[0] + pending[1].shape[0] == start:  # contiguous: catch up on both
                 start, rows = pending[0], torch.cat([pending[1], rows])
