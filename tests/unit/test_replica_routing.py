@@ -168,6 +168,20 @@ def test_replica_snapshots_merge_into_the_clusters_figures():
     assert m.kv_usage == 0.375 and m.loras == {"x": "/x"} and m.lora_requests == {"x": 3}
 
 
+def test_every_counter_of_the_replicas_reaches_the_clusters_figures():
+    """Each replica's counters summed (the KV tiers' and eviction's included): a field the
+    merge forgets would read 0 on a cluster's /metrics."""
+    from dataclasses import fields
+
+    from tokenmill.engine.stats import EngineSnapshot
+    from tokenmill.replicas.index import merge_snapshots
+
+    counters = [f.name for f in fields(EngineSnapshot) if f.type == "int" and f.name != "max_loras"]
+    one = EngineSnapshot(**{name: i + 1 for i, name in enumerate(counters)})
+    m = merge_snapshots([one, one])
+    assert {name: getattr(m, name) for name in counters} == {name: 2 * (i + 1) for i, name in enumerate(counters)}
+
+
 def test_the_serve_deploy_application_takes_our_option_names_and_refuses_others():
     """deploy/ray-serve.yaml's args are tokenmill's options; a typo is an error naming it
     (building the application starts nothing)."""
