@@ -23,6 +23,7 @@ from tokenmill.distributed.runner import DistributedRunner
 from tokenmill.distributed.stage import parallel_stage
 from tokenmill.engine.core.engine_core import EngineConfig, EngineCore
 from tokenmill.engine.core.kv_disk import DiskTier, files_fingerprint, namespace_of
+from tokenmill.engine.core.kv_host import HostTier
 from tokenmill.engine.engine import Engine
 from tokenmill.errors import ModelLoadError, TokenmillError
 from tokenmill.kernels.cpu import cpu_info
@@ -192,6 +193,7 @@ def build_engine(args: EngineArgs, progress: bool = True, outputs: bool = True) 
         ),
         grammars=_grammar_compiler(tokenizer, config.vocab_size, args.structured),
         disk_tier=_disk_tier(args, path, dtype, kv_caches, runner, proposer) if cache.kv_disk_cache else None,
+        host_tier=_host_tier(args, device, kv_caches, runner, proposer) if cache.kv_host_cache is not None else None,
     )
     for name, lora_path in args.lora.modules.items():
         core.add_lora(name, lora_path)
@@ -208,12 +210,7 @@ def _disk_tier(
     model's files, the dtypes, the block size, the quantised arithmetic and kernels, this CPU and
     this torch (blocks computed elsewhere would differ in their last bits from a recompute)."""
     cache, load = args.cache, args.load
-    if not cache.enable_prefix_caching:
-        raise TokenmillError("kv_disk_cache is a tier of the prefix cache: it needs prefix caching on")
-    if type(runner) is not ModelRunner:
-        raise TokenmillError("kv_disk_cache needs the model in one process (no tensor or pipeline parallelism)")
-    if proposer is not None and getattr(proposer, "catch_up", False):
-        raise TokenmillError("kv_disk_cache cannot follow a draft model's own KV cache (speculative method draft)")
+    _check_tier("kv_disk_cache", args, runner, proposer)
     facts = {
         "model": str(path.resolve()),
         "files": files_fingerprint(path).hex(),
@@ -231,6 +228,34 @@ def _disk_tier(
     if size <= 0:
         raise TokenmillError(f"kv_disk_cache_size must be above 0 bytes, got {cache.kv_disk_cache_size!r}")
     return DiskTier(cache.kv_disk_cache, namespace_of(facts), size)
+
+
+def _host_tier(
+    args: EngineArgs, device: torch.device, kv_caches: list, runner: ModelRunner, proposer: Proposer | None
+) -> HostTier:
+    """The prefix cache's host-memory tier: one buffer of whole blocks, pinned for a CUDA pool."""
+    _check_tier("kv_host_cache", args, runner, proposer)
+    size, row = parse_memory(args.cache.kv_host_cache), block_nbytes(kv_caches)
+    if size < row:
+        raise TokenmillError(
+            f"kv_host_cache must hold one KV block at least ({row} bytes), got {args.cache.kv_host_cache!r}"
+        )
+    if device.type == "cpu":
+        logger.warning(
+            "kv_host_cache on a CPU copies blocks from host memory to host memory: a larger kv_cache_memory "
+            "would hold them in the pool itself"
+        )
+    return HostTier(size, row, pin=device.type == "cuda")
+
+
+def _check_tier(name: str, args: EngineArgs, runner: ModelRunner, proposer: Proposer | None) -> None:
+    """A tier below the pool stores and reads the runner's blocks: one process, the target's own K/V."""
+    if not args.cache.enable_prefix_caching:
+        raise TokenmillError(f"{name} is a tier of the prefix cache: it needs prefix caching on")
+    if type(runner) is not ModelRunner:
+        raise TokenmillError(f"{name} needs the model in one process (no tensor or pipeline parallelism)")
+    if proposer is not None and getattr(proposer, "catch_up", False):
+        raise TokenmillError(f"{name} cannot follow a draft model's own KV cache (speculative method draft)")
 
 
 def _grammar_compiler(tokenizer: Tokenizer, vocab_size: int, config: StructuredConfig) -> GrammarCompiler | None:

@@ -1,6 +1,7 @@
 """The prefix cache's disk tier behind `tokenmill serve`: what one server computed, a server
 restarted on the same directory reads back (its blocks written before the first one exits),
-answering the same; /metrics and the live state show the tier."""
+answering the same; /metrics and the live state show the tier (and the host-memory tier
+above it)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def ask(server: Server) -> tuple[str, float, float]:
 
 
 def test_a_restarted_server_answers_from_the_blocks_the_last_one_wrote(tmp_path):
-    first = Server("--kv-disk-cache", str(tmp_path))
+    first = Server("--kv-disk-cache", str(tmp_path), "--kv-host-cache", "32MiB")  # a host tier above it
     try:
         answer, hits, reads = ask(first)
         assert hits == 0 and reads == 0
@@ -43,6 +44,9 @@ def test_a_restarted_server_answers_from_the_blocks_the_last_one_wrote(tmp_path)
         assert first.metric("tokenmill:kv_disk_cache_bytes") > 0
         live = httpx.get(first.url + "/tokenmill/live").json()["models"][0]["gauges"]["kv_disk"]
         assert live["stored"] > 0 and live["bytes"] > 0 and live["hits"] == 0
+        host = httpx.get(first.url + "/tokenmill/live").json()["models"][0]["gauges"]["kv_host"]
+        assert host["stored"] == first.metric("tokenmill:kv_host_cache_stored_total") >= live["stored"]
+        assert host["bytes"] == first.metric("tokenmill:kv_host_cache_bytes") > 0 and host["hits"] == 0
     finally:
         assert first.stop() == 0
     files = list(tmp_path.rglob("*.kv"))

@@ -67,7 +67,7 @@ EXAMPLES = [
 # WireDelta, WireError and CoreInfo as dataclasses; 4: the sampling parameters' kv_eviction, the
 # snapshot's kv_evicted_tokens, and one message per call where Call named a method), the engine
 # snapshot's fields and the sampling parameters'.
-WIRE_V4 = {
+WIRE_V5 = {
     "add": ["request_id", "prompt_ids", "params", "pooling", "lora"],
     "abort": ["request_id"],
     "stop": ["seq_id", "stop_string"],
@@ -90,7 +90,7 @@ WIRE_V4 = {
     "stats": ["report"],
     "dead": ["message"],
 }
-CONTENTS_V4 = {
+CONTENTS_V5 = {
     m.Report: ["snapshot", "kv_events", "steps"],
     m.CoreInfo: ["max_model_len", "num_blocks", "block_size", "model_path"],
     WireDelta: [
@@ -116,38 +116,39 @@ def test_the_examples_cover_every_message_both_ways():
     assert {type(x) for x in EXAMPLES} == set(m.TO_CORE + m.TO_API)
 
 
-SNAPSHOT_V4 = [
+SNAPSHOT_V5 = [
     "num_running", "num_waiting", "kv_usage", "num_preemptions", "num_step_retries", "prefix_cache_queries",
-    "prefix_cache_hits", "kv_disk_bytes", "kv_disk_hits", "kv_disk_stored", "kv_disk_evicted", "kv_evicted_tokens",
+    "prefix_cache_hits", "kv_disk_bytes", "kv_disk_hits", "kv_disk_stored", "kv_disk_evicted", "kv_host_bytes",
+    "kv_host_hits", "kv_host_stored", "kv_host_evicted", "kv_evicted_tokens",
     "spec_num_drafts",
     "spec_num_draft_tokens", "spec_num_accepted_tokens", "iteration_tokens", "iteration_tokens_sum", "max_loras",
     "loras", "lora_requests", "running_loras", "waiting_loras",
 ]  # fmt: skip
-SAMPLING_V4 = [
+SAMPLING_V5 = [
     "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
     "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "logprobs",
     "prompt_logprobs", "skip_special_tokens", "structured", "min_tokens", "logit_bias", "allowed_token_ids",
     "bad_words", "priority", "bad_words_token_ids", "eos_token_ids", "client", "cache_salt", "kv_eviction",
 ]  # fmt: skip
-STRUCTURED_V4 = ["json", "regex", "choice", "grammar", "json_object", "whitespace_pattern", "reasoning_end"]
+STRUCTURED_V5 = ["json", "regex", "choice", "grammar", "json_object", "whitespace_pattern", "reasoning_end"]
 
 
 def test_the_wire_is_pinned_to_its_version():
     from tokenmill.structured.constraint import StructuredOutputs
 
-    assert m.WIRE_VERSION == 4
-    assert {cls.TAG: [f.name for f in fields(cls)] for cls in m.TO_CORE + m.TO_API} == WIRE_V4
-    assert {cls: [f.name for f in fields(cls)] for cls in CONTENTS_V4} == CONTENTS_V4
-    assert [f.name for f in fields(EngineSnapshot)] == SNAPSHOT_V4
-    assert [f.name for f in fields(SamplingParams)] == SAMPLING_V4
-    assert [f.name for f in fields(StructuredOutputs)] == STRUCTURED_V4
+    assert m.WIRE_VERSION == 5
+    assert {cls.TAG: [f.name for f in fields(cls)] for cls in m.TO_CORE + m.TO_API} == WIRE_V5
+    assert {cls: [f.name for f in fields(cls)] for cls in CONTENTS_V5} == CONTENTS_V5
+    assert [f.name for f in fields(EngineSnapshot)] == SNAPSHOT_V5
+    assert [f.name for f in fields(SamplingParams)] == SAMPLING_V5
+    assert [f.name for f in fields(StructuredOutputs)] == STRUCTURED_V5
 
 
 def test_a_core_of_another_wire_version_is_refused_by_name():
     ready = m.encode(m.Ready(m.WIRE_VERSION, m.CoreInfo(8, 1, 16, "/m"), REPORT))
     assert m.check_ready(unpack(pack(ready))) == m.decode(ready)
-    with pytest.raises(ValueError, match="speaks wire version 3, this API process 4"):
-        m.check_ready(["ready", 3, {"max_model_len": 8}, {}])
+    with pytest.raises(ValueError, match="speaks wire version 4, this API process 5"):
+        m.check_ready(["ready", 4, {"max_model_len": 8}, {}])
     with pytest.raises(ValueError, match="speaks wire version unknown"):  # version 1's Ready: info first
         m.check_ready(["ready", {"max_model_len": 8}, {}])
     with pytest.raises(ValueError, match="must be ready or failed"):

@@ -191,6 +191,12 @@ class CacheConfig:
     kv_disk_cache_size: int | float | str = opt(
         "4GiB", "the most the disk tier keeps, e.g. 4GiB, 512MiB (least recently used blocks removed past it)"
     )
+    kv_host_cache: int | float | str | None = opt(
+        None,
+        "a tier of the prefix cache in host memory, its size (e.g. 8GiB): full KV blocks copied there "
+        "as they are computed, read back on a miss before the disk tier; for an accelerator's pool "
+        "(on a CPU the pool is host memory: a larger kv_cache_memory serves better) (default: none)",
+    )
 
     def __post_init__(self) -> None:
         require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")

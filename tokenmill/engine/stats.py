@@ -79,6 +79,12 @@ class EngineSnapshot:
     kv_disk_hits: int = 0
     kv_disk_stored: int = 0
     kv_disk_evicted: int = 0
+    # the host-memory tier (kv_host.HostTierStats; zeros without one): bytes held, blocks read
+    # back, copied in, and evicted for newer ones
+    kv_host_bytes: int = 0
+    kv_host_hits: int = 0
+    kv_host_stored: int = 0
+    kv_host_evicted: int = 0
     kv_evicted_tokens: int = 0  # tokens whose K/V requests evicted (``KVEviction``), since start
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0

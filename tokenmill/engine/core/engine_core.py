@@ -30,8 +30,10 @@ from typing import Protocol
 from tokenmill.configuration.config import SchedulerConfig, SpeculativeConfig, check_adapter_name
 from tokenmill.engine.core.block_pool import BlockPool
 from tokenmill.engine.core.grammar_masks import StructuredOutputManager
-from tokenmill.engine.core.kv_disk import DiskSpill, DiskTier, DiskTierStats, files_fingerprint
+from tokenmill.engine.core.kv_disk import DiskTier, DiskTierStats, files_fingerprint
+from tokenmill.engine.core.kv_host import HostTier, HostTierStats
 from tokenmill.engine.core.kv_manager import KVCacheManager, PrefixCacheStats
+from tokenmill.engine.core.kv_tiers import KVTiers
 from tokenmill.engine.core.kv_transfer import KVTransfer
 from tokenmill.engine.core.request import Request
 from tokenmill.engine.core.scheduler import Scheduler, SchedulerOutput
@@ -100,6 +102,7 @@ class EngineCore:
         config: EngineConfig,
         grammars: GrammarCompiler | None = None,
         disk_tier: DiskTier | None = None,
+        host_tier: HostTier | None = None,
     ) -> None:
         self.runner = runner
         self.vocab_size = tokenizer.vocab_size
@@ -128,10 +131,12 @@ class EngineCore:
         self.iteration_tokens_sum = 0
         self.tracer = StepTracer(self.scheduler, self.block_pool)  # each step's batch, for a live view
         self.kv_transfer = KVTransfer(self.block_pool, runner)  # prefix-cache events and KV for replicas
-        # the prefix cache's disk tier: blocks stored as computed, read back on a miss
-        self.disk_spill = None if disk_tier is None else DiskSpill(disk_tier, self.block_pool, runner)
-        if self.disk_spill is not None:
-            self.kv.lower = self.disk_spill.load
+        # the prefix cache's tiers below the pool (host memory, disk): blocks stored as
+        # computed, read back on a miss
+        self.tiers = None
+        if host_tier is not None or disk_tier is not None:
+            self.tiers = KVTiers(self.block_pool, runner, host_tier, disk_tier)
+            self.kv.lower = self.tiers.load
 
     # ------------------------------------------------------------------ requests
 
@@ -370,8 +375,8 @@ class EngineCore:
             if masks is not None:
                 masks.future.exception()
         updates = self.scheduler.update_from_output(sched, result)
-        if self.disk_spill is not None:
-            self.disk_spill.store(self.kv.take_newly_cached())
+        if self.tiers is not None:
+            self.tiers.store(self.kv.take_newly_cached())
         deltas = [_delta(u.request, u.new_tokens, u.error) for u in updates]
         for u in updates:  # a request is gone once all its n sequences are
             if u.request.finished and all(r.finished for r in self._requests.get(u.request.parent_id, ())):
@@ -386,9 +391,9 @@ class EngineCore:
         return deltas
 
     def close(self) -> None:
-        """Write what the disk tier has queued (the next engine on its directory starts with it)."""
-        if self.disk_spill is not None:
-            self.disk_spill.tier.close()
+        """Write what the KV disk tier has queued (the next engine on its directory starts with it)."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     def block_states(self) -> bytes:
         """One byte per KV block (block_pool.block_states): free, cached, used, shared, hit."""
@@ -516,7 +521,9 @@ class EngineCore:
     def snapshot(self) -> EngineSnapshot:
         running, waiting = self.lora_usage if self.config.max_loras is not None else ([], [])
         prefix, spec = self.kv.stats, self.scheduler.spec_stats
-        disk = self.disk_spill.tier.stats if self.disk_spill is not None else DiskTierStats()
+        tiers = self.tiers
+        disk = tiers.disk.stats if tiers is not None and tiers.disk is not None else DiskTierStats()
+        host = tiers.host.stats if tiers is not None and tiers.host is not None else HostTierStats()
         return EngineSnapshot(
             num_running=self.num_running,
             num_waiting=self.num_waiting,
@@ -529,6 +536,10 @@ class EngineCore:
             kv_disk_hits=disk.hits,
             kv_disk_stored=disk.stored,
             kv_disk_evicted=disk.evicted,
+            kv_host_bytes=host.bytes,
+            kv_host_hits=host.hits,
+            kv_host_stored=host.stored,
+            kv_host_evicted=host.evicted,
             kv_evicted_tokens=self.kv.evicted_tokens,
             spec_num_drafts=spec.num_drafts,
             spec_num_draft_tokens=spec.num_draft_tokens,

@@ -15,8 +15,8 @@ modification times carry the order over a restart).
 Engines may share a directory (replicas on one machine): a block one wrote, another reads
 (``get`` looks on disk for what it has not seen), and each keeps its own count of the bound.
 
-The tier knows hashes and bytes only; ``DiskSpill`` pairs it with the block pool and the
-runner's rows, as ``kv_transfer`` does for KV moving between replicas.
+The tier knows hashes and bytes only; ``kv_tiers.KVTiers`` pairs it with the block pool and
+the runner's rows, as ``kv_transfer`` does for KV moving between replicas.
 """
 
 from __future__ import annotations
@@ -30,9 +30,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-from tokenmill.engine.core.block_pool import BlockPool
-from tokenmill.engine.core.kv_transfer import BlockRows, cache_rows
 
 logger = logging.getLogger(__name__)
 
@@ -223,36 +220,3 @@ class DiskTier:
                 victims.append(h)
         for h in victims:
             self._path(h).unlink(missing_ok=True)
-
-
-class DiskSpill:
-    """The pool's full blocks written to the disk tier as they are computed, and read back on a
-    prefix-cache miss (``KVCacheManager.find_cached_prefix`` asks ``load``)."""
-
-    def __init__(self, tier: DiskTier, pool: BlockPool, runner: BlockRows) -> None:
-        self.tier, self._pool, self._runner = tier, pool, runner
-
-    def store(self, blocks: list[tuple[int, bytes]]) -> None:
-        """Blocks just cached in the pool (id, hash): their rows copied out now (the next step
-        may reuse a block), written by the tier's thread."""
-        new = [(b, h) for b, h in blocks if h not in self.tier]
-        if not new:
-            return
-        rows = self._runner.export_blocks([b for b, _ in new])
-        for (_, h), row in zip(new, rows, strict=True):
-            self.tier.put(h, row.numpy().tobytes())
-
-    def load(self, hashes: list[bytes], held: list[int]) -> int:
-        """The leading ``hashes`` the tier holds, read into free pool blocks and cached there
-        (kv_transfer.cache_rows: never evicting ``held``, the prefix found in the pool already),
-        no more read than the pool has free blocks (a miss reads one file at most). Returns how
-        many."""
-        payloads: list[bytes] = []
-        for h in hashes[: self._pool.num_free]:
-            data = self.tier.get(h)
-            if data is None:
-                break
-            payloads.append(data)
-        if not payloads:
-            return 0
-        return cache_rows(self._pool, self._runner, held, hashes[: len(payloads)], b"".join(payloads))

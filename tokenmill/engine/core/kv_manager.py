@@ -58,7 +58,7 @@ class KVCacheManager:
         self.sliding_window = sliding_window
         self.stats = PrefixCacheStats()
         self.evicted_tokens = 0  # tokens whose K/V requests evicted (``KVEviction``), in all
-        # A tier below the pool (kv_disk.DiskSpill): ``lower(hashes, held)`` caches in the pool
+        # The tiers below the pool (kv_tiers.KVTiers): ``lower(hashes, held)`` caches in the pool
         # the leading blocks of ``hashes`` it holds and says how many; the blocks cached since
         # ``take_newly_cached`` are what it stores. None: the pool alone.
         self.lower: Callable[[list[bytes], list[int]], int] | None = None

@@ -38,7 +38,7 @@ from tokenmill.errors import InvalidRequestError
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
-WIRE_VERSION = 4
+WIRE_VERSION = 5
 
 
 @dataclass

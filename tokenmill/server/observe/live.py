@@ -206,6 +206,15 @@ class ModelLive:
                 }
                 if snap.kv_disk_bytes or snap.kv_disk_hits or snap.kv_disk_stored
                 else None,
+                # the host-memory tier (--kv-host-cache), likewise
+                "kv_host": {
+                    "bytes": snap.kv_host_bytes,
+                    "hits": snap.kv_host_hits,
+                    "stored": snap.kv_host_stored,
+                    "evicted": snap.kv_host_evicted,
+                }
+                if snap.kv_host_bytes or snap.kv_host_hits or snap.kv_host_stored
+                else None,
                 "kv_evicted_tokens": snap.kv_evicted_tokens,  # by requests' kv_eviction, since start
                 "generation_tokens_per_s": round(decode, 1),
                 "prompt_tokens_per_s": round(prefill, 1),

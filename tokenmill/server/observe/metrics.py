@@ -137,6 +137,24 @@ class EngineCollector:
             "KV blocks removed from the disk tier past its size.",
             lambda e: e.kv_disk_evicted,
         )
+        yield from gauge(
+            "kv_host_cache_bytes",
+            "Bytes of KV blocks the prefix cache's host-memory tier holds (--kv-host-cache).",
+            lambda e: e.kv_host_bytes,
+        )
+        yield from counter(
+            "kv_host_cache_hits",
+            "KV blocks read back from the host-memory tier on a prefix-cache miss.",
+            lambda e: e.kv_host_hits,
+        )
+        yield from counter(
+            "kv_host_cache_stored", "KV blocks copied into the host-memory tier.", lambda e: e.kv_host_stored
+        )
+        yield from counter(
+            "kv_host_cache_evictions",
+            "KV blocks the host-memory tier dropped for newer ones (its buffer full).",
+            lambda e: e.kv_host_evicted,
+        )
         yield from counter(
             "kv_evicted_tokens",
             "Tokens whose K/V requests evicted (kv_eviction: StreamingLLM), their blocks back in the pool.",

@@ -489,6 +489,7 @@
       ["running", "Running", g.running], ["waiting", "Waiting", g.waiting], ["kv", "KV used", pct(g.kv_usage)],
       ["preemptions", "Preemptions", g.preemptions], ["prefix", "Prefix-cache hits", pct(g.prefix_cache_hit_rate)],
       ["spec", "Drafts accepted", pct(g.spec_acceptance)], ["generated", "Generated tok/s", num(g.generation_tokens_per_s, 1)],
+      ...(g.kv_host ? [["host", "Host tier", `${num(g.kv_host.bytes / 1048576, 1)} MiB, ${g.kv_host.hits} blocks read`]] : []),
       ...(g.kv_disk ? [["disk", "Disk tier", `${num(g.kv_disk.bytes / 1048576, 1)} MiB, ${g.kv_disk.hits} blocks read`]] : []),
       ...(g.kv_evicted_tokens ? [["evicted", "KV evicted", `${g.kv_evicted_tokens} tokens`]] : []),
       ["prompt", "Prompt tok/s", num(g.prompt_tokens_per_s, 1)],
