@@ -441,6 +441,12 @@ def test_float32_batches_past_the_small_kernel_run_on_the_gemm_tiles_batch_invar
         x = torch.randn(40, k, generator=g)
         assert torch.equal(layer(x)[17:], layer(x[17:].clone()))  # rows 17-39 alone, and in the batch of 40
         assert torch.equal(torch.ops.tokenmill.tile_gemm(x, w)[3], torch.ops.tokenmill.tile_gemm(x[3:4], w)[0])
+        x = torch.randn(110, k, generator=g)  # 19 row tiles: blocks of x's rows (MT) and a partial one
+        out = torch.ops.tokenmill.tile_gemm(x, w)
+        torch.testing.assert_close(
+            out.double(), torch.nn.functional.linear(x.double(), w.double()), rtol=1e-5, atol=1e-4
+        )
+        assert torch.equal(out[50:], torch.ops.tokenmill.tile_gemm(x[50:].clone(), w))
 
 
 def test_float16_weights_under_bfloat16_batches_run_on_the_gemm_tiles_batch_invariant():

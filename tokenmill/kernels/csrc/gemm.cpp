@@ -38,6 +38,10 @@ namespace {
 using at::Tensor;
 
 constexpr int64_t MR = 6, NR = 16, KC = 256, PANELS = 4;  // a thread's block: PANELS * NR columns
+// x's row tiles a pass over a block's panels: 16 x 6 rows x KC k-steps of float32 = 96 KB, which stay in
+// L2 while the block's PANELS panels (64 KB) take them in turn (all of x's rows, 512 KB of a 512-token
+// prompt, did not: each panel read them again from L3).
+constexpr int64_t MT = 8;
 
 // x [m, k] -> ceil(m / MR) tiles of [k][MR] (rows past m zero).
 void pack_x(const float* x, int64_t m, int64_t k, float* xp) {
@@ -186,21 +190,23 @@ void gemm(const float* xp, const W* w, float* y, int64_t m, int64_t n, int64_t k
         const int64_t kc = std::min(step, k - k0);
         for (int64_t p = p0; p < p1; ++p)
           pack_w(w, k, p * NR, std::min(NR, n - p * NR), k0, kc, wp.data() + (p - p0) * KC * NR);
-        for (int64_t p = p0; p < p1; ++p) {
-          const int64_t n0 = p * NR, cols = std::min(NR, n - n0);
-          const float* panel = wp.data() + (p - p0) * KC * NR;
-          for (int64_t t = 0; t < tiles; ++t) {
-            const int64_t m0 = t * MR, rows = std::min(MR, m - m0);
-            const float* xt = xp + t * k * MR + k0 * MR;
-            if (rows == MR && cols == NR) {
-              tile_6x16(xt, panel, kc, y + m0 * n + n0, n, k0 == 0, xt + k * MR);
-              continue;
+        for (int64_t t0 = 0; t0 < tiles; t0 += MT) {  // x's rows a block at a time: L2-resident past the first panel
+          for (int64_t p = p0; p < p1; ++p) {
+            const int64_t n0 = p * NR, cols = std::min(NR, n - n0);
+            const float* panel = wp.data() + (p - p0) * KC * NR;
+            for (int64_t t = t0; t < std::min(tiles, t0 + MT); ++t) {
+              const int64_t m0 = t * MR, rows = std::min(MR, m - m0);
+              const float* xt = xp + t * k * MR + k0 * MR;
+              if (rows == MR && cols == NR) {
+                tile_6x16(xt, panel, kc, y + m0 * n + n0, n, k0 == 0, xt + k * MR);
+                continue;
+              }
+              for (int64_t r = 0; r < rows; ++r)  // an edge tile, through a full-size scratch one
+                std::memcpy(edge + r * NR, y + (m0 + r) * n + n0, cols * sizeof(float));
+              tile_6x16(xt, panel, kc, edge, NR, k0 == 0, xt);
+              for (int64_t r = 0; r < rows; ++r)
+                std::memcpy(y + (m0 + r) * n + n0, edge + r * NR, cols * sizeof(float));
             }
-            for (int64_t r = 0; r < rows; ++r)  // an edge tile, through a full-size scratch one
-              std::memcpy(edge + r * NR, y + (m0 + r) * n + n0, cols * sizeof(float));
-            tile_6x16(xt, panel, kc, edge, NR, k0 == 0, xt);
-            for (int64_t r = 0; r < rows; ++r)
-              std::memcpy(y + (m0 + r) * n + n0, edge + r * NR, cols * sizeof(float));
           }
         }
       }
