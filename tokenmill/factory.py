@@ -39,6 +39,7 @@ from tokenmill.speculative.head_proposer import EagleProposer, MedusaProposer
 from tokenmill.speculative.heads import HEADS, eagle_config, head_path, load_eagle, load_medusa, native_head_linears
 from tokenmill.speculative.ngram import NgramProposer
 from tokenmill.structured.grammar import GrammarCompiler
+from tokenmill.worker.host_kv import HostKVBuffer
 from tokenmill.worker.kv_allocation import allocate_kv_cache, block_bytes
 from tokenmill.worker.lora import LoRAManager
 from tokenmill.worker.model_runner import ModelRunner
@@ -233,7 +234,8 @@ def _disk_tier(
 def _host_tier(
     args: EngineArgs, device: torch.device, kv_caches: list, runner: ModelRunner, proposer: Proposer | None
 ) -> HostTier:
-    """The prefix cache's host-memory tier: one buffer of whole blocks, pinned for a CUDA pool."""
+    """The prefix cache's host-memory tier: its bookkeeping for the engine, its buffer of whole
+    blocks (pinned for a CUDA pool) for the runner."""
     _check_tier("kv_host_cache", args, runner, proposer)
     size, row = parse_memory(args.cache.kv_host_cache), block_nbytes(kv_caches)
     if size < row:
@@ -245,7 +247,8 @@ def _host_tier(
             "kv_host_cache on a CPU copies blocks from host memory to host memory: a larger kv_cache_memory "
             "would hold them in the pool itself"
         )
-    return HostTier(size, row, pin=device.type == "cuda")
+    runner.host_kv = HostKVBuffer(size // row, kv_caches, pin=device.type == "cuda")
+    return HostTier(size // row, row)
 
 
 def _check_tier(name: str, args: EngineArgs, runner: ModelRunner, proposer: Proposer | None) -> None:

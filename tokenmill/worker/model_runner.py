@@ -37,6 +37,7 @@ from tokenmill.model.layers.kv_cache import block_nbytes, copy_blocks, move_slot
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SNAPKV_OBSERVED, SNAPKV_POOL, SamplingParams
+from tokenmill.worker.host_kv import HostKVBuffer
 from tokenmill.worker.inputs import InputBuffers, SeqInput, order_seqs, prepare_inputs
 from tokenmill.worker.kv_allocation import KVCache
 from tokenmill.worker.lora import LoRAManager
@@ -128,6 +129,7 @@ class ModelRunner:
         self._evicting: set[str] = set()  # requests with KVEviction: the steps' eviction work only for them
         self._parked_generators: dict[str, torch.Generator] = {}  # of preempted seeded requests
         self._buffers = InputBuffers()
+        self.host_kv: HostKVBuffer | None = None  # the prefix cache's host tier's bytes (--kv-host-cache)
         self._default_generator = torch.Generator(device=device)
         self._default_generator.seed()
 
@@ -535,6 +537,18 @@ class ModelRunner:
         """The blocks' KV as raw bytes (``read_blocks``), for another engine's cache."""
         self._check_no_draft_cache("exported")
         return read_blocks(self.kv_caches, block_ids)
+
+    def save_to_host(self, block_ids: list[int], slots: list[int]) -> None:
+        """The blocks' KV into the host tier's buffer (``HostKVBuffer``), at ``slots``."""
+        self._check_no_draft_cache("copied to host memory")
+        assert self.host_kv is not None, "no host buffer"
+        self.host_kv.save(self.kv_caches, block_ids, slots)
+
+    def load_from_host(self, slots: list[int], block_ids: list[int]) -> None:
+        """The host buffer's ``slots`` back into the blocks."""
+        self._check_no_draft_cache("copied from host memory")
+        assert self.host_kv is not None, "no host buffer"
+        self.host_kv.load(self.kv_caches, slots, block_ids)
 
     def import_blocks(self, block_ids: list[int], data: torch.Tensor | bytes, first_row: int = 0) -> None:
         """Write KV exported by an engine of the same model and KV dtype into the blocks:

@@ -1,24 +1,20 @@
-"""The prefix cache's host-memory tier: full KV blocks kept in one buffer of host memory,
-a slot per block, between the pool and the disk tier (``kv_tiers``).
+"""The prefix cache's host-memory tier: which blocks it holds and in which slot, between the
+pool and the disk tier (``kv_tiers``).
 
 An accelerator's pool lives in device memory, which is small beside the host's: blocks the
 pool evicts are worth keeping where a hit costs one host-to-device copy instead of a
-recompute (vLLM's CPU offloading, SGLang's HiCache host tier). The buffer is allocated
-once, as ``max_bytes // block_bytes`` slots (pinned when the pool is on CUDA, so that the
-copies are DMA), and never grows: past it, the least recently used blocks give up their
-slots. On a CPU the pool is host memory already, so a larger pool serves better than this
-tier (it is allowed, and says so once).
-
-The tier knows hashes and rows only; ``kv_tiers.KVTiers`` pairs it with the block pool and
-the runner's rows.
+recompute (vLLM's CPU offloading, SGLang's HiCache host tier). The bytes live in the runner's
+buffer (``worker/host_kv.HostKVBuffer``: allocated once, ``num_slots`` blocks, pinned for a
+CUDA pool); this side keeps the bookkeeping, as the block pool does for the pool's blocks:
+each held block's slot, least recently used first, so that a new block takes the slot of the
+least recently used one once every slot is taken. On a CPU the pool is host memory already, so
+a larger pool serves better than this tier (it is allowed, and says so once).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-
-import torch
 
 
 @dataclass
@@ -30,16 +26,14 @@ class HostTierStats:
 
 
 class HostTier:
-    def __init__(self, max_bytes: int, block_bytes: int, pin: bool = False) -> None:
-        slots = max_bytes // block_bytes
-        if slots < 1:
-            raise ValueError(f"a host tier of {max_bytes} bytes holds no block of {block_bytes} bytes")
+    def __init__(self, num_slots: int, block_bytes: int) -> None:
+        if num_slots < 1:
+            raise ValueError(f"a host tier of {num_slots} slots holds no block")
+        self.num_slots = num_slots
         self.block_bytes = block_bytes
-        self.num_slots = slots
         self.stats = HostTierStats()
-        self._buffer = torch.empty((slots, block_bytes), dtype=torch.uint8, pin_memory=pin)
         self._slots: OrderedDict[bytes, int] = OrderedDict()  # hash -> slot, least recently used first
-        self._free = list(range(slots - 1, -1, -1))
+        self._free = list(range(num_slots - 1, -1, -1))
 
     def __contains__(self, block_hash: bytes) -> bool:
         return block_hash in self._slots
@@ -47,28 +41,23 @@ class HostTier:
     def __len__(self) -> int:
         return len(self._slots)
 
-    def get(self, block_hash: bytes) -> torch.Tensor | None:
-        """The block's row (a view of the buffer: copy it before the next ``put``), or None."""
+    def lookup(self, block_hash: bytes) -> int | None:
+        """The block's slot (a use: now the most recently used), or None."""
         slot = self._slots.get(block_hash)
-        if slot is None:
-            return None
-        self._slots.move_to_end(block_hash)
-        self.stats.hits += 1
-        return self._buffer[slot]
-
-    def put(self, block_hash: bytes, row: torch.Tensor) -> None:
-        """Keep the block's row (``block_bytes`` bytes), evicting the least recently used."""
-        if block_hash in self._slots:
+        if slot is not None:
             self._slots.move_to_end(block_hash)
-            return
-        if row.shape != (self.block_bytes,) or row.dtype != torch.uint8:
-            raise ValueError(f"a KV row of shape {tuple(row.shape)} ({row.dtype}) is not {self.block_bytes} bytes")
+        return slot
+
+    def reserve(self, block_hash: bytes) -> int:
+        """A slot for a block not held (a free one, else the least recently used block's): the
+        caller copies the block's rows into it before the next lookup."""
+        assert block_hash not in self._slots, "held already"
         if self._free:
             slot = self._free.pop()
             self.stats.bytes += self.block_bytes
         else:
             _, slot = self._slots.popitem(last=False)
             self.stats.evicted += 1
-        self._buffer[slot].copy_(row)
         self._slots[block_hash] = slot
         self.stats.stored += 1
+        return slot

@@ -1,68 +1,94 @@
 """The prefix cache's tiers below the pool, fastest first: host memory (``kv_host``), then
 disk (``kv_disk``); either may be absent.
 
-    pool (device)  --cached blocks, as computed-->  host tier  -->  disk tier
-                   <--a prefix-cache miss: host first, then disk (promoted to host)--
+    pool  --cached blocks, as computed-->  host tier  -->  disk tier
+          <--a prefix-cache miss: host first, then disk (a disk hit kept in host too)--
 
-Blocks are copied down as they are cached in the pool (one export of their rows a step,
-shared by both tiers), so the pool never waits for a copy when it evicts, and a block the
-pool evicts is already below. A miss in the pool reads the leading blocks a tier holds into
-free pool blocks and caches them there (``kv_transfer.cache_rows``), as the pool's own hits.
+Blocks are copied down as they are cached in the pool, so the pool never waits for a copy
+when it evicts, and a block the pool evicts is already below. A miss in the pool reads the
+leading blocks the tiers hold into free pool blocks and caches them there, as the pool's own
+hits. The engine side keeps which block is where; the runner holds the bytes and copies them
+(``TierRows``), as for KV moving between replicas (``kv_transfer``).
 """
 
 from __future__ import annotations
 
-import torch
+from typing import Protocol
 
 from tokenmill.engine.core.block_pool import BlockPool
 from tokenmill.engine.core.kv_disk import DiskTier
 from tokenmill.engine.core.kv_host import HostTier
-from tokenmill.engine.core.kv_transfer import BlockRows, cache_rows
+from tokenmill.engine.core.kv_transfer import BlockRows
+
+
+class TierRows(BlockRows, Protocol):
+    """The runner's side: its blocks' rows out and in, and to and from its host buffer's slots."""
+
+    def save_to_host(self, block_ids: list[int], slots: list[int]) -> None: ...
+    def load_from_host(self, slots: list[int], block_ids: list[int]) -> None: ...
 
 
 class KVTiers:
-    def __init__(self, pool: BlockPool, runner: BlockRows, host: HostTier | None, disk: DiskTier | None) -> None:
+    def __init__(self, pool: BlockPool, runner: TierRows, host: HostTier | None, disk: DiskTier | None) -> None:
         assert host is not None or disk is not None, "no tier"
         self.host, self.disk = host, disk
         self._pool, self._runner = pool, runner
 
     def store(self, blocks: list[tuple[int, bytes]]) -> None:
-        """Blocks just cached in the pool (id, hash): their rows copied out now (the next step
-        may reuse a block) into the host tier, and handed to the disk tier's writer."""
-        host, disk = self.host, self.disk
-        new = [
-            (b, h) for b, h in blocks if (host is not None and h not in host) or (disk is not None and h not in disk)
-        ]
-        if not new:
-            return
-        rows = self._runner.export_blocks([b for b, _ in new])
-        for (_, h), row in zip(new, rows, strict=True):
-            if host is not None:
-                host.put(h, row)
-            if disk is not None and h not in disk:
-                disk.put(h, row.numpy().tobytes())
+        """Blocks just cached in the pool (id, hash): copied now (the next step may reuse a
+        block) into host slots, and their rows handed to the disk tier's writer."""
+        if self.host is not None:
+            self._store_host(blocks)
+        disk = self.disk
+        if disk is not None:
+            down = [(b, h) for b, h in blocks if h not in disk]
+            if down:
+                rows = self._runner.export_blocks([b for b, _ in down])
+                for (_, h), row in zip(down, rows, strict=True):
+                    disk.put(h, row.numpy().tobytes())
 
     def load(self, hashes: list[bytes], held: list[int]) -> int:
         """The leading ``hashes`` the tiers hold, read into free pool blocks and cached there
-        (never evicting ``held``, the prefix found in the pool already), no more read than the
-        pool has free blocks (a miss costs one lookup a tier). A block read from disk is kept
-        in host memory too. Returns how many."""
-        rows: list[torch.Tensor] = []
-        for h in hashes[: self._pool.num_free]:
-            row = self.host.get(h) if self.host is not None else None
-            if row is not None:
-                rows.append(row.clone())  # the slot may be reused by a promotion below
-                continue
-            data = self.disk.get(h) if self.disk is not None else None
-            if data is None:
-                break
-            row = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            if self.host is not None:
-                self.host.put(h, row)
-            rows.append(row)
-        if not rows:
-            return 0
-        return cache_rows(self._pool, self._runner, held, hashes[: len(rows)], torch.stack(rows))
+        (never evicting ``held``, the prefix found in the pool already; idle again after, the
+        most recently used), no more read than the pool has free blocks (a miss costs one
+        lookup a tier). Returns how many."""
+        pool = self._pool
+        pool.touch(held)  # held while allocating, so that none of them is the block evicted
+        ids: list[int] = []
+        try:
+            hashes = hashes[: pool.num_free]
+            slots: list[int] = []  # the leading run in host memory
+            while self.host is not None and len(slots) < len(hashes):
+                slot = self.host.lookup(hashes[len(slots)])
+                if slot is None:
+                    break
+                slots.append(slot)
+            payloads: list[bytes] = []  # then the run on disk
+            while self.disk is not None and len(slots) + len(payloads) < len(hashes):
+                data = self.disk.get(hashes[len(slots) + len(payloads)])
+                if data is None:
+                    break
+                payloads.append(data)
+            ids = pool.allocate(len(slots) + len(payloads))
+            if slots:
+                self._runner.load_from_host(slots, ids[: len(slots)])
+                self.host.stats.hits += len(slots)  # type: ignore[union-attr]
+            if payloads:
+                self._runner.import_blocks(ids[len(slots) :], b"".join(payloads))
+                if self.host is not None:  # the next hit on them costs no disk read
+                    self._store_host(list(zip(ids[len(slots) :], hashes[len(slots) : len(ids)], strict=True)))
+            for b, h in zip(ids, hashes, strict=False):
+                pool.cache(b, h)
+        finally:
+            pool.free((held + ids)[::-1])
+        return len(ids)
+
+    def _store_host(self, blocks: list[tuple[int, bytes]]) -> None:
+        host = self.host
+        assert host is not None
+        up = [(b, h) for b, h in blocks if h not in host]
+        if up:  # slots reserved (the least recently used blocks' once all are taken), then filled
+            self._runner.save_to_host([b for b, _ in up], [host.reserve(h) for _, h in up])
 
     def close(self) -> None:
         """Write what the disk tier has queued (the next engine on its directory starts with it)."""
