@@ -64,3 +64,30 @@ def test_a_host_tier_smaller_than_a_block_is_refused():
 
     with pytest.raises(TokenmillError, match="kv_host_cache must hold one KV block"):
         engine(kv_host_cache="64KiB")
+
+
+def test_a_router_counts_the_host_tiers_blocks_as_the_engines():
+    """The KV events a replica router reads: a prompt's blocks the pool evicted but the host
+    tier holds are still this engine's (no "removed"); without the tier they are gone; once
+    the host tier drops them too, they are "removed". The router's view is what the engine holds."""
+    from tokenmill.replicas.replica_router import ReplicaState, prompt_block_hashes
+
+    held = {}
+    for host in (None, "48MiB", "24MiB"):  # none, room for both prompts, for 34 blocks (one and a bit)
+        with engine(**({} if host is None else {"kv_host_cache": host})) as llm:
+            core = llm.engine.core
+            core.kv_transfer.start_events()
+            state = ReplicaState("r")
+            ids = llm.generate([FIRST], GREEDY)[0].prompt_token_ids
+            first = prompt_block_hashes(ids, 16)[: (len(ids) - 1) // 16]
+            state.apply(core.kv_transfer.take_events())
+            assert state.matched(first) == len(first)
+            answer(llm, OTHER)
+            state.apply(core.kv_transfer.take_events())
+            below = core.tiers.host if core.tiers is not None else ()
+            actual = next(
+                (i for i, h in enumerate(first) if core.block_pool.lookup(h) is None and h not in below), None
+            )
+            held[host] = state.matched(first)
+            assert held[host] == (len(first) if actual is None else actual)
+    assert held[None] < len(first) // 2 and held["48MiB"] == len(first) and held["24MiB"] == held[None]

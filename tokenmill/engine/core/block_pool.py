@@ -15,6 +15,7 @@ so that they are reused before any cached block is evicted.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Collection
 from dataclasses import dataclass
 
 FREE, CACHED, USED, SHARED, HIT = 0, 1, 2, 3, 4  # block_states(): a state, HIT or'ed in
@@ -47,6 +48,10 @@ class BlockPool:
         self._num_cached_free = 0  # free blocks that still hold a hash (kept as we go: read every step)
         self._events: list[tuple[str, bytes]] | None = [] if record_events else None
         self._hits: set[int] | None = None  # blocks taken from the prefix cache since block_states() (start_hit_log)
+        # The contents a tier below the pool holds (kv_tiers: the host tier's), a part of this
+        # engine's prefix cache for a router: the pool's eviction of one is then no "removed"
+        # event, and the tier says when it drops one (dropped_below).
+        self.below: Collection[bytes] = ()
 
     @property
     def num_free(self) -> int:
@@ -89,7 +94,7 @@ class BlockPool:
                 self._num_cached_free -= 1
                 if self._cached.get(block.block_hash) == b:
                     del self._cached[block.block_hash]
-                    if self._events is not None:
+                    if self._events is not None and block.block_hash not in self.below:
                         self._events.append(("removed", block.block_hash))
                 block.block_hash = None
             block.ref_cnt = 1
@@ -122,10 +127,16 @@ class BlockPool:
                 self._events.append(("stored", block_hash))
 
     def start_events(self) -> None:
-        """Record from now on, starting with a "stored" event per block cached already
-        (a router that starts listening late learns the whole cache)."""
+        """Record from now on, starting with a "stored" event per block cached already, in the
+        pool or below it (a router that starts listening late learns the whole cache)."""
         if self._events is None:
             self._events = [("stored", h) for h in self._cached]
+            self._events += [("stored", h) for h in self.below if h not in self._cached]
+
+    def dropped_below(self, block_hash: bytes) -> None:
+        """A tier below dropped a content: gone from this engine unless the pool holds it."""
+        if self._events is not None and block_hash not in self._cached:
+            self._events.append(("removed", block_hash))
 
     def take_events(self) -> list[tuple[str, bytes]]:
         """The prefix cache's changes since the last call, in order (empty unless recorded)."""

@@ -14,6 +14,7 @@ a larger pool serves better than this tier (it is allowed, and says so once).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 
@@ -34,12 +35,16 @@ class HostTier:
         self.stats = HostTierStats()
         self._slots: OrderedDict[bytes, int] = OrderedDict()  # hash -> slot, least recently used first
         self._free = list(range(num_slots - 1, -1, -1))
+        self.on_drop: Callable[[bytes], None] | None = None  # told of each block that gave up its slot
 
     def __contains__(self, block_hash: bytes) -> bool:
         return block_hash in self._slots
 
     def __len__(self) -> int:
         return len(self._slots)
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self._slots)
 
     def lookup(self, block_hash: bytes) -> int | None:
         """The block's slot (a use: now the most recently used), or None."""
@@ -56,8 +61,10 @@ class HostTier:
             slot = self._free.pop()
             self.stats.bytes += self.block_bytes
         else:
-            _, slot = self._slots.popitem(last=False)
+            dropped, slot = self._slots.popitem(last=False)
             self.stats.evicted += 1
-        self._slots[block_hash] = slot
+            if self.on_drop is not None:
+                self.on_drop(dropped)
+        self._slots[block_hash] = slot  # (held from now: the pool evicting it is no "removed" event)
         self.stats.stored += 1
         return slot

@@ -9,6 +9,11 @@ when it evicts, and a block the pool evicts is already below. A miss in the pool
 leading blocks the tiers hold into free pool blocks and caches them there, as the pool's own
 hits. The engine side keeps which block is where; the runner holds the bytes and copies them
 (``TierRows``), as for KV moving between replicas (``kv_transfer``).
+
+A router of replicas learns what each holds from its KV events (``BlockPool.take_events``):
+a block in the host tier is held, so the pool's eviction of it says nothing, and the host tier
+dropping it says "removed" (unless the pool holds it again). The disk tier is left out: replicas
+on one machine share its directory, so it holds the same blocks for all of them.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ class KVTiers:
         assert host is not None or disk is not None, "no tier"
         self.host, self.disk = host, disk
         self._pool, self._runner = pool, runner
+        if host is not None:  # what it holds is this engine's too, for a router (the pool's KV events)
+            pool.below = host
+            host.on_drop = pool.dropped_below
 
     def store(self, blocks: list[tuple[int, bytes]]) -> None:
         """Blocks just cached in the pool (id, hash): copied now (the next step may reuse a
