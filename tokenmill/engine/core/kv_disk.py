@@ -35,7 +35,10 @@ logger = logging.getLogger(__name__)
 
 MAGIC = b"TMKVBLK1"
 HEADER = len(MAGIC) + 16 + 16 + 8 + 16  # magic, namespace, block hash, payload length, payload checksum
-WRITE_QUEUE_BYTES = 64 << 20  # blocks waiting for the writer thread, at most (then new ones are dropped)
+# Blocks waiting for the writer thread, at most (then new ones are dropped): a step's worth of a long
+# prompt (a 1B bfloat16 model's 4,096-token chunk is 128 MB of K/V; at 64 MB the disk lost the tail of
+# every prompt past ~2,000 tokens of the 135M float32 model, bench/kv_tiers.py).
+WRITE_QUEUE_BYTES = 256 << 20
 
 
 def namespace_of(facts: dict[str, Any]) -> bytes:
