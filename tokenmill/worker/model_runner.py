@@ -550,15 +550,17 @@ class ModelRunner:
         assert self.host_kv is not None, "no host buffer"
         self.host_kv.load(self.kv_caches, slots, block_ids)
 
-    def import_blocks(self, block_ids: list[int], data: torch.Tensor | bytes, first_row: int = 0) -> None:
+    def import_blocks(self, block_ids: list[int], data: torch.Tensor | bytes | bytearray, first_row: int = 0) -> None:
         """Write KV exported by an engine of the same model and KV dtype into the blocks:
-        rows ``first_row`` on of ``data`` (``export_blocks``' tensor, or its raw bytes)."""
+        rows ``first_row`` on of ``data`` (``export_blocks``' tensor, or its raw bytes: a
+        bytearray is read in place, not copied)."""
         self._check_no_draft_cache("imported")
         if not isinstance(data, torch.Tensor):
             row = block_nbytes(self.kv_caches)
             if len(data) % row:
                 raise ValueError(f"{len(data)} bytes of KV are not whole blocks of {row} bytes")
-            data = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(-1, row)
+            data = torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=torch.uint8)
+            data = data.view(-1, row)
         write_blocks(self.kv_caches, block_ids, data[first_row : first_row + len(block_ids)])
 
     def _check_no_draft_cache(self, what: str) -> None:

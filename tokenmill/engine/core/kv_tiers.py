@@ -71,7 +71,7 @@ class KVTiers:
                 if slot is None:
                     break
                 slots.append(slot)
-            payloads: list[bytes] = []  # then the run on disk
+            payloads: list[memoryview] = []  # then the run on disk
             while self.disk is not None and len(slots) + len(payloads) < len(hashes):
                 data = self.disk.get(hashes[len(slots) + len(payloads)])
                 if data is None:
@@ -82,7 +82,7 @@ class KVTiers:
                 self._runner.load_from_host(slots, ids[: len(slots)])
                 self.host.stats.hits += len(slots)  # type: ignore[union-attr]
             if payloads:
-                self._runner.import_blocks(ids[len(slots) :], b"".join(payloads))
+                self._runner.import_blocks(ids[len(slots) :], bytearray().join(payloads))  # (one copy, writable)
                 if self.host is not None:  # the next hit on them costs no disk read
                     self._store_host(list(zip(ids[len(slots) :], hashes[len(slots) : len(ids)], strict=True)))
             for b, h in zip(ids, hashes, strict=False):

@@ -100,6 +100,13 @@ def _block_rows(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8).reshape(t.shape[0], -1)
 
 
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """Raw bytes [rows, n] as 8-byte words where their layout allows: an index copy then moves
+    an element of 8 bytes, not of 1 (a disk hit's 89 MB took 95 ms as bytes)."""
+    aligned = t.stride(-1) == 1 and t.shape[-1] % 8 == 0 and t.storage_offset() % 8 == 0
+    return t.view(torch.int64) if aligned and all(s % 8 == 0 for s in t.stride()[:-1]) else t
+
+
 def _tensors(layers: list[KVCacheLayer]) -> list[torch.Tensor]:
     return [t for layer in layers for t in (layer.k, layer.v, layer.k_scale, layer.v_scale) if t is not None]
 
@@ -114,7 +121,8 @@ def read_blocks(layers: list[KVCacheLayer], block_ids: list[int]) -> torch.Tenso
     block_nbytes]: what another engine of the same model and KV dtype writes back with
     ``write_blocks`` (disaggregated prefill ships prompts' KV this way)."""
     index = torch.tensor(block_ids, dtype=torch.long, device=layers[0].k.device)
-    return torch.cat([_block_rows(t).index_select(0, index) for t in _tensors(layers)], dim=1).cpu()
+    parts = [_words(_block_rows(t)).index_select(0, index).view(torch.uint8) for t in _tensors(layers)]
+    return torch.cat(parts, dim=1).cpu()
 
 
 def write_blocks(layers: list[KVCacheLayer], block_ids: list[int], data: torch.Tensor) -> None:
@@ -129,7 +137,10 @@ def write_blocks(layers: list[KVCacheLayer], block_ids: list[int], data: torch.T
     start = 0
     for t in _tensors(layers):
         rows = _block_rows(t)
-        rows.index_copy_(0, index, data[:, start : start + rows.shape[1]])
+        src, dst = _words(data[:, start : start + rows.shape[1]]), _words(rows)
+        if src.dtype != dst.dtype:
+            src, dst = data[:, start : start + rows.shape[1]], rows
+        dst.index_copy_(0, index, src)
         start += rows.shape[1]
 
 
