@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.engine.outputs import RequestOutput
-from tokenmill.engine.stats import percentiles
+from tokenmill.engine.stats import EngineSnapshot, percentiles
 from tokenmill.host.energy import EnergyMeter
 from tokenmill.server.gateway.models import ServedModel
 
@@ -197,24 +197,9 @@ class ModelLive:
                 "spec_acceptance": round(snap.spec_num_accepted_tokens / snap.spec_num_draft_tokens, 4)
                 if snap.spec_num_draft_tokens
                 else None,
-                # the prefix cache's disk tier (--kv-disk-cache), once it holds or read anything
-                "kv_disk": {
-                    "bytes": snap.kv_disk_bytes,
-                    "hits": snap.kv_disk_hits,
-                    "stored": snap.kv_disk_stored,
-                    "evicted": snap.kv_disk_evicted,
-                }
-                if snap.kv_disk_bytes or snap.kv_disk_hits or snap.kv_disk_stored
-                else None,
-                # the host-memory tier (--kv-host-cache), likewise
-                "kv_host": {
-                    "bytes": snap.kv_host_bytes,
-                    "hits": snap.kv_host_hits,
-                    "stored": snap.kv_host_stored,
-                    "evicted": snap.kv_host_evicted,
-                }
-                if snap.kv_host_bytes or snap.kv_host_hits or snap.kv_host_stored
-                else None,
+                # the prefix cache's tiers (--kv-disk-cache, --kv-host-cache), once one holds or read anything
+                "kv_disk": _tier(snap, "disk"),
+                "kv_host": _tier(snap, "host"),
                 "kv_evicted_tokens": snap.kv_evicted_tokens,  # by requests' kv_eviction, since start
                 "generation_tokens_per_s": round(decode, 1),
                 "prompt_tokens_per_s": round(prefill, 1),
@@ -312,3 +297,10 @@ def _percentiles(values: deque[float]) -> dict[str, float] | None:
     if not values:
         return None
     return {**{k: round(1000 * v, 2) for k, v in percentiles(list(values)).items()}, "count": len(values)}
+
+
+def _tier(snap: EngineSnapshot, tier: str) -> dict[str, int] | None:
+    """A prefix-cache tier's size and counts (``kv_disk_*``, ``kv_host_*``); None while it has
+    held and read nothing (or the server has none)."""
+    counts = {k: getattr(snap, f"kv_{tier}_{k}") for k in ("bytes", "hits", "stored", "evicted")}
+    return counts if counts["bytes"] or counts["hits"] or counts["stored"] else None

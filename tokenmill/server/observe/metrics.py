@@ -121,40 +121,33 @@ class EngineCollector:
         yield from counter(
             "prefix_cache_hits", "Prompt tokens found in the prefix cache.", lambda e: e.prefix_cache_hits
         )
-        yield from gauge(
-            "kv_disk_cache_bytes",
-            "Bytes the prefix cache's disk tier holds (--kv-disk-cache).",
-            lambda e: e.kv_disk_bytes,
-        )
-        yield from counter(
-            "kv_disk_cache_hits",
-            "KV blocks read back from the disk tier on a prefix-cache miss.",
-            lambda e: e.kv_disk_hits,
-        )
-        yield from counter("kv_disk_cache_stored", "KV blocks written to the disk tier.", lambda e: e.kv_disk_stored)
-        yield from counter(
-            "kv_disk_cache_evictions",
-            "KV blocks removed from the disk tier past its size.",
-            lambda e: e.kv_disk_evicted,
-        )
-        yield from gauge(
-            "kv_host_cache_bytes",
-            "Bytes of KV blocks the prefix cache's host-memory tier holds (--kv-host-cache).",
-            lambda e: e.kv_host_bytes,
-        )
-        yield from counter(
-            "kv_host_cache_hits",
-            "KV blocks read back from the host-memory tier on a prefix-cache miss.",
-            lambda e: e.kv_host_hits,
-        )
-        yield from counter(
-            "kv_host_cache_stored", "KV blocks copied into the host-memory tier.", lambda e: e.kv_host_stored
-        )
-        yield from counter(
-            "kv_host_cache_evictions",
-            "KV blocks the host-memory tier dropped for newer ones (its buffer full).",
-            lambda e: e.kv_host_evicted,
-        )
+        for tier, name, flag, dropped in (
+            ("disk", "disk tier", "--kv-disk-cache", "removed from the disk tier past its size"),
+            (
+                "host",
+                "host-memory tier",
+                "--kv-host-cache",
+                "the host-memory tier dropped for newer ones (its buffer full)",
+            ),
+        ):
+            yield from gauge(
+                f"kv_{tier}_cache_bytes",
+                f"Bytes of KV blocks the prefix cache's {name} holds ({flag}).",
+                lambda e, t=tier: getattr(e, f"kv_{t}_bytes"),
+            )
+            yield from counter(
+                f"kv_{tier}_cache_hits",
+                f"KV blocks read back from the {name} on a prefix-cache miss.",
+                lambda e, t=tier: getattr(e, f"kv_{t}_hits"),
+            )
+            yield from counter(
+                f"kv_{tier}_cache_stored",
+                f"KV blocks stored in the {name}.",
+                lambda e, t=tier: getattr(e, f"kv_{t}_stored"),
+            )
+            yield from counter(
+                f"kv_{tier}_cache_evictions", f"KV blocks {dropped}.", lambda e, t=tier: getattr(e, f"kv_{t}_evicted")
+            )
         yield from counter(
             "kv_evicted_tokens",
             "Tokens whose K/V requests evicted (kv_eviction: StreamingLLM), their blocks back in the pool.",
