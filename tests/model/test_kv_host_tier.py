@@ -91,3 +91,24 @@ def test_a_router_counts_the_host_tiers_blocks_as_the_engines():
             held[host] = state.matched(first)
             assert held[host] == (len(first) if actual is None else actual)
     assert held[None] < len(first) // 2 and held["48MiB"] == len(first) and held["24MiB"] == held[None]
+
+
+def test_a_step_caching_more_blocks_than_the_tier_holds_and_twice_the_same_keeps_it_right():
+    """One step caches a prompt's blocks twice (the same prompt twice in a batch) and more of them
+    than the host tier has slots: each content takes one slot, the leading ones, and every slot
+    holds the K/V of the block its hash names (the pool's copy, bit for bit)."""
+    import torch
+
+    from tokenmill.model.layers.kv_cache import read_blocks
+    from tokenmill.replicas.replica_router import prompt_block_hashes
+
+    with engine(kv_host_cache="8MiB") as llm:  # 11 slots of 720 KiB; the prompt is ~29 blocks
+        core = llm.engine.core
+        tier, runner = core.tiers.host, core.runner
+        outs = llm.generate([FIRST, FIRST], GREEDY)
+        assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+        first = prompt_block_hashes(outs[0].prompt_token_ids + list(outs[0].outputs[0].token_ids), 16)
+        assert len(tier) == tier.num_slots == 11 and set(tier) <= set(first)
+        for h in list(tier):  # (the pool holds them all still)
+            block = core.block_pool.lookup(h)
+            assert torch.equal(runner.host_kv.rows[tier.lookup(h)], read_blocks(runner.kv_caches, [block])[0])

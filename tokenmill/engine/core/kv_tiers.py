@@ -49,7 +49,7 @@ class KVTiers:
             self._store_host(blocks)
         disk = self.disk
         if disk is not None:
-            down = [(b, h) for b, h in blocks if h not in disk]
+            down = _first_of_each([(b, h) for b, h in blocks if h not in disk])
             if down:
                 rows = self._runner.export_blocks([b for b, _ in down])
                 for (_, h), row in zip(down, rows, strict=True):
@@ -92,13 +92,23 @@ class KVTiers:
         return len(ids)
 
     def _store_host(self, blocks: list[tuple[int, bytes]]) -> None:
+        """Slots reserved (the least recently used blocks' once all are taken), then filled: each
+        content once (two requests may cache the same one in a step), and no more than the tier
+        holds, the leading ones (a chain's first blocks are what any hit needs), so that no two
+        of them are given the same slot."""
         host = self.host
         assert host is not None
-        up = [(b, h) for b, h in blocks if h not in host]
-        if up:  # slots reserved (the least recently used blocks' once all are taken), then filled
+        up = _first_of_each([(b, h) for b, h in blocks if h not in host])[: host.num_slots]
+        if up:
             self._runner.save_to_host([b for b, _ in up], [host.reserve(h) for _, h in up])
 
     def close(self) -> None:
         """Write what the disk tier has queued (the next engine on its directory starts with it)."""
         if self.disk is not None:
             self.disk.close()
+
+
+def _first_of_each(blocks: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+    """(block, hash) pairs, the first block of each hash (the others hold the same K/V)."""
+    seen: set[bytes] = set()
+    return [(b, h) for b, h in blocks if not (h in seen or seen.add(h))]
