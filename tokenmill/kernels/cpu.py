@@ -29,7 +29,7 @@ INTERESTING_FLAGS = (
 
 @dataclass(frozen=True)
 class CpuInfo:
-    model: str
+    model: str  # the model name, and its family/model/stepping where the name alone is a VM's generic one
     capability: str  # torch.backends.cpu.get_cpu_capability(): DEFAULT, AVX2, AVX512 ...
     flags: tuple[str, ...]
     cores: int
@@ -55,24 +55,40 @@ class CpuInfo:
         return f"{self.model}, {self.cores} cores, torch {self.capability}, flags {' '.join(self.flags) or 'none'}"
 
 
+def read_cpuinfo(lines) -> tuple[str | None, set[str]]:
+    """The first processor's model and flags from /proc/cpuinfo's lines (None: no model name).
+
+    A cloud VM often names only the vendor's line ("AMD EPYC" for a Zen 1 and a Zen 3 alike),
+    so the family, model and stepping numbers are kept with the name: they tell apart the
+    machines whose speeds differ (a benchmark's record, the GEMM probe's kept answers) and
+    whose ``-march=native`` code differs (the native build's name)."""
+    model, flags, ids = None, set(), {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name":
+            model = value.strip()
+        elif key in ("cpu family", "model", "stepping"):
+            ids[key] = value.strip()
+        elif key in ("flags", "Features"):
+            flags = set(value.split())
+            break
+    if model is not None and len(ids) == 3:
+        model += f" (family {ids['cpu family']} model {ids['model']} stepping {ids['stepping']})"
+    return model, flags
+
+
 @cache
 def cpu_info() -> CpuInfo:
     """The machine's CPU (from /proc/cpuinfo where there is one)."""
-    model, flags = platform.processor() or platform.machine(), set()
+    model, flags = None, set()
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "model name":
-                    model = value.strip()
-                elif key in ("flags", "Features"):
-                    flags = set(value.split())
-                    break
+            model, flags = read_cpuinfo(f)
     except OSError:
         pass
     return CpuInfo(
-        model=model,
+        model=model or platform.processor() or platform.machine(),
         capability=torch.backends.cpu.get_cpu_capability(),
         flags=tuple(f for f in INTERESTING_FLAGS if f in flags),
         cores=os.cpu_count() or 1,

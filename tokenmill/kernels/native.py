@@ -75,12 +75,16 @@ def source_files() -> dict[str, bytes]:
 
 def build_name(sources: dict[str, bytes] | None = None) -> str:
     """The build's name: the ISA it targets and a hash of everything that makes its library
-    differ (the sources, the flags, torch's headers), never the checkout's path."""
+    differ (the sources, the flags, torch's headers, and for ``-march=native`` the CPU it was
+    compiled on), never the checkout's path."""
     h = hashlib.sha256()
     for file, data in sorted((sources or source_files()).items()):
         h.update(f"{file}\0{len(data)}\0".encode() + data)
     h.update(f"{' '.join(cflags())}\0{torch.__version__}".encode())
-    arch = cpu_info().isa_tag if target_arch() == "native" else target_arch().replace("-", "_")
+    native = target_arch() == "native"
+    if native:  # -march=native is this CPU's code: another CPU of the same ISA tag builds its own
+        h.update(f"\0{cpu_info().model}\0{' '.join(cpu_info().flags)}".encode())
+    arch = cpu_info().isa_tag if native else target_arch().replace("-", "_")
     return f"tokenmill_cpu_{arch}_{h.hexdigest()[:10]}"
 
 
