@@ -180,17 +180,18 @@ def test_q6_k_batches_in_bands_are_the_same_bits_as_each_row_alone():
     row at a time: every output is the same bits as its row's alone, whatever the batch (45 rows:
     a chunk of two bands, then a short band; 23: a band, then 7 rows a row at a time; 8 and 40: a
     last band of one half), for weights of fewer rows than a pass takes (5), split by the threads
-    within a pass (21), and of whole passes (64)."""
-    k = 1024
-    x = torch.randn(45, k, generator=torch.Generator().manual_seed(3))
-    for n in (5, 21, 64):
-        w = BlockWeight.from_gguf("Q6_K", random_gguf_blocks("Q6_K", n, k, seed=n), (n, k))
-        alone = torch.cat([torch.ops.tokenmill.block_linear(x[i : i + 1], w.qs, w.type_code) for i in range(45)])
-        for rows in (8, 16, 23, 32, 40, 45):
-            got = torch.ops.tokenmill.block_linear(x[:rows], w.qs, w.type_code)
-            assert torch.equal(got, alone[:rows]), f"{n} weight rows, a batch of {rows}"
-        want = int8_reference(x, w)
-        assert ((alone.double() - want.double()).abs().max() / want.abs().max()).item() < 1e-5
+    within a pass (21), and of whole passes (64). Rows of 4 super-blocks and of 7 (a row alone
+    reduces four super-blocks' sums at a time: 7 is a four and a tail of three)."""
+    for k in (1024, 1792):
+        x = torch.randn(45, k, generator=torch.Generator().manual_seed(3))
+        for n in (5, 21, 64):
+            w = BlockWeight.from_gguf("Q6_K", random_gguf_blocks("Q6_K", n, k, seed=n), (n, k))
+            alone = torch.cat([torch.ops.tokenmill.block_linear(x[i : i + 1], w.qs, w.type_code) for i in range(45)])
+            for rows in (8, 16, 23, 32, 40, 45):
+                got = torch.ops.tokenmill.block_linear(x[:rows], w.qs, w.type_code)
+                assert torch.equal(got, alone[:rows]), f"{n}x{k} weight, a batch of {rows}"
+            want = int8_reference(x, w)
+            assert ((alone.double() - want.double()).abs().max() / want.abs().max()).item() < 1e-5
 
 
 def test_a_quant_linear_gives_each_block_type_its_measured_gemm_rows():

@@ -250,48 +250,86 @@ void dot_q45_k(const uint8_t* w, const Act& a, int64_t m0, float* out) {
 // unsigned q (0..63) multiply the activations; the -32 is one correction per super-block,
 // 32 * sum(sc * the activations' sums of 16), as llama.cpp takes it from the bsums. Each
 // super-block's integer sum is exact, then one float step: acc = fma(d * dx, sum, acc).
+//
+// One super-block's exact integer sums for activation rows m0.. m0 + MR - 1, each as 8 int32 lanes.
+template <int MR>
+inline void q6_k_sums(const uint8_t* w, const Act& a, int64_t m0, int64_t b, __m256i tot[MR]) {
+  const uint8_t *ql = w, *qh = w + 128;
+  const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192));
+  const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);  // the 16 scales as int16
+  __m256i sumi[2][MR];  // a chain of additions per half
+  for (int m = 0; m < MR; ++m) {  // the -32: -32 * sum(scale * the activations' sum of its 16)
+    sumi[0][m] = _mm256_sub_epi32(_mm256_setzero_si256(),
+                                  _mm256_slli_epi32(_mm256_madd_epi16(sc16, load32(a.bsrow(m0 + m) + 16 * b)), 5));
+    sumi[1][m] = _mm256_setzero_si256();
+  }
+  for (int h = 0; h < 2; ++h) {  // two halves of 128
+    const __m256i l0 = load32(ql + 64 * h), l1 = load32(ql + 64 * h + 32), hb = load32(qh + 32 * h);
+    const __m256i half_sc = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(h ? _mm_unpackhi_epi64(sc8, sc8) : sc8));
+    __m256i v[4];
+    q6_k_half(l0, l1, hb, v);
+    for (int g = 0; g < 4; ++g) {  // 32 values: sub-blocks 8h + 2g and 8h + 2g + 1
+      const __m256i s = _mm256_shuffle_epi8(half_sc, load32(Q6_PICK[g]));
+      for (int m = 0; m < MR; ++m) {
+        const __m256i x = load32(a.qrow(m0 + m) + b * QK_K + 128 * h + 32 * g);
+        sumi[h][m] = dpwssd(sumi[h][m], _mm256_maddubs_epi16(v[g], x), s);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) tot[m] = _mm256_add_epi32(sumi[0][m], sumi[1][m]);
+}
+
+// Four int32 vectors' lane sums, as floats (exact integers converted once, as the band kernel's).
+inline __m128 sum4(const __m256i t[4]) {
+  const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(t[0], t[1]), _mm256_hadd_epi32(t[2], t[3]));
+  return _mm_cvtepi32_ps(_mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+}
+
+#ifndef Q6_PREFETCH
+#define Q6_PREFETCH 4096
+#endif
+
 template <int MR>
 void dot_q6_k(const uint8_t* w, const Act& a, int64_t m0, float* out) {
   const int64_t nb = a.k / QK_K;
-  float acc[MR] = {};
-  for (int64_t b = 0; b < nb; ++b, w += 210) {
-    const uint8_t *ql = w, *qh = w + 128;
-    const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192));
-    const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);  // the 16 scales as int16
-    const float d = f16(w + 208);
-    __m256i sumi[2][MR];  // a chain of additions per half
-    for (int m = 0; m < MR; ++m) {  // the -32: -32 * sum(scale * the activations' sum of its 16)
-      sumi[0][m] = _mm256_sub_epi32(_mm256_setzero_si256(),
-                                    _mm256_slli_epi32(_mm256_madd_epi16(sc16, load32(a.bsrow(m0 + m) + 16 * b)), 5));
-      sumi[1][m] = _mm256_setzero_si256();
-    }
-    for (int h = 0; h < 2; ++h) {  // two halves of 128
-      const __m256i l0 = load32(ql + 64 * h), l1 = load32(ql + 64 * h + 32), hb = load32(qh + 32 * h);
-      const __m256i half_sc = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(h ? _mm_unpackhi_epi64(sc8, sc8) : sc8));
-      __m256i v[4];
-      q6_k_half(l0, l1, hb, v);
-      for (int g = 0; g < 4; ++g) {  // 32 values: sub-blocks 8h + 2g and 8h + 2g + 1
-        const __m256i s = _mm256_shuffle_epi8(half_sc, load32(Q6_PICK[g]));
-        for (int m = 0; m < MR; ++m) {
-          const __m256i x = load32(a.qrow(m0 + m) + b * QK_K + 128 * h + 32 * g);
-          sumi[h][m] = dpwssd(sumi[h][m], _mm256_maddubs_epi16(v[g], x), s);
-        }
+  if constexpr (MR == 1) {
+    // One row: four super-blocks' sums reduced together, their float steps in order after. The
+    // accumulator's chain (one fma a super-block) stays in a register, apart from the integer work
+    // (reduced one super-block at a time, its hsum and the chain through memory held a Zen 1 back).
+    const float* dx = a.drow(m0);
+    float acc = 0.f;
+    int64_t b = 0;
+    for (; b + 4 <= nb; b += 4) {
+      const char* ahead = reinterpret_cast<const char*>(w + 210 * b) + Q6_PREFETCH;
+      for (int line = 0; line < 840; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+      __m256i tot[4];
+      for (int i = 0; i < 4; ++i) q6_k_sums<1>(w + 210 * (b + i), a, m0, b + i, &tot[i]);
+      __m128 sums = sum4(tot);
+      for (int i = 0; i < 4; ++i) {
+        acc = std::fma(f16(w + 210 * (b + i) + 208) * dx[b + i], _mm_cvtss_f32(sums), acc);
+        sums = _mm_shuffle_ps(sums, sums, _MM_SHUFFLE(0, 3, 2, 1));
       }
     }
-    // each row's exact sum (four rows' at once), then the band kernel's float step: the same bits
-    if constexpr (MR == 1) {
-      const float sum = static_cast<float>(hsum_i32(_mm256_add_epi32(sumi[0][0], sumi[1][0])));
-      acc[0] = std::fma(d * a.drow(m0)[b], sum, acc[0]);
-      continue;
+    for (; b < nb; ++b) {
+      __m256i tot;
+      q6_k_sums<1>(w + 210 * b, a, m0, b, &tot);
+      acc = std::fma(f16(w + 210 * b + 208) * dx[b], static_cast<float>(hsum_i32(tot)), acc);
     }
-    __m256i tot[4];
-    for (int m = 0; m < 4; ++m) tot[m] = m < MR ? _mm256_add_epi32(sumi[0][m], sumi[1][m]) : _mm256_setzero_si256();
-    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(tot[0], tot[1]), _mm256_hadd_epi32(tot[2], tot[3]));
-    alignas(16) float sums[4];
-    _mm_store_ps(sums, _mm_cvtepi32_ps(_mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1))));
-    for (int m = 0; m < MR; ++m) acc[m] = std::fma(d * a.drow(m0 + m)[b], sums[m], acc[m]);
+    out[0] = acc;
+  } else {
+    // each row's exact sum (four rows' at once), then the band kernel's float step: the same bits
+    float acc[MR] = {};
+    for (int64_t b = 0; b < nb; ++b, w += 210) {
+      __m256i tot[4];
+      q6_k_sums<MR>(w, a, m0, b, tot);
+      for (int m = MR; m < 4; ++m) tot[m] = _mm256_setzero_si256();
+      alignas(16) float sums[4];
+      _mm_store_ps(sums, sum4(tot));
+      const float d = f16(w + 208);
+      for (int m = 0; m < MR; ++m) acc[m] = std::fma(d * a.drow(m0 + m)[b], sums[m], acc[m]);
+    }
+    for (int m = 0; m < MR; ++m) out[m] = acc[m];
   }
-  for (int m = 0; m < MR; ++m) out[m] = acc[m];
 }
 
 #else  // no AVX2: the same integer sums, one activation row at a time
