@@ -195,6 +195,26 @@ def test_attention_of_a_query_does_not_depend_on_its_step(heads, kv_heads, head_
     assert torch.equal(single[0], together[100])
 
 
+@pytest.mark.parametrize("groups", [3, 5, 7])
+def test_a_query_head_has_the_same_bits_whatever_its_kv_head_shares(groups):
+    """Query heads that share a KV head are scored together (AVX2: threes and twos reading each key
+    once), which must change no output: each head's bits are those it gets where its KV head serves
+    two heads (the paired ones) or one (an odd last one), on one float32 step of decodes, a chunk
+    over a cached context and a fresh prompt. In a batch-invariant step (partitions of one size; a
+    step that is not may split a context by its load, which the head count is part of). Tested on
+    the AVX2 build too."""
+    kv_heads, specs = 2, [(1, 1), (77, 1), (300, 1), (700, 40), (90, 90)]
+    q, k, v, cache, meta = batch(specs, kv_heads * groups, kv_heads, 64, "auto", torch.float32, seed=5)
+    ops = NativeOps(batch_invariant=True)
+    out = ops.attention(q, k, v, cache, meta, 0.125).view(len(q), kv_heads, groups, 64)
+    heads = q.view(len(q), kv_heads, groups, 64)
+    paired = groups - groups % 2
+    for rows in ([0, 1], [paired - 2, paired - 1], [groups - 1]):
+        alone = heads[:, :, rows].reshape(len(q), kv_heads * len(rows), 64).contiguous()
+        ref = ops.attention(alone, k, v, cache, meta, 0.125).view(len(q), kv_heads, len(rows), 64)
+        assert torch.equal(out[:, :, rows], ref), (groups, rows)
+
+
 def test_only_long_fresh_prefills_take_sdpa_and_every_other_sequence_reads_as_in_any_step():
     """Where the machine's probe multiplies GGUF blocks in the dequantised GEMM from some row count
     (``invariant_below``), a fresh prompt of that many tokens has numbers of its own already: it
@@ -617,6 +637,8 @@ def test_avx2_only_build_matches_the_reference():
         "t.test_sliding_windows_and_soft_capping(64, 30.0)\n"
         "t.test_attention_of_a_query_does_not_depend_on_its_step(9, 3, 64)\n"
         "t.test_attention_of_a_query_does_not_depend_on_its_step(8, 2, 128)\n"
+        "t.test_a_query_head_has_the_same_bits_whatever_its_kv_head_shares(3)\n"
+        "t.test_a_query_head_has_the_same_bits_whatever_its_kv_head_shares(7)\n"
         "t.test_long_prefill_chunk_over_a_long_context()\n"
         "t.BS = 8\n"
         "t.check_attention([(15, 1), (300, 1), (47, 5), (33, 33)], heads=9, kv_heads=3, window=20)\n"

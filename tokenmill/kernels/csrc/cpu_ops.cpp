@@ -521,12 +521,25 @@ void attend_item_bf16(const AttnPlan& plan, const WorkItem& it, const c10::BFloa
 #endif
 
 #ifdef TOKENMILL_AVX2
-// fast_exp on 8 lanes (exp16's series and steps).
+// fast_exp on 8 lanes (exp16's series and steps). Its first step, x log2(e) split into an integer n
+// and a fraction f, is written out both ways GCC compiled it before (`FUSED`: x log2(e) + 1/2 and
+// x log2(e) - n each one FMA, as in the out-of-line copy the two-row path called; else the product
+// rounded first, as in the single-row path's inlined copy): the two differ in the last bits, and
+// each query head keeps its own (attend_rows8), whatever the compiler makes of the code around it.
+template <bool FUSED>
 inline __m256 exp8(__m256 x) {
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-  const __m256 n = _mm256_round_ps(_mm256_add_ps(t, _mm256_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.693147180559945309f));
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f), half = _mm256_set1_ps(0.5f);
+  __m256 n, f;
+  if constexpr (FUSED) {
+    n = _mm256_round_ps(_mm256_fmadd_ps(x, log2e, half), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    f = _mm256_mul_ps(_mm256_fmsub_ps(x, log2e, n), _mm256_set1_ps(0.693147180559945309f));
+  } else {
+    __m256 t = _mm256_mul_ps(x, log2e);
+    asm("" : "+x"(t));  // t rounded to float here: no FMA contraction into the add or the subtraction
+    n = _mm256_round_ps(_mm256_add_ps(t, half), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.693147180559945309f));
+  }
   __m256 p = _mm256_set1_ps(1.f / 720);
   p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 120));
   p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 24));
@@ -542,12 +555,13 @@ inline __m256 exp8(__m256 x) {
 // their sum (one register's lanes added, then hsum8). `s` has 8 floats of room past the block:
 // the lanes past `visible` are written zeros. (The compiler left the scalar fast_exp loop scalar:
 // ~20 instructions a score, a third of a long chunk's time.)
+template <bool FUSED>
 inline float exp_scores8(float* s, int64_t lo, int64_t visible, float new_max) {
   alignas(32) static constexpr int32_t LANES[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
   const __m256 mx = _mm256_set1_ps(new_max);
   __m256 acc = _mm256_setzero_ps();
   for (int64_t k = lo; k < visible; k += 8) {
-    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + k), mx));
+    __m256 e = exp8<FUSED>(_mm256_sub_ps(_mm256_loadu_ps(s + k), mx));
     const int64_t left = visible - k;
     if (left < 8)
       e = _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(LANES + 8 - left))));
@@ -557,98 +571,104 @@ inline float exp_scores8(float* s, int64_t lo, int64_t visible, float new_max) {
   return tokenmill::hsum8(acc);
 }
 
-// Two rows of one query (two query heads that share a KV head: the same keys [lo, visible)) against
-// a block of keys, sharing every key's and value's load between them where one row alone loads its
-// query chunk beside each key chunk. Each row's arithmetic is one row's (attention_work's AVX2 path:
-// the same chains of FMAs, hsum4's lanes, the same softmax and V sums, in the same order), and a
-// row always takes the same path (pairs are fixed by the model's heads), so no row's bits depend on
-// its step. HD a multiple of 32 (the V sums four registers a row at a time); s0 and s1 with 8 floats
-// of room past the block (exp_scores8).
-template <int HD>
-void attend_pair8(const float* q0, const float* q1, const float* kbase, const float* vbase, int64_t kv_stride,
-                  int64_t lo, int64_t visible, float softcap, float* a0, float* a1, float& m0, float& m1, float& l0,
-                  float& l1, float* s0, float* s1) {
-  float bmax0 = -std::numeric_limits<float>::infinity(), bmax1 = bmax0;
-  auto keep = [&](float* s, float& bmax, int64_t key, float dot) {
+// R rows of one query (R <= 3 query heads that share a KV head: the same keys [lo, visible)) against a
+// block of keys, sharing every key's and value's load between them where one row alone loads its
+// query chunk beside each key chunk (one load an FMA: this path's bound on a core with one 256-bit
+// load a cycle). Each row's arithmetic is one row's (attention_work's AVX2 path: the same chains of
+// FMAs, hsum4's lanes, the same softmax and V sums, in the same order), and a row always takes the
+// same path (the rows are fixed by the model's heads: rows_at), so no row's bits depend on its step.
+// HD a multiple of 32 (the V sums four registers a row at a time); q, a: R rows of HD floats one
+// after the other; m, l: the R rows' running max and sum; s: R score rows `s_stride` apart, each with
+// 8 floats of room past the block (exp_scores8); the first `fused_rows` rows take exp8<true> (rows_at).
+template <int HD, int R>
+void attend_rows8(const float* q, const float* kbase, const float* vbase, int64_t kv_stride, int64_t lo,
+                  int64_t visible, float softcap, float* a, float* m, float* l, float* s, int64_t s_stride,
+                  int fused_rows) {
+  static_assert(R >= 1 && R <= 3, "up to 3 rows: their 4 keys' accumulators in 12 of 16 registers");
+  float bmax[R];
+  for (int r = 0; r < R; ++r) bmax[r] = -std::numeric_limits<float>::infinity();
+  auto keep = [&](int r, int64_t key, float dot) {
     if (softcap > 0.f) dot = softcap * std::tanh(dot / softcap);  // Gemma 2's soft cap
-    s[key] = dot;
-    bmax = std::max(bmax, dot);
+    s[r * s_stride + key] = dot;
+    bmax[r] = std::max(bmax[r], dot);
   };
   const __m256 zero = _mm256_setzero_ps();
-  alignas(16) float d0[4], d1[4];
+  alignas(16) float d[4];
   int64_t t = lo;
   for (; t + 4 <= visible; t += 4) {
-    __m256 c0[4], c1[4];
+    __m256 acc[R][4];
     for (int u = 0; u < 4; ++u) {
       const __m256 k = _mm256_loadu_ps(kbase + (t + u) * kv_stride);
-      c0[u] = _mm256_mul_ps(_mm256_loadu_ps(q0), k);
-      c1[u] = _mm256_mul_ps(_mm256_loadu_ps(q1), k);
+      for (int r = 0; r < R; ++r) acc[r][u] = _mm256_mul_ps(_mm256_loadu_ps(q + r * HD), k);
     }
-    for (int c = 1; c < HD / 8; ++c) {
-      const __m256 qa = _mm256_loadu_ps(q0 + 8 * c), qb = _mm256_loadu_ps(q1 + 8 * c);
+    for (int c = 1; c < HD / 8; ++c)
       for (int u = 0; u < 4; ++u) {
         const __m256 k = _mm256_loadu_ps(kbase + (t + u) * kv_stride + 8 * c);
-        c0[u] = _mm256_fmadd_ps(qa, k, c0[u]);
-        c1[u] = _mm256_fmadd_ps(qb, k, c1[u]);
+        for (int r = 0; r < R; ++r) acc[r][u] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * HD + 8 * c), k, acc[r][u]);
       }
-    }
-    _mm_store_ps(d0, tokenmill::hsum4(c0[0], c0[1], c0[2], c0[3]));
-    _mm_store_ps(d1, tokenmill::hsum4(c1[0], c1[1], c1[2], c1[3]));
-    for (int u = 0; u < 4; ++u) {
-      keep(s0, bmax0, t + u, d0[u]);
-      keep(s1, bmax1, t + u, d1[u]);
+    for (int r = 0; r < R; ++r) {
+      _mm_store_ps(d, tokenmill::hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+      for (int u = 0; u < 4; ++u) keep(r, t + u, d[u]);
     }
   }
   for (; t < visible; ++t) {
     const float* kr = kbase + t * kv_stride;
-    __m256 c0 = _mm256_mul_ps(_mm256_loadu_ps(q0), _mm256_loadu_ps(kr));
-    __m256 c1 = _mm256_mul_ps(_mm256_loadu_ps(q1), _mm256_loadu_ps(kr));
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_mul_ps(_mm256_loadu_ps(q + r * HD), _mm256_loadu_ps(kr));
     for (int c = 1; c < HD / 8; ++c) {
       const __m256 k = _mm256_loadu_ps(kr + 8 * c);
-      c0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 8 * c), k, c0);
-      c1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + 8 * c), k, c1);
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * HD + 8 * c), k, acc[r]);
     }
-    _mm_store_ps(d0, tokenmill::hsum4(c0, zero, zero, zero));
-    _mm_store_ps(d1, tokenmill::hsum4(c1, zero, zero, zero));
-    keep(s0, bmax0, t, d0[0]);
-    keep(s1, bmax1, t, d1[0]);
+    for (int r = 0; r < R; ++r) {
+      _mm_store_ps(d, tokenmill::hsum4(acc[r], zero, zero, zero));
+      keep(r, t, d[0]);
+    }
   }
   // the online softmax, row by row, as one row's
-  auto soften = [&](float* s, float block_max, float* ar, float& m, float& l) {
-    const float new_max = std::max(m, block_max);
-    if (new_max > m) {
-      const float correction = std::exp(m - new_max);  // exp(-inf) = 0 on the first block
-      l *= correction;
+  float sum[R];
+  for (int r = 0; r < R; ++r) {
+    float* ar = a + r * HD;
+    const float new_max = std::max(m[r], bmax[r]);
+    if (new_max > m[r]) {
+      const float correction = std::exp(m[r] - new_max);  // exp(-inf) = 0 on the first block
+      l[r] *= correction;
 #pragma omp simd
       for (int64_t x = 0; x < HD; ++x) ar[x] *= correction;
-      m = new_max;
+      m[r] = new_max;
     }
-    return exp_scores8(s, lo, visible, new_max);
-  };
-  const float sum0 = soften(s0, bmax0, a0, m0, l0), sum1 = soften(s1, bmax1, a1, m1, l1);
-  for (int c0i = 0; c0i < HD / 8; c0i += 4) {  // V, four registers a row at a time
-    __m256 x0[4], x1[4];
-    for (int c = 0; c < 4; ++c) {
-      x0[c] = _mm256_loadu_ps(a0 + 8 * (c0i + c));
-      x1[c] = _mm256_loadu_ps(a1 + 8 * (c0i + c));
-    }
+    sum[r] = r < fused_rows ? exp_scores8<true>(s + r * s_stride, lo, visible, new_max)
+                            : exp_scores8<false>(s + r * s_stride, lo, visible, new_max);
+  }
+  for (int c0 = 0; c0 < HD / 8; c0 += 4) {  // V, four registers a row at a time
+    __m256 x[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) x[r][c] = _mm256_loadu_ps(a + r * HD + 8 * (c0 + c));
     for (int64_t k = lo; k < visible; ++k) {
-      const __m256 p0 = _mm256_set1_ps(s0[k]), p1 = _mm256_set1_ps(s1[k]);
-      const float* vr = vbase + k * kv_stride + 8 * c0i;
+      __m256 p[R];
+      for (int r = 0; r < R; ++r) p[r] = _mm256_set1_ps(s[r * s_stride + k]);
+      const float* vr = vbase + k * kv_stride + 8 * c0;
       for (int c = 0; c < 4; ++c) {
         const __m256 v = _mm256_loadu_ps(vr + 8 * c);
-        x0[c] = _mm256_fmadd_ps(p0, v, x0[c]);
-        x1[c] = _mm256_fmadd_ps(p1, v, x1[c]);
+        for (int r = 0; r < R; ++r) x[r][c] = _mm256_fmadd_ps(p[r], v, x[r][c]);
       }
     }
-    for (int c = 0; c < 4; ++c) {
-      _mm256_storeu_ps(a0 + 8 * (c0i + c), x0[c]);
-      _mm256_storeu_ps(a1 + 8 * (c0i + c), x1[c]);
-    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) _mm256_storeu_ps(a + r * HD + 8 * (c0 + c), x[r][c]);
   }
-  l0 += sum0;
-  l1 += sum1;
+  for (int r = 0; r < R; ++r) l[r] += sum[r];
 }
+
+// How many of a KV head's query rows share attend_rows8's call from row g on (`groups` rows a KV
+// head): threes, and twos where a one would be left (4 = 2 + 2, 7 = 3 + 2 + 2); a one alone takes
+// the single-row path. Fixed by the model's heads, never by the step. Each row keeps the bits it
+// had when rows went in pairs and an odd last one alone (exp8's FUSED: the paired rows' exp), so
+// threes change no output: a row in a three reads its keys once for three (~15% off the paged
+// kernel's float32 steps on a Zen 1, bench/paged_attention.py), a lone row read them once for one.
+inline int rows_at(int64_t g, int64_t groups) {
+  const int64_t left = groups - g;
+  return left == 4 || left == 2 ? 2 : left >= 3 ? 3 : static_cast<int>(left);
+}
+inline int64_t paired_rows(int64_t groups) { return groups - groups % 2; }  // rows [0, this): exp8<true>
 #endif
 
 // One thread's part of a plan's work: items taken from p.next until none is left.
@@ -670,7 +690,7 @@ void attention_work(AttnPlan& plan, const void* q, const void* k_cache, const vo
   KVReader<C> reader;
   reader.lut = plan.lut.data();
   const int64_t n_items = static_cast<int64_t>(plan.items.size());
-  std::vector<float> qf, kf(block_size * d), vf(block_size * d), scores(block_size + 8), pair_scores(2 * (block_size + 8));
+  std::vector<float> qf, kf(block_size * d), vf(block_size * d), scores(block_size + 8), row_scores(3 * (block_size + 8));
   for (int64_t w = plan.next++; w < n_items; w = plan.next++) {
     const WorkItem& it = plan.items[plan.order[w]];
     const int64_t s = it.seq, h = it.head, q0 = qsl[s], nq = qsl[s + 1] - q0, len = lens[s];
@@ -759,12 +779,18 @@ void attention_work(AttnPlan& plan, const void* q, const void* k_cache, const vo
 #endif
         int64_t g_first = 0;
 #ifdef TOKENMILL_AVX2
-        if constexpr (fixed_d && HD % 32 == 0) {  // pairs of rows share the keys' and values' loads
-          for (; g_first + 2 <= groups; g_first += 2) {
+        if constexpr (fixed_d && HD % 32 == 0) {  // rows of one KV head share the keys' and values' loads
+          for (int rows_now; g_first < groups && (rows_now = rows_at(g_first, groups)) > 1; g_first += rows_now) {
             const int64_t r = (j - jb) * groups + g_first;
-            attend_pair8<HD>(qf.data() + r * d, qf.data() + (r + 1) * d, kbase, vbase, kv_stride, lo, visible, softcap,
-                             a + r * d, a + (r + 1) * d, m[r], m[r + 1], l[r], l[r + 1], pair_scores.data(),
-                             pair_scores.data() + block_size + 8);
+            auto run = [&](auto rows) {
+              attend_rows8<HD, decltype(rows)::value>(qf.data() + r * d, kbase, vbase, kv_stride, lo, visible,
+                                                      softcap, a + r * d, m + r, l + r, row_scores.data(),
+                                                      block_size + 8, static_cast<int>(paired_rows(groups) - g_first));
+            };
+            if (rows_now == 3)
+              run(std::integral_constant<int, 3>{});
+            else
+              run(std::integral_constant<int, 2>{});
           }
         }
 #endif
@@ -826,7 +852,7 @@ void attention_work(AttnPlan& plan, const void* q, const void* k_cache, const vo
           float sum = 0.f;
 #ifdef TOKENMILL_AVX2
           if constexpr (fixed_d && HD % 8 == 0) {
-            sum = exp_scores8(scores.data(), lo, visible, new_max);
+            sum = exp_scores8<false>(scores.data(), lo, visible, new_max);
           } else
 #endif
           {
