@@ -266,6 +266,25 @@ def test_group_kernels_match_the_int8_reference(type_name, dtype):
     check_block_linear(type_name, dtype, grouped=True)
 
 
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
+def test_group_kernels_at_the_largest_integer_sums(type_name):
+    """The 4-bit group kernels add a block's 32 products a row in 16-bit lanes before widening them
+    (plain AVX2): at the largest sums there are (every nibble 15, every activation at +-127) the
+    outputs are still the exact ones, 15 (Q4_1: 15 d + 0) or 7 (Q4_0: 15 - 8) times each row's sum."""
+    n, k = 16, 576
+    size = 20 if type_name == "Q4_1" else 18
+    raw = np.zeros((n, k // 32, size), dtype=np.uint8)
+    raw[:, :, 0:2] = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)  # d = 1 (Q4_1's m = 0)
+    raw[:, :, size - 16 :] = 0xFF
+    w = BlockWeight.for_native([BlockWeight.from_gguf(type_name, raw.reshape(n, -1), (n, k))])[0]
+    x = torch.cat([torch.ones(3, k), -torch.ones(2, k), torch.linspace(-1, 1, k).expand(2, k)])
+    got = torch.ops.tokenmill.block_linear(x, w.qs, w.type_code, 0)
+    per_weight = 15.0 if type_name == "Q4_1" else 7.0
+    want = int8_reference(x, w)
+    assert torch.equal(got[:5], (per_weight * x[:5].sum(1, keepdim=True)).expand(5, n))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-4)
+
+
 def test_activations_are_quantised_per_block_to_the_nearest_even():
     x = torch.tensor([[127.0, 0.5, -1.5, 2.5, -127.0, 0.0, 63.5, 1.0]])
     q, d = quantise_activations(x, 8)

@@ -199,17 +199,20 @@ void group_dot_32(const uint8_t* g, const Act& a, int64_t m0, float* out) {
           sum[m] = dpbusd(sum[m], uw, _mm256_sign_epi8(bcast4(a.qrow(m0 + m) + b * QK + 4 * w), qw));
       }
     } else {
-      Nibble4Sums lo[MR], hi[MR];
+      // one run of 8 registers a row, low and high nibbles into the same sums (exact: the int32
+      // totals are those of two runs of 4 added; on plain AVX2, one widening a block and a row
+      // where two took the multiply port, and 4 + MR registers of sums that fit beside the rest)
+      Nibble4Sums sums[MR];
       for (int w = 0; w < 4; ++w) {  // bytes 4w..4w+3: values 4w.. (low nibbles) and 16 + 4w.. (high)
         const __m256i bits = load32(qs + 32 * w);
         const __m256i l = _mm256_and_si256(bits, low4), h = _mm256_and_si256(srli8(bits, 4), low4);
         for (int m = 0; m < MR; ++m) {
           const int8_t* x = a.qrow(m0 + m) + b * QK + 4 * w;
-          lo[m].add(l, bcast4(x));
-          hi[m].add(h, bcast4(x + 16));
+          sums[m].add(l, bcast4(x));
+          sums[m].add(h, bcast4(x + 16));
         }
       }
-      for (int m = 0; m < MR; ++m) sum[m] = _mm256_add_epi32(lo[m].sum(), hi[m].sum());
+      for (int m = 0; m < MR; ++m) sum[m] = sums[m].sum();
     }
     for (int m = 0; m < MR; ++m) {
       acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a.drow(m0 + m)[b])), _mm256_cvtepi32_ps(sum[m]), acc[m]);
