@@ -10,8 +10,9 @@ from each, alternating:
 ``--dtype float32`` is what a GGUF file's steps hold on a CPU without bfloat16 units (queries and
 cache in float32, read in place).
 
-The cases fit in this EPYC's L3 after the first call, so they time the arithmetic; in serving,
-a decode step reads each layer's KV once from DRAM (bench/RESULTS.md, issue 58).
+In bfloat16 the cases fit in a 32 MB L3 after the first call, so they time the arithmetic; in
+float32, or with a smaller L3, the decodes read their KV from DRAM as a serving step reads each
+layer's (bench/RESULTS.md, issue 58).
 """
 
 import argparse

@@ -201,7 +201,7 @@ void group_dot_32(const uint8_t* g, const Act& a, int64_t m0, float* out) {
     } else {
       // one run of 8 registers a row, low and high nibbles into the same sums (exact: the int32
       // totals are those of two runs of 4 added; on plain AVX2, one widening a block and a row
-      // where two took the multiply port, and 4 + MR registers of sums that fit beside the rest)
+      // where two took the multiply port, and MR registers of sums where 2 MR spilled on AVX2)
       Nibble4Sums sums[MR];
       for (int w = 0; w < 4; ++w) {  // bytes 4w..4w+3: values 4w.. (low nibbles) and 16 + 4w.. (high)
         const __m256i bits = load32(qs + 32 * w);
